@@ -1,0 +1,54 @@
+# Every target is idempotent: stamps and file targets make a second run quick.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a machine with a GPU keeps the CUDA build it already has (scripts/install_torch.sh).
+TORCH_CPU_SPEC ?= torch==2.13.0
+MODEL_DIR := models/default
+HOST ?= 127.0.0.1
+PORT ?= 50051
+PROTO_SRC := $(shell find proto -name '*.proto')
+PROTO_STAMP := llmserve_proto/.stamp
+INSTALL_STAMP := $(VENV)/.installed
+
+.PHONY: install proto model run test bench lint gpu-check clean
+
+install: $(INSTALL_STAMP) $(PROTO_STAMP)
+
+$(INSTALL_STAMP): pyproject.toml scripts/install_torch.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	TORCH_CPU_SPEC='$(TORCH_CPU_SPEC)' bash scripts/install_torch.sh $(PY)
+	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	touch $@
+
+# Stubs are generated, never edited: protoc writes them, then their absolute imports are made
+# package-relative so that the generated tree is one importable package (llmserve_proto).
+proto: $(PROTO_STAMP)
+$(PROTO_STAMP): $(PROTO_SRC) $(INSTALL_STAMP) scripts/gen_proto.py
+	$(PY) scripts/gen_proto.py
+	touch $@
+
+model: $(MODEL_DIR)/model.safetensors
+$(MODEL_DIR)/model.safetensors: | $(INSTALL_STAMP)
+	$(PY) -m engine_svc.models.build_default --out $(MODEL_DIR)
+
+run: install model
+	$(PY) -m gateway serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check gateway tokenizer_svc engine_svc kernels benchmarks tests scripts
+
+gpu-check: install
+	$(PY) -m scripts.gpu_check --out $(or $(OUT),gpu_results)
+
+clean:
+	rm -rf $(VENV) llmserve_proto models .pytest_cache

@@ -1,0 +1,63 @@
+"""What the engine emits: per-step deltas (for the server) and whole results (for the offline API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and rank, and the top-N alternatives (ids and logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step produced for one sequence of one request.
+
+    ``index`` is the sequence (0..n-1). ``finish_reason`` is None while it runs, else "stop"
+    (EOS or a stop token: ``stop_token_id`` says which), "length" or "abort".
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first delta only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)

@@ -1,0 +1,57 @@
+"""The one switch between the Triton kernels and their torch twins.
+
+The engine calls only ``Kernels`` methods; which implementation runs is decided once, by device
+(Triton on CUDA, torch elsewhere) unless the config names one, and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    rms_norm: Callable
+    silu_and_mul: Callable
+    apply_rotary: Callable
+    write_kv: Callable
+    paged_attention: Callable
+
+
+TORCH_KERNELS = Kernels(
+    name="torch",
+    rms_norm=rmsnorm.rms_norm,
+    silu_and_mul=activation.silu_and_mul,
+    apply_rotary=rotary.apply_rotary,
+    write_kv=kv_write.write_kv,
+    paged_attention=paged_attention.paged_attention,
+)
+
+
+def triton_kernels() -> Kernels:
+    from kernels.triton import registry  # imported lazily: triton is heavy and CUDA-oriented
+
+    return registry.TRITON_KERNELS
+
+
+def select_kernels(device: torch.device | str, backend: str | None = None) -> Kernels:
+    """Triton on CUDA, torch elsewhere; ``backend`` ("torch" or "triton") overrides the choice."""
+    device = torch.device(device)
+    if backend is None or backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+    kernels = triton_kernels() if backend == "triton" else TORCH_KERNELS
+    log.info("kernels: %s on %s", kernels.name, device)
+    return kernels

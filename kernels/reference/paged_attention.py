@@ -1,0 +1,73 @@
+"""Attention over a paged KV cache for a mixed batch of prefill chunks and decodes.
+
+Request b owns query tokens ``query_start_loc[b] : query_start_loc[b+1]`` of the flattened batch;
+its context is ``seq_lens[b]`` tokens long (already-cached prefix plus this step's tokens, whose
+K/V were written to the cache before this call) and lives in the blocks ``block_tables[b]``.
+Query i of a request with q_len queries sits at position ``seq_len - q_len + i`` and attends to
+every context position up to and including its own (causal within the chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one request's cache, contiguous: ``[length, Hk, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
+    if decodes:
+        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, decodes, scale)
+    for b in prefills:
+        lo, hi, ctx = starts[b], starts[b + 1], lens[b]
+        k = gather_context(k_cache, block_tables[b], ctx)
+        v = gather_context(v_cache, block_tables[b], ctx)
+        q_len = hi - lo
+        # Query i may see context positions <= ctx - q_len + i.
+        mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
+        out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
+    return out
+
+
+def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale) -> None:
+    # One query per request: pad every context to the longest and mask the padding, so the whole
+    # decode batch is one attention call instead of one per request.
+    max_len = max(lens[b] for b in rows)
+    block_size = k_cache.shape[1]
+    nblk = (max_len + block_size - 1) // block_size
+    idx = torch.tensor(rows, device=q.device)
+    tables = block_tables[idx, :nblk]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, Hk, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    lengths = torch.tensor([lens[b] for b in rows], device=q.device)
+    mask = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, L]
+    token_idx = torch.tensor([starts[b] for b in rows], device=q.device)
+    qb = q[token_idx].unsqueeze(2)  # [B, Hq, 1, D]
+    hq, hk = q.shape[1], k.shape[2]
+    kb = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)  # [B, Hq, L, D]
+    vb = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype),
+                                       attn_mask=mask[:, None, None, :], scale=scale)
+    out[token_idx] = o.squeeze(2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    hq, hk = q.shape[1], k.shape[1]
+    qh = q.transpose(0, 1)  # [Hq, Lq, D]
+    kh = k.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
+    vh = v.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)

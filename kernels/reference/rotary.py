@@ -1,0 +1,55 @@
+"""Rotary position embedding, neox layout (rotate the two halves of the head dim), with the
+frequency tables of plain, linear-scaled and llama3-scaled RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in fp32, after the scaling named by ``scaling``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+    # is blended smoothly by where the wavelength falls between the two cut-offs.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:
+    """``[max_positions, head_dim]``: cos of every (position, frequency) pair, then sin."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` by their token's position (neox layout)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(q.dtype)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random models of several architectures, built once per test run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Shapes small enough for 2 cores, with initializer_range 0.2 so the top-2 logits are well apart
+# and greedy comparisons with HF are not decided by fp32 summation order.
+TINY_ARCHS: dict[str, dict] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=2),
+}
+
+SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
+
+
+@pytest.fixture(scope="session")
+def trained_tokenizer_dir(tmp_path_factory) -> Path:
+    """The project's own BPE tokenizer (small vocabulary), trained once per run."""
+    from tokenizer_svc.train import save_tokenizer, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(train_tokenizer(vocab_size=1024), out, model_max_length=1024)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, trained_tokenizer_dir) -> dict[str, Path]:
+    """``{arch: model_dir}`` for Llama, Qwen2, Qwen3 and Mistral, each with the trained tokenizer."""
+    import shutil
+
+    from engine_svc.models.build import build_random_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    out: dict[str, Path] = {}
+    for arch, shape in TINY_ARCHS.items():
+        d = build_random_model(root / arch, arch, seed=1234, vocab_size=1024, eos_token_id=2,
+                               generation_eos=[2, 0], **shape)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(trained_tokenizer_dir / f, d / f)
+        out[arch] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory) -> Path:
+    """The built-in default model, as `make model` builds it."""
+    from engine_svc.models.build_default import build_default_model
+
+    return build_default_model(tmp_path_factory.mktemp("default_model"))
+
+
+def shared_tokenizer(name: str) -> Path:
+    """A real tokenizer from ../shared/fixtures; the test is skipped where that folder is absent."""
+    path = SHARED_TOKENIZERS / name
+    if not (path / "tokenizer.json").exists():
+        pytest.skip(f"real tokenizer fixtures not present at {path}")
+    return path
