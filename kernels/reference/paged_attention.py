@@ -22,8 +22,13 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk."""
+                    scale: float, max_query_len: int | None = None,
+                    max_seq_len: int | None = None) -> torch.Tensor:
+    """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk.
+
+    ``max_query_len`` / ``max_seq_len`` are host-side bounds the caller already knows; GPU kernels
+    size their grids with them (no device sync). This reference reads the lengths itself.
+    """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
