@@ -39,9 +39,12 @@ class Admission:
             self.running += 1
             return
         if len(self._waiters) >= self.max_queue:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the server is at its limit ({self.max_concurrent} running, {self.max_queue} "
-                               f"queued); retry later", retry_after_s=1.0)
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at its limit ({self.max_concurrent} running, {self.max_queue} "
+                f"queued); retry later",
+                retry_after_s=1.0,
+            )
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:

@@ -47,12 +47,8 @@ class RequestHandle:
 
     def __init__(self, request_id: str, n: int) -> None:
         self.request_id = request_id
-        self.unfinished = n
+        self.live_indexes = set(range(n))  # sequences the engine has not finished (nor been told to drop)
         self._queue: asyncio.Queue = asyncio.Queue()
-
-    @property
-    def finished(self) -> bool:
-        return self.unfinished == 0
 
     def _put(self, item) -> None:
         self._queue.put_nowait(item)
@@ -67,15 +63,22 @@ class RequestHandle:
             if isinstance(item, Exception):
                 raise item
             if item.finish_reason:
-                self.unfinished -= 1
+                self.live_indexes.discard(item.index)
             out.append(item)
         return out
 
 
 class EngineClient:
-    def __init__(self, address: str, gateway_id: str | None = None, use_shared_memory: bool = True,
-                 prompt_ring_bytes: int = 16 << 20, output_ring_bytes: int = 4 << 20,
-                 heartbeat_timeout_s: float = 5.0, reconnect_interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        address: str,
+        gateway_id: str | None = None,
+        use_shared_memory: bool = True,
+        prompt_ring_bytes: int = 16 << 20,
+        output_ring_bytes: int = 4 << 20,
+        heartbeat_timeout_s: float = 5.0,
+        reconnect_interval_s: float = 0.5,
+    ) -> None:
         self.address = address
         self.gateway_id = gateway_id or f"gateway-{os.getpid()}"
         # Shared memory only makes sense on one host, which a unix socket guarantees.
@@ -107,9 +110,13 @@ class EngineClient:
         return "shared-memory" if self._output_ring is not None else "grpc"
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self._channel = grpc.aio.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
         self._stub = pb_grpc.EngineStub(self._channel)
         self._task = asyncio.create_task(self._maintain(), name="engine-session")
 
@@ -132,16 +139,27 @@ class EngineClient:
 
     # Requests ------------------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt: list[int], params: pb.SamplingParams, priority: int = 0,
-                     cache_salt: str = "") -> RequestHandle:
+    async def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: pb.SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> RequestHandle:
         """Send a request; its deltas go to the returned handle. Raises EngineUnavailable, or
         grpc.aio.AioRpcError with INVALID_ARGUMENT when the engine refuses the request."""
         if not self.ready:
             raise EngineUnavailable("the engine is not available")
         handle = RequestHandle(request_id, params.n or 1)
         self._handles[request_id] = handle  # before Submit: the first delta may beat its reply
-        msg = pb.SubmitRequest(session_id=self._session_id, request_id=request_id, params=params,
-                               priority=priority, cache_salt=cache_salt)
+        msg = pb.SubmitRequest(
+            session_id=self._session_id,
+            request_id=request_id,
+            params=params,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         start = self._prompt_ring.try_write(prompt) if self._prompt_ring is not None else None
         if start is not None:
             msg.prompt_span.start = start
@@ -152,8 +170,11 @@ class EngineClient:
             await self._stub.Submit(msg)
         except grpc.aio.AioRpcError as e:
             self._handles.pop(request_id, None)
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
-                            grpc.StatusCode.CANCELLED):
+            if e.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.CANCELLED,
+            ):
                 raise EngineUnavailable(f"the engine is not available: {e.details()}") from e
             raise
         return handle
@@ -161,13 +182,17 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
 
-    async def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._handles.pop(rid, None)
+    async def abort(self, request_ids: list[str], index: int | None = None) -> None:
+        """Abort requests (or, with ``index``, one sequence of one request) in the engine."""
+        if index is None:
+            for rid in request_ids:
+                self._handles.pop(rid, None)
         if not self.ready or not request_ids:
             return
         try:
-            await self._stub.Abort(pb.AbortRequest(session_id=self._session_id, request_ids=request_ids))
+            await self._stub.Abort(
+                pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index)
+            )
         except grpc.aio.AioRpcError as e:
             log.warning("abort of %s failed: %s", request_ids, e.details())
 
@@ -190,10 +215,14 @@ class EngineClient:
                 await asyncio.sleep(self.reconnect_interval_s)
 
     async def _run_session(self) -> None:
-        stream = self._stub.Connect(pb.ConnectRequest(gateway_id=self.gateway_id,
-                                                      prompt_ring_bytes=self._ring_bytes[0],
-                                                      output_ring_bytes=self._ring_bytes[1]),
-                                    wait_for_ready=False)
+        stream = self._stub.Connect(
+            pb.ConnectRequest(
+                gateway_id=self.gateway_id,
+                prompt_ring_bytes=self._ring_bytes[0],
+                output_ring_bytes=self._ring_bytes[1],
+            ),
+            wait_for_ready=False,
+        )
         self._stream = stream
         try:
             first = await asyncio.wait_for(stream.read(), self.heartbeat_timeout_s * 4)
@@ -206,7 +235,9 @@ class EngineClient:
                 self._output_ring = TokenRing.attach(c.rings.output_ring)
             self.last_event_at = time.monotonic()
             self._ready.set()
-            log.info("engine session %s on %s (transport: %s)", self._session_id, self.address, self.transport)
+            log.info(
+                "engine session %s on %s (transport: %s)", self._session_id, self.address, self.transport
+            )
             if self.on_state_change:
                 self.on_state_change(True)
             while True:
@@ -224,8 +255,11 @@ class EngineClient:
             self._stream = None
 
     def _dispatch(self, step: pb.StepOutput) -> None:
-        ids = (self._output_ring.read_and_release(step.output_span.start, step.output_span.length)
-               if step.in_ring else None)
+        ids = (
+            self._output_ring.read_and_release(step.output_span.start, step.output_span.length)
+            if step.in_ring
+            else None
+        )
         pos = 0
         for d in step.deltas:
             if ids is not None:
@@ -236,11 +270,18 @@ class EngineClient:
             handle = self._handles.get(d.request_id)
             if handle is None:
                 continue  # aborted here after the engine stepped it
-            handle._put(EngineDelta(
-                index=d.index, token_ids=tokens, finish_reason=d.finish_reason,
-                stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
-                num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
-                logprobs=list(d.logprobs), prompt_logprobs=list(d.prompt_logprobs)))
+            handle._put(
+                EngineDelta(
+                    index=d.index,
+                    token_ids=tokens,
+                    finish_reason=d.finish_reason,
+                    stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
+                    num_prompt_tokens=d.num_prompt_tokens,
+                    num_cached_tokens=d.num_cached_tokens,
+                    logprobs=list(d.logprobs),
+                    prompt_logprobs=list(d.prompt_logprobs),
+                )
+            )
 
     def _lost(self, reason: str) -> None:
         was_ready = self._ready.is_set()

@@ -19,8 +19,13 @@ class FieldViolation:
 class RequestError(Exception):
     """A request the gateway refuses; ``status()`` is what the client receives."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, violations: list[FieldViolation] | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: list[FieldViolation] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -30,16 +35,20 @@ class RequestError(Exception):
     def status(self) -> grpc.Status:
         details = []
         if self.violations:
-            bad = error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in self.violations])
+            bad = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                    for v in self.violations
+                ]
+            )
             details.append(_pack(bad))
         if self.retry_after_s is not None:
             info = error_details_pb2.RetryInfo()
             info.retry_delay.FromNanoseconds(int(self.retry_after_s * 1e9))
             details.append(_pack(info))
-        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message,
-                                                      details=details))
+        return rpc_status.to_status(
+            status_pb2.Status(code=self.code.value[0], message=self.message, details=details)
+        )
 
 
 def invalid(violations: list[FieldViolation]) -> RequestError:

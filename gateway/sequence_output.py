@@ -22,13 +22,21 @@ def public_logprob(engine_logprob) -> pb.TokenLogprob:
 
 
 class SequenceOutput:
-    def __init__(self, request_id: str, index: int, tokenizer: Tokenizer, params: SamplingParams,
-                 prompt_ids: list[int], return_token_ids: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        return_token_ids: bool,
+    ) -> None:
         self.request_id = request_id
         self.index = index
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids=prompt_ids)
-        self._stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop
-                      else None)
+        self._stop = (
+            StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        )
         self._return_ids = return_token_ids
         self._want_prompt_logprobs = params.prompt_logprobs is not None and index == 0
         self.num_prompt_tokens = len(prompt_ids)
@@ -78,8 +86,9 @@ class SequenceOutput:
         text = self._detok.flush()
         if self._stop is not None:
             text = self._stop.push(text).text + self._stop.flush()
-        msg = pb.GenerateResponse(request_id=self.request_id, index=self.index, text=text,
-                                  finish_reason=pb.FINISH_REASON_ABORT)
+        msg = pb.GenerateResponse(
+            request_id=self.request_id, index=self.index, text=text, finish_reason=pb.FINISH_REASON_ABORT
+        )
         self._finish(msg)
         return msg
 

@@ -31,8 +31,9 @@ class ValidatedRequest:
         return self.params.n
 
 
-def validate_generate(req: pb.GenerateRequest, vocab_size: int, max_model_len: int,
-                      limits: Limits) -> ValidatedRequest:
+def validate_generate(
+    req: pb.GenerateRequest, vocab_size: int, max_model_len: int, limits: Limits
+) -> ValidatedRequest:
     v: list[FieldViolation] = []
 
     def bad(field: str, description: str) -> None:
@@ -58,8 +59,11 @@ def validate_generate(req: pb.GenerateRequest, vocab_size: int, max_model_len: i
         if not token_ids:
             bad("token_ids.ids", "must not be empty")
         elif len(token_ids) >= max_model_len:
-            bad("token_ids.ids", f"has {len(token_ids)} tokens; the limit is {max_model_len - 1} "
-                                 f"(max_model_len {max_model_len} minus one generated token)")
+            bad(
+                "token_ids.ids",
+                f"has {len(token_ids)} tokens; the limit is {max_model_len - 1} "
+                f"(max_model_len {max_model_len} minus one generated token)",
+            )
         for i, t in enumerate(token_ids):
             if not 0 <= t < vocab_size:
                 bad(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
@@ -105,8 +109,10 @@ def validate_generate(req: pb.GenerateRequest, vocab_size: int, max_model_len: i
 
     max_tokens = req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens
     if not 1 <= max_tokens < max_model_len:
-        bad("max_tokens", f"must be in [1, {max_model_len - 1}] (the model's context is {max_model_len}), "
-                          f"got {max_tokens}")
+        bad(
+            "max_tokens",
+            f"must be in [1, {max_model_len - 1}] (the model's context is {max_model_len}), got {max_tokens}",
+        )
         max_tokens = 1
     min_tokens = req.min_tokens if req.HasField("min_tokens") else 0
     if min_tokens > max_tokens:
@@ -137,19 +143,40 @@ def validate_generate(req: pb.GenerateRequest, vocab_size: int, max_model_len: i
     if v:
         raise invalid(v)
     params = SamplingParams(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=req.seed if req.HasField("seed") else None,
-        max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
-        include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=req.seed if req.HasField("seed") else None,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
     )
-    add_gen = req.chat.add_generation_prompt if kind == "chat" and req.chat.HasField("add_generation_prompt") \
+    add_gen = (
+        req.chat.add_generation_prompt
+        if kind == "chat" and req.chat.HasField("add_generation_prompt")
         else True
-    return ValidatedRequest(prompt_kind=kind, text=text, token_ids=token_ids, chat=chat,
-                            add_generation_prompt=add_gen, params=params,
-                            return_token_ids=req.return_token_ids, priority=req.priority)
+    )
+    return ValidatedRequest(
+        prompt_kind=kind,
+        text=text,
+        token_ids=token_ids,
+        chat=chat,
+        add_generation_prompt=add_gen,
+        params=params,
+        return_token_ids=req.return_token_ids,
+        priority=req.priority,
+    )
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str) -> None:
@@ -157,9 +184,23 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: 
     if num_prompt_tokens == 0:
         raise invalid([FieldViolation(field, "the prompt encodes to no tokens")])
     if num_prompt_tokens >= max_model_len:
-        raise invalid([FieldViolation(field, f"the prompt has {num_prompt_tokens} tokens; the limit is "
-                                             f"{max_model_len - 1} (max_model_len {max_model_len})")])
+        raise invalid(
+            [
+                FieldViolation(
+                    field,
+                    f"the prompt has {num_prompt_tokens} tokens; the limit is "
+                    f"{max_model_len - 1} (max_model_len {max_model_len})",
+                )
+            ]
+        )
     if num_prompt_tokens + max_tokens > max_model_len:
-        raise invalid([FieldViolation("max_tokens", f"the prompt has {num_prompt_tokens} tokens and max_tokens "
-                                                    f"is {max_tokens}: together more than the model's "
-                                                    f"context of {max_model_len} tokens")])
+        raise invalid(
+            [
+                FieldViolation(
+                    "max_tokens",
+                    f"the prompt has {num_prompt_tokens} tokens and max_tokens "
+                    f"is {max_tokens}: together more than the model's "
+                    f"context of {max_model_len} tokens",
+                )
+            ]
+        )

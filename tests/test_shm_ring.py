@@ -99,8 +99,9 @@ def test_attach_refuses_foreign_names():
 
 
 def test_sweep_removes_segments_of_dead_creators_only(ring):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = f"llmserve_{dead}_{'ab' * 16}"
     foreign = f"otherapp_{dead}_{'cd' * 16}"
     for name in (stale, foreign):

@@ -34,7 +34,7 @@ class Session:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     prompt_ring: TokenRing | None = None
     output_ring: TokenRing | None = None
-    live: dict[str, int] = field(default_factory=dict)  # client request id -> sequences still running
+    live: dict[str, set[int]] = field(default_factory=dict)  # client request id -> indexes still running
     closed: bool = False
 
 
@@ -82,8 +82,12 @@ class EngineLoop:
             s.prompt_ring = TokenRing.create(prompt_ring_bytes)
             s.output_ring = TokenRing.create(output_ring_bytes)
         self._sessions[s.session_id] = s
-        log.info("session %s opened for gateway %r (shared memory: %s)", s.session_id, gateway_id,
-                 s.prompt_ring is not None)
+        log.info(
+            "session %s opened for gateway %r (shared memory: %s)",
+            s.session_id,
+            gateway_id,
+            s.prompt_ring is not None,
+        )
         return s
 
     def session(self, session_id: str) -> Session | None:
@@ -103,15 +107,25 @@ class EngineLoop:
                 ring.close()
         log.info("session %s closed", session_id)
 
-    def add_request(self, s: Session, request_id: str, prompt: list[int], params, priority: int,
-                    cache_salt: str | None) -> None:
+    def add_request(
+        self, s: Session, request_id: str, prompt: list[int], params, priority: int, cache_salt: str | None
+    ) -> None:
         if s.closed:
             raise RuntimeError("session closed")
-        self.engine.add_request(_engine_id(s, request_id), prompt, params, priority=priority,
-                                cache_salt=cache_salt)
-        s.live[request_id] = params.n
+        self.engine.add_request(
+            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        s.live[request_id] = set(range(params.n))
 
-    def abort(self, s: Session, request_ids: list[str]) -> int:
+    def abort(self, s: Session, request_ids: list[str], index: int | None = None) -> int:
+        if index is not None:
+            live = s.live.get(request_ids[0]) if len(request_ids) == 1 else None
+            if live is None or index not in live:
+                return 0
+            live.discard(index)
+            if not live:
+                del s.live[request_ids[0]]
+            return int(self.engine.abort_request(_engine_id(s, request_ids[0]), index))
         n = 0
         for rid in request_ids:
             if s.live.pop(rid, None) is not None:
@@ -202,8 +216,8 @@ class EngineLoop:
                 continue
             per_session.setdefault(sid, []).append((rid, d))
             if d.finish_reason is not None:
-                s.live[rid] -= 1
-                if s.live[rid] <= 0:
+                s.live[rid].discard(d.index)
+                if not s.live[rid]:
                     del s.live[rid]
         for sid, items in per_session.items():
             s = self._sessions[sid]
@@ -226,8 +240,13 @@ class EngineLoop:
 
     @staticmethod
     def _load_from(st) -> pb.Load:
-        return pb.Load(num_running=st.num_running, num_waiting=st.num_waiting, kv_blocks_used=st.kv_blocks_used,
-                       kv_blocks_total=st.kv_blocks_total, num_steps=st.num_steps)
+        return pb.Load(
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            kv_blocks_used=st.kv_blocks_used,
+            kv_blocks_total=st.kv_blocks_total,
+            num_steps=st.num_steps,
+        )
 
 
 def _engine_id(s: Session, request_id: str) -> str:

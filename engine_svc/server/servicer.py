@@ -29,9 +29,15 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def Connect(self, request: pb.ConnectRequest, context):
         if max(request.prompt_ring_bytes, request.output_ring_bytes) > MAX_RING_BYTES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ring sizes are limited to {MAX_RING_BYTES} bytes")
-        s: Session = self._call(context, lambda: self._loop.open_session(
-            request.gateway_id, request.prompt_ring_bytes, request.output_ring_bytes))
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"ring sizes are limited to {MAX_RING_BYTES} bytes"
+            )
+        s: Session = self._call(
+            context,
+            lambda: self._loop.open_session(
+                request.gateway_id, request.prompt_ring_bytes, request.output_ring_bytes
+            ),
+        )
         # Whatever ends the stream (the gateway leaving, a shutdown), the session's requests are
         # aborted and its rings unlinked.
         context.add_callback(lambda: self._loop.post(lambda: self._loop.close_session(s.session_id)))
@@ -67,13 +73,18 @@ class EngineServicer(pb_grpc.EngineServicer):
             params = sampling_params_from_proto(request.params)
         except (TypeError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._call(context, lambda: self._loop.add_request(
-            s, request.request_id, prompt, params, request.priority, request.cache_salt or None))
+        self._call(
+            context,
+            lambda: self._loop.add_request(
+                s, request.request_id, prompt, params, request.priority, request.cache_salt or None
+            ),
+        )
         return pb.SubmitResponse()
 
     def Abort(self, request: pb.AbortRequest, context):
         s = self._session(request.session_id, context)
-        n = self._call(context, lambda: self._loop.abort(s, list(request.request_ids)))
+        index = request.index if request.HasField("index") else None
+        n = self._call(context, lambda: self._loop.abort(s, list(request.request_ids), index))
         return pb.AbortResponse(num_aborted=n)
 
     def _session(self, session_id: str, context) -> Session:
