@@ -11,7 +11,7 @@ from gateway.admission import Admission
 from gateway.engine_client import EngineClient, RequestHandle
 from gateway.errors import RequestError, unavailable
 from gateway.limits import Limits
-from gateway.tokenization import Tokenization
+from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
 
 
@@ -23,7 +23,7 @@ class ServerAborting(Exception):
 class GatewayState:
     model_name: str
     tokenizer: Tokenizer
-    tokenization: Tokenization
+    tokenization: TokenizerPool  # prompt encoding in worker processes (0 workers: on the event loop)
     engine: EngineClient
     limits: Limits
     admission: Admission

@@ -21,6 +21,7 @@ from gateway.sequence_output import SequenceOutput
 from gateway.validation import check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
+from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -69,7 +70,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                         [FieldViolation("text", f"the limit is {self.s.limits.max_prompt_chars} chars")]
                     )
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await self.s.tokenization.encode(request.text, add_special_tokens=add)
+                ids = await self._tokenized(
+                    self.s.tokenization.encode(request.text, add_special_tokens=add), "text"
+                )
             elif kind == "chat":
                 add = (
                     request.chat.add_generation_prompt
@@ -110,16 +113,25 @@ class GenerationService(pb_grpc.GenerationServicer):
         if v.prompt_kind == "token_ids":
             return v.token_ids
         if v.prompt_kind == "text":
-            return await self.s.tokenization.encode(v.text)
+            return await self._tokenized(self.s.tokenization.encode(v.text), "text")
         return await self._chat_ids(v.chat, v.add_generation_prompt)
 
     async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        pool = self.s.tokenization
+        return await self._tokenized(
+            pool.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), "chat"
+        )
+
+    @staticmethod
+    async def _tokenized(call, field: str) -> list[int]:
         try:
-            return await self.s.tokenization.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
-            )
-        except ValueError as e:
-            raise invalid([FieldViolation("chat", str(e))]) from e
+            return await call
+        except ValueError as e:  # the text or chat itself is at fault (e.g. the template refused it)
+            raise invalid([FieldViolation(field, str(e))]) from e
+        except TokenizerWorkerDied as e:
+            raise unavailable(f"tokenizer workers are unavailable: {e}") from e
+        except TokenizerWorkerError as e:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"tokenizing failed: {e}") from e
 
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s

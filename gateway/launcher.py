@@ -75,8 +75,8 @@ async def run_gateway(opts: GatewayOptions, engine_proc: subprocess.Popen | None
 
     def announce(gw: GatewayServer) -> None:
         engine = f"engine pid {engine_proc.pid} at " if engine_proc is not None else "engine at "
-        print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({engine}{opts.engine_address}, "
-              f"transport: {gw.state.engine.transport})", flush=True)
+        where = f"{engine}{opts.engine_address}, transport: {gw.state.engine.transport}"
+        print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
         if print_hint:
             print(f"Try it:\n  {client_hint(opts.host, gw.port)}", flush=True)
 

@@ -20,8 +20,8 @@ from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
 from gateway.limits import Limits
 from gateway.models_service import ModelsService
-from gateway.tokenization import Tokenization
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
+from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import load_tokenizer
 
 log = logging.getLogger("gateway")
@@ -61,7 +61,7 @@ class GatewayServer:
     async def start(self) -> None:
         o = self.opts
         tokenizer = load_tokenizer(o.model_dir)
-        tokenization = Tokenization(o.model_dir, tokenizer, o.tokenizer_workers)
+        tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
         await tokenization.start()
         engine = EngineClient(
             o.engine_address, use_shared_memory=o.use_shared_memory, heartbeat_timeout_s=o.heartbeat_timeout_s
