@@ -127,6 +127,8 @@ class _Track:
             seq.logprobs = (seq.logprobs or []) + delta.logprobs
         if seq.detokenizer is not None:
             new_text = seq.detokenizer.push(delta.new_token_ids)
+            if delta.finished:
+                new_text += seq.detokenizer.flush()  # an incomplete last character, as decode() gives it
             if seq.stop_matcher is not None:
                 result = seq.stop_matcher.push(new_text)
                 seq.text += result.text
