@@ -44,8 +44,8 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (only 1)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass

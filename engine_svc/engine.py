@@ -12,11 +12,12 @@ import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
-from engine_svc.model_runner import ModelRunner, SampleResult
-from engine_svc.models.decoder import DecoderForCausalLM
-from engine_svc.models.loader import init_dummy_weights, load_weights
+from engine_svc.model_runner import ModelForward, ModelRunner, SampleResult
+from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
+from engine_svc.parallel.group import TensorParallelGroup
+from engine_svc.parallel.shard import Shard
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
@@ -56,28 +57,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = ModelSpec.from_dir(config.model)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.spec, config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step's budget.
             config.max_num_batched_tokens = self.max_model_len
+        shard = Shard(0, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
-        self.model = DecoderForCausalLM(self.spec, self.dtype, self.max_model_len).to(self.device)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, config.model)
+        self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.kernels = select_kernels(self.device, config.kernel_backend)
-        num_blocks = self._num_kv_blocks()
-        shape = (2, num_blocks, config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)
-        ]
+        num_blocks = self._num_kv_blocks(shard)
+        kv_caches = allocate_kv_caches(
+            self.spec, shard, num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, self.kernels, kv_caches, config.block_size, self.device)
+        forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
+        self.runner = ModelRunner(
+            forward, config.block_size, self.tp_group.broadcast if self.tp_group else None
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -94,14 +95,21 @@ class LLMEngine:
             architectures=[self.spec.architecture],
         )
         log.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d",
             self.spec.architecture,
             self.device,
             self.dtype,
             num_blocks,
             config.block_size,
             self.max_model_len,
+            shard.size,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a single-rank engine holds nothing to release)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
@@ -184,8 +192,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        self.runner.copy_blocks(self.kv.take_pending_copies())
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, self.kv.take_pending_copies())
         self.num_steps += 1
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
@@ -291,18 +298,12 @@ class LLMEngine:
         )
 
     # --- sizing -------------------------------------------------------------------------------
-    def _resolve_max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
-        if self.spec.sliding_window:
-            limit = min(limit, self.spec.sliding_window)  # no sliding-window attention: stay inside it
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
-        return wanted
-
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, shard: Shard) -> int:
         c = self.config
-        per_block = self.spec.kv_bytes_per_token(self.dtype.itemsize) * c.block_size
+        per_token = (
+            2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * self.dtype.itemsize
+        )
+        per_block = per_token * c.block_size
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
@@ -318,7 +319,26 @@ class LLMEngine:
         return int(blocks)
 
 
-def _resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+def resolve_device(name: str | None, rank: int = 0) -> torch.device:
+    if name is None or name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
+    return device
+
+
+def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window:
+        limit = min(limit, spec.sliding_window)  # no sliding-window attention: stay inside it
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
+    return wanted
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None or name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:

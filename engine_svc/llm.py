@@ -66,6 +66,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes, if any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts,
