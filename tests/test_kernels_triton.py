@@ -12,6 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# Imported here, before the interpreter is switched on, on purpose: in a full run something (torch,
+# transformers) usually imports triton first, and the kernels must run interpreted all the same.
+import triton.language  # noqa: F401
+
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.interpret_mode import interpreted_kernels
 from kernels.reference import activation as ref_activation

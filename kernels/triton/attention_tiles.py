@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton.reductions import row_max, row_sum
+
 # Masked scores; the running maximum starts at a finite floor instead, so a row that has seen only
 # masked keys gets exp2(-inf - floor) = 0 rather than exp2(-inf + inf) = nan.
 MAX_FLOOR = tl.constexpr(-1.0e30)
@@ -61,10 +63,10 @@ def attend_kv_range(
         if CAUSAL:
             visible = visible & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, row_max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum(p, axis=1)
         v = tl.load(
             v_cache_ptr + v_off[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
         )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.attention_tiles import MAX_FLOOR, attend_kv_range, dot_precision, group_rows
+from kernels.triton.reductions import row_max, row_sum
 
 TILE_N = 64
 MIN_SPLIT_TOKENS = 256  # a slice shorter than this costs more to merge than it saves
@@ -83,9 +84,9 @@ def _split_decode_kernel(
         mask=io_mask,
         other=0.0,
     )
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], MAX_FLOOR, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     # The one query sits at the last context position, so every key below kv_hi is visible.
     acc, m_i, l_i = attend_kv_range(
         q,
@@ -159,7 +160,7 @@ def _merge_splits_kernel(
         mask=split_ok,
         other=float("-inf"),
     )
-    top = tl.max(lse, axis=0)
+    top = row_max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty slices weigh 0
     part = tl.load(
         part_out_ptr
@@ -170,8 +171,8 @@ def _merge_splits_kernel(
         mask=split_ok[:, None] & (dims < head_dim)[None, :],
         other=0.0,
     )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    total = row_sum(weight, axis=0)
+    out = row_sum(part * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),

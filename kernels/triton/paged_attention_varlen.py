@@ -92,9 +92,9 @@ def _varlen_attention_kernel(
     q_pos = ctx - q_len + q_off
     kv_hi = ctx - q_len + tl.minimum(first_q + BLOCK_Q, q_len)
 
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], MAX_FLOOR, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc, m_i, l_i = attend_kv_range(
         q,
         q_pos,

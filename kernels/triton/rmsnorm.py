@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.reductions import row_sum
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -32,7 +34,7 @@ def _rms_norm_kernel(
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / hidden
+    variance = row_sum(h * h, axis=0) / hidden
     normed = (h * tl.rsqrt(variance + eps)).to(x.dtype)
     # HF casts back to the activation dtype before the weight multiply; keep that rounding step.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
