@@ -1,0 +1,102 @@
+"""The physical KV blocks: ref counts, an LRU free list, and the prefix-cache hash map.
+
+A block with ref count 0 sits in the free list. If it still carries a hash it remains a prefix-cache
+entry until allocation reaches it from the LRU end and evicts it. ``touch`` revives such a block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash: a hit is accepted only if these match
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: the first key is the least recently freed block.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` fresh blocks with ref count 1, evicting LRU cache entries; None if too few are free."""
+        if count > len(self.free):
+            return None
+        out = []
+        for _ in range(count):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._forget_hash(block)
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def touch(self, block_id: int) -> None:
+        """Take one more reference; a cached free block leaves the free list."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each; blocks reaching 0 become the most recently freed."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Publish a full, computed block as a prefix-cache entry (first writer wins)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._forget_hash(block)
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+                self.num_evictions += 1
+            block.block_hash, block.token_ids = None, None
+
+    def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:
+        """free + used = total; a free block has no reference; a used one is not free; refs >= 0.
+        With ``expected_refs`` (block id -> holders), every ref count must equal it exactly."""
+        assert len(self.free) + sum(1 for b in self.blocks if b.ref_count > 0) == self.num_blocks
+        for b in self.blocks:
+            assert b.ref_count >= 0, f"block {b.block_id} has ref count {b.ref_count}"
+            assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id} free/ref mismatch"
+            if expected_refs is not None:
+                assert b.ref_count == expected_refs.get(b.block_id, 0), (
+                    f"block {b.block_id}: ref {b.ref_count}, held by {expected_refs.get(b.block_id, 0)}")
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].block_hash == h

@@ -1,0 +1,60 @@
+"""Engine configuration (what a caller chooses) and model facts (what the checkpoint says)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the whole KV cache
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
+    device: str | None = None  # None: cuda when available, else cpu
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
+    seed: int = 0
+    kernel_backend: str | None = None  # None/"auto": triton on CUDA, torch elsewhere
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    max_logprobs: int = 20
+    gpu_memory_utilization: float = 0.9
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (only 1)")
+
+
+@dataclass
+class ModelInfo:
+    """What a client needs to know about the served model and the limits the engine enforces."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    max_logprobs: int = 20
+    architectures: list[str] = field(default_factory=list)

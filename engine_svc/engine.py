@@ -1,0 +1,272 @@
+"""The step-level engine the server drives: add / abort requests, and ``step()`` runs one
+schedule -> forward -> sample -> emit cycle over every running request."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_svc.config import EngineConfig, ModelInfo
+from engine_svc.kv_cache_manager import KVCacheManager, cdiv
+from engine_svc.model_runner import ModelRunner, SampleResult
+from engine_svc.models.decoder import DecoderForCausalLM
+from engine_svc.models.loader import init_dummy_weights, load_weights
+from engine_svc.models.spec import ModelSpec
+from engine_svc.outputs import RequestDelta
+from engine_svc.sampling_params import SamplingParams
+from engine_svc.scheduler import Scheduler
+from engine_svc.sequence import Request, Sequence
+from kernels.backend import select_kernels
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.spec = ModelSpec.from_dir(config.model)
+        self.max_model_len = self._resolve_max_model_len()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step's budget.
+            config.max_num_batched_tokens = self.max_model_len
+        torch.manual_seed(config.seed)
+        self.model = DecoderForCausalLM(self.spec, self.dtype, self.max_model_len).to(self.device)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.kernels = select_kernels(self.device, config.kernel_backend)
+        num_blocks = self._num_kv_blocks()
+        shape = (2, num_blocks, config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.model, self.kernels, kv_caches, config.block_size, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.model_info = ModelInfo(
+            model_name=Path(config.model).name, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+            eos_token_ids=list(self.spec.eos_token_ids), block_size=config.block_size, num_kv_blocks=num_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs, architectures=[self.spec.architecture])
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d", self.spec.architecture,
+                 self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+        params.validate(vocab, self.config.max_logprobs)
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        room = self.max_model_len - len(prompt)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        blocks_needed = cdiv(len(prompt) + max_tokens, self.config.block_size)
+        if blocks_needed > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
+                             f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        params.eos_token_ids = tuple(self.spec.eos_token_ids)
+        request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
+        if params.seed is not None:
+            request.generators = [torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)]
+        seq = Sequence(request, 0, list(prompt))
+        request.sequences.append(seq)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Drop a request (or one of its n sequences) now, returning its blocks. Emits no delta."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            if index is None or seq.index == index:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+                    self.scheduler.remove(seq)
+        if index is not None and not request.forked:
+            request.aborted_indexes.add(index)
+        if index is None or self._all_finished(request):
+            del self.requests[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        self.runner.copy_blocks(self.kv.take_pending_copies())
+        result = self.runner.execute(out)
+        self.num_steps += 1
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.register_computed_blocks(seq)
+        for seq, start, lps in result.prompt_logprobs:
+            plp = seq.request.prompt_logprobs
+            if len(plp) == start + 1:  # a recompute after preemption must not add them twice
+                plp.extend(lps)
+        deltas: list[RequestDelta] = []
+        for sample in result.samples:
+            for seq, token, lp in self._apply_sample(sample):
+                deltas.append(self._emit(seq, token, lp))
+        for request in {d.request_id: self.requests[d.request_id] for d in deltas}.values():
+            if self._all_finished(request):
+                del self.requests[request.request_id]
+        return deltas
+
+    def _apply_sample(self, sample: SampleResult):
+        seq, request = sample.seq, sample.seq.request
+        if len(sample.token_ids) == 1:
+            seq.token_ids.append(sample.token_ids[0])
+            return [(seq, sample.token_ids[0], sample.logprobs[0])]
+        # n > 1: the prompt is done; fork n sequences that share its blocks by reference.
+        request.forked = True
+        pairs = [(seq, sample.token_ids[0], sample.logprobs[0])]
+        seq.token_ids.append(sample.token_ids[0])
+        at = self.scheduler.running.index(seq) + 1
+        for i in range(1, request.params.n):
+            if i in request.aborted_indexes:
+                continue
+            child = Sequence(request, i, seq.token_ids[:-1] + [sample.token_ids[i]])
+            child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
+            self.kv.fork(seq, child)
+            child.status = seq.status
+            request.sequences.append(child)
+            self.scheduler.running.insert(at, child)
+            at += 1
+            pairs.append((child, sample.token_ids[i], sample.logprobs[i]))
+        if 0 in request.aborted_indexes:
+            seq.finish_reason = "abort"
+            self.scheduler.remove(seq)
+            pairs.pop(0)
+        return pairs
+
+    def _emit(self, seq: Sequence, token: int, lp) -> RequestDelta:
+        request, params = seq.request, seq.params
+        num_out = seq.num_output_tokens
+        if lp is not None:
+            seq.logprobs = (seq.logprobs or []) + [lp]
+        if num_out >= params.min_tokens and not params.ignore_eos and token in params.eos_token_ids:
+            seq.finish_reason, seq.stop_token_id = "stop", token
+        elif num_out >= params.min_tokens and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_token_id = "stop", token
+        elif num_out >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        delta = RequestDelta(request.request_id, seq.index, [token], [lp] if lp is not None else None,
+                             seq.finish_reason, seq.stop_token_id, request.num_prompt_tokens, seq.num_cached_tokens)
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            delta.prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+        return delta
+
+    @staticmethod
+    def _all_finished(request: Request) -> bool:
+        live = [s for s in request.sequences if s.finish_reason is None]
+        pending_fork = not request.forked and request.params.n > 1 and live
+        return not live and not pending_fork
+
+    # --- facts --------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used, kv_blocks_total=self.kv.pool.num_blocks,
+            prefix_queried_tokens=self.kv.queried_tokens, prefix_hit_tokens=self.kv.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+
+    def check_invariants(self) -> None:
+        """The pool is whole: every reference is held by a live sequence, and vice versa."""
+        holders: dict[int, int] = {}
+        live = [s for r in self.requests.values() for s in r.sequences if s.finish_reason is None]
+        for seq in live:
+            for block_id in seq.block_table:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        self.kv.pool.check_invariants(holders)
+        queued = set(map(id, self.scheduler.running)) | set(map(id, self.scheduler.waiting))
+        assert queued == set(map(id, live)), "a live sequence is missing from the queues, or a dead one is in them"
+
+    # --- sizing -------------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.spec.max_position_embeddings
+        if self.spec.sliding_window:
+            limit = min(limit, self.spec.sliding_window)  # no sliding-window attention: stay inside it
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = self.spec.kv_bytes_per_token(self.dtype.itemsize) * c.block_size
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            blocks = c.kv_cache_memory // per_block
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            blocks = int(free - (1 - c.gpu_memory_utilization) * total) // per_block
+        else:
+            enough = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)
+            blocks = min(enough, CPU_DEFAULT_KV_BYTES // per_block)
+        if blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {per_block} bytes; give more kv_cache_memory")
+        return int(blocks)
+
+
+def _resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
+    return DTYPES[name]

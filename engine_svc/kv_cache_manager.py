@@ -1,0 +1,123 @@
+"""Block tables over the ``BlockPool``: allocation for the tokens a step will compute, prefix-cache
+lookups over chained block hashes, copy-on-write for shared partial blocks, and release."""
+
+from __future__ import annotations
+
+from engine_svc.block_pool import BlockPool
+from engine_svc.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
+        self.pending_copies: list[tuple[int, int]] = []
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    # --- prefix cache -------------------------------------------------------------------------
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent and salted."""
+        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        parent = hashes[-1] if hashes else hash(("llmserve-prefix-root", seq.request.cache_salt))
+        for i in range(len(hashes), num_blocks):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = hash((parent, block_tokens))
+            hashes.append(parent)
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq`` (never its last token: that one must be
+        computed so the step has logits to sample from). Nothing is taken yet."""
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        found = []
+        for i, h in enumerate(self.block_hashes(seq, max_blocks)):
+            block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        cached_blocks = cached_blocks or []
+        bs = self.block_size
+        start = seq.num_computed_tokens + len(cached_blocks) * bs
+        have = len(seq.block_table) + len(cached_blocks)
+        need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
+        # The first block written to is shared (a fork's partial prompt block): it must be copied.
+        write_block = start // bs
+        cow = (start % bs != 0 and write_block < len(seq.block_table)
+               and self.pool.blocks[seq.block_table[write_block]].ref_count > 1)
+        revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        if need_new + int(cow) > self.pool.num_free - revived:
+            return False
+        if cached_blocks:
+            self._take_cached(seq, cached_blocks)
+        if cow:
+            (copy,) = self.pool.allocate(1)
+            old = seq.block_table[write_block]
+            self.pending_copies.append((old, copy))
+            self.pool.release([old])
+            seq.block_table[write_block] = copy
+        if need_new:
+            seq.block_table.extend(self.pool.allocate(need_new))
+        return True
+
+    def _take_cached(self, seq: Sequence, cached_blocks: list[int]) -> None:
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        for block_id in cached_blocks:
+            self.pool.touch(block_id)
+        seq.block_table.extend(cached_blocks)
+        seq.num_computed_tokens = len(cached_blocks) * self.block_size
+        seq.num_registered_blocks = len(cached_blocks)
+
+    def note_admission(self, seq: Sequence, num_hit_blocks: int) -> None:
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += num_hit_blocks * self.block_size
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the blocks that this step completed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        bs = self.block_size
+        hashes = self.block_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        seq.num_registered_blocks = full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` by reference."""
+        for block_id in parent.block_table:
+            self.pool.touch(block_id)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so that they are evicted before the (more shareable) head of the prefix.
+        self.pool.release(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

@@ -1,0 +1,166 @@
+"""The offline API, in the shape vLLM users know: ``LLM(model=...).generate(prompts, params)``.
+
+Text lives here, not in the engine: string prompts are tokenized, outputs detokenized
+incrementally, and stop strings matched on the text; a match finishes that sequence with an
+abort to the engine, and nothing after the match is returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engine_svc.config import EngineConfig
+from engine_svc.engine import LLMEngine
+from engine_svc.outputs import CompletionOutput, RequestDelta, RequestOutput
+from engine_svc.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, tokenizer: str | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
+                 load_format: str = "auto", seed: int = 0, tensor_parallel_size: int = 1, **engine_options):
+        config = EngineConfig(
+            model=str(model), block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, load_format=load_format,
+            seed=seed, tensor_parallel_size=tensor_parallel_size, **engine_options)
+        self.engine = LLMEngine(config)
+        tok_dir = Path(tokenizer or model)
+        self.tokenizer = None
+        if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tokenizer_config.json").exists():
+            from tokenizer_svc.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(tok_dir)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = (sampling_params if isinstance(sampling_params, list)
+                       else [sampling_params or SamplingParams()] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        tracks: dict[str, _Track] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                track = self._start(prompt, params, priority[i] if priority else 0)
+                tracks[track.request_id] = track
+            with tqdm(total=len(tracks), disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished_requests():
+                    for delta in self.engine.step():
+                        track = tracks[delta.request_id]
+                        track.consume(delta, self.engine)
+                        if track.finished:
+                            bar.update(1)
+        finally:
+            for rid in tracks:
+                self.engine.abort_request(rid)  # on an error mid-way, leave nothing behind
+        return [t.result() for t in tracks.values()]
+
+    def _start(self, prompt, params: SamplingParams, priority: int) -> _Track:
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token ids or a model dir with tokenizer.json")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, list(prompt), params, priority=priority)
+        return _Track(request_id, list(prompt), text, params, self.tokenizer)
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    detokenizer: object = None
+    stop_matcher: object = None
+
+
+class _Track:
+    """One request's text-side state: per sequence, its detokenizer and stop-string matcher."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], prompt_text: str | None, params: SamplingParams,
+                 tokenizer):
+        self.request_id, self.prompt_ids, self.prompt_text = request_id, prompt_ids, prompt_text
+        self.params, self.tokenizer = params, tokenizer
+        self.seqs = [self._new_seq() for _ in range(params.n)]
+        self.num_cached_tokens = 0
+        self.prompt_logprobs = None
+
+    def _new_seq(self) -> _Seq:
+        seq = _Seq()
+        if self.tokenizer is not None:
+            from tokenizer_svc.detokenizer import IncrementalDetokenizer
+            from tokenizer_svc.stop_strings import StopStringMatcher
+
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
+            if self.params.stop:
+                seq.stop_matcher = StopStringMatcher(self.params.stop, self.params.include_stop_str_in_output)
+        return seq
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def consume(self, delta: RequestDelta, engine: LLMEngine) -> None:
+        seq = self.seqs[delta.index]
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        seq.token_ids.extend(delta.new_token_ids)
+        if delta.logprobs:
+            seq.logprobs = (seq.logprobs or []) + delta.logprobs
+        if seq.detokenizer is not None:
+            new_text = seq.detokenizer.push(delta.new_token_ids)
+            if delta.finished:
+                new_text += seq.detokenizer.flush()  # an incomplete last character, as decode() gives it
+            if seq.stop_matcher is not None:
+                result = seq.stop_matcher.push(new_text)
+                seq.text += result.text
+                if result.matched is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", result.matched
+                    if not delta.finished:
+                        engine.abort_request(self.request_id, index=delta.index)
+                    return
+                if delta.finished:
+                    seq.text += seq.stop_matcher.flush()
+            else:
+                seq.text += new_text
+        if delta.finished:
+            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_token_id
+
+    def result(self) -> RequestOutput:
+        outputs = [CompletionOutput(i, s.token_ids, s.text, s.finish_reason or "abort", s.stop_reason, s.logprobs)
+                   for i, s in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt_ids, outputs, self.num_cached_tokens, self.prompt_text,
+                             self.prompt_logprobs)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]  # one prompt of token ids
+    out = []
+    for p in prompts:
+        if isinstance(p, dict):
+            p = p.get("prompt_token_ids", p.get("prompt"))
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+        out.append(p if isinstance(p, str) else list(p))
+    return out

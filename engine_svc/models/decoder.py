@@ -1,0 +1,101 @@
+"""One decoder-only transformer for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm). Tokens of every request in a step are flattened into one batch;
+attention reads and writes the paged KV cache through the ``kernels`` interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_svc.models.spec import ModelSpec
+from kernels.backend import Kernels
+from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
+
+
+@dataclass
+class AttentionInputs:
+    """Where each flattened token sits: see kernels/reference/paged_attention.py."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d
+        self.qkv_weight = nn.Parameter(torch.empty(qkv_rows, h, dtype=dtype), requires_grad=False)
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows, dtype=dtype), requires_grad=False) if spec.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(h, spec.num_heads * d, dtype=dtype), requires_grad=False)
+        self.o_bias = nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if spec.o_bias else None
+        self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, dtype=dtype),
+                                           requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(h, spec.intermediate_size, dtype=dtype), requires_grad=False)
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.eps = spec.rms_norm_eps
+        self.scale = d**-0.5
+
+    def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
+        x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
+        x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
+        x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
+        x = F.linear(k.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        return x, residual
+
+    def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        key = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        value = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
+            key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
+        q, key = k.apply_rotary(positions, q, key, cos_sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        out = k.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len)
+        return F.linear(out.reshape(t, q_size), self.o_weight, self.o_bias)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False))
+        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, k: Kernels, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn: AttentionInputs) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm."""
+        x = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+        x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

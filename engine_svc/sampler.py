@@ -1,0 +1,135 @@
+"""Token sampling for a whole batch at once: penalties, temperature, top-k / top-p / min-p,
+per-row seeds, and logprobs. Work over the vocabulary is vectorized across rows; the only
+per-row Python is drawing the noise of rows that carry their own seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_svc.outputs import TokenLogprob
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters, as tensors on the logits' device (R rows)."""
+
+    temperature: torch.Tensor  # [R] float; 0 means greedy
+    top_k: torch.Tensor  # [R] int; 0 means off
+    top_p: torch.Tensor  # [R] float
+    min_p: torch.Tensor  # [R] float
+    repetition_penalty: torch.Tensor  # [R] float
+    presence_penalty: torch.Tensor  # [R] float
+    frequency_penalty: torch.Tensor  # [R] float
+    generators: list[torch.Generator | None]  # per row; None draws from the global generator
+    output_ids: list[list[int]]  # per row, for penalties
+    prompt_ids: list[list[int]]  # per row, for the repetition penalty
+    banned_ids: list[list[int]]  # per row: ids that may not be sampled now (EOS before min_tokens)
+    num_logprobs: list[int | None]  # per row: top-N wanted (None: no logprobs)
+    any_penalty: bool
+    all_greedy: bool
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens), as vLLM/HF do."""
+    rows, vocab = logits.shape
+    out_counts = torch.zeros(rows, vocab, dtype=logits.dtype, device=logits.device)
+    seen = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
+    for r in range(rows):
+        if b.output_ids[r]:
+            ids = torch.tensor(b.output_ids[r], device=logits.device)
+            out_counts[r].index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype, device=logits.device))
+        if b.prompt_ids[r]:
+            seen[r, torch.tensor(b.prompt_ids[r], device=logits.device)] = True
+    seen |= out_counts > 0
+    rep = b.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - b.frequency_penalty[:, None] * out_counts
+    logits = logits - b.presence_penalty[:, None] * (out_counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p (nucleus) and min-p exclude; ``logits`` already tempered."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    mask = torch.zeros_like(drop).scatter(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample one token per row of ``logits [R, V]`` (fp32). Returns token ids and logprobs."""
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in b.num_logprobs) else None
+        for r, banned in enumerate(b.banned_ids):
+            if banned:
+                logits[r, banned] = float("-inf")
+        if b.any_penalty:
+            logits = apply_penalties(logits, b)
+        greedy = logits.argmax(dim=-1)
+        if b.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(b.temperature == 0, greedy, self._sample(logits, b))
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, token_list, b.num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        temp = torch.where(b.temperature > 0, b.temperature, 1.0)
+        logits = filter_logits(logits / temp[:, None], b.top_k, b.top_p, b.min_p)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Seeded rows draw their own
+        # noise so that their tokens do not depend on what else shares the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [r for r, g in enumerate(b.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for r, g in enumerate(b.generators):
+            if g is not None:
+                noise[r] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int], wanted: list[int | None]):
+        if raw is None:
+            return [None] * len(tokens)
+        rows = [r for r, n in enumerate(wanted) if n is not None]
+        idx = torch.tensor(rows, device=raw.device)
+        chosen = torch.tensor([tokens[r] for r in rows], device=raw.device)
+        sub = raw[idx]
+        chosen_lp = sub.gather(1, chosen[:, None]).squeeze(1)
+        ranks = (sub > chosen_lp[:, None]).sum(dim=-1) + 1
+        top_n = max(wanted[r] for r in rows)
+        top_lp, top_ids = sub.topk(top_n, dim=-1) if top_n > 0 else (None, None)
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        for i, r in enumerate(rows):
+            n = wanted[r]
+            out[r] = TokenLogprob(
+                token_id=tokens[r], logprob=float(chosen_lp[i]), rank=int(ranks[i]),
+                top_ids=top_ids[i, :n].tolist() if n else [], top_logprobs=top_lp[i, :n].tolist() if n else [])
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprob of each prompt token given the ones before it: row i of ``logits`` predicts ``next_ids[i]``."""
+    lp = logits.log_softmax(dim=-1)
+    chosen = torch.tensor(next_ids, device=lp.device)
+    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+    ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(top_n, dim=-1) if top_n else (None, None)
+    return [TokenLogprob(token_id=next_ids[i], logprob=float(chosen_lp[i]), rank=int(ranks[i]),
+                         top_ids=top_ids[i].tolist() if top_n else [],
+                         top_logprobs=top_lp[i].tolist() if top_n else [])
+            for i in range(len(next_ids))]

@@ -1,0 +1,104 @@
+"""The sampler against plain per-row reference computations on fixed logits, and seeded sampling
+reproducible whatever else shares the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_svc import SamplingParams
+from engine_svc.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+
+
+def _batch(rows: int, **cols) -> SamplingBatch:
+    def t(name, default, dtype=torch.float32):
+        return torch.tensor(cols.get(name, [default] * rows), dtype=dtype)
+
+    return SamplingBatch(
+        temperature=t("temperature", 1.0), top_k=t("top_k", 0, torch.int64), top_p=t("top_p", 1.0),
+        min_p=t("min_p", 0.0), repetition_penalty=t("repetition_penalty", 1.0),
+        presence_penalty=t("presence_penalty", 0.0), frequency_penalty=t("frequency_penalty", 0.0),
+        generators=cols.get("generators", [None] * rows), output_ids=cols.get("output_ids", [[]] * rows),
+        prompt_ids=cols.get("prompt_ids", [[]] * rows), banned_ids=cols.get("banned_ids", [[]] * rows),
+        num_logprobs=cols.get("num_logprobs", [None] * rows), any_penalty=cols.get("any_penalty", False),
+        all_greedy=False)
+
+
+def _reference_keep(logits_row: list[float], k: int, p: float, min_p: float) -> set[int]:
+    order = sorted(range(len(logits_row)), key=lambda i: -logits_row[i])
+    kept = order[:k] if k > 0 else order
+    z = sum(math.exp(logits_row[i]) for i in kept)
+    probs = {i: math.exp(logits_row[i]) / z for i in kept}
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= p and nucleus:
+            break
+        nucleus.append(i)
+        mass += probs[i]
+    top = probs[kept[0]]
+    return {i for i in nucleus if probs[i] >= min_p * top or i == kept[0]}
+
+
+@pytest.mark.parametrize("k,p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.0),
+                                       (0, 1.0, 0.3), (4, 0.9, 0.1), (1, 0.5, 0.0), (0, 0.05, 0.0)])
+def test_filters_match_reference(k, p, min_p):
+    gen = torch.Generator().manual_seed(k * 100 + int(p * 10))
+    logits = torch.randn(6, 12, generator=gen) * 2
+    rows = logits.shape[0]
+    masked = filter_logits(logits.clone(), torch.full((rows,), k), torch.full((rows,), p), torch.full((rows,), min_p))
+    for r in range(rows):
+        kept = {i for i in range(12) if masked[r, i] != float("-inf")}
+        assert kept == _reference_keep(logits[r].tolist(), k, p, min_p)
+
+
+def test_penalties_match_reference():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    b = _batch(2, repetition_penalty=[1.5, 1.0], presence_penalty=[0.0, 0.5], frequency_penalty=[0.0, 0.25],
+               output_ids=[[0, 0, 1], [2, 2, 2, 4]], prompt_ids=[[3], [0]], any_penalty=True)
+    got = apply_penalties(logits.clone(), b)
+    expected = logits.clone()
+    for tok in (0, 1, 3):  # row 0: repetition over prompt and output tokens
+        v = expected[0, tok]
+        expected[0, tok] = v / 1.5 if v > 0 else v * 1.5
+    expected[1, 2] -= 0.5 + 0.25 * 3  # row 1: presence once, frequency per occurrence
+    expected[1, 4] -= 0.5 + 0.25 * 1
+    torch.testing.assert_close(got, expected)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0, -1.0]]).repeat(4000, 1)
+    b = _batch(4000, temperature=[0.8] * 4000, top_k=[3] * 4000)
+    tokens, _ = Sampler()(logits.clone(), b)
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
+    expected = torch.zeros(5)
+    expected[[0, 1, 3]] = (torch.tensor([1.0, 2.0, 3.0]) / 0.8).softmax(0)
+    assert counts[2] == 0 and counts[4] == 0
+    assert (counts - expected).abs().max() < 0.03
+
+
+def test_banned_tokens_and_logprobs():
+    logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 1.0, 5.0]])
+    b = _batch(2, temperature=[0.0, 0.0], banned_ids=[[0], []], num_logprobs=[2, 0])
+    tokens, lps = Sampler()(logits.clone(), b)
+    assert tokens == [1, 2]
+    ref = logits.log_softmax(-1)
+    assert lps[0].token_id == 1 and lps[0].rank == 2 and abs(lps[0].logprob - float(ref[0, 1])) < 1e-6
+    assert lps[0].top_ids == [0, 1]
+    assert lps[1].rank == 1 and lps[1].top_ids == []
+
+
+def test_seeded_sampling_is_independent_of_batch_mix(tiny_llama):
+    prompts = random_prompts([4, 20, 9, 33], 1024, seed=5)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = run_to_completion(make_engine(tiny_llama), {"s": (prompts[0], seeded)})
+    others = {str(i): (p, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+              for i, p in enumerate(prompts[1:])}
+    mixed = run_to_completion(make_engine(tiny_llama, max_num_batched_tokens=16),
+                              {**others, "s": (prompts[0], seeded)})
+    assert alone[("s", 0)] == mixed[("s", 0)]
+    other_seed = run_to_completion(make_engine(tiny_llama), {"s": (prompts[0], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=4321, max_tokens=12, ignore_eos=True))})
+    assert other_seed[("s", 0)] != alone[("s", 0)]

@@ -1,0 +1,107 @@
+"""Token ids in, new text out, one step at a time, never half a UTF-8 character.
+
+A byte-level token can end in the middle of a character; decoding then yields U+FFFD at the end.
+The decoder keeps a small window of recent tokens (the prefix/read offsets of vLLM and SGLang):
+text is decoded only over that window, so a step costs the same however long the sequence is, and
+the window starts on a token after which everything was already complete, so decoding it alone
+gives the same characters as decoding from the start. Trailing U+FFFD stays back until the
+character completes (or the sequence ends: ``flush``).
+
+``tokenizers.decoders.DecodeStream`` does the same in Rust, but it cannot hand back what it holds
+when a sequence ends mid-character, and it stops with an error when a decoder's output is not
+prefix-stable; this module can do both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizer_svc.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded in front of the first output token, so that decoders that treat the start
+# of a text specially (SentencePiece's leading-space strip) see the output as a continuation.
+_CONTEXT_TOKENS = 6
+# A character is at most 4 bytes, so a tail that stays "incomplete" over this many pushes is really
+# invalid bytes; emit it as U+FFFD instead of letting the window (and each step's cost) grow.
+_MAX_INCOMPLETE_PUSHES = 8
+
+
+class IncrementalDetokenizer:
+    """Decodes one sequence's output tokens as they arrive.
+
+    ``push(ids)`` returns only the text that became final with these ids. Over a whole sequence
+    ``"".join(pushes) + flush() == tokenizer.decode(ids)`` (for byte-level tokenizers; with
+    ``prompt_ids`` the text continues the prompt instead of starting a fresh text).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        self._backend = tokenizer.backend
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
+        if context and self._decode(context).endswith(_REPLACEMENT):
+            context = []  # the prompt ends mid-character: no clean place to continue from
+        self._window_ids = context  # context + output, trimmed from the front as the window moves
+        self._output_ids: list[int] = []
+        self._read_offset = len(context)  # window_ids[:read_offset] is text already final
+        self._prefix_text = self._decode(context)  # decode(window_ids[:read_offset])
+        self._emitted_past_prefix = 0  # characters after prefix_text already returned
+        self._incomplete_pushes = 0  # pushes since the window last ended on a whole character
+        self._pieces: list[str] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token id pushed so far (do not modify)."""
+        return self._output_ids
+
+    @property
+    def text(self) -> str:
+        """All text returned so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add output token ids; return the new text they complete (may be empty)."""
+        if not token_ids:
+            return ""
+        self._output_ids.extend(token_ids)
+        self._window_ids.extend(token_ids)
+        window_text = self._decode(self._window_ids)
+        if window_text.endswith(_REPLACEMENT) and self._incomplete_pushes < _MAX_INCOMPLETE_PUSHES:
+            # The last character is incomplete: release what is settled before it, keep the window.
+            self._incomplete_pushes += 1
+            return self._emit(window_text.rstrip(_REPLACEMENT))
+        new_text = self._emit(window_text)
+        self._advance()
+        return new_text
+
+    def flush(self) -> str:
+        """The sequence has ended: return what is still held back (an incomplete last character)."""
+        new_text = self._emit(self._decode(self._window_ids))
+        self._advance()
+        return new_text
+
+    def _emit(self, settled: str) -> str:
+        start = len(self._prefix_text) + self._emitted_past_prefix
+        new_text = settled[start:]
+        if new_text:
+            self._emitted_past_prefix += len(new_text)
+            self._pieces.append(new_text)
+        return new_text
+
+    def _advance(self) -> None:
+        # Everything decoded is final: the tokens read so far become the new context window.
+        self._window_ids = self._window_ids[self._read_offset :]
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids)
+        self._emitted_past_prefix = 0
+        self._incomplete_pushes = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
