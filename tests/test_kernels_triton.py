@@ -199,3 +199,16 @@ def test_paged_attention_in_a_prefill_step_after_write_kv(tk):
     torch.testing.assert_close(
         tk.kernels.paged_attention(*batch.args(), **batch.bounds()), expected, **ATTN_TOL[torch.float16]
     )
+
+
+def test_backend_switch_picks_by_device_and_logs(tk, caplog):
+    from kernels.backend import TORCH_KERNELS, select_kernels
+
+    with caplog.at_level("INFO", logger="kernels.backend"):
+        assert select_kernels("cpu") is TORCH_KERNELS
+        assert select_kernels("cuda").name == "triton"  # a device name alone: no GPU needed to choose
+        assert select_kernels("cpu", "triton").name == "triton"
+        assert select_kernels("cuda", "torch") is TORCH_KERNELS
+    assert "kernels: triton on cuda" in caplog.text and "kernels: torch on cpu" in caplog.text
+    with pytest.raises(ValueError, match="kernel_backend"):
+        select_kernels("cpu", "cuda-graphs")
