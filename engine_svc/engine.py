@@ -24,8 +24,15 @@ from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -65,7 +72,9 @@ class LLMEngine:
         self.kernels = select_kernels(self.device, config.kernel_backend)
         num_blocks = self._num_kv_blocks()
         shape = (2, num_blocks, config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)
+        ]
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.kernels, kv_caches, config.block_size, self.device)
@@ -73,16 +82,36 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.model_info = ModelInfo(
-            model_name=Path(config.model).name, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-            eos_token_ids=list(self.spec.eos_token_ids), block_size=config.block_size, num_kv_blocks=num_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_logprobs=config.max_logprobs, architectures=[self.spec.architecture])
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d", self.spec.architecture,
-                 self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
+            model_name=Path(config.model).name,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(self.spec.eos_token_ids),
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs,
+            architectures=[self.spec.architecture],
+        )
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            self.spec.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
 
     # --- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -92,28 +121,38 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.spec.vocab_size
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
+        )
         if bad is not None:
             raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
         params.validate(vocab, self.config.max_logprobs)
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})"
+            )
         blocks_needed = cdiv(len(prompt) + max_tokens, self.config.block_size)
         if blocks_needed > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
-                             f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)")
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
+                f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)"
+            )
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params.eos_token_ids = tuple(self.spec.eos_token_ids)
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
         if params.seed is not None:
-            request.generators = [torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)]
+            request.generators = [
+                torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)
+            ]
         seq = Sequence(request, 0, list(prompt))
         request.sequences.append(seq)
         if params.prompt_logprobs is not None:
@@ -202,8 +241,16 @@ class LLMEngine:
             seq.finish_reason, seq.stop_token_id = "stop", token
         elif num_out >= request.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        delta = RequestDelta(request.request_id, seq.index, [token], [lp] if lp is not None else None,
-                             seq.finish_reason, seq.stop_token_id, request.num_prompt_tokens, seq.num_cached_tokens)
+        delta = RequestDelta(
+            request.request_id,
+            seq.index,
+            [token],
+            [lp] if lp is not None else None,
+            seq.finish_reason,
+            seq.stop_token_id,
+            request.num_prompt_tokens,
+            seq.num_cached_tokens,
+        )
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             delta.prompt_logprobs = request.prompt_logprobs
             request.prompt_logprobs_sent = True
@@ -220,10 +267,15 @@ class LLMEngine:
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.kv.pool.num_used, kv_blocks_total=self.kv.pool.num_blocks,
-            prefix_queried_tokens=self.kv.queried_tokens, prefix_hit_tokens=self.kv.hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used,
+            kv_blocks_total=self.kv.pool.num_blocks,
+            prefix_queried_tokens=self.kv.queried_tokens,
+            prefix_hit_tokens=self.kv.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )
 
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa."""
@@ -234,7 +286,9 @@ class LLMEngine:
                 holders[block_id] = holders.get(block_id, 0) + 1
         self.kv.pool.check_invariants(holders)
         queued = set(map(id, self.scheduler.running)) | set(map(id, self.scheduler.waiting))
-        assert queued == set(map(id, live)), "a live sequence is missing from the queues, or a dead one is in them"
+        assert queued == set(map(id, live)), (
+            "a live sequence is missing from the queues, or a dead one is in them"
+        )
 
     # --- sizing -------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:

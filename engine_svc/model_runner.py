@@ -25,12 +25,20 @@ class SampleResult:
 @dataclass
 class StepResult:
     samples: list[SampleResult]
-    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]]  # (seq, chunk start, logprobs of the next tokens)
+    prompt_logprobs: list[
+        tuple[Sequence, int, list[TokenLogprob]]
+    ]  # (seq, chunk start, logprobs of the next tokens)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kernels: Kernels, kv_caches: list[torch.Tensor],
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        kernels: Kernels,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ):
         self.model = model
         self.kernels = kernels
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -60,7 +68,7 @@ class ModelRunner:
         for seq, n in out.scheduled:
             c = seq.num_computed_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[c:c + n])
+            input_ids.extend(seq.token_ids[c : c + n])
             if n == 1:
                 positions.append(c)
                 slots.append(table[c // bs] * bs + c % bs)
@@ -82,30 +90,41 @@ class ModelRunner:
         dev = self.device
         attn = AttentionInputs(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32,
-                                      device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(self.kernels, torch.tensor(input_ids, device=dev),
-                            torch.tensor(positions, device=dev), self.kv_caches, attn)
-        return StepResult(samples=self._sample(hidden, sample_rows),
-                          prompt_logprobs=self._prompt_logprobs(hidden, plp_rows))
+        hidden = self.model(
+            self.kernels,
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.kv_caches,
+            attn,
+        )
+        return StepResult(
+            samples=self._sample(hidden, sample_rows), prompt_logprobs=self._prompt_logprobs(hidden, plp_rows)
+        )
 
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[SampleResult]:
         if not rows:
             return []
         # A prompt of an n > 1 request that completes now samples its n first tokens from one row.
         fan = [seq.params.n if not seq.request.forked else 1 for seq, _ in rows]
-        flat_idx = torch.tensor([i for (_, i), k in zip(rows, fan, strict=True) for _ in range(k)], device=hidden.device)
+        flat_idx = torch.tensor(
+            [i for (_, i), k in zip(rows, fan, strict=True) for _ in range(k)], device=hidden.device
+        )
         logits = self.model.compute_logits(hidden[flat_idx])
-        row_seqs = [(seq, seq.index if k == 1 else j) for (seq, _), k in zip(rows, fan, strict=True) for j in range(k)]
+        row_seqs = [
+            (seq, seq.index if k == 1 else j) for (seq, _), k in zip(rows, fan, strict=True) for j in range(k)
+        ]
         tokens, logprobs = self.sampler(logits, self._sampling_batch(row_seqs, logits.device))
         results, r = [], 0
         for (seq, _), k in zip(rows, fan, strict=True):
-            results.append(SampleResult(seq, tokens[r:r + k], logprobs[r:r + k]))
+            results.append(SampleResult(seq, tokens[r : r + k], logprobs[r : r + k]))
             r += k
         return results
 
@@ -113,8 +132,8 @@ class ModelRunner:
         out = []
         for seq, start, count in rows:
             c = seq.num_computed_tokens
-            logits = self.model.compute_logits(hidden[start:start + count])
-            next_ids = seq.token_ids[c + 1:c + 1 + count]
+            logits = self.model.compute_logits(hidden[start : start + count])
+            next_ids = seq.token_ids[c + 1 : c + 1 + count]
             out.append((seq, c, prompt_logprobs(logits, next_ids, seq.params.prompt_logprobs)))
         return out
 
@@ -125,7 +144,9 @@ class ModelRunner:
         def col(name, dtype=torch.float32):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
-        any_penalty = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        any_penalty = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+        )
         banned = []
         for seq, _ in row_seqs:
             p = seq.params
