@@ -53,9 +53,14 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        cached_blocks = cached_blocks or []
         bs = self.block_size
-        start = seq.num_computed_tokens + len(cached_blocks) * bs
+        start = seq.num_computed_tokens
+        if not cached_blocks and start % bs and start + num_new_tokens <= len(seq.block_table) * bs:
+            # The common decode case: the slots exist in the last block; only a shared one needs work.
+            if self.pool.blocks[seq.block_table[start // bs]].ref_count == 1:
+                return True
+        cached_blocks = cached_blocks or []
+        start += len(cached_blocks) * bs
         have = len(seq.block_table) + len(cached_blocks)
         need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
         # The first block written to is shared (a fork's partial prompt block): it must be copied.
