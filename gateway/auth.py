@@ -39,8 +39,9 @@ class Identity:
 
     @property
     def cache_salt(self) -> str:
-        # A fixed prefix keeps tenant salts apart from any other salt the engine may ever be given.
-        return f"tenant:{self.tenant}"
+        # A fixed prefix keeps tenant salts apart from any other salt the engine may ever be given;
+        # the anonymous tenant (keys off) keeps the engine's unsalted cache.
+        return f"tenant:{self.tenant}" if self.tenant else ""
 
 
 ANONYMOUS = Identity("")  # the one identity when keys are off: every caller shares the cache

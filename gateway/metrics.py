@@ -143,7 +143,7 @@ class GatewayMetrics:
 class RequestMetrics:
     """The clock of one request: feed it each sequence's token counts as messages go out."""
 
-    __slots__ = ("_m", "_start", "_last", "_first_seen", "_done")
+    __slots__ = ("_m", "_start", "_last", "_first_seen", "_done", "_ttft", "_prompt_tokens")
 
     def __init__(self, m: GatewayMetrics) -> None:
         self._m = m
@@ -151,9 +151,12 @@ class RequestMetrics:
         self._last: dict[int, float] = {}
         self._first_seen = False
         self._done = False
+        self._ttft: float | None = None
+        self._prompt_tokens = 0
         m.inflight.inc()
 
     def prompt(self, num_tokens: int) -> None:
+        self._prompt_tokens = num_tokens
         self._m.prompt_tokens.inc(num_tokens)
 
     def tokens(self, index: int, num_tokens: int) -> None:
@@ -162,7 +165,8 @@ class RequestMetrics:
         now = time.perf_counter()
         if not self._first_seen:
             self._first_seen = True
-            self._m.ttft.observe(now - self._start)
+            self._ttft = now - self._start
+            self._m.ttft.observe(self._ttft)
         last = self._last.get(index)
         if last is not None:
             self._m.inter_token.observe(now - last)
@@ -176,3 +180,10 @@ class RequestMetrics:
         self._m.inflight.dec()
         self._m.requests.labels(outcome=outcome).inc()
         self._m.e2e.observe(time.perf_counter() - self._start)
+
+    def summary(self) -> dict:
+        """For the request's closing log line."""
+        out = {"seconds": round(time.perf_counter() - self._start, 4), "prompt_tokens": self._prompt_tokens}
+        if self._ttft is not None:
+            out["ttft_s"] = round(self._ttft, 4)
+        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -94,9 +95,13 @@ class EngineServicer(pb_grpc.EngineServicer):
         return s
 
     def _call(self, context, fn):
+        if self._loop.stalled.is_set():  # the loop would not answer until its stuck step returns
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (watchdog)")
         try:
             return self._loop.call(fn)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer in time")
