@@ -97,6 +97,7 @@ class BlockPool:
             assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id} free/ref mismatch"
             if expected_refs is not None:
                 assert b.ref_count == expected_refs.get(b.block_id, 0), (
-                    f"block {b.block_id}: ref {b.ref_count}, held by {expected_refs.get(b.block_id, 0)}")
+                    f"block {b.block_id}: ref {b.ref_count}, held by {expected_refs.get(b.block_id, 0)}"
+                )
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == h

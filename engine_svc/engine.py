@@ -12,11 +12,12 @@ import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
-from engine_svc.model_runner import ModelRunner, SampleResult
-from engine_svc.models.decoder import DecoderForCausalLM
-from engine_svc.models.loader import init_dummy_weights, load_weights
+from engine_svc.model_runner import ModelForward, ModelRunner, SampleResult
+from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
+from engine_svc.parallel.group import TensorParallelGroup
+from engine_svc.parallel.shard import Shard
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
@@ -24,8 +25,15 @@ from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -49,40 +57,69 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = ModelSpec.from_dir(config.model)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.spec, config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step's budget.
             config.max_num_batched_tokens = self.max_model_len
+        shard = Shard(0, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
-        self.model = DecoderForCausalLM(self.spec, self.dtype, self.max_model_len).to(self.device)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, config.model)
+        self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.kernels = select_kernels(self.device, config.kernel_backend)
-        num_blocks = self._num_kv_blocks()
-        shape = (2, num_blocks, config.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        num_blocks = self._num_kv_blocks(shard)
+        kv_caches = allocate_kv_caches(
+            self.spec, shard, num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, self.kernels, kv_caches, config.block_size, self.device)
+        forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
+        self.runner = ModelRunner(
+            forward, config.block_size, self.tp_group.broadcast if self.tp_group else None
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.model_info = ModelInfo(
-            model_name=Path(config.model).name, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-            eos_token_ids=list(self.spec.eos_token_ids), block_size=config.block_size, num_kv_blocks=num_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_logprobs=config.max_logprobs, architectures=[self.spec.architecture])
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d", self.spec.architecture,
-                 self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
+            model_name=Path(config.model).name,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(self.spec.eos_token_ids),
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs,
+            architectures=[self.spec.architecture],
+        )
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d",
+            self.spec.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            shard.size,
+        )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a single-rank engine holds nothing to release)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
 
     # --- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -92,28 +129,38 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.spec.vocab_size
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
+        )
         if bad is not None:
             raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
         params.validate(vocab, self.config.max_logprobs)
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})"
+            )
         blocks_needed = cdiv(len(prompt) + max_tokens, self.config.block_size)
         if blocks_needed > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
-                             f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)")
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
+                f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)"
+            )
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params.eos_token_ids = tuple(self.spec.eos_token_ids)
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
         if params.seed is not None:
-            request.generators = [torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)]
+            request.generators = [
+                torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)
+            ]
         seq = Sequence(request, 0, list(prompt))
         request.sequences.append(seq)
         if params.prompt_logprobs is not None:
@@ -145,8 +192,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        self.runner.copy_blocks(self.kv.take_pending_copies())
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, self.kv.take_pending_copies())
         self.num_steps += 1
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
@@ -202,8 +248,16 @@ class LLMEngine:
             seq.finish_reason, seq.stop_token_id = "stop", token
         elif num_out >= request.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        delta = RequestDelta(request.request_id, seq.index, [token], [lp] if lp is not None else None,
-                             seq.finish_reason, seq.stop_token_id, request.num_prompt_tokens, seq.num_cached_tokens)
+        delta = RequestDelta(
+            request.request_id,
+            seq.index,
+            [token],
+            [lp] if lp is not None else None,
+            seq.finish_reason,
+            seq.stop_token_id,
+            request.num_prompt_tokens,
+            seq.num_cached_tokens,
+        )
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             delta.prompt_logprobs = request.prompt_logprobs
             request.prompt_logprobs_sent = True
@@ -220,10 +274,15 @@ class LLMEngine:
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.kv.pool.num_used, kv_blocks_total=self.kv.pool.num_blocks,
-            prefix_queried_tokens=self.kv.queried_tokens, prefix_hit_tokens=self.kv.hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used,
+            kv_blocks_total=self.kv.pool.num_blocks,
+            prefix_queried_tokens=self.kv.queried_tokens,
+            prefix_hit_tokens=self.kv.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )
 
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa."""
@@ -234,21 +293,17 @@ class LLMEngine:
                 holders[block_id] = holders.get(block_id, 0) + 1
         self.kv.pool.check_invariants(holders)
         queued = set(map(id, self.scheduler.running)) | set(map(id, self.scheduler.waiting))
-        assert queued == set(map(id, live)), "a live sequence is missing from the queues, or a dead one is in them"
+        assert queued == set(map(id, live)), (
+            "a live sequence is missing from the queues, or a dead one is in them"
+        )
 
     # --- sizing -------------------------------------------------------------------------------
-    def _resolve_max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
-        if self.spec.sliding_window:
-            limit = min(limit, self.spec.sliding_window)  # no sliding-window attention: stay inside it
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
-        return wanted
-
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, shard: Shard) -> int:
         c = self.config
-        per_block = self.spec.kv_bytes_per_token(self.dtype.itemsize) * c.block_size
+        per_token = (
+            2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * self.dtype.itemsize
+        )
+        per_block = per_token * c.block_size
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
@@ -264,7 +319,26 @@ class LLMEngine:
         return int(blocks)
 
 
-def _resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+def resolve_device(name: str | None, rank: int = 0) -> torch.device:
+    if name is None or name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
+    return device
+
+
+def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window:
+        limit = min(limit, spec.sliding_window)  # no sliding-window attention: stay inside it
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
+    return wanted
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None or name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:

@@ -27,7 +27,7 @@ class KVCacheManager:
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
         parent = hashes[-1] if hashes else hash(("llmserve-prefix-root", seq.request.cache_salt))
         for i in range(len(hashes), num_blocks):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent = hash((parent, block_tokens))
             hashes.append(parent)
         return hashes[:num_blocks]
@@ -41,7 +41,7 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // bs
         found = []
         for i, h in enumerate(self.block_hashes(seq, max_blocks)):
-            block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             if block_id is None:
                 break
             found.append(block_id)
@@ -53,15 +53,23 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        cached_blocks = cached_blocks or []
         bs = self.block_size
-        start = seq.num_computed_tokens + len(cached_blocks) * bs
+        start = seq.num_computed_tokens
+        if not cached_blocks and start % bs and start + num_new_tokens <= len(seq.block_table) * bs:
+            # The common decode case: the slots exist in the last block; only a shared one needs work.
+            if self.pool.blocks[seq.block_table[start // bs]].ref_count == 1:
+                return True
+        cached_blocks = cached_blocks or []
+        start += len(cached_blocks) * bs
         have = len(seq.block_table) + len(cached_blocks)
         need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
         # The first block written to is shared (a fork's partial prompt block): it must be copied.
         write_block = start // bs
-        cow = (start % bs != 0 and write_block < len(seq.block_table)
-               and self.pool.blocks[seq.block_table[write_block]].ref_count > 1)
+        cow = (
+            start % bs != 0
+            and write_block < len(seq.block_table)
+            and self.pool.blocks[seq.block_table[write_block]].ref_count > 1
+        )
         revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if need_new + int(cow) > self.pool.num_free - revived:
             return False
@@ -99,7 +107,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self.block_hashes(seq, full)
         for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.pool.register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
         seq.num_registered_blocks = full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -20,16 +20,40 @@ from engine_svc.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, tokenizer: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
-                 load_format: str = "auto", seed: int = 0, tensor_parallel_size: int = 1, **engine_options):
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        dtype: str | None = None,
+        device: str | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        **engine_options,
+    ):
         config = EngineConfig(
-            model=str(model), block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, load_format=load_format,
-            seed=seed, tensor_parallel_size=tensor_parallel_size, **engine_options)
+            model=str(model),
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            **engine_options,
+        )
         self.engine = LLMEngine(config)
         tok_dir = Path(tokenizer or model)
         self.tokenizer = None
@@ -42,12 +66,30 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes, if any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = (sampling_params if isinstance(sampling_params, list)
-                       else [sampling_params or SamplingParams()] * len(prompt_list))
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompt_list)
+        )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         tracks: dict[str, _Track] = {}
@@ -71,7 +113,9 @@ class LLM:
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass token ids or a model dir with tokenizer.json")
+                raise ValueError(
+                    "string prompts need a tokenizer; pass token ids or a model dir with tokenizer.json"
+                )
             text, prompt = prompt, self.tokenizer.encode(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
@@ -94,8 +138,14 @@ class _Seq:
 class _Track:
     """One request's text-side state: per sequence, its detokenizer and stop-string matcher."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], prompt_text: str | None, params: SamplingParams,
-                 tokenizer):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        prompt_text: str | None,
+        params: SamplingParams,
+        tokenizer,
+    ):
         self.request_id, self.prompt_ids, self.prompt_text = request_id, prompt_ids, prompt_text
         self.params, self.tokenizer = params, tokenizer
         self.seqs = [self._new_seq() for _ in range(params.n)]
@@ -108,7 +158,9 @@ class _Track:
             from tokenizer_svc.detokenizer import IncrementalDetokenizer
             from tokenizer_svc.stop_strings import StopStringMatcher
 
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=self.params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=self.params.skip_special_tokens
+            )
             if self.params.stop:
                 seq.stop_matcher = StopStringMatcher(self.params.stop, self.params.include_stop_str_in_output)
         return seq
@@ -127,6 +179,8 @@ class _Track:
             seq.logprobs = (seq.logprobs or []) + delta.logprobs
         if seq.detokenizer is not None:
             new_text = seq.detokenizer.push(delta.new_token_ids)
+            if delta.finished:
+                new_text += seq.detokenizer.flush()  # an incomplete last character, as decode() gives it
             if seq.stop_matcher is not None:
                 result = seq.stop_matcher.push(new_text)
                 seq.text += result.text
@@ -143,10 +197,18 @@ class _Track:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_token_id
 
     def result(self) -> RequestOutput:
-        outputs = [CompletionOutput(i, s.token_ids, s.text, s.finish_reason or "abort", s.stop_reason, s.logprobs)
-                   for i, s in enumerate(self.seqs)]
-        return RequestOutput(self.request_id, self.prompt_ids, outputs, self.num_cached_tokens, self.prompt_text,
-                             self.prompt_logprobs)
+        outputs = [
+            CompletionOutput(i, s.token_ids, s.text, s.finish_reason or "abort", s.stop_reason, s.logprobs)
+            for i, s in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt_ids,
+            outputs,
+            self.num_cached_tokens,
+            self.prompt_text,
+            self.prompt_logprobs,
+        )
 
 
 def _as_prompt_list(prompts) -> list:

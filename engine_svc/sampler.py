@@ -51,8 +51,9 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p (nucleus) and min-p exclude; ``logits`` already tempered."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -117,8 +118,12 @@ class Sampler:
         for i, r in enumerate(rows):
             n = wanted[r]
             out[r] = TokenLogprob(
-                token_id=tokens[r], logprob=float(chosen_lp[i]), rank=int(ranks[i]),
-                top_ids=top_ids[i, :n].tolist() if n else [], top_logprobs=top_lp[i, :n].tolist() if n else [])
+                token_id=tokens[r],
+                logprob=float(chosen_lp[i]),
+                rank=int(ranks[i]),
+                top_ids=top_ids[i, :n].tolist() if n else [],
+                top_logprobs=top_lp[i, :n].tolist() if n else [],
+            )
         return out
 
 
@@ -129,7 +134,13 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> li
     chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
     ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
     top_lp, top_ids = lp.topk(top_n, dim=-1) if top_n else (None, None)
-    return [TokenLogprob(token_id=next_ids[i], logprob=float(chosen_lp[i]), rank=int(ranks[i]),
-                         top_ids=top_ids[i].tolist() if top_n else [],
-                         top_logprobs=top_lp[i].tolist() if top_n else [])
-            for i in range(len(next_ids))]
+    return [
+        TokenLogprob(
+            token_id=next_ids[i],
+            logprob=float(chosen_lp[i]),
+            rank=int(ranks[i]),
+            top_ids=top_ids[i].tolist() if top_n else [],
+            top_logprobs=top_lp[i].tolist() if top_n else [],
+        )
+        for i in range(len(next_ids))
+    ]

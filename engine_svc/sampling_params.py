@@ -88,7 +88,12 @@ def _check_int(value, name: str, lo: int | None = None, hi: int | None = None) -
 
 
 def _check_float(value, name: str, lo: float | None = None, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or math.isinf(value)
+    ):
         raise ValueError(f"{name} must be a finite number {hint}, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be {hint}, got {value}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager
-from engine_svc.sequence import Sequence, SeqStatus
+from engine_svc.sequence import SeqStatus, Sequence
 
 
 @dataclass

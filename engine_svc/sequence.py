@@ -71,7 +71,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.request.num_prompt_tokens:]
+        return self.token_ids[self.request.num_prompt_tokens :]
 
     @property
     def params(self) -> SamplingParams:

@@ -7,8 +7,8 @@ The engine calls only ``Kernels`` methods; which implementation runs is decided 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

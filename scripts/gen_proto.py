@@ -25,8 +25,15 @@ def main() -> int:
     OUT.mkdir()
     if protos:
         include = str(Path(protoc.__file__).parent / "_proto")
-        args = ["protoc", f"-I{SRC}", f"-I{include}", f"--python_out={OUT}", f"--pyi_out={OUT}",
-                f"--grpc_python_out={OUT}", *protos]
+        args = [
+            "protoc",
+            f"-I{SRC}",
+            f"-I{include}",
+            f"--python_out={OUT}",
+            f"--pyi_out={OUT}",
+            f"--grpc_python_out={OUT}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             print("protoc failed", file=sys.stderr)
             return 1

@@ -12,14 +12,35 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Shapes small enough for 2 cores, with initializer_range 0.2 so the top-2 logits are well apart
 # and greedy comparisons with HF are not decided by fp32 summation order.
 TINY_ARCHS: dict[str, dict] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=2),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
 }
 
 SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
@@ -45,8 +66,9 @@ def tiny_models(tmp_path_factory, trained_tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
     out: dict[str, Path] = {}
     for arch, shape in TINY_ARCHS.items():
-        d = build_random_model(root / arch, arch, seed=1234, vocab_size=1024, eos_token_id=2,
-                               generation_eos=[2, 0], **shape)
+        d = build_random_model(
+            root / arch, arch, seed=1234, vocab_size=1024, eos_token_id=2, generation_eos=[2, 0], **shape
+        )
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             shutil.copy(trained_tokenizer_dir / f, d / f)
         out[arch] = d

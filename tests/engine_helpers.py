@@ -20,9 +20,12 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **options))
 
 
-def run_to_completion(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
-                      add_later: dict[str, tuple[list[int], SamplingParams]] | None = None,
-                      add_after_steps: int = 3) -> dict[tuple[str, int], list[int]]:
+def run_to_completion(
+    engine: LLMEngine,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    add_later: dict[str, tuple[list[int], SamplingParams]] | None = None,
+    add_after_steps: int = 3,
+) -> dict[tuple[str, int], list[int]]:
     """Tokens per (request id, sequence index); the pool is checked after every step and at the end."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
@@ -57,19 +60,31 @@ def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_greedy_matches(hf_model, prompt: list[int], got: list[int], ref: list[int]) -> None:
     """Equal, or diverging only where HF's own top-2 gap is an arithmetic near-tie."""
     if got == ref:
         return
-    pos = next(i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b) if len(got) == len(ref) else 0
+    pos = (
+        next(i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b)
+        if len(got) == len(ref)
+        else 0
+    )
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt + ref[:pos]])).logits[0, -1]
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
-    assert gap < NEAR_TIE, (f"greedy tokens differ from HF at output position {pos} where HF's top-2 gap is {gap:.3g} "
-                            f"(a bug, not arithmetic)\n engine: {got}\n     hf: {ref}")
+    assert gap < NEAR_TIE, (
+        f"greedy tokens differ from HF at output position {pos} where HF's top-2 gap is {gap:.3g} "
+        f"(a bug, not arithmetic)\n engine: {got}\n     hf: {ref}"
+    )

@@ -113,7 +113,9 @@ def test_prefix_hit_requires_equal_tokens():
     assert kv.find_cached_prefix(same) == []
     # Another tenant's salt never reaches this tenant's blocks.
     block.token_ids = (1, 2, 3, 4)
-    salted = Sequence(Request("c", [1, 2, 3, 4, 9], SamplingParams(), 0, "tenant-b", 2, 4), 0, [1, 2, 3, 4, 9])
+    salted = Sequence(
+        Request("c", [1, 2, 3, 4, 9], SamplingParams(), 0, "tenant-b", 2, 4), 0, [1, 2, 3, 4, 9]
+    )
     assert kv.find_cached_prefix(salted) == []
 
 

@@ -22,8 +22,9 @@ def test_transformers_loads_default_model_and_tokenizer(default_model_dir):
         assert tok.convert_tokens_to_ids(special) < 3
     text = "def main():\n    print('héllo 你好 😀')"
     assert tok.decode(tok.encode(text)) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     model = AutoModelForCausalLM.from_pretrained(default_model_dir)
     assert model.config.model_type == "llama"

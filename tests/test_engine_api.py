@@ -57,7 +57,9 @@ def test_abort_returns_every_block(engine, phase):
 
 def test_parallel_sampling_shares_prompt_blocks(engine):
     prompt = random_prompts([35], 1024, seed=2)[0]  # 4 full blocks of 8 and a partial one
-    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "n4", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    )
     outputs = {}
     while not engine.requests["n4"].forked:
         for d in engine.step():
@@ -81,9 +83,12 @@ def test_parallel_sampling_shares_prompt_blocks(engine):
 
 def test_parallel_greedy_sequences_equal_single(tiny_llama):
     prompt = random_prompts([21], 1024, seed=4)[0]
-    single = run_to_completion(make_engine(tiny_llama, block_size=8), {"a": (prompt, SamplingParams(max_tokens=9, **GREEDY))})
-    par = run_to_completion(make_engine(tiny_llama, block_size=8),
-                            {"a": (prompt, SamplingParams(n=3, max_tokens=9, **GREEDY))})
+    single = run_to_completion(
+        make_engine(tiny_llama, block_size=8), {"a": (prompt, SamplingParams(max_tokens=9, **GREEDY))}
+    )
+    par = run_to_completion(
+        make_engine(tiny_llama, block_size=8), {"a": (prompt, SamplingParams(n=3, max_tokens=9, **GREEDY))}
+    )
     assert par[("a", 0)] == par[("a", 1)] == par[("a", 2)] == single[("a", 0)]
 
 
@@ -96,12 +101,19 @@ def test_stopping_rules(engine):
     deltas = []
     while engine.has_unfinished_requests():
         deltas += engine.step()
-    assert [t for d in deltas for t in d.new_token_ids] == free[:first + 1]
+    assert [t for d in deltas for t in d.new_token_ids] == free[: first + 1]
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_token_id == stop_tok
     # min_tokens bans the stop token until enough tokens exist
-    out = run_to_completion(engine, {"m": (prompt, SamplingParams(max_tokens=10, min_tokens=first + 2,
-                                                                  stop_token_ids=[stop_tok], **GREEDY))})
-    assert stop_tok not in out[("m", 0)][:first + 2]
+    out = run_to_completion(
+        engine,
+        {
+            "m": (
+                prompt,
+                SamplingParams(max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop_tok], **GREEDY),
+            )
+        },
+    )
+    assert stop_tok not in out[("m", 0)][: first + 2]
 
 
 def test_eos_from_generation_config_stops(tiny_llama):
@@ -115,7 +127,7 @@ def test_eos_from_generation_config_stops(tiny_llama):
     deltas = []
     while engine.has_unfinished_requests():
         deltas += engine.step()
-    assert [t for d in deltas for t in d.new_token_ids] == free[:free.index(free[2]) + 1]
+    assert [t for d in deltas for t in d.new_token_ids] == free[: free.index(free[2]) + 1]
     assert deltas[-1].finish_reason == "stop"
 
 

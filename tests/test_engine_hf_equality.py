@@ -7,7 +7,13 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from engine_svc import SamplingParams
-from tests.engine_helpers import assert_greedy_matches, hf_greedy, make_engine, random_prompts, run_to_completion
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_to_completion,
+)
 
 VOCAB = 1024
 MAX_NEW = 12
@@ -75,7 +81,11 @@ def test_caching_and_chunking_do_not_change_outputs(tiny_llama):
     results = []
     for caching in (True, False):
         for chunking, budget in ((True, 16), (False, 512)):
-            engine = make_engine(tiny_llama, enable_prefix_caching=caching, enable_chunked_prefill=chunking,
-                                 max_num_batched_tokens=budget)
+            engine = make_engine(
+                tiny_llama,
+                enable_prefix_caching=caching,
+                enable_chunked_prefill=chunking,
+                max_num_batched_tokens=budget,
+            )
             results.append(run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)}))
     assert all(r == results[0] for r in results)

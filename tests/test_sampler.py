@@ -18,13 +18,21 @@ def _batch(rows: int, **cols) -> SamplingBatch:
         return torch.tensor(cols.get(name, [default] * rows), dtype=dtype)
 
     return SamplingBatch(
-        temperature=t("temperature", 1.0), top_k=t("top_k", 0, torch.int64), top_p=t("top_p", 1.0),
-        min_p=t("min_p", 0.0), repetition_penalty=t("repetition_penalty", 1.0),
-        presence_penalty=t("presence_penalty", 0.0), frequency_penalty=t("frequency_penalty", 0.0),
-        generators=cols.get("generators", [None] * rows), output_ids=cols.get("output_ids", [[]] * rows),
-        prompt_ids=cols.get("prompt_ids", [[]] * rows), banned_ids=cols.get("banned_ids", [[]] * rows),
-        num_logprobs=cols.get("num_logprobs", [None] * rows), any_penalty=cols.get("any_penalty", False),
-        all_greedy=False)
+        temperature=t("temperature", 1.0),
+        top_k=t("top_k", 0, torch.int64),
+        top_p=t("top_p", 1.0),
+        min_p=t("min_p", 0.0),
+        repetition_penalty=t("repetition_penalty", 1.0),
+        presence_penalty=t("presence_penalty", 0.0),
+        frequency_penalty=t("frequency_penalty", 0.0),
+        generators=cols.get("generators", [None] * rows),
+        output_ids=cols.get("output_ids", [[]] * rows),
+        prompt_ids=cols.get("prompt_ids", [[]] * rows),
+        banned_ids=cols.get("banned_ids", [[]] * rows),
+        num_logprobs=cols.get("num_logprobs", [None] * rows),
+        any_penalty=cols.get("any_penalty", False),
+        all_greedy=False,
+    )
 
 
 def _reference_keep(logits_row: list[float], k: int, p: float, min_p: float) -> set[int]:
@@ -42,13 +50,26 @@ def _reference_keep(logits_row: list[float], k: int, p: float, min_p: float) -> 
     return {i for i in nucleus if probs[i] >= min_p * top or i == kept[0]}
 
 
-@pytest.mark.parametrize("k,p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.0),
-                                       (0, 1.0, 0.3), (4, 0.9, 0.1), (1, 0.5, 0.0), (0, 0.05, 0.0)])
+@pytest.mark.parametrize(
+    "k,p,min_p",
+    [
+        (0, 1.0, 0.0),
+        (3, 1.0, 0.0),
+        (0, 0.6, 0.0),
+        (5, 0.8, 0.0),
+        (0, 1.0, 0.3),
+        (4, 0.9, 0.1),
+        (1, 0.5, 0.0),
+        (0, 0.05, 0.0),
+    ],
+)
 def test_filters_match_reference(k, p, min_p):
     gen = torch.Generator().manual_seed(k * 100 + int(p * 10))
     logits = torch.randn(6, 12, generator=gen) * 2
     rows = logits.shape[0]
-    masked = filter_logits(logits.clone(), torch.full((rows,), k), torch.full((rows,), p), torch.full((rows,), min_p))
+    masked = filter_logits(
+        logits.clone(), torch.full((rows,), k), torch.full((rows,), p), torch.full((rows,), min_p)
+    )
     for r in range(rows):
         kept = {i for i in range(12) if masked[r, i] != float("-inf")}
         assert kept == _reference_keep(logits[r].tolist(), k, p, min_p)
@@ -56,8 +77,15 @@ def test_filters_match_reference(k, p, min_p):
 
 def test_penalties_match_reference():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
-    b = _batch(2, repetition_penalty=[1.5, 1.0], presence_penalty=[0.0, 0.5], frequency_penalty=[0.0, 0.25],
-               output_ids=[[0, 0, 1], [2, 2, 2, 4]], prompt_ids=[[3], [0]], any_penalty=True)
+    b = _batch(
+        2,
+        repetition_penalty=[1.5, 1.0],
+        presence_penalty=[0.0, 0.5],
+        frequency_penalty=[0.0, 0.25],
+        output_ids=[[0, 0, 1], [2, 2, 2, 4]],
+        prompt_ids=[[3], [0]],
+        any_penalty=True,
+    )
     got = apply_penalties(logits.clone(), b)
     expected = logits.clone()
     for tok in (0, 1, 3):  # row 0: repetition over prompt and output tokens
@@ -94,11 +122,21 @@ def test_seeded_sampling_is_independent_of_batch_mix(tiny_llama):
     prompts = random_prompts([4, 20, 9, 33], 1024, seed=5)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = run_to_completion(make_engine(tiny_llama), {"s": (prompts[0], seeded)})
-    others = {str(i): (p, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
-              for i, p in enumerate(prompts[1:])}
-    mixed = run_to_completion(make_engine(tiny_llama, max_num_batched_tokens=16),
-                              {**others, "s": (prompts[0], seeded)})
+    others = {
+        str(i): (p, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+        for i, p in enumerate(prompts[1:])
+    }
+    mixed = run_to_completion(
+        make_engine(tiny_llama, max_num_batched_tokens=16), {**others, "s": (prompts[0], seeded)}
+    )
     assert alone[("s", 0)] == mixed[("s", 0)]
-    other_seed = run_to_completion(make_engine(tiny_llama), {"s": (prompts[0], SamplingParams(
-        temperature=1.0, top_p=0.9, seed=4321, max_tokens=12, ignore_eos=True))})
+    other_seed = run_to_completion(
+        make_engine(tiny_llama),
+        {
+            "s": (
+                prompts[0],
+                SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=12, ignore_eos=True),
+            )
+        },
+    )
     assert other_seed[("s", 0)] != alone[("s", 0)]

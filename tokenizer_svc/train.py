@@ -24,12 +24,37 @@ CHATML_TEMPLATE = (
 )
 
 STDLIB_FILES = [
-    "argparse.py", "textwrap.py", "string.py", "difflib.py", "random.py", "statistics.py",
-    "calendar.py", "fractions.py", "heapq.py", "bisect.py", "pathlib.py", "shutil.py", "typing.py",
-    "dataclasses.py", "functools.py", "contextlib.py", "enum.py", "csv.py", "pprint.py",
-    "json/__init__.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py",
-    "logging/__init__.py", "email/message.py", "http/client.py", "urllib/parse.py",
-    "asyncio/tasks.py", "asyncio/queues.py", "unittest/case.py", "concurrent/futures/_base.py",
+    "argparse.py",
+    "textwrap.py",
+    "string.py",
+    "difflib.py",
+    "random.py",
+    "statistics.py",
+    "calendar.py",
+    "fractions.py",
+    "heapq.py",
+    "bisect.py",
+    "pathlib.py",
+    "shutil.py",
+    "typing.py",
+    "dataclasses.py",
+    "functools.py",
+    "contextlib.py",
+    "enum.py",
+    "csv.py",
+    "pprint.py",
+    "json/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "collections/__init__.py",
+    "logging/__init__.py",
+    "email/message.py",
+    "http/client.py",
+    "urllib/parse.py",
+    "asyncio/tasks.py",
+    "asyncio/queues.py",
+    "unittest/case.py",
+    "concurrent/futures/_base.py",
 ]
 MULTILINGUAL = Path(__file__).with_name("corpus") / "multilingual.txt"
 
@@ -76,8 +101,14 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
-            str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                      "normalized": False, "single_word": False}
+            str(tok.token_to_id(t)): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for t in SPECIAL_TOKENS
         },
         "chat_template": CHATML_TEMPLATE,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.models.spec import ModelSpec
+from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
@@ -28,20 +29,23 @@ class AttentionInputs:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d
+        self.shard = shard
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.heads(spec), shard.kv_heads(spec), d
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+        inter = shard.intermediate(spec)
         self.qkv_weight = nn.Parameter(torch.empty(qkv_rows, h, dtype=dtype), requires_grad=False)
         self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows, dtype=dtype), requires_grad=False) if spec.qkv_bias else None
-        self.o_weight = nn.Parameter(torch.empty(h, spec.num_heads * d, dtype=dtype), requires_grad=False)
+        self.o_weight = nn.Parameter(torch.empty(h, self.num_heads * d, dtype=dtype), requires_grad=False)
         self.o_bias = nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if spec.o_bias else None
         self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, dtype=dtype),
-                                           requires_grad=False)
-        self.down_weight = nn.Parameter(torch.empty(h, spec.intermediate_size, dtype=dtype), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, h, dtype=dtype), requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.eps = spec.rms_norm_eps
@@ -51,7 +55,7 @@ class DecoderLayer(nn.Module):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
         x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        x = F.linear(k.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        x = self.shard.all_reduce(F.linear(k.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight))
         return x, residual
 
     def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
@@ -69,18 +73,23 @@ class DecoderLayer(nn.Module):
         k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
         out = k.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                 self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len)
-        return F.linear(out.reshape(t, q_size), self.o_weight, self.o_bias)
+        out = self.shard.all_reduce(F.linear(out.reshape(t, q_size), self.o_weight))
+        return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_positions: int):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_positions: int, shard: Shard | None = None):
         super().__init__()
         self.spec = spec
-        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.shard = shard = shard or Shard()
+        shard.check(spec)
+        self.vocab_start, vocab_end = shard.vocab_range(spec)
+        local_vocab = vocab_end - self.vocab_start
+        self.embed = nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard) for _ in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (None if spec.tie_word_embeddings else
-                        nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False))
+                        nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False))
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
 
@@ -88,14 +97,23 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, k: Kernels, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: AttentionInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn)
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # Vocabulary-parallel: each rank looks up the ids it holds, zeros elsewhere, then a sum.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[:, None], 0.0)
+        return self.shard.all_reduce(x)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return self.shard.all_gather_last_dim(F.linear(hidden, weight).float())

@@ -1,10 +1,12 @@
 """Weights into a ``DecoderForCausalLM``: from HF safetensors (one file or sharded), or random
-("dummy") from config.json alone for benchmarks."""
+("dummy") from config.json alone for benchmarks. Each HF tensor is taken whole and the slice that
+this tensor-parallel rank holds is copied in, so every rank reads the same checkpoint."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,81 +18,87 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
-    files = _safetensors_files(Path(model_dir))
-    loaded: set[str] = set()
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if _assign(model, name, f.get_tensor(name)):
-                    loaded.add(name)
-    missing = _expected_names(model) - loaded
+    loaded = {name for name, tensor in _read_safetensors(Path(model_dir)) if assign(model, name, tensor)}
+    missing = expected_names(model) - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
-    """Random weights of the checkpoint's shape; norms stay 1 so activations keep a sane scale."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights of the checkpoint's shape, the same on every rank and for every TP size;
+    norms stay 1 and biases 0 so activations keep a sane scale."""
+    device = model.final_norm.device
+    gen = torch.Generator(device).manual_seed(seed)
     std = model.spec.initializer_range
-    for name, param in model.named_parameters():
+    for name, shape in sorted(full_shapes(model).items()):
         if "norm" in name:
-            param.data.fill_(1.0)
+            tensor = torch.ones(shape, device=device)
         elif name.endswith("bias"):
-            param.data.zero_()
+            tensor = torch.zeros(shape, device=device)
         else:
-            param.data.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+            tensor = torch.randn(shape, generator=gen, device=device) * std
+        assign(model, name, tensor)
 
 
-def _safetensors_files(d: Path) -> list[Path]:
+def _read_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
     index = d / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [d / f for f in sorted(set(weight_map.values()))]
-    single = d / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(d.glob("*.safetensors"))
-    if not found:
+        files = [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (d / "model.safetensors").exists():
+        files = [d / "model.safetensors"]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
         raise FileNotFoundError(f"no safetensors weights in {d} (use load_format='dummy' for random weights)")
-    return found
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
-def _assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
-    spec = model.spec
-    if name == "model.embed_tokens.weight":
-        return _copy(model.embed, tensor)
+def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
+    """Copy this rank's slice of the HF tensor ``name`` into the model; False if not ours."""
+    spec, shard = model.spec, model.shard
+    d = spec.head_dim
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        target = model.embed if name.startswith("model.") else model.lm_head
+        start, end = shard.vocab_range(spec)
+        return target is not None and _copy(target, tensor[start:end])
     if name == "model.norm.weight":
         return _copy(model.final_norm, tensor)
-    if name == "lm_head.weight":
-        return model.lm_head is not None and _copy(model.lm_head, tensor)
     m = _LAYER.match(name)
     if not m or int(m.group(1)) >= len(model.layers):
         return False
     layer, rest = model.layers[int(m.group(1))], m.group(2)
-    q_rows = spec.num_heads * spec.head_dim
-    kv_rows = spec.num_kv_heads * spec.head_dim
-    qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
-    inter = spec.intermediate_size
-    simple = {
-        "self_attn.o_proj.weight": layer.o_weight,
+    heads, kv_heads, inter = layer.num_heads, layer.num_kv_heads, shard.intermediate(spec)
+    q_src = shard.rank * heads * d
+    kv_src = shard.kv_head_start(spec) * d
+    # HF name -> (target, target row offset, source slice along the split dim, split dim)
+    rows = {
+        "self_attn.q_proj": (0, q_src, heads * d),
+        "self_attn.k_proj": (heads * d, kv_src, kv_heads * d),
+        "self_attn.v_proj": ((heads + kv_heads) * d, kv_src, kv_heads * d),
+    }
+    proj, _, kind = rest.rpartition(".")
+    if proj in rows:
+        dst, src, count = rows[proj]
+        target = layer.qkv_weight if kind == "weight" else layer.qkv_bias
+        return target is not None and _copy(target.data.narrow(0, dst, count), tensor.narrow(0, src, count))
+    if proj in ("mlp.gate_proj", "mlp.up_proj"):
+        dst = 0 if proj == "mlp.gate_proj" else inter
+        return _copy(layer.gate_up_weight.data.narrow(0, dst, inter), tensor.narrow(0, shard.rank * inter, inter))
+    if rest == "self_attn.o_proj.weight":
+        return _copy(layer.o_weight, tensor.narrow(1, q_src, heads * d))
+    if rest == "mlp.down_proj.weight":
+        return _copy(layer.down_weight, tensor.narrow(1, shard.rank * inter, inter))
+    whole = {
         "self_attn.o_proj.bias": layer.o_bias,
         "self_attn.q_norm.weight": layer.q_norm,
         "self_attn.k_norm.weight": layer.k_norm,
-        "mlp.down_proj.weight": layer.down_weight,
         "input_layernorm.weight": layer.input_norm,
         "post_attention_layernorm.weight": layer.post_attn_norm,
     }
-    if rest in simple:
-        return simple[rest] is not None and _copy(simple[rest], tensor)
-    proj, _, kind = rest.removeprefix("self_attn.").removeprefix("mlp.").partition(".")
-    if proj in qkv_slices:
-        start, rows = qkv_slices[proj]
-        target = layer.qkv_weight if kind == "weight" else layer.qkv_bias
-        return target is not None and _copy(target.data.narrow(0, start, rows), tensor)
-    if proj in ("gate_proj", "up_proj") and kind == "weight":
-        start = 0 if proj == "gate_proj" else inter
-        return _copy(layer.gate_up_weight.data.narrow(0, start, inter), tensor)
-    return False
+    return whole.get(rest) is not None and _copy(whole[rest], tensor)
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -100,19 +108,37 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
     return True
 
 
-def _expected_names(model: DecoderForCausalLM) -> set[str]:
-    spec = model.spec
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
+def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
+    """HF name -> unsharded shape, for every weight the model needs."""
+    s = model.spec
+    h, d, inter = s.hidden_size, s.head_dim, s.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h), "model.norm.weight": (h,)}
     if model.lm_head is not None:
-        names.add("lm_head.weight")
-    for i in range(spec.num_layers):
+        shapes["lm_head.weight"] = (s.vocab_size, h)
+    for i in range(s.num_layers):
         p = f"model.layers.{i}."
-        names |= {p + s for s in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                  "mlp.down_proj.weight", "input_layernorm.weight",
-                                  "post_attention_layernorm.weight")}
-        if spec.qkv_bias:
-            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
-        if spec.qk_norm:
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    return names
+        shapes.update({
+            p + "self_attn.q_proj.weight": (s.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (s.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": (s.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, s.num_heads * d),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if s.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (s.num_heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (s.num_kv_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (s.num_kv_heads * d,)
+        if s.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if s.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+    return shapes
+
+
+def expected_names(model: DecoderForCausalLM) -> set[str]:
+    return set(full_shapes(model))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """``k, v [T, Hk, D]``; caches ``[num_blocks, block_size, Hk, D]``; slot = block * block_size + offset.
 
     A negative slot means "do not store" (padding tokens).

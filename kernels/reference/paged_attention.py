@@ -20,10 +20,17 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int | None = None,
-                    max_seq_len: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk.
 
     ``max_query_len`` / ``max_seq_len`` are host-side bounds the caller already knows; GPU kernels
@@ -64,8 +71,9 @@ def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, sc
     hq, hk = q.shape[1], k.shape[2]
     kb = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)  # [B, Hq, L, D]
     vb = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
-    o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype),
-                                       attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(
+        qb, kb.to(q.dtype), vb.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+    )
     out[token_idx] = o.squeeze(2)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(norm(x + residual) * weight, x + residual)``; with no residual, ``x`` itself.
 
     The statistics are computed in fp32 and the scaled value is cast back to the input dtype

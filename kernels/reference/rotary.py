@@ -41,8 +41,9 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scale: float 
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` by their token's position (neox layout)."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
     cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(q.dtype)

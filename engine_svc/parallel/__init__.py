@@ -1,0 +1,2 @@
+"""Tensor parallelism over torch.distributed: which slice a rank holds, the collectives, and the
+worker processes that mirror rank 0's forward passes."""

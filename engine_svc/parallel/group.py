@@ -1,0 +1,104 @@
+"""Rank 0's side of tensor parallelism: start the worker processes, join the process group,
+send every step's inputs, and stop the workers.
+
+Workers are separate interpreters (``python -m engine_svc.parallel.worker``): their configuration
+travels as JSON on the command line and each step as two int64 broadcasts, so nothing is pickled.
+gloo serves CPU tensors, NCCL CUDA ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine_svc.config import EngineConfig
+from engine_svc.step_inputs import CMD_STOP, HEADER_LEN, StepInputs
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT = timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TensorParallelGroup:
+    def __init__(self, config: EngineConfig, num_blocks: int, device: torch.device):
+        self.size = config.tensor_parallel_size
+        self.device = device
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        config_json = json.dumps(dataclasses.asdict(config))
+        self.workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine_svc.parallel.worker",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(self.size),
+                    "--init-method",
+                    init_method,
+                    "--num-blocks",
+                    str(num_blocks),
+                    "--config",
+                    config_json,
+                ]
+            )
+            for rank in range(1, self.size)
+        ]
+        try:
+            dist.init_process_group(
+                backend_for(device),
+                init_method=init_method,
+                rank=0,
+                world_size=self.size,
+                timeout=STEP_TIMEOUT,
+            )
+        except Exception:
+            self._kill()
+            raise
+        log.info("tensor parallel: %d ranks (%s)", self.size, backend_for(device))
+
+    def broadcast(self, inputs: StepInputs) -> None:
+        header, payload = inputs.pack()
+        self._send(header, payload)
+
+    def _send(self, header: list[int], payload: list[int]) -> None:
+        dist.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=0)
+        if payload:
+            dist.broadcast(torch.tensor(payload, dtype=torch.int64, device=self.device), src=0)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                self._send([CMD_STOP] + [0] * (HEADER_LEN - 1), [])
+            finally:
+                dist.destroy_process_group()
+        for w in self.workers:
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+
+    def _kill(self) -> None:
+        for w in self.workers:
+            w.kill()
+            w.wait()

@@ -1,0 +1,115 @@
+"""Every Triton kernel against its torch reference on one device, as plain records.
+
+The GPU check runs this on CUDA in bf16/fp16 with the same cases the CPU tests run under the
+interpreter (``kernels.cases``); each record says what was compared, the largest error and the
+tolerance, so a failure on a GPU machine is readable from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import Kernels
+from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
+
+# (rtol, atol) per dtype; bf16 keeps 8 mantissa bits, so one rounding step is ~4e-3 relative.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 2e-3),
+    torch.bfloat16: (2e-2, 1.6e-2),
+}
+
+
+def _record(kernel: str, case: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor) -> dict:
+    rtol, atol = TOLERANCES[dtype]
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    ok = bool(torch.isfinite(got).all()) and bool((err <= atol + rtol * want.abs()).all())
+    return dict(
+        kernel=kernel,
+        case=case,
+        dtype=str(dtype).removeprefix("torch."),
+        ok=ok,
+        max_abs_err=float(err.max()) if err.numel() else 0.0,
+        rtol=rtol,
+        atol=atol,
+    )
+
+
+def check_elementwise(k: Kernels, device: str, dtype: torch.dtype, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    records = []
+    for hidden in (200, 4096):
+        x, res, w = rand(7, hidden), rand(7, hidden), rand(hidden)
+        got, got_res = k.rms_norm(x, w, 1e-5, res)
+        want, want_res = rmsnorm.rms_norm(x, w, 1e-5, res)
+        records.append(_record("rms_norm", f"h{hidden}", dtype, got, want))
+        records.append(_record("rms_norm.residual", f"h{hidden}", dtype, got_res, want_res))
+    for d in (176, 14336):
+        x = rand(5, 2 * d)
+        records.append(_record("silu_and_mul", f"d{d}", dtype, k.silu_and_mul(x), activation.silu_and_mul(x)))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    for head_dim in (64, 128):
+        cache = rotary.rope_cos_sin_cache(rotary.rope_inv_freq(head_dim, 500000.0, scaling), 300).to(device)
+        q, kk = rand(13, 32, head_dim), rand(13, 8, head_dim)
+        positions = torch.randint(0, 300, (13,), generator=gen).to(device)
+        got_q, got_k = k.apply_rotary(positions, q, kk, cache)
+        want_q, want_k = rotary.apply_rotary(positions, q, kk, cache)
+        records.append(_record("apply_rotary.q", f"d{head_dim}", dtype, got_q, want_q))
+        records.append(_record("apply_rotary.k", f"d{head_dim}", dtype, got_k, want_k))
+    for block_size in (16, 32):
+        caches = [rand(5, block_size, 8, 128) for _ in range(2)]
+        ref_caches = [c.clone() for c in caches]
+        kn, vn = rand(6, 8, 128), rand(6, 8, 128)
+        slots = torch.tensor(
+            [5, -1, 3 * block_size, 2 * block_size + 7, 1, 4 * block_size - 1], device=device
+        )
+        k.write_kv(kn, vn, *caches, slots)
+        kv_write.write_kv(kn, vn, *ref_caches, slots)
+        exact = torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+        records.append(
+            dict(
+                kernel="write_kv",
+                case=f"bs{block_size}",
+                dtype=str(dtype).removeprefix("torch."),
+                ok=exact,
+                max_abs_err=0.0 if exact else float("nan"),
+                rtol=0.0,
+                atol=0.0,
+            )
+        )
+    return records
+
+
+def check_attention(
+    k: Kernels,
+    device: str,
+    dtype: torch.dtype,
+    cases: tuple[AttentionCase, ...] = MIXED_CASES + SPLIT_DECODE_CASES,
+) -> list[dict]:
+    records = []
+    for case in cases:
+        batch = make_paged_batch(case, dtype, device=device)
+        want = paged_attention.paged_attention(*batch.args())
+        got = k.paged_attention(*batch.args(), **batch.bounds())
+        records.append(_record("paged_attention", case.label, dtype, got, want))
+    return records
+
+
+def check_all(k: Kernels, device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
+    records = []
+    for dtype in dtypes:
+        records += check_elementwise(k, device, dtype)
+        records += check_attention(k, device, dtype)
+    return records

@@ -1,0 +1,122 @@
+"""The offline API as vLLM users write it: strings or token ids in, text and tokens out, stop
+strings matched on text outside the engine core."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_svc import LLM, SamplingParams
+from tests.engine_helpers import assert_pool_whole
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(model=str(default_model_dir), max_num_batched_tokens=256, num_kv_blocks=128)
+
+
+def test_seed_examples_run_as_written(default_model_dir):
+    llm = LLM(model=str(default_model_dir), tensor_parallel_size=1, num_kv_blocks=64)
+    outs = llm.generate(
+        ["Hello, my name is", "def fib(n):"],
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=512, stop=["<|im_end|>"]),
+        use_tqdm=False,
+    )
+    assert len(outs) == 2 and all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    llm2 = LLM(
+        model=str(default_model_dir),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=64,
+    )
+    assert llm2.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert_pool_whole(llm.engine)
+
+
+def test_text_is_the_decode_of_the_tokens(llm):
+    outs = llm.generate(
+        ["The quick brown fox", "你好，世界", "😀 emoji"],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
+    tok = llm.get_tokenizer()
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 24 and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids)
+        assert o.prompt_token_ids == tok.encode(o.prompt)
+    assert_pool_whole(llm.engine)
+
+
+def test_token_id_prompts_and_order(llm):
+    prompts = [[100, 200, 300], [5] * 40, [7]]
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    assert [o.prompt_token_ids for o in outs] == prompts
+    one = llm.generate(
+        [5] * 40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    assert one[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert one[0].num_cached_tokens == 32  # the 40-token prompt's two full blocks were cached
+
+
+def test_stop_string_cuts_text_and_finishes(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    free = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    # A stop string taken from the middle of the free-running text, spanning several characters.
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    cut = free.text.index(stop)
+    out = llm.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[:cut]
+    assert len(out.token_ids) < len(free.token_ids)
+    inc = llm.generate(
+        "Once upon a time",
+        SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert inc.text == free.text[: cut + len(stop)]
+    assert_pool_whole(llm.engine)
+
+
+def test_parallel_sampling_outputs(llm):
+    outs = llm.generate(
+        "Tell me", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in outs[0].outputs)
+    assert_pool_whole(llm.engine)
+
+
+def test_string_prompt_without_tokenizer_is_refused(tiny_llama, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / f, bare / f)
+    llm = LLM(model=str(bare), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        llm.generate("text", use_tqdm=False)
+    assert llm.generate([[4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_dummy_load_format_needs_only_config(tmp_path, tiny_llama):
+    import shutil
+
+    shutil.copy(tiny_llama / "config.json", tmp_path / "config.json")
+    llm = LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=16)
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        LLM(model=str(tmp_path), load_format="dummy")
