@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +123,48 @@ def engine_args(num_kv_blocks: int) -> list[str]:
     return ["--load-format", "dummy", "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "64"]
 
 
+def in_engine_thread(fn, *args):
+    """Run ``fn`` on a fresh thread, as the engine server runs its loop. On a busy 2-core machine torch's
+    CPU kernels called from the main thread run up to 10x slower than from another thread (OpenMP
+    threads spinning against other processes), so the main thread would make a slow baseline."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn(*args)))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def client_in_subprocess(target: str, concurrency: int, num: int, prompt_len: int, output_len: int) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving",
+        "--client",
+        target,
+        "--concurrency",
+        str(concurrency),
+        "--num-requests",
+        str(num),
+        "--prompt-len",
+        str(prompt_len),
+        "--output-len",
+        str(output_len),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_client(args) -> int:
+    """Child mode: warm up, then the measured run; print the summary as one JSON line."""
+    c = args.concurrency[0]
+    prompts = workload(args.num_requests, args.prompt_len, args.output_len, seed=c)
+    asyncio.run(run_load(args.client, grpc_requests(prompts[:c], args.output_len), c))
+    print(
+        json.dumps(summarize(*asyncio.run(run_load(args.client, grpc_requests(prompts, args.output_len), c))))
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a seconds-long smoke run (the test uses it)")
@@ -126,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
+    ap.add_argument("--client", metavar="TARGET", help=argparse.SUPPRESS)  # child mode: client_in_subprocess
+    ap.add_argument("--num-requests", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.client:
+        return run_client(args)
     levels = args.concurrency or ([1, 4] if args.quick else [1, 8, 32, 64])
     prompt_len, output_len = (16, 8) if args.quick else (args.prompt_len, args.output_len)
     kv_blocks = 64 * ((prompt_len + output_len) // 16 + 2)
@@ -141,27 +191,24 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": prompt_len,
             "output_len": output_len,
             "levels": [],
+            "load_average_start": os.getloadavg(),
         }
-        prompts = {
-            c: workload(max(2 * c, 4) if args.quick else max(4 * c, 16), prompt_len, output_len, seed=c)
-            for c in levels
-        }
-        # The offline engine runs first: once grpc.aio has run in a process, its threads slow torch's
-        # CPU kernels in that process several-fold, which would flatter the service.
+        num = {c: max(2 * c, 4) if args.quick else max(2 * c, 16) for c in levels}
         engine = LLMEngine(
             EngineConfig(model=str(model), load_format="dummy", num_kv_blocks=kv_blocks, max_num_seqs=64)
         )
-        offline_rows = {}
-        for c in levels:
-            offline_load(engine, prompts[c][:c], output_len, c)  # warm-up, like the service's
-            offline_rows[c] = summarize(*offline_load(engine, prompts[c], output_len, c))
-        del engine
         with ServiceProcess(model, *engine_args(kv_blocks), "--tokenizer-workers", "1") as sp:
             results["transport"] = sp.transport
+            # Offline and service run back to back per level, so that both see the same machine. The
+            # service's client runs in a child process: once grpc.aio has run in a process, torch's
+            # CPU kernels in that process slow down several-fold, which would flatter the service.
             for c in levels:
-                asyncio.run(run_load(sp.target, grpc_requests(prompts[c][:c], output_len), c))  # warm-up
-                svc = summarize(*asyncio.run(run_load(sp.target, grpc_requests(prompts[c], output_len), c)))
-                off = offline_rows[c]
+                prompts = workload(num[c], prompt_len, output_len, seed=c)
+                in_engine_thread(
+                    offline_load, engine, prompts[:c], output_len, c
+                )  # warm-up, like the service's
+                off = summarize(*in_engine_thread(offline_load, engine, prompts, output_len, c))
+                svc = client_in_subprocess(sp.target, c, num[c], prompt_len, output_len)
                 results["levels"].append(
                     {
                         "concurrency": c,
@@ -171,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                         "added_itl_p50_ms": svc["itl_p50_ms"] - off["itl_p50_ms"],
                     }
                 )
+        results["load_average_end"] = os.getloadavg()
         print_table(results)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gateway.engine")
 MAX_MESSAGE_BYTES = 64 << 20
+RPC_TIMEOUT_S = 30.0  # a Submit or Abort waits at most one engine step; this only bounds a hung engine
 
 
 class EngineUnavailable(Exception):
@@ -195,7 +196,7 @@ class EngineClient:
         else:
             msg.token_ids.ids.extend(prompt)
         try:
-            await self._stub.Submit(msg)
+            await self._stub.Submit(msg, timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             self._handles.pop(request_id, None)
             if e.code() in (
@@ -219,7 +220,8 @@ class EngineClient:
             return
         try:
             await self._stub.Abort(
-                pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index)
+                pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index),
+                timeout=RPC_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as e:
             log.warning("abort of %s failed: %s", request_ids, e.details())
