@@ -22,7 +22,7 @@ from gateway.gateway_state import GatewayState, ServerAborting
 from gateway.log_setup import request_scope
 from gateway.metrics import RequestMetrics
 from gateway.sequence_output import SequenceOutput
-from gateway.validation import check_prompt_length, validate_generate
+from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
 from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
@@ -218,6 +218,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 check_prompt_length(
                     len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind, max_prompt
                 )
+                info = s.engine.info
+                check_fits_kv_pool(len(prompt), v.params.max_tokens, info.block_size, info.num_kv_blocks)
                 s.check_serving()  # tokenizing took time: the engine may have gone, or a drain begun
                 rm.prompt(len(prompt))
                 try:

@@ -25,6 +25,7 @@ from gateway.log_setup import PromptLogPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
 from gateway.tls import ClientTLS, ServerTLS, add_port
+from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import load_tokenizer
@@ -103,7 +104,11 @@ class GatewayServer:
             prompt_log=PromptLogPolicy(o.log_prompts),
         )
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(o.auth, on_denied=lambda _: m.auth_failures.inc())],
+            # Credentials first: nothing from an unknown caller is even parsed.
+            interceptors=[
+                AuthInterceptor(o.auth, on_denied=lambda _: m.auth_failures.inc()),
+                DecodeGuardInterceptor(),
+            ],
             options=[
                 *message_size_options(o.limits.max_message_bytes),
                 *o.keepalive.server_options(),

@@ -209,3 +209,22 @@ def check_prompt_length(
                 )
             ]
         )
+
+
+def check_fits_kv_pool(num_prompt_tokens: int, max_tokens: int, block_size: int, num_kv_blocks: int) -> None:
+    """A request that could never fit the engine's whole KV cache is refused here, not queued forever
+    (the engine would refuse it too; the gateway answers first so the engine never sees it)."""
+    if not block_size or not num_kv_blocks:
+        return
+    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if needed > num_kv_blocks:
+        raise invalid(
+            [
+                FieldViolation(
+                    "max_tokens" if num_prompt_tokens < num_kv_blocks * block_size else "prompt",
+                    f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+                    f"{needed} KV blocks; the server's whole cache has {num_kv_blocks} blocks of "
+                    f"{block_size} tokens",
+                )
+            ]
+        )

@@ -57,6 +57,7 @@ class EngineLoop:
         self.on_parent_exit: Callable[[], None] | None = None
         # Set by the watchdog while a step has run past its timeout: no new sessions or requests.
         self.stalled = threading.Event()
+        self.refused_submits = 0  # Submits refused as invalid (INVALID_ARGUMENT); a gRPC thread counts
         self.watchdog = Watchdog(watchdog_timeout_s, on_stall=self._on_stall, on_recover=self.stalled.clear)
 
     # Called from other threads -----------------------------------------------------------------
@@ -162,6 +163,7 @@ class EngineLoop:
             num_preemptions=st.num_preemptions,
             num_sessions=sum(not s.closed for s in self._sessions.values()),
             num_live_requests=sum(len(s.live) for s in self._sessions.values()),
+            num_refused_submits=self.refused_submits,
         )
         if check_invariants:
             try:
