@@ -7,6 +7,8 @@ takes the parsing of unary requests into the handler, where a failure is the cli
 
 from __future__ import annotations
 
+import inspect
+
 import grpc
 from google.protobuf.message import DecodeError
 
@@ -34,8 +36,12 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
                 async for msg in behavior(request, context):
                     yield msg
 
+            async def unary_stream_writer(raw, context):  # a handler that sends with context.write()
+                await behavior(await decoded(raw, context), context)
+
+            wrapped = unary_stream if inspect.isasyncgenfunction(behavior) else unary_stream_writer
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, response_serializer=handler.response_serializer
+                wrapped, response_serializer=handler.response_serializer
             )
         behavior = handler.unary_unary
 
