@@ -76,12 +76,17 @@ def assert_engine_clean(sp: ServiceProcess, within_s: float = 3.0) -> None:
         st = sp.engine_stats(check_invariants=True)
         assert not st.invariant_error, st.invariant_error
         load = st.load
-        return st if (load.kv_blocks_used, load.num_running, load.num_waiting, st.num_live_requests) == (
-            0,
-            0,
-            0,
-            0,
-        ) else None
+        return (
+            st
+            if (load.kv_blocks_used, load.num_running, load.num_waiting, st.num_live_requests)
+            == (
+                0,
+                0,
+                0,
+                0,
+            )
+            else None
+        )
 
     try:
         wait_for(clean, within_s, "the engine did not return to idle")
@@ -123,3 +128,64 @@ def token_ids_of(messages) -> list[int]:
 
 
 __all__ = ["build_request"]
+
+
+class OpenStreams:
+    """Streams started now and drained by threads: ``results[i]`` is the list of messages or the
+    grpc.RpcError the stream ended with; ``ended_at[i]`` is when it ended."""
+
+    def __init__(self, client, prompts: list[str], **options) -> None:
+        import threading
+
+        self.calls = [client.generate_stream(p, **options) for p in prompts]
+        self.results: dict[int, object] = {}
+        self.ended_at: dict[int, float] = {}
+        self.last_message_at: dict[int, float] = {}
+        self.first = [next(iter(c)) for c in self.calls]  # every stream is running
+        self._threads = [
+            threading.Thread(target=self._drain, args=(i,), daemon=True) for i in range(len(self.calls))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _drain(self, i: int) -> None:
+        msgs = [self.first[i]]
+        try:
+            for m in self.calls[i]:
+                msgs.append(m)
+                self.last_message_at[i] = time.monotonic()
+            self.results[i] = msgs
+        except grpc.RpcError as e:
+            self.results[i] = e
+        self.ended_at[i] = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [i for i, t in enumerate(self._threads) if t.is_alive()]
+        assert not hung, f"streams {hung} did not end within {timeout_s}s"
+
+    def codes(self) -> list:
+        return [
+            r.code() if isinstance(r, grpc.RpcError) else grpc.StatusCode.OK for r in self.results.values()
+        ]
+
+
+def engine_pids(sp: ServiceProcess) -> list[int]:
+    """Every engine this service has had (the first, then one per restart)."""
+    pids = [sp.engine_pid] if sp.engine_pid else []
+    return pids + [int(m.group(1)) for line in sp.stdout_lines if (m := _RESTARTED.match(line))]
+
+
+def assert_segments_only_of_live_sessions(sp: ServiceProcess) -> None:
+    """No segment of an engine of this service that is gone, and the live engine holds exactly the
+    two rings of each open session (no ring of a closed session is left)."""
+    names = list_segments()
+    ours = {sp.pid, *engine_pids(sp)}
+    dead = [n for n in names if creator_pid(n) in ours and not alive(creator_pid(n))]
+    assert not dead, f"segments of dead processes: {dead}"
+    pid = engine_pid(sp)
+    mine = [n for n in names if creator_pid(n) == pid]
+    sessions = sp.engine_stats().num_sessions
+    assert len(mine) == 2 * sessions, (mine, sessions)
