@@ -28,7 +28,12 @@ def request_scope(request_id: str):
     try:
         yield
     finally:
-        REQUEST_ID.reset(token)
+        try:
+            REQUEST_ID.reset(token)
+        except ValueError:
+            # An async generator closed by asyncio's finalizer runs in another context; the id
+            # set here was never visible there, so there is nothing to undo.
+            pass
 
 
 class RequestIdFilter(logging.Filter):

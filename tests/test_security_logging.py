@@ -70,3 +70,22 @@ def test_prompt_policy_gives_sizes_by_default_and_text_only_when_asked():
     loud = PromptLogPolicy(True)
     assert loud.fields(text=secret)["prompt"] == secret
     assert loud.fields(chat=chat)["chat"] == chat
+
+
+def test_a_request_scope_closed_in_another_context_does_not_raise(captured):
+    """grpc.aio may finalize a cancelled handler's async generator from another task."""
+    import contextvars
+
+    setup_logging("INFO", "json", "gateway", stream=captured)
+
+    async def handler():
+        with request_scope("r-x"):
+            yield 1
+            yield 2
+
+    async def main():
+        gen = handler()
+        assert await gen.__anext__() == 1
+        await asyncio.get_running_loop().create_task(gen.aclose(), context=contextvars.Context())
+
+    asyncio.run(main())
