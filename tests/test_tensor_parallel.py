@@ -8,14 +8,25 @@ from transformers import AutoModelForCausalLM
 
 from engine_svc import SamplingParams
 from engine_svc.models.build import build_random_model
-from tests.engine_helpers import assert_greedy_matches, hf_greedy, make_engine, random_prompts, run_to_completion
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_to_completion,
+)
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def _run(model_dir, tp: int):
-    engine = make_engine(model_dir, tensor_parallel_size=tp, block_size=8, max_num_batched_tokens=24,
-                         enable_prefix_caching=True)
+    engine = make_engine(
+        model_dir,
+        tensor_parallel_size=tp,
+        block_size=8,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
     try:
         prompts = random_prompts([3, 17, 40], 1024, seed=31)
         prompts.append(prompts[2][:32] + [9, 9, 9])  # shares 4 cached blocks with the third
@@ -42,8 +53,17 @@ def test_tp2_equals_tp1(tiny_models, arch):
 
 
 def test_tp2_with_replicated_kv_heads(tmp_path):
-    d = build_random_model(tmp_path / "m", "llama", seed=8, vocab_size=1024, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+    d = build_random_model(
+        tmp_path / "m",
+        "llama",
+        seed=8,
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    )
     prompts, tp1, _ = _run(d, 1)
     _, tp2, _ = _run(d, 2)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype="float32").eval()
