@@ -68,19 +68,17 @@ def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, sc
     mask = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, L]
     token_idx = torch.tensor([starts[b] for b in rows], device=q.device)
     qb = q[token_idx].unsqueeze(2)  # [B, Hq, 1, D]
-    hq, hk = q.shape[1], k.shape[2]
-    kb = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)  # [B, Hq, L, D]
-    vb = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    kb = k.transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]; GQA without materialising repeated heads
+    vb = v.transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(
-        qb, kb.to(q.dtype), vb.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
     out[token_idx] = o.squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    hq, hk = q.shape[1], k.shape[1]
     qh = q.transpose(0, 1)  # [Hq, Lq, D]
-    kh = k.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
-    vh = v.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    kh = k.transpose(0, 1).to(q.dtype)  # [Hk, L, D]
+    vh = v.transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
