@@ -113,7 +113,7 @@ def main() -> dict:
     ]
     series = dict(itl_on=on.pop("itl_series"), itl_off=off.pop("itl_series"))
     config = dict(workload=w, model=model.name)
-    return common.finish("chunked_prefill", args, config, figures, targets, series, t_start)
+    return common.finish("chunked_prefill", args, config, figures, targets, common.thin(series), t_start)
 
 
 if __name__ == "__main__":

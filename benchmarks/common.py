@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +60,18 @@ def model_dir(quick: bool) -> Path:
     out = CACHE_DIR / name
     stamp = out / ".complete"
     if not stamp.exists():
+        # Built aside and renamed into place: a benchmark and a test may build it at the same time.
+        tmp = CACHE_DIR / f".{name}.{os.getpid()}"
         # eos 1 is never reached with ignore_eos; it only has to be a valid id.
-        build_random_model(out, "llama", seed=MODEL_SEED, eos_token_id=1, **shape)
-        stamp.write_text(json.dumps(shape))
+        build_random_model(tmp, "llama", seed=MODEL_SEED, eos_token_id=1, **shape)
+        (tmp / ".complete").write_text(json.dumps(shape))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process got there first (or a stale, incomplete build is in the way)
+            if not stamp.exists():
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -276,6 +286,11 @@ def print_targets(targets: list[dict]) -> None:
             f"  {t['name']}: {t['value']:.3f}{t['unit']}  "
             f"(target {t['op']} {t['target']:g}{t['unit']})  {mark}"
         )
+
+
+def thin(series: dict[str, list], keep: int = 300) -> dict[str, list]:
+    """At most about ``keep`` points per time series: enough for a plot, small enough to commit."""
+    return {k: v[:: max(1, len(v) // keep)] if isinstance(v, list) else v for k, v in series.items()}
 
 
 def parse_args(description: str) -> argparse.Namespace:

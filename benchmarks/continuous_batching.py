@@ -103,7 +103,7 @@ def main() -> dict:
         f"  continuous / HF = {figures['ratio_vs_hf']:.2f}x, continuous / engine static = "
         f"{figures['ratio_vs_engine_static']:.2f}x"
     )
-    return common.finish("continuous_batching", args, config, figures, targets, series, t_start)
+    return common.finish("continuous_batching", args, config, figures, targets, common.thin(series), t_start)
 
 
 if __name__ == "__main__":

@@ -151,12 +151,7 @@ def main() -> dict:
         ),
     ]
     config = dict(workload=w, kv_budget_tokens=budget_tokens, seed=7, model="stub (fixed cost)")
-    return common.finish("kv_memory", args, config, figures, targets, _thin(series), t_start)
-
-
-def _thin(series: dict[str, list], keep: int = 400) -> dict[str, list]:
-    """At most ``keep`` points per series: enough for a plot, small enough for a committed JSON."""
-    return {k: v[:: max(1, len(v) // keep)] for k, v in series.items()}
+    return common.finish("kv_memory", args, config, figures, targets, common.thin(series), t_start)
 
 
 if __name__ == "__main__":

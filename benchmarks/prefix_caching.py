@@ -158,7 +158,7 @@ def main() -> dict:
         f"throughput on/off {figures['throughput_ratio_shared']:.2f}x"
     )
     config = dict(workload=w, model=model.name, block_size=block_size)
-    return common.finish("prefix_caching", args, config, figures, targets, series, t_start)
+    return common.finish("prefix_caching", args, config, figures, targets, common.thin(series), t_start)
 
 
 if __name__ == "__main__":

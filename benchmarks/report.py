@@ -187,17 +187,19 @@ def plot_kv(latest: dict, out: Path) -> str | None:
     if not kv and not cont:
         return None
     plt, fig, ax = _figure()
+
+    def plot(points, label):
+        # The runs last from seconds (stub model) to minutes: each on its own fraction-of-run axis.
+        end = points[-1][0] or 1.0
+        ax.plot([t / end for t, _ in points], [v for _, v in points], label=label)
+
     if kv:
         s = kv["series"]
-        ax.plot(*zip(*s["kv_usage"], strict=True), label="kv_memory: blocks in use / total")
-        ax.plot(
-            *zip(*s["live_over_allocated"], strict=True), label="kv_memory: live tokens / allocated slots"
-        )
+        plot(s["kv_usage"], "kv_memory (256 requests, fixed budget): blocks in use / total")
+        plot(s["live_over_allocated"], "kv_memory: live tokens / allocated slots")
     if cont:
-        ax.plot(
-            *zip(*cont["series"]["kv_usage"], strict=True), label="continuous_batching: blocks in use / total"
-        )
-    ax.set_xlabel("seconds into the run")
+        plot(cont["series"]["kv_usage"], "continuous_batching (64 requests): blocks in use / total")
+    ax.set_xlabel("fraction of the run")
     ax.set_ylim(0, 1.05)
     ax.set_title("KV cache over time")
     ax.legend(fontsize=7)
