@@ -37,7 +37,14 @@ $(MODEL_DIR)/model.safetensors: | $(INSTALL_STAMP)
 run: install model
 	$(PY) -m gateway serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-test: install
+# The Node.js client test needs its npm packages; without node on the machine that test skips.
+NODE_STAMP := tests/node/node_modules/.stamp
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	if command -v npm >/dev/null 2>&1; then \
+		cd tests/node && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.stamp; \
+	else echo "npm not found: the Node.js client test will skip"; fi
+
+test: install $(NODE_STAMP)
 	$(PY) -m pytest -q tests
 
 bench: install

@@ -1,0 +1,259 @@
+"""Serving through the gateway vs the offline engine, same workload, same run.
+
+    python -m benchmarks.serving [--quick]
+
+The 55M Llama-shaped dummy model (random weights from config.json; the default model's tokenizer
+so that the gateway can detokenize) serves a token-id workload at concurrency 1, 8, 32 and 64,
+first through the whole service (gateway + engine process, shared-memory transport), then
+through LLMEngine in this process with the same requests kept at the same concurrency.
+Figures: request throughput, output tokens/s, TTFT, TPOT, ITL p50/p99, and the ratios.
+Targets: throughput >= 0.9x offline; added p50 ITL <= 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gateway.loadgen import RequestRecord, run_load, summarize
+from gateway.service_process import ServiceProcess
+from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DUMMY_SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1408,
+    vocab_size=32000,
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def default_model_dir(scratch: Path) -> Path:
+    built = Path("models/default")
+    if (built / "model.safetensors").exists():
+        return built
+    from engine_svc.models.build_default import build_default_model
+
+    return build_default_model(scratch / "default")
+
+
+def dummy_model_dir(scratch: Path) -> Path:
+    """config.json of the 55M Llama shape (weights are made at load: --load-format dummy) plus the
+    default model's tokenizer; its ids stay below 8192, the prompts here use only those."""
+    out = scratch / "llama-55m-dummy"
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        **DUMMY_SHAPE,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    src = default_model_dir(scratch)
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, out / f)
+    return out
+
+
+def workload(num_requests: int, prompt_len: int, output_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 8000) for _ in range(prompt_len)] for _ in range(num_requests)]
+
+
+def grpc_requests(prompts: list[list[int]], output_len: int) -> list[gen.GenerateRequest]:
+    return [
+        gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=p),
+            max_tokens=output_len,
+            ignore_eos=True,
+            temperature=0.0,
+            return_token_ids=True,
+        )
+        for p in prompts
+    ]
+
+
+def offline_load(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list, float]:
+    """The same requests through LLMEngine directly, ``concurrency`` in flight, timed per token."""
+    from engine_svc.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    todo = list(enumerate(prompts))[::-1]
+    live: dict[str, RequestRecord] = {}
+    records = []
+    start = time.perf_counter()
+    while todo or live:
+        while todo and len(live) < concurrency:
+            i, p = todo.pop()
+            rid = f"offline-{concurrency}-{i}"
+            live[rid] = RequestRecord(start=time.perf_counter())
+            engine.add_request(rid, p, params)
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
+            rec = live[d.request_id]
+            rec.token_times += [now] * len(d.new_token_ids)
+            if d.finish_reason is not None:
+                rec.end = now
+                records.append(live.pop(d.request_id))
+    return records, time.perf_counter() - start
+
+
+def engine_args(num_kv_blocks: int) -> list[str]:
+    return ["--load-format", "dummy", "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "64"]
+
+
+def in_engine_thread(fn, *args):
+    """Run ``fn`` on a fresh thread, as the engine server runs its loop. On a busy 2-core machine torch's
+    CPU kernels called from the main thread run up to 10x slower than from another thread (OpenMP
+    threads spinning against other processes), so the main thread would make a slow baseline."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn(*args)))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def client_in_subprocess(target: str, concurrency: int, num: int, prompt_len: int, output_len: int) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving",
+        "--client",
+        target,
+        "--concurrency",
+        str(concurrency),
+        "--num-requests",
+        str(num),
+        "--prompt-len",
+        str(prompt_len),
+        "--output-len",
+        str(output_len),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_client(args) -> int:
+    """Child mode: warm up, then the measured run; print the summary as one JSON line."""
+    c = args.concurrency[0]
+    prompts = workload(args.num_requests, args.prompt_len, args.output_len, seed=c)
+    asyncio.run(run_load(args.client, grpc_requests(prompts[:c], args.output_len), c))
+    print(
+        json.dumps(summarize(*asyncio.run(run_load(args.client, grpc_requests(prompts, args.output_len), c))))
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a seconds-long smoke run (the test uses it)")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=None)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--out", default=str(RESULTS / "serving.json"))
+    ap.add_argument("--client", metavar="TARGET", help=argparse.SUPPRESS)  # child mode: client_in_subprocess
+    ap.add_argument("--num-requests", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        return run_client(args)
+    levels = args.concurrency or ([1, 4] if args.quick else [1, 8, 32, 64])
+    prompt_len, output_len = (16, 8) if args.quick else (args.prompt_len, args.output_len)
+    kv_blocks = 64 * ((prompt_len + output_len) // 16 + 2)
+
+    scratch = Path(tempfile.mkdtemp(prefix="llmserve-bench-"))
+    try:
+        model = dummy_model_dir(scratch)
+        from engine_svc import EngineConfig, LLMEngine
+
+        results = {
+            "model": "llama-55m-dummy",
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "levels": [],
+            "load_average_start": os.getloadavg(),
+        }
+        num = {c: max(2 * c, 4) if args.quick else max(2 * c, 16) for c in levels}
+        engine = LLMEngine(
+            EngineConfig(model=str(model), load_format="dummy", num_kv_blocks=kv_blocks, max_num_seqs=64)
+        )
+        with ServiceProcess(model, *engine_args(kv_blocks), "--tokenizer-workers", "1") as sp:
+            results["transport"] = sp.transport
+            # Offline and service run back to back per level, so that both see the same machine. The
+            # service's client runs in a child process, as a real client would, so that its threads
+            # and event loop never share a process with the offline engine being measured.
+            for c in levels:
+                prompts = workload(num[c], prompt_len, output_len, seed=c)
+                in_engine_thread(
+                    offline_load, engine, prompts[:c], output_len, c
+                )  # warm-up, like the service's
+                off = summarize(*in_engine_thread(offline_load, engine, prompts, output_len, c))
+                svc = client_in_subprocess(sp.target, c, num[c], prompt_len, output_len)
+                results["levels"].append(
+                    {
+                        "concurrency": c,
+                        "service": svc,
+                        "offline": off,
+                        "throughput_ratio": svc["output_tok_s"] / off["output_tok_s"],
+                        "added_itl_p50_ms": svc["itl_p50_ms"] - off["itl_p50_ms"],
+                    }
+                )
+        results["load_average_end"] = os.getloadavg()
+        print_table(results)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {out}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    print(
+        f"serving benchmark: {results['model']}, prompt {results['prompt_len']} / "
+        f"output {results['output_len']} "
+        f"tokens, transport {results['transport']}"
+    )
+    head = (
+        f"{'conc':>4} {'path':>8} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} "
+        f"{'ITL p50':>8} {'ITL p99':>8}   (ms)"
+    )
+    print(head)
+    for row in results["levels"]:
+        for path in ("service", "offline"):
+            r = row[path]
+            print(
+                f"{row['concurrency']:>4} {path:>8} {r['request_throughput']:>7.2f} "
+                f"{r['output_tok_s']:>8.1f} "
+                f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} {r['tpot_mean_ms']:>7.2f} "
+                f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
+            )
+        print(
+            f"     throughput service/offline = {row['throughput_ratio']:.3f} (target >= 0.9), "
+            f"added ITL p50 = {row['added_itl_p50_ms']:+.2f} ms (target <= 1)"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

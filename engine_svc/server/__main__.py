@@ -1,0 +1,3 @@
+from engine_svc.server.main import main
+
+raise SystemExit(main())

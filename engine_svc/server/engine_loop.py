@@ -1,0 +1,254 @@
+"""The one thread that touches the engine: drain commands, step, hand each session its deltas.
+
+The engine is synchronous and single-threaded, so gRPC handler threads never call it: they post
+a command (a closure) and wait for its result, and the loop runs commands only between two steps.
+Each gateway is a session with an outbox; a step puts at most one message into each session's
+outbox, holding all of that session's deltas (ids in its output ring when it has one).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine_svc.server.convert import delta_to_proto
+from engine_svc.server.shm_ring import TokenRing
+from llmserve_proto.engine.v1 import engine_pb2 as pb
+
+log = logging.getLogger("engine_svc.server")
+_CLOSED = None  # the sentinel that ends a session's stream
+
+
+@dataclass
+class Session:
+    session_id: str
+    gateway_id: str
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prompt_ring: TokenRing | None = None
+    output_ring: TokenRing | None = None
+    live: dict[str, set[int]] = field(default_factory=dict)  # client request id -> indexes still running
+    closed: bool = False
+
+
+class EngineLoop:
+    def __init__(self, engine, heartbeat_s: float = 0.5, parent_pid: int | None = None) -> None:
+        self.engine = engine
+        self.heartbeat_s = heartbeat_s
+        self._parent_pid = parent_pid
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: dict[str, Session] = {}
+        self._stopping = threading.Event()
+        self.stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._step_counter = itertools.count(1)
+        self.load = pb.Load()
+        self._load_at = 0.0
+        self.on_parent_exit: Callable[[], None] | None = None
+
+    # Called from other threads -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable, timeout: float | None = 30.0):
+        """Run ``fn()`` on the loop thread between two steps and return (or raise) its result."""
+        if self._stopping.is_set():
+            raise RuntimeError("the engine is shutting down")
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut.result(timeout=timeout)
+
+    def post(self, fn: Callable) -> None:
+        self._commands.put((fn, None))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put((lambda: None, None))
+        self._thread.join(timeout)
+
+    # Commands (run on the loop thread) -----------------------------------------------------------
+
+    def open_session(self, gateway_id: str, prompt_ring_bytes: int, output_ring_bytes: int) -> Session:
+        s = Session(session_id=secrets.token_hex(8), gateway_id=gateway_id)
+        if prompt_ring_bytes and output_ring_bytes:
+            s.prompt_ring = TokenRing.create(prompt_ring_bytes)
+            s.output_ring = TokenRing.create(output_ring_bytes)
+        self._sessions[s.session_id] = s
+        log.info(
+            "session %s opened for gateway %r (shared memory: %s)",
+            s.session_id,
+            gateway_id,
+            s.prompt_ring is not None,
+        )
+        return s
+
+    def session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return
+        for rid in list(s.live):
+            self.engine.abort_request(_engine_id(s, rid))
+        s.live.clear()
+        s.closed = True
+        s.outbox.put(_CLOSED)
+        for ring in (s.prompt_ring, s.output_ring):
+            if ring is not None:
+                ring.close()
+        log.info("session %s closed", session_id)
+
+    def add_request(
+        self, s: Session, request_id: str, prompt: list[int], params, priority: int, cache_salt: str | None
+    ) -> None:
+        if s.closed:
+            raise RuntimeError("session closed")
+        self.engine.add_request(
+            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        s.live[request_id] = set(range(params.n))
+
+    def abort(self, s: Session, request_ids: list[str], index: int | None = None) -> int:
+        if index is not None:
+            live = s.live.get(request_ids[0]) if len(request_ids) == 1 else None
+            if live is None or index not in live:
+                return 0
+            live.discard(index)
+            if not live:
+                del s.live[request_ids[0]]
+            return int(self.engine.abort_request(_engine_id(s, request_ids[0]), index))
+        n = 0
+        for rid in request_ids:
+            if s.live.pop(rid, None) is not None:
+                n += bool(self.engine.abort_request(_engine_id(s, rid)))
+        return n
+
+    def stats(self, check_invariants: bool) -> pb.EngineStats:
+        st = self.engine.stats()
+        out = pb.EngineStats(
+            load=self._load_from(st),
+            prefix_queried_tokens=st.prefix_queried_tokens,
+            prefix_hit_tokens=st.prefix_hit_tokens,
+            num_preemptions=st.num_preemptions,
+            num_sessions=len(self._sessions),
+            num_live_requests=sum(len(s.live) for s in self._sessions.values()),
+        )
+        if check_invariants:
+            try:
+                self.engine.check_invariants()
+            except AssertionError as e:
+                out.invariant_error = str(e) or "invariant check failed"
+        return out
+
+    # The loop ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._drain_commands(block_s=0.0 if busy else self.heartbeat_s)
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._route(self.engine.step())
+                self._refresh_load()
+                if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                    log.warning("parent process %d is gone; shutting down", self._parent_pid)
+                    if self.on_parent_exit is not None:
+                        self.on_parent_exit()
+                    self._parent_pid = None
+        except Exception:
+            log.exception("engine loop failed")
+            raise
+        finally:
+            for sid in list(self._sessions):
+                self.close_session(sid)
+            self._fail_pending_commands()
+            self.stopped.set()
+
+    def _drain_commands(self, block_s: float) -> None:
+        try:
+            item = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                result = fn()
+            except BaseException as e:  # the caller gets the error; the loop goes on
+                if fut is not None:
+                    fut.set_exception(e)
+                else:
+                    log.exception("engine command failed")
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError("the engine is shutting down"))
+
+    def _route(self, deltas) -> None:
+        step = next(self._step_counter)
+        per_session: dict[str, list] = {}
+        for d in deltas:
+            sid, _, rid = d.request_id.partition("/")
+            s = self._sessions.get(sid)
+            if s is None or rid not in s.live:
+                continue
+            per_session.setdefault(sid, []).append((rid, d))
+            if d.finish_reason is not None:
+                s.live[rid].discard(d.index)
+                if not s.live[rid]:
+                    del s.live[rid]
+        for sid, items in per_session.items():
+            s = self._sessions[sid]
+            out = pb.StepOutput(step=step)
+            if s.output_ring is not None:
+                ids = [t for _, d in items for t in d.new_token_ids]
+                start = s.output_ring.try_write(ids)
+                if start is not None:
+                    out.in_ring = True
+                    out.output_span.start = start
+                    out.output_span.length = len(ids)
+            out.deltas.extend(delta_to_proto(d, rid, inline_ids=not out.in_ring) for rid, d in items)
+            s.outbox.put(pb.EngineEvent(step=out))
+
+    def _refresh_load(self) -> None:
+        now = time.monotonic()
+        if now - self._load_at >= self.heartbeat_s / 2:
+            self.load = self._load_from(self.engine.stats())
+            self._load_at = now
+
+    @staticmethod
+    def _load_from(st) -> pb.Load:
+        return pb.Load(
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            kv_blocks_used=st.kv_blocks_used,
+            kv_blocks_total=st.kv_blocks_total,
+            num_steps=st.num_steps,
+        )
+
+
+def _engine_id(s: Session, request_id: str) -> str:
+    # Request ids are the gateway's; the session prefix keeps two gateways' ids apart in one engine.
+    return f"{s.session_id}/{request_id}"

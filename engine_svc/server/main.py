@@ -1,0 +1,200 @@
+"""Start the engine process: load the model, warm it up, serve engine.v1 until SIGTERM.
+
+    python -m engine_svc.server --model DIR [--socket PATH | --host H --port P] [engine options]
+
+It listens only once the model is loaded and one request has run end to end, so a gateway that
+can connect knows the engine is warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from engine_svc.server.engine_loop import EngineLoop
+from engine_svc.server.servicer import EngineServicer
+from engine_svc.server.shm_segments import sweep_stale_segments
+from llmserve_proto.engine.v1 import engine_pb2 as pb
+from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("engine_svc.server")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def default_socket_path() -> str:
+    # A per-user 0700 directory: other local users can neither connect nor squat on the name.
+    d = Path(tempfile.gettempdir()) / f"llmserve-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    return str(d / "engine.sock")
+
+
+ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
+    ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
+    ("--block-size", int, "KV cache block size in tokens"),
+    ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
+    ("--max-num-seqs", int, "most sequences in one step"),
+    ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+    ("--no-prefix-caching", None, "turn prefix caching off"),
+    ("--dtype", str, "float32, float16 or bfloat16"),
+    ("--device", str, "cpu or cuda"),
+    ("--seed", int, "engine seed"),
+    ("--scheduling-policy", str, "fcfs or priority"),
+]
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's own options; the launcher (llmserve serve) accepts and passes on the same flags."""
+    g = p.add_argument_group("engine")
+    for flag, kind, help_ in ENGINE_OPTIONS:
+        if kind is None:
+            g.add_argument(flag, action="store_true", help=help_)
+        else:
+            g.add_argument(flag, type=kind, help=help_)
+
+
+def engine_options_argv(args) -> list[str]:
+    out = []
+    for flag, kind, _ in ENGINE_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if kind is None and value:
+            out.append(flag)
+        elif kind is not None and value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine_svc.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
+    p.add_argument("--socket", help="unix socket path (the default, in a private per-user directory)")
+    p.add_argument("--host", help="listen on TCP instead (an engine on another host); e.g. 127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) is gone")
+    p.add_argument("--log-level", default="INFO")
+    add_engine_options(p)
+    return p
+
+
+def engine_config_kwargs(args) -> dict:
+    kw = {"model": args.model, "enable_prefix_caching": not args.no_prefix_caching}
+    for name in (
+        "load_format",
+        "block_size",
+        "num_kv_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "dtype",
+        "device",
+        "seed",
+        "scheduling_policy",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def listen_address(args) -> str:
+    if args.host:
+        return f"{args.host}:{args.port}"
+    path = args.socket or default_socket_path()
+    if os.path.exists(path):
+        os.unlink(path)  # a leftover of a dead engine; a live one would hold the name in use
+    return f"unix://{os.path.abspath(path)}"
+
+
+def warm_up(engine) -> None:
+    """Run one short request end to end so that the first client does not pay for lazy setup."""
+    from engine_svc.sampling_params import SamplingParams
+
+    engine.add_request("warmup", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def engine_info(engine) -> pb.EngineInfo:
+    mi = engine.model_info
+    return pb.EngineInfo(
+        model_name=mi.model_name,
+        vocab_size=mi.vocab_size,
+        max_model_len=mi.max_model_len,
+        eos_token_ids=list(mi.eos_token_ids),
+        block_size=mi.block_size,
+        num_kv_blocks=mi.num_kv_blocks,
+        max_logprobs=mi.max_logprobs,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s",
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    swept = sweep_stale_segments()
+    if swept:
+        log.info("removed %d stale shared-memory segment(s)", len(swept))
+
+    from engine_svc import EngineConfig, LLMEngine  # torch loads here, after the signals are set
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(**engine_config_kwargs(args)))
+    warm_up(engine)
+    info = engine_info(engine)
+    loop = EngineLoop(engine, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
+    loop.on_parent_exit = stop.set
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(loop, info), server)
+    address = listen_address(args)
+    if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+        log.error("cannot listen on %s", address)
+        return 1
+    loop.start()
+    server.start()
+    log.info(
+        "engine ready on %s (model %s, %d KV blocks, %.1fs)",
+        address,
+        info.model_name,
+        info.num_kv_blocks,
+        time.perf_counter() - t0,
+    )
+    while not stop.wait(0.5):
+        if loop.stopped.is_set():
+            log.error("the engine loop stopped; exiting")
+            break
+    crashed = not stop.is_set()
+    log.info("shutting down")
+    loop.stop()
+    server.stop(grace=1.0).wait(2.0)
+    if address.startswith("unix://"):
+        Path(address[len("unix://") :]).unlink(missing_ok=True)
+    return 1 if crashed else 0

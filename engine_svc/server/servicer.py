@@ -1,0 +1,102 @@
+"""engine.v1.Engine over gRPC: thin handlers that post work to the engine loop."""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+import grpc
+
+from engine_svc.server.convert import sampling_params_from_proto
+from engine_svc.server.engine_loop import EngineLoop, Session
+from llmserve_proto.engine.v1 import engine_pb2 as pb
+from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("engine_svc.server")
+MAX_RING_BYTES = 1 << 30
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop, info: pb.EngineInfo) -> None:
+        self._loop = loop
+        self._info = info
+
+    def GetInfo(self, request, context):
+        return self._info
+
+    def GetStats(self, request, context):
+        return self._call(context, lambda: self._loop.stats(request.check_invariants))
+
+    def Connect(self, request: pb.ConnectRequest, context):
+        if max(request.prompt_ring_bytes, request.output_ring_bytes) > MAX_RING_BYTES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"ring sizes are limited to {MAX_RING_BYTES} bytes"
+            )
+        s: Session = self._call(
+            context,
+            lambda: self._loop.open_session(
+                request.gateway_id, request.prompt_ring_bytes, request.output_ring_bytes
+            ),
+        )
+        # Whatever ends the stream (the gateway leaving, a shutdown), the session's requests are
+        # aborted and its rings unlinked.
+        context.add_callback(lambda: self._loop.post(lambda: self._loop.close_session(s.session_id)))
+        connected = pb.Connected(session_id=s.session_id, info=self._info)
+        if s.prompt_ring is not None:
+            connected.rings.prompt_ring = s.prompt_ring.name
+            connected.rings.output_ring = s.output_ring.name
+        yield pb.EngineEvent(connected=connected)
+        while context.is_active():
+            try:
+                event = s.outbox.get(timeout=self._loop.heartbeat_s)
+            except queue.Empty:
+                event = pb.EngineEvent(heartbeat=pb.Heartbeat(load=self._loop.load))
+            if event is None:
+                return
+            yield event
+
+    def Submit(self, request: pb.SubmitRequest, context):
+        s = self._session(request.session_id, context)
+        kind = request.WhichOneof("prompt")
+        if kind == "prompt_span":
+            if s.prompt_ring is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this session has no prompt ring")
+            try:
+                prompt = s.prompt_ring.read_and_release(request.prompt_span.start, request.prompt_span.length)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        elif kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: token ids are required")
+        try:
+            params = sampling_params_from_proto(request.params)
+        except (TypeError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._call(
+            context,
+            lambda: self._loop.add_request(
+                s, request.request_id, prompt, params, request.priority, request.cache_salt or None
+            ),
+        )
+        return pb.SubmitResponse()
+
+    def Abort(self, request: pb.AbortRequest, context):
+        s = self._session(request.session_id, context)
+        index = request.index if request.HasField("index") else None
+        n = self._call(context, lambda: self._loop.abort(s, list(request.request_ids), index))
+        return pb.AbortResponse(num_aborted=n)
+
+    def _session(self, session_id: str, context) -> Session:
+        s = self._loop.session(session_id)  # a dict read; the loop only adds and removes whole entries
+        if s is None or s.closed:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or closed session {session_id!r}")
+        return s
+
+    def _call(self, context, fn):
+        try:
+            return self._loop.call(fn)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -1,0 +1,228 @@
+"""The llmserve command line: ``serve`` the model, or talk to a server with ``generate`` and ``chat``.
+
+llmserve serve --model models/default --host 127.0.0.1 --port 50051
+llmserve generate "Once upon a time" --stream --max-tokens 32 --temperature 0
+llmserve chat --system "You are terse."
+llmserve engine --model models/default --socket /path/engine.sock   # the engine alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from gateway.limits import Limits
+
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort"}
+
+
+def _add_serve(sub) -> None:
+    from engine_svc.server.main import add_engine_options
+
+    d = Limits()
+    p = sub.add_parser("serve", help="start the engine, the tokenizer workers and the gateway")
+    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--engine",
+        default="",
+        metavar="ADDRESS",
+        help="use a running engine (unix:///path or host:port) instead of starting one",
+    )
+    p.add_argument("--served-model-name")
+    p.add_argument("--tokenizer-workers", type=int, default=1, help="0: tokenize on the gateway's event loop")
+    p.add_argument(
+        "--transport",
+        choices=["shm", "grpc"],
+        default="shm",
+        help="token ids to a local engine through shared memory (default) or in gRPC messages",
+    )
+    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent_requests)
+    p.add_argument("--max-queue", type=int, default=d.max_queue_length)
+    p.add_argument("--max-n", type=int, default=d.max_n)
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument("--drain-grace-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    add_engine_options(p)
+
+
+def _add_sampling(p) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--model", default="")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--min-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, help="deadline in seconds")
+
+
+def _sampling_options(args) -> dict:
+    names = [
+        "model",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+    ]
+    out = {k: getattr(args, k) for k in names if getattr(args, k) not in (None, "")}
+    if args.ignore_eos:
+        out["ignore_eos"] = True
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    g = sub.add_parser("generate", help="generate from a text prompt")
+    g.add_argument("prompt")
+    g.add_argument("--stream", action="store_true", help="print text as it arrives")
+    g.add_argument("-n", type=int, help="sequences to sample")
+    g.add_argument("--logprobs", type=int)
+    _add_sampling(g)
+    c = sub.add_parser("chat", help="an interactive chat (one user turn per line; Ctrl-D ends)")
+    c.add_argument("--system", help="a system message")
+    _add_sampling(c)
+    sub.add_parser(
+        "engine",
+        help="run the engine process alone (same flags as python -m engine_svc.server)",
+        add_help=False,
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["engine"]:
+        from engine_svc.server.main import main as engine_main
+
+        return engine_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    return _chat(args)
+
+
+def _serve(args) -> int:
+    from gateway.launcher import serve
+    from gateway.server import GatewayOptions
+
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s gateway[%(process)d] %(levelname)s %(message)s",
+    )
+    limits = Limits(
+        max_concurrent_requests=args.max_concurrent,
+        max_queue_length=args.max_queue,
+        max_n=args.max_n,
+        default_max_tokens=args.default_max_tokens,
+    )
+    opts = GatewayOptions(
+        model_dir=args.model,
+        engine_address=args.engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        tokenizer_workers=args.tokenizer_workers,
+        use_shared_memory=args.transport == "shm",
+        limits=limits,
+        drain_grace_s=args.drain_grace_s,
+    )
+    return serve(args, opts)
+
+
+def _generate(args) -> int:
+    import grpc
+
+    from gateway.client import LLMServeClient
+
+    options = _sampling_options(args)
+    if args.n:
+        options["n"] = args.n
+    if args.logprobs is not None:
+        options["logprobs"] = args.logprobs
+    start = time.perf_counter()
+    try:
+        with LLMServeClient(args.target, timeout=args.timeout) as client:
+            if args.stream and (args.n or 1) == 1:
+                last = None
+                for msg in client.generate_stream(args.prompt, **options):
+                    print(msg.text, end="", flush=True)
+                    last = msg
+                print()
+                _summary(last, time.perf_counter() - start)
+            else:
+                result = client.generate(args.prompt, **options)
+                for seq in [result, *result.additional_sequences]:
+                    prefix = f"[{seq.index}] " if len(result.additional_sequences) else ""
+                    print(prefix + seq.text)
+                _summary(result, time.perf_counter() - start)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _summary(msg, seconds: float) -> None:
+    if msg is None:
+        return
+    reason = FINISH_NAMES.get(msg.finish_reason, "?")
+    u = msg.usage
+    print(
+        f"-- finish: {reason}, prompt {u.prompt_tokens} tokens, completion {u.completion_tokens} tokens, "
+        f"{seconds:.2f}s",
+        file=sys.stderr,
+    )
+
+
+def _chat(args) -> int:
+    import grpc
+
+    from gateway.client import LLMServeClient
+
+    options = _sampling_options(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    with LLMServeClient(args.target, timeout=args.timeout) as client:
+        while True:
+            if interactive:
+                print("you> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            history.append({"role": "user", "content": line.rstrip("\n")})
+            print("assistant> ", end="", flush=True)
+            reply = []
+            try:
+                for msg in client.generate_stream(messages=history, **options):
+                    print(msg.text, end="", flush=True)
+                    reply.append(msg.text)
+            except grpc.RpcError as e:
+                print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+                history.pop()
+                continue
+            print()
+            history.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,149 @@
+"""A small Python client for llmserve (generated stubs underneath; any other language can do the same).
+
+from gateway.client import LLMServeClient
+
+with LLMServeClient("127.0.0.1:50051") as client:
+    for msg in client.generate_stream("Once upon a time", max_tokens=32, temperature=0.0):
+        print(msg.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
+from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc
+
+Message = dict | tuple[str, str]
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Iterable[int] | None = None,
+    messages: Iterable[Message] | None = None,
+    **options,
+) -> gen.GenerateRequest:
+    """A GenerateRequest from one of ``prompt`` / ``token_ids`` / ``messages`` and keyword options
+    named like the proto fields (temperature=0.0, max_tokens=32, stop=["\\n"], n=2, ...)."""
+    given = [x is not None for x in (prompt, token_ids, messages)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, token_ids or messages")
+    req = gen.GenerateRequest()
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        add_gen = options.pop("add_generation_prompt", None)
+        for m in messages:
+            role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+            req.chat.messages.add(role=role, content=content)
+        if add_gen is not None:
+            req.chat.add_generation_prompt = add_gen
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name not in gen.GenerateRequest.DESCRIPTOR.fields_by_name:
+            raise TypeError(f"unknown GenerateRequest option {name!r}")
+        field = getattr(req, name)
+        if isinstance(value, (list, tuple)) and hasattr(field, "extend"):
+            field.extend(value)
+        else:
+            setattr(req, name, value)
+    return req
+
+
+class LLMServeClient:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.channel = channel or grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+            ],
+        )
+        self.generation = gen_grpc.GenerationStub(self.channel)
+        self.models = models_pb2_grpc.ModelsStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> LLMServeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate_stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+    ) -> Iterator[gen.GenerateResponse]:
+        """Stream messages as they come (one per piece of new output of any of the n sequences)."""
+        return self.generation.GenerateStream(
+            build_request(prompt, **kwargs), timeout=timeout or self.timeout
+        )
+
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+    ) -> gen.GenerateResponse:
+        """The whole result at once (n > 1: sequences 1.. are in ``additional_sequences``)."""
+        return self.generation.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Iterable[Message] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
+        req = gen.TokenizeRequest()
+        if messages is not None:
+            for m in messages:
+                role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+                req.chat.messages.add(role=role, content=content)
+        else:
+            req.text = text
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
+        return list(self.generation.Tokenize(req, timeout=self.timeout).token_ids)
+
+    def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        req = gen.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.generation.Detokenize(req, timeout=self.timeout).text
+
+    def list_models(self) -> models_pb2.ListModelsResponse:
+        return self.models.ListModels(models_pb2.ListModelsRequest(), timeout=self.timeout)
+
+    def model_info(self, model: str = "") -> models_pb2.ModelInfo:
+        return self.models.GetModelInfo(models_pb2.GetModelInfoRequest(model=model), timeout=self.timeout)
+
+    def health_status(self, service: str = "") -> int:
+        """health_pb2.HealthCheckResponse.SERVING, NOT_SERVING, ..."""
+        return self.health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout or 5
+        ).status
+
+    def wait_until_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health_status() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.target} was not SERVING within {timeout:.0f}s")
+            time.sleep(0.1)

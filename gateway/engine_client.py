@@ -1,0 +1,299 @@
+"""The gateway's side of engine.v1: one session stream, submits, aborts, and deltas per request.
+
+One reader task owns the Connect stream: it resolves each step's token ids (from the output ring
+or inline) and hands every delta to the queue of its request. If the stream breaks or falls
+silent past the heartbeat timeout, every open request fails with EngineUnavailable at once, and
+the client keeps reconnecting in the background; a new engine (or the same one restarted) brings
+the service back without restarting the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine_svc.server.shm_ring import TokenRing
+from llmserve_proto.engine.v1 import engine_pb2 as pb
+from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("gateway.engine")
+MAX_MESSAGE_BYTES = 64 << 20
+RPC_TIMEOUT_S = 30.0  # a Submit or Abort waits at most one engine step; this only bounds a hung engine
+
+
+class EngineUnavailable(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class EngineDelta:
+    index: int
+    token_ids: list[int]
+    finish_reason: int  # engine.v1 FinishReason; 0 while running
+    stop_token_id: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list  # engine.v1 TokenLogprob messages
+    prompt_logprobs: list
+
+
+class RequestHandle:
+    """The deltas of one submitted request, in order, grouped as they arrived (one engine step)."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.live_indexes = set(range(n))  # sequences the engine has not finished (nor been told to drop)
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    async def next_deltas(self) -> list[EngineDelta]:
+        """Wait for the next deltas; raises EngineUnavailable if the engine went away."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        out = []
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+            if item.finish_reason:
+                self.live_indexes.discard(item.index)
+            out.append(item)
+        return out
+
+
+class EngineClient:
+    def __init__(
+        self,
+        address: str,
+        gateway_id: str | None = None,
+        use_shared_memory: bool = True,
+        prompt_ring_bytes: int = 16 << 20,
+        output_ring_bytes: int = 4 << 20,
+        heartbeat_timeout_s: float = 5.0,
+        reconnect_interval_s: float = 0.5,
+    ) -> None:
+        self.address = address
+        self.gateway_id = gateway_id or f"gateway-{os.getpid()}"
+        # Shared memory only makes sense on one host, which a unix socket guarantees.
+        self.use_shared_memory = use_shared_memory and address.startswith("unix:")
+        self._ring_bytes = (prompt_ring_bytes, output_ring_bytes) if self.use_shared_memory else (0, 0)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.info: pb.EngineInfo | None = None
+        self.load = pb.Load()
+        self.on_state_change: Callable[[bool], None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.EngineStub | None = None
+        self._session_id = ""
+        self._prompt_ring: TokenRing | None = None
+        self._output_ring: TokenRing | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._task: asyncio.Task | None = None
+        self._stream = None
+        self.last_event_at = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def transport(self) -> str:
+        return "shared-memory" if self._output_ring is not None else "grpc"
+
+    async def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = pb_grpc.EngineStub(self._channel)
+        self._task = asyncio.create_task(self._maintain(), name="engine-session")
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._lost("the gateway is shutting down")
+        if self._channel is not None:
+            await self._channel.close()
+
+    # Requests ------------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: pb.SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> RequestHandle:
+        """Send a request; its deltas go to the returned handle. Raises EngineUnavailable, or
+        grpc.aio.AioRpcError with INVALID_ARGUMENT when the engine refuses the request."""
+        if not self.ready:
+            raise EngineUnavailable("the engine is not available")
+        handle = RequestHandle(request_id, params.n or 1)
+        self._handles[request_id] = handle  # before Submit: the first delta may beat its reply
+        msg = pb.SubmitRequest(
+            session_id=self._session_id,
+            request_id=request_id,
+            params=params,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        start = self._prompt_ring.try_write(prompt) if self._prompt_ring is not None else None
+        if start is not None:
+            msg.prompt_span.start = start
+            msg.prompt_span.length = len(prompt)
+        else:
+            msg.token_ids.ids.extend(prompt)
+        try:
+            await self._stub.Submit(msg, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            self._handles.pop(request_id, None)
+            if e.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.CANCELLED,
+            ):
+                raise EngineUnavailable(f"the engine is not available: {e.details()}") from e
+            raise
+        return handle
+
+    def release(self, request_id: str) -> None:
+        self._handles.pop(request_id, None)
+
+    async def abort(self, request_ids: list[str], index: int | None = None) -> None:
+        """Abort requests (or, with ``index``, one sequence of one request) in the engine."""
+        if index is None:
+            for rid in request_ids:
+                self._handles.pop(rid, None)
+        if not self.ready or not request_ids:
+            return
+        try:
+            await self._stub.Abort(
+                pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort of %s failed: %s", request_ids, e.details())
+
+    async def stats(self, check_invariants: bool = False) -> pb.EngineStats:
+        return await self._stub.GetStats(pb.GetStatsRequest(check_invariants=check_invariants), timeout=10)
+
+    # The session ---------------------------------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        while not self._closed:
+            try:
+                await self._run_session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure means: engine gone, try again
+                if self.ready:
+                    log.error("lost the engine at %s: %s", self.address, e)
+                self._lost(f"the engine is unavailable: {type(e).__name__}")
+            if not self._closed:
+                await asyncio.sleep(self.reconnect_interval_s)
+
+    async def _run_session(self) -> None:
+        stream = self._stub.Connect(
+            pb.ConnectRequest(
+                gateway_id=self.gateway_id,
+                prompt_ring_bytes=self._ring_bytes[0],
+                output_ring_bytes=self._ring_bytes[1],
+            ),
+            wait_for_ready=False,
+        )
+        self._stream = stream
+        try:
+            first = await asyncio.wait_for(stream.read(), self.heartbeat_timeout_s * 4)
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "connected":
+                raise EngineUnavailable("the engine did not open a session")
+            c = first.connected
+            self.info, self._session_id = c.info, c.session_id
+            if c.HasField("rings"):
+                self._prompt_ring = TokenRing.attach(c.rings.prompt_ring)
+                self._output_ring = TokenRing.attach(c.rings.output_ring)
+            self.last_event_at = time.monotonic()
+            self._ready.set()
+            log.info(
+                "engine session %s on %s (transport: %s)", self._session_id, self.address, self.transport
+            )
+            if self.on_state_change:
+                self.on_state_change(True)
+            while True:
+                event = await asyncio.wait_for(stream.read(), self.heartbeat_timeout_s)
+                if event is grpc.aio.EOF:
+                    raise EngineUnavailable("the engine closed the session")
+                self.last_event_at = time.monotonic()
+                kind = event.WhichOneof("kind")
+                if kind == "step":
+                    self._dispatch(event.step)
+                elif kind == "heartbeat":
+                    self.load = event.heartbeat.load
+        finally:
+            stream.cancel()
+            self._stream = None
+
+    def _dispatch(self, step: pb.StepOutput) -> None:
+        ids = (
+            self._output_ring.read_and_release(step.output_span.start, step.output_span.length)
+            if step.in_ring
+            else None
+        )
+        pos = 0
+        for d in step.deltas:
+            if ids is not None:
+                tokens = ids[pos : pos + d.num_token_ids]
+                pos += d.num_token_ids
+            else:
+                tokens = list(d.token_ids)
+            handle = self._handles.get(d.request_id)
+            if handle is None:
+                continue  # aborted here after the engine stepped it
+            handle._put(
+                EngineDelta(
+                    index=d.index,
+                    token_ids=tokens,
+                    finish_reason=d.finish_reason,
+                    stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
+                    num_prompt_tokens=d.num_prompt_tokens,
+                    num_cached_tokens=d.num_cached_tokens,
+                    logprobs=list(d.logprobs),
+                    prompt_logprobs=list(d.prompt_logprobs),
+                )
+            )
+
+    def _lost(self, reason: str) -> None:
+        was_ready = self._ready.is_set()
+        self._ready.clear()
+        for ring in (self._prompt_ring, self._output_ring):
+            if ring is not None:
+                ring.close()
+        self._prompt_ring = self._output_ring = None
+        handles, self._handles = self._handles, {}
+        for h in handles.values():
+            h._put(EngineUnavailable(reason))
+        if was_ready and self.on_state_change:
+            self.on_state_change(False)

@@ -1,0 +1,64 @@
+"""What every gateway handler shares: the engine link, the tokenizer, limits, and the requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.admission import Admission
+from gateway.engine_client import EngineClient, RequestHandle
+from gateway.errors import RequestError, unavailable
+from gateway.limits import Limits
+from tokenizer_svc.pool import TokenizerPool
+from tokenizer_svc.tokenizer import Tokenizer
+
+
+class ServerAborting(Exception):
+    """Put into a request's delta queue when the drain's grace period is over."""
+
+
+@dataclass
+class GatewayState:
+    model_name: str
+    tokenizer: Tokenizer
+    tokenization: TokenizerPool  # prompt encoding in worker processes (0 workers: on the event loop)
+    engine: EngineClient
+    limits: Limits
+    admission: Admission
+    draining: bool = False
+    inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
+    _background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down")
+        if not self.engine.ready:
+            raise unavailable("the engine is not available (starting, restarting or gone)")
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model_name:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} is not served here; this server has {self.model_name!r}",
+            )
+
+    def in_background(self, coro) -> None:
+        """Run a coroutine that must finish even if the handler that started it is cancelled."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def abort_all(self) -> None:
+        for handle in self.inflight.values():
+            if handle is not None:
+                handle._put(ServerAborting())

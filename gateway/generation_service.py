@@ -1,0 +1,206 @@
+"""llmserve.v1.Generation: validate, admit, tokenize, submit, then stream each sequence's deltas.
+
+Everything a client can get wrong is refused before the engine hears of the request. Once the
+request is in the engine, whatever ends the handler (the last sequence finished, a stop string,
+the client's cancel or deadline, a drain) leaves nothing behind in the engine: the ``finally``
+aborts whatever the engine still runs for it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine_svc.server.convert import sampling_params_to_proto
+from gateway.engine_client import EngineUnavailable
+from gateway.errors import FieldViolation, RequestError, invalid, unavailable
+from gateway.gateway_state import GatewayState, ServerAborting
+from gateway.sequence_output import SequenceOutput
+from gateway.validation import check_prompt_length, validate_generate
+from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
+from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self.s = state
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for msg in self._generate(request):
+                yield msg
+        except RequestError as e:
+            await context.abort_with_status(e.status())
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        try:
+            sequences: dict[int, pb.GenerateResponse] = {}
+            async for msg in self._generate(request):
+                whole = sequences.setdefault(
+                    msg.index, pb.GenerateResponse(request_id=msg.request_id, index=msg.index)
+                )
+                whole.text += msg.text
+                whole.token_ids.extend(msg.token_ids)
+                whole.logprobs.extend(msg.logprobs)
+                whole.prompt_logprobs.extend(msg.prompt_logprobs)
+                if msg.finish_reason:
+                    whole.finish_reason = msg.finish_reason
+                    whole.usage.CopyFrom(msg.usage)
+                    reason = msg.WhichOneof("stop_reason")
+                    if reason is not None:
+                        setattr(whole, reason, getattr(msg, reason))
+        except RequestError as e:
+            await context.abort_with_status(e.status())
+        first, *rest = (sequences[i] for i in sorted(sequences))
+        first.additional_sequences.extend(rest)
+        return first
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        try:
+            self.s.check_model(request.model)
+            kind = request.WhichOneof("input")
+            if kind == "text":
+                if len(request.text) > self.s.limits.max_prompt_chars:
+                    raise invalid(
+                        [FieldViolation("text", f"the limit is {self.s.limits.max_prompt_chars} chars")]
+                    )
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = await self._tokenized(
+                    self.s.tokenization.encode(request.text, add_special_tokens=add), "text"
+                )
+            elif kind == "chat":
+                add = (
+                    request.chat.add_generation_prompt
+                    if request.chat.HasField("add_generation_prompt")
+                    else True
+                )
+                ids = await self._chat_ids(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages], add
+                )
+            else:
+                raise invalid([FieldViolation("input", "one of text or chat is required")])
+        except RequestError as e:
+            await context.abort_with_status(e.status())
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self._max_model_len())
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        try:
+            self.s.check_model(request.model)
+            vocab = self.s.tokenizer.vocab_size
+            for i, t in enumerate(request.token_ids):
+                if not 0 <= t < vocab:
+                    raise invalid(
+                        [FieldViolation(f"token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")]
+                    )
+        except RequestError as e:
+            await context.abort_with_status(e.status())
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(
+            text=self.s.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        return self.s.engine.info.max_model_len if self.s.engine.info else 0
+
+    async def _prompt_ids(self, v) -> list[int]:
+        if v.prompt_kind == "token_ids":
+            return v.token_ids
+        if v.prompt_kind == "text":
+            return await self._tokenized(self.s.tokenization.encode(v.text), "text")
+        return await self._chat_ids(v.chat, v.add_generation_prompt)
+
+    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        pool = self.s.tokenization
+        return await self._tokenized(
+            pool.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), "chat"
+        )
+
+    @staticmethod
+    async def _tokenized(call, field: str) -> list[int]:
+        try:
+            return await call
+        except ValueError as e:  # the text or chat itself is at fault (e.g. the template refused it)
+            raise invalid([FieldViolation(field, str(e))]) from e
+        except TokenizerWorkerDied as e:
+            raise unavailable(f"tokenizer workers are unavailable: {e}") from e
+        except TokenizerWorkerError as e:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"tokenizing failed: {e}") from e
+
+    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        s = self.s
+        s.check_serving()
+        s.check_model(request.model)
+        v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in s.inflight:
+            raise RequestError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {rid!r} is already in flight",
+                [FieldViolation("request_id", "must be unique among the requests in flight")],
+            )
+        s.inflight[rid] = None
+        try:
+            async with s.admission.slot():
+                prompt = await self._prompt_ids(v)
+                check_prompt_length(len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind)
+                s.check_serving()  # tokenizing took time: the engine may have gone, or a drain begun
+                try:
+                    handle = await s.engine.submit(
+                        rid, prompt, sampling_params_to_proto(v.params), v.priority
+                    )
+                except EngineUnavailable as e:
+                    raise unavailable(str(e)) from e
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise invalid([FieldViolation("prompt", e.details())]) from e
+                    raise RequestError(e.code(), e.details()) from e
+                s.inflight[rid] = handle
+                try:
+                    async for msg in self._stream(rid, handle, v, prompt):
+                        yield msg
+                finally:
+                    s.engine.release(rid)
+                    if (
+                        handle.live_indexes
+                    ):  # cancelled, deadline, stop string, drain: free the engine's blocks
+                        s.in_background(s.engine.abort([rid]))
+                        handle.live_indexes.clear()
+        finally:
+            del s.inflight[rid]
+
+    async def _stream(self, rid: str, handle, v, prompt: list[int]) -> AsyncIterator[pb.GenerateResponse]:
+        seqs = [
+            SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
+        ]
+        remaining = v.n
+        while remaining:
+            try:
+                deltas = await handle.next_deltas()
+            except EngineUnavailable as e:
+                raise unavailable(str(e)) from e
+            except ServerAborting:
+                for seq in seqs:
+                    if not seq.done:
+                        yield seq.abort()
+                return
+            for d in deltas:
+                seq = seqs[d.index]
+                if seq.done:
+                    continue
+                msg = seq.feed(d)
+                if msg is None:
+                    continue
+                if seq.done:
+                    remaining -= 1
+                    if d.index in handle.live_indexes and remaining:
+                        # A stop string ended this sequence while its siblings go on: drop just it.
+                        handle.live_indexes.discard(d.index)
+                        self.s.in_background(self.s.engine.abort([rid], index=d.index))
+                yield msg

@@ -1,0 +1,126 @@
+"""``llmserve serve``: the engine as a child process, then the gateway (and its tokenizer workers) here.
+
+The engine runs as ``python -m engine_svc.server`` (a fresh interpreter: no fork after gRPC or
+torch threads exist) on a unix socket in a private directory, and exits by itself if this process
+dies. With ``--engine ADDRESS`` no engine is started: the gateway joins one that runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from engine_svc.server.main import engine_options_argv
+from engine_svc.server.shm_segments import sweep_stale_segments
+from gateway.server import GatewayOptions, GatewayServer
+
+log = logging.getLogger("gateway")
+
+
+def client_hint(host: str, port: int) -> str:
+    python = sys.executable
+    rel = os.path.relpath(python)
+    if not rel.startswith(".."):
+        python = rel if os.sep in rel else f"./{rel}"
+    target = f"{host}:{port}"
+    return (
+        f"{shlex.quote(python)} -m gateway generate --target {target} --stream --max-tokens 32 "
+        f'"Once upon a time"'
+    )
+
+
+def start_engine(args, socket_path: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine_svc.server",
+        "--model",
+        args.model,
+        "--socket",
+        socket_path,
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        args.log_level,
+        *engine_options_argv(args),
+    ]
+    log.info("starting the engine: %s", shlex.join(cmd))
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def stop_engine(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the engine did not exit within %.0fs; killing it", timeout)
+            proc.kill()
+            proc.wait()
+
+
+async def run_gateway(opts: GatewayOptions, engine_proc: subprocess.Popen | None, print_hint: bool) -> int:
+    server = GatewayServer(opts)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def announce(gw: GatewayServer) -> None:
+        engine = f"engine pid {engine_proc.pid} at " if engine_proc is not None else "engine at "
+        where = f"{engine}{opts.engine_address}, transport: {gw.state.engine.transport}"
+        print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
+        if print_hint:
+            print(f"Try it:\n  {client_hint(opts.host, gw.port)}", flush=True)
+
+    server.on_serving = announce
+    await server.start()
+    exit_code = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except TimeoutError:
+            pass
+        if engine_proc is not None and engine_proc.poll() is not None and not server.state.engine.ready:
+            if not server._announced:
+                log.error("the engine exited with code %s before it was ready", engine_proc.returncode)
+                exit_code = 1
+                break
+    log.info("draining (grace %.1fs)", opts.drain_grace_s)
+    await server.drain_and_stop()
+    return exit_code
+
+
+def serve(args, opts: GatewayOptions) -> int:
+    removed = sweep_stale_segments()
+    if removed:
+        log.info("removed %d stale shared-memory segment(s)", len(removed))
+    workdir = None
+    engine_proc = None
+    try:
+        if not opts.engine_address:
+            workdir = tempfile.mkdtemp(prefix="llmserve-")  # 0700: only this user reaches the socket
+            socket_path = os.path.join(workdir, "engine.sock")
+            engine_proc = start_engine(args, socket_path)
+            opts.engine_address = f"unix://{socket_path}"
+        return _run_loop(run_gateway(opts, engine_proc, print_hint=True))
+    finally:
+        if engine_proc is not None:
+            stop_engine(engine_proc)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_loop(coro) -> int:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a Linux/macOS dependency; plain asyncio works too
+        return asyncio.run(coro)
+    return uvloop.run(coro)

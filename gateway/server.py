@@ -1,0 +1,143 @@
+"""The gateway's gRPC server: services, health, reflection, and a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from gateway.admission import Admission
+from gateway.engine_client import EngineClient
+from gateway.gateway_state import GatewayState
+from gateway.generation_service import GenerationService
+from gateway.limits import Limits
+from gateway.models_service import ModelsService
+from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
+from tokenizer_svc.pool import TokenizerPool
+from tokenizer_svc.tokenizer import load_tokenizer
+
+log = logging.getLogger("gateway")
+MAX_MESSAGE_BYTES = 16 << 20
+SERVICES = [
+    generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+    models_pb2.DESCRIPTOR.services_by_name["Models"].full_name,
+]
+
+
+@dataclass
+class GatewayOptions:
+    model_dir: str
+    engine_address: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    served_model_name: str | None = None
+    tokenizer_workers: int = 1
+    use_shared_memory: bool = True
+    limits: Limits = field(default_factory=Limits)
+    drain_grace_s: float = 10.0
+    heartbeat_timeout_s: float = 5.0
+
+
+class GatewayServer:
+    def __init__(self, opts: GatewayOptions) -> None:
+        self.opts = opts
+        self.port: int | None = None
+        self.health = HealthServicer()
+        self.on_serving: Callable[[GatewayServer], None] | None = (
+            None  # called when health first turns SERVING
+        )
+        self._announced = False
+        self._server: grpc.aio.Server | None = None
+        self.state: GatewayState | None = None
+
+    async def start(self) -> None:
+        o = self.opts
+        tokenizer = load_tokenizer(o.model_dir)
+        tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
+        await tokenization.start()
+        engine = EngineClient(
+            o.engine_address, use_shared_memory=o.use_shared_memory, heartbeat_timeout_s=o.heartbeat_timeout_s
+        )
+        engine.on_state_change = self._engine_state_changed
+        self.state = GatewayState(
+            model_name=o.served_model_name or Path(o.model_dir).resolve().name,
+            tokenizer=tokenizer,
+            tokenization=tokenization,
+            engine=engine,
+            limits=o.limits,
+            admission=Admission(o.limits.max_concurrent_requests, o.limits.max_queue_length),
+        )
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.state), server)
+        models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            [*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        self.port = server.add_insecure_port(f"{o.host}:{o.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {o.host}:{o.port}")
+        await server.start()
+        self._server = server
+        await engine.start()
+        log.info(
+            "gateway listening on %s:%d; waiting for the engine at %s", o.host, self.port, o.engine_address
+        )
+
+    def _engine_state_changed(self, ready: bool) -> None:
+        asyncio.get_running_loop().create_task(self._set_health(ready))
+
+    async def _set_health(self, ready: bool) -> None:
+        if self.state.draining:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+        if ready and not self._announced:
+            self._announced = True
+            if self.on_serving is not None:
+                self.on_serving(self)
+
+    async def drain_and_stop(self) -> None:
+        """Stop admitting, let requests in flight finish for the grace period, abort the rest, stop."""
+        s = self.state
+        s.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.opts.drain_grace_s
+        while s.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if s.inflight:
+            log.warning(
+                "drain: aborting %d request(s) still running after %.1fs",
+                len(s.inflight),
+                self.opts.drain_grace_s,
+            )
+            s.abort_all()
+            end = time.monotonic() + 2.0
+            while s.inflight and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        await self._server.stop(grace=1.0)
+        await s.engine.close()
+        await s.tokenization.close()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()

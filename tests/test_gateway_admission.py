@@ -1,0 +1,61 @@
+"""Admission control alone: limits, hand-over of slots, refusal at once, cancellation while queued."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.admission import Admission
+from gateway.errors import RequestError
+
+
+def test_slots_queue_and_refusal():
+    async def scenario():
+        adm = Admission(max_concurrent=2, max_queue=1)
+        release = asyncio.Event()
+        order = []
+
+        async def job(i):
+            async with adm.slot():
+                order.append(i)
+                await release.wait()
+
+        tasks = [asyncio.create_task(job(i)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert adm.running == 2 and adm.waiting == 1 and order == [0, 1]
+        with pytest.raises(RequestError) as e:
+            async with adm.slot():
+                pass
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2] and adm.running == 0 and adm.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_gives_up_its_place():
+    async def scenario():
+        adm = Admission(max_concurrent=1, max_queue=2)
+        release = asyncio.Event()
+
+        async def hold():
+            async with adm.slot():
+                await release.wait()
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(hold())
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.waiting == 0
+        release.set()
+        await holder
+        assert adm.running == 0
+
+    asyncio.run(scenario())
