@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         with ServiceProcess(model, *engine_args(kv_blocks), "--tokenizer-workers", "1") as sp:
             results["transport"] = sp.transport
             # Offline and service run back to back per level, so that both see the same machine. The
-            # service's client runs in a child process: once grpc.aio has run in a process, torch's
-            # CPU kernels in that process slow down several-fold, which would flatter the service.
+            # service's client runs in a child process, as a real client would, so that its threads
+            # and event loop never share a process with the offline engine being measured.
             for c in levels:
                 prompts = workload(num[c], prompt_len, output_len, seed=c)
                 in_engine_thread(

@@ -96,7 +96,12 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             if not self.kv.allocate(seq, num_new, cached):
-                break
+                victim = self._lower_priority_victim(seq)
+                if victim is None:
+                    break
+                budget += out.unschedule(victim)
+                self._preempt(victim, out)
+                continue  # the pool changed: look up the prefix again
             self.waiting.popleft()
             self.kv.note_admission(seq, len(cached))
             if not seq.admitted_before:
@@ -107,6 +112,13 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
+        """Priority policy: the running sequence that a waiting ``seq`` may evict, if any."""
+        if not self.priority or not self.running:
+            return None
+        victim = max(self.running, key=_priority_key)
+        return victim if _priority_key(victim) > _priority_key(seq) else None
 
     def _pick_victim(self) -> Sequence:
         if self.priority:

@@ -207,3 +207,19 @@ def test_duplicate_live_request_id_is_refused(engine):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5, 6], SamplingParams(max_tokens=3, **GREEDY))
     _drain(engine)
+
+
+def test_urgent_request_preempts_a_lower_priority_one(tiny_llama):
+    engine = make_engine(tiny_llama, scheduling_policy="priority", block_size=8, num_kv_blocks=10)
+    long_prompt, short_prompt = random_prompts([60, 20], 1024, seed=9)
+    engine.add_request("background", long_prompt, SamplingParams(max_tokens=10, **GREEDY), priority=10)
+    engine.step()
+    engine.step()  # the background request now holds most of the pool
+    engine.add_request("urgent", short_prompt, SamplingParams(max_tokens=4, **GREEDY), priority=0)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [d.request_id for d in engine.step() if d.finished]
+        engine.check_invariants()
+    assert finished == ["urgent", "background"]
+    assert engine.stats().num_preemptions >= 1
+    assert_pool_whole(engine)

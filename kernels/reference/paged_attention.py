@@ -41,8 +41,8 @@ def paged_attention(
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
-    if decodes:
-        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, decodes, scale)
+    for group in _length_groups(decodes, lens):
+        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale)
     for b in prefills:
         lo, hi, ctx = starts[b], starts[b + 1], lens[b]
         k = gather_context(k_cache, block_tables[b], ctx)
@@ -52,6 +52,21 @@ def paged_attention(
         mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
         out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
     return out
+
+
+def _length_groups(rows: list[int], lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
+    """Decode rows in groups of similar context length: each group is padded to its longest
+    member, and a group grows only while padding keeps its work within ``max_waste`` of the real."""
+    groups: list[list[int]] = []
+    total = 0
+    for b in sorted(rows, key=lambda r: -lens[r]):
+        if groups and lens[groups[-1][0]] * (len(groups[-1]) + 1) <= max_waste * (total + lens[b]):
+            groups[-1].append(b)
+            total += lens[b]
+        else:
+            groups.append([b])
+            total = lens[b]
+    return groups
 
 
 def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale) -> None:
@@ -68,19 +83,17 @@ def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, sc
     mask = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, L]
     token_idx = torch.tensor([starts[b] for b in rows], device=q.device)
     qb = q[token_idx].unsqueeze(2)  # [B, Hq, 1, D]
-    hq, hk = q.shape[1], k.shape[2]
-    kb = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)  # [B, Hq, L, D]
-    vb = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    kb = k.transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]; GQA without materialising repeated heads
+    vb = v.transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(
-        qb, kb.to(q.dtype), vb.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
     out[token_idx] = o.squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    hq, hk = q.shape[1], k.shape[1]
     qh = q.transpose(0, 1)  # [Hq, Lq, D]
-    kh = k.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
-    vh = v.transpose(0, 1).repeat_interleave(hq // hk, dim=0).to(q.dtype)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    kh = k.transpose(0, 1).to(q.dtype)  # [Hk, L, D]
+    vh = v.transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)

@@ -1,0 +1,214 @@
+"""Compute efficiency: the model FLOP/s the engine achieves in a whole step of large-batch decode
+(batch 64; target >= 0.6) and of prefill (target >= 0.7), divided by the FLOP/s of plain
+``torch.matmul`` over the same weight shapes and token counts, measured in the same run.
+
+Model FLOPs per step: 2 x (tokens x every projection's weights) + the LM head over the rows that
+are sampled + attention (QK^T and PV over each token's causal context). The forward pass alone
+(without scheduling, input preparation and sampling) is reported next to the step figure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks import common
+
+FULL = dict(
+    decode_batch=64,
+    decode_prompt=128,
+    decode_steps=12,
+    prefill_prompts=4,
+    prefill_len=512,
+    repeats=3,
+    matmul_repeats=5,
+)
+QUICK = dict(
+    decode_batch=8,
+    decode_prompt=16,
+    decode_steps=3,
+    prefill_prompts=2,
+    prefill_len=32,
+    repeats=1,
+    matmul_repeats=2,
+)
+
+
+class TimedModel:
+    """Wraps the real model to time its forward and LM head separately from the rest of the step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.inside_s = 0.0
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.model(*args)
+        self.inside_s += time.perf_counter() - t0
+        return out
+
+    def compute_logits(self, hidden):
+        t0 = time.perf_counter()
+        out = self.model.compute_logits(hidden)
+        self.inside_s += time.perf_counter() - t0
+        return out
+
+
+def projection_shapes(model) -> list[tuple[int, int]]:
+    """(in, out) of every projection matmul of one token's trip through the layers."""
+    shapes = []
+    for layer in model.layers:
+        for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+            shapes.append((weight.shape[1], weight.shape[0]))
+    return shapes
+
+
+def step_flops(model, spec, new_tokens: int, sampled_rows: int, attended_positions: int) -> float:
+    proj = sum(2 * i * o for i, o in projection_shapes(model)) * new_tokens
+    head = 2 * spec.hidden_size * spec.vocab_size * sampled_rows
+    attention = 4 * spec.num_heads * spec.head_dim * attended_positions * spec.num_layers
+    return float(proj + head + attention)
+
+
+def matmul_rate(model, spec, tokens: int, sampled_rows: int, repeats: int) -> float:
+    """FLOP/s of plain matmuls with the model's own weights, at this step's token count."""
+    weights = [
+        w
+        for layer in model.layers
+        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+    ]
+    head = model.embed if model.lm_head is None else model.lm_head
+    x = torch.randn(tokens, max(w.shape[1] for w in weights))
+    h = torch.randn(sampled_rows, spec.hidden_size)
+    transposed = [w.t() for w in weights]
+    flops = sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights) + 2 * sampled_rows * head.numel()
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for wt in transposed:
+                torch.matmul(x[:, : wt.shape[0]], wt)
+            torch.matmul(h, head.t())
+            best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
+def attended(pairs: list[tuple[int, int]]) -> int:
+    """Positions attended in total by queries ``c .. c+n-1`` of each (computed before c, new n)."""
+    return sum(n * c + n * (n + 1) // 2 for c, n in pairs)
+
+
+def measure_decode(engine, timed: TimedModel, w: dict) -> dict:
+    reqs = common.random_requests(
+        w["decode_batch"], (w["decode_prompt"],) * 2, (1, 1), engine.spec.vocab_size, seed=31, prefix="d"
+    )
+    for r in reqs:
+        engine.add_request(r.rid, r.prompt, common.greedy(2048))
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    flops = 0.0
+    timed.inside_s = 0.0
+    t0 = time.perf_counter()
+    for _ in range(w["decode_steps"]):
+        pairs = [(s.num_computed_tokens, 1) for s in engine.scheduler.running]
+        flops += step_flops(timed.model, engine.spec, len(pairs), len(pairs), attended(pairs))
+        engine.step()
+    wall = time.perf_counter() - t0
+    for r in reqs:
+        engine.abort_request(r.rid)
+    return dict(
+        flops=flops,
+        step_s=wall / w["decode_steps"],
+        forward_s=timed.inside_s / w["decode_steps"],
+        step_flop_s=flops / wall,
+        forward_flop_s=flops / timed.inside_s,
+    )
+
+
+def measure_prefill(engine, timed: TimedModel, w: dict) -> dict:
+    flops = wall = inside = 0.0
+    for rep in range(w["repeats"]):
+        reqs = common.random_requests(
+            w["prefill_prompts"],
+            (w["prefill_len"],) * 2,
+            (1, 1),
+            engine.spec.vocab_size,
+            seed=40 + rep,
+            prefix=f"p{rep}-",
+        )
+        for r in reqs:
+            engine.add_request(r.rid, r.prompt, common.greedy(1))
+        timed.inside_s = 0.0
+        t0 = time.perf_counter()
+        deltas = engine.step()  # the whole batch of prompts fits one step's token budget
+        wall += time.perf_counter() - t0
+        inside += timed.inside_s
+        assert len(deltas) == len(reqs), "the prompts did not fit one step"
+        pairs = [(0, len(r.prompt)) for r in reqs]
+        flops += step_flops(timed.model, engine.spec, sum(n for _, n in pairs), len(reqs), attended(pairs))
+    return dict(
+        flops=flops / w["repeats"],
+        step_s=wall / w["repeats"],
+        forward_s=inside / w["repeats"],
+        step_flop_s=flops / wall,
+        forward_flop_s=flops / inside,
+    )
+
+
+def main() -> dict:
+    args = common.parse_args(__doc__)
+    t_start = time.perf_counter()
+    w = QUICK if args.quick else FULL
+    model = common.model_dir(args.quick)
+    engine = common.make_engine(
+        model,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, w["prefill_prompts"] * w["prefill_len"]),
+    )
+    common.warm_up(engine)
+    timed = TimedModel(engine.runner.forward.model)
+    engine.runner.forward.model = timed
+    decode = measure_decode(engine, timed, w)
+    decode["matmul_flop_s"] = matmul_rate(
+        timed.model, engine.spec, w["decode_batch"], w["decode_batch"], w["matmul_repeats"]
+    )
+    prefill = measure_prefill(engine, timed, w)
+    prefill["matmul_flop_s"] = matmul_rate(
+        timed.model,
+        engine.spec,
+        w["prefill_prompts"] * w["prefill_len"],
+        w["prefill_prompts"],
+        w["matmul_repeats"],
+    )
+    for name, m in (("decode", decode), ("prefill", prefill)):
+        m["step_efficiency"] = m["step_flop_s"] / m["matmul_flop_s"]
+        m["forward_efficiency"] = m["forward_flop_s"] / m["matmul_flop_s"]
+        print(
+            f"{name}: step {1e3 * m['step_s']:.1f} ms ({m['step_flop_s'] / 1e9:.1f} GFLOP/s), forward "
+            f"{1e3 * m['forward_s']:.1f} ms ({m['forward_flop_s'] / 1e9:.1f} GFLOP/s); plain matmul "
+            f"{m['matmul_flop_s'] / 1e9:.1f} GFLOP/s -> step {m['step_efficiency']:.2f}, "
+            f"forward {m['forward_efficiency']:.2f}"
+        )
+    figures = dict(decode=decode, prefill=prefill)
+    targets = [
+        common.target(
+            f"decode at batch {w['decode_batch']}: step FLOP/s / matmul FLOP/s",
+            decode["step_efficiency"],
+            ">=",
+            0.6,
+        ),
+        common.target(
+            f"prefill ({w['prefill_prompts']}x{w['prefill_len']} tokens): step FLOP/s / matmul FLOP/s",
+            prefill["step_efficiency"],
+            ">=",
+            0.7,
+        ),
+    ]
+    config = dict(workload=w, model=model.name)
+    return common.finish("compute_efficiency", args, config, figures, targets, None, t_start)
+
+
+if __name__ == "__main__":
+    main()

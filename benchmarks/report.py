@@ -1,0 +1,302 @@
+"""``results/REPORT.md`` and its PNG plots from ``latest.json``: every judged figure next to its
+target (a missed one says so), then throughput against concurrency, latency percentiles, KV usage
+over time and the prefix-cache hit rate.
+
+Our benchmarks carry their targets in their JSON; the service benchmarks (serving, transports,
+tokenizer workers) write their own layout, read here by small adapters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import target
+
+PLOT_STYLE = dict(figsize=(6.0, 3.4), dpi=80)
+
+
+# --- targets ----------------------------------------------------------------------------------
+def service_targets(name: str, doc: dict) -> list[dict]:
+    """The service issue's targets, from the service benchmarks' own JSON layouts."""
+    out: list[dict] = []
+    if name == "serving":
+        for row in doc.get("levels", []):
+            c = row["concurrency"]
+            out.append(
+                target(
+                    f"service / offline engine throughput, concurrency {c}",
+                    row["throughput_ratio"],
+                    ">=",
+                    0.9,
+                    "x",
+                )
+            )
+            out.append(
+                target(
+                    f"added p50 inter-token latency, concurrency {c}",
+                    row["added_itl_p50_ms"],
+                    "<=",
+                    1.0,
+                    " ms",
+                )
+            )
+    elif name == "transports" and "throughput_ratio_shm_over_grpc" in doc:
+        out.append(
+            informational(
+                "throughput, shared-memory ring / plain gRPC",
+                doc["throughput_ratio_shm_over_grpc"],
+                "x",
+                f"faster: {doc.get('faster')}",
+            )
+        )
+    elif name == "tokenizer_workers" and "itl_p99_ratio_without_over_with" in doc:
+        out.append(
+            informational(
+                "p99 ITL without / with tokenizer workers",
+                doc["itl_p99_ratio_without_over_with"],
+                "x",
+                "above 1: the workers keep long prompts from stalling the streams",
+            )
+        )
+    return out
+
+
+def informational(name: str, value: float, unit: str, note: str) -> dict:
+    return dict(name=name, value=float(value), op=None, target=None, unit=unit, met=None, note=note)
+
+
+def targets_of(name: str, doc: dict) -> list[dict]:
+    return doc["targets"] if "targets" in doc else service_targets(name, doc)
+
+
+def format_value(t: dict) -> str:
+    return f"{t['value']:.3g}{t['unit']}"
+
+
+def target_table(latest: dict) -> list[str]:
+    lines = ["| benchmark | figure | measured | target | |", "| --- | --- | --- | --- | --- |"]
+    for name, run in latest["benchmarks"].items():
+        if run["result"] is None:
+            lines.append(f"| {name} | — | {run['status']} | | |")
+            continue
+        for t in targets_of(name, run["result"]):
+            goal = "—" if t["op"] is None else f"{t['op']} {t['target']:g}{t['unit']}"
+            verdict = "" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
+            note = f" ({t['note']})" if t.get("note") else ""
+            lines.append(f"| {name} | {t['name']}{note} | {format_value(t)} | {goal} | {verdict} |")
+    return lines
+
+
+# --- plots ------------------------------------------------------------------------------------
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=PLOT_STYLE["figsize"])
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_STYLE["dpi"])
+    plt.close(fig)
+    return path.name
+
+
+def plot_targets(latest: dict, out: Path) -> str | None:
+    """Each judged figure as a fraction of its target (1 = exactly on target; right of 1 = better)."""
+    rows = []
+    for name, run in latest["benchmarks"].items():
+        for t in targets_of(name, run["result"]) if run["result"] else []:
+            if t["op"] is None or not t["target"]:
+                continue
+            v = t["value"]
+            score = v / t["target"] if t["op"] == ">=" else (t["target"] / v if v > 0 else 10.0)
+            rows.append((f"{name}: {t['name']}"[:60], min(score, 10.0), t["met"]))
+    if not rows:
+        return None
+    plt, fig, ax = _figure()
+    fig.set_size_inches(7.5, 0.28 * len(rows) + 1.0)
+    labels = [r[0] for r in rows][::-1]
+    ax.barh(
+        labels, [r[1] for r in rows][::-1], color=["tab:green" if r[2] else "tab:red" for r in rows][::-1]
+    )
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured / target (log; >= 1 meets it; red = missed)")
+    ax.tick_params(axis="y", labelsize=7)
+    return _save(plt, fig, out / "targets.png")
+
+
+def plot_concurrency(latest: dict, out: Path) -> str | None:
+    run = latest["benchmarks"].get("serving", {})
+    doc = run.get("result")
+    if not doc or not doc.get("levels"):
+        return None
+    plt, fig, ax = _figure()
+    levels = doc["levels"]
+    xs = [row["concurrency"] for row in levels]
+    for path, style in (("service", "o-"), ("offline", "s--")):
+        ax.plot(xs, [row[path]["output_tok_s"] for row in levels], style, label=path)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("serving: throughput against concurrency")
+    ax.legend()
+    return _save(plt, fig, out / "throughput_concurrency.png")
+
+
+def plot_latency(latest: dict, out: Path) -> str | None:
+    groups = []
+    chunked = (latest["benchmarks"].get("chunked_prefill") or {}).get("result")
+    if chunked:
+        f = chunked["figures"]
+        groups += [
+            ("ITL, chunking on", f["chunking_on"]["itl_s"]),
+            ("ITL, chunking off", f["chunking_off"]["itl_s"]),
+        ]
+    cont = (latest["benchmarks"].get("continuous_batching") or {}).get("result")
+    if cont:
+        groups.append(("ITL, 64-request batch run", cont["series"]["itl_s"]))
+    prefix = (latest["benchmarks"].get("prefix_caching") or {}).get("result")
+    if prefix:
+        f = prefix["figures"]
+        groups += [
+            ("TTFT, prefix cache on", f["shared_on_baseline_set"]["ttft_s"]),
+            ("TTFT, prefix cache off", f["shared_off"]["ttft_s"]),
+        ]
+    if not groups:
+        return None
+    plt, fig, ax = _figure()
+    fig.set_size_inches(7.0, 3.6)
+    width = 0.27
+    for k, q in enumerate(("p50", "p90", "p99")):
+        ax.bar([i + (k - 1) * width for i in range(len(groups))], [g[1][q] for g in groups], width, label=q)
+    ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=7, rotation=15)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.set_title("latency percentiles")
+    ax.legend()
+    return _save(plt, fig, out / "latency_percentiles.png")
+
+
+def plot_kv(latest: dict, out: Path) -> str | None:
+    kv = (latest["benchmarks"].get("kv_memory") or {}).get("result")
+    cont = (latest["benchmarks"].get("continuous_batching") or {}).get("result")
+    if not kv and not cont:
+        return None
+    plt, fig, ax = _figure()
+
+    def plot(points, label):
+        # The runs last from seconds (stub model) to minutes: each on its own fraction-of-run axis.
+        end = points[-1][0] or 1.0
+        ax.plot([t / end for t, _ in points], [v for _, v in points], label=label)
+
+    if kv:
+        s = kv["series"]
+        plot(s["kv_usage"], "kv_memory (256 requests, fixed budget): blocks in use / total")
+        plot(s["live_over_allocated"], "kv_memory: live tokens / allocated slots")
+    if cont:
+        plot(cont["series"]["kv_usage"], "continuous_batching (64 requests): blocks in use / total")
+    ax.set_xlabel("fraction of the run")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("KV cache over time")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out / "kv_usage.png")
+
+
+def plot_prefix(latest: dict, out: Path) -> str | None:
+    prefix = (latest["benchmarks"].get("prefix_caching") or {}).get("result")
+    if not prefix or not prefix["series"].get("hit_rate"):
+        return None
+    plt, fig, ax = _figure()
+    s = prefix["series"]
+    ax.plot(*zip(*s["hit_rate"], strict=True), label="hit tokens / queried tokens (cumulative)")
+    ax.axhline(s["best_possible_hit_rate"], color="black", ls="--", label="best possible")
+    ax.axhline(0.95 * s["best_possible_hit_rate"], color="tab:red", ls=":", label="target: 0.95 of best")
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("prefix cache: 64 requests sharing a 1024-token system prompt")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out / "prefix_hit_rate.png")
+
+
+# --- the report -------------------------------------------------------------------------------
+def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
+    m = latest["machine"]
+    lines = [
+        "# Benchmark report",
+        "",
+        f"{latest['time']}, {'quick mode, ' if latest['quick'] else ''}"
+        f"whole suite {latest['elapsed_s'] / 60:.1f} min "
+        f"on {m['cpus']} CPUs ({m['platform']}, Python {m['python']}, torch {m['torch']}, "
+        f"{m['torch_threads']} torch thread(s)); load average before {m['load_average_before'][0]:.1f}, "
+        f"after {m['load_average_after'][0]:.1f}.",
+        "",
+        "Every judged figure is a ratio against a baseline measured in the same run; absolute times are "
+        "printed by each benchmark and kept in `latest.json`, never judged. A missed target is marked "
+        "**MISSED**. The machine is shared: a load average above the CPU count means other processes "
+        "competed for the cores during the run.",
+        "",
+        "## Targets",
+        "",
+        *target_table(latest),
+        "",
+    ]
+    if plots:
+        lines += ["## Plots", ""]
+        for title, fn in (
+            ("Each figure against its target", plot_targets),
+            ("Throughput against concurrency (serving)", plot_concurrency),
+            ("Latency percentiles", plot_latency),
+            ("KV usage over time", plot_kv),
+            ("Prefix-cache hit rate", plot_prefix),
+        ):
+            png = fn(latest, out)
+            lines += [f"### {title}", "", f"![{title}]({png})" if png else "(no data in this run)", ""]
+    lines += ["## Runs", "", "| benchmark | status | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {r['status']} | {r['elapsed_s']:.0f} |" for n, r in latest["benchmarks"].items()]
+    lines += ["", *details(latest)]
+    path = out / "REPORT.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def details(latest: dict) -> list[str]:
+    """The figures behind the ratios, briefly, for the benchmarks that need them to be read."""
+    out = ["## Details", ""]
+    b = latest["benchmarks"]
+    cont = (b.get("continuous_batching") or {}).get("result")
+    if cont:
+        f = cont["figures"]
+        out.append(
+            f"- continuous batching: engine {f['engine_continuous']['output_tok_s']:.1f} output tok/s, "
+            f"engine static batches {f['engine_static']['output_tok_s']:.1f}, HF static batches "
+            f"{f['hf_static']['output_tok_s']:.1f}; vLLM: {f.get('vllm_note')}."
+        )
+    kv = (b.get("kv_memory") or {}).get("result")
+    if kv:
+        f = kv["figures"]
+        out.append(
+            f"- KV memory: {f['paged']['mean_running_saturated']:.1f} requests at once paged, "
+            f"{f['contiguous_max_model_len']['mean_running_saturated']:.1f} contiguous (max_model_len), "
+            f"{f['contiguous_prompt_plus_max_tokens']['mean_running_saturated']:.1f} contiguous "
+            f"(prompt + max_tokens); {f['paged']['preemptions']} preemptions."
+        )
+    step = (b.get("step_overhead") or {}).get("result")
+    if step:
+        for n, m in step["figures"]["per_batch"].items():
+            out.append(
+                f"- step overhead at {n} running: {m['overhead_ms']:.3f} ms outside the model "
+                f"(+ {m['sampler_math_ms']:.3f} ms sampler math, stub {m['stub_ms']:.2f} ms)."
+            )
+    eff = (b.get("compute_efficiency") or {}).get("result")
+    if eff:
+        for phase in ("decode", "prefill"):
+            m = eff["figures"][phase]
+            out.append(
+                f"- {phase}: {m['step_flop_s'] / 1e9:.1f} GFLOP/s per step, {m['forward_flop_s'] / 1e9:.1f} "
+                f"in the forward alone, plain matmul {m['matmul_flop_s'] / 1e9:.1f}."
+            )
+    return out

@@ -1,0 +1,137 @@
+"""Every benchmark of the suite, run in its --quick mode in its own process, writes a result whose
+figures are internally consistent. Speed is never asserted: these are timing ratios on a shared
+machine; the full run (`make bench`) judges them against their targets."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_KEYS = {"name", "value", "op", "target", "unit", "met", "note"}
+
+
+def run_quick(name: str, results: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--results-dir", str(results)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, (
+        f"benchmarks.{name} --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    doc = json.loads((results / f"{name}.json").read_text())
+    assert doc["benchmark"] == name and doc["quick"] is True
+    assert doc["targets"], "a benchmark must judge at least one figure"
+    for t in doc["targets"]:
+        assert set(t) == TARGET_KEYS
+        assert math.isfinite(t["value"]) and t["op"] in (">=", "<=")
+        assert t["met"] == (t["value"] >= t["target"] if t["op"] == ">=" else t["value"] <= t["target"])
+    return doc
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench_results")
+
+
+def test_kv_memory(results):
+    f = run_quick("kv_memory", results)["figures"]
+    assert 0.5 < f["paged"]["utilization"] <= 1.0
+    # The contiguous allocators reserve at least what is live, so they never hold their slots better.
+    assert (
+        f["contiguous_max_model_len"]["utilization"]
+        <= f["contiguous_prompt_plus_max_tokens"]["utilization"]
+        <= 1
+    )
+    assert f["contiguous_max_model_len"]["mean_running_saturated"] >= 1
+    assert f["concurrency_vs_max_model_len"] > f["concurrency_vs_prompt_plus_max_tokens"] > 0
+
+
+def test_continuous_batching(results):
+    doc = run_quick("continuous_batching", results)
+    f = doc["figures"]
+    useful = f["engine_continuous"]["output_tokens"]
+    assert useful == f["engine_static"]["output_tokens"] == f["hf_static"]["output_tokens"] > 0
+    assert f["hf_static"]["computed_tokens"] >= useful  # static batching pads to the batch's longest output
+    assert f["ratio_vs_hf"] == pytest.approx(
+        f["engine_continuous"]["output_tok_s"] / f["hf_static"]["output_tok_s"]
+    )
+    assert "vllm" in f["vllm_note"]
+    assert all(0 <= u <= 1 for _, u in doc["series"]["kv_usage"])
+
+
+def test_chunked_prefill(results):
+    doc = run_quick("chunked_prefill", results)
+    on, off = doc["figures"]["chunking_on"], doc["figures"]["chunking_off"]
+    w = doc["config"]["workload"]
+    assert (
+        on["max_num_batched_tokens"] == w["chunk_budget"] < w["long_prompt"] <= off["max_num_batched_tokens"]
+    )
+    for m in (on, off):
+        assert m["itl_samples"] > 0 and 0 < m["itl_s"]["p50"] <= m["itl_s"]["p99"]
+        assert m["long_ttft_s"]["mean"] > 0 and m["tokens_per_s"] > 0
+
+
+def test_prefix_caching(results):
+    doc = run_quick("prefix_caching", results)
+    f = doc["figures"]
+    assert f["shared_on"]["hit_tokens"] > 0 and f["shared_off"]["hit_tokens"] == 0
+    assert 0 < f["hit_rate"] <= f["best_possible_hit_rate"] + 1e-9
+    assert all(r["hit_tokens"] == 0 for r in f["random_runs"]["on"])  # random prompts share no full block
+    assert doc["series"]["hit_rate"]
+
+
+def test_step_overhead(results):
+    doc = run_quick("step_overhead", results)
+    per = doc["figures"]["per_batch"]
+    assert sorted(per, key=int) == [str(n) for n in doc["config"]["workload"]["batch_sizes"]]
+    for m in per.values():
+        assert m["stub_ms"] > 0 and m["overhead_ms"] > 0
+        assert m["step_ms"] == pytest.approx(m["stub_ms"] + m["sampler_math_ms"] + m["overhead_ms"])
+    assert "scheduler.py" in doc["figures"]["profile_largest_batch"]
+
+
+def test_compute_efficiency(results):
+    f = run_quick("compute_efficiency", results)["figures"]
+    for phase in ("decode", "prefill"):
+        m = f[phase]
+        assert m["flops"] > 0 and m["matmul_flop_s"] > 0
+        assert 0 < m["forward_s"] <= m["step_s"]
+        assert 0 < m["step_efficiency"] <= m["forward_efficiency"]
+
+
+def test_run_all_writes_report_with_plots(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run_all",
+            "--quick",
+            "--results-dir",
+            str(tmp_path),
+            "--only",
+            "kv_memory",
+            "prefix_caching",
+            "serving",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert set(latest["benchmarks"]) == {"kv_memory", "prefix_caching", "serving"}
+    assert latest["benchmarks"]["kv_memory"]["status"] == "ok"
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "live tokens / allocated KV slots" in report and "hit rate / best possible" in report
+    for png in ("targets.png", "kv_usage.png", "prefix_hit_rate.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in report
