@@ -66,6 +66,9 @@ class RequestHandle:
     def __init__(self, request_id: str, n: int) -> None:
         self.request_id = request_id
         self.live_indexes = set(range(n))  # sequences the engine has not finished (nor been told to drop)
+        # The same, as the session reader sees it (live_indexes follows the consumer, which may lag
+        # behind a slow client): what the gateway's watchdog counts as work pending in the engine.
+        self.engine_live = set(range(n))
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _put(self, item) -> None:
@@ -238,6 +241,10 @@ class EngineClient:
         if index is None:
             for rid in request_ids:
                 self._handles.pop(rid, None)
+        else:
+            for rid in request_ids:
+                if (handle := self._handles.get(rid)) is not None:
+                    handle.engine_live.discard(index)
         if not self.ready or not request_ids:
             return
         try:
@@ -310,7 +317,12 @@ class EngineClient:
                         self.on_step_time(event.step.step_time_s)
                 elif kind == "heartbeat":
                     self.load = load = event.heartbeat.load
-                    pending = load.num_running + load.num_waiting > 0
+                    # The load may predate the last submits (it is refreshed between steps, and a
+                    # stuck loop refreshes nothing), so the requests this gateway knows are
+                    # running count too.
+                    pending = load.num_running + load.num_waiting > 0 or any(
+                        h.engine_live for h in self._handles.values()
+                    )
                     self._stall.update(now, pending=pending, progressed=load.num_steps != last_steps)
                     last_steps = load.num_steps
                     if self._stall.stalled(now):
@@ -337,6 +349,8 @@ class EngineClient:
             handle = self._handles.get(d.request_id)
             if handle is None:
                 continue  # aborted here after the engine stepped it
+            if d.finish_reason:
+                handle.engine_live.discard(d.index)
             handle._put(
                 EngineDelta(
                     index=d.index,

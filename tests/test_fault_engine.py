@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -179,3 +181,53 @@ def test_engine_watchdog_ends_streams_on_a_stalled_step_and_service_resumes(tiny
         stop_and_check(sp)
     finally:
         sp.kill()
+
+
+def test_gateway_watchdog_notices_a_hung_engine_whose_own_watchdog_is_off(tiny_llama, tmp_path):
+    """The engine's heartbeats go on (its gRPC threads are fine) while its loop is stuck; the gateway
+    sees the step counter stand still with work pending and gives up on the session."""
+    sock = tmp_path / "engine.sock"
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine_svc.server",
+            "--model",
+            str(tiny_llama),
+            "--socket",
+            str(sock),
+            "--num-kv-blocks",
+            "128",
+            "--watchdog-timeout",
+            "0",
+        ],
+        env={
+            **os.environ,
+            "LLMSERVE_FAULT_FORWARD_STALL_AT_STEP": "40",
+            "LLMSERVE_FAULT_FORWARD_STALL_S": "5",
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        sp = ServiceProcess(
+            tiny_llama, "--engine", f"unix://{sock}", "--tokenizer-workers", "0", "--watchdog-timeout", "1.5"
+        ).start()
+        try:
+            with LLMServeClient(sp.target, timeout=60) as client:
+                streams = OpenStreams(client, [f"hung {i}" for i in range(2)], **LONG)
+                streams.join(8.0)
+                _all_unavailable(streams)
+                for i, ended in streams.ended_at.items():  # the gateway's 1.5 s, not the 5 s stall
+                    assert ended - streams.last_message_at.get(i, ended) < 3.5
+                _health(client, NOT_SERVING, 1.0)
+                _health(client, SERVING, 15.0)
+                assert client.generate("unstuck", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+            assert "lost the engine" in sp.log_tail(40000) and "(hung)" in sp.log_tail(40000)
+            assert_engine_clean(sp)
+            stop_and_check(sp)
+        finally:
+            sp.kill()
+    finally:
+        engine.terminate()
+        assert engine.wait(30) == 0
