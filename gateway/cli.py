@@ -9,7 +9,7 @@ llmserve engine --model models/default --socket /path/engine.sock   # the engine
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 import time
 
@@ -44,13 +44,42 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-queue", type=int, default=d.max_queue_length)
     p.add_argument("--max-n", type=int, default=d.max_n)
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="0: the model's context minus one")
+    p.add_argument("--max-tokens-limit", type=int, default=0, help="most new tokens per request; 0: context")
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+    p.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars)
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message limit")
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--log-prompts", action="store_true", help="put prompt text in request log lines")
+    s = p.add_argument_group("security")
+    s.add_argument("--api-key-file", help="require 'authorization: Bearer KEY'; lines 'TENANT KEY' or 'KEY'")
+    s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    s.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    s.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    s.add_argument("--engine-tls-ca", help="TLS to an --engine over TCP: the CA of its certificate")
+    s.add_argument("--engine-tls-cert", help="client certificate for an engine that requires mTLS")
+    s.add_argument("--engine-tls-key", help="its private key")
+    s.add_argument("--engine-tls-server-name", help="the name in the engine's certificate, if not its host")
+    o = p.add_argument_group("operations")
+    o.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    o.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default: loopback)")
+    o.add_argument("--engine-heartbeat-timeout", type=float, default=5.0, help="silent engine: gone after")
+    o.add_argument("--engine-restarts", type=int, default=0, help="restart a dead engine up to N times")
+    o.add_argument("--keepalive-time-s", type=float, default=30.0, help="ping a quiet connection after")
+    o.add_argument("--keepalive-timeout-s", type=float, default=10.0, help="peer gone without a ping ack")
     add_engine_options(p)
 
 
 def _add_sampling(p) -> None:
     p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"), help="or $LLMSERVE_API_KEY")
+    p.add_argument("--tls-ca", help="connect with TLS, trusting this CA")
+    p.add_argument("--tls-cert", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", help="client certificate key")
     p.add_argument("--model", default="")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--min-tokens", type=int)
@@ -126,20 +155,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
+    from gateway.auth import ApiKeys, Authenticator
+    from gateway.grpc_options import Keepalive
     from gateway.launcher import serve
+    from gateway.log_setup import setup_logging
     from gateway.server import GatewayOptions
+    from gateway.tls import client_tls_from_args, server_tls_from_args
 
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s gateway[%(process)d] %(levelname)s %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format, "gateway")
     limits = Limits(
         max_concurrent_requests=args.max_concurrent,
         max_queue_length=args.max_queue,
         max_n=args.max_n,
         default_max_tokens=args.default_max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens_limit,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_prompt_chars=args.max_prompt_chars,
+        max_message_bytes=args.max_message_bytes,
     )
+    try:
+        auth = Authenticator(ApiKeys.from_file(args.api_key_file) if args.api_key_file else None)
+        tls = server_tls_from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
+        engine_tls = client_tls_from_args(
+            args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, args.engine_tls_server_name
+        )
+    except (OSError, ValueError) as e:
+        print(f"llmserve: {e}", file=sys.stderr)
+        return 2
+    if engine_tls is not None and not args.engine:
+        print(
+            "llmserve: --engine-tls-* needs --engine HOST:PORT (a local engine uses a unix socket)",
+            file=sys.stderr,
+        )
+        return 2
     opts = GatewayOptions(
         model_dir=args.model,
         engine_address=args.engine,
@@ -150,14 +201,31 @@ def _serve(args) -> int:
         use_shared_memory=args.transport == "shm",
         limits=limits,
         drain_grace_s=args.drain_grace_s,
+        heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        auth=auth,
+        tls=tls,
+        engine_tls=engine_tls,
+        keepalive=Keepalive(
+            time_ms=int(args.keepalive_time_s * 1000), timeout_ms=int(args.keepalive_timeout_s * 1000)
+        ),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        watchdog_timeout_s=30.0 if args.watchdog_timeout is None else args.watchdog_timeout,
+        log_prompts=args.log_prompts,
     )
     return serve(args, opts)
 
 
+def _client(args):
+    from gateway.client import LLMServeClient
+    from gateway.tls import client_tls_from_args
+
+    tls = client_tls_from_args(args.tls_ca, args.tls_cert, args.tls_key)
+    return LLMServeClient(args.target, timeout=args.timeout, api_key=args.api_key, tls=tls)
+
+
 def _generate(args) -> int:
     import grpc
-
-    from gateway.client import LLMServeClient
 
     options = _sampling_options(args)
     if args.n:
@@ -166,7 +234,7 @@ def _generate(args) -> int:
         options["logprobs"] = args.logprobs
     start = time.perf_counter()
     try:
-        with LLMServeClient(args.target, timeout=args.timeout) as client:
+        with _client(args) as client:
             if args.stream and (args.n or 1) == 1:
                 last = None
                 for msg in client.generate_stream(args.prompt, **options):
@@ -201,12 +269,10 @@ def _summary(msg, seconds: float) -> None:
 def _chat(args) -> int:
     import grpc
 
-    from gateway.client import LLMServeClient
-
     options = _sampling_options(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    with LLMServeClient(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         while True:
             if interactive:
                 print("you> ", end="", flush=True)

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.grpc_options import Keepalive
+from gateway.tls import ClientTLS
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc
@@ -65,16 +67,22 @@ class LLMServeClient:
         target: str = "127.0.0.1:50051",
         timeout: float | None = None,
         channel: grpc.Channel | None = None,
+        api_key: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
+        """``api_key`` is sent as ``authorization: Bearer ...`` on every call (health too, harmlessly);
+        ``tls`` makes the channel a TLS one (with a client certificate for mTLS)."""
         self.target = target
         self.timeout = timeout
-        self.channel = channel or grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", 16 << 20),
-                ("grpc.max_send_message_length", 16 << 20),
-            ],
-        )
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        options = [
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+            *Keepalive().client_options(),
+        ]
+        if channel is None and tls is not None:
+            channel = grpc.secure_channel(target, tls.credentials(), options=options + tls.channel_options())
+        self.channel = channel or grpc.insecure_channel(target, options=options)
         self.generation = gen_grpc.GenerationStub(self.channel)
         self.models = models_pb2_grpc.ModelsStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -93,14 +101,16 @@ class LLMServeClient:
     ) -> Iterator[gen.GenerateResponse]:
         """Stream messages as they come (one per piece of new output of any of the n sequences)."""
         return self.generation.GenerateStream(
-            build_request(prompt, **kwargs), timeout=timeout or self.timeout
+            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
         )
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
     ) -> gen.GenerateResponse:
         """The whole result at once (n > 1: sequences 1.. are in ``additional_sequences``)."""
-        return self.generation.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+        return self.generation.Generate(
+            build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
+        )
 
     def tokenize(
         self,
@@ -118,17 +128,21 @@ class LLMServeClient:
             req.text = text
         if add_special_tokens is not None:
             req.add_special_tokens = add_special_tokens
-        return list(self.generation.Tokenize(req, timeout=self.timeout).token_ids)
+        return list(self.generation.Tokenize(req, timeout=self.timeout, metadata=self.metadata).token_ids)
 
     def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         req = gen.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
-        return self.generation.Detokenize(req, timeout=self.timeout).text
+        return self.generation.Detokenize(req, timeout=self.timeout, metadata=self.metadata).text
 
     def list_models(self) -> models_pb2.ListModelsResponse:
-        return self.models.ListModels(models_pb2.ListModelsRequest(), timeout=self.timeout)
+        return self.models.ListModels(
+            models_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
+        )
 
     def model_info(self, model: str = "") -> models_pb2.ModelInfo:
-        return self.models.GetModelInfo(models_pb2.GetModelInfoRequest(model=model), timeout=self.timeout)
+        return self.models.GetModelInfo(
+            models_pb2.GetModelInfoRequest(model=model), timeout=self.timeout, metadata=self.metadata
+        )
 
     def health_status(self, service: str = "") -> int:
         """health_pb2.HealthCheckResponse.SERVING, NOT_SERVING, ..."""

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import grpc
 
 from engine_svc.server.shm_ring import TokenRing
+from engine_svc.server.watchdog import StallDetector
+from gateway.grpc_options import Keepalive, message_size_options
+from gateway.tls import ClientTLS
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -29,6 +32,20 @@ RPC_TIMEOUT_S = 30.0  # a Submit or Abort waits at most one engine step; this on
 
 class EngineUnavailable(Exception):
     pass
+
+
+class EngineHung(EngineUnavailable):
+    pass
+
+
+def _loss_reason(e: BaseException) -> str:
+    if isinstance(e, EngineHung):
+        return "hung"
+    if isinstance(e, TimeoutError):
+        return "heartbeat_timeout"  # the engine process is frozen, or the link is
+    if isinstance(e, EngineUnavailable):
+        return "closed"  # the engine ended the session (its own watchdog, a shutdown)
+    return "error"  # the connection broke (the engine died)
 
 
 @dataclass(slots=True)
@@ -79,8 +96,19 @@ class EngineClient:
         output_ring_bytes: int = 4 << 20,
         heartbeat_timeout_s: float = 5.0,
         reconnect_interval_s: float = 0.5,
+        tls: ClientTLS | None = None,
+        watchdog_timeout_s: float = 0.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        keepalive: Keepalive | None = None,
     ) -> None:
         self.address = address
+        self.tls = tls
+        self.max_message_bytes = max_message_bytes
+        self.keepalive = keepalive or Keepalive()
+        # The engine has work but its step counter stands still: hung, even if heartbeats go on.
+        self._stall = StallDetector(watchdog_timeout_s)
+        self.on_step_time: Callable[[float], None] | None = None  # metrics
+        self.on_lost: Callable[[str], None] | None = None  # metrics: why a session ended
         self.gateway_id = gateway_id or f"gateway-{os.getpid()}"
         # Shared memory only makes sense on one host, which a unix socket guarantees.
         self.use_shared_memory = use_shared_memory and address.startswith("unix:")
@@ -111,13 +139,13 @@ class EngineClient:
         return "shared-memory" if self._output_ring is not None else "grpc"
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            self.address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        options = [*message_size_options(self.max_message_bytes), *self.keepalive.client_options()]
+        if self.tls is not None:
+            self._channel = grpc.aio.secure_channel(
+                self.address, self.tls.credentials(), options=options + self.tls.channel_options()
+            )
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=options)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._task = asyncio.create_task(self._maintain(), name="engine-session")
 
@@ -210,9 +238,12 @@ class EngineClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure means: engine gone, try again
+                reason = _loss_reason(e)
                 if self.ready:
-                    log.error("lost the engine at %s: %s", self.address, e)
-                self._lost(f"the engine is unavailable: {type(e).__name__}")
+                    log.error("lost the engine at %s (%s): %s", self.address, reason, e or type(e).__name__)
+                    if self.on_lost is not None:
+                        self.on_lost(reason)
+                self._lost(f"the engine is unavailable ({reason})")
             if not self._closed:
                 await asyncio.sleep(self.reconnect_interval_s)
 
@@ -236,6 +267,8 @@ class EngineClient:
                 self._prompt_ring = TokenRing.attach(c.rings.prompt_ring)
                 self._output_ring = TokenRing.attach(c.rings.output_ring)
             self.last_event_at = time.monotonic()
+            self._stall.update(self.last_event_at, pending=False, progressed=True)
+            last_steps = None
             self._ready.set()
             log.info(
                 "engine session %s on %s (transport: %s)", self._session_id, self.address, self.transport
@@ -246,12 +279,22 @@ class EngineClient:
                 event = await asyncio.wait_for(stream.read(), self.heartbeat_timeout_s)
                 if event is grpc.aio.EOF:
                     raise EngineUnavailable("the engine closed the session")
-                self.last_event_at = time.monotonic()
+                now = self.last_event_at = time.monotonic()
                 kind = event.WhichOneof("kind")
                 if kind == "step":
                     self._dispatch(event.step)
+                    self._stall.update(now, pending=True, progressed=True)
+                    if self.on_step_time is not None and event.step.step_time_s > 0:
+                        self.on_step_time(event.step.step_time_s)
                 elif kind == "heartbeat":
-                    self.load = event.heartbeat.load
+                    self.load = load = event.heartbeat.load
+                    pending = load.num_running + load.num_waiting > 0
+                    self._stall.update(now, pending=pending, progressed=load.num_steps != last_steps)
+                    last_steps = load.num_steps
+                    if self._stall.stalled(now):
+                        raise EngineHung(
+                            f"no engine step for {self._stall.stalled_for(now):.1f}s while it has work"
+                        )
         finally:
             stream.cancel()
             self._stream = None

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.admission import Admission
+from gateway.auth import Authenticator
 from gateway.engine_client import EngineClient, RequestHandle
 from gateway.errors import RequestError, unavailable
 from gateway.limits import Limits
+from gateway.log_setup import PromptLogPolicy
+from gateway.metrics import GatewayMetrics
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -27,6 +30,9 @@ class GatewayState:
     engine: EngineClient
     limits: Limits
     admission: Admission
+    auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    prompt_log: PromptLogPolicy = field(default_factory=PromptLogPolicy)
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     _background: set[asyncio.Task] = field(default_factory=set)

@@ -8,6 +8,8 @@ aborts whatever the engine still runs for it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,11 +19,20 @@ from engine_svc.server.convert import sampling_params_to_proto
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
+from gateway.log_setup import request_scope
+from gateway.metrics import RequestMetrics
 from gateway.sequence_output import SequenceOutput
-from gateway.validation import check_prompt_length, validate_generate
+from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
 from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
+
+log = logging.getLogger("gateway.requests")
+FINISH_OUTCOMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -32,7 +43,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for msg in self._generate(request):
+            async for msg in self._observed(request, context):
                 yield msg
         except RequestError as e:
             await context.abort_with_status(e.status())
@@ -40,7 +51,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         try:
             sequences: dict[int, pb.GenerateResponse] = {}
-            async for msg in self._generate(request):
+            async for msg in self._observed(request, context):
                 whole = sequences.setdefault(
                     msg.index, pb.GenerateResponse(request_id=msg.request_id, index=msg.index)
                 )
@@ -133,12 +144,66 @@ class GenerationService(pb_grpc.GenerationServicer):
         except TokenizerWorkerError as e:
             raise RequestError(grpc.StatusCode.INTERNAL, f"tokenizing failed: {e}") from e
 
-    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _observed(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        """One request's log lines (its id on each), metrics and outcome, around ``_generate``."""
+        rid = request.request_id or uuid.uuid4().hex
+        identity = self.s.auth.identity_of(context)
+        rm = self.s.metrics.request()
+        outcome = "internal"
+        completion = 0
+        with request_scope(rid):
+            kind = request.WhichOneof("prompt")
+            log.info(
+                "request",
+                extra={
+                    "fields": {
+                        "tenant": identity.tenant or None,
+                        "prompt_kind": kind,
+                        **self.s.prompt_log.fields(
+                            text=request.text if kind == "text" else None,
+                            chat=[{"role": m.role, "content": m.content} for m in request.chat.messages]
+                            if kind == "chat"
+                            else None,
+                            num_tokens=len(request.token_ids.ids) if kind == "token_ids" else None,
+                        ),
+                        "n": request.n if request.HasField("n") else 1,
+                        "max_tokens": request.max_tokens if request.HasField("max_tokens") else None,
+                    }
+                },
+            )
+            try:
+                async for msg in self._generate(request, rid, identity.cache_salt, rm):
+                    if msg.finish_reason:
+                        outcome = FINISH_OUTCOMES.get(msg.finish_reason, "unknown")
+                        completion += msg.usage.completion_tokens
+                    yield msg
+            except RequestError as e:
+                outcome = e.code.name.lower()
+                # Field names only for bad input: a description may quote what the client sent.
+                why = [v.field for v in e.violations] if e.violations else e.message
+                log.info("refused: %s", e.code.name, extra={"fields": {"reason": why}})
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                remaining = context.time_remaining()
+                outcome = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+                raise
+            except Exception:
+                log.exception("request failed")
+                raise
+            finally:
+                rm.finish(outcome)
+                log.info(
+                    "finished",
+                    extra={"fields": {"outcome": outcome, "completion_tokens": completion, **rm.summary()}},
+                )
+
+    async def _generate(
+        self, request: pb.GenerateRequest, rid: str, cache_salt: str, rm: RequestMetrics
+    ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         s.check_serving()
         s.check_model(request.model)
         v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
-        rid = request.request_id or uuid.uuid4().hex
         if rid in s.inflight:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -149,11 +214,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             async with s.admission.slot():
                 prompt = await self._prompt_ids(v)
-                check_prompt_length(len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind)
+                max_prompt = s.limits.max_prompt_tokens
+                check_prompt_length(
+                    len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind, max_prompt
+                )
+                info = s.engine.info
+                check_fits_kv_pool(len(prompt), v.params.max_tokens, info.block_size, info.num_kv_blocks)
                 s.check_serving()  # tokenizing took time: the engine may have gone, or a drain begun
+                rm.prompt(len(prompt))
                 try:
                     handle = await s.engine.submit(
-                        rid, prompt, sampling_params_to_proto(v.params), v.priority
+                        rid, prompt, sampling_params_to_proto(v.params), v.priority, cache_salt=cache_salt
                     )
                 except EngineUnavailable as e:
                     raise unavailable(str(e)) from e
@@ -163,7 +234,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     raise RequestError(e.code(), e.details()) from e
                 s.inflight[rid] = handle
                 try:
-                    async for msg in self._stream(rid, handle, v, prompt):
+                    async for msg in self._stream(rid, handle, v, prompt, rm):
                         yield msg
                 finally:
                     s.engine.release(rid)
@@ -175,7 +246,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         finally:
             del s.inflight[rid]
 
-    async def _stream(self, rid: str, handle, v, prompt: list[int]) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(
+        self, rid: str, handle, v, prompt: list[int], rm: RequestMetrics
+    ) -> AsyncIterator[pb.GenerateResponse]:
         seqs = [
             SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
         ]
@@ -194,6 +267,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 seq = seqs[d.index]
                 if seq.done:
                     continue
+                rm.tokens(d.index, len(d.token_ids))
                 msg = seq.feed(d)
                 if msg is None:
                     continue

@@ -66,7 +66,35 @@ def stop_engine(proc: subprocess.Popen, timeout: float = 15.0) -> None:
             proc.wait()
 
 
-async def run_gateway(opts: GatewayOptions, engine_proc: subprocess.Popen | None, print_hint: bool) -> int:
+class EngineSupervisor:
+    """The engine child, restarted (up to ``restarts`` times) when it dies after having served: the
+    gateway reconnects to the new one on the same socket by itself, its clients see UNAVAILABLE for
+    the streams that were open and NOT_SERVING until the new engine is warm."""
+
+    def __init__(self, args, socket_path: str, restarts: int) -> None:
+        self.args, self.socket_path, self.restarts_left = args, socket_path, restarts
+        self.proc = start_engine(args, socket_path)
+
+    def restart_if_dead(self, was_serving: bool) -> bool:
+        if self.proc.poll() is None or not was_serving or self.restarts_left <= 0:
+            return False
+        self.restarts_left -= 1
+        log.error(
+            "the engine (pid %d) exited with code %s; restarting it (%d restart(s) left)",
+            self.proc.pid,
+            self.proc.returncode,
+            self.restarts_left,
+        )
+        self.proc = start_engine(self.args, self.socket_path)
+        print(f"llmserve: engine restarted, pid {self.proc.pid}", flush=True)
+        return True
+
+
+async def run_gateway(
+    opts: GatewayOptions, engine: EngineSupervisor | subprocess.Popen | None, print_hint: bool
+) -> int:
+    supervisor = engine if isinstance(engine, EngineSupervisor) else None
+    engine_proc = supervisor.proc if supervisor is not None else engine
     server = GatewayServer(opts)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -76,6 +104,8 @@ async def run_gateway(opts: GatewayOptions, engine_proc: subprocess.Popen | None
     def announce(gw: GatewayServer) -> None:
         engine = f"engine pid {engine_proc.pid} at " if engine_proc is not None else "engine at "
         where = f"{engine}{opts.engine_address}, transport: {gw.state.engine.transport}"
+        if gw.metrics_port is not None:
+            print(f"llmserve: metrics on http://{opts.metrics_host}:{gw.metrics_port}/metrics", flush=True)
         print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
         if print_hint:
             print(f"Try it:\n  {client_hint(opts.host, gw.port)}", flush=True)
@@ -88,6 +118,9 @@ async def run_gateway(opts: GatewayOptions, engine_proc: subprocess.Popen | None
             await asyncio.wait_for(stop.wait(), 0.5)
         except TimeoutError:
             pass
+        if supervisor is not None and supervisor.restart_if_dead(server._announced):
+            engine_proc = supervisor.proc
+            continue
         if engine_proc is not None and engine_proc.poll() is not None and not server.state.engine.ready:
             if not server._announced:
                 log.error("the engine exited with code %s before it was ready", engine_proc.returncode)
@@ -103,17 +136,17 @@ def serve(args, opts: GatewayOptions) -> int:
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
     workdir = None
-    engine_proc = None
+    supervisor = None
     try:
         if not opts.engine_address:
             workdir = tempfile.mkdtemp(prefix="llmserve-")  # 0700: only this user reaches the socket
             socket_path = os.path.join(workdir, "engine.sock")
-            engine_proc = start_engine(args, socket_path)
+            supervisor = EngineSupervisor(args, socket_path, getattr(args, "engine_restarts", 0))
             opts.engine_address = f"unix://{socket_path}"
-        return _run_loop(run_gateway(opts, engine_proc, print_hint=True))
+        return _run_loop(run_gateway(opts, supervisor, print_hint=True))
     finally:
-        if engine_proc is not None:
-            stop_engine(engine_proc)
+        if supervisor is not None:
+            stop_engine(supervisor.proc)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Limits:
+    """Each limit is answered with INVALID_ARGUMENT naming the field and the limit (admission with
+    RESOURCE_EXHAUSTED), before the request is tokenized where that is possible."""
+
     max_concurrent_requests: int = 256  # requests submitted to the engine at once
     max_queue_length: int = 1024  # requests waiting for one of those slots; beyond: RESOURCE_EXHAUSTED
     max_n: int = 16
@@ -17,3 +20,14 @@ class Limits:
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
     default_max_tokens: int = 16
+    max_prompt_tokens: int = 0  # 0: the model's context minus one
+    max_tokens: int = 0  # the most new tokens a request may ask for; 0: the model's context minus one
+    max_message_bytes: int = 16 << 20  # a gRPC message, either way; a larger request is refused by gRPC
+
+    def prompt_token_limit(self, max_model_len: int) -> int:
+        cap = max_model_len - 1
+        return min(self.max_prompt_tokens, cap) if self.max_prompt_tokens > 0 else cap
+
+    def max_tokens_limit(self, max_model_len: int) -> int:
+        cap = max_model_len - 1
+        return min(self.max_tokens, cap) if self.max_tokens > 0 else cap

@@ -44,8 +44,8 @@ class ModelsService(pb_grpc.ModelsServicer):
                 max_logprobs=min(lim.max_logprobs, info.max_logprobs),
                 max_stop_strings=lim.max_stop_strings,
                 max_stop_string_chars=lim.max_stop_string_chars,
-                max_prompt_tokens=info.max_model_len - 1,
-                max_tokens=info.max_model_len - 1,
+                max_prompt_tokens=lim.prompt_token_limit(info.max_model_len),
+                max_tokens=lim.max_tokens_limit(info.max_model_len),
                 max_prompt_chars=lim.max_prompt_chars,
             ),
         )

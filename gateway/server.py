@@ -15,17 +15,22 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admission import Admission
+from gateway.auth import Authenticator, AuthInterceptor
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
+from gateway.grpc_options import Keepalive, message_size_options
 from gateway.limits import Limits
+from gateway.log_setup import PromptLogPolicy
+from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
+from gateway.tls import ClientTLS, ServerTLS, add_port
+from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import load_tokenizer
 
 log = logging.getLogger("gateway")
-MAX_MESSAGE_BYTES = 16 << 20
 SERVICES = [
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     models_pb2.DESCRIPTOR.services_by_name["Models"].full_name,
@@ -44,6 +49,14 @@ class GatewayOptions:
     limits: Limits = field(default_factory=Limits)
     drain_grace_s: float = 10.0
     heartbeat_timeout_s: float = 5.0
+    auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    tls: ServerTLS | None = None
+    engine_tls: ClientTLS | None = None  # the link to an engine over TCP
+    keepalive: Keepalive = field(default_factory=Keepalive)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    watchdog_timeout_s: float = 30.0
+    log_prompts: bool = False
 
 
 class GatewayServer:
@@ -57,6 +70,8 @@ class GatewayServer:
         self._announced = False
         self._server: grpc.aio.Server | None = None
         self.state: GatewayState | None = None
+        self.metrics = GatewayMetrics()
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         o = self.opts
@@ -64,9 +79,19 @@ class GatewayServer:
         tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
         await tokenization.start()
         engine = EngineClient(
-            o.engine_address, use_shared_memory=o.use_shared_memory, heartbeat_timeout_s=o.heartbeat_timeout_s
+            o.engine_address,
+            use_shared_memory=o.use_shared_memory,
+            heartbeat_timeout_s=o.heartbeat_timeout_s,
+            tls=o.engine_tls,
+            watchdog_timeout_s=o.watchdog_timeout_s,
+            max_message_bytes=max(o.limits.max_message_bytes, 64 << 20),
+            keepalive=o.keepalive,
         )
         engine.on_state_change = self._engine_state_changed
+        m = self.metrics
+        engine.on_step_time = m.step_time.observe
+        engine.on_lost = lambda reason: m.engine_lost.labels(reason=reason).inc()
+        m.watch_engine(lambda: engine.load if engine.ready else None)
         self.state = GatewayState(
             model_name=o.served_model_name or Path(o.model_dir).resolve().name,
             tokenizer=tokenizer,
@@ -74,13 +99,21 @@ class GatewayServer:
             engine=engine,
             limits=o.limits,
             admission=Admission(o.limits.max_concurrent_requests, o.limits.max_queue_length),
+            auth=o.auth,
+            metrics=m,
+            prompt_log=PromptLogPolicy(o.log_prompts),
         )
         server = grpc.aio.server(
+            # Credentials first: nothing from an unknown caller is even parsed.
+            interceptors=[
+                AuthInterceptor(o.auth, on_denied=lambda _: m.auth_failures.inc()),
+                DecodeGuardInterceptor(),
+            ],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *message_size_options(o.limits.max_message_bytes),
+                *o.keepalive.server_options(),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.state), server)
         models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
@@ -91,14 +124,28 @@ class GatewayServer:
             [*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
-        self.port = server.add_insecure_port(f"{o.host}:{o.port}")
+        self.port = add_port(server, f"{o.host}:{o.port}", o.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {o.host}:{o.port}")
+        if o.metrics_port is not None:
+            self.metrics_port = m.serve(o.metrics_host, o.metrics_port)
         await server.start()
         self._server = server
         await engine.start()
         log.info(
-            "gateway listening on %s:%d; waiting for the engine at %s", o.host, self.port, o.engine_address
+            "gateway listening on %s:%d; waiting for the engine at %s",
+            o.host,
+            self.port,
+            o.engine_address,
+            extra={
+                "fields": {
+                    "tls": "off" if o.tls is None else ("mtls" if o.tls.client_ca else "on"),
+                    "api_keys": len(o.auth.keys) if o.auth.enabled else 0,
+                    "engine_tls": o.engine_tls is not None,
+                    "metrics": f"{o.metrics_host}:{self.metrics_port}" if self.metrics_port else "off",
+                    "log_prompts": o.log_prompts,
+                }
+            },
         )
 
     def _engine_state_changed(self, ready: bool) -> None:
@@ -138,6 +185,7 @@ class GatewayServer:
         await self._server.stop(grace=1.0)
         await s.engine.close()
         await s.tokenization.close()
+        self.metrics.close()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()

@@ -58,11 +58,11 @@ def validate_generate(
         token_ids = list(req.token_ids.ids)
         if not token_ids:
             bad("token_ids.ids", "must not be empty")
-        elif len(token_ids) >= max_model_len:
+        elif len(token_ids) > limits.prompt_token_limit(max_model_len):
             bad(
                 "token_ids.ids",
-                f"has {len(token_ids)} tokens; the limit is {max_model_len - 1} "
-                f"(max_model_len {max_model_len} minus one generated token)",
+                f"has {len(token_ids)} tokens; the limit is {limits.prompt_token_limit(max_model_len)} "
+                f"(max_model_len {max_model_len})",
             )
         for i, t in enumerate(token_ids):
             if not 0 <= t < vocab_size:
@@ -108,10 +108,12 @@ def validate_generate(
         n = 1
 
     max_tokens = req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens
-    if not 1 <= max_tokens < max_model_len:
+    cap = limits.max_tokens_limit(max_model_len)
+    if not 1 <= max_tokens <= cap:
         bad(
             "max_tokens",
-            f"must be in [1, {max_model_len - 1}] (the model's context is {max_model_len}), got {max_tokens}",
+            f"must be in [1, {cap}] (the server's limit; the model's context is {max_model_len}), "
+            f"got {max_tokens}",
         )
         max_tokens = 1
     min_tokens = req.min_tokens if req.HasField("min_tokens") else 0
@@ -179,17 +181,20 @@ def validate_generate(
     )
 
 
-def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str) -> None:
+def check_prompt_length(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str, max_prompt_tokens: int = 0
+) -> None:
     """After tokenizing: the prompt and the tokens asked for must fit the model's context."""
+    limit = min(max_prompt_tokens, max_model_len - 1) if max_prompt_tokens > 0 else max_model_len - 1
     if num_prompt_tokens == 0:
         raise invalid([FieldViolation(field, "the prompt encodes to no tokens")])
-    if num_prompt_tokens >= max_model_len:
+    if num_prompt_tokens > limit:
         raise invalid(
             [
                 FieldViolation(
                     field,
                     f"the prompt has {num_prompt_tokens} tokens; the limit is "
-                    f"{max_model_len - 1} (max_model_len {max_model_len})",
+                    f"{limit} (max_model_len {max_model_len})",
                 )
             ]
         )
@@ -201,6 +206,25 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: 
                     f"the prompt has {num_prompt_tokens} tokens and max_tokens "
                     f"is {max_tokens}: together more than the model's "
                     f"context of {max_model_len} tokens",
+                )
+            ]
+        )
+
+
+def check_fits_kv_pool(num_prompt_tokens: int, max_tokens: int, block_size: int, num_kv_blocks: int) -> None:
+    """A request that could never fit the engine's whole KV cache is refused here, not queued forever
+    (the engine would refuse it too; the gateway answers first so the engine never sees it)."""
+    if not block_size or not num_kv_blocks:
+        return
+    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if needed > num_kv_blocks:
+        raise invalid(
+            [
+                FieldViolation(
+                    "max_tokens" if num_prompt_tokens < num_kv_blocks * block_size else "prompt",
+                    f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+                    f"{needed} KV blocks; the server's whole cache has {num_kv_blocks} blocks of "
+                    f"{block_size} tokens",
                 )
             ]
         )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine_svc.server.convert import delta_to_proto
 from engine_svc.server.shm_ring import TokenRing
+from engine_svc.server.watchdog import Watchdog
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 
 log = logging.getLogger("engine_svc.server")
@@ -39,7 +40,9 @@ class Session:
 
 
 class EngineLoop:
-    def __init__(self, engine, heartbeat_s: float = 0.5, parent_pid: int | None = None) -> None:
+    def __init__(
+        self, engine, heartbeat_s: float = 0.5, parent_pid: int | None = None, watchdog_timeout_s: float = 0.0
+    ) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
         self._parent_pid = parent_pid
@@ -52,11 +55,16 @@ class EngineLoop:
         self.load = pb.Load()
         self._load_at = 0.0
         self.on_parent_exit: Callable[[], None] | None = None
+        # Set by the watchdog while a step has run past its timeout: no new sessions or requests.
+        self.stalled = threading.Event()
+        self.refused_submits = 0  # Submits refused as invalid (INVALID_ARGUMENT); a gRPC thread counts
+        self.watchdog = Watchdog(watchdog_timeout_s, on_stall=self._on_stall, on_recover=self.stalled.clear)
 
     # Called from other threads -----------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        self.watchdog.start()
 
     def call(self, fn: Callable, timeout: float | None = 30.0):
         """Run ``fn()`` on the loop thread between two steps and return (or raise) its result."""
@@ -70,9 +78,22 @@ class EngineLoop:
         self._commands.put((fn, None))
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.watchdog.stop()
         self._stopping.set()
         self._commands.put((lambda: None, None))
         self._thread.join(timeout)
+
+    def _on_stall(self, waited_s: float) -> None:
+        """From the watchdog's thread while the loop is stuck: end every session's stream now, so
+        that each gateway fails its open streams with UNAVAILABLE and stops sending work here. The
+        sessions' requests are aborted (and rings unlinked) by the loop once it runs again."""
+        self.stalled.set()
+        for s in list(self._sessions.values()):
+            if not s.closed:
+                s.closed = True
+                s.outbox.put(_CLOSED)
+                self.post(lambda sid=s.session_id: self.close_session(sid))
+        log.error("engine stalled for %.1fs: sessions ended; refusing work until a step completes", waited_s)
 
     # Commands (run on the loop thread) -----------------------------------------------------------
 
@@ -100,8 +121,9 @@ class EngineLoop:
         for rid in list(s.live):
             self.engine.abort_request(_engine_id(s, rid))
         s.live.clear()
-        s.closed = True
-        s.outbox.put(_CLOSED)
+        if not s.closed:
+            s.closed = True
+            s.outbox.put(_CLOSED)
         for ring in (s.prompt_ring, s.output_ring):
             if ring is not None:
                 ring.close()
@@ -110,8 +132,8 @@ class EngineLoop:
     def add_request(
         self, s: Session, request_id: str, prompt: list[int], params, priority: int, cache_salt: str | None
     ) -> None:
-        if s.closed:
-            raise RuntimeError("session closed")
+        if s.closed or self.stalled.is_set():
+            raise RuntimeError("session closed" if s.closed else "the engine is stalled")
         self.engine.add_request(
             _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
         )
@@ -139,8 +161,9 @@ class EngineLoop:
             prefix_queried_tokens=st.prefix_queried_tokens,
             prefix_hit_tokens=st.prefix_hit_tokens,
             num_preemptions=st.num_preemptions,
-            num_sessions=len(self._sessions),
+            num_sessions=sum(not s.closed for s in self._sessions.values()),
             num_live_requests=sum(len(s.live) for s in self._sessions.values()),
+            num_refused_submits=self.refused_submits,
         )
         if check_invariants:
             try:
@@ -159,7 +182,14 @@ class EngineLoop:
                 if self._stopping.is_set():
                     break
                 if self.engine.has_unfinished_requests():
-                    self._route(self.engine.step())
+                    self.watchdog.step_started()
+                    t0 = time.perf_counter()
+                    deltas = self.engine.step()
+                    step_time = time.perf_counter() - t0
+                    self.watchdog.step_finished(pending=self.engine.has_unfinished_requests())
+                    self._route(deltas, step_time)
+                else:
+                    self.watchdog.idle()
                 self._refresh_load()
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.warning("parent process %d is gone; shutting down", self._parent_pid)
@@ -206,13 +236,13 @@ class EngineLoop:
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError("the engine is shutting down"))
 
-    def _route(self, deltas) -> None:
+    def _route(self, deltas, step_time_s: float = 0.0) -> None:
         step = next(self._step_counter)
         per_session: dict[str, list] = {}
         for d in deltas:
             sid, _, rid = d.request_id.partition("/")
             s = self._sessions.get(sid)
-            if s is None or rid not in s.live:
+            if s is None or s.closed or rid not in s.live:
                 continue
             per_session.setdefault(sid, []).append((rid, d))
             if d.finish_reason is not None:
@@ -221,7 +251,7 @@ class EngineLoop:
                     del s.live[rid]
         for sid, items in per_session.items():
             s = self._sessions[sid]
-            out = pb.StepOutput(step=step)
+            out = pb.StepOutput(step=step, step_time_s=step_time_s)
             if s.output_ring is not None:
                 ids = [t for _, d in items for t in d.new_token_ids]
                 start = s.output_ring.try_write(ids)
@@ -246,6 +276,9 @@ class EngineLoop:
             kv_blocks_used=st.kv_blocks_used,
             kv_blocks_total=st.kv_blocks_total,
             num_steps=st.num_steps,
+            prefix_queried_tokens=st.prefix_queried_tokens,
+            prefix_hit_tokens=st.prefix_hit_tokens,
+            num_preemptions=st.num_preemptions,
         )
 
 

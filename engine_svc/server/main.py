@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -22,13 +21,18 @@ from pathlib import Path
 import grpc
 
 from engine_svc.server.engine_loop import EngineLoop
+from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.servicer import EngineServicer
 from engine_svc.server.shm_segments import sweep_stale_segments
+from gateway.grpc_options import Keepalive, message_size_options
+from gateway.log_setup import setup_logging
+from gateway.tls import add_port, server_tls_from_args
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engine_svc.server")
 MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_WATCHDOG_S = 30.0
 
 
 def default_socket_path() -> str:
@@ -51,6 +55,12 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
     ("--device", str, "cpu or cuda"),
     ("--seed", int, "engine seed"),
     ("--scheduling-policy", str, "fcfs or priority"),
+    (
+        "--watchdog-timeout",
+        float,
+        "seconds without a completed step while work is pending before the "
+        "engine ends its sessions and refuses work (0: off; default 30)",
+    ),
 ]
 
 
@@ -88,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) is gone")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument(
+        "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="largest gRPC message in or out"
+    )
+    t = p.add_argument_group("TLS for a TCP listener (a gateway on another host)")
+    t.add_argument("--tls-cert", help="server certificate (PEM)")
+    t.add_argument("--tls-key", help="server private key (PEM)")
+    t.add_argument("--tls-client-ca", help="require gateway client certificates signed by this CA (mTLS)")
     add_engine_options(p)
     return p
 
@@ -145,11 +163,12 @@ def engine_info(engine) -> pb.EngineInfo:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format, "engine")
+    try:
+        tls = server_tls_from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -162,30 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(**engine_config_kwargs(args)))
     warm_up(engine)
+    install_from_env(engine)  # faults on purpose, for the fault suite only (environment variables)
     info = engine_info(engine)
-    loop = EngineLoop(engine, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
+    watchdog_s = DEFAULT_WATCHDOG_S if args.watchdog_timeout is None else args.watchdog_timeout
+    loop = EngineLoop(
+        engine, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid, watchdog_timeout_s=watchdog_s
+    )
     loop.on_parent_exit = stop.set
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *message_size_options(args.max_message_bytes),
+            *Keepalive().server_options(),
             ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_EngineServicer_to_server(EngineServicer(loop, info), server)
     address = listen_address(args)
-    if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+    if add_port(server, address, tls) == 0 and not address.startswith("unix:"):
         log.error("cannot listen on %s", address)
         return 1
     loop.start()
     server.start()
     log.info(
-        "engine ready on %s (model %s, %d KV blocks, %.1fs)",
+        "engine ready on %s (model %s, %d KV blocks, %.1fs, TLS %s, watchdog %s)",
         address,
         info.model_name,
         info.num_kv_blocks,
         time.perf_counter() - t0,
+        "off" if tls is None else ("mTLS" if tls.client_ca else "on"),
+        f"{watchdog_s:g}s" if watchdog_s > 0 else "off",
     )
     while not stop.wait(0.5):
         if loop.stopped.is_set():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -14,6 +15,10 @@ from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engine_svc.server")
 MAX_RING_BYTES = 1 << 30
+
+
+class _Refused(Exception):
+    """A Submit the engine refuses as invalid (INVALID_ARGUMENT)."""
 
 
 class EngineServicer(pb_grpc.EngineServicer):
@@ -57,29 +62,41 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def Submit(self, request: pb.SubmitRequest, context):
         s = self._session(request.session_id, context)
+        try:
+            prompt, params = self._decode_submit(s, request)
+            self._call(
+                context,
+                lambda: self._loop.add_request(
+                    s, request.request_id, prompt, params, request.priority, request.cache_salt or None
+                ),
+                refusal=True,
+            )
+        except _Refused as e:
+            # The gateway validates first: a refusal here means something slipped past it (counted,
+            # so that tests can prove the engine never saw an invalid request).
+            self._loop.refused_submits += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.SubmitResponse()
+
+    @staticmethod
+    def _decode_submit(s: Session, request: pb.SubmitRequest):
         kind = request.WhichOneof("prompt")
         if kind == "prompt_span":
             if s.prompt_ring is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this session has no prompt ring")
+                raise _Refused("this session has no prompt ring")
             try:
                 prompt = s.prompt_ring.read_and_release(request.prompt_span.start, request.prompt_span.length)
             except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise _Refused(str(e)) from e
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: token ids are required")
+            raise _Refused("prompt: token ids are required")
         try:
             params = sampling_params_from_proto(request.params)
         except (TypeError, ValueError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._call(
-            context,
-            lambda: self._loop.add_request(
-                s, request.request_id, prompt, params, request.priority, request.cache_salt or None
-            ),
-        )
-        return pb.SubmitResponse()
+            raise _Refused(str(e)) from e
+        return prompt, params
 
     def Abort(self, request: pb.AbortRequest, context):
         s = self._session(request.session_id, context)
@@ -93,10 +110,16 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or closed session {session_id!r}")
         return s
 
-    def _call(self, context, fn):
+    def _call(self, context, fn, refusal: bool = False):
+        if self._loop.stalled.is_set():  # the loop would not answer until its stuck step returns
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (watchdog)")
         try:
             return self._loop.call(fn)
         except ValueError as e:
+            if refusal:
+                raise _Refused(str(e)) from e
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer in time")

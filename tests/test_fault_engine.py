@@ -1,0 +1,181 @@
+"""The engine hangs, dies, raises or stalls under open streams, and the gateway dies under the engine:
+real processes, real signals. Every stream ends (no hang), with UNAVAILABLE; service comes back
+where the fault allows; and nothing is left: pool whole, no request, no shared-memory segment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from gateway.client import LLMServeClient
+from gateway.service_process import ServiceProcess
+from tests.fault_helpers import (
+    OpenStreams,
+    alive,
+    assert_engine_clean,
+    assert_no_segments_of,
+    assert_segments_only_of_live_sessions,
+    engine_pid,
+    stop_and_check,
+    wait_for,
+)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LONG = dict(max_tokens=1000, ignore_eos=True, temperature=0.0)
+
+
+def _health(client: LLMServeClient, status: int, within_s: float) -> None:
+    wait_for(lambda: client.health_status() == status, within_s, f"health {status}")
+
+
+def _all_unavailable(streams: OpenStreams) -> None:
+    assert streams.codes() == [grpc.StatusCode.UNAVAILABLE] * len(streams.calls), streams.results
+
+
+@pytest.fixture(scope="module")
+def svc(tiny_llama):
+    sp = ServiceProcess(
+        tiny_llama,
+        "--num-kv-blocks",
+        "256",
+        "--engine-heartbeat-timeout",
+        "1.0",
+        "--engine-restarts",
+        "1",
+        "--tokenizer-workers",
+        "1",
+    ).start()
+    try:
+        yield sp
+        stop_and_check(sp)
+    finally:
+        sp.kill()
+
+
+def test_engine_sigstop_ends_streams_then_sigcont_restores_service(svc):
+    pid = engine_pid(svc)
+    with LLMServeClient(svc.target, timeout=60) as client:
+        streams = OpenStreams(client, [f"hang {i}" for i in range(3)], **LONG)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            streams.join(5.0)
+            _all_unavailable(streams)
+            assert max(streams.ended_at.values()) - stopped_at < 2.5  # heartbeat timeout 1s
+            _health(client, NOT_SERVING, 1.0)
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate("while frozen", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _health(client, SERVING, 15.0)  # the same engine, the same gateway: a new session
+        assert engine_pid(svc) == pid
+        out = client.generate("after the thaw", max_tokens=4, ignore_eos=True)
+        assert out.usage.completion_tokens == 4
+    assert_engine_clean(svc)  # the frozen session's requests were aborted once the engine woke
+    assert_segments_only_of_live_sessions(svc)
+
+
+def test_engine_sigkill_ends_streams_and_the_launcher_restarts_it(svc):
+    old = engine_pid(svc)
+    with LLMServeClient(svc.target, timeout=60) as client:
+        streams = OpenStreams(client, [f"doomed {i}" for i in range(3)], **LONG)
+        os.kill(old, signal.SIGKILL)
+        killed_at = time.monotonic()
+        streams.join(5.0)
+        _all_unavailable(streams)
+        assert max(streams.ended_at.values()) - killed_at < 2.0
+        _health(client, NOT_SERVING, 2.0)
+        _health(client, SERVING, 90.0)
+        new = engine_pid(svc)
+        assert new != old and alive(new) and not alive(old)
+        out = client.generate("after the restart", max_tokens=4, ignore_eos=True)
+        assert out.usage.completion_tokens == 4
+    assert_engine_clean(svc)
+    assert_no_segments_of([old])  # the killed engine's rings: swept by the new engine at its start
+    assert_segments_only_of_live_sessions(svc)
+
+
+def test_gateway_sigkill_makes_the_engine_abort_everything_and_exit(tiny_llama):
+    sp = ServiceProcess(tiny_llama, "--num-kv-blocks", "128", "--tokenizer-workers", "1").start()
+    try:
+        children = sp.descendants()
+        pid = engine_pid(sp)
+        with LLMServeClient(sp.target, timeout=60) as client:
+            streams = OpenStreams(client, [f"orphan {i}" for i in range(2)], **LONG)
+            os.kill(sp.pid, signal.SIGKILL)
+            streams.join(10.0)
+            assert streams.codes() == [grpc.StatusCode.UNAVAILABLE] * 2
+        sp.proc.wait(5)
+        wait_for(lambda: not any(alive(p) for p in children), 15.0, "engine/tokenizer outlived the gateway")
+        assert_no_segments_of([pid, sp.pid])
+    finally:
+        sp.kill()
+
+
+def test_forward_pass_that_raises_ends_every_stream_and_nothing_hangs(tiny_llama):
+    sp = ServiceProcess(
+        tiny_llama,
+        "--num-kv-blocks",
+        "128",
+        "--tokenizer-workers",
+        "1",
+        env={"LLMSERVE_FAULT_FORWARD_RAISE_AT_STEP": "40"},
+    ).start()
+    try:
+        pid = engine_pid(sp)
+        with LLMServeClient(sp.target, timeout=60) as client:
+            streams = OpenStreams(client, [f"faulty {i}" for i in range(4)], **LONG)
+            streams.join(10.0)
+            _all_unavailable(streams)
+            for i, ended in streams.ended_at.items():  # each ended at once after its last token
+                assert ended - streams.last_message_at.get(i, ended) < 2.0
+            wait_for(lambda: not alive(pid), 10.0, "the failed engine did not exit")
+            _health(client, NOT_SERVING, 2.0)
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate("anyone?", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "injected fault in forward pass 40" in sp.log_tail(20000)
+        assert_no_segments_of([pid])  # the engine closed its sessions on the way out
+        stop_and_check(sp)
+    finally:
+        sp.kill()
+
+
+def test_engine_watchdog_ends_streams_on_a_stalled_step_and_service_resumes(tiny_llama):
+    sp = ServiceProcess(
+        tiny_llama,
+        "--num-kv-blocks",
+        "128",
+        "--tokenizer-workers",
+        "1",
+        "--watchdog-timeout",
+        "1.0",
+        env={"LLMSERVE_FAULT_FORWARD_STALL_AT_STEP": "40", "LLMSERVE_FAULT_FORWARD_STALL_S": "4"},
+    ).start()
+    try:
+        pid = engine_pid(sp)
+        with LLMServeClient(sp.target, timeout=60) as client:
+            streams = OpenStreams(client, [f"stalled {i}" for i in range(3)], **LONG)
+            streams.join(6.0)
+            _all_unavailable(streams)
+            for i, ended in streams.ended_at.items():  # the watchdog (1s), not the stall (4s), ended it
+                assert ended - streams.last_message_at.get(i, ended) < 2.5
+            _health(client, NOT_SERVING, 1.0)
+            _health(client, SERVING, 15.0)  # the stall passes: the same engine serves again
+            assert engine_pid(sp) == pid and alive(pid)
+            out = client.generate("after the stall", max_tokens=4, ignore_eos=True)
+            assert out.usage.completion_tokens == 4
+        log = sp.log_tail(40000)
+        assert "no engine step completed for" in log and "makes progress again" in log
+        assert_engine_clean(sp)
+        assert_segments_only_of_live_sessions(sp)
+        stop_and_check(sp)
+    finally:
+        sp.kill()
