@@ -163,12 +163,13 @@ class ReplicaSet:
 
     def _replica_changed(self, replica: EngineClient, up: bool) -> None:
         was_ready = self._ready.is_set()
-        if up:
-            log.info("replica %s is in (%d of %d healthy)", replica.address, len(self.healthy), len(self.replicas))
-        else:
-            log.warning(
-                "replica %s is out (%d of %d healthy)", replica.address, len(self.healthy), len(self.replicas)
-            )
+        (log.info if up else log.warning)(
+            "replica %s is %s (%d of %d healthy)",
+            replica.address,
+            "in" if up else "out",
+            len(self.healthy),
+            len(self.replicas),
+        )
         if self.ready:
             self._ready.set()
         else:

@@ -23,6 +23,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 AFFINITY, OVERFLOW, LEAST_LOADED = "affinity", "overflow", "least-loaded"
 
@@ -49,8 +50,7 @@ class ReplicaLoad:
         return max(self.inflight, self.running + self.waiting) + policy.kv_weight * self.kv_usage
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     name: str
     reason: str  # AFFINITY, OVERFLOW (a later rank of the key's ranking) or LEAST_LOADED
 

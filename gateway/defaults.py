@@ -1,0 +1,5 @@
+"""Default ports, in one place: the CLI, the client and the deploy/ manifests' test read them here."""
+
+from __future__ import annotations
+
+GATEWAY_PORT = 50051  # llmserve.v1 (Generation, Models, grpc.health.v1, reflection)
