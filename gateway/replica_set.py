@@ -202,7 +202,7 @@ class ReplicaSet:
         rid = handle.request_id
         tried: set[str] = set() if avoid is None else {avoid.address}
         while True:
-            replica = self._choose(prompt, cache_salt, exclude=tried)
+            replica = self._choose(rid, prompt, cache_salt, exclude=tried)
             if replica is None:
                 raise EngineUnavailable("no engine replica is available")
             self._track(rid, replica, handle)  # before Submit: the first delta may beat its reply
@@ -216,7 +216,7 @@ class ReplicaSet:
                 self._untrack(rid)
                 raise
 
-    def _choose(self, prompt: list[int], cache_salt: str, exclude: set[str]) -> EngineClient | None:
+    def _choose(self, rid: str, prompt: list[int], cache_salt: str, exclude: set[str]) -> EngineClient | None:
         loads = [r for r in self.replica_loads() if r.name not in exclude]
         if not loads:
             return None
@@ -224,6 +224,7 @@ class ReplicaSet:
         key = prefix_key(prompt, info.block_size if info else 0, self.policy.prefix_blocks, cache_salt)
         choice = choose_replica(key, loads, self.policy)
         self.routed[choice.reason] = self.routed.get(choice.reason, 0) + 1
+        log.debug("request %s -> %s (%s)", rid, choice.name, choice.reason)
         return next(r for r in self.replicas if r.address == choice.name)
 
     def preferred(self, prompt: list[int], cache_salt: str = "") -> str | None:

@@ -52,7 +52,10 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
                     out = client.generate(token_ids=system + user, max_tokens=4, temperature=0.0)
                     assert out.finish_reason
                 after = [r.stats() for r in engines]
-                got = [a.prefix_queried_tokens - b.prefix_queried_tokens for a, b in zip(after, before)]
+                got = [
+                    a.prefix_queried_tokens - b.prefix_queried_tokens
+                    for a, b in zip(after, before, strict=True)
+                ]
                 assert sorted(got)[0] == 0, f"group {group} was split over the replicas: {got}"
                 owner = got.index(max(got))
                 hits = after[owner].prefix_hit_tokens - before[owner].prefix_hit_tokens
@@ -70,7 +73,7 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
 
             with ThreadPoolExecutor(8) as pool:
                 assert all(o.finish_reason for o in pool.map(short, range(8)))
-            per_replica = [(a - b) // prompt_len for a, b in zip(queried(engines), before)]
+            per_replica = [(a - b) // prompt_len for a, b in zip(queried(engines), before, strict=True)]
             assert sum(per_replica) == 8 and min(per_replica) >= 2, per_replica
             for r in engines:
                 assert_pool_whole(r)
