@@ -3,3 +3,4 @@
 from __future__ import annotations
 
 GATEWAY_PORT = 50051  # llmserve.v1 (Generation, Models, grpc.health.v1, reflection)
+LIVENESS_SERVICE = "llmserve.liveness"  # grpc.health.v1 name that is SERVING while the process runs

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.admission import Admission
 from gateway.auth import Authenticator, AuthInterceptor
-from gateway.defaults import GATEWAY_PORT
+from gateway.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
@@ -129,6 +129,9 @@ class GatewayServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # The process answers: alive, engines or not (a liveness probe must not restart a gateway
+        # that waits for its engines; readiness asks "" instead).
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection(
             [*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
