@@ -54,7 +54,7 @@ def _requests(rng: random.Random, count: int) -> list[tuple[gen.GenerateRequest,
     return out
 
 
-async def _run(target: str, work, tokenizer, sample_at: int, on_sample) -> dict:
+async def _run(target: str, work, tokenizer, sample_every: int, on_sample) -> dict:
     stats = {"done": 0, "cancelled": 0, "errors": [], "text_mismatch": []}
     sem = asyncio.Semaphore(CONCURRENCY)
     finished = 0
@@ -88,7 +88,7 @@ async def _run(target: str, work, tokenizer, sample_at: int, on_sample) -> dict:
                     else:
                         stats["errors"].append((req.request_id, repr(e)))
                 finished += 1
-                if finished == sample_at:
+                if finished % sample_every == 0:
                     on_sample()
 
         await asyncio.gather(*(one(r, c) for r, c in work))
@@ -112,24 +112,26 @@ def test_soak_memory_stays_flat_and_text_matches_ids(tiny_llama):
         tokenizer = load_tokenizer(tiny_llama)
         pids = {"gateway": sp.pid, "engine": engine_pid(sp)}
         work = _requests(random.Random(11), REQUESTS)
-        warm = max(100, REQUESTS // 5)
-        baseline: dict[str, int] = {}
+        every = max(100, REQUESTS // 5)
+        samples: list[dict[str, int]] = []  # RSS after each fifth of the requests
         t0 = time.monotonic()
         stats = asyncio.run(
             _run(
                 sp.target,
                 work,
                 tokenizer,
-                warm,
-                lambda: baseline.update({k: rss_bytes(p) for k, p in pids.items()}),
+                every,
+                lambda: samples.append({k: rss_bytes(p) for k, p in pids.items()}),
             )
         )
         took = time.monotonic() - t0
-        end = {k: rss_bytes(p) for k, p in pids.items()}
+        samples.append({k: rss_bytes(p) for k, p in pids.items()})
+        baseline, end = samples[0], samples[-1]  # after the first fifth (the warm-up), at the end
         growth = {k: end[k] - baseline[k] for k in pids}
+        series = {k: [round(x[k] / 2**20, 1) for x in samples] for k in pids}
         print(
             f"\nsoak: {REQUESTS} requests in {took:.1f}s ({REQUESTS / took:.0f}/s), "
-            f"{stats['cancelled']} cancelled; RSS after warm-up {_mb(baseline)}, at the end {_mb(end)}"
+            f"{stats['cancelled']} cancelled; RSS MiB after each fifth: {series}"
         )
         assert not stats["errors"], stats["errors"][:5]
         assert not stats["text_mismatch"], stats["text_mismatch"][:5]
@@ -142,7 +144,3 @@ def test_soak_memory_stays_flat_and_text_matches_ids(tiny_llama):
         stop_and_check(sp)
     finally:
         sp.kill()
-
-
-def _mb(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in d.items())
