@@ -325,7 +325,7 @@ def details(latest: dict) -> list[str]:
         out.append(
             f"- routing ({f['driver']}): prefix hit rate {aff['hit_rate']:.3f} with prefix affinity, "
             f"{rr['hit_rate']:.3f} round-robin (best possible {f['best_possible_hit_rate']:.3f}); "
-            f"{aff['tokens_per_s']:.0f} vs {rr['tokens_per_s']:.0f} tok/s "
+            f"{aff['tokens_per_cpu_s']:.0f} vs {rr['tokens_per_cpu_s']:.0f} tokens per CPU-second "
             f"({f['throughput_ratio']:.2f}x); requests per replica {aff['requests_per_replica']}."
         )
     return out

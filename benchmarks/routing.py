@@ -7,12 +7,20 @@ requests that arrive are routed, then each replica runs one step. Routing uses t
 policy code (gateway/router.py) with the same load figures the gateway sees: its in-flight count
 per replica and the engine's running, waiting and KV usage. Arrivals are a Poisson process counted
 in rounds, so both runs see the same arrivals at the same points of their work and the hit rates
-are exact and repeatable; only the throughput (tokens per second of wall time, both replicas
-stepped in turn on one thread) depends on the machine.
+are exact and repeatable; only the throughput depends on the machine. It is counted per second
+of this process's CPU time (both replicas stepped in turn on one thread, one torch thread), which
+other jobs on a shared machine do not inflate as they do wall time; wall time is kept too.
 
 Each replica's KV pool holds the working set plus about half of the 8 system prompts: the regime
 where routing matters. With round-robin every replica sees every prompt and its LRU cache keeps
-evicting them; with prefix affinity each replica sees about half of them, which fit.
+evicting them; with prefix affinity each replica sees about half of them, which fit. A sweep over
+the pool size shows the rest: with room for all 8 prompts on each replica, the two tie.
+
+Why 2x is out of reach here: under uniform popularity an LRU cache holding c of n equally popular
+prompts hits about c/n of them, so splitting 8 prompts over 2 replicas at most doubles the hit
+rate, and only when the cache holds under half of them, where affinity misses too. Round-robin
+also keeps partial prefixes: the engine frees a sequence's blocks tail first, so the first blocks
+of every prompt outlive the rest in the LRU order and still hit.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ FULL = dict(
     max_num_seqs=32,
     budget=512,
     block_size=16,
+    repeats=2,
 )
 QUICK = dict(
     num_prompts=8,
@@ -46,6 +55,7 @@ QUICK = dict(
     max_num_seqs=16,
     budget=256,
     block_size=16,
+    repeats=1,
 )
 REPLICAS = ["replica-0", "replica-1"]
 # Hit rates against the KV pool size: they depend on the routing and the cache, not on the weights,
@@ -95,7 +105,7 @@ def run(model, w: dict, reqs: list[common.Req], rounds: list[int], policy: str) 
     reasons: dict[str, int] = {}
     output_tokens = 0
     i, step = 0, 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while i < len(reqs) or any(e.has_unfinished_requests() for e in engines):
         while i < len(reqs) and rounds[i] <= step:
             r = reqs[i]
@@ -121,7 +131,7 @@ def run(model, w: dict, reqs: list[common.Req], rounds: list[int], policy: str) 
                     if d.finished:
                         inflight[owner[d.request_id]] -= 1
         step += 1
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     stats = [e.stats() for e in engines]
     queried = sum(s.prefix_queried_tokens - b.prefix_queried_tokens for s, b in zip(stats, base, strict=True))
     hits = sum(s.prefix_hit_tokens - b.prefix_hit_tokens for s, b in zip(stats, base, strict=True))
@@ -134,9 +144,14 @@ def run(model, w: dict, reqs: list[common.Req], rounds: list[int], policy: str) 
         hit_rate=hits / queried,
         hit_tokens=hits,
         queried_tokens=queried,
+        computed_prompt_tokens=queried - hits,  # prefill work done (recomputes after preemption too)
         rounds=step,
         wall_s=wall,
+        cpu_s=cpu,
         tokens_per_s=(prompt_tokens + output_tokens) / wall,
+        # Per second of this process's CPU time: what the replicas' work cost, whatever else ran on
+        # the machine (one torch thread: CPU time is compute time).
+        tokens_per_cpu_s=(prompt_tokens + output_tokens) / cpu,
         output_tokens=output_tokens,
         requests_per_replica=routed,
         routing_reasons=reasons,
@@ -178,12 +193,21 @@ def main() -> dict:
         f"{len(reqs)} requests over {w['num_prompts']} system prompts of {system_tokens} tokens, "
         f"{w['num_kv_blocks']} KV blocks per replica"
     )
-    runs = {}
-    for policy in ("round-robin", "prefix-affinity"):
-        runs[policy] = r = run(model, w, reqs, rounds, policy)
+    runs: dict[str, dict] = {}
+    for _ in range(w["repeats"]):  # alternate, keep each side's best throughput: the machine is shared
+        for policy in ("round-robin", "prefix-affinity"):
+            r = run(model, w, reqs, rounds, policy)
+            if policy in runs:  # the rounds make everything but the time exact: a repeat must agree
+                assert r["hit_tokens"] == runs[policy]["hit_tokens"], "routing runs are not repeatable"
+                if r["tokens_per_cpu_s"] <= runs[policy]["tokens_per_cpu_s"]:
+                    continue
+            runs[policy] = r
+    for policy, r in runs.items():
         print(
             f"  {policy}: hit rate {r['hit_rate']:.3f} (best possible {best_rate:.3f}), "
-            f"{r['tokens_per_s']:.0f} tok/s, {r['rounds']} rounds, per replica {r['requests_per_replica']}, "
+            f"{r['tokens_per_cpu_s']:.0f} tok/CPU-s ({r['tokens_per_s']:.0f} tok/s wall), "
+            f"{r['computed_prompt_tokens']} prompt tokens computed, {r['rounds']} rounds, "
+            f"per replica {r['requests_per_replica']}, "
             f"preemptions {r['preemptions']}"
         )
     aff, rr = runs["prefix-affinity"], runs["round-robin"]
@@ -193,7 +217,8 @@ def main() -> dict:
         runs=runs,
         best_possible_hit_rate=best_rate,
         hit_rate_ratio=aff["hit_rate"] / max(rr["hit_rate"], 1e-9),
-        throughput_ratio=aff["tokens_per_s"] / rr["tokens_per_s"],
+        throughput_ratio=aff["tokens_per_cpu_s"] / rr["tokens_per_cpu_s"],
+        throughput_ratio_wall=aff["tokens_per_s"] / rr["tokens_per_s"],
         rounds_ratio=rr["rounds"] / aff["rounds"],
     )
     targets = [
@@ -201,7 +226,8 @@ def main() -> dict:
     ]
     print(
         f"  hit rate {figures['hit_rate_ratio']:.2f}x round-robin's; throughput "
-        f"{figures['throughput_ratio']:.2f}x; engine rounds {figures['rounds_ratio']:.2f}x fewer"
+        f"{figures['throughput_ratio']:.2f}x per CPU-second ({figures['throughput_ratio_wall']:.2f}x wall); "
+        f"engine rounds {figures['rounds_ratio']:.2f}x fewer"
     )
     config = dict(workload=w, model=model.name, replicas=len(REPLICAS), policy=vars(RoutingPolicy()))
     return common.finish("routing", args, config, figures, targets, series, t_start)
