@@ -73,6 +73,8 @@ class ReplicaSet:
         self._owner: dict[str, EngineClient] = {}  # request id -> the replica that runs it
         self._handles: dict[str, RoutedHandle] = {}
         self._ready = asyncio.Event()
+        # Set (and replaced) each time a replica is lost: what a pending submit to it waits on.
+        self._lost_events = {r.address: asyncio.Event() for r in replicas}
         self.routed: dict[str, int] = {}  # routing reason -> count (logs, tests)
         for r in replicas:
             r.on_state_change = lambda up, r=r: self._replica_changed(r, up)
@@ -163,6 +165,9 @@ class ReplicaSet:
 
     def _replica_changed(self, replica: EngineClient, up: bool) -> None:
         was_ready = self._ready.is_set()
+        if not up:
+            lost, self._lost_events[replica.address] = self._lost_events[replica.address], asyncio.Event()
+            lost.set()
         (log.info if up else log.warning)(
             "replica %s is %s (%d of %d healthy)",
             replica.address,
@@ -207,7 +212,9 @@ class ReplicaSet:
                 raise EngineUnavailable("no engine replica is available")
             self._track(rid, replica, handle)  # before Submit: the first delta may beat its reply
             try:
-                handle._inner = await replica.submit(rid, prompt, params, priority, cache_salt=cache_salt)
+                handle._inner = await self._submit_unless_lost(
+                    replica, replica.submit(rid, prompt, params, priority, cache_salt=cache_salt)
+                )
                 return
             except EngineUnavailable:
                 self._untrack(rid)
@@ -215,6 +222,23 @@ class ReplicaSet:
             except BaseException:
                 self._untrack(rid)
                 raise
+
+    async def _submit_unless_lost(self, replica: EngineClient, submit) -> RequestHandle:
+        """The Submit, given up as soon as the replica is declared lost: a frozen engine (no
+        heartbeat) would otherwise hold it until the RPC's own timeout. The engine drops whatever
+        reaches it from the closed session."""
+        lost = self._lost_events[replica.address]
+        submit_task = asyncio.ensure_future(submit)
+        lost_task = asyncio.ensure_future(lost.wait())
+        try:
+            done, _ = await asyncio.wait({submit_task, lost_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost_task.cancel()
+            if not submit_task.done():
+                submit_task.cancel()
+        if submit_task in done:
+            return submit_task.result()
+        raise EngineUnavailable(f"replica {replica.address} was lost during the submit")
 
     def _choose(self, rid: str, prompt: list[int], cache_salt: str, exclude: set[str]) -> EngineClient | None:
         loads = [r for r in self.replica_loads() if r.name not in exclude]

@@ -3,7 +3,9 @@ from the engines' own prefix-cache counters, load spreading, and a replica kille
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,9 +21,9 @@ BLOCK = 16
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def gateway_for(model_dir, engines: list[EngineReplica]) -> ServiceProcess:
+def gateway_for(model_dir, engines: list[EngineReplica], *extra: str) -> ServiceProcess:
     args = [a for r in engines for a in ("--engine", r.address)]
-    return ServiceProcess(model_dir, *args, "--tokenizer-workers", "0")
+    return ServiceProcess(model_dir, *args, "--tokenizer-workers", "0", *extra)
 
 
 def wait_all_joined(engines: list[EngineReplica]) -> None:
@@ -37,7 +39,8 @@ def queried(engines: list[EngineReplica]) -> list[int]:
 def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_model_dir):
     rng = random.Random(5)
     with replicas(default_model_dir, 2, "--num-kv-blocks", "256") as engines:
-        with gateway_for(default_model_dir, engines) as sp, LLMServeClient(sp.target, timeout=60) as client:
+        gateway = gateway_for(default_model_dir, engines, "--engine-heartbeat-timeout", "2")
+        with gateway as sp, LLMServeClient(sp.target, timeout=60) as client:
             assert sp.engine_address == f"{engines[0].address},{engines[1].address}"
             assert sp.descendants() == []  # it started no engine of its own
             wait_all_joined(engines)
@@ -75,6 +78,21 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
                 assert all(o.finish_reason for o in pool.map(short, range(8)))
             per_replica = [(a - b) // prompt_len for a, b in zip(queried(engines), before, strict=True)]
             assert sum(per_replica) == 8 and min(per_replica) >= 2, per_replica
+
+            # The last group's owner freezes (SIGSTOP: no heartbeat, no answer): within the heartbeat
+            # timeout it is out, and its prefix is served by the other replica; thawed, it is back.
+            frozen, other = engines[owner], engines[1 - owner]
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            try:
+                before = other.stats().prefix_queried_tokens
+                assert client.generate(token_ids=system + [7, 7], max_tokens=4).finish_reason
+                assert other.stats().prefix_queried_tokens > before
+            finally:
+                os.kill(frozen.proc.pid, signal.SIGCONT)
+            wait_for(lambda: frozen.stats().num_sessions == 1, 30, "the thawed replica rejoined")
+            before = frozen.stats().prefix_queried_tokens
+            assert client.generate(token_ids=system + [8, 8], max_tokens=4).finish_reason
+            assert frozen.stats().prefix_queried_tokens > before
             for r in engines:
                 assert_pool_whole(r)
         assert sp.proc.returncode == 0
