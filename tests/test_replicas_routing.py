@@ -32,6 +32,12 @@ def wait_all_joined(engines: list[EngineReplica]) -> None:
         wait_for(lambda r=r: r.stats().num_sessions == 1, 30, f"the gateway's session on {r.address}")
 
 
+def assert_nothing_left(engines: list[EngineReplica], sp: ServiceProcess) -> None:
+    pids = {r.proc.pid for r in engines} | {sp.pid}
+    assert not any(alive(p) for p in pids)
+    assert segments_of(pids) == []
+
+
 def queried(engines: list[EngineReplica]) -> list[int]:
     return [r.stats().prefix_queried_tokens for r in engines]
 
@@ -96,6 +102,7 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
             for r in engines:
                 assert_pool_whole(r)
         assert sp.proc.returncode == 0
+    assert_nothing_left(engines, sp)
 
 
 def test_a_killed_replica_ends_streamed_requests_retries_the_rest_and_comes_back(default_model_dir):
@@ -170,6 +177,7 @@ def test_a_killed_replica_ends_streamed_requests_retries_the_rest_and_comes_back
             finally:
                 revived.close()
         assert sp.proc.returncode == 0
+    assert_nothing_left([*engines, revived], sp)
 
 
 def test_serve_with_replicas_starts_k_engines_and_leaves_nothing(default_model_dir):
