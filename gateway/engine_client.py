@@ -124,6 +124,7 @@ class EngineClient:
         self._prompt_ring: TokenRing | None = None
         self._output_ring: TokenRing | None = None
         self._handles: dict[str, RequestHandle] = {}
+        self._background: set[asyncio.Task] = set()
         self._ready = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -195,8 +196,17 @@ class EngineClient:
             msg.prompt_span.length = len(prompt)
         else:
             msg.token_ids.ids.extend(prompt)
+        call = asyncio.ensure_future(self._stub.Submit(msg, timeout=RPC_TIMEOUT_S))
         try:
-            await self._stub.Submit(msg, timeout=RPC_TIMEOUT_S)
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client left mid-Submit. The Submit goes on regardless: the engine must consume
+            # its prompt span (the ring releases in order, so one span never read would pin the
+            # ring and grow the engine's list of out-of-order releases forever); once it lands,
+            # the request is aborted so that it neither runs for nobody nor keeps its handle here.
+            self._handles.pop(request_id, None)
+            self._in_background(self._abort_when_submitted(call, request_id))
+            raise
         except grpc.aio.AioRpcError as e:
             self._handles.pop(request_id, None)
             if e.code() in (
@@ -207,6 +217,18 @@ class EngineClient:
                 raise EngineUnavailable(f"the engine is not available: {e.details()}") from e
             raise
         return handle
+
+    async def _abort_when_submitted(self, call, request_id: str) -> None:
+        try:
+            await call
+        except Exception:  # noqa: BLE001 - refused or engine gone: nothing runs in the engine
+            return
+        await self.abort([request_id])
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # a reference, or the task could be collected mid-way
+        task.add_done_callback(self._background.discard)
 
     def release(self, request_id: str) -> None:
         self._handles.pop(request_id, None)

@@ -151,7 +151,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         rm = self.s.metrics.request()
         outcome = "internal"
         completion = 0
-        with request_scope(rid):
+        # The id is the client's text and is checked only later: a forged one (newlines, a
+        # megabyte) must not reach a log line as it is.
+        log_id = rid if len(rid) <= 256 and rid.isprintable() else f"unprintable-{hash(rid) & 0xFFFFFFFF:08x}"
+        with request_scope(log_id):
             kind = request.WhichOneof("prompt")
             log.info(
                 "request",

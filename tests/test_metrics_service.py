@@ -88,15 +88,21 @@ def test_metrics_count_what_happened_and_logs_carry_request_ids_but_no_prompt(ti
         sp.kill()
 
 
-def test_log_prompts_puts_the_prompt_in_the_request_line(tiny_llama):
+def test_log_prompts_puts_the_prompt_in_the_request_line_and_ids_cannot_forge_lines(tiny_llama):
     sp = ServiceProcess(
-        tiny_llama, "--tokenizer-workers", "0", "--log-format", "json", "--log-prompts"
+        tiny_llama, "--tokenizer-workers", "0", "--log-format", "text", "--log-prompts"
     ).start()
     try:
         with LLMServeClient(sp.target, timeout=30) as c:
-            c.generate(SECRET, max_tokens=2, request_id="req-logged")
-        first = next(x for x in _json_lines(sp) if x.get("request_id") == "req-logged")
-        assert first["prompt"] == SECRET
+            c.generate(SECRET + "\nFAKE-LINE", max_tokens=2, request_id="req-logged")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("hi", max_tokens=2, request_id="x\n2026-01-01T00:00:00.000 gateway[1] INFO FORGED")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        log = sp.log_tail(10**7)
+        first = next(line for line in log.splitlines() if "request_id=req-logged request " in line)
+        assert json.dumps(SECRET + "\nFAKE-LINE") in first  # the prompt, escaped onto its one line
+        assert not [line for line in log.splitlines() if line.startswith(("FAKE-LINE", "2026-01-01"))]
+        assert "request_id=unprintable-" in log
         stop_and_check(sp)
     finally:
         sp.kill()
