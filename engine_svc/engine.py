@@ -205,9 +205,9 @@ class LLMEngine:
         for sample in result.samples:
             for seq, token, lp in self._apply_sample(sample):
                 deltas.append(self._emit(seq, token, lp))
-        for request in {d.request_id: self.requests[d.request_id] for d in deltas}.values():
-            if self._all_finished(request):
-                del self.requests[request.request_id]
+        for rid in {d.request_id for d in deltas if d.finish_reason is not None}:
+            if self._all_finished(self.requests[rid]):
+                del self.requests[rid]
         return deltas
 
     def _apply_sample(self, sample: SampleResult):
@@ -238,15 +238,15 @@ class LLMEngine:
         return pairs
 
     def _emit(self, seq: Sequence, token: int, lp) -> RequestDelta:
-        request, params = seq.request, seq.params
-        num_out = seq.num_output_tokens
-        if lp is not None:
-            seq.logprobs = (seq.logprobs or []) + [lp]
+        request = seq.request
+        params = request.params
+        num_tokens = len(seq.token_ids)
+        num_out = num_tokens - request.num_prompt_tokens
         if num_out >= params.min_tokens and not params.ignore_eos and token in params.eos_token_ids:
             seq.finish_reason, seq.stop_token_id = "stop", token
         elif num_out >= params.min_tokens and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_token_id = "stop", token
-        elif num_out >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_out >= request.max_tokens or num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         delta = RequestDelta(
             request.request_id,

@@ -176,7 +176,9 @@ class _Track:
             self.prompt_logprobs = delta.prompt_logprobs
         seq.token_ids.extend(delta.new_token_ids)
         if delta.logprobs:
-            seq.logprobs = (seq.logprobs or []) + delta.logprobs
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.extend(delta.logprobs)
         if seq.detokenizer is not None:
             new_text = seq.detokenizer.push(delta.new_token_ids)
             if delta.finished:

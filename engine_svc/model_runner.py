@@ -79,30 +79,38 @@ class ModelRunner:
         inputs = StepInputs([], [], [], [], [], [0], [], copies)
         sample_rows: list[tuple[Sequence, int]] = []  # (seq, how many samples: n when a fork is due)
         plp_rows: list[tuple[Sequence, int, int]] = []  # (seq, chunk start, count) for prompt logprobs
-        for seq, n in out.scheduled:
-            c = seq.num_computed_tokens
-            table = seq.block_table
-            inputs.input_ids.extend(seq.token_ids[c : c + n])
+        ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
+        query_start, seq_lens, tables, logit_rows = (
+            inputs.query_start,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.logit_rows,
+        )
+        start = 0
+        for seq, n in out.scheduled:  # the per-step hot loop: plain locals, no properties
+            c, table, tokens, request = seq.num_computed_tokens, seq.block_table, seq.token_ids, seq.request
+            end = c + n
             if n == 1:
-                inputs.positions.append(c)
-                inputs.slots.append(table[c // bs] * bs + c % bs)
+                ids.append(tokens[c])
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
             else:
-                span = range(c, c + n)
-                inputs.positions.extend(span)
-                inputs.slots.extend(table[p // bs] * bs + p % bs for p in span)
-            start = inputs.query_start[-1]
-            inputs.query_start.append(start + n)
-            inputs.seq_lens.append(c + n)
-            inputs.block_tables.append(table)
-            if c + n == seq.num_tokens:
-                fan = seq.params.n if not seq.request.forked else 1
-                inputs.logit_rows.extend([start + n - 1] * fan)
+                ids.extend(tokens[c:end])
+                positions.extend(range(c, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(c, end))
+            query_start.append(start + n)
+            seq_lens.append(end)
+            tables.append(table)
+            params = request.params
+            if end == len(tokens):
+                fan = 1 if request.forked or params.n == 1 else params.n
+                logit_rows.extend([start + n - 1] * fan)
                 sample_rows.append((seq, fan))
-            num_prompt = seq.request.num_prompt_tokens
-            if seq.params.prompt_logprobs is not None and c < num_prompt - 1 and seq.index == 0:
-                count = min(c + n, num_prompt - 1) - c
+            if params.prompt_logprobs is not None and seq.index == 0 and c < request.num_prompt_tokens - 1:
+                count = min(end, request.num_prompt_tokens - 1) - c
                 plp_rows.append((seq, c, count))
-                inputs.logit_rows.extend(range(start, start + count))
+                logit_rows.extend(range(start, start + count))
+            start += n
         if self.tp_broadcast is not None:
             self.tp_broadcast(inputs)
         logits = self.forward(inputs)
@@ -129,32 +137,46 @@ class ModelRunner:
 
     @staticmethod
     def _sampling_batch(row_seqs: list[tuple[Sequence, int]], device) -> SamplingBatch:
-        params = [seq.params for seq, _ in row_seqs]
-
-        def col(name, dtype=torch.float32):
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
-
+        params = [seq.request.params for seq, _ in row_seqs]
+        # One tensor for all the float columns: building seven small tensors costs more than the math.
+        cols = torch.tensor(
+            [
+                (
+                    0.0 if p.greedy else p.temperature,
+                    p.top_k if p.top_k > 0 else 0,
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                )
+                for p in params
+            ],
+            dtype=torch.float32,
+            device=device,
+        ).reshape(len(params), 7)
         any_penalty = any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
         )
-        banned = []
-        for seq, _ in row_seqs:
-            p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
-                banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids)))
-            else:
-                banned.append([])
+        banned = [
+            (list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids)))
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens
+            else []
+            for (seq, _), p in zip(row_seqs, params, strict=True)
+        ]
         return SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
-            top_k=col("top_k", torch.int64).clamp(min=0),
-            top_p=col("top_p"),
-            min_p=col("min_p"),
-            repetition_penalty=col("repetition_penalty"),
-            presence_penalty=col("presence_penalty"),
-            frequency_penalty=col("frequency_penalty"),
+            temperature=cols[:, 0],
+            top_k=cols[:, 1].to(torch.int64),
+            top_p=cols[:, 2],
+            min_p=cols[:, 3],
+            repetition_penalty=cols[:, 4],
+            presence_penalty=cols[:, 5],
+            frequency_penalty=cols[:, 6],
             generators=[seq.request.generators[j] if seq.request.generators else None for seq, j in row_seqs],
-            output_ids=[seq.output_token_ids if any_penalty else [] for seq, _ in row_seqs],
-            prompt_ids=[seq.request.prompt_token_ids if any_penalty else [] for seq, _ in row_seqs],
+            output_ids=[seq.output_token_ids for seq, _ in row_seqs] if any_penalty else [[]] * len(params),
+            prompt_ids=[seq.request.prompt_token_ids for seq, _ in row_seqs]
+            if any_penalty
+            else [[]] * len(params),
             banned_ids=banned,
             num_logprobs=[p.logprobs for p in params],
             any_penalty=any_penalty,

@@ -37,9 +37,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # read on every step: a field, not a property
 
 
 @dataclass(eq=False)
@@ -55,7 +54,6 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     admitted_before: bool = False
-    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_sent_tokens: int = 0  # output tokens already emitted in deltas

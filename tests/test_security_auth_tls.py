@@ -65,6 +65,16 @@ def svc(tiny_llama, tls, tmp_path_factory):
         sp.kill()
 
 
+@pytest.fixture(autouse=True)
+def ends_clean(request):
+    """After each test: the pool whole, no request left, no ring of a closed session left."""
+    yield
+    if "svc" in request.fixturenames:
+        sp = request.getfixturevalue("svc")
+        assert_engine_clean(sp)
+        assert_segments_only_of_live_sessions(sp)
+
+
 def _tls(tls, cert=None, ca=None) -> ClientTLS:
     cert = cert or tls.client
     return ClientTLS(ca=str(ca or tls.ca.cert_path), cert=str(cert.cert), key=str(cert.key))

@@ -65,6 +65,16 @@ def svc(tiny_llama):
         sp.kill()
 
 
+@pytest.fixture(autouse=True)
+def ends_clean(request):
+    """After each test: the pool whole, no request left, no ring of a closed session left."""
+    yield
+    if "svc" in request.fixturenames:
+        sp = request.getfixturevalue("svc")
+        assert_engine_clean(sp)
+        assert_segments_only_of_live_sessions(sp)
+
+
 @pytest.fixture(scope="module")
 def client(svc):
     with LLMServeClient(svc.target, timeout=30) as c:
