@@ -115,7 +115,7 @@ def run(model, w: dict, reqs: list[common.Req], rounds: list[int], policy: str) 
                 loads.append(ReplicaLoad(name, inflight[name], s.num_running, s.num_waiting, s.kv_usage))
             if policy == "prefix-affinity":
                 key = prefix_key(r.prompt, w["block_size"], router.prefix_blocks)
-                choice = choose_replica(key, loads, router)
+                choice = choose_replica(key, loads, router, tiebreak=r.rid.encode())
             else:
                 choice = rr.choose(loads)
             reasons[choice.reason] = reasons.get(choice.reason, 0) + 1

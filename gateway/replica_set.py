@@ -246,7 +246,7 @@ class ReplicaSet:
             return None
         info = self.info
         key = prefix_key(prompt, info.block_size if info else 0, self.policy.prefix_blocks, cache_salt)
-        choice = choose_replica(key, loads, self.policy)
+        choice = choose_replica(key, loads, self.policy, tiebreak=rid.encode())
         self.routed[choice.reason] = self.routed.get(choice.reason, 0) + 1
         log.debug("request %s -> %s (%s)", rid, choice.name, choice.reason)
         return next(r for r in self.replicas if r.address == choice.name)

@@ -81,11 +81,15 @@ def is_overloaded(candidate: ReplicaLoad, least: ReplicaLoad, policy: RoutingPol
     return a - b > policy.balance_abs and a > policy.balance_rel * b
 
 
-def choose_replica(key: bytes | None, replicas: Sequence[ReplicaLoad], policy: RoutingPolicy) -> Choice:
-    """The replica for a request; ``replicas`` are the healthy ones (at least one)."""
+def choose_replica(
+    key: bytes | None, replicas: Sequence[ReplicaLoad], policy: RoutingPolicy, tiebreak: bytes = b""
+) -> Choice:
+    """The replica for a request; ``replicas`` are the healthy ones (at least one). ``tiebreak``
+    (the request id) picks among equally loaded replicas, so that light traffic spreads too."""
     if not replicas:
         raise ValueError("no replica to choose from")
-    least = min(replicas, key=lambda r: (r.score(policy), r.name))
+    order = {name: i for i, name in enumerate(rendezvous_rank(tiebreak, [r.name for r in replicas]))}
+    least = min(replicas, key=lambda r: (r.score(policy), order[r.name]))
     if key is None:
         return Choice(least.name, LEAST_LOADED)
     by_name = {r.name: r for r in replicas}
