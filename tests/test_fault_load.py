@@ -78,7 +78,12 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
                 req = build_request(f"storm {i} " * rng.randint(1, 20), max_tokens=300, ignore_eos=True)
             requests.append(req)
             # early: while queued for admission or tokenizing; later: mid-prefill or decoding
-            delays.append(rng.uniform(0.005, 0.05) if i % 5 == 0 else rng.uniform(0.0, 0.6))
+            if i % 5 == 0:
+                delays.append(rng.uniform(0.005, 0.05))
+            elif i % 5 == 1:
+                delays.append(rng.uniform(0.8, 1.5))  # surely decoding by then
+            else:
+                delays.append(rng.uniform(0.0, 0.6))
         results = asyncio.run(_cancel_storm(sp.target, requests, delays))
         assert all(done for _, done in results)
         assert_engine_clean(sp, within_s=2.0)
@@ -93,7 +98,7 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
         # The gateway's view: many were cancelled before their first token (queued, tokenizing or
         # prefilling), many after it (decoding).
         started = s["llmserve_time_to_first_token_seconds_count"]
-        assert 15 <= started <= cancelled - 15, (started, cancelled)
+        assert 8 <= started <= cancelled - 15, (started, cancelled)
         assert s["llmserve_gateway_requests_in_flight"] == 0
         with LLMServeClient(sp.target, timeout=30) as client:  # and it still serves
             assert (
@@ -109,17 +114,17 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
 def test_overload_burst_of_200_against_8_running_and_16_queued(tiny_llama):
     sp = _service(tiny_llama, "--num-kv-blocks", "256", "--max-concurrent", "8", "--max-queue", "16")
     try:
-        requests = [build_request(f"burst {i}", max_tokens=64, ignore_eos=True) for i in range(200)]
+        requests = [build_request(f"burst {i}", max_tokens=128, ignore_eos=True) for i in range(200)]
         t0 = time.monotonic()
         results = asyncio.run(stream_all(sp.target, requests))
         took = time.monotonic() - t0
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         done = [r for r in results if not isinstance(r, grpc.aio.AioRpcError)]
         assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert len(done) >= 24 and len(refused) >= 150, (len(done), len(refused))
+        assert len(done) >= 24 and len(refused) >= 120, (len(done), len(refused))
         for msgs in done:  # every admitted request ran to the end
             assert msgs[-1].finish_reason == gen.FINISH_REASON_LENGTH
-            assert msgs[-1].usage.completion_tokens == 64
+            assert msgs[-1].usage.completion_tokens == 128
         s = scrape(metrics_port(sp))
         assert s["llmserve_requests_total{outcome=resource_exhausted}"] == len(refused)
         assert s["llmserve_requests_total{outcome=length}"] == len(done)
