@@ -222,6 +222,24 @@ def plot_prefix(latest: dict, out: Path) -> str | None:
     return _save(plt, fig, out / "prefix_hit_rate.png")
 
 
+def plot_routing(latest: dict, out: Path) -> str | None:
+    routing = (latest["benchmarks"].get("routing") or {}).get("result")
+    if not routing or not routing["series"].get("kv_blocks"):
+        return None
+    plt, fig, ax = _figure()
+    s = routing["series"]
+    for policy, style in (("prefix-affinity", "o-"), ("round-robin", "s--")):
+        ax.plot(s["kv_blocks"], s[policy], style, label=policy)
+    ax.axhline(s["best_possible_hit_rate"], color="black", ls=":", label="best possible")
+    ax.set_xlabel("KV blocks per replica (2 replicas)")
+    ax.set_ylabel("prefix hit tokens / queried")
+    ax.set_ylim(0, 1.05)
+    w = routing["config"]["workload"]
+    ax.set_title(f"routing: {w['num_prompts']} system prompts, {w['num_requests']} requests")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out / "routing_hit_rate.png")
+
+
 # --- the report -------------------------------------------------------------------------------
 def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
     m = latest["machine"]
@@ -252,6 +270,7 @@ def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
             ("Latency percentiles", plot_latency),
             ("KV usage over time", plot_kv),
             ("Prefix-cache hit rate", plot_prefix),
+            ("Prefix hit rate across 2 replicas, by routing", plot_routing),
         ):
             png = fn(latest, out)
             lines += [f"### {title}", "", f"![{title}]({png})" if png else "(no data in this run)", ""]
@@ -299,4 +318,14 @@ def details(latest: dict) -> list[str]:
                 f"- {phase}: {m['step_flop_s'] / 1e9:.1f} GFLOP/s per step, {m['forward_flop_s'] / 1e9:.1f} "
                 f"in the forward alone, plain matmul {m['matmul_flop_s'] / 1e9:.1f}."
             )
+    routing = (b.get("routing") or {}).get("result")
+    if routing:
+        f = routing["figures"]
+        rr, aff = f["runs"]["round-robin"], f["runs"]["prefix-affinity"]
+        out.append(
+            f"- routing ({f['driver']}): prefix hit rate {aff['hit_rate']:.3f} with prefix affinity, "
+            f"{rr['hit_rate']:.3f} round-robin (best possible {f['best_possible_hit_rate']:.3f}); "
+            f"{aff['tokens_per_cpu_s']:.0f} vs {rr['tokens_per_cpu_s']:.0f} tokens per CPU-second "
+            f"({f['throughput_ratio']:.2f}x); requests per replica {aff['requests_per_replica']}."
+        )
     return out

@@ -33,6 +33,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("serving", "out"),
     ("transports", "out"),
     ("tokenizer_workers", "out"),
+    ("routing", "results-dir"),
 ]
 TIMEOUT_S = 1200
 

@@ -13,7 +13,9 @@ import os
 import sys
 import time
 
+from gateway.defaults import GATEWAY_PORT
 from gateway.limits import Limits
+from gateway.replica_options import add_replica_options, engine_addresses, routing_policy
 
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort"}
 
@@ -25,12 +27,12 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="start the engine, the tokenizer workers and the gateway")
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=GATEWAY_PORT)
     p.add_argument(
         "--engine",
-        default="",
+        action="append",
         metavar="ADDRESS",
-        help="use a running engine (unix:///path or host:port) instead of starting one",
+        help="use a running engine (unix:///path or host:port) instead of starting one; repeat for replicas",
     )
     p.add_argument("--served-model-name")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="0: tokenize on the gateway's event loop")
@@ -71,11 +73,12 @@ def _add_serve(sub) -> None:
     o.add_argument("--engine-restarts", type=int, default=0, help="restart a dead engine up to N times")
     o.add_argument("--keepalive-time-s", type=float, default=30.0, help="ping a quiet connection after")
     o.add_argument("--keepalive-timeout-s", type=float, default=10.0, help="peer gone without a ping ack")
+    add_replica_options(p)
     add_engine_options(p)
 
 
 def _add_sampling(p) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=f"127.0.0.1:{GATEWAY_PORT}")
     p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"), help="or $LLMSERVE_API_KEY")
     p.add_argument("--tls-ca", help="connect with TLS, trusting this CA")
     p.add_argument("--tls-cert", help="client certificate (mTLS)")
@@ -182,10 +185,11 @@ def _serve(args) -> int:
         engine_tls = client_tls_from_args(
             args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, args.engine_tls_server_name
         )
+        engines, routing = engine_addresses(args), routing_policy(args)
     except (OSError, ValueError) as e:
         print(f"llmserve: {e}", file=sys.stderr)
         return 2
-    if engine_tls is not None and not args.engine:
+    if engine_tls is not None and not engines:
         print(
             "llmserve: --engine-tls-* needs --engine HOST:PORT (a local engine uses a unix socket)",
             file=sys.stderr,
@@ -193,7 +197,9 @@ def _serve(args) -> int:
         return 2
     opts = GatewayOptions(
         model_dir=args.model,
-        engine_address=args.engine,
+        engine_address=engines[0] if engines else "",
+        engine_addresses=engines if len(engines) > 1 else [],
+        routing=routing,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,

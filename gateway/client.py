@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.defaults import GATEWAY_PORT
 from gateway.grpc_options import Keepalive
 from gateway.tls import ClientTLS
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
@@ -64,7 +65,7 @@ def build_request(
 class LLMServeClient:
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str = f"127.0.0.1:{GATEWAY_PORT}",
         timeout: float | None = None,
         channel: grpc.Channel | None = None,
         api_key: str | None = None,

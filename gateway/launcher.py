@@ -2,7 +2,9 @@
 
 The engine runs as ``python -m engine_svc.server`` (a fresh interpreter: no fork after gRPC or
 torch threads exist) on a unix socket in a private directory, and exits by itself if this process
-dies. With ``--engine ADDRESS`` no engine is started: the gateway joins one that runs elsewhere.
+dies. With ``--replicas K`` there are K such engines, each with its own socket and KV pool, behind
+the gateway's router. With ``--engine ADDRESS`` (repeatable) no engine is started: the gateway joins
+engines that run elsewhere.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ def start_engine(args, socket_path: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
 
-def stop_engine(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def stop_engines(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM to every engine first, then wait: replicas shut down side by side."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -90,11 +95,8 @@ class EngineSupervisor:
         return True
 
 
-async def run_gateway(
-    opts: GatewayOptions, engine: EngineSupervisor | subprocess.Popen | None, print_hint: bool
-) -> int:
-    supervisor = engine if isinstance(engine, EngineSupervisor) else None
-    engine_proc = supervisor.proc if supervisor is not None else engine
+async def run_gateway(opts: GatewayOptions, supervisors: list[EngineSupervisor], print_hint: bool) -> int:
+    """Serve until SIGTERM/SIGINT. ``supervisors``: the engines started here (none: ``--engine``)."""
     server = GatewayServer(opts)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -102,8 +104,14 @@ async def run_gateway(
         loop.add_signal_handler(sig, stop.set)
 
     def announce(gw: GatewayServer) -> None:
-        engine = f"engine pid {engine_proc.pid} at " if engine_proc is not None else "engine at "
-        where = f"{engine}{opts.engine_address}, transport: {gw.state.engine.transport}"
+        if len(supervisors) == 1:
+            where = f"engine pid {supervisors[0].proc.pid} at {opts.engine_address}"
+        else:
+            if supervisors:
+                replicas = ", ".join(f"pid {s.proc.pid} at unix://{s.socket_path}" for s in supervisors)
+                print(f"llmserve: engine replicas: {replicas}", flush=True)
+            where = f"engine at {','.join(opts.engine_addresses) or opts.engine_address}"
+        where += f", transport: {gw.state.engine.transport}"
         if gw.metrics_port is not None:
             print(f"llmserve: metrics on http://{opts.metrics_host}:{gw.metrics_port}/metrics", flush=True)
         print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
@@ -118,14 +126,13 @@ async def run_gateway(
             await asyncio.wait_for(stop.wait(), 0.5)
         except TimeoutError:
             pass
-        if supervisor is not None and supervisor.restart_if_dead(server._announced):
-            engine_proc = supervisor.proc
-            continue
-        if engine_proc is not None and engine_proc.poll() is not None and not server.state.engine.ready:
-            if not server._announced:
-                log.error("the engine exited with code %s before it was ready", engine_proc.returncode)
-                exit_code = 1
-                break
+        for supervisor in supervisors:
+            supervisor.restart_if_dead(server._announced)
+        dead = [s.proc for s in supervisors if s.proc.poll() is not None]
+        if dead and not server._announced:
+            log.error("the engine exited with code %s before it was ready", dead[0].returncode)
+            exit_code = 1
+            break
     log.info("draining (grace %.1fs)", opts.drain_grace_s)
     await server.drain_and_stop()
     return exit_code
@@ -136,17 +143,22 @@ def serve(args, opts: GatewayOptions) -> int:
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
     workdir = None
-    supervisor = None
+    supervisors: list[EngineSupervisor] = []
     try:
-        if not opts.engine_address:
+        if not opts.engine_address and not opts.engine_addresses:
             workdir = tempfile.mkdtemp(prefix="llmserve-")  # 0700: only this user reaches the socket
-            socket_path = os.path.join(workdir, "engine.sock")
-            supervisor = EngineSupervisor(args, socket_path, getattr(args, "engine_restarts", 0))
-            opts.engine_address = f"unix://{socket_path}"
-        return _run_loop(run_gateway(opts, supervisor, print_hint=True))
+            replicas = max(1, getattr(args, "replicas", 1))
+            for i in range(replicas):  # each replica its own engine process, socket and KV pool
+                name = "engine.sock" if replicas == 1 else f"engine-{i}.sock"
+                supervisors.append(
+                    EngineSupervisor(args, os.path.join(workdir, name), getattr(args, "engine_restarts", 0))
+                )
+            addresses = [f"unix://{s.socket_path}" for s in supervisors]
+            opts.engine_address = addresses[0]
+            opts.engine_addresses = addresses if replicas > 1 else []
+        return _run_loop(run_gateway(opts, supervisors, print_hint=True))
     finally:
-        if supervisor is not None:
-            stop_engine(supervisor.proc)
+        stop_engines([s.proc for s in supervisors])
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.admission import Admission
 from gateway.auth import Authenticator, AuthInterceptor
+from gateway.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
@@ -24,6 +25,8 @@ from gateway.limits import Limits
 from gateway.log_setup import PromptLogPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
+from gateway.replica_set import connect_engines
+from gateway.router import RoutingPolicy
 from gateway.tls import ClientTLS, ServerTLS, add_port
 from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
@@ -42,7 +45,7 @@ class GatewayOptions:
     model_dir: str
     engine_address: str
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = GATEWAY_PORT
     served_model_name: str | None = None
     tokenizer_workers: int = 1
     use_shared_memory: bool = True
@@ -57,6 +60,8 @@ class GatewayOptions:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     watchdog_timeout_s: float = 30.0
     log_prompts: bool = False
+    engine_addresses: list[str] = field(default_factory=list)  # several: replicas (engine_address unused)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
 
 
 class GatewayServer:
@@ -78,14 +83,18 @@ class GatewayServer:
         tokenizer = load_tokenizer(o.model_dir)
         tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
         await tokenization.start()
-        engine = EngineClient(
-            o.engine_address,
-            use_shared_memory=o.use_shared_memory,
-            heartbeat_timeout_s=o.heartbeat_timeout_s,
-            tls=o.engine_tls,
-            watchdog_timeout_s=o.watchdog_timeout_s,
-            max_message_bytes=max(o.limits.max_message_bytes, 64 << 20),
-            keepalive=o.keepalive,
+        engine = connect_engines(  # several addresses: replicas behind the prefix-affinity router
+            o.engine_addresses or [o.engine_address],
+            lambda address: EngineClient(
+                address,
+                use_shared_memory=o.use_shared_memory,
+                heartbeat_timeout_s=o.heartbeat_timeout_s,
+                tls=o.engine_tls,
+                watchdog_timeout_s=o.watchdog_timeout_s,
+                max_message_bytes=max(o.limits.max_message_bytes, 64 << 20),
+                keepalive=o.keepalive,
+            ),
+            o.routing,
         )
         engine.on_state_change = self._engine_state_changed
         m = self.metrics
@@ -120,6 +129,9 @@ class GatewayServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # The process answers: alive, engines or not (a liveness probe must not restart a gateway
+        # that waits for its engines; readiness asks "" instead).
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection(
             [*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,

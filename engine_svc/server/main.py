@@ -24,6 +24,7 @@ from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.servicer import EngineServicer
 from engine_svc.server.shm_segments import sweep_stale_segments
+from gateway.defaults import ENGINE_TCP_PORT
 from gateway.grpc_options import Keepalive, message_size_options
 from gateway.log_setup import setup_logging
 from gateway.tls import add_port, server_tls_from_args
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--socket", help="unix socket path (the default, in a private per-user directory)")
     p.add_argument("--host", help="listen on TCP instead (an engine on another host); e.g. 127.0.0.1")
-    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--port", type=int, default=ENGINE_TCP_PORT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) is gone")
     p.add_argument("--log-level", default="INFO")
