@@ -48,7 +48,8 @@ def test_metrics_count_what_happened_and_logs_carry_request_ids_but_no_prompt(ti
         def settled():  # the cancel is counted, and a heartbeat has brought the engine's figures
             s = scrape(port)
             done = s.get("llmserve_requests_total{outcome=cancelled}") == 1
-            return s if done and s.get("llmserve_prefix_cache_hit_tokens_total", 0) >= 48 else None
+            idle = s.get("llmserve_num_requests_running") == 0 == s.get("llmserve_num_requests_waiting")
+            return s if done and idle and s.get("llmserve_prefix_cache_hit_tokens_total", 0) >= 48 else None
 
         s = wait_for(settled, 5.0, "the metrics did not settle")
         assert s["llmserve_requests_total{outcome=length}"] == 3
