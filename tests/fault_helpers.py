@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from engine_svc.server.shm_segments import creator_pid, list_segments
 from gateway.client import build_request
@@ -189,3 +190,14 @@ def assert_segments_only_of_live_sessions(sp: ServiceProcess) -> None:
     mine = [n for n in names if creator_pid(n) == pid]
     sessions = sp.engine_stats().num_sessions
     assert len(mine) == 2 * sessions, (mine, sessions)
+
+
+@pytest.fixture(autouse=True)
+def ends_clean(request):
+    """After each test of a module using the ``svc`` fixture: the pool whole, no request left, no ring
+    of a closed session left. Import it into a test module to apply it there."""
+    yield
+    if "svc" in request.fixturenames:
+        sp = request.getfixturevalue("svc")
+        assert_engine_clean(sp)
+        assert_segments_only_of_live_sessions(sp)

@@ -21,6 +21,7 @@ from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from tests.fault_helpers import (
     assert_engine_clean,
     assert_segments_only_of_live_sessions,
+    ends_clean,  # noqa: F401  (autouse fixture: importing it applies it here)
     stop_and_check,
 )
 
@@ -63,16 +64,6 @@ def svc(tiny_llama):
         stop_and_check(sp)
     finally:
         sp.kill()
-
-
-@pytest.fixture(autouse=True)
-def ends_clean(request):
-    """After each test: the pool whole, no request left, no ring of a closed session left."""
-    yield
-    if "svc" in request.fixturenames:
-        sp = request.getfixturevalue("svc")
-        assert_engine_clean(sp)
-        assert_segments_only_of_live_sessions(sp)
 
 
 @pytest.fixture(scope="module")
