@@ -14,22 +14,27 @@ SERVICE = "test.Echo"
 KINDS = ("Unary", "ServerStream", "ClientStream", "Bidi")
 
 
+def _metadata(context) -> tuple:
+    # A copy taken inside the handler: a call's context must not be read after the call has ended.
+    return tuple(context.invocation_metadata())
+
+
 def echo_handlers(seen: list):
     async def unary(request, context):
-        seen.append(("Unary", context))
+        seen.append(("Unary", _metadata(context)))
         return request
 
     async def server_stream(request, context):
-        seen.append(("ServerStream", context))
+        seen.append(("ServerStream", _metadata(context)))
         for _ in range(3):
             yield request
 
     async def client_stream(requests, context):
-        seen.append(("ClientStream", context))
+        seen.append(("ClientStream", _metadata(context)))
         return b"".join([r async for r in requests])
 
     async def bidi(requests, context):
-        seen.append(("Bidi", context))
+        seen.append(("Bidi", _metadata(context)))
         async for r in requests:
             yield r
 

@@ -90,9 +90,9 @@ def test_every_rpc_kind_refuses_a_missing_or_wrong_key_and_admits_a_right_one(gu
         assert len(guarded.denied) == 4
         out = call(ch, kind, b"ok", metadata=[("authorization", f"Bearer {KEY_B}")])
         assert out in (b"ok", b"okok", [b"ok"] * 3, [b"ok"] * 2)
-        (seen_kind, context) = guarded.seen[-1]
+        (seen_kind, metadata) = guarded.seen[-1]
         assert seen_kind == kind
-        assert guarded.auth.identity_of(context).tenant == "globex"
+        assert guarded.auth.identify(metadata).tenant == "globex"
 
 
 def test_health_is_exempt_and_garbage_from_an_unknown_caller_is_not_parsed(guarded):
