@@ -56,8 +56,6 @@ class Sequence:
     admitted_before: bool = False
     finish_reason: str | None = None
     stop_token_id: int | None = None
-    num_sent_tokens: int = 0  # output tokens already emitted in deltas
-    sent_cached_count: bool = False
 
     @property
     def num_tokens(self) -> int:
