@@ -55,7 +55,8 @@ def small_service(default_model_dir):
 
 def test_over_the_admission_limit_is_refused_at_once_and_admitted_requests_complete(small_service):
     with LLMServeClient(small_service.target, timeout=120) as client:
-        calls = [client.generate_stream(f"admitted {i}", max_tokens=400, ignore_eos=True) for i in range(3)]
+        # Long enough (2000 steps) that the two admitted requests are still running when the probe comes.
+        calls = [client.generate_stream(f"admitted {i}", max_tokens=2000, ignore_eos=True) for i in range(3)]
         firsts = [next(iter(c)) for c in calls[:2]]  # two running
         assert all(m.request_id for m in firsts)
         # Drain the running streams in the background, noting when each one ends.
@@ -69,7 +70,7 @@ def test_over_the_admission_limit_is_refused_at_once_and_admitted_requests_compl
         threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # time for the third to reach the gateway's queue, even on a busy machine
+        time.sleep(0.5)  # time for the third to reach the gateway's queue, even on a busy machine
         with pytest.raises(grpc.RpcError) as e:
             client.generate("one too many", max_tokens=4)
         refused_at = time.monotonic()
@@ -81,7 +82,7 @@ def test_over_the_admission_limit_is_refused_at_once_and_admitted_requests_compl
         results[2] = list(calls[2])
         for i in range(3):
             assert results[i][-1].finish_reason == gen.FINISH_REASON_LENGTH
-            assert results[i][-1].usage.completion_tokens == 400
+            assert results[i][-1].usage.completion_tokens == 2000
 
 
 def test_engine_killed_mid_stream_ends_streams_unavailable_and_health_not_serving(small_service):
