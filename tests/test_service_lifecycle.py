@@ -56,8 +56,9 @@ def small_service(default_model_dir):
 def test_over_the_admission_limit_is_refused_at_once_and_admitted_requests_complete(small_service):
     with LLMServeClient(small_service.target, timeout=120) as client:
         # Long enough (2000 steps) that the two admitted requests are still running when the probe comes.
-        calls = [client.generate_stream(f"admitted {i}", max_tokens=2000, ignore_eos=True) for i in range(3)]
-        firsts = [next(iter(c)) for c in calls[:2]]  # two running
+        calls = [client.generate_stream(f"admitted {i}", max_tokens=2000, ignore_eos=True) for i in range(2)]
+        firsts = [next(iter(c)) for c in calls]  # these two run (sent together, either could be first)
+        calls.append(client.generate_stream("admitted 2", max_tokens=2000, ignore_eos=True))  # queued
         assert all(m.request_id for m in firsts)
         # Drain the running streams in the background, noting when each one ends.
         results: dict = {}
