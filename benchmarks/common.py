@@ -313,10 +313,15 @@ def parse_args(description: str) -> argparse.Namespace:
 
 
 def write_result(name: str, result: dict, results_dir: Path = RESULTS_DIR) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}.json"
+    return write_json(results_dir / f"{name}.json", result)
+
+
+def write_json(path: str | Path, doc: dict) -> Path:
+    """Write ``doc`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
     tmp.replace(path)
     return path
 

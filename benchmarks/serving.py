@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.common import write_json
 from gateway.loadgen import RequestRecord, run_load, summarize
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
@@ -220,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         results["load_average_end"] = os.getloadavg()
         print_table(results)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, results)}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.common import write_json
 from benchmarks.serving import RESULTS, default_model_dir
 from gateway.loadgen import stream_one, summarize
 from gateway.service_process import ServiceProcess
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['long_prompts_tokenized']} long prompts tokenized, {r['output_tok_s']:.1f} tok/s"
             )
         print(f"  ITL p99 without / with workers = {result['itl_p99_ratio_without_over_with']:.2f}")
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, result)}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from benchmarks.common import write_json
 from benchmarks.serving import RESULTS, dummy_model_dir, engine_args, grpc_requests, workload
 from gateway.loadgen import run_load, summarize
 from gateway.service_process import ServiceProcess
@@ -69,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {r['itl_p99_ms']:.2f} ms"
             )
         print(f"  throughput shm / grpc = {ratio:.3f} (faster: {faster})")
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, result)}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
