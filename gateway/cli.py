@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from gateway.defaults import GATEWAY_PORT
+from engine_svc.rpc.defaults import GATEWAY_PORT
 from gateway.limits import Limits
 from gateway.replica_options import add_replica_options, engine_addresses, routing_policy
 
@@ -158,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
+    from engine_svc.rpc.grpc_options import Keepalive
+    from engine_svc.rpc.log_setup import setup_logging
+    from engine_svc.rpc.tls import client_tls_from_args, server_tls_from_args
     from gateway.auth import ApiKeys, Authenticator
-    from gateway.grpc_options import Keepalive
     from gateway.launcher import serve
-    from gateway.log_setup import setup_logging
     from gateway.server import GatewayOptions
-    from gateway.tls import client_tls_from_args, server_tls_from_args
 
     setup_logging(args.log_level, args.log_format, "gateway")
     limits = Limits(
@@ -223,8 +223,8 @@ def _serve(args) -> int:
 
 
 def _client(args):
+    from engine_svc.rpc.tls import client_tls_from_args
     from gateway.client import LLMServeClient
-    from gateway.tls import client_tls_from_args
 
     tls = client_tls_from_args(args.tls_ca, args.tls_cert, args.tls_key)
     return LLMServeClient(args.target, timeout=args.timeout, api_key=args.api_key, tls=tls)

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.defaults import GATEWAY_PORT
-from gateway.grpc_options import Keepalive
-from gateway.tls import ClientTLS
+from engine_svc.rpc.defaults import GATEWAY_PORT
+from engine_svc.rpc.grpc_options import Keepalive
+from engine_svc.rpc.tls import ClientTLS
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc

@@ -12,8 +12,8 @@ from gateway.auth import Authenticator
 from gateway.engine_client import EngineClient, RequestHandle
 from gateway.errors import RequestError, unavailable
 from gateway.limits import Limits
-from gateway.log_setup import PromptLogPolicy
 from gateway.metrics import GatewayMetrics
+from gateway.prompt_log import PromptLogPolicy
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
 

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine_svc.rpc.log_setup import request_scope
 from engine_svc.server.convert import sampling_params_to_proto
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
-from gateway.log_setup import request_scope
 from gateway.metrics import RequestMetrics
 from gateway.sequence_output import SequenceOutput
 from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate

@@ -14,20 +14,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from engine_svc.rpc.defaults import GATEWAY_PORT, LIVENESS_SERVICE
+from engine_svc.rpc.grpc_options import Keepalive, message_size_options
+from engine_svc.rpc.tls import ClientTLS, ServerTLS, add_port
 from gateway.admission import Admission
 from gateway.auth import Authenticator, AuthInterceptor
-from gateway.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
-from gateway.grpc_options import Keepalive, message_size_options
 from gateway.limits import Limits
-from gateway.log_setup import PromptLogPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
+from gateway.prompt_log import PromptLogPolicy
 from gateway.replica_set import connect_engines
 from gateway.router import RoutingPolicy
-from gateway.tls import ClientTLS, ServerTLS, add_port
 from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
 from tokenizer_svc.pool import TokenizerPool

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
+from engine_svc.rpc.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from engine_svc.server.main import build_parser as engine_parser
 from gateway.cli import build_parser as gateway_parser
 from gateway.client import LLMServeClient
-from gateway.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from gateway.replica_options import read_engines_file
 from tests.replica_helpers import free_port, wait_for
 

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from engine_svc.rpc.tls import ClientTLS
 from gateway.client import LLMServeClient
 from gateway.engine_client import EngineClient
 from gateway.service_process import ServiceProcess
-from gateway.tls import ClientTLS
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc

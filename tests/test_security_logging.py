@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from gateway.log_setup import PromptLogPolicy, request_scope, setup_logging
+from engine_svc.rpc.log_setup import request_scope, setup_logging
+from gateway.prompt_log import PromptLogPolicy
 
 
 @pytest.fixture

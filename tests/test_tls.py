@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.tls import ClientTLS, ServerTLS, add_port, client_tls_from_args, server_tls_from_args
+from engine_svc.rpc.tls import ClientTLS, ServerTLS, add_port, client_tls_from_args, server_tls_from_args
 from tests.grpc_echo import EchoServer, call
 from tests.tls_certs import make_tls_material
 

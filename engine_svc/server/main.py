@@ -20,14 +20,14 @@ from pathlib import Path
 
 import grpc
 
+from engine_svc.rpc.defaults import ENGINE_TCP_PORT
+from engine_svc.rpc.grpc_options import Keepalive, message_size_options
+from engine_svc.rpc.log_setup import setup_logging
+from engine_svc.rpc.tls import add_port, server_tls_from_args
 from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.servicer import EngineServicer
 from engine_svc.server.shm_segments import sweep_stale_segments
-from gateway.defaults import ENGINE_TCP_PORT
-from gateway.grpc_options import Keepalive, message_size_options
-from gateway.log_setup import setup_logging
-from gateway.tls import add_port, server_tls_from_args
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 

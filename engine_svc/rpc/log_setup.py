@@ -2,11 +2,8 @@
 
 A handler sets the request id once (``request_scope``); every log call made in that task, at any
 depth, carries it, because grpc.aio runs each call in its own task and the id lives in a context
-variable. Fields passed with ``extra={"fields": {...}}`` are added to the line.
-
-Prompts are other people's data: a request line says how long the prompt is, never what it says,
-unless the operator asked for it with ``--log-prompts`` (debugging on a private deployment).
-Generated text is never logged.
+variable. Fields passed with ``extra={"fields": {...}}`` are added to the line. (What a line may say
+about a prompt is the gateway's rule: ``gateway/prompt_log.py``.)
 """
 
 from __future__ import annotations
@@ -112,28 +109,3 @@ def setup_logging(level: str = "INFO", fmt: str = "text", process_name: str = "g
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
-
-
-class PromptLogPolicy:
-    """What a request's log line may say about its prompt."""
-
-    def __init__(self, log_prompts: bool = False) -> None:
-        self.log_prompts = log_prompts
-
-    def fields(
-        self, *, text: str | None = None, chat: list[dict] | None = None, num_tokens: int | None = None
-    ) -> dict:
-        out: dict = {}
-        if text is not None:
-            out["prompt_chars"] = len(text)
-        if chat is not None:
-            out["chat_messages"] = len(chat)
-            out["prompt_chars"] = sum(len(m.get("content", "")) for m in chat)
-        if num_tokens is not None:
-            out["prompt_tokens"] = num_tokens
-        if self.log_prompts:
-            if text is not None:
-                out["prompt"] = text
-            if chat is not None:
-                out["chat"] = chat
-        return out
