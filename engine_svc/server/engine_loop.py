@@ -57,8 +57,11 @@ class EngineLoop:
         self.on_parent_exit: Callable[[], None] | None = None
         # Set by the watchdog while a step has run past its timeout: no new sessions or requests.
         self.stalled = threading.Event()
+        # Told True / False each time ``stalled`` changes (health turns NOT_SERVING / SERVING).
+        self.on_stall_change: Callable[[bool], None] | None = None
+        self._stall_report = threading.Lock()
         self.refused_submits = 0  # Submits refused as invalid (INVALID_ARGUMENT); a gRPC thread counts
-        self.watchdog = Watchdog(watchdog_timeout_s, on_stall=self._on_stall, on_recover=self.stalled.clear)
+        self.watchdog = Watchdog(watchdog_timeout_s, on_stall=self._on_stall, on_recover=self._on_recover)
 
     # Called from other threads -----------------------------------------------------------------
 
@@ -94,6 +97,23 @@ class EngineLoop:
                 s.outbox.put(_CLOSED)
                 self.post(lambda sid=s.session_id: self.close_session(sid))
         log.error("engine stalled for %.1fs: sessions ended; refusing work until a step completes", waited_s)
+        if not self.watchdog.tripped:
+            # The stuck step returned while this ran, and its recovery may have cleared the flag
+            # before this set it: the loop is fine, so the flag must not stay set.
+            self.stalled.clear()
+        self._report_stall()
+
+    def _on_recover(self) -> None:
+        """From the loop thread: a step completed after the watchdog tripped."""
+        self.stalled.clear()
+        self._report_stall()
+
+    def _report_stall(self) -> None:
+        # Under one lock, and reading the flag rather than being told it, so that a stall and a
+        # recovery reported at once from two threads leave the last report equal to the flag.
+        with self._stall_report:
+            if self.on_stall_change is not None:
+                self.on_stall_change(self.stalled.is_set())
 
     # Commands (run on the loop thread) -----------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""Start the engine process: load the model, warm it up, serve engine.v1 until SIGTERM.
+"""Start the engine process: load the model, warm it up, serve engine.v1 and grpc.health.v1 until SIGTERM.
 
     python -m engine_svc.server --model DIR [--socket PATH | --host H --port P] [engine options]
 
 It listens only once the model is loaded and one request has run end to end, so a gateway that
-can connect knows the engine is warm.
+can connect knows the engine is warm. Health ("" and engine.v1.Engine) is SERVING from then on,
+NOT_SERVING while the watchdog finds the loop stuck and once shutdown begins.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine_svc.rpc.log_setup import setup_logging
 from engine_svc.rpc.tls import add_port, server_tls_from_args
 from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
+from engine_svc.server.health import EngineHealth
 from engine_svc.server.servicer import EngineServicer
 from engine_svc.server.shm_segments import sweep_stale_segments
 from llmserve_proto.engine.v1 import engine_pb2 as pb
@@ -198,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     pb_grpc.add_EngineServicer_to_server(EngineServicer(loop, info), server)
+    health = EngineHealth()
+    health.add_to(server)
+    loop.on_stall_change = lambda stalled: health.set_serving(not stalled)
     address = listen_address(args)
     if add_port(server, address, tls) == 0 and not address.startswith("unix:"):
         log.error("cannot listen on %s", address)
         return 1
     loop.start()
+    loop.call(lambda: None)  # the loop runs: it took a command between two (idle) steps
+    health.set_serving(True)
     server.start()
     log.info(
         "engine ready on %s (model %s, %d KV blocks, %.1fs, TLS %s, watchdog %s)",
@@ -219,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     crashed = not stop.is_set()
     log.info("shutting down")
+    health.shutting_down()  # probes and watchers see NOT_SERVING while the loop and server stop
     loop.stop()
     server.stop(grace=1.0).wait(2.0)
     if address.startswith("unix://"):
