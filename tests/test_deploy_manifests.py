@@ -11,9 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_svc.rpc.defaults import GATEWAY_PORT, LIVENESS_SERVICE
+from engine_svc.server.health import HEALTH_NAMES
 from engine_svc.server.main import build_parser as engine_parser
 from gateway.cli import build_parser as gateway_parser
 from gateway.client import LLMServeClient
@@ -97,9 +98,13 @@ def test_engine_replica_runs_the_engine_server_on_its_default_port(dep):
     assert args.host == "0.0.0.0" and args.port == ENGINE_PORT and not args.socket
     (port,) = c["ports"]
     assert port["containerPort"] == ENGINE_PORT
-    # The engine listens only when warm: TCP probes on its port are its readiness.
+    # grpc.health.v1 on the engine port, for a name the engine serves (k8s grpc probes take a
+    # number only, and no TLS: the probe is plaintext like the engine's args here).
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert port_number(c, c[probe]["tcpSocket"]["port"]) == ENGINE_PORT, probe
+        assert set(c[probe]) - {"periodSeconds", "failureThreshold", "timeoutSeconds"} == {"grpc"}, probe
+        assert c[probe]["grpc"]["port"] == ENGINE_PORT, probe
+        assert c[probe]["grpc"].get("service", "") in HEALTH_NAMES, probe
+    assert not args.tls_cert
     assert "persistentVolumeClaim" in mounted_at(dep, args.model)
 
 
@@ -171,6 +176,41 @@ def test_the_gateway_answers_its_liveness_probe_without_engines(default_model_di
 
             wait_for(alive, 60, "the liveness service SERVING", every_s=0.2)
             assert client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def test_an_engine_started_as_the_manifest_says_answers_its_probes(tiny_llama):
+    """The probes' services exist: SERVING on the engine port once the engine is warm."""
+    c = container(ENGINES[0])
+    port = free_port()
+    # The pod's arguments, with a test model, a loopback host and a free port in place of the pod's.
+    override = {"--model": str(tiny_llama), "--host": "127.0.0.1", "--port": str(port)}
+    args = list(c["args"])
+    for i, flag in enumerate(args[:-1]):
+        if flag in override:
+            args[i + 1] = override[flag]
+    cmd = [sys.executable, *c["command"][1:], *args, "--num-kv-blocks", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    services = {c[p]["grpc"].get("service", "") for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status(service: str) -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            def serving() -> bool:
+                assert proc.poll() is None, f"the engine exited {proc.returncode}"
+                try:
+                    return status("") == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:  # not listening yet
+                    return False
+
+            wait_for(serving, 120, "the engine's health SERVING", every_s=0.2)
+            for service in services:
+                assert status(service) == health_pb2.HealthCheckResponse.SERVING, service
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
