@@ -33,11 +33,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def rss_bytes(pid: int) -> int:
+def memory_bytes(pid: int) -> dict[str, int]:
+    """The resident set and its parts: ``anon`` (private heap: where a leak shows), ``shmem``
+    (shared-memory rings, mapped whole from the start) and ``rss`` (everything)."""
+    fields = {"VmRSS": "rss", "RssAnon": "anon", "RssShmem": "shmem"}
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+        key = line.split(":", 1)[0]
+        if key in fields:
+            out[fields[key]] = int(line.split()[1]) * 1024
+    if len(out) != len(fields):
+        raise RuntimeError(f"no memory figures for {pid}")
+    return out
 
 
 def wait_for(predicate, within_s: float, what: str, every_s: float = 0.05):

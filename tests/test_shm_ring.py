@@ -116,3 +116,52 @@ def test_sweep_removes_segments_of_dead_creators_only(ring):
     finally:
         for name in (stale, foreign):
             (shm_segments.SHM_DIR / name).unlink(missing_ok=True)
+
+
+def _rss_shmem_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssShmem in /proc/self/status")
+
+
+def test_a_segment_is_resident_in_every_process_that_maps_it_from_the_start():
+    # Else the resident set creeps up as the write position sweeps through untouched pages: 20 MiB
+    # of rings read as a slow leak over a day of traffic.
+    size = 4 << 20
+    before = _rss_shmem_bytes()
+    r = TokenRing.create(size)
+    try:
+        assert _rss_shmem_bytes() - before >= size - 4096
+        view = TokenRing.attach(r.name)
+        assert _rss_shmem_bytes() - before >= 2 * size - 8192  # a second mapping, resident too
+        view.close()
+    finally:
+        r.close()
+
+
+def _dev_shm_total_bytes() -> int:
+    st = os.statvfs(shm_segments.SHM_DIR)
+    return st.f_blocks * st.f_frsize
+
+
+def test_a_segment_larger_than_dev_shm_is_refused_at_creation_and_leaves_nothing():
+    # A tmpfs hands out pages on first touch: without the reservation this segment would be made
+    # and the process would die of SIGBUS later, when a write reached a page the tmpfs cannot give.
+    before = shm_segments.list_segments()
+    with pytest.raises(OSError, match=r"/dev/shm has no room for a \d+-byte segment.*--transport grpc"):
+        TokenRing.create(2 * _dev_shm_total_bytes())
+    assert shm_segments.list_segments() == before
+
+
+def test_an_engine_session_without_room_for_its_rings_carries_ids_in_messages():
+    from engine_svc.server.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine=None)  # opening a session does not touch the engine
+    before = shm_segments.list_segments()
+    s = loop.open_session("gw", 2 * _dev_shm_total_bytes(), 1 << 20)
+    assert s.prompt_ring is None and s.output_ring is None
+    assert shm_segments.list_segments() == before
+    s = loop.open_session("gw", 1 << 20, 2 * _dev_shm_total_bytes())  # the second ring fails
+    assert s.prompt_ring is None and s.output_ring is None
+    assert shm_segments.list_segments() == before  # the first ring was closed and unlinked

@@ -120,8 +120,16 @@ class EngineLoop:
     def open_session(self, gateway_id: str, prompt_ring_bytes: int, output_ring_bytes: int) -> Session:
         s = Session(session_id=secrets.token_hex(8), gateway_id=gateway_id)
         if prompt_ring_bytes and output_ring_bytes:
-            s.prompt_ring = TokenRing.create(prompt_ring_bytes)
-            s.output_ring = TokenRing.create(output_ring_bytes)
+            try:
+                s.prompt_ring = TokenRing.create(prompt_ring_bytes)
+                s.output_ring = TokenRing.create(output_ring_bytes)
+            except OSError as e:  # no room in /dev/shm: the session still works, ids go inline
+                if s.prompt_ring is not None:
+                    s.prompt_ring.close()
+                s.prompt_ring = s.output_ring = None
+                log.warning(
+                    "session %s: no shared-memory rings (%s); token ids go in gRPC messages", s.session_id, e
+                )
         self._sessions[s.session_id] = s
         log.info(
             "session %s opened for gateway %r (shared memory: %s)",

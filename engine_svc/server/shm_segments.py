@@ -3,10 +3,17 @@
 A name is ``llmserve_<creator pid>_<128 random bits>``: the pid lets a later process tell a
 leftover of a dead creator from a live one, the random part keeps other local users from
 guessing (and opening) it. Segments are created 0600 and hold only fixed binary layouts.
+
+A segment's pages are reserved when it is made and mapped in by every process that opens it. A
+tmpfs only hands out a page when it is first touched, so otherwise a /dev/shm too small (Docker's
+default is 64 MiB) would fail mid-stream with SIGBUS rather than at the start, and the resident
+set of both processes would creep up as the rings' write positions sweep through pages they have
+not touched before, which looks exactly like a leak on a dashboard.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -30,9 +37,43 @@ def create_segment(size: int) -> SharedMemory:
     seg = SharedMemory(name=new_name(), create=True, size=size)
     _created_here.add(seg.name.lstrip("/"))
     path = SHM_DIR / seg.name.lstrip("/")
-    if path.exists():  # the POSIX mode is 0600 already; this makes it explicit against a lax umask
-        os.chmod(path, 0o600)
+    try:
+        if path.exists():  # the POSIX mode is 0600 already; this makes it explicit against a lax umask
+            os.chmod(path, 0o600)
+        _reserve(path, size)
+    except OSError:
+        seg.close()
+        seg.unlink()
+        raise
+    _map_in(seg)
     return seg
+
+
+def _reserve(path: Path, size: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise OSError(
+                e.errno,
+                f"{SHM_DIR} has no room for a {size}-byte segment (raise its size, e.g. docker "
+                f"--shm-size, or use --transport grpc)",
+            ) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: touch only
+            raise
+    finally:
+        os.close(fd)
+
+
+def _map_in(seg: SharedMemory) -> None:
+    """Touch every page of this process's mapping, so its resident set is whole from the start."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    view = memoryview(seg.buf)
+    try:
+        sum(view[::page])
+    finally:
+        view.release()
 
 
 def attach_segment(name: str) -> SharedMemory:
@@ -46,6 +87,7 @@ def attach_segment(name: str) -> SharedMemory:
     seg = SharedMemory(name=name, create=False)
     if name.lstrip("/") not in _created_here:
         resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001 - no public API in 3.11
+    _map_in(seg)
     return seg
 
 
