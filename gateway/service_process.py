@@ -90,10 +90,9 @@ class ServiceProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while not ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.kill()
-                raise RuntimeError(
-                    f"the service did not start (exit {self.proc.returncode}):\n{self.log_tail()}"
-                )
+                raise RuntimeError(f"the service did not start (exit {self.proc.returncode}):\n{tail}")
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -130,6 +129,7 @@ class ServiceProcess:
             raise
 
     def kill(self) -> None:
+        """SIGKILL the whole tree and remove the log: the end of a test or benchmark."""
         if self.proc is None:
             return
         pids = self.descendants() if self.proc.poll() is None else []
@@ -139,6 +139,7 @@ class ServiceProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        Path(self._log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> ServiceProcess:
         return self.start()
