@@ -12,14 +12,14 @@ import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
-from engine_svc.model_runner import ModelForward, ModelRunner, SampleResult
+from engine_svc.model_runner import ModelForward, ModelRunner, StepResult
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.scheduler import Scheduler
+from engine_svc.scheduler import Scheduler, SchedulerOutput
 from engine_svc.sequence import Request, Sequence
 from kernels.backend import select_kernels
 
@@ -77,7 +77,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
         self.runner = ModelRunner(
-            forward, config.block_size, self.tp_group.broadcast if self.tp_group else None
+            forward,
+            config.block_size,
+            cdiv(self.max_model_len, config.block_size),
+            self.tp_group.broadcast if self.tp_group else None,
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -190,11 +193,59 @@ class LLMEngine:
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.seqs:
             return []
-        result = self.runner.execute(out, self.kv.take_pending_copies())
+        result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
         self.num_steps += 1
-        for seq, n in out.scheduled:
+        if result.only_decodes:
+            deltas = self._finish_decodes(result)
+        else:
+            deltas = self._finish_mixed(out, result)
+        for rid in {d.request_id for d in deltas if d.finish_reason is not None}:
+            if self._all_finished(self.requests[rid]):
+                del self.requests[rid]
+        return deltas
+
+    def _finish_decodes(self, result: StepResult) -> list[RequestDelta]:
+        """The steady state: each sequence computed one token and sampled one. One flat loop, the
+        same rules as ``_emit`` (kept inline: a call per sequence is a measurable share of the step)."""
+        bs = self.kv.block_size
+        caching = self.kv.enable_prefix_caching
+        deltas: list[RequestDelta] = []
+        finished: list[Sequence] = []
+        for seq, token, lp in zip(result.sampled, result.token_ids, result.logprobs, strict=True):
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if caching and computed // bs > seq.num_registered_blocks:
+                self.kv.register_computed_blocks(seq)
+            seq.token_ids.append(token)
+            request = seq.request
+            num_tokens = computed + 1
+            if token in request.stop_ids and num_tokens >= request.min_stop_len:
+                seq.finish_reason, seq.stop_token_id = "stop", token
+                finished.append(seq)
+            elif num_tokens >= request.length_limit:
+                seq.finish_reason = "length"
+                finished.append(seq)
+            delta = RequestDelta(
+                request.request_id,
+                seq.index,
+                [token],
+                None if lp is None else [lp],
+                seq.finish_reason,
+                seq.stop_token_id,
+                request.num_prompt_tokens,
+                seq.num_cached_tokens,
+            )
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                delta.prompt_logprobs = request.prompt_logprobs
+                request.prompt_logprobs_sent = True
+            deltas.append(delta)
+        for seq in finished:
+            self.scheduler.remove(seq)
+        return deltas
+
+    def _finish_mixed(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        for seq, n in zip(out.seqs, out.num_new, strict=True):
             seq.num_computed_tokens += n
             self.kv.register_computed_blocks(seq)
         for seq, start, lps in result.prompt_logprobs:
@@ -202,35 +253,36 @@ class LLMEngine:
             if len(plp) == start + 1:  # a recompute after preemption must not add them twice
                 plp.extend(lps)
         deltas: list[RequestDelta] = []
-        for sample in result.samples:
-            for seq, token, lp in self._apply_sample(sample):
-                deltas.append(self._emit(seq, token, lp))
-        for rid in {d.request_id for d in deltas if d.finish_reason is not None}:
-            if self._all_finished(self.requests[rid]):
-                del self.requests[rid]
+        fans = result.fans or [1] * len(result.sampled)
+        r = 0
+        for seq, k in zip(result.sampled, fans, strict=True):
+            tokens, lps = result.token_ids[r : r + k], result.logprobs[r : r + k]
+            r += k
+            for s, token, lp in self._apply_sample(seq, tokens, lps):
+                deltas.append(self._emit(s, token, lp))
         return deltas
 
-    def _apply_sample(self, sample: SampleResult):
-        seq, request = sample.seq, sample.seq.request
-        if len(sample.token_ids) == 1:
-            seq.token_ids.append(sample.token_ids[0])
-            return [(seq, sample.token_ids[0], sample.logprobs[0])]
+    def _apply_sample(self, seq: Sequence, token_ids: list[int], logprobs: list):
+        request = seq.request
+        if len(token_ids) == 1:
+            seq.token_ids.append(token_ids[0])
+            return [(seq, token_ids[0], logprobs[0])]
         # n > 1: the prompt is done; fork n sequences that share its blocks by reference.
         request.forked = True
-        pairs = [(seq, sample.token_ids[0], sample.logprobs[0])]
-        seq.token_ids.append(sample.token_ids[0])
+        pairs = [(seq, token_ids[0], logprobs[0])]
+        seq.token_ids.append(token_ids[0])
         at = self.scheduler.running.index(seq) + 1
         for i in range(1, request.params.n):
             if i in request.aborted_indexes:
                 continue
-            child = Sequence(request, i, seq.token_ids[:-1] + [sample.token_ids[i]])
+            child = Sequence(request, i, seq.token_ids[:-1] + [token_ids[i]])
             child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
             self.kv.fork(seq, child)
             child.status = seq.status
             request.sequences.append(child)
             self.scheduler.running.insert(at, child)
             at += 1
-            pairs.append((child, sample.token_ids[i], sample.logprobs[i]))
+            pairs.append((child, token_ids[i], logprobs[i]))
         if 0 in request.aborted_indexes:
             seq.finish_reason = "abort"
             self.scheduler.remove(seq)
@@ -239,14 +291,10 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, token: int, lp) -> RequestDelta:
         request = seq.request
-        params = request.params
         num_tokens = len(seq.token_ids)
-        num_out = num_tokens - request.num_prompt_tokens
-        if num_out >= params.min_tokens and not params.ignore_eos and token in params.eos_token_ids:
+        if token in request.stop_ids and num_tokens >= request.min_stop_len:
             seq.finish_reason, seq.stop_token_id = "stop", token
-        elif num_out >= params.min_tokens and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_token_id = "stop", token
-        elif num_out >= request.max_tokens or num_tokens >= self.max_model_len:
+        elif num_tokens >= request.length_limit:
             seq.finish_reason = "length"
         delta = RequestDelta(
             request.request_id,

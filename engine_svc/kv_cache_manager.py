@@ -18,6 +18,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        # Sequence -> first index of its block table changed since last taken: the input batch
+        # rewrites only that much of its persistent copy.
+        self.changed_tables: dict[Sequence, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -73,9 +76,12 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if need_new + int(cow) > self.pool.num_free - revived:
             return False
+        first_changed = len(seq.block_table)
         if cached_blocks:
             self._take_cached(seq, cached_blocks)
+            first_changed = 0
         if cow:
+            first_changed = min(first_changed, write_block)
             (copy,) = self.pool.allocate(1)
             old = seq.block_table[write_block]
             self.pending_copies.append((old, copy))
@@ -83,6 +89,8 @@ class KVCacheManager:
             seq.block_table[write_block] = copy
         if need_new:
             seq.block_table.extend(self.pool.allocate(need_new))
+        if first_changed < len(seq.block_table):
+            self._note_change(seq, first_changed)
         return True
 
     def _take_cached(self, seq: Sequence, cached_blocks: list[int]) -> None:
@@ -118,6 +126,7 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
+        self._note_change(child, 0)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that they are evicted before the (more shareable) head of the prefix.
@@ -125,6 +134,16 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        self._note_change(seq, 0)
+
+    def _note_change(self, seq: Sequence, first: int) -> None:
+        changed = self.changed_tables
+        if first < changed.get(seq, first + 1):
+            changed[seq] = first
+
+    def take_changed_tables(self) -> dict[Sequence, int]:
+        changed, self.changed_tables = self.changed_tables, {}
+        return changed
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

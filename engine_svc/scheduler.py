@@ -19,18 +19,30 @@ from engine_svc.sequence import SeqStatus, Sequence
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    seqs: list[Sequence] = field(default_factory=list)  # scheduled, in batch order
+    num_new: list[int] = field(default_factory=list)  # tokens each computes this step
     preempted: list[Sequence] = field(default_factory=list)
+    # Every scheduled sequence computes only its last token and has sampled before (so no prompt
+    # chunk, no fork due): the model runner and the engine take their short path.
+    only_decodes: bool = True
+
+    @property
+    def scheduled(self) -> list[tuple[Sequence, int]]:
+        return list(zip(self.seqs, self.num_new, strict=True))
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(self.num_new)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
 
     def unschedule(self, seq: Sequence) -> int:
-        for j, (s, n) in enumerate(self.scheduled):
+        for j, s in enumerate(self.seqs):
             if s is seq:
-                del self.scheduled[j]
-                return n
+                del self.seqs[j]
+                return self.num_new.pop(j)
         return 0
 
 
@@ -71,10 +83,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_new):
+        running, allocate = self.running, self.kv.allocate
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_tokens = len(seq.token_ids)
+            remaining = num_tokens - seq.num_computed_tokens
+            num_new = remaining if remaining < budget else budget
+            if remaining != 1 or num_tokens == seq.request.num_prompt_tokens:
+                out.only_decodes = False
+            while not allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # (priority policy) already served this step
                     budget += out.unschedule(victim)
@@ -83,7 +100,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append((seq, num_new))
+                out.add(seq, num_new)
                 budget -= num_new
                 i += 1
         if out.preempted:
@@ -109,7 +126,8 @@ class Scheduler:
                 seq.admitted_before = True
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, num_new))
+            out.add(seq, num_new)
+            out.only_decodes = False
             budget -= num_new
         return out
 

@@ -38,7 +38,13 @@ class Request:
     prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.prompt_token_ids)  # read on every step: a field, not a property
+        # Read for every sequence on every step: fields computed once, not properties.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # add_request guarantees prompt + max_tokens <= max_model_len, so this is the only length bound.
+        self.length_limit = self.num_prompt_tokens + self.max_tokens
+        eos = () if self.params.ignore_eos else self.params.eos_token_ids
+        self.stop_ids = frozenset(self.params.stop_token_ids) | frozenset(eos)
+        self.min_stop_len = self.num_prompt_tokens + self.params.min_tokens  # no stop token before this
 
 
 @dataclass(eq=False)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -80,15 +81,15 @@ class TensorParallelGroup:
         header, payload = inputs.pack()
         self._send(header, payload)
 
-    def _send(self, header: list[int], payload: list[int]) -> None:
+    def _send(self, header: list[int], payload: np.ndarray | None) -> None:
         dist.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=0)
-        if payload:
-            dist.broadcast(torch.tensor(payload, dtype=torch.int64, device=self.device), src=0)
+        if payload is not None and len(payload):
+            dist.broadcast(torch.from_numpy(payload).to(self.device), src=0)
 
     def close(self) -> None:
         if dist.is_initialized():
             try:
-                self._send([CMD_STOP] + [0] * (HEADER_LEN - 1), [])
+                self._send([CMD_STOP] + [0] * (HEADER_LEN - 1), None)
             finally:
                 dist.destroy_process_group()
         for w in self.workers:

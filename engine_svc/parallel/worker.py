@@ -65,7 +65,7 @@ def main() -> None:
             break
         payload = torch.empty(head[6], dtype=torch.int64, device=device)
         dist.broadcast(payload, src=0)
-        forward(StepInputs.unpack(head, payload.tolist()))
+        forward(StepInputs.unpack(head, payload.cpu().numpy()))
     dist.destroy_process_group()
 
 

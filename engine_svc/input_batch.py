@@ -1,0 +1,106 @@
+"""Per-sequence state that lives across steps, in preallocated numpy arrays (vLLM v1's persistent
+input batch, reduced to what changes rarely).
+
+A sequence holds a row while it holds KV blocks. Its row's block table is rewritten only from the
+first entry that changed (a new block, a copy-on-write, a prefix hit, a fork), and its sampling
+parameters are written once when it joins. Each step then gathers the scheduled rows with one
+numpy index instead of rebuilding padded lists of every running sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_svc.sequence import Sequence
+
+# Sampling columns, one float32 row per sequence (top_k fits exactly: vocabularies are < 2**24).
+TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
+NUM_SAMPLING_COLS = 7
+# Per-row flags that send a step off the plain path: each needs per-row Python in the sampler.
+SEEDED, LOGPROBS, PENALTY, MIN_TOKENS = range(4)
+NUM_FLAGS = 4
+
+
+class InputBatch:
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64):
+        self.block_tables = np.zeros((rows, max(1, max_blocks_per_seq)), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int32)
+        self.sampling = np.zeros((rows, NUM_SAMPLING_COLS), dtype=np.float32)
+        self.flags = np.zeros((rows, NUM_FLAGS), dtype=bool)
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.free_rows = list(range(rows - 1, -1, -1))  # a stack: the lowest row is reused first
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_of)
+
+    def sync(self, changed: dict[Sequence, int]) -> None:
+        """Follow the KV cache manager's changes: ``changed`` maps a sequence to the first index of
+        its block table that changed since the last sync. The table's present state is what counts,
+        so a sequence freed and re-admitted between two syncs simply gets its new table."""
+        for seq, first in changed.items():
+            table = seq.block_table
+            row = self.row_of.get(seq.seq_id)
+            if not table:
+                if row is not None:
+                    del self.row_of[seq.seq_id]
+                    self.free_rows.append(row)
+                continue
+            if row is None:
+                row, first = self._add(seq), 0
+            n = len(table)
+            if n > self.block_tables.shape[1]:
+                self._widen(n)
+            self.block_tables[row, first:n] = table[first:]
+            self.num_blocks[row] = n
+
+    def rows(self, seqs) -> list[int]:
+        row_of = self.row_of
+        return [row_of[s.seq_id] for s in seqs]
+
+    def gather_tables(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), width] block tables, width the longest of them."""
+        width = int(self.num_blocks[rows].max())
+        return self.block_tables[rows, :width]
+
+    def _add(self, seq: Sequence) -> int:
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.row_of[seq.seq_id] = row
+        p = seq.request.params
+        self.sampling[row] = (
+            0.0 if p.greedy else p.temperature,
+            p.top_k if p.top_k > 0 else 0,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
+        self.flags[row] = (
+            seq.request.generators is not None,
+            p.logprobs is not None,
+            p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty),
+            p.min_tokens > 0,
+        )
+        return row
+
+    def _grow(self) -> None:
+        old = len(self.num_blocks)
+        self.block_tables = _resize(self.block_tables, 2 * old)
+        self.num_blocks = _resize(self.num_blocks, 2 * old)
+        self.sampling = _resize(self.sampling, 2 * old)
+        self.flags = _resize(self.flags, 2 * old)
+        self.free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _widen(self, width: int) -> None:
+        wider = np.zeros((self.block_tables.shape[0], max(width, 2 * self.block_tables.shape[1])), np.int32)
+        wider[:, : self.block_tables.shape[1]] = self.block_tables
+        self.block_tables = wider
+
+
+def _resize(array: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+    out[: len(array)] = array
+    return out
