@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
+from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.model_runner import ModelForward, ModelRunner, StepResult
 from engine_svc.model_setup import allocate_kv_caches, load_model
@@ -97,6 +98,7 @@ class LLMEngine:
             max_logprobs=config.max_logprobs,
             architectures=[self.spec.architecture],
         )
+        freeze_startup_heap()
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d",
             self.spec.architecture,

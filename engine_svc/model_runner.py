@@ -57,9 +57,12 @@ class ModelForward:
             self.kv_caches,
             inputs.attention(dev),
         )
-        if not len(inputs.logit_rows):
+        rows = inputs.logit_rows
+        if not len(rows):
             return None
-        return self.model.compute_logits(hidden[to_device(inputs.logit_rows, dev)])
+        if len(rows) == len(hidden) and np.array_equal(rows, np.arange(len(rows))):
+            return self.model.compute_logits(hidden)  # every token in order (all decodes): no gather
+        return self.model.compute_logits(hidden[to_device(rows, dev)])
 
     def _copy_blocks(self, copies: np.ndarray) -> None:
         if not len(copies):
@@ -189,12 +192,7 @@ class ModelRunner:
         count = len(rows)
         cols = torch.from_numpy(self.batch.sampling[rows]).to(device)
         used = self.batch.flags[rows].any(axis=0)
-        # (sequence, generator index) per row: a completing n > 1 prompt samples its n first tokens.
-        row_seqs = (
-            [(s, s.index) for s in seqs]
-            if fans is None or count == len(seqs)
-            else [(s, s.index if k == 1 else j) for s, k in zip(seqs, fans, strict=True) for j in range(k)]
-        )
+        row_seqs = _row_sequences(seqs, fans) if used.any() else []
         generators = [None] * count
         if used[ib.SEEDED]:
             generators = [s.request.generators[j] if s.request.generators else None for s, j in row_seqs]
@@ -207,9 +205,8 @@ class ModelRunner:
             prompt_ids = [s.request.prompt_token_ids for s, _ in row_seqs]
         if used[ib.MIN_TOKENS]:
             banned = [_banned_now(s) for s, _ in row_seqs]
-        temperature = cols[:, ib.TEMPERATURE]
         return SamplingBatch(
-            temperature=temperature,
+            temperature=cols[:, ib.TEMPERATURE],
             top_k=cols[:, ib.TOP_K].to(torch.int64),
             top_p=cols[:, ib.TOP_P],
             min_p=cols[:, ib.MIN_P],
@@ -224,6 +221,14 @@ class ModelRunner:
             any_penalty=bool(used[ib.PENALTY]),
             all_greedy=not self.batch.sampling[rows, ib.TEMPERATURE].any(),
         )
+
+
+def _row_sequences(seqs: list[Sequence], fans: list[int] | None) -> list[tuple[Sequence, int]]:
+    """(sequence, generator index) per sample row: a completing n > 1 prompt samples its n first
+    tokens, one from each of its sequences' generators."""
+    if fans is None or len(fans) == sum(fans):
+        return [(s, s.index) for s in seqs]
+    return [(s, s.index if k == 1 else j) for s, k in zip(seqs, fans, strict=True) for j in range(k)]
 
 
 def _banned_now(seq: Sequence) -> list[int]:

@@ -83,7 +83,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
+        # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, allocate = self.running, self.kv.allocate
+        add_seq, add_num = out.seqs.append, out.num_new.append
         while i < len(running) and budget > 0:
             seq = running[i]
             num_tokens = len(seq.token_ids)
@@ -100,7 +102,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.add(seq, num_new)
+                add_seq(seq)
+                add_num(num_new)
                 budget -= num_new
                 i += 1
         if out.preempted:
