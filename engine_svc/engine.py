@@ -196,6 +196,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         if not out.seqs:
+            self.runner.batch.sync(self.kv.take_changed_tables())  # release the rows of what was aborted
             return []
         result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
         self.num_steps += 1
