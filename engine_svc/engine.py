@@ -210,16 +210,20 @@ class LLMEngine:
         return deltas
 
     def _finish_decodes(self, result: StepResult) -> list[RequestDelta]:
-        """The steady state: each sequence computed one token and sampled one. One flat loop, the
-        same rules as ``_emit`` (kept inline: a call per sequence is a measurable share of the step)."""
+        """The steady state: each sequence computed one token and sampled one. One flat loop over
+        locals, the same rules as ``_emit`` (inline: a call per sequence is a measurable share of
+        the step). No prompt logprobs here: a request's first sample is never in a decode-only step
+        (see ``SchedulerOutput.only_decodes``), so they went out with its first delta."""
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
+        register = self.kv.register_computed_blocks
         deltas: list[RequestDelta] = []
+        emit = deltas.append
         finished: list[Sequence] = []
         for seq, token, lp in zip(result.sampled, result.token_ids, result.logprobs, strict=True):
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
             if caching and computed // bs > seq.num_registered_blocks:
-                self.kv.register_computed_blocks(seq)
+                register(seq)
             seq.token_ids.append(token)
             request = seq.request
             num_tokens = computed + 1
@@ -229,20 +233,18 @@ class LLMEngine:
             elif num_tokens >= request.length_limit:
                 seq.finish_reason = "length"
                 finished.append(seq)
-            delta = RequestDelta(
-                request.request_id,
-                seq.index,
-                [token],
-                None if lp is None else [lp],
-                seq.finish_reason,
-                seq.stop_token_id,
-                request.num_prompt_tokens,
-                seq.num_cached_tokens,
+            emit(
+                RequestDelta(
+                    request.request_id,
+                    seq.index,
+                    [token],
+                    None if lp is None else [lp],
+                    seq.finish_reason,
+                    seq.stop_token_id,
+                    request.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                )
             )
-            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-                delta.prompt_logprobs = request.prompt_logprobs
-                request.prompt_logprobs_sent = True
-            deltas.append(delta)
         for seq in finished:
             self.scheduler.remove(seq)
         return deltas

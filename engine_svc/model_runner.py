@@ -190,7 +190,8 @@ class ModelRunner:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for
         the features some row uses (seeds, logprobs, penalties, min_tokens)."""
         count = len(rows)
-        cols = torch.from_numpy(self.batch.sampling[rows]).to(device)
+        gathered = self.batch.sampling[rows]
+        cols = torch.from_numpy(gathered).to(device)
         used = self.batch.flags[rows].any(axis=0)
         row_seqs = _row_sequences(seqs, fans) if used.any() else []
         generators = [None] * count
@@ -219,7 +220,7 @@ class ModelRunner:
             banned_ids=banned,
             num_logprobs=num_logprobs,
             any_penalty=bool(used[ib.PENALTY]),
-            all_greedy=not self.batch.sampling[rows, ib.TEMPERATURE].any(),
+            all_greedy=not gathered[:, ib.TEMPERATURE].any(),
         )
 
 
