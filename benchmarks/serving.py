@@ -25,7 +25,10 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.common import write_json
+from engine_svc.server.main import torch_threads
 from gateway.loadgen import RequestRecord, run_load, summarize
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
@@ -195,10 +198,17 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_start": os.getloadavg(),
         }
         num = {c: max(2 * c, 4) if args.quick else max(2 * c, 16) for c in levels}
+        # The offline engine gets the service engine's thread count, so that the ratio is the cost
+        # of the service and not of a different torch setting.
+        threads = torch_threads(None)
+        torch.set_num_threads(threads)
+        results["torch_threads"] = threads
         engine = LLMEngine(
             EngineConfig(model=str(model), load_format="dummy", num_kv_blocks=kv_blocks, max_num_seqs=64)
         )
-        with ServiceProcess(model, *engine_args(kv_blocks), "--tokenizer-workers", "1") as sp:
+        with ServiceProcess(
+            model, *engine_args(kv_blocks), "--tokenizer-workers", "1", "--torch-threads", str(threads)
+        ) as sp:
             results["transport"] = sp.transport
             # Offline and service run back to back per level, so that both see the same machine. The
             # service's client runs in a child process, as a real client would, so that its threads

@@ -59,6 +59,12 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
     ("--seed", int, "engine seed"),
     ("--scheduling-policy", str, "fcfs or priority"),
     (
+        "--torch-threads",
+        int,
+        "torch CPU threads (default: the CPUs this process may use, less one kept for the gateway, "
+        "tokenizer workers and this process's gRPC threads)",
+    ),
+    (
         "--watchdog-timeout",
         float,
         "seconds without a completed step while work is pending before the "
@@ -111,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tls-client-ca", help="require gateway client certificates signed by this CA (mTLS)")
     add_engine_options(p)
     return p
+
+
+def torch_threads(requested: int | None) -> int:
+    """Threads for torch's CPU kernels. One CPU is left to the processes beside the model: when
+    they wake for every streamed token, an intra-op pool that counts on every core keeps waiting
+    at its barrier for the thread they preempted (vLLM's CPU backend reserves one too)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--torch-threads must be at least 1, got {requested}")
+        return requested
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def engine_config_kwargs(args) -> dict:
@@ -179,8 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     if swept:
         log.info("removed %d stale shared-memory segment(s)", len(swept))
 
-    from engine_svc import EngineConfig, LLMEngine  # torch loads here, after the signals are set
+    try:
+        threads = torch_threads(args.torch_threads)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    import torch  # torch loads here, after the signals are set
 
+    from engine_svc import EngineConfig, LLMEngine
+
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(**engine_config_kwargs(args)))
     warm_up(engine)
@@ -212,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     health.set_serving(True)
     server.start()
     log.info(
-        "engine ready on %s (model %s, %d KV blocks, %.1fs, TLS %s, watchdog %s)",
+        "engine ready on %s (model %s, %d KV blocks, %.1fs, torch threads %d, TLS %s, watchdog %s)",
         address,
         info.model_name,
         info.num_kv_blocks,
         time.perf_counter() - t0,
+        torch.get_num_threads(),
         "off" if tls is None else ("mTLS" if tls.client_ca else "on"),
         f"{watchdog_s:g}s" if watchdog_s > 0 else "off",
     )
