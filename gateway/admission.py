@@ -52,7 +52,7 @@ class Admission:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self._leave()  # the slot was handed to us just as we were cancelled: pass it on
-            else:
+            elif fut in self._waiters:  # a _leave between the cancel and now has popped it already
                 self._waiters.remove(fut)
             raise
 

@@ -59,3 +59,29 @@ def test_a_cancelled_waiter_gives_up_its_place():
         assert adm.running == 0
 
     asyncio.run(scenario())
+
+
+def test_a_waiter_cancelled_just_before_a_slot_frees_leaves_the_books_straight():
+    # task.cancel() cancels the awaited future at once but the task runs its handler later; a slot
+    # freed in between pops that cancelled future from the queue before the handler looks for it.
+    async def scenario():
+        adm = Admission(max_concurrent=1, max_queue=4)
+        holder = adm.slot()
+        await holder.__aenter__()
+
+        async def waiter():
+            async with adm.slot():
+                pass
+
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        assert adm.waiting == 1
+        task.cancel()
+        await holder.__aexit__(None, None, None)  # pops the cancelled future: nobody to hand over to
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert adm.running == 0 and adm.waiting == 0
+        async with adm.slot():  # the slot is free for the next one
+            assert adm.running == 1
+
+    asyncio.run(scenario())
