@@ -156,3 +156,38 @@ def test_work_per_token_does_not_grow_with_the_sequence(trained):
     assert detok.text == trained.decode(ids)
     # A whole re-decode per step would be ~len(ids)**2 / 2 token decodes; a window is a constant.
     assert counting.decoded_ids < 12 * len(ids), (counting.decoded_ids, len(ids))
+
+
+def _cuts_inside_characters(tok, ids):
+    return [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+
+
+def test_many_pushes_in_a_row_that_end_mid_character(trained):
+    # Every push ends inside a character, many times over: no push may give up on the character in
+    # progress (an earlier version emitted U+FFFD after 8 such pushes in a row).
+    ids = trained.encode(TEXTS["chinese"] * 3, add_special_tokens=False)
+    cuts = _cuts_inside_characters(trained, ids)
+    assert len(cuts) >= 12, "the text must split inside characters often for this test to mean anything"
+    detok, pieces, rest = stream(trained, ids, cuts)
+    assert "".join(pieces) == trained.decode(ids) and rest == ""
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_work_stays_bounded_when_pushes_keep_ending_mid_character(trained):
+    ids = trained.encode(TEXTS["chinese"] * 40, add_special_tokens=False)
+    counting = CountingTokenizer(trained)
+    _, pieces, _ = stream(counting, ids, _cuts_inside_characters(trained, ids))
+    assert "".join(pieces) == trained.decode(ids)
+    assert counting.decoded_ids < 40 * len(ids), (counting.decoded_ids, len(ids))
+
+
+def test_a_long_run_of_invalid_bytes_then_text(trained):
+    def enc(text):
+        return trained.encode(text, add_special_tokens=False)
+
+    crab = enc("🦀")
+    assert len(crab) >= 2
+    ids = enc("x") + crab[1:] * 4 + enc("你好 y")  # continuation bytes with no start: never a character
+    detok, pieces, rest = stream(trained, ids, cuts=list(range(len(ids))))
+    assert "".join(pieces) + rest == trained.decode(ids)
+    assert detok.text.endswith("你好 y") and "\ufffd" in detok.text

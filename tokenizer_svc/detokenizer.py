@@ -22,9 +22,11 @@ _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded in front of the first output token, so that decoders that treat the start
 # of a text specially (SentencePiece's leading-space strip) see the output as a continuation.
 _CONTEXT_TOKENS = 6
-# A character is at most 4 bytes, so a tail that stays "incomplete" over this many pushes is really
-# invalid bytes; emit it as U+FFFD instead of letting the window (and each step's cost) grow.
-_MAX_INCOMPLETE_PUSHES = 8
+# A character is at most 4 bytes and a token carries at least one, so a character still in
+# progress starts within the last 3 tokens; an incomplete tail longer than this is invalid bytes,
+# emitted as U+FFFD rather than held back for ever (one token of slack for tokens that decode to
+# nothing, such as a skipped special token).
+_MAX_TAIL_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -51,7 +53,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # window_ids[:read_offset] is text already final
         self._prefix_text = self._decode(context)  # decode(window_ids[:read_offset])
         self._emitted_past_prefix = 0  # characters after prefix_text already returned
-        self._incomplete_pushes = 0  # pushes since the window last ended on a whole character
         self._pieces: list[str] = []
 
     @property
@@ -73,12 +74,20 @@ class IncrementalDetokenizer:
         self._output_ids.extend(token_ids)
         self._window_ids.extend(token_ids)
         window_text = self._decode(self._window_ids)
-        if window_text.endswith(_REPLACEMENT) and self._incomplete_pushes < _MAX_INCOMPLETE_PUSHES:
-            # The last character is incomplete: release what is settled before it, keep the window.
-            self._incomplete_pushes += 1
-            return self._emit(window_text.rstrip(_REPLACEMENT))
-        new_text = self._emit(window_text)
-        self._advance()
+        if not window_text.endswith(_REPLACEMENT):
+            new_text = self._emit(window_text)
+            self._advance()
+            return new_text
+        # The last character is incomplete: release what is settled before it and hold the tail.
+        new_text = self._emit(window_text.rstrip(_REPLACEMENT))
+        clean = self._last_clean_boundary()
+        if clean is None:
+            # No character is that long: what precedes the last tokens is invalid bytes, final as
+            # U+FFFD; a character in progress can only have started within those last tokens.
+            clean = len(self._window_ids) - (_MAX_TAIL_TOKENS - 1)
+            new_text += self._emit(self._decode(self._window_ids[:clean]))
+        if clean > self._read_offset:
+            self._advance_to(clean)
         return new_text
 
     def flush(self) -> str:
@@ -101,7 +110,28 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window_ids)
         self._prefix_text = self._decode(self._window_ids)
         self._emitted_past_prefix = 0
-        self._incomplete_pushes = 0
+
+    def _advance_to(self, clean: int) -> None:
+        """The window ends mid-character but ``window_ids[:clean]`` decodes to whole characters,
+        all returned already: those tokens become final and the tail stays pending. Without this,
+        pushes that keep ending mid-character would grow the window, and each step's cost, for ever."""
+        base = self._read_offset
+        self._window_ids = self._window_ids[base:]
+        self._read_offset = clean - base
+        self._prefix_text = self._decode(self._window_ids[: self._read_offset])
+        # What was returned ends where the settled text ends, in this window as in the last one, or
+        # at the end of the prefix when that ends in invalid bytes returned as U+FFFD.
+        settled = self._decode(self._window_ids).rstrip(_REPLACEMENT)
+        self._emitted_past_prefix = max(0, len(settled) - len(self._prefix_text))
+
+    def _last_clean_boundary(self) -> int | None:
+        """The largest k, no more than _MAX_TAIL_TOKENS from the end, where window_ids[:k] ends on a
+        whole character (read_offset always does: what precedes it is final); None if there is none."""
+        ids = self._window_ids
+        for k in range(len(ids) - 1, max(self._read_offset, len(ids) - _MAX_TAIL_TOKENS) - 1, -1):
+            if k == self._read_offset or not self._decode(ids[:k]).endswith(_REPLACEMENT):
+                return k
+        return None
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
