@@ -60,6 +60,10 @@ class TensorParallelGroup:
                     str(num_blocks),
                     "--config",
                     config_json,
+                    # Each rank runs the same kernels on its shard: the same thread count as this
+                    # one (which the engine process sets to leave a CPU to the gateway).
+                    "--torch-threads",
+                    str(torch.get_num_threads()),
                 ]
             )
             for rank in range(1, self.size)
