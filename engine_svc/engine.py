@@ -349,6 +349,18 @@ class LLMEngine:
         assert queued == set(map(id, live)), (
             "a live sequence is missing from the queues, or a dead one is in them"
         )
+        # The input batch mirrors the live sequences that hold blocks, once the pending table
+        # changes are applied (as the next step, even an idle one, would apply them).
+        batch = self.runner.batch
+        batch.sync(self.kv.take_changed_tables())
+        holding = {s.seq_id: s for s in live if s.block_table}
+        assert set(batch.row_of) == set(holding), "an input-batch row outlives its sequence, or is missing"
+        for seq_id, seq in holding.items():
+            row, n = batch.row_of[seq_id], len(seq.block_table)
+            assert batch.num_blocks[row] == n and batch.block_tables[row, :n].tolist() == seq.block_table, (
+                f"the input batch's block table of sequence {seq_id} differs from the sequence's"
+            )
+        assert len(batch.free_rows) + batch.num_rows == len(batch.num_blocks), "an input-batch row is lost"
 
     # --- sizing -------------------------------------------------------------------------------
     def _num_kv_blocks(self, shard: Shard) -> int:
