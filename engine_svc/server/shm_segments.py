@@ -44,6 +44,7 @@ def create_segment(size: int) -> SharedMemory:
     except OSError:
         seg.close()
         seg.unlink()
+        _created_here.discard(seg.name.lstrip("/"))
         raise
     _map_in(seg)
     return seg
