@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_json
-from engine_svc.server.main import torch_threads
+from engine_svc.server.cpus import torch_threads
 from gateway.loadgen import RequestRecord, run_load, summarize
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen

@@ -10,16 +10,37 @@ import sys
 
 import pytest
 
-from engine_svc.server.main import torch_threads
+from engine_svc.server.cpus import torch_threads, usable_cpus
 from gateway.service_process import ServiceProcess
 
 
-def test_default_leaves_one_cpu_and_never_goes_below_one(monkeypatch):
+def test_default_leaves_one_cpu_and_never_goes_below_one(monkeypatch, tmp_path):
+    no_limit = tmp_path / "no-cgroup"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert torch_threads(None) == 7
+    assert torch_threads(None, no_limit) == 7
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert torch_threads(None) == 1
-    assert torch_threads(3) == 3
+    assert torch_threads(None, no_limit) == 1
+    assert torch_threads(3, no_limit) == 3
+
+
+@pytest.mark.parametrize(
+    "files, cpus",
+    [
+        ({"cpu.max": "250000 100000\n"}, 3),  # cgroup v2, a limit of 2.5 CPUs
+        ({"cpu.max": "max 100000\n"}, 64),  # v2, unlimited
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 64),  # v1, unlimited
+        ({"cpu.max": "6400000 100000\n"}, 64),  # a limit above the cores: the cores
+    ],
+)
+def test_a_container_cpu_limit_counts_not_the_nodes_cores(monkeypatch, tmp_path, files, cpus):
+    # The affinity mask lists all 64 cores of the node; the pod's limit is what it may use.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert usable_cpus(tmp_path) == cpus
+    assert torch_threads(None, tmp_path) == cpus - 1
 
 
 def test_a_count_below_one_is_refused_with_the_flag_named(tmp_path):
@@ -36,7 +57,7 @@ def test_a_count_below_one_is_refused_with_the_flag_named(tmp_path):
 
 
 def test_the_launcher_passes_the_count_on_and_the_engine_reports_what_it_runs(tiny_llama):
-    expected = max(1, len(os.sched_getaffinity(0)) - 1)
+    expected = max(1, usable_cpus() - 1)
     with ServiceProcess(tiny_llama, "--tokenizer-workers", "0") as sp:
         found = re.findall(r"engine ready on .* torch threads (\d+)", sp.log_tail(10**6))
         assert found == [str(expected)], sp.log_tail()

@@ -25,6 +25,7 @@ from engine_svc.rpc.defaults import ENGINE_TCP_PORT
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.log_setup import setup_logging
 from engine_svc.rpc.tls import add_port, server_tls_from_args
+from engine_svc.server.cpus import torch_threads
 from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.health import EngineHealth
@@ -61,8 +62,8 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
     (
         "--torch-threads",
         int,
-        "torch CPU threads (default: the CPUs this process may use, less one kept for the gateway, "
-        "tokenizer workers and this process's gRPC threads)",
+        "torch CPU threads (default: the CPUs this process may use, within its container's CPU "
+        "limit, less one kept for the gateway, tokenizer workers and this process's gRPC threads)",
     ),
     (
         "--watchdog-timeout",
@@ -117,17 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tls-client-ca", help="require gateway client certificates signed by this CA (mTLS)")
     add_engine_options(p)
     return p
-
-
-def torch_threads(requested: int | None) -> int:
-    """Threads for torch's CPU kernels. One CPU is left to the processes beside the model: when
-    they wake for every streamed token, an intra-op pool that counts on every core keeps waiting
-    at its barrier for the thread they preempted (vLLM's CPU backend reserves one too)."""
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--torch-threads must be at least 1, got {requested}")
-        return requested
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def engine_config_kwargs(args) -> dict:
