@@ -188,7 +188,7 @@ def tls(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tcp_engines(tiny_llama, tls):
     """A plaintext TCP engine (what the k8s grpc probe sees) and an mTLS one, started side by side."""
-    plain_port, tls_port = free_port(), free_port()
+    plain_port, tls_port, health_port = free_port(), free_port(), free_port()
     plain = EngineProcess(tiny_llama, "--host", "127.0.0.1", "--port", str(plain_port))
     secure = EngineProcess(
         tiny_llama,
@@ -202,7 +202,10 @@ def tcp_engines(tiny_llama, tls):
         str(tls.server.key),
         "--tls-client-ca",
         str(tls.ca.cert_path),
+        "--health-port",
+        str(health_port),
     )
+    secure.health_address = f"127.0.0.1:{health_port}"
     try:
         yield (f"127.0.0.1:{plain_port}", plain), (f"127.0.0.1:{tls_port}", secure)
         for e in (plain, secure):
@@ -243,6 +246,17 @@ def test_mtls_engine_serves_health_over_tls_to_a_client_with_a_certificate(tcp_e
         with channel, pytest.raises(grpc.RpcError) as e:
             check(channel)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_mtls_engine_answers_plaintext_probes_on_its_health_port_and_nothing_else(tcp_engines):
+    # Kubernetes' grpc probe speaks plaintext only and has no client certificate.
+    _, (_, engine) = tcp_engines
+    with grpc.insecure_channel(engine.health_address) as ch:
+        wait_serving(ch, engine)
+        assert_engine_answers_health_and_refuses_unknown_names(ch)
+        with pytest.raises(grpc.RpcError) as e:  # the engine's own API is not on this port
+            engine_pb2_grpc.EngineStub(ch).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 # --- the pieces, without processes ----------------------------------------------------------------

@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tls-cert", help="server certificate (PEM)")
     t.add_argument("--tls-key", help="server private key (PEM)")
     t.add_argument("--tls-client-ca", help="require gateway client certificates signed by this CA (mTLS)")
+    t.add_argument(
+        "--health-port",
+        type=int,
+        help="also serve grpc.health.v1 alone, in plaintext, on this TCP port of the same host: for "
+        "probes that cannot do TLS (Kubernetes' grpc probe) when the engine port has it",
+    )
     add_engine_options(p)
     return p
 
@@ -222,10 +228,22 @@ def main(argv: list[str] | None = None) -> int:
     if add_port(server, address, tls) == 0 and not address.startswith("unix:"):
         log.error("cannot listen on %s", address)
         return 1
+    health_server = None
+    if args.health_port is not None:
+        # Status only, no engine.v1: nothing on it needs the link's credentials.
+        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"))
+        health.add_to(health_server)
+        health_address = f"{args.host or '127.0.0.1'}:{args.health_port}"
+        if health_server.add_insecure_port(health_address) == 0:
+            log.error("cannot listen on %s for health", health_address)
+            return 1
     loop.start()
     loop.call(lambda: None)  # the loop runs: it took a command between two (idle) steps
     health.set_serving(True)
     server.start()
+    if health_server is not None:
+        health_server.start()
+        log.info("health (plaintext, grpc.health.v1 only) on %s", health_address)
     log.info(
         "engine ready on %s (model %s, %d KV blocks, %.1fs, torch threads %d, TLS %s, watchdog %s)",
         address,
@@ -245,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     health.shutting_down()  # probes and watchers see NOT_SERVING while the loop and server stop
     loop.stop()
     server.stop(grace=1.0).wait(2.0)
+    if health_server is not None:
+        health_server.stop(grace=0.5).wait(1.0)
     if address.startswith("unix://"):
         Path(address[len("unix://") :]).unlink(missing_ok=True)
     return 1 if crashed else 0
