@@ -50,6 +50,11 @@ QUICK_SHAPE = dict(
 MODEL_SEED = 0
 
 
+def vocab_size(quick: bool) -> int:
+    """The vocabulary of ``model_dir(quick)``'s model, for drawing random prompts."""
+    return (QUICK_SHAPE if quick else FULL_SHAPE)["vocab_size"]
+
+
 def model_dir(quick: bool) -> Path:
     """A real safetensors checkpoint of the benchmark shape, built once from a fixed seed and cached,
     so that the engine and HF transformers load the very same weights."""

@@ -30,7 +30,7 @@ def main() -> dict:
     t_start = time.perf_counter()
     w = QUICK if args.quick else FULL
     model = common.model_dir(args.quick)
-    vocab = common.QUICK_SHAPE["vocab_size"] if args.quick else common.FULL_SHAPE["vocab_size"]
+    vocab = common.vocab_size(args.quick)
     reqs = common.random_requests(w["num_requests"], w["prompt_range"], w["output_range"], vocab, seed=1234)
     expected_tokens = sum(r.max_tokens for r in reqs)
 

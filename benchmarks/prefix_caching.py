@@ -88,7 +88,7 @@ def main() -> dict:
     t_start = time.perf_counter()
     w = QUICK if args.quick else FULL
     model = common.model_dir(args.quick)
-    vocab = (common.QUICK_SHAPE if args.quick else common.FULL_SHAPE)["vocab_size"]
+    vocab = common.vocab_size(args.quick)
     block_size = 16
     reqs, best_per_request = shared_prefix_requests(w, vocab, block_size)
 

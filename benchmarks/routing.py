@@ -161,7 +161,7 @@ def run(model, w: dict, reqs: list[common.Req], rounds: list[int], policy: str) 
 
 def sweep(w: dict, kv_blocks: tuple[int, ...]) -> dict:
     model = common.model_dir(True)
-    reqs, rounds = workload(w, common.QUICK_SHAPE["vocab_size"])
+    reqs, rounds = workload(w, common.vocab_size(True))
     system_tokens = w["system_blocks"] * w["block_size"]
     out: dict = {
         "kv_blocks": list(kv_blocks),
@@ -184,7 +184,7 @@ def main() -> dict:
     t_start = time.perf_counter()
     w = QUICK if args.quick else FULL
     model = common.model_dir(args.quick)
-    vocab = (common.QUICK_SHAPE if args.quick else common.FULL_SHAPE)["vocab_size"]
+    vocab = common.vocab_size(args.quick)
     reqs, rounds = workload(w, vocab)
     system_tokens = w["system_blocks"] * w["block_size"]
     best_rate = best_possible(reqs, w["num_prompts"], system_tokens)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import grpc
 
 from engine_svc.server.shm_segments import creator_pid, list_segments
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from tests.fault_helpers import wait_for
 
 
 def free_port() -> int:
@@ -95,16 +95,6 @@ def replicas(model_dir: Path, count: int, *engine_args: str):
             r.close()
 
 
-def wait_for(predicate, within_s: float, what: str, every_s: float = 0.05):
-    deadline = time.monotonic() + within_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {within_s}s"
-        time.sleep(every_s)
-
-
 def assert_pool_whole(replica: EngineReplica, within_s: float = 5.0) -> None:
     """The engine's invariant check passes, no block is held and no request is left."""
 
@@ -114,15 +104,6 @@ def assert_pool_whole(replica: EngineReplica, within_s: float = 5.0) -> None:
         return st.load.kv_blocks_used == 0 and st.num_live_requests == 0 and st.load.num_running == 0
 
     wait_for(whole, within_s, f"the pool of {replica.address} whole")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
 
 
 def segments_of(pids: set[int]) -> list[str]:

@@ -19,7 +19,8 @@ from engine_svc.server.main import build_parser as engine_parser
 from gateway.cli import build_parser as gateway_parser
 from gateway.client import LLMServeClient
 from gateway.replica_options import read_engines_file
-from tests.replica_helpers import free_port, wait_for
+from tests.fault_helpers import wait_for
+from tests.replica_helpers import free_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 ENGINE_PORT = engine_parser().get_default("port")
