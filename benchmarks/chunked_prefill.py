@@ -9,8 +9,6 @@ waits; with chunking on it is cut into chunks that share steps with the streams'
 
 from __future__ import annotations
 
-import time
-
 from benchmarks import common
 
 FULL = dict(
@@ -88,10 +86,7 @@ def _pairs(times: list[float]):
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     on = run_mode(model, w, chunked=True)
     off = run_mode(model, w, chunked=False)
     for name, m in (("chunking on", on), ("chunking off", off)):

@@ -317,6 +317,13 @@ def parse_args(description: str) -> argparse.Namespace:
     return args
 
 
+def begin(description: str, full: dict, quick: dict) -> tuple[argparse.Namespace, float, dict, Path]:
+    """What every benchmark's main starts with: its arguments, its start time, its workload (quick
+    or full) and the model checkpoint of that size."""
+    args = parse_args(description)
+    return args, time.perf_counter(), quick if args.quick else full, model_dir(args.quick)
+
+
 def write_result(name: str, result: dict, results_dir: Path = RESULTS_DIR) -> Path:
     return write_json(results_dir / f"{name}.json", result)
 

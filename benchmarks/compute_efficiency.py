@@ -158,10 +158,7 @@ def measure_prefill(engine, timed: TimedModel, w: dict) -> dict:
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     engine = common.make_engine(
         model,
         enable_prefix_caching=False,

@@ -4,8 +4,6 @@ vLLM's CPU build when a separate venv has it (target: ahead)."""
 
 from __future__ import annotations
 
-import time
-
 from benchmarks import common
 from benchmarks.hf_static import load_hf_model, run_static_batches
 from benchmarks.vllm_peer import find_vllm_python, run_vllm
@@ -26,10 +24,7 @@ def run_engine_static(engine, reqs: list[common.Req], batch_size: int) -> dict:
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     vocab = common.vocab_size(args.quick)
     reqs = common.random_requests(w["num_requests"], w["prompt_range"], w["output_range"], vocab, seed=1234)
     expected_tokens = sum(r.max_tokens for r in reqs)

@@ -12,7 +12,6 @@ stop string, so no allocator can know the true length in advance.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from benchmarks import common
@@ -66,10 +65,7 @@ def simulate_contiguous(reqs: list[common.Req], budget_tokens: int, reserve) -> 
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     engine = common.make_engine(
         model,
         num_kv_blocks=w["num_kv_blocks"],

@@ -11,7 +11,6 @@ request admitted in the same step as the first cannot hit: that is counted again
 from __future__ import annotations
 
 import random
-import time
 
 from benchmarks import common
 
@@ -84,10 +83,7 @@ def run(model, reqs: list[common.Req], caching: bool, budget: int, series: bool 
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     vocab = common.vocab_size(args.quick)
     block_size = 16
     reqs, best_per_request = shared_prefix_requests(w, vocab, block_size)

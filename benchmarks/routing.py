@@ -180,10 +180,7 @@ def sweep(w: dict, kv_blocks: tuple[int, ...]) -> dict:
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     vocab = common.vocab_size(args.quick)
     reqs, rounds = workload(w, vocab)
     system_tokens = w["system_blocks"] * w["block_size"]

@@ -82,10 +82,7 @@ def profile(engine, steps: int, top: int = 18) -> str:
 
 
 def main() -> dict:
-    args = common.parse_args(__doc__)
-    t_start = time.perf_counter()
-    w = QUICK if args.quick else FULL
-    model = common.model_dir(args.quick)
+    args, t_start, w, model = common.begin(__doc__, FULL, QUICK)
     per_batch: dict[str, dict] = {}
     profile_text = ""
     for n in w["batch_sizes"]:
