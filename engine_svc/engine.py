@@ -13,14 +13,14 @@ import torch
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
-from engine_svc.model_runner import ModelForward, ModelRunner, StepResult
+from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.scheduler import Scheduler, SchedulerOutput
+from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
 from kernels.backend import select_kernels
 
@@ -162,31 +162,43 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params.eos_token_ids = tuple(self.spec.eos_token_ids)
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
-        if params.seed is not None:
-            request.generators = [
-                torch.Generator(self.device).manual_seed(params.seed + i) for i in range(params.n)
-            ]
         seq = Sequence(request, 0, list(prompt))
         request.sequences.append(seq)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
-        """Drop a request (or one of its n sequences) now, returning its blocks. Emits no delta."""
+        """Drop a request (or, with ``index``, one of its n outputs) now, returning its blocks as soon
+        as nothing else needs them. Emits no delta. False when nothing live matched."""
         request = self.requests.get(request_id)
         if request is None:
             return False
-        for seq in request.sequences:
-            if index is None or seq.index == index:
-                if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
-                    self.scheduler.remove(seq)
-        if index is not None and not request.forked:
-            request.aborted_indexes.add(index)
-        if index is None or self._all_finished(request):
+        indexes = set(range(request.params.n)) if index is None else {index}
+        indexes -= request.ended
+        if not indexes:
+            return False
+        self.scheduler.abort(request, indexes)
+        if request.finished:
             del self.requests[request_id]
+        return True
+
+    def request_finished(self, request_id: str) -> bool:
+        """True once every output of the request has ended (or it was never here)."""
+        return request_id not in self.requests
+
+    def pause_request(self, request_id: str) -> bool:
+        """Stop stepping a request (its reader is not keeping up); it keeps its place and its blocks,
+        which it gives up first when the pool runs dry. False if no such live request."""
+        return self._set_paused(request_id, True)
+
+    def resume_request(self, request_id: str) -> bool:
+        return self._set_paused(request_id, False)
+
+    def _set_paused(self, request_id: str, paused: bool) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.paused = paused
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -194,135 +206,18 @@ class LLMEngine:
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """schedule -> forward and sample -> the scheduler applies the result; nothing else."""
         out = self.scheduler.schedule()
         if not out.seqs:
             self.runner.batch.sync(self.kv.take_changed_tables())  # release the rows of what was aborted
             return []
         result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
         self.num_steps += 1
-        if result.only_decodes:
-            deltas = self._finish_decodes(result)
-        else:
-            deltas = self._finish_mixed(out, result)
-        for rid in {d.request_id for d in deltas if d.finish_reason is not None}:
-            if self._all_finished(self.requests[rid]):
-                del self.requests[rid]
+        deltas = self.scheduler.update_from_output(out, result)
+        for delta in deltas:
+            if delta.request_finished:
+                del self.requests[delta.request_id]
         return deltas
-
-    def _finish_decodes(self, result: StepResult) -> list[RequestDelta]:
-        """The steady state: each sequence computed one token and sampled one. One flat loop over
-        locals, the same rules as ``_emit`` (inline: a call per sequence is a measurable share of
-        the step). No prompt logprobs here: a request's first sample is never in a decode-only step
-        (see ``SchedulerOutput.only_decodes``), so they went out with its first delta."""
-        bs = self.kv.block_size
-        caching = self.kv.enable_prefix_caching
-        register = self.kv.register_computed_blocks
-        deltas: list[RequestDelta] = []
-        emit = deltas.append
-        finished: list[Sequence] = []
-        for seq, token, lp in zip(result.sampled, result.token_ids, result.logprobs, strict=True):
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
-            if caching and computed // bs > seq.num_registered_blocks:
-                register(seq)
-            seq.token_ids.append(token)
-            request = seq.request
-            num_tokens = computed + 1
-            if token in request.stop_ids and num_tokens >= request.min_stop_len:
-                seq.finish_reason, seq.stop_token_id = "stop", token
-                finished.append(seq)
-            elif num_tokens >= request.length_limit:
-                seq.finish_reason = "length"
-                finished.append(seq)
-            emit(
-                RequestDelta(
-                    request.request_id,
-                    seq.index,
-                    [token],
-                    None if lp is None else [lp],
-                    seq.finish_reason,
-                    seq.stop_token_id,
-                    request.num_prompt_tokens,
-                    seq.num_cached_tokens,
-                )
-            )
-        for seq in finished:
-            self.scheduler.remove(seq)
-        return deltas
-
-    def _finish_mixed(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
-        for seq, n in zip(out.seqs, out.num_new, strict=True):
-            seq.num_computed_tokens += n
-            self.kv.register_computed_blocks(seq)
-        for seq, start, lps in result.prompt_logprobs:
-            plp = seq.request.prompt_logprobs
-            if len(plp) == start + 1:  # a recompute after preemption must not add them twice
-                plp.extend(lps)
-        deltas: list[RequestDelta] = []
-        fans = result.fans or [1] * len(result.sampled)
-        r = 0
-        for seq, k in zip(result.sampled, fans, strict=True):
-            tokens, lps = result.token_ids[r : r + k], result.logprobs[r : r + k]
-            r += k
-            for s, token, lp in self._apply_sample(seq, tokens, lps):
-                deltas.append(self._emit(s, token, lp))
-        return deltas
-
-    def _apply_sample(self, seq: Sequence, token_ids: list[int], logprobs: list):
-        request = seq.request
-        if len(token_ids) == 1:
-            seq.token_ids.append(token_ids[0])
-            return [(seq, token_ids[0], logprobs[0])]
-        # n > 1: the prompt is done; fork n sequences that share its blocks by reference.
-        request.forked = True
-        pairs = [(seq, token_ids[0], logprobs[0])]
-        seq.token_ids.append(token_ids[0])
-        at = self.scheduler.running.index(seq) + 1
-        for i in range(1, request.params.n):
-            if i in request.aborted_indexes:
-                continue
-            child = Sequence(request, i, seq.token_ids[:-1] + [token_ids[i]])
-            child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
-            self.kv.fork(seq, child)
-            child.status = seq.status
-            request.sequences.append(child)
-            self.scheduler.running.insert(at, child)
-            at += 1
-            pairs.append((child, token_ids[i], logprobs[i]))
-        if 0 in request.aborted_indexes:
-            seq.finish_reason = "abort"
-            self.scheduler.remove(seq)
-            pairs.pop(0)
-        return pairs
-
-    def _emit(self, seq: Sequence, token: int, lp) -> RequestDelta:
-        request = seq.request
-        num_tokens = len(seq.token_ids)
-        if token in request.stop_ids and num_tokens >= request.min_stop_len:
-            seq.finish_reason, seq.stop_token_id = "stop", token
-        elif num_tokens >= request.length_limit:
-            seq.finish_reason = "length"
-        delta = RequestDelta(
-            request.request_id,
-            seq.index,
-            [token],
-            [lp] if lp is not None else None,
-            seq.finish_reason,
-            seq.stop_token_id,
-            request.num_prompt_tokens,
-            seq.num_cached_tokens,
-        )
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            delta.prompt_logprobs = request.prompt_logprobs
-            request.prompt_logprobs_sent = True
-        if seq.finish_reason is not None:
-            self.scheduler.remove(seq)
-        return delta
-
-    @staticmethod
-    def _all_finished(request: Request) -> bool:
-        live = [s for s in request.sequences if s.finish_reason is None]
-        pending_fork = not request.forked and request.params.n > 1 and live
-        return not live and not pending_fork
 
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -340,6 +235,8 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa."""
         holders: dict[int, int] = {}
+        for rid, request in self.requests.items():
+            assert not request.finished, f"request {rid} has ended but is still held"
         live = [s for r in self.requests.values() for s in r.sequences if s.finish_reason is None]
         for seq in live:
             for block_id in seq.block_table:

@@ -1,38 +1,25 @@
 """Turns a scheduler decision into one forward pass: flattened input ids, positions, slot mapping
-and block tables; runs the model; samples for every sequence that reached its end.
+and block tables; runs the model; samples, and computes the prompt logprobs asked for, in the rows
+of the step's ``LogitsLayout``.
 
 Block tables and sampling parameters come from the persistent ``InputBatch`` (gathered by row);
 only what changes every step (token ids, positions) is read from the sequences. A step where every
-sequence decodes one token takes a short path with no per-sequence branching."""
+sequence decodes one token builds its inputs on a short path with no per-sequence branching."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
+from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.models.decoder import DecoderForCausalLM
-from engine_svc.outputs import TokenLogprob
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler import SchedulerOutput
 from engine_svc.sequence import Sequence
 from engine_svc.step_inputs import StepInputs, to_device
 from kernels.backend import Kernels
-
-
-@dataclass
-class StepResult:
-    sampled: list[Sequence]  # sequences that reached their end this step, in sampling order
-    fans: list[int] | None  # per sampled sequence: n when an n > 1 prompt completes, else 1 (None: all 1)
-    token_ids: list[int]  # one per sample row: sequence by sequence, ``fans[i]`` rows each
-    logprobs: list[TokenLogprob | None]
-    prompt_logprobs: list[
-        tuple[Sequence, int, list[TokenLogprob]]
-    ]  # (seq, chunk start, logprobs of next tokens)
-    only_decodes: bool  # every scheduled sequence computed one token and is sampled once, in order
 
 
 class ModelForward:
@@ -85,14 +72,35 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, copies: list[tuple[int, int]], changed_tables: dict[Sequence, int]
     ) -> StepResult:
+        """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
+        ``out.layout``, which is the only place that says what each logits row is for."""
         self.batch.sync(changed_tables)
         copy_array = np.array(copies, dtype=np.int64).reshape(len(copies), 2)
-        if out.only_decodes:
-            return self._execute_decodes(out.seqs, copy_array)
-        return self._execute_mixed(out, copy_array)
+        inputs = self.build_inputs(out, copy_array)
+        logits = self._forward(inputs)
+        layout = out.layout
+        tokens, logprobs = [], []
+        if layout.sampled:
+            head = logits if layout.num_sample_rows == len(logits) else logits[: layout.num_sample_rows]
+            tokens, logprobs = self.sampler(head, self._sampling_batch(layout, logits.device))
+        plps = [
+            prompt_logprobs(
+                logits[c.row : c.row + c.count],
+                c.seq.token_ids[c.first + 1 : c.first + 1 + c.count],
+                c.seq.params.prompt_logprobs,
+            )
+            for c in layout.prompt_chunks
+        ]
+        return StepResult(tokens, logprobs, plps)
 
-    def _execute_decodes(self, seqs: list[Sequence], copies: np.ndarray) -> StepResult:
-        """Every sequence computes its last token and samples its next one: no ragged lists."""
+    def build_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
+        if out.only_decodes:
+            return self.decode_inputs(out.seqs, copies)
+        return self.general_inputs(out, copies)
+
+    def decode_inputs(self, seqs: list[Sequence], copies: np.ndarray) -> StepInputs:
+        """The short path, for a step where every sequence computes its last token and samples its
+        next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
         bs, count = self.block_size, len(seqs)
         rows = np.array(self.batch.rows(seqs), dtype=np.int64)
         positions = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
@@ -100,7 +108,7 @@ class ModelRunner:
         tables = self.batch.gather_tables(rows)
         slots = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
-        inputs = StepInputs(
+        return StepInputs(
             input_ids,
             positions,
             slots,
@@ -112,88 +120,54 @@ class ModelRunner:
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
         )
-        logits = self._forward(inputs)
-        tokens, logprobs = self.sampler(logits, self._sampling_batch(rows, seqs, None, logits.device))
-        return StepResult(seqs, None, tokens, logprobs, [], only_decodes=True)
 
-    def _execute_mixed(self, out: SchedulerOutput, copies: np.ndarray) -> StepResult:
+    def general_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        query_start, seq_lens, logit_rows = [0], [], []
-        sampled: list[Sequence] = []
-        fans: list[int] = []  # per sampled sequence: how many samples (n when a fork is due)
-        plp_rows: list[tuple[Sequence, int, int]] = []  # (seq, chunk start, count) for prompt logprobs
-        start = 0
+        query_start, seq_lens = [0], []
         for seq, n in zip(out.seqs, out.num_new, strict=True):
-            c, tokens, request = seq.num_computed_tokens, seq.token_ids, seq.request
+            c = seq.num_computed_tokens
             end = c + n
-            ids.extend(tokens[c:end])
+            ids.extend(seq.token_ids[c:end])
             positions.extend(range(c, end))
-            query_start.append(start + n)
+            query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            params = request.params
-            if end == len(tokens):
-                fan = 1 if request.forked or params.n == 1 else params.n
-                logit_rows.extend([start + n - 1] * fan)
-                sampled.append(seq)
-                fans.append(fan)
-            if params.prompt_logprobs is not None and seq.index == 0 and c < request.num_prompt_tokens - 1:
-                count = min(end, request.num_prompt_tokens - 1) - c
-                plp_rows.append((seq, c, count))
-                logit_rows.extend(range(start, start + count))
-            start += n
         rows = np.array(self.batch.rows(out.seqs), dtype=np.int64)
         num_new = np.array(out.num_new, dtype=np.int64)
         pos = np.array(positions, dtype=np.int64)
         tables = self.batch.gather_tables(rows)
         token_rows = np.repeat(np.arange(len(rows)), num_new)
         slots = tables[token_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        inputs = StepInputs(
+        return StepInputs(
             np.array(ids, dtype=np.int64),
             pos,
             slots,
             tables,
             np.array(seq_lens, dtype=np.int32),
             np.array(query_start, dtype=np.int32),
-            np.array(logit_rows, dtype=np.int64),
+            out.layout.token_rows,
             copies,
             max_query_len=int(num_new.max()),
             max_seq_len=max(seq_lens),
         )
-        logits = self._forward(inputs)
-        num_sampled = sum(fans)
-        tokens, logprobs = [], []
-        if sampled:
-            sample_rows = np.array(self.batch.rows(sampled), dtype=np.int64)
-            if num_sampled > len(sampled):
-                sample_rows = np.repeat(sample_rows, fans)
-            batch = self._sampling_batch(sample_rows, sampled, fans, logits.device)
-            tokens, logprobs = self.sampler(logits[:num_sampled], batch)
-        plps, at = [], num_sampled
-        for seq, c, count in plp_rows:
-            next_ids = seq.token_ids[c + 1 : c + 1 + count]
-            plps.append(
-                (seq, c, prompt_logprobs(logits[at : at + count], next_ids, seq.params.prompt_logprobs))
-            )
-            at += count
-        return StepResult(sampled, fans, tokens, logprobs, plps, only_decodes=False)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.tp_broadcast is not None:
             self.tp_broadcast(inputs)
         return self.forward(inputs)
 
-    def _sampling_batch(
-        self, rows: np.ndarray, seqs: list[Sequence], fans: list[int] | None, device
-    ) -> SamplingBatch:
+    def _sampling_batch(self, layout: LogitsLayout, device) -> SamplingBatch:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for
         the features some row uses (seeds, logprobs, penalties, min_tokens)."""
+        rows = np.array(self.batch.rows(layout.sampled), dtype=np.int64)
+        if len(rows) < layout.num_sample_rows:
+            rows = np.repeat(rows, layout.fans)
         count = len(rows)
         gathered = self.batch.sampling[rows]
         cols = torch.from_numpy(gathered).to(device)
         used = self.batch.flags[rows].any(axis=0)
-        row_seqs = _row_sequences(seqs, fans) if used.any() else []
+        row_seqs = _row_sequences(layout) if used.any() else []
         generators = [None] * count
         if used[ib.SEEDED]:
             generators = [s.request.generators[j] if s.request.generators else None for s, j in row_seqs]
@@ -224,12 +198,16 @@ class ModelRunner:
         )
 
 
-def _row_sequences(seqs: list[Sequence], fans: list[int] | None) -> list[tuple[Sequence, int]]:
+def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int]]:
     """(sequence, generator index) per sample row: a completing n > 1 prompt samples its n first
     tokens, one from each of its sequences' generators."""
-    if fans is None or len(fans) == sum(fans):
-        return [(s, s.index) for s in seqs]
-    return [(s, s.index if k == 1 else j) for s, k in zip(seqs, fans, strict=True) for j in range(k)]
+    if len(layout.sampled) == layout.num_sample_rows:
+        return [(s, s.index) for s in layout.sampled]
+    return [
+        (s, s.index if k == 1 else j)
+        for s, k in zip(layout.sampled, layout.fans, strict=True)
+        for j in range(k)
+    ]
 
 
 def _banned_now(seq: Sequence) -> list[int]:

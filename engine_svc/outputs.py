@@ -20,8 +20,8 @@ class TokenLogprob:
 class RequestDelta:
     """What one engine step produced for one sequence of one request.
 
-    ``index`` is the sequence (0..n-1). ``finish_reason`` is None while it runs, else "stop"
-    (EOS or a stop token: ``stop_token_id`` says which), "length" or "abort".
+    ``index`` is the sequence (0..n-1). ``finish_reason`` is None while it runs, else a
+    ``FinishReason`` ("stop": EOS or a stop token, ``stop_token_id`` says which; "length"; "abort").
     """
 
     request_id: str
@@ -33,6 +33,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first delta only
+    request_finished: bool = False  # the request's last delta: every one of its n outputs has ended
 
     @property
     def finished(self) -> bool:

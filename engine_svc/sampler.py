@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_svc.outputs import TokenLogprob
@@ -22,7 +23,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor  # [R] float
     presence_penalty: torch.Tensor  # [R] float
     frequency_penalty: torch.Tensor  # [R] float
-    generators: list[torch.Generator | None]  # per row; None draws from the global generator
+    generators: list[np.random.Generator | None]  # per row; None draws from torch's global generator
     output_ids: list[list[int]]  # per row, for penalties
     prompt_ids: list[list[int]]  # per row, for the repetition penalty
     banned_ids: list[list[int]]  # per row: ids that may not be sampled now (EOS before min_tokens)
@@ -99,7 +100,8 @@ class Sampler:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
         for r, g in enumerate(b.generators):
             if g is not None:
-                noise[r] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+                draw = g.standard_exponential(probs.shape[1], dtype=np.float32)
+                noise[r] = torch.from_numpy(draw).to(probs.device)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

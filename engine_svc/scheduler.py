@@ -1,10 +1,16 @@
-"""Once per step: decide how many tokens each sequence computes, under a global token budget.
+"""The scheduler decides what each step computes, and applies what it produced.
 
-Running sequences are served first (so streams that already decode are never starved by a long
-prompt), then waiting ones are admitted. A prompt longer than the remaining budget is cut into
-chunks (chunked prefill). When the pool runs dry, the most recently admitted running sequence (or
-the lowest-priority one) is preempted: its blocks are released and it goes back to the front of the
-waiting queue, to be recomputed later (cheaply, from the prefix cache).
+``schedule()``: how many tokens each sequence computes, under a global token budget. Running
+sequences are served first (so streams that already decode are never starved by a long prompt),
+then waiting ones are admitted. A prompt longer than the remaining budget is cut into chunks
+(chunked prefill). When the pool runs dry, a paused sequence, else the most recently admitted
+running one (or the lowest-priority one), is preempted: its blocks are released and it goes back to
+the front of the waiting queue, to be recomputed later (cheaply, from the prefix cache).
+
+``update_from_output()``: everything that follows a forward pass — advance the counters, publish
+full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``
+requests, apply the one stop rule, free what finished — and the deltas to send. Nothing else touches
+the queues, so the scheduler can be driven by fake step results in tests, with no model at all.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager
-from engine_svc.sequence import SeqStatus, Sequence
+from engine_svc.logits_layout import LogitsLayout, StepResult
+from engine_svc.outputs import RequestDelta
+from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 
 
 @dataclass
@@ -23,16 +31,9 @@ class SchedulerOutput:
     num_new: list[int] = field(default_factory=list)  # tokens each computes this step
     preempted: list[Sequence] = field(default_factory=list)
     # Every scheduled sequence computes only its last token and has sampled before (so no prompt
-    # chunk, no fork due): the model runner and the engine take their short path.
+    # chunk, no fork due): the model runner builds its inputs on a short path.
     only_decodes: bool = True
-
-    @property
-    def scheduled(self) -> list[tuple[Sequence, int]]:
-        return list(zip(self.seqs, self.num_new, strict=True))
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
+    layout: LogitsLayout | None = None  # set once the schedule is final
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -79,6 +80,24 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
 
+    def abort(self, request: Request, indexes) -> None:
+        """End outputs ``indexes`` of ``request`` (no delta). Before an ``n > 1`` request forks, its
+        sequence 0 carries the prompt for every index: it keeps running while any index is owed."""
+        request.ended.update(indexes)
+        if request.forked:
+            for seq in request.sequences:
+                if seq.index in indexes:
+                    self._finish(seq, FinishReason.ABORT)
+        elif request.finished:
+            self._finish(request.sequences[0], FinishReason.ABORT)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+            seq.request.ended.add(seq.index)
+            self.remove(seq)
+
+    # --- planning a step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -88,6 +107,9 @@ class Scheduler:
         add_seq, add_num = out.seqs.append, out.num_new.append
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.request.paused:
+                i += 1
+                continue
             num_tokens = len(seq.token_ids)
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
@@ -95,7 +117,7 @@ class Scheduler:
                 out.only_decodes = False
             while not allocate(seq, num_new):
                 victim = self._pick_victim()
-                if self.running.index(victim) < i:  # (priority policy) already served this step
+                if self.running.index(victim) < i:  # already passed this step
                     budget += out.unschedule(victim)
                     i -= 1
                 self._preempt(victim, out)
@@ -106,10 +128,20 @@ class Scheduler:
                 add_num(num_new)
                 budget -= num_new
                 i += 1
-        if out.preempted:
-            return out  # the pool is under pressure: admit nobody new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        if not out.preempted:  # under pressure, admit nobody new this step
+            budget = self._admit(out, budget)
+        out.layout = (
+            LogitsLayout.decodes(out.seqs) if out.only_decodes else LogitsLayout.build(out.seqs, out.num_new)
+        )
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        waiting, j = self.waiting, 0
+        while j < len(waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = waiting[j]
+            if seq.request.paused:
+                j += 1
+                continue
             cached = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -121,8 +153,9 @@ class Scheduler:
                     break
                 budget += out.unschedule(victim)
                 self._preempt(victim, out)
-                continue  # the pool changed: look up the prefix again
-            self.waiting.popleft()
+                j = 0
+                continue  # the pool and the queue changed: look again
+            del waiting[j]
             self.kv.note_admission(seq, len(cached))
             if not seq.admitted_before:
                 seq.num_cached_tokens = len(cached) * self.kv.block_size
@@ -132,7 +165,7 @@ class Scheduler:
             out.add(seq, num_new)
             out.only_decodes = False
             budget -= num_new
-        return out
+        return budget
 
     def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
         """Priority policy: the running sequence that a waiting ``seq`` may evict, if any."""
@@ -142,6 +175,10 @@ class Scheduler:
         return victim if _priority_key(victim) > _priority_key(seq) else None
 
     def _pick_victim(self) -> Sequence:
+        # A paused sequence needs its blocks least: it gives them up first.
+        paused = [s for s in self.running if s.request.paused]
+        if paused:
+            return paused[-1]
         if self.priority:
             return max(self.running, key=_priority_key)
         return self.running[-1]
@@ -156,6 +193,100 @@ class Scheduler:
             self._insert_by_priority(seq)
         else:
             self.waiting.appendleft(seq)
+
+    # --- applying a step ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        kv, bs = self.kv, self.kv.block_size
+        caching = kv.enable_prefix_caching
+        for seq, n in zip(out.seqs, out.num_new, strict=True):
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if caching and computed // bs > seq.num_registered_blocks:
+                kv.register_computed_blocks(seq)
+        layout = out.layout
+        for chunk, entries in zip(layout.prompt_chunks, result.prompt_logprobs, strict=True):
+            chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
+        tokens, logprobs = result.token_ids, result.logprobs
+        if len(layout.sampled) < layout.num_sample_rows:  # some n > 1 prompt completed: fork it
+            tokens, logprobs, sampled = self._fork(layout, tokens, logprobs)
+        else:
+            sampled = layout.sampled
+        deltas: list[RequestDelta] = []
+        emit = deltas.append
+        finished: list[Sequence] = []
+        # The one stop rule, once per sampled sequence per step (a loop on locals: it is per token).
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            request = seq.request
+            num_tokens = len(seq.token_ids)
+            if token in request.stop_ids and num_tokens >= request.min_stop_len:
+                seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
+                finished.append(seq)
+            elif num_tokens >= request.length_limit:
+                seq.finish_reason = FinishReason.LENGTH
+                finished.append(seq)
+            delta = RequestDelta(
+                request.request_id,
+                seq.index,
+                [token],
+                None if lp is None else [lp],
+                seq.finish_reason,
+                seq.stop_token_id,
+                request.num_prompt_tokens,
+                seq.num_cached_tokens,
+            )
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                delta.prompt_logprobs = request.prompt_logprobs
+                request.prompt_logprobs_sent = True
+            emit(delta)
+        for seq in finished:
+            seq.request.ended.add(seq.index)
+            self.remove(seq)
+        if finished:  # the last delta of a request that has nothing more to send says so
+            done = {seq.request for seq in finished if seq.request.finished}
+            for delta, seq in zip(reversed(deltas), reversed(sampled), strict=True):
+                if seq.request in done:
+                    delta.request_finished = True
+                    done.discard(seq.request)
+        return deltas
+
+    def _fork(self, layout: LogitsLayout, tokens: list[int], logprobs: list):
+        """Sample rows -> (tokens, logprobs, sequences), one per sequence that gets a token: an
+        ``n > 1`` prompt that completed forks its other sequences, each taking its own first token
+        and sharing every block of sequence 0 by reference (copy-on-write on the first write).
+        Indexes aborted before the fork are never created; sequence 0, if aborted, stops here."""
+        out_tokens, out_lps, out_seqs = [], [], []
+        r = 0
+        for seq, fan in zip(layout.sampled, layout.fans, strict=True):
+            if fan == 1:
+                out_tokens.append(tokens[r])
+                out_lps.append(logprobs[r])
+                out_seqs.append(seq)
+                r += 1
+                continue
+            request = seq.request
+            request.forked = True
+            at = self.running.index(seq) + 1
+            for i in range(fan):
+                if i in request.ended:
+                    continue
+                if i == 0:
+                    child = seq
+                else:
+                    child = Sequence(request, i, list(seq.token_ids))
+                    child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
+                    self.kv.fork(seq, child)
+                    child.status = seq.status
+                    request.sequences.append(child)
+                    self.running.insert(at, child)
+                    at += 1
+                out_tokens.append(tokens[r + i])
+                out_lps.append(logprobs[r + i])
+                out_seqs.append(child)
+            if 0 in request.ended:  # aborted before the fork: it carried the prompt, and is done
+                seq.finish_reason = FinishReason.ABORT
+                self.remove(seq)
+            r += fan
+        return out_tokens, out_lps, out_seqs
 
 
 def _priority_key(seq: Sequence) -> tuple[int, int, int]:

@@ -1,5 +1,10 @@
 """A request and its sequences. One counter per sequence, ``num_computed_tokens``, chases
-``len(token_ids)``: chunked prefill, prefix hits, decode and recompute all just move it."""
+``len(token_ids)``: chunked prefill, prefix hits, decode and recompute all just move it.
+
+A request with ``n > 1`` runs one sequence (index 0) through its prompt; at the prompt's end it
+samples ``n`` first tokens and forks the other sequences, which share its blocks by reference
+(copy-on-write). Which of its ``n`` outputs are still owed is held here, in ``Request.ended``, and
+nowhere else: the engine, its server and the gateway ask, they do not keep copies."""
 
 from __future__ import annotations
 
@@ -7,18 +12,31 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from engine_svc.outputs import TokenLogprob
 from engine_svc.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+SEED_MASK = (1 << 64) - 1
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id (``stop_token_id`` says which)
+    LENGTH = "length"  # max_tokens, or the context
+    ABORT = "abort"  # the caller dropped it
+
+
+def sequence_generator(seed: int, index: int) -> np.random.Generator:
+    """The noise source of sequence ``index`` of a seeded request: seed + index, all 64 bits (torch's
+    CPU generator keeps only 32, so 5 and 2**32 + 5 would draw the same tokens)."""
+    return np.random.Generator(np.random.PCG64((seed + index) & SEED_MASK))
 
 
 @dataclass(eq=False)
@@ -32,8 +50,11 @@ class Request:
     max_tokens: int  # params.max_tokens resolved against the context length
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: set once the n sequences exist
-    generators: list[torch.Generator | None] | None = None  # per sequence index, when seeded
-    aborted_indexes: set[int] = field(default_factory=set)
+    generators: list[np.random.Generator] | None = None  # per sequence index, when seeded
+    ended: set[int] = field(default_factory=set)  # indexes finished or aborted: owed no more output
+    paused: bool = False  # takes no steps (a client that stopped reading); its blocks may be preempted
+    # Prompt logprobs by position (entry 0 is always None): filled as chunks compute them, each
+    # position once, whatever chunking and recompute do; sent whole with the request's first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
 
@@ -45,6 +66,27 @@ class Request:
         eos = () if self.params.ignore_eos else self.params.eos_token_ids
         self.stop_ids = frozenset(self.params.stop_token_ids) | frozenset(eos)
         self.min_stop_len = self.num_prompt_tokens + self.params.min_tokens  # no stop token before this
+        if self.params.seed is not None:
+            self.generators = [sequence_generator(self.params.seed, i) for i in range(self.params.n)]
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        """Every one of the n outputs has ended."""
+        return len(self.ended) == self.params.n
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    def record_prompt_logprobs(self, first: int, entries: list[TokenLogprob]) -> None:
+        """``entries[i]`` is the logprob of prompt token ``first + 1 + i``. A position computed again
+        (a recompute after preemption) keeps its first entry: nothing is added twice."""
+        plp = self.prompt_logprobs
+        for i, entry in enumerate(entries, start=first + 1):
+            if plp[i] is None:
+                plp[i] = entry
 
 
 @dataclass(eq=False)
@@ -60,7 +102,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     admitted_before: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
 
     @property

@@ -1,0 +1,81 @@
+"""Which rows of a step's logits exist, and what each one is for.
+
+The forward pass computes hidden states for every scheduled token; only some of them become logits
+rows: the last token of each sequence that reaches its end (it samples; a prompt of an ``n > 1``
+request that completes samples ``n`` rows, one per sequence it forks), and every prompt token of a
+request that asked for prompt logprobs. The layout is built once from the schedule. The model
+runner writes the rows in this order and the sampler and the scheduler read them in this order;
+nobody re-derives it: all sample rows come first, then the prompt-logprob rows, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine_svc.outputs import TokenLogprob
+from engine_svc.sequence import Sequence
+
+
+@dataclass
+class PromptChunk:
+    seq: Sequence
+    first: int  # position of the first computed token; its row predicts token ``first + 1``
+    count: int  # rows: prompt tokens ``first + 1 .. first + count`` get their logprob
+    row: int  # the chunk's first row in the logits
+
+
+@dataclass
+class LogitsLayout:
+    token_rows: np.ndarray  # per logits row: its token's index in the step's flat batch
+    sampled: list[Sequence]  # sequences that sample this step, in row order
+    fans: list[int]  # rows per sampled sequence: n when an n > 1 prompt completes, else 1
+    num_sample_rows: int  # rows [0, num_sample_rows) are sampled; the rest are prompt-logprob rows
+    prompt_chunks: list[PromptChunk]
+
+    @classmethod
+    def decodes(cls, seqs: list[Sequence]) -> LogitsLayout:
+        """Every sequence computes one token and samples once: row i is token i."""
+        n = len(seqs)
+        return cls(np.arange(n, dtype=np.int64), seqs, [1] * n, n, [])
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], num_new: list[int]) -> LogitsLayout:
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        fans: list[int] = []
+        plp_rows: list[int] = []
+        chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first, count, offset among plp rows)
+        start = 0  # the sequence's first token in the flat batch
+        for seq, n in zip(seqs, num_new, strict=True):
+            c, request = seq.num_computed_tokens, seq.request
+            end = c + n
+            if end == len(seq.token_ids):
+                fan = 1 if request.forked else request.params.n
+                sample_rows.extend([start + n - 1] * fan)
+                sampled.append(seq)
+                fans.append(fan)
+            last_prompt = request.num_prompt_tokens - 1
+            if request.wants_prompt_logprobs and c < last_prompt:
+                count = min(end, last_prompt) - c
+                chunks.append((seq, c, count, len(plp_rows)))
+                plp_rows.extend(range(start, start + count))
+            start += n
+        num_sample_rows = len(sample_rows)
+        return cls(
+            np.array(sample_rows + plp_rows, dtype=np.int64),
+            sampled,
+            fans,
+            num_sample_rows,
+            [PromptChunk(s, first, count, num_sample_rows + off) for s, first, count, off in chunks],
+        )
+
+
+@dataclass
+class StepResult:
+    """What a forward pass produced, in the rows of the step's ``LogitsLayout``."""
+
+    token_ids: list[int]  # one per sample row
+    logprobs: list[TokenLogprob | None]  # one per sample row
+    prompt_logprobs: list[list[TokenLogprob]]  # one list per ``layout.prompt_chunks`` entry
