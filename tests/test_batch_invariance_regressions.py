@@ -149,3 +149,58 @@ def test_seeds_use_all_64_bits(tiny_llama):
     )
     drive(engine, results)
     assert tuple(results["again"].outputs[0].tokens) == outs[2]
+
+
+def test_a_block_is_shared_only_under_the_same_prefix(tiny_llama):
+    """Two prompts whose second blocks are equal but whose first blocks differ: the second block's
+    K/V depends on the first, so it must not be shared (the hash chains each block to its parent)."""
+    engine_opts = dict(block_size=8, num_kv_blocks=64, max_num_batched_tokens=64)
+    x, y, z, tail = random_prompts([8, 8, 8, 5], 1024, seed=21)
+    a, b = x + y + tail, z + y + tail
+    params = greedy(max_tokens=10, logprobs=1)
+    engine = make_engine(tiny_llama, **engine_opts)
+    results: dict[str, Result] = {}
+    engine.add_request("a", a, params)
+    drive(engine, results)
+    engine.add_request("b", b, params)
+    engine.add_request("a2", a, params)  # the same prefix again: this one is a real hit
+    drive(engine, results)
+    assert engine.stats().prefix_hit_tokens == 16, "only a2 may hit, on a's two full blocks"
+    fresh = partial(make_engine, tiny_llama, **engine_opts)
+    assert_same_as_solo("b", results["b"], solo(fresh, b, params), params)
+    assert_same_as_solo("a2", results["a2"], solo(fresh, a, params), params)
+
+
+def test_a_hash_collision_never_serves_another_prompts_blocks(tiny_llama):
+    """Block hashes forced to collide (every block hashed by its position alone): the stored token
+    ids, checked on every hit, are all that keeps one prompt's K/V from another."""
+    engine_opts = dict(block_size=8, num_kv_blocks=64, max_num_batched_tokens=64)
+    engine = make_engine(tiny_llama, **engine_opts)
+    engine.kv.block_hashes = lambda seq, num_blocks: list(range(num_blocks))
+    a, b = random_prompts([20, 20], 1024, seed=22)
+    params = greedy(max_tokens=8, logprobs=1)
+    results: dict[str, Result] = {}
+    engine.add_request("a", a, params)
+    drive(engine, results)
+    engine.add_request("b", b, params)
+    drive(engine, results)
+    assert engine.stats().prefix_hit_tokens == 0
+    fresh = partial(make_engine, tiny_llama, **engine_opts)
+    assert_same_as_solo("b", results["b"], solo(fresh, b, params), params)
+
+
+def test_tenant_salts_never_share_blocks(tiny_llama):
+    """The same prompt under two cache salts: no hit across them, a hit within one."""
+    engine = make_engine(tiny_llama, block_size=8, num_kv_blocks=64, max_num_batched_tokens=64)
+    (prompt,) = random_prompts([30], 1024, seed=23)
+    params = greedy(max_tokens=4)
+    results: dict[str, Result] = {}
+    engine.add_request("a", prompt, params, cache_salt="tenant-a")
+    drive(engine, results)
+    engine.add_request("b", prompt, params, cache_salt="tenant-b")
+    drive(engine, results)
+    assert engine.stats().prefix_hit_tokens == 0, "a block computed under one salt served another"
+    engine.add_request("a2", prompt, params, cache_salt="tenant-a")
+    drive(engine, results)
+    assert engine.stats().prefix_hit_tokens == 24
+    assert results["a"].outputs[0].tokens == results["b"].outputs[0].tokens == results["a2"].outputs[0].tokens
