@@ -19,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-from engine_svc.server.main import engine_options_argv
-from engine_svc.server.shm_segments import sweep_stale_segments
+from engine_svc.rpc.engine_options import engine_options_argv
+from engine_svc.rpc.shm_segments import sweep_stale_segments
 from gateway.server import GatewayOptions, GatewayServer
 
 log = logging.getLogger("gateway")
