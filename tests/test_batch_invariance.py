@@ -1,7 +1,8 @@
 """Every request's result equals its own solo run, for random mixes (Hypothesis, engine level).
 
 A mix draws 2-8 requests with options per request (greedy or seeded or unseeded sampling, n up to
-3, logprobs, prompt logprobs, penalties, min_tokens, stop ids, priorities), prompts of 1-200 tokens
+3, logprobs, prompt logprobs, penalties, min_tokens, stop ids, priorities, logit bias, allowed
+token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens
 that may share a prefix or repeat a whole earlier prompt, arrivals mid-run, and aborts of neighbours
 (whole requests or one of their n outputs). The engine gets a small token budget and a small pool,
 so chunked prefill and preemption happen; the test asserts that chunking, preemption, prefix hits,
@@ -26,7 +27,7 @@ from functools import partial
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_svc import SamplingParams
+from engine_svc import SamplingParams, StructuredOutputsParams
 from tests.differential import Result, assert_same_as_solo, drive, solo
 from tests.engine_helpers import assert_pool_whole, make_engine
 
@@ -78,6 +79,19 @@ def params_st(draw) -> SamplingParams:
         p.min_tokens = min(p.max_tokens, 3)
     if draw(st.integers(0, 4)) == 0:
         p.stop_token_ids = draw(st.lists(tokens, min_size=1, max_size=20))
+    control = draw(st.sampled_from([None] * 6 + ["bias", "allowed", "bad", "regex", "choice"]))
+    if control == "bias":
+        p.logit_bias = draw(st.dictionaries(tokens, st.sampled_from([-100.0, -2.0, 3.0, 8.0]), max_size=6))
+    elif control == "allowed":
+        p.allowed_token_ids = draw(st.lists(tokens, min_size=1, max_size=30))
+    elif control == "bad":
+        p.bad_words_token_ids = draw(
+            st.lists(st.lists(tokens, min_size=1, max_size=2), min_size=1, max_size=4)
+        )
+    elif control == "regex":
+        p.structured_outputs = StructuredOutputsParams(regex=r"[a-z ]{0,40}(\.|!)")
+    elif control == "choice":
+        p.structured_outputs = StructuredOutputsParams(choice=["yes", "no", "maybe later", "never ever"])
     return p
 
 
@@ -138,6 +152,7 @@ class Coverage:
             counts["preemptions"] += len(out.preempted)
             counts["forks"] += sum(1 for f in out.layout.fans if f > 1)
             counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
+            counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
             return out
 
         engine.scheduler.schedule = observed
