@@ -234,6 +234,7 @@ def test_random_mixes_equal_their_solo_runs(tiny_llama):
         "general steps",
         "prompt-logprob chunks",
         "aborts",
+        "structured-output samples",
     ):
         assert coverage.counts[case] > 0, (
             f"no {case} happened in {EXAMPLES} examples: {dict(coverage.counts)}"
