@@ -27,6 +27,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
     gpu_memory_utilization: float = 0.9
+    speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -46,6 +47,9 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        from engine_svc.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass

@@ -79,7 +79,7 @@ class InputBatch:
             p.frequency_penalty,
         )
         self.flags[row] = (
-            seq.request.generators is not None,
+            p.seed is not None,
             p.logprobs is not None,
             p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty),
             p.min_tokens > 0,

@@ -118,6 +118,14 @@ class KVCacheManager:
             self.pool.register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
         seq.num_registered_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the next token's slot: lookahead slots of rejected drafts."""
+        keep = cdiv(len(seq.token_ids), self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(list(reversed(seq.block_table[keep:])))
+            del seq.block_table[keep:]
+            self._note_change(seq, keep)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` by reference."""
         for block_id in parent.block_table:

@@ -2,8 +2,9 @@
 
 The forward pass computes hidden states for every scheduled token; only some of them become logits
 rows: the last token of each sequence that reaches its end (it samples; a prompt of an ``n > 1``
-request that completes samples ``n`` rows, one per sequence it forks), and every prompt token of a
-request that asked for prompt logprobs. The layout is built once from the schedule. The model
+request that completes samples ``n`` rows, one per sequence it forks; a sequence verifying ``k``
+drafts samples ``k + 1`` rows, one per position), and every prompt token of a request that asked
+for prompt logprobs. The layout is built once from the schedule. The model
 runner writes the rows in this order and the sampler and the scheduler read them in this order;
 nobody re-derives it: all sample rows come first, then the prompt-logprob rows, chunk by chunk.
 """
@@ -33,6 +34,9 @@ class LogitsLayout:
     fans: list[int]  # rows per sampled sequence: n when an n > 1 prompt completes, else 1
     num_sample_rows: int  # rows [0, num_sample_rows) are sampled; the rest are prompt-logprob rows
     prompt_chunks: list[PromptChunk]
+    # Per sampled sequence: the drafts it verifies this step (its rows are its last token's position
+    # and the drafts' positions, in order), or None. None as a whole when nobody drafted.
+    drafts: list[list[int] | None] | None = None
 
     @classmethod
     def decodes(cls, seqs: list[Sequence]) -> LogitsLayout:
@@ -41,8 +45,11 @@ class LogitsLayout:
         return cls(np.arange(n, dtype=np.int64), seqs, [1] * n, n, [])
 
     @classmethod
-    def build(cls, seqs: list[Sequence], num_new: list[int]) -> LogitsLayout:
+    def build(
+        cls, seqs: list[Sequence], num_new: list[int], drafts: dict[Sequence, list[int]] | None = None
+    ) -> LogitsLayout:
         sample_rows: list[int] = []
+        draft_of: list[list[int] | None] = []
         sampled: list[Sequence] = []
         fans: list[int] = []
         plp_rows: list[int] = []
@@ -51,11 +58,18 @@ class LogitsLayout:
         for seq, n in zip(seqs, num_new, strict=True):
             c, request = seq.num_computed_tokens, seq.request
             end = c + n
-            if end == len(seq.token_ids):
+            draft = drafts.get(seq) if drafts else None
+            if draft is not None:  # the last token and each draft: n rows, n positions
+                sample_rows.extend(range(start, start + n))
+                sampled.append(seq)
+                fans.append(n)
+                draft_of.append(draft)
+            elif end == len(seq.token_ids):
                 fan = 1 if request.forked else request.params.n
                 sample_rows.extend([start + n - 1] * fan)
                 sampled.append(seq)
                 fans.append(fan)
+                draft_of.append(None)
             last_prompt = request.num_prompt_tokens - 1
             if request.wants_prompt_logprobs and c < last_prompt:
                 count = min(end, last_prompt) - c
@@ -69,6 +83,7 @@ class LogitsLayout:
             fans,
             num_sample_rows,
             [PromptChunk(s, first, count, num_sample_rows + off) for s, first, count, off in chunks],
+            draft_of if drafts else None,
         )
 
 

@@ -17,7 +17,7 @@ from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler import SchedulerOutput
-from engine_svc.sequence import Sequence
+from engine_svc.sequence import Sequence, noise_key
 from engine_svc.step_inputs import StepInputs, to_device
 from kernels.backend import Kernels
 
@@ -127,10 +127,13 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         query_start, seq_lens = [0], []
+        drafts = out.drafts
         for seq, n in zip(out.seqs, out.num_new, strict=True):
             c = seq.num_computed_tokens
             end = c + n
             ids.extend(seq.token_ids[c:end])
+            if drafts and seq in drafts:
+                ids.extend(drafts[seq])  # verified in this step: positions after the last token
             positions.extend(range(c, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
@@ -169,24 +172,29 @@ class ModelRunner:
         cols = torch.from_numpy(gathered).to(device)
         used = self.batch.flags[rows].any(axis=0)
         row_seqs = _row_sequences(layout) if used.any() else []
-        generators = [None] * count
+        noise_keys = [None] * count
         if used[ib.SEEDED]:
-            generators = [s.request.generators[j] if s.request.generators else None for s, j in row_seqs]
+            noise_keys = [
+                None
+                if s.request.params.seed is None
+                else noise_key(s.request.params.seed, j, len(s.token_ids) + k)
+                for s, j, k in row_seqs
+            ]
         num_logprobs = [None] * count
         if used[ib.LOGPROBS]:
-            num_logprobs = [s.request.params.logprobs for s, _ in row_seqs]
+            num_logprobs = [s.request.params.logprobs for s, *_ in row_seqs]
         output_ids = prompt_ids = banned = [[]] * count
         if used[ib.PENALTY]:
-            output_ids = [s.output_token_ids for s, _ in row_seqs]
-            prompt_ids = [s.request.prompt_token_ids for s, _ in row_seqs]
+            output_ids = [s.output_token_ids for s, *_ in row_seqs]
+            prompt_ids = [s.request.prompt_token_ids for s, *_ in row_seqs]
         if used[ib.MIN_TOKENS] or used[ib.LOGIT_CONTROLS]:
-            banned = [_banned_now(s) for s, _ in row_seqs]
+            banned = [_banned_now(s) for s, *_ in row_seqs]
         controls = {}
         if used[ib.LOGIT_CONTROLS]:
-            controls["logit_bias"] = [s.request.params.logit_bias for s, _ in row_seqs]
-            controls["allowed_ids"] = [s.request.params.allowed_token_ids for s, _ in row_seqs]
+            controls["logit_bias"] = [s.request.params.logit_bias for s, *_ in row_seqs]
+            controls["allowed_ids"] = [s.request.params.allowed_token_ids for s, *_ in row_seqs]
         if used[ib.GRAMMAR]:
-            controls["matchers"] = [s.matcher for s, _ in row_seqs]
+            controls["matchers"] = [s.matcher for s, *_ in row_seqs]
             controls["grammar_executor"] = self.grammar_executor
         return SamplingBatch(
             temperature=cols[:, ib.TEMPERATURE],
@@ -196,7 +204,7 @@ class ModelRunner:
             repetition_penalty=cols[:, ib.REPETITION],
             presence_penalty=cols[:, ib.PRESENCE],
             frequency_penalty=cols[:, ib.FREQUENCY],
-            generators=generators,
+            noise_keys=noise_keys,
             output_ids=output_ids,
             prompt_ids=prompt_ids,
             banned_ids=banned,
@@ -207,16 +215,20 @@ class ModelRunner:
         )
 
 
-def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int]]:
-    """(sequence, generator index) per sample row: a completing n > 1 prompt samples its n first
-    tokens, one from each of its sequences' generators."""
+def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int, int]]:
+    """(sequence, index of the noise it draws, position offset) per sample row: a completing n > 1
+    prompt samples its n first tokens, one for each of its sequences; a sequence verifying drafts
+    samples one row per position after its last token."""
     if len(layout.sampled) == layout.num_sample_rows:
-        return [(s, s.index) for s in layout.sampled]
-    return [
-        (s, s.index if k == 1 else j)
-        for s, k in zip(layout.sampled, layout.fans, strict=True)
-        for j in range(k)
-    ]
+        return [(s, s.index, 0) for s in layout.sampled]
+    drafts = layout.drafts or [None] * len(layout.sampled)
+    rows = []
+    for s, k, draft in zip(layout.sampled, layout.fans, drafts, strict=True):
+        if draft is not None:
+            rows += [(s, s.index, j) for j in range(k)]
+        else:
+            rows += [(s, s.index if k == 1 else j, 0) for j in range(k)]
+    return rows
 
 
 def _banned_now(seq: Sequence) -> list[int]:

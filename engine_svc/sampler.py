@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine_svc.outputs import TokenLogprob
+from engine_svc.sequence import draw_noise
 
 
 @dataclass
@@ -24,7 +24,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor  # [R] float
     presence_penalty: torch.Tensor  # [R] float
     frequency_penalty: torch.Tensor  # [R] float
-    generators: list[np.random.Generator | None]  # per row; None draws from torch's global generator
+    noise_keys: list[tuple[int, int] | None]  # per seeded row (sequence.noise_key); None: torch's global RNG
     output_ids: list[list[int]]  # per row, for penalties
     prompt_ids: list[list[int]]  # per row, for the repetition penalty
     banned_ids: list[list[int]]  # per row: ids that may not be sampled now (EOS before min_tokens)
@@ -146,13 +146,15 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Seeded rows draw their own
         # noise so that their tokens do not depend on what else shares the batch.
         noise = torch.empty_like(probs)
-        unseeded = [r for r, g in enumerate(b.generators) if g is None]
+        unseeded = [r for r, key in enumerate(b.noise_keys) if key is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-        for r, g in enumerate(b.generators):
-            if g is not None:
-                draw = g.standard_exponential(probs.shape[1], dtype=np.float32)
-                noise[r] = torch.from_numpy(draw).to(probs.device)
+        for r, key in enumerate(b.noise_keys):
+            if key is not None:
+                noise[r] = torch.from_numpy(draw_noise(key, probs.shape[1])).to(probs.device)
+        # A float32 exponential can be exactly 0 (numpy's, about once per 10**7 draws): 0 / 0 would
+        # make a masked-out token win the race.
+        noise.clamp_(min=1e-30)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

@@ -24,6 +24,8 @@ from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
+from engine_svc.spec_decode.config import SpeculativeConfig
+from engine_svc.spec_decode.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,14 @@ class SchedulerOutput:
     # chunk, no fork due): the model runner builds its inputs on a short path.
     only_decodes: bool = True
     layout: LogitsLayout | None = None  # set once the schedule is final
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
 
     def unschedule(self, seq: Sequence) -> int:
+        self.drafts.pop(seq, None)
         for j, s in enumerate(self.seqs):
             if s is seq:
                 del self.seqs[j]
@@ -59,6 +63,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
         self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.num_drafted = self.num_accepted = 0
+        self.verified: list[Sequence] = []  # sequences whose drafts this update verified
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -109,6 +116,7 @@ class Scheduler:
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, allocate = self.running, self.kv.allocate
         add_seq, add_num = out.seqs.append, out.num_new.append
+        speculate = self.spec is not None and len(running) <= self.spec.max_batch
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.request.paused:
@@ -119,6 +127,12 @@ class Scheduler:
             num_new = remaining if remaining < budget else budget
             if remaining != 1 or num_tokens == seq.request.num_prompt_tokens:
                 out.only_decodes = False
+            elif speculate and budget > 1 and seq.request.can_speculate:
+                draft = self._draft(seq, budget - 1)
+                if draft and allocate(seq, 1 + len(draft)):
+                    out.drafts[seq] = draft
+                    num_new = 1 + len(draft)
+                    out.only_decodes = False
             while not allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
@@ -135,9 +149,22 @@ class Scheduler:
         if not out.preempted:  # under pressure, admit nobody new this step
             budget = self._admit(out, budget)
         out.layout = (
-            LogitsLayout.decodes(out.seqs) if out.only_decodes else LogitsLayout.build(out.seqs, out.num_new)
+            LogitsLayout.decodes(out.seqs)
+            if out.only_decodes
+            else LogitsLayout.build(out.seqs, out.num_new, out.drafts)
         )
         return out
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying."""
+        spec = self.spec
+        if seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted:
+            return []
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # Never past max_tokens: the last draft's successor is the bonus token.
+        k = min(spec.num_speculative_tokens, room, seq.request.length_limit - len(seq.token_ids) - 1)
+        return seq.ngram.propose(seq.token_ids, k) if k > 0 else []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         waiting, j = self.waiting, 0
@@ -236,7 +263,10 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching
+        drafts = out.drafts
         for seq, n in zip(out.seqs, out.num_new, strict=True):
+            if drafts and seq in drafts:
+                continue  # its counter moves by what verification accepts, below
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and computed // bs > seq.num_registered_blocks:
                 kv.register_computed_blocks(seq)
@@ -244,38 +274,41 @@ class Scheduler:
         for chunk, entries in zip(layout.prompt_chunks, result.prompt_logprobs, strict=True):
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
-        if len(layout.sampled) < layout.num_sample_rows:  # some n > 1 prompt completed: fork it
-            tokens, logprobs, sampled = self._fork(layout, tokens, logprobs)
-        else:
-            sampled = layout.sampled
+        if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
+            emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
+        else:  # forks, or drafts to verify
+            emissions = self._expand(layout, tokens, logprobs)
         deltas: list[RequestDelta] = []
-        emit = deltas.append
+        owners: list[Request] = []
         finished: list[Sequence] = []
-        # The one stop rule, once per sampled sequence per step (a loop on locals: it is per token).
-        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
+        # The one stop rule, once per sampled token (a loop on locals: it runs for every token).
+        for seq, toks, lps in emissions:
             request = seq.request
-            num_tokens = len(seq.token_ids)
             matcher = seq.matcher
-            if token in request.stop_ids and num_tokens >= request.min_stop_len:
-                seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
+            for k, token in enumerate(toks):
+                seq.token_ids.append(token)
+                num_tokens = len(seq.token_ids)
+                if token in request.stop_ids and num_tokens >= request.min_stop_len:
+                    seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
+                elif matcher is not None and not matcher.consume_token(token):
+                    # The mask allowed nothing this vocabulary can say: report it, do not loop on it.
+                    log.warning("request %s: its grammar allows no token here", request.request_id)
+                    seq.finish_reason = FinishReason.ABORT
+                elif num_tokens >= request.length_limit:
+                    seq.finish_reason = FinishReason.LENGTH
+                elif matcher is not None and matcher.is_stopped():  # the grammar is complete
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    continue
                 finished.append(seq)
-            elif matcher is not None and not matcher.consume_token(token):
-                # The mask allowed nothing this vocabulary can say: report it, do not loop on it.
-                log.warning("request %s: its grammar allows no token here", request.request_id)
-                seq.finish_reason = FinishReason.ABORT
-                finished.append(seq)
-            elif num_tokens >= request.length_limit:
-                seq.finish_reason = FinishReason.LENGTH
-                finished.append(seq)
-            elif matcher is not None and matcher.is_stopped():  # the grammar is complete: nothing may follow
-                seq.finish_reason = FinishReason.STOP
-                finished.append(seq)
+                if k + 1 < len(toks):  # verified tokens past a stop are not output
+                    toks, lps = toks[: k + 1], lps[: k + 1]
+                break
             delta = RequestDelta(
                 request.request_id,
                 seq.index,
-                [token],
-                None if lp is None else [lp],
+                toks,
+                None if lps[0] is None else lps,
                 seq.finish_reason,
                 seq.stop_token_id,
                 request.num_prompt_tokens,
@@ -284,58 +317,89 @@ class Scheduler:
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 delta.prompt_logprobs = request.prompt_logprobs
                 request.prompt_logprobs_sent = True
-            emit(delta)
+            deltas.append(delta)
+            owners.append(request)
         for seq in finished:
             seq.request.ended.add(seq.index)
             self.remove(seq)
+        if self.verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
+            for seq in self.verified:
+                if seq.finish_reason is None:
+                    kv.register_computed_blocks(seq)
+                    kv.trim(seq)
+            self.verified = []
         if finished:  # the last delta of a request that has nothing more to send says so
             done = {seq.request for seq in finished if seq.request.finished}
-            for delta, seq in zip(reversed(deltas), reversed(sampled), strict=True):
-                if seq.request in done:
+            for delta, request in zip(reversed(deltas), reversed(owners), strict=True):
+                if request in done:
                     delta.request_finished = True
-                    done.discard(seq.request)
+                    done.discard(request)
         return deltas
 
-    def _fork(self, layout: LogitsLayout, tokens: list[int], logprobs: list):
-        """Sample rows -> (tokens, logprobs, sequences), one per sequence that gets a token: an
-        ``n > 1`` prompt that completed forks its other sequences, each taking its own first token
+    def _expand(self, layout: LogitsLayout, tokens: list[int], logprobs: list):
+        """(sequence, its tokens, their logprobs) for each sampled sequence, when some rows are not
+        simply one sequence's next token: a fork's n first tokens, or drafts under verification."""
+        out = []
+        r = 0
+        drafts = layout.drafts or [None] * len(layout.sampled)
+        for seq, fan, draft in zip(layout.sampled, layout.fans, drafts, strict=True):
+            if draft is not None:
+                out.append(self._verify(seq, draft, tokens[r : r + fan], logprobs[r : r + fan]))
+            elif fan == 1:
+                out.append((seq, [tokens[r]], [logprobs[r]]))
+            else:
+                out.extend(self._fork(seq, tokens[r : r + fan], logprobs[r : r + fan]))
+            r += fan
+        return out
+
+    def _verify(self, seq: Sequence, draft: list[int], sampled: list[int], lps: list):
+        """Row j sampled the token that follows draft[:j]. Drafts are accepted while they equal what
+        the target sampled at their position; the first sample that differs (or the one after the
+        last draft) is the bonus token. For a draft that is a single proposal (q one-hot), taking
+        the target's own sample is exactly the rule "accept with p(x), else resample from
+        (p - q)+"; greedy rows make it argmax equality, and seeded rows draw their noise by position,
+        so greedy and seeded requests get the very tokens they would get without speculation."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == sampled[accepted]:
+            accepted += 1
+        seq.num_drafted += len(draft)
+        seq.num_accepted += accepted
+        self.num_drafted += len(draft)
+        self.num_accepted += accepted
+        # The last token and the accepted drafts have their K/V; rejected positions lie past the
+        # counter (overwritten later) and their lookahead blocks are released once tokens are added.
+        seq.num_computed_tokens += 1 + accepted
+        self.verified.append(seq)
+        return seq, sampled[: accepted + 1], lps[: accepted + 1]
+
+    def _fork(self, seq: Sequence, tokens: list[int], logprobs: list):
+        """An ``n > 1`` prompt completed: fork its other sequences, each taking its own first token
         and sharing every block of sequence 0 by reference (copy-on-write on the first write).
         Indexes aborted before the fork are never created; sequence 0, if aborted, stops here."""
-        out_tokens, out_lps, out_seqs = [], [], []
-        r = 0
-        for seq, fan in zip(layout.sampled, layout.fans, strict=True):
-            if fan == 1:
-                out_tokens.append(tokens[r])
-                out_lps.append(logprobs[r])
-                out_seqs.append(seq)
-                r += 1
+        request = seq.request
+        request.forked = True
+        at = self.running.index(seq) + 1
+        out = []
+        for i in range(len(tokens)):
+            if i in request.ended:
                 continue
-            request = seq.request
-            request.forked = True
-            at = self.running.index(seq) + 1
-            for i in range(fan):
-                if i in request.ended:
-                    continue
-                if i == 0:
-                    child = seq
-                else:
-                    child = Sequence(request, i, list(seq.token_ids))
-                    if seq.matcher is not None:
-                        child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
-                    child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
-                    self.kv.fork(seq, child)
-                    child.status = seq.status
-                    request.sequences.append(child)
-                    self.running.insert(at, child)
-                    at += 1
-                out_tokens.append(tokens[r + i])
-                out_lps.append(logprobs[r + i])
-                out_seqs.append(child)
-            if 0 in request.ended:  # aborted before the fork: it carried the prompt, and is done
-                seq.finish_reason = FinishReason.ABORT
-                self.remove(seq)
-            r += fan
-        return out_tokens, out_lps, out_seqs
+            if i == 0:
+                child = seq
+            else:
+                child = Sequence(request, i, list(seq.token_ids))
+                if seq.matcher is not None:
+                    child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
+                child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
+                self.kv.fork(seq, child)
+                child.status = seq.status
+                request.sequences.append(child)
+                self.running.insert(at, child)
+                at += 1
+            out.append((child, [tokens[i]], [logprobs[i]]))
+        if 0 in request.ended:  # aborted before the fork: it carried the prompt, and is done
+            seq.finish_reason = FinishReason.ABORT
+            self.remove(seq)
+        return out
 
 
 def _priority_key(seq: Sequence) -> tuple[int, int, int]:

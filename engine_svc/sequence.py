@@ -34,10 +34,18 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the caller dropped it
 
 
-def sequence_generator(seed: int, index: int) -> np.random.Generator:
-    """The noise source of sequence ``index`` of a seeded request: seed + index, all 64 bits (torch's
-    CPU generator keeps only 32, so 5 and 2**32 + 5 would draw the same tokens)."""
-    return np.random.Generator(np.random.PCG64((seed + index) & SEED_MASK))
+def noise_key(seed: int, index: int, position: int) -> tuple[int, int]:
+    """What a seeded row's noise is drawn from: (seed + index, all 64 bits; the position of the token
+    being sampled). Noise is a pure function of these, not a stream: a token's draw is the same
+    whatever was sampled, recomputed, speculated or rejected before it (torch's CPU generator would
+    also keep only 32 bits of the seed, so 5 and 2**32 + 5 would draw alike)."""
+    return ((seed + index) & SEED_MASK, position)
+
+
+def draw_noise(key: tuple[int, int], size: int) -> np.ndarray:
+    """Exp(1) noise for one row (the exponential race: argmax(p / E) samples from p)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(key))))
+    return rng.standard_exponential(size, dtype=np.float32)
 
 
 @dataclass(eq=False)
@@ -51,7 +59,6 @@ class Request:
     max_tokens: int  # params.max_tokens resolved against the context length
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: set once the n sequences exist
-    generators: list[np.random.Generator] | None = None  # per sequence index, when seeded
     ended: set[int] = field(default_factory=set)  # indexes finished or aborted: owed no more output
     paused: bool = False  # takes no steps (a client that stopped reading); its blocks may be preempted
     # Prompt logprobs by position (entry 0 is always None): filled as chunks compute them, each
@@ -68,8 +75,17 @@ class Request:
         eos = () if self.params.ignore_eos else self.params.eos_token_ids
         self.stop_ids = frozenset(self.params.stop_token_ids) | frozenset(eos)
         self.min_stop_len = self.num_prompt_tokens + self.params.min_tokens  # no stop token before this
-        if self.params.seed is not None:
-            self.generators = [sequence_generator(self.params.seed, i) for i in range(self.params.n)]
+        p = self.params
+        # Drafts are verified row by row with the options that do not depend on earlier outputs;
+        # those that do (penalties, bad words, min_tokens, a grammar's state) never speculate.
+        self.can_speculate = not (
+            p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.bad_words_token_ids
+            or p.min_tokens
+            or p.structured_outputs is not None
+        )
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
 
@@ -111,6 +127,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     matcher: object = None  # llguidance.LLMatcher of a structured-output request: its grammar state
+    ngram: object = None  # spec_decode.ngram.NgramIndex, once this sequence drafts
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

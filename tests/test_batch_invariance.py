@@ -5,8 +5,9 @@ A mix draws 2-8 requests with options per request (greedy or seeded or unseeded 
 token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens
 that may share a prefix or repeat a whole earlier prompt, arrivals mid-run, and aborts of neighbours
 (whole requests or one of their n outputs). The engine gets a small token budget and a small pool,
-so chunked prefill and preemption happen; the test asserts that chunking, preemption, prefix hits,
-forks, the decode-only input path and the general one all happened across its examples.
+so chunked prefill and preemption happen, and n-gram speculation in some examples; the test asserts
+that chunking, preemption, prefix hits, forks, aborts, structured output, draft verification, the
+decode-only input path and the general one all happened across its examples.
 
 Each greedy or seeded request is compared with the same request alone on a fresh engine of the same
 configuration (``tests/differential.py``): tokens, finish and stop reasons, logprobs and top-N,
@@ -34,6 +35,7 @@ from tests.engine_helpers import assert_pool_whole, make_engine
 VOCAB = 1024
 EXAMPLES = int(os.environ.get("LLMSERVE_DIFF_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("LLMSERVE_DIFF_RANDOM") != "1"
+SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
 
 @dataclass
@@ -125,6 +127,7 @@ def mix_st(draw):
         block_size=draw(st.sampled_from([8, 16])),
         max_num_batched_tokens=draw(st.sampled_from([16, 32, 64, 256])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        speculative_config=draw(st.sampled_from([None, None, SPECULATE])),
     )
     # Small enough that requests preempt each other; big enough for the largest one alone.
     bs = config["block_size"]
@@ -153,6 +156,7 @@ class Coverage:
             counts["forks"] += sum(1 for f in out.layout.fans if f > 1)
             counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
             counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
+            counts["draft verifications"] += len(out.drafts)
             return out
 
         engine.scheduler.schedule = observed
@@ -235,6 +239,7 @@ def test_random_mixes_equal_their_solo_runs(tiny_llama):
         "prompt-logprob chunks",
         "aborts",
         "structured-output samples",
+        "draft verifications",
     ):
         assert coverage.counts[case] > 0, (
             f"no {case} happened in {EXAMPLES} examples: {dict(coverage.counts)}"

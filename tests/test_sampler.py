@@ -25,7 +25,7 @@ def _batch(rows: int, **cols) -> SamplingBatch:
         repetition_penalty=t("repetition_penalty", 1.0),
         presence_penalty=t("presence_penalty", 0.0),
         frequency_penalty=t("frequency_penalty", 0.0),
-        generators=cols.get("generators", [None] * rows),
+        noise_keys=cols.get("noise_keys", [None] * rows),
         output_ids=cols.get("output_ids", [[]] * rows),
         prompt_ids=cols.get("prompt_ids", [[]] * rows),
         banned_ids=cols.get("banned_ids", [[]] * rows),

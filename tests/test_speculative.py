@@ -1,0 +1,220 @@
+"""Speculative decoding (n-gram prompt lookup), verified in the normal step.
+
+- Greedy and seeded requests get exactly the tokens they get without speculation (seeded rows draw
+  their noise by position, so verification takes the very sample the plain run takes), across mixes
+  with chunking, preemption, prefix hits and n > 1; drafts were made and accepted.
+- Unseeded sampling keeps its distribution: token frequencies with and without speculation agree
+  under a chi-square test, on a tiny vocabulary where drafts are often right and often wrong.
+- The pool is whole after every step (lookahead blocks of rejected drafts are released).
+- A sequence whose drafts keep failing stops drafting.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from engine_svc import SamplingParams
+from engine_svc.kv_cache_manager import KVCacheManager
+from engine_svc.scheduler import Scheduler
+from engine_svc.spec_decode.config import SpeculativeConfig
+from engine_svc.spec_decode.ngram import NgramIndex
+from tests.differential import Result, assert_same_as_solo, drive, solo_params
+from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
+from tests.test_step_contract import add, fake_result
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def run(model_dir, requests: dict, **opts) -> tuple[dict[str, Result], object]:
+    engine = make_engine(model_dir, **opts)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    results: dict[str, Result] = {}
+    drive(engine, results)
+    assert_pool_whole(engine)
+    return results, engine
+
+
+def test_ngram_index_proposes_what_followed_the_latest_earlier_match():
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 5, 6, 7]
+    assert index.propose(tokens, 4) == [9, 5, 6, 7]  # "5 6 7" last seen before the suffix ending at 9
+    assert index.propose([1, 2, 3], 4) == []
+    tokens = [4, 4, 4]
+    assert NgramIndex(1, 2).propose(tokens, 3) == [
+        4
+    ]  # the earlier "4 4" ends where the suffix's last token is
+
+
+@pytest.fixture(scope="module")
+def cycling_model(tmp_path_factory):
+    """Random weights at HF's default scale: greedy decoding falls into short cycles, which gives
+    n-gram lookup something to accept (as in the issue's benchmark model)."""
+    from engine_svc.models.build import build_random_model
+
+    return build_random_model(
+        tmp_path_factory.mktemp("cycling") / "llama",
+        "llama",
+        seed=1,
+        vocab_size=1024,
+        initializer_range=0.02,
+        eos_token_id=2,
+    )
+
+
+@pytest.mark.parametrize("budget, blocks", [(512, 256), (24, 22)])
+def test_greedy_and_seeded_tokens_equal_the_plain_engine(cycling_model, budget, blocks):
+    base = random_prompts([6, 5, 7, 4, 9, 6], 1024, seed=31)
+    prompts = [base[0] * 5, base[1] * 3, base[0] * 4 + base[2], base[3] * 6, base[4] * 2, base[0] * 5]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=50),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=-3, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True, stop_token_ids=[11, 12, 13]),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    ]
+    opts = dict(block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=budget)
+    plain, _ = run(
+        cycling_model,
+        {f"r{i}": (p, solo_params(sp)) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))},
+        **opts,
+    )
+    requests = {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))}
+    spec, engine = run(cycling_model, requests, speculative_config=dict(NGRAM, max_batch=16), **opts)
+    s = engine.scheduler
+    assert s.num_drafted > 50 and s.num_accepted > 0.3 * s.num_drafted, (s.num_drafted, s.num_accepted)
+    for rid, (_, sp) in requests.items():
+        note = assert_same_as_solo(rid, spec[rid], plain[rid], sp)
+        assert note is None or sp.greedy, note
+    if budget == 24:
+        assert engine.stats().num_preemptions > 0, "the small pool must preempt"
+        assert engine.stats().prefix_hit_tokens > 0
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty: the chi-square quantile at one-sided normal quantile z (3.09: alpha 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_unseeded_sampling_keeps_its_distribution(tmp_path):
+    """A 12-token vocabulary: n-gram drafts are right often and wrong often. Token frequencies at
+    each of the first output positions, over many samples, agree with and without speculation."""
+    import torch
+
+    from engine_svc.models.build import build_random_model
+
+    model = build_random_model(
+        tmp_path / "v12",
+        "llama",
+        seed=5,
+        vocab_size=12,
+        initializer_range=0.05,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    samples = 300
+    counts = {}
+    acceptance = None
+    for mode in ("plain", "spec"):
+        torch.manual_seed(123 if mode == "plain" else 321)
+        opts = dict(block_size=8, num_kv_blocks=64 * 16, max_num_batched_tokens=2048, max_num_seqs=512)
+        if mode == "spec":
+            opts["speculative_config"] = dict(NGRAM, max_batch=1024, min_acceptance=0.0)
+        reqs = {
+            f"s{i}": (prompt, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+            for i in range(samples)
+        }
+        results, engine = run(model, reqs, **opts)
+        counts[mode] = [Counter(r.outputs[0].tokens[pos] for r in results.values()) for pos in range(6)]
+        if mode == "spec":
+            s = engine.scheduler
+            # Both paths must be exercised many times: accepted drafts and rejected ones.
+            assert s.num_accepted >= 30 and s.num_drafted - s.num_accepted >= 30, (
+                s.num_drafted,
+                s.num_accepted,
+            )
+            acceptance = s.num_accepted / s.num_drafted
+    for pos in range(1, 6):  # position 0 is never speculated: it is the prompt's sample
+        a, b = counts["plain"][pos], counts["spec"][pos]
+        tokens = sorted(set(a) | set(b))
+        stat = sum((a[t] - b[t]) ** 2 / (a[t] + b[t]) for t in tokens if a[t] + b[t] > 0)
+        assert stat < chi_square_critical(len(tokens) - 1), (
+            f"position {pos}: {a} vs {b} (acceptance {acceptance})"
+        )
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting():
+    config = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, min_drafted=9
+    )
+    sched = make_sched(config)
+    request = add(sched, "r", [5, 6, 5, 6, 5, 6], max_tokens=40)
+    drafted = []
+    for _ in range(30):
+        out = sched.schedule()
+        drafted.append(sum(len(d) for d in out.drafts.values()))
+        result = fake_result(out)
+        draft = out.drafts.get(request.sequences[0])
+        if draft:  # the target disagrees at once (5 <-> 6), so the sequence stays a 5/6 cycle
+            result.token_ids = [11 - draft[0]] * out.layout.num_sample_rows
+        else:
+            result.token_ids = [5] * out.layout.num_sample_rows
+        sched.update_from_output(out, result)
+        sched.kv.pool.check_invariants()
+        if request.finished:
+            break
+    seq = request.sequences[0]
+    assert seq.num_drafted >= 9 and seq.num_accepted == 0
+    assert sum(drafted[-10:]) == 0, f"still drafting: {drafted}"
+
+
+def test_drafts_are_bounded_by_max_tokens_and_the_budget():
+    config = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1, prompt_lookup_max=2)
+    sched = make_sched(config, budget=3)
+    request = add(sched, "r", [5, 6, 5, 6, 5, 6, 5, 6], max_tokens=4)
+    seen = []
+    while not request.finished:
+        out = sched.schedule()
+        seen.append(sum(out.num_new))
+        # The fake target agrees with every draft: each step gains as many tokens as it verified.
+        draft = next(iter(out.drafts.values()), [])
+        tokens = draft + [7]
+        layout = out.layout
+        result = fake_result(out)
+        if draft:
+            result.token_ids = tokens[: layout.num_sample_rows]
+            result.logprobs = [None] * layout.num_sample_rows
+        sched.update_from_output(out, result)
+    assert max(seen) <= 3, seen
+    assert len(request.sequences[0].output_token_ids) == 4
+    assert sched.kv.pool.num_used == 0
+
+
+def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
+    from engine_svc import EngineConfig
+
+    config = EngineConfig(
+        model="unused", block_size=8, max_num_batched_tokens=budget, speculative_config=spec
+    )
+    return Scheduler(config, KVCacheManager(64, 8, enable_prefix_caching=True))
+
+
+def test_bad_speculative_configs_are_refused(tiny_llama):
+    for bad, match in [
+        ({"method": "eagle"}, "method must be one of"),
+        ({"method": "draft_model", "model": "x"}, "unknown keys"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ("ngram", "must be a dict"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            make_engine(tiny_llama, speculative_config=bad)
+    random.seed(0)
