@@ -13,6 +13,8 @@ repeated, each figure a ratio measured in the same run (the machines are shared 
   engine's defaults (oneDNN linears + ``kernels/cpu`` attention).
 - ``generate``: ``LLM.generate`` output tokens/s on 64 requests (prompts 32-512, outputs 16-256,
   greedy, ``ignore_eos``), old vs new, alternating, fresh prompts each round.
+- ``bf16``: the step shapes in fp32 vs bf16 (both on the new path), where the CPU has bf16
+  instructions.
 - ``threads``: the new path's generate throughput at every usable core vs one core left.
 """
 
@@ -84,7 +86,7 @@ def gemm_section(rounds: int) -> dict:
     return out
 
 
-def _step_inputs(spec, batch: int, ctx: int, q_len: int, block_size: int = 16):
+def _step_inputs(spec, batch: int, ctx: int, q_len: int, block_size: int = 16, dtype=torch.float32):
     from engine_svc.model_setup import allocate_kv_caches
     from engine_svc.models.decoder import AttentionInputs
     from engine_svc.parallel.shard import Shard
@@ -93,7 +95,7 @@ def _step_inputs(spec, batch: int, ctx: int, q_len: int, block_size: int = 16):
     per = (ctx + block_size - 1) // block_size
     num_blocks = batch * per + 8
     tables = torch.randperm(num_blocks, generator=g)[: batch * per].view(batch, per).int()
-    caches = allocate_kv_caches(spec, Shard(), num_blocks, block_size, torch.float32, torch.device("cpu"))
+    caches = allocate_kv_caches(spec, Shard(), num_blocks, block_size, dtype, torch.device("cpu"))
     for c in caches:
         c.normal_(generator=g)
     pos = torch.cat([torch.arange(ctx - q_len, ctx) for _ in range(batch)])
@@ -111,39 +113,47 @@ def _step_inputs(spec, batch: int, ctx: int, q_len: int, block_size: int = 16):
     return ids, pos, caches, attn
 
 
-def step_section(model_path: str, rounds: int) -> dict:
+STEP_SHAPES = {
+    "decode b1 ctx512": (1, 512, 1),
+    "decode b16 ctx512": (16, 512, 1),
+    "decode b64 ctx512": (64, 512, 1),
+    "prefill 512": (1, 512, 512),
+}
+
+
+def step_section(model_path: str, rounds: int, systems: dict | None = None) -> dict:
+    """Per-step time of each system (name -> (options, dtype)); the ratio is first / second."""
     from engine_svc.config import EngineConfig
     from engine_svc.model_setup import load_model
     from engine_svc.models.spec import ModelSpec
     from engine_svc.parallel.shard import Shard
     from kernels.backend import select_kernels
 
+    systems = systems or {"old": (OLD, torch.float32), "new": (NEW, torch.float32)}
     spec = ModelSpec.from_dir(model_path)
     models = {}
-    for name, opts in (("old", OLD), ("new", NEW)):
+    for name, (opts, dtype) in systems.items():
         cfg = EngineConfig(model=model_path, linear_backend=opts["linear_backend"])
-        model = load_model(cfg, spec, torch.float32, torch.device("cpu"), 4096, Shard())
-        models[name] = (model, select_kernels("cpu", opts["kernel_backend"]))
+        model = load_model(cfg, spec, dtype, torch.device("cpu"), 4096, Shard())
+        models[name] = (model, select_kernels("cpu", opts["kernel_backend"]), dtype)
+    a_name, b_name = list(systems)
     out = {}
-    for label, (batch, ctx, q_len) in {
-        "decode b1 ctx512": (1, 512, 1),
-        "decode b16 ctx512": (16, 512, 1),
-        "decode b64 ctx512": (64, 512, 1),
-        "prefill 512": (1, 512, 512),
-    }.items():
-        ids, pos, caches, attn = _step_inputs(spec, batch, ctx, q_len)
-        fns = {name: functools.partial(m, k, ids, pos, caches, attn) for name, (m, k) in models.items()}
+    for label, (batch, ctx, q_len) in STEP_SHAPES.items():
+        fns = {}
+        for name, (m, k, dtype) in models.items():
+            ids, pos, caches, attn = _step_inputs(spec, batch, ctx, q_len, dtype=dtype)
+            fns[name] = functools.partial(m, k, ids, pos, caches, attn)
         with torch.inference_mode():
-            a, b = fns["old"](), fns["new"]()
+            a, b = fns[a_name]().float(), fns[b_name]().float()
         diff = float((a - b).abs().max() / a.abs().max())
         rates = best_rate(fns, 1.0, 0.3, rounds)  # steps per second
         row = {f"{n}_ms": round(1e3 / r, 3) for n, r in rates.items()}
-        row["old/new"] = round(rates["new"] / rates["old"], 3)
+        row[f"{a_name}/{b_name}"] = ratio = round(rates[b_name] / rates[a_name], 3)
         row["max_rel_diff"] = diff
         out[label] = row
         print(
-            f"step {label:18s}: old {row['old_ms']:8.2f} ms  new {row['new_ms']:8.2f} ms  "
-            f"old/new {row['old/new']:.2f}  (max rel diff {diff:.1e})",
+            f"step {label:18s}: {a_name} {row[a_name + '_ms']:8.2f} ms  "
+            f"{b_name} {row[b_name + '_ms']:8.2f} ms  {a_name}/{b_name} {ratio:.2f}  (rel diff {diff:.1e})",
             flush=True,
         )
     return out
@@ -204,7 +214,7 @@ def main() -> None:
         "--sections",
         nargs="+",
         default=["gemm", "step", "generate"],
-        choices=["gemm", "step", "generate", "threads"],
+        choices=["gemm", "step", "bf16", "generate", "threads"],
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for gemm/step")
@@ -228,6 +238,14 @@ def main() -> None:
         result["gemm"] = gemm_section(rounds)
     if "step" in args.sections:
         result["step"] = step_section(model_path, rounds)
+    if "bf16" in args.sections:
+        from kernels.cpu.features import native_bf16
+
+        if native_bf16():
+            systems = {"fp32": (NEW, torch.float32), "bf16": (NEW, torch.bfloat16)}
+            result["bf16_step"] = step_section(model_path, rounds, systems)
+        else:
+            result["bf16_step"] = "skipped: no AVX-512 BF16 / AMX on this CPU"
     if "generate" in args.sections:
         result["generate"] = generate_section(model_path, gen_rounds, {"old": OLD, "new": NEW})
     if "threads" in args.sections:

@@ -195,3 +195,16 @@ def test_decodes_in_one_chunk_are_bit_equal_to_the_reference():
     case = AttentionCase(tuple((n, 1) for n in (3, 17, 64, 65, 200, 201, 203, 511, 512)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=4)
     assert torch.equal(cpu_attention.paged_attention(*batch.args()), reference_attention(*batch.args()))
+
+
+@pytest.mark.parametrize("linear_backend", ["auto", "dense"])
+def test_bf16_engine_on_cpu_says_what_it_runs_on(tiny_llama, caplog, linear_backend):
+    with caplog.at_level(logging.INFO, logger="engine_svc.model_setup"):
+        engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu", linear_backend=linear_backend)
+    line = "native bf16 matmuls" if native_bf16() else "emulated, slower than float32"
+    assert line in caplog.text
+    assert engine.model.linear_backend == ("onednn" if linear_backend == "auto" and native_bf16() else "dense")
+    prompts = random_prompts([5, 40], 1024, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert all(len(outputs[(str(i), 0)]) == 6 for i in range(len(prompts)))
