@@ -203,7 +203,8 @@ def test_bf16_engine_on_cpu_says_what_it_runs_on(tiny_llama, caplog, linear_back
         engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu", linear_backend=linear_backend)
     line = "native bf16 matmuls" if native_bf16() else "emulated, slower than float32"
     assert line in caplog.text
-    assert engine.model.linear_backend == ("onednn" if linear_backend == "auto" and native_bf16() else "dense")
+    packed = linear_backend == "auto" and native_bf16()
+    assert engine.model.linear_backend == ("onednn" if packed else "dense")
     prompts = random_prompts([5, 40], 1024, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
