@@ -15,7 +15,8 @@ repeated, each figure a ratio measured in the same run (the machines are shared 
   greedy, ``ignore_eos``), old vs new, alternating, fresh prompts each round.
 - ``bf16``: the step shapes in fp32 vs bf16 (both on the new path), where the CPU has bf16
   instructions.
-- ``threads``: the new path's generate throughput at every usable core vs one core left.
+- ``threads``: the new path at every usable core vs one core left (the server's placement): step
+  times, then generate throughput (``--generate-rounds 0`` skips the generate runs).
 """
 
 from __future__ import annotations
@@ -159,6 +160,41 @@ def step_section(model_path: str, rounds: int, systems: dict | None = None) -> d
     return out
 
 
+def _with_threads(n: int, fn):
+    torch.set_num_threads(n)
+    return fn()
+
+
+def threads_step_section(model_path: str, rounds: int, threads: dict[str, int]) -> dict:
+    """The new path's per-step time at each thread count (the same model), interleaved."""
+    from engine_svc.config import EngineConfig
+    from engine_svc.model_setup import load_model
+    from engine_svc.models.spec import ModelSpec
+    from engine_svc.parallel.shard import Shard
+    from kernels.backend import select_kernels
+
+    spec = ModelSpec.from_dir(model_path)
+    model = load_model(
+        EngineConfig(model=model_path), spec, torch.float32, torch.device("cpu"), 4096, Shard()
+    )
+    kernels = select_kernels("cpu")
+    (a_name, a), (b_name, b) = threads.items()
+    out = {}
+    for label, shape in STEP_SHAPES.items():
+        step = functools.partial(model, kernels, *_step_inputs(spec, *shape))
+        fns = {name: functools.partial(_with_threads, n, step) for name, n in threads.items()}
+        rates = best_rate(fns, 1.0, 0.3, rounds)
+        row = {f"{n}_ms": round(1e3 / r, 3) for n, r in rates.items()}
+        row[f"{a_name}/{b_name}"] = ratio = round(rates[b_name] / rates[a_name], 3)
+        out[label] = row
+        print(
+            f"threads {label:18s}: {a_name} ({a}) {row[a_name + '_ms']:8.2f} ms  "
+            f"{b_name} ({b}) {row[b_name + '_ms']:8.2f} ms  speedup {ratio:.2f}",
+            flush=True,
+        )
+    return out
+
+
 def _requests(seed: int, vocab: int, n: int = 64):
     rng = random.Random(seed)
     prompts, outs = [], []
@@ -246,14 +282,15 @@ def main() -> None:
             result["bf16_step"] = step_section(model_path, rounds, systems)
         else:
             result["bf16_step"] = "skipped: no AVX-512 BF16 / AMX on this CPU"
-    if "generate" in args.sections:
+    if "generate" in args.sections and gen_rounds:
         result["generate"] = generate_section(model_path, gen_rounds, {"old": OLD, "new": NEW})
     if "threads" in args.sections:
         cores = len(os.sched_getaffinity(0))
-        systems = {"one_left": NEW, "all_cores": NEW}
-        result["threads_generate"] = generate_section(
-            model_path, gen_rounds, systems, threads={"one_left": max(1, cores - 1), "all_cores": cores}
-        )
+        threads = {"one_left": max(1, cores - 1), "all_cores": cores}
+        result["threads_step"] = threads_step_section(model_path, rounds, threads)
+        if gen_rounds:
+            systems = {"one_left": NEW, "all_cores": NEW}
+            result["threads_generate"] = generate_section(model_path, gen_rounds, systems, threads=threads)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
