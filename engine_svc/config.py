@@ -23,6 +23,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     seed: int = 0
     kernel_backend: str | None = None  # None/"auto": triton on CUDA, torch elsewhere
+    linear_backend: str | None = None  # None/"auto": prepacked oneDNN on CPU where usable, else F.linear
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -44,6 +45,10 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
+        if self.linear_backend not in (None, "auto", "onednn", "dense"):
+            raise ValueError(
+                f"linear_backend must be 'auto', 'onednn' or 'dense', got {self.linear_backend!r}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

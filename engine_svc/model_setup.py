@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine_svc.config import EngineConfig
@@ -9,6 +11,10 @@ from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
+from kernels.cpu.features import cpu_features, native_bf16
+from kernels.cpu.linear import resolve_linear_backend
+
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -25,7 +31,33 @@ def load_model(
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.model)
+    _log_cpu_dtype(dtype, device)
+    backend = resolve_linear_backend(config.linear_backend, device, dtype)
+    model.prepare_linears(backend)
+    log.info(
+        "linear layers: %s (%s on %s)",
+        "oneDNN, prepacked" if backend == "onednn" else "F.linear",
+        dtype,
+        device,
+    )
     return model
+
+
+def _log_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """One line saying what a CPU dtype runs on: bf16 is fast only with AVX-512 BF16 or AMX."""
+    if device.type != "cpu":
+        return
+    f = cpu_features()
+    isa = f"{f['capability']}, avx512_bf16={f['avx512_bf16']}, amx={f['amx']}"
+    if dtype == torch.bfloat16:
+        if native_bf16():
+            log.info("dtype bfloat16 on CPU: native bf16 matmuls (%s)", isa)
+        else:
+            log.warning(
+                "dtype bfloat16 on CPU without AVX-512 BF16 / AMX (%s): emulated, slower than float32", isa
+            )
+    else:
+        log.info("dtype %s on CPU (%s)", str(dtype).removeprefix("torch."), isa)
 
 
 def allocate_kv_caches(

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import paged_attention as cpu_paged_attention
 from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,25 @@ class Kernels:
     paged_attention: Callable
 
 
+# The plain-torch twins exactly as written: the definition of every kernel.
+REFERENCE_KERNELS = Kernels(
+    name="reference",
+    rms_norm=rmsnorm.rms_norm,
+    silu_and_mul=activation.silu_and_mul,
+    apply_rotary=rotary.apply_rotary,
+    write_kv=kv_write.write_kv,
+    paged_attention=paged_attention.paged_attention,
+)
+
+# The torch path the engine runs off CUDA: the references, except attention, which has a
+# CPU-tuned form with the same results (kernels/cpu/paged_attention.py).
 TORCH_KERNELS = Kernels(
     name="torch",
     rms_norm=rmsnorm.rms_norm,
     silu_and_mul=activation.silu_and_mul,
     apply_rotary=rotary.apply_rotary,
     write_kv=kv_write.write_kv,
-    paged_attention=paged_attention.paged_attention,
+    paged_attention=cpu_paged_attention.paged_attention,
 )
 
 
@@ -46,12 +59,16 @@ def triton_kernels() -> Kernels:
 
 
 def select_kernels(device: torch.device | str, backend: str | None = None) -> Kernels:
-    """Triton on CUDA, torch elsewhere; ``backend`` ("torch" or "triton") overrides the choice."""
+    """Triton on CUDA, torch elsewhere; ``backend`` ("torch", "triton", or "reference": the twins
+    as written, for comparisons) overrides the choice."""
     device = torch.device(device)
     if backend is None or backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS} or 'auto', got {backend!r}")
-    kernels = triton_kernels() if backend == "triton" else TORCH_KERNELS
+    if backend == "triton":
+        kernels = triton_kernels()
+    else:
+        kernels = REFERENCE_KERNELS if backend == "reference" else TORCH_KERNELS
     log.info("kernels: %s on %s", kernels.name, device)
     return kernels

@@ -13,6 +13,7 @@ from torch import nn
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
+from kernels.cpu.linear import make_linear
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
 
@@ -50,17 +51,26 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.eps = spec.rms_norm_eps
         self.scale = d**-0.5
+        self.prepare_linears("dense")
+
+    def prepare_linears(self, backend: str) -> None:
+        """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``); call
+        again after the weights change. The parameters stay: they are the weights' one source."""
+        self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
+        self.o_proj = make_linear(backend, self.o_weight)
+        self.gate_up_proj = make_linear(backend, self.gate_up_weight)
+        self.down_proj = make_linear(backend, self.down_weight)
 
     def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
         x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        x = self.shard.all_reduce(F.linear(k.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight))
+        x = self.shard.all_reduce(self.down_proj(k.silu_and_mul(self.gate_up_proj(x))))
         return x, residual
 
     def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         key = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -73,7 +83,7 @@ class DecoderLayer(nn.Module):
         k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
         out = k.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                 self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len)
-        out = self.shard.all_reduce(F.linear(out.reshape(t, q_size), self.o_weight))
+        out = self.shard.all_reduce(self.o_proj(out.reshape(t, q_size)))
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
 
@@ -92,6 +102,16 @@ class DecoderForCausalLM(nn.Module):
                         nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False))
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+        self.linear_backend = "dense"
+        self.prepare_linears("dense")
+
+    def prepare_linears(self, backend: str) -> None:
+        """``"onednn"`` (weights prepacked once) or ``"dense"`` (``F.linear``) for every projection
+        and the LM head; called by ``model_setup.load_model`` once the weights are in place."""
+        for layer in self.layers:
+            layer.prepare_linears(backend)
+        self.lm_head_proj = make_linear(backend, self.embed if self.lm_head is None else self.lm_head)
+        self.linear_backend = backend
 
     @torch.inference_mode()
     def forward(self, k: Kernels, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -115,5 +135,4 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return self.shard.all_gather_last_dim(F.linear(hidden, weight).float())
+        return self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())

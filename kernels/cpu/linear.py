@@ -1,0 +1,105 @@
+"""The model's linear layers: oneDNN with weights reordered once at load time into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the path inductor
+uses for CPU linears), or plain ``F.linear`` on CUDA, where oneDNN is missing, or when asked.
+
+On a CPU the prepacked GEMM skips the per-call packing of the weight that the default dense path
+does, which is most of the gap at the engine's shapes (M = 1..512 tokens, K = 512..1408): see
+the README's "CPU speed". Results equal ``F.linear`` within fp32 rounding (a different order of
+the same sums); a probe at load time checks this, and any failure falls back to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.features import cpu_features, native_bf16
+
+log = logging.getLogger(__name__)
+
+LINEAR_BACKENDS = ("auto", "onednn", "dense")
+
+
+class DenseLinear:
+    """``F.linear`` on the weight as loaded."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDNNLinear:
+    """oneDNN's linear on a weight reordered once into its blocked layout (an opaque tensor that
+    only ``_linear_pointwise`` reads). No batch-size hint: measured as fast as a matching hint at
+    every M from 16 to 512, where a hint of 1 costs up to 25% at M = 16."""
+
+    kind = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def onednn_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the oneDNN path cannot serve this device and dtype here, or None when it can."""
+    if device.type != "cpu":
+        return f"device is {device.type}"
+    if not cpu_features()["onednn"]:
+        return "this torch build has no oneDNN linear ops"
+    if dtype == torch.bfloat16 and not native_bf16():
+        return "no AVX-512 BF16 / AMX on this CPU"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype} is not served by the prepacked path"
+    return None
+
+
+def resolve_linear_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """``"onednn"`` or ``"dense"``. ``auto`` (None) takes oneDNN where it can run; asking for
+    ``onednn`` where it cannot is an error, not a silent fallback."""
+    requested = requested or "auto"
+    if requested not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
+    if requested == "dense":
+        return "dense"
+    reason = onednn_unusable_reason(device, dtype)
+    if reason is None and not _probe_ok(dtype):
+        reason = "the load-time probe did not match F.linear"
+    if reason is not None:
+        if requested == "onednn":
+            raise ValueError(f"linear_backend 'onednn' is unavailable: {reason}")
+        log.info("linear layers: F.linear (%s)", reason)
+        return "dense"
+    return "onednn"
+
+
+def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return OneDNNLinear(weight, bias) if backend == "onednn" else DenseLinear(weight, bias)
+
+
+def _probe_ok(dtype: torch.dtype) -> bool:
+    """One small GEMM through the packed path against F.linear: a broken or partial oneDNN build
+    falls back instead of serving wrong numbers."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 40, generator=g).to(dtype)
+        b = torch.randn(48, generator=g).to(dtype)
+        x = torch.randn(5, 40, generator=g).to(dtype)
+        got = OneDNNLinear(w, b)(x).float()
+        want = F.linear(x.float(), w.float(), b.float())
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got, want, rtol=tol, atol=tol * 10))
+    except Exception as exc:  # an op that exists but fails on this CPU
+        log.warning("oneDNN linear probe failed: %s", exc)
+        return False

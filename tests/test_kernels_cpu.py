@@ -1,0 +1,211 @@
+"""The CPU paths of ``kernels/cpu``: attention against the reference twin, the prepacked oneDNN
+linear against ``F.linear``, the run-time choice between them and their fallbacks, and greedy
+equality with HF on every path this machine can run (the forced fallbacks included)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from engine_svc import SamplingParams
+from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS, select_kernels
+from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import paged_attention as cpu_attention
+from kernels.cpu.features import cpu_features, native_bf16
+from kernels.reference.paged_attention import paged_attention as reference_attention
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_to_completion,
+)
+
+# Many decodes of scattered lengths (several length groups, chunks of a few rows) beside prefills.
+DECODE_HEAVY = AttentionCase(
+    tuple((n, 1) for n in (3, 17, 64, 65, 200, 201, 203, 250, 511, 512, 47, 48, 49)) + ((90, 30), (33, 33)),
+    8,
+    2,
+    64,
+    16,
+)
+CPU_CASES = MIXED_CASES + SPLIT_DECODE_CASES + (DECODE_HEAVY,)
+
+
+def test_torch_backend_uses_the_cpu_attention_and_reference_stays_selectable():
+    assert select_kernels("cpu") is TORCH_KERNELS
+    assert TORCH_KERNELS.paged_attention is cpu_attention.paged_attention
+    assert select_kernels("cpu", "reference") is REFERENCE_KERNELS
+    assert REFERENCE_KERNELS.paged_attention is reference_attention
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.label)
+def test_cpu_paged_attention_equals_reference_fp32(case):
+    batch = make_paged_batch(case, torch.float32, seed=11)
+    got = cpu_attention.paged_attention(*batch.args(), **batch.bounds())
+    torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="no AVX-512 BF16 / AMX on this CPU")
+def test_cpu_paged_attention_bf16_close_to_fp32_reference():
+    batch = make_paged_batch(DECODE_HEAVY, torch.bfloat16, seed=5)
+    got = cpu_attention.paged_attention(*batch.args()).float()
+    f32 = make_paged_batch(DECODE_HEAVY, torch.float32, seed=5)  # the same draws, before rounding
+    f32.q, f32.k_cache, f32.v_cache = batch.q.float(), batch.k_cache.float(), batch.v_cache.float()
+    torch.testing.assert_close(got, reference_attention(*f32.args()), rtol=3e-2, atol=3e-2)
+
+
+def test_decode_chunking_changes_results_by_rounding_only(monkeypatch):
+    batch = make_paged_batch(DECODE_HEAVY, torch.float32, seed=2)
+    whole = cpu_attention.paged_attention(*batch.args())
+    monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 1)  # one request per SDPA call
+    # SDPA's CPU kernel rounds a row differently with the batch around it (~1e-7 here).
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch.args()), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_paged_attention_ignores_blocks_outside_the_table():
+    case = MIXED_CASES[1]
+    batch = make_paged_batch(case, torch.float32, seed=3)
+    before = cpu_attention.paged_attention(*batch.args())
+    used = set()
+    for b, (ctx, _) in enumerate(case.requests):
+        used |= set(batch.block_tables[b, : (ctx + case.block_size - 1) // case.block_size].tolist())
+    unused = [i for i in range(batch.k_cache.shape[0]) if i not in used]
+    assert unused
+    batch.k_cache[unused] = float("nan")
+    batch.v_cache[unused] = float("nan")
+    for b, (ctx, _) in enumerate(case.requests):
+        last = int(batch.block_tables[b, (ctx - 1) // case.block_size])
+        batch.k_cache[last, ctx % case.block_size or case.block_size :] = float("nan")
+        batch.v_cache[last, ctx % case.block_size or case.block_size :] = float("nan")
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch.args()), before)
+
+
+# --- linear layers ---------------------------------------------------------------------------
+
+onednn_here = pytest.mark.skipif(
+    cpu_linear.onednn_unusable_reason(torch.device("cpu"), torch.float32) is not None,
+    reason="no oneDNN linear in this torch build",
+)
+
+
+@onednn_here
+@pytest.mark.parametrize("m", [1, 7, 64, 512])
+@pytest.mark.parametrize("k,n,bias", [(512, 1408, False), (1408, 512, False), (64, 200, True)])
+def test_onednn_linear_equals_f_linear_fp32(m, k, n, bias):
+    g = torch.Generator().manual_seed(m + k)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    got = cpu_linear.OneDNNLinear(w, b)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@onednn_here
+def test_onednn_linear_takes_an_empty_batch_and_strided_rows():
+    w = torch.randn(96, 32)
+    lin = cpu_linear.OneDNNLinear(w)
+    assert lin(torch.randn(0, 32)).shape == (0, 96)
+    x = torch.randn(10, 64)[:, :32]  # a column slice: non-contiguous rows
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="no AVX-512 BF16 / AMX on this CPU")
+def test_onednn_linear_bf16_close_to_fp32():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1408, 512, generator=g) * 512**-0.5
+    x = torch.randn(33, 512, generator=g)
+    got = cpu_linear.OneDNNLinear(w.bfloat16())(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, w), rtol=3e-2, atol=3e-2)
+
+
+def test_linear_backend_choice_and_fallbacks(monkeypatch, caplog):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert cpu_linear.resolve_linear_backend("dense", cpu, torch.float32) == "dense"
+    assert cpu_linear.resolve_linear_backend(None, cuda, torch.bfloat16) == "dense"
+    with pytest.raises(ValueError, match="linear_backend"):
+        cpu_linear.resolve_linear_backend("mkl", cpu, torch.float32)
+    expected = "onednn" if cpu_features()["onednn"] else "dense"
+    assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float32) == expected
+    # A oneDNN that computes wrong numbers (or none) is never served: auto falls back, with a log line.
+    monkeypatch.setattr(cpu_linear, "_probe_ok", lambda dtype: False)
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.linear"):
+        assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float32) == "dense"
+    assert "F.linear" in caplog.text
+    with pytest.raises(ValueError, match="unavailable"):
+        cpu_linear.resolve_linear_backend("onednn", cpu, torch.float32)
+
+
+def test_bf16_without_native_instructions_stays_on_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    assert "BF16" in cpu_linear.onednn_unusable_reason(torch.device("cpu"), torch.bfloat16)
+    assert cpu_linear.resolve_linear_backend("auto", torch.device("cpu"), torch.bfloat16) == "dense"
+
+
+def test_probe_passes_where_onednn_runs():
+    if cpu_features()["onednn"]:
+        assert cpu_linear._probe_ok(torch.float32)
+    if native_bf16():
+        assert cpu_linear._probe_ok(torch.bfloat16)
+
+
+# --- the engine on each path -----------------------------------------------------------------
+
+PATHS = [
+    pytest.param("auto", None, id="default"),  # oneDNN + CPU attention where this machine has them
+    pytest.param("dense", None, id="f_linear"),
+    pytest.param("dense", "reference", id="reference_twins"),
+]
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_llama):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="float32").eval()
+    prompts = random_prompts([1, 9, 16, 41, 77], 1024, seed=21)
+    prompts.append(prompts[3][:32] + [5, 6, 7])  # a prefix-cache hit
+    return tiny_llama, hf, prompts, [hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("linear_backend,kernel_backend", PATHS)
+def test_greedy_equals_hf_on_each_cpu_path(llama_case, linear_backend, kernel_backend):
+    model_dir, hf, prompts, refs = llama_case
+    engine = make_engine(
+        model_dir,
+        block_size=16,
+        max_num_batched_tokens=48,
+        linear_backend=linear_backend,
+        kernel_backend=kernel_backend,
+    )
+    want = "onednn" if linear_backend == "auto" and cpu_features()["onednn"] else "dense"
+    assert engine.model.linear_backend == want
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, outputs[(str(i), 0)], ref)
+
+
+def test_decodes_in_one_chunk_are_bit_equal_to_the_reference():
+    case = AttentionCase(tuple((n, 1) for n in (3, 17, 64, 65, 200, 201, 203, 511, 512)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=4)
+    assert torch.equal(cpu_attention.paged_attention(*batch.args()), reference_attention(*batch.args()))
+
+
+@pytest.mark.parametrize("linear_backend", ["auto", "dense"])
+def test_bf16_engine_on_cpu_says_what_it_runs_on(tiny_llama, caplog, linear_backend):
+    with caplog.at_level(logging.INFO, logger="engine_svc.model_setup"):
+        engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu", linear_backend=linear_backend)
+    line = "native bf16 matmuls" if native_bf16() else "emulated, slower than float32"
+    assert line in caplog.text
+    packed = linear_backend == "auto" and native_bf16()
+    assert engine.model.linear_backend == ("onednn" if packed else "dense")
+    prompts = random_prompts([5, 40], 1024, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert all(len(outputs[(str(i), 0)]) == 6 for i in range(len(prompts)))
