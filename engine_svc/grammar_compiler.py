@@ -3,8 +3,9 @@
 ``submit(grammar)`` returns a future of a fresh ``llguidance.LLMatcher``. The work (parsing the
 grammar, building its lexer, computing the first token mask, which is where llguidance does most of
 its lazy work) runs on a worker thread; the request waits in the queue until its matcher is ready
-and holds back nobody. A warmed matcher per grammar is kept (LRU, bounded), so a second request
-with the same spec pays only a ``deep_copy``. Parser limits bound the work a pathological regex or
+and holds back nobody. The future of a warmed matcher per grammar is kept (LRU, bounded), so a
+second request with the same spec, even one that arrives while the first compile runs, pays only a
+``deep_copy``. Parser limits bound the work a pathological regex or
 grammar can cause.
 """
 
@@ -39,14 +40,27 @@ class GrammarCompiler:
         self.compile_s: list[float] = []  # per compile, for the benchmark
 
     def submit(self, grammar: str) -> Future:
+        """A future of a fresh matcher for ``grammar``. Requests with the same grammar share one
+        compile, also while it is still running."""
         with self._lock:
             template = self._templates.get(grammar)
-            if template is not None:
+            if template is None:
+                template = self._templates[grammar] = self._pool.submit(self._compile, grammar)
+                while len(self._templates) > MAX_CACHED_GRAMMARS:
+                    self._templates.popitem(last=False)
+            else:
                 self._templates.move_to_end(grammar)
-                done: Future = Future()
-                done.set_result(template.deep_copy())
-                return done
-        return self._pool.submit(self._compile, grammar)
+        fresh: Future = Future()
+
+        def copy(done: Future) -> None:
+            error = done.exception()
+            if error is not None:
+                fresh.set_exception(error)
+            else:
+                fresh.set_result(done.result().deep_copy())
+
+        template.add_done_callback(copy)
+        return fresh
 
     def _compile(self, grammar: str):
         import llguidance.torch as lt
@@ -60,11 +74,7 @@ class GrammarCompiler:
             raise ValueError(f"the grammar allows no token of this vocabulary: {matcher.get_error()}")
         self.compile_s.append(time.perf_counter() - t0)
         self.num_compiled += 1
-        with self._lock:
-            self._templates[grammar] = matcher
-            while len(self._templates) > MAX_CACHED_GRAMMARS:
-                self._templates.popitem(last=False)
-        return matcher.deep_copy()
+        return matcher  # the template: never stepped, only copied
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
