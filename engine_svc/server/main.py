@@ -24,6 +24,7 @@ import grpc
 from engine_svc.rpc.defaults import ENGINE_TCP_PORT
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.log_setup import setup_logging
+from engine_svc.rpc.socket_dir import remove_if_owner_gone
 from engine_svc.rpc.tls import add_port, server_tls_from_args
 from engine_svc.server.cpus import torch_threads
 from engine_svc.server.engine_loop import EngineLoop
@@ -266,5 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     if health_server is not None:
         health_server.stop(grace=0.5).wait(1.0)
     if address.startswith("unix://"):
-        Path(address[len("unix://") :]).unlink(missing_ok=True)
+        socket_path = Path(address[len("unix://") :])
+        socket_path.unlink(missing_ok=True)
+        # A launcher killed by SIGKILL could not remove its private directory: do it for it.
+        remove_if_owner_gone(socket_path.parent)
     return 1 if crashed else 0
