@@ -170,17 +170,21 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _prompt_fields(self, request: pb.GenerateRequest, kind: str | None) -> dict:
         """The request line's facts about the prompt, at a cost bounded by the limits: a chat over
         the message limit is only counted (it is refused next)."""
-        messages = request.chat.messages
-        chat = None
-        if kind == "chat" and len(messages) <= self.s.limits.max_chat_messages:
+        messages, lim = request.chat.messages, self.s.limits
+        chat = text = None
+        if kind == "chat" and len(messages) <= lim.max_chat_messages:
             chat = [{"role": m.role, "content": m.content} for m in messages]
+            if sum(len(m["role"]) + len(m["content"]) for m in chat) > lim.max_prompt_chars:
+                chat = None  # refused next; counted, never logged whole
+        if kind == "text" and len(request.text) <= lim.max_prompt_chars:
+            text = request.text  # (--log-prompts logs it whole: only within the limit)
         fields = self.s.prompt_log.fields(
-            text=request.text if kind == "text" else None,
-            chat=chat,
-            num_tokens=len(request.token_ids.ids) if kind == "token_ids" else None,
+            text=text, chat=chat, num_tokens=len(request.token_ids.ids) if kind == "token_ids" else None
         )
         if kind == "chat" and chat is None:
             fields["chat_messages"] = len(messages)
+        if kind == "text" and text is None:
+            fields["prompt_chars"] = len(request.text)
         return fields
 
     async def _observed(

@@ -89,15 +89,25 @@ def test_never_reading_streams_are_paused_then_aborted_and_normal_traffic_goes_o
         time.sleep(1.5)
         assert svc.engine_stats().load.num_steps == steps, "the engine stepped paused requests"
 
-        # Normal traffic beside them: a 16-token request completes within seconds.
+        # Normal traffic beside them: a 16-token request completes within seconds (at full size
+        # every slot is taken by a stalled stream, so as in the issue it comes 40 s in, after the
+        # first stalled ones were aborted).
+        if FULL_SIZE:
+            time.sleep(max(0.0, started + 40 - time.monotonic()))
         t0 = time.monotonic()
         out = client.generate("a normal request", max_tokens=16, ignore_eos=True, timeout=30)
         normal_s = time.monotonic() - t0
         assert out.usage.completion_tokens == 16 and normal_s < 5, normal_s
+        rss["during"] = rss_mib(gw)
+
+        def all_live_paused():
+            st = svc.engine_stats()
+            return st.load.num_paused == st.num_live_requests
+
+        wait_for(all_live_paused, 120, "the stalled streams admitted later were not paused")
         steps = svc.engine_stats().load.num_steps
         time.sleep(1.0)
         assert svc.engine_stats().load.num_steps == steps
-        rss["during"] = rss_mib(gw)
 
         # After the stall timeout the stalled requests are aborted and give back their slots.
         wait_for(
