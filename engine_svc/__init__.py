@@ -2,8 +2,9 @@
 
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelInfo", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelInfo", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name):

@@ -25,7 +25,6 @@ class BlockPool:
         # Insertion order is eviction order: the first key is the least recently freed block.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -85,7 +84,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-                self.num_evictions += 1
             block.block_hash, block.token_ids = None, None
 
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap
+from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
@@ -83,6 +85,9 @@ class LLMEngine:
             cdiv(self.max_model_len, config.block_size),
             self.tp_group.broadcast if self.tp_group else None,
         )
+        self.grammars = self._grammar_compiler()
+        if self.grammars is not None:
+            self.runner.grammar_executor = self.grammars.executor
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -110,8 +115,16 @@ class LLMEngine:
             shard.size,
         )
 
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        tokenizer_json = find_tokenizer_json(self.config.model)
+        if tokenizer_json is None:
+            return None  # token-only model directory: structured outputs are refused
+        return GrammarCompiler(tokenizer_json, self.spec.vocab_size, list(self.spec.eos_token_ids))
+
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a single-rank engine holds nothing to release)."""
+        """Stop tensor-parallel workers and the grammar compiler's thread."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.tp_group is not None:
             self.tp_group.close()
             self.tp_group = None
@@ -160,8 +173,15 @@ class LLMEngine:
             )
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs the model directory's tokenizer.json (none here)")
+            grammar = params.structured_outputs.to_grammar()  # ValueError naming the field
         params.eos_token_ids = tuple(self.spec.eos_token_ids)
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
+        if grammar is not None:
+            request.grammar = self.grammars.submit(grammar)  # compiled off the loop; admitted when ready
         seq = Sequence(request, 0, list(prompt))
         request.sequences.append(seq)
         self.requests[request_id] = request
@@ -208,12 +228,16 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """schedule -> forward and sample -> the scheduler applies the result; nothing else."""
         out = self.scheduler.schedule()
+        deltas = self.scheduler.take_failed()
         if not out.seqs:
             self.runner.batch.sync(self.kv.take_changed_tables())  # release the rows of what was aborted
-            return []
-        result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
-        self.num_steps += 1
-        deltas = self.scheduler.update_from_output(out, result)
+            compiling = [r.grammar for r in self.requests.values() if r.waiting_for_grammar]
+            if compiling:  # nothing else can run: wait for a grammar rather than spin against it
+                futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
+        else:
+            result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
+            self.num_steps += 1
+            deltas += self.scheduler.update_from_output(out, result)
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]

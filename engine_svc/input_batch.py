@@ -17,8 +17,8 @@ from engine_svc.sequence import Sequence
 TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
 NUM_SAMPLING_COLS = 7
 # Per-row flags that send a step off the plain path: each needs per-row Python in the sampler.
-SEEDED, LOGPROBS, PENALTY, MIN_TOKENS = range(4)
-NUM_FLAGS = 4
+SEEDED, LOGPROBS, PENALTY, MIN_TOKENS, LOGIT_CONTROLS, GRAMMAR = range(6)
+NUM_FLAGS = 6
 
 
 class InputBatch:
@@ -83,6 +83,8 @@ class InputBatch:
             p.logprobs is not None,
             p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty),
             p.min_tokens > 0,
+            p.has_logit_controls,
+            p.structured_outputs is not None,
         )
         return row
 

@@ -1,7 +1,8 @@
 """The offline API, in the shape vLLM users know: ``LLM(model=...).generate(prompts, params)``.
 
-Text lives here, not in the engine: string prompts are tokenized, outputs detokenized
-incrementally, and stop strings matched on the text; a match finishes that sequence with an
+Text lives here, not in the engine: string prompts are tokenized, and outputs go through the
+same text pipeline as the gateway's streams (``tokenizer_svc.text_stream``): incremental
+detokenizing that continues the prompt, then stop strings; a match finishes that sequence with an
 abort to the engine, and nothing after the match is returned.
 """
 
@@ -101,8 +102,9 @@ class LLM:
                 while self.engine.has_unfinished_requests():
                     for delta in self.engine.step():
                         track = tracks[delta.request_id]
+                        was_finished = track.finished
                         track.consume(delta, self.engine)
-                        if track.finished:
+                        if track.finished and not was_finished:
                             bar.update(1)
         finally:
             for rid in tracks:
@@ -131,12 +133,11 @@ class _Seq:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list | None = None
-    detokenizer: object = None
-    stop_matcher: object = None
+    text_stream: object = None  # tokenizer_svc.text_stream.TextStream, when there is a tokenizer
 
 
 class _Track:
-    """One request's text-side state: per sequence, its detokenizer and stop-string matcher."""
+    """One request's text side: per sequence, the same text pipeline the gateway streams with."""
 
     def __init__(
         self,
@@ -151,52 +152,43 @@ class _Track:
         self.seqs = [self._new_seq() for _ in range(params.n)]
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
+        self.finished = False
 
     def _new_seq(self) -> _Seq:
         seq = _Seq()
         if self.tokenizer is not None:
-            from tokenizer_svc.detokenizer import IncrementalDetokenizer
-            from tokenizer_svc.stop_strings import StopStringMatcher
+            from tokenizer_svc.text_stream import TextStream
 
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=self.params.skip_special_tokens
+            p = self.params
+            seq.text_stream = TextStream(
+                self.tokenizer, self.prompt_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
             )
-            if self.params.stop:
-                seq.stop_matcher = StopStringMatcher(self.params.stop, self.params.include_stop_str_in_output)
         return seq
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
 
     def consume(self, delta: RequestDelta, engine: LLMEngine) -> None:
         seq = self.seqs[delta.index]
         self.num_cached_tokens = delta.num_cached_tokens
+        self.finished = delta.request_finished or engine.request_finished(self.request_id)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if seq.finish_reason is not None:
+            return  # a stop string ended it; the engine's abort came after this step
         seq.token_ids.extend(delta.new_token_ids)
         if delta.logprobs:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.extend(delta.logprobs)
-        if seq.detokenizer is not None:
-            new_text = seq.detokenizer.push(delta.new_token_ids)
-            if delta.finished:
-                new_text += seq.detokenizer.flush()  # an incomplete last character, as decode() gives it
-            if seq.stop_matcher is not None:
-                result = seq.stop_matcher.push(new_text)
-                seq.text += result.text
-                if result.matched is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", result.matched
-                    if not delta.finished:
-                        engine.abort_request(self.request_id, index=delta.index)
-                    return
-                if delta.finished:
-                    seq.text += seq.stop_matcher.flush()
-            else:
-                seq.text += new_text
+        if seq.text_stream is not None:
+            step = seq.text_stream.push(delta.new_token_ids, last=delta.finished)
+            seq.text += step.text
+            if step.stop_string is not None:
+                seq.finish_reason, seq.stop_reason = "stop", step.stop_string
+                if not delta.finished:
+                    engine.abort_request(self.request_id, index=delta.index)
+                    self.finished = engine.request_finished(self.request_id)
+                return
         if delta.finished:
-            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_token_id
+            seq.finish_reason, seq.stop_reason = str(delta.finish_reason), delta.stop_token_id
 
     def result(self) -> RequestOutput:
         outputs = [

@@ -66,6 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
         self.sampler = Sampler()
+        self.grammar_executor = None  # set by the engine when structured outputs are available
         self.batch = InputBatch(max_blocks_per_seq)
 
     @torch.inference_mode()
@@ -178,8 +179,15 @@ class ModelRunner:
         if used[ib.PENALTY]:
             output_ids = [s.output_token_ids for s, _ in row_seqs]
             prompt_ids = [s.request.prompt_token_ids for s, _ in row_seqs]
-        if used[ib.MIN_TOKENS]:
+        if used[ib.MIN_TOKENS] or used[ib.LOGIT_CONTROLS]:
             banned = [_banned_now(s) for s, _ in row_seqs]
+        controls = {}
+        if used[ib.LOGIT_CONTROLS]:
+            controls["logit_bias"] = [s.request.params.logit_bias for s, _ in row_seqs]
+            controls["allowed_ids"] = [s.request.params.allowed_token_ids for s, _ in row_seqs]
+        if used[ib.GRAMMAR]:
+            controls["matchers"] = [s.matcher for s, _ in row_seqs]
+            controls["grammar_executor"] = self.grammar_executor
         return SamplingBatch(
             temperature=cols[:, ib.TEMPERATURE],
             top_k=cols[:, ib.TOP_K].to(torch.int64),
@@ -195,6 +203,7 @@ class ModelRunner:
             num_logprobs=num_logprobs,
             any_penalty=bool(used[ib.PENALTY]),
             all_greedy=not gathered[:, ib.TEMPERATURE].any(),
+            **controls,
         )
 
 
@@ -211,8 +220,16 @@ def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int]]:
 
 
 def _banned_now(seq: Sequence) -> list[int]:
-    """Ids that may not be sampled yet: stop tokens (and EOS) before ``min_tokens`` outputs."""
+    """Ids that may not be sampled now: stop tokens (and EOS) before ``min_tokens`` outputs, and the
+    last token of each bad word whose other tokens end the output."""
     p = seq.request.params
-    if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:
-        return []
-    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+    banned = []
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+        banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+    if p.bad_words_token_ids:
+        output = seq.token_ids[seq.request.num_prompt_tokens :]
+        for word in p.bad_words_token_ids:
+            k = len(word) - 1
+            if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):
+                banned.append(word[-1])
+    return banned

@@ -1,6 +1,7 @@
-"""Token sampling for a whole batch at once: penalties, temperature, top-k / top-p / min-p,
-per-row seeds, and logprobs. Work over the vocabulary is vectorized across rows; the only
-per-row Python is drawing the noise of rows that carry their own seed."""
+"""Token sampling for a whole batch at once: structured-output masks, allowed ids and logit bias,
+penalties, temperature, top-k / top-p / min-p, per-row seeds, and logprobs. Work over the
+vocabulary is vectorized across rows; the only per-row Python is drawing the noise of rows that
+carry their own seed, and the per-row options that some row uses."""
 
 from __future__ import annotations
 
@@ -30,6 +31,54 @@ class SamplingBatch:
     num_logprobs: list[int | None]  # per row: top-N wanted (None: no logprobs)
     any_penalty: bool
     all_greedy: bool
+    logit_bias: list[dict[int, float] | None] | None = None  # per row, when some row has one
+    allowed_ids: list[list[int] | None] | None = None  # per row, when some row has them
+    matchers: list | None = None  # per row: its llguidance matcher (structured output) or None
+    grammar_executor: object = None  # llguidance.LLExecutor: fills the rows' masks in parallel
+
+
+def apply_constraints(logits: torch.Tensor, b: SamplingBatch) -> None:
+    """In place: a grammar's token mask, allowed token ids and logit bias, row by row as asked.
+    Logprobs are reported after these (what the request could have sampled), as vLLM does."""
+    if b.matchers is not None:
+        apply_grammar_masks(logits, b.matchers, b.grammar_executor)
+    if b.allowed_ids is not None:
+        rows = [r for r, ids in enumerate(b.allowed_ids) if ids is not None]
+        keep = torch.full(
+            (len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device
+        )
+        for i, r in enumerate(rows):
+            keep[i, torch.tensor(b.allowed_ids[r], device=logits.device)] = 0.0
+        logits[rows] += keep
+    if b.logit_bias is not None:
+        for r, bias in enumerate(b.logit_bias):
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                logits[r, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: list, executor) -> None:
+    """Each constrained row keeps only the tokens its grammar allows next. The masks of all rows
+    are filled in one parallel call; rows sharing a matcher (an n > 1 prompt about to fork) are
+    filled once and copied."""
+    import llguidance.torch as lt
+
+    rows = [r for r, m in enumerate(matchers) if m is not None]
+    first: dict[int, int] = {}  # id(matcher) -> its row in the mask
+    for i, r in enumerate(rows):
+        first.setdefault(id(matchers[r]), i)
+    mask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
+    lt.fill_next_token_bitmask_par(executor, [(matchers[rows[i]], i) for i in first.values()], mask)
+    for i, r in enumerate(rows):
+        j = first[id(matchers[r])]
+        if j != i:
+            mask[i] = mask[j]
+    bits = (mask.to(logits.device).unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1  # [rows, words, 32]
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # token 32*w + b is allowed when bit b of word w is set
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -74,6 +123,8 @@ def filter_logits(
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of ``logits [R, V]`` (fp32). Returns token ids and logprobs."""
+        if b.matchers is not None or b.allowed_ids is not None or b.logit_bias is not None:
+            apply_constraints(logits, b)
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in b.num_logprobs) else None
         for r, banned in enumerate(b.banned_ids):
             if banned:

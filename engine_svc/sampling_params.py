@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_svc.structured_outputs import StructuredOutputsParams
+
 # Sampling below this temperature is greedy (a zero temperature cannot divide logits).
 GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_LOGIT_CONTROL_IDS = 4096  # entries in logit_bias, allowed_token_ids, or bad-word tokens, each
 
 
 @dataclass
@@ -29,6 +33,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (0: the sampled token only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Logit controls, applied before sampling (and before logprobs are reported).
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Token sequences never to complete: the last token of each is banned whenever the output ends
+    # with the ones before it (a one-token sequence: always). The text side tokenizes ``bad_words``.
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine from the model's generation config, not by callers.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -76,6 +87,42 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(value, name, lo=0, hi=max_logprobs)
+        self._validate_logit_controls(vocab_size)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.kind()
+
+    def _validate_logit_controls(self, vocab_size: int) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_CONTROL_IDS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_CONTROL_IDS} token ids")
+            for tid, bias in self.logit_bias.items():
+                _check_int(tid, "logit_bias token id", lo=0, hi=vocab_size - 1)
+                _check_float(bias, f"logit_bias[{tid}]", hint=f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias[{tid}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not ids or len(ids) > MAX_LOGIT_CONTROL_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_LOGIT_CONTROL_IDS} token ids")
+            for tid in ids:
+                _check_int(tid, "allowed_token_ids", lo=0, hi=vocab_size - 1)
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if sum(len(w) for w in words) > MAX_LOGIT_CONTROL_IDS:
+                raise ValueError(f"bad words may hold at most {MAX_LOGIT_CONTROL_IDS} tokens in all")
+            for word in words:
+                if not word:
+                    raise ValueError("a bad word must be at least one token")
+                for tid in word:
+                    _check_int(tid, "bad_words token id", lo=0, hi=vocab_size - 1)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
 
 def _check_int(value, name: str, lo: int | None = None, hi: int | None = None) -> None:

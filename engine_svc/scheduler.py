@@ -15,6 +15,7 @@ the queues, so the scheduler can be driven by fake step results in tests, with n
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
+        self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -139,9 +143,17 @@ class Scheduler:
         waiting, j = self.waiting, 0
         while j < len(waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[j]
-            if seq.request.paused:
+            request = seq.request
+            if request.paused or request.waiting_for_grammar:
                 j += 1
                 continue
+            if request.grammar is not None and seq.matcher is None:
+                try:
+                    seq.matcher = request.grammar.result()
+                except Exception as e:  # noqa: BLE001 - reported to the caller as the request's end
+                    del waiting[j]
+                    self._fail(seq, f"structured output: {e}")
+                    continue
             cached = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -166,6 +178,32 @@ class Scheduler:
             out.only_decodes = False
             budget -= num_new
         return budget
+
+    def _fail(self, seq: Sequence, why: str) -> None:
+        """End a request that cannot run (its grammar did not compile): an abort delta says why."""
+        request = seq.request
+        log.warning("request %s ends: %s", request.request_id, why)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        request.ended.update(range(request.params.n))
+        self.failed.append(
+            RequestDelta(
+                request.request_id,
+                0,
+                [],
+                None,
+                FinishReason.ABORT,
+                None,
+                request.num_prompt_tokens,
+                error=why,
+                request_finished=True,
+            )
+        )
+
+    def take_failed(self) -> list[RequestDelta]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
         """Priority policy: the running sequence that a waiting ``seq`` may evict, if any."""
@@ -218,11 +256,20 @@ class Scheduler:
             seq.token_ids.append(token)
             request = seq.request
             num_tokens = len(seq.token_ids)
+            matcher = seq.matcher
             if token in request.stop_ids and num_tokens >= request.min_stop_len:
                 seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
                 finished.append(seq)
+            elif matcher is not None and not matcher.consume_token(token):
+                # The mask allowed nothing this vocabulary can say: report it, do not loop on it.
+                log.warning("request %s: its grammar allows no token here", request.request_id)
+                seq.finish_reason = FinishReason.ABORT
+                finished.append(seq)
             elif num_tokens >= request.length_limit:
                 seq.finish_reason = FinishReason.LENGTH
+                finished.append(seq)
+            elif matcher is not None and matcher.is_stopped():  # the grammar is complete: nothing may follow
+                seq.finish_reason = FinishReason.STOP
                 finished.append(seq)
             delta = RequestDelta(
                 request.request_id,
@@ -273,6 +320,8 @@ class Scheduler:
                     child = seq
                 else:
                     child = Sequence(request, i, list(seq.token_ids))
+                    if seq.matcher is not None:
+                        child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                     child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
                     self.kv.fork(seq, child)
                     child.status = seq.status

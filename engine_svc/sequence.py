@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,7 @@ class Request:
     # position once, whatever chunking and recompute do; sent whole with the request's first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    grammar: Future | None = None  # of the first sequence's matcher, compiled off the loop
 
     def __post_init__(self) -> None:
         # Read for every sequence on every step: fields computed once, not properties.
@@ -75,6 +77,10 @@ class Request:
     def finished(self) -> bool:
         """Every one of the n outputs has ended."""
         return len(self.ended) == self.params.n
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -104,6 +110,7 @@ class Sequence:
     admitted_before: bool = False
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    matcher: object = None  # llguidance.LLMatcher of a structured-output request: its grammar state
 
     @property
     def num_tokens(self) -> int:

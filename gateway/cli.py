@@ -21,7 +21,7 @@ FINISH_NAMES = {1: "stop", 2: "length", 3: "abort"}
 
 
 def _add_serve(sub) -> None:
-    from engine_svc.server.main import add_engine_options
+    from engine_svc.rpc.engine_options import add_engine_options
 
     d = Limits()
     p = sub.add_parser("serve", help="start the engine, the tokenizer workers and the gateway")

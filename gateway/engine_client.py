@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import grpc
 
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
+from engine_svc.rpc.shm_ring import TokenRing
+from engine_svc.rpc.stall import StallDetector
 from engine_svc.rpc.tls import ClientTLS
-from engine_svc.server.shm_ring import TokenRing
-from engine_svc.server.watchdog import StallDetector
 from gateway.stream_buffer import OutputBudget, delta_bytes
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.log_setup import request_scope
-from engine_svc.server.convert import sampling_params_to_proto
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting

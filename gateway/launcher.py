@@ -18,9 +18,9 @@ import signal
 import subprocess
 import sys
 
+from engine_svc.rpc.engine_options import engine_options_argv
+from engine_svc.rpc.shm_segments import sweep_stale_segments
 from engine_svc.rpc.socket_dir import make_private_dir, sweep_stale_dirs
-from engine_svc.server.main import engine_options_argv
-from engine_svc.server.shm_segments import sweep_stale_segments
 from gateway.server import GatewayOptions, GatewayServer
 
 log = logging.getLogger("gateway")

@@ -5,8 +5,7 @@ from __future__ import annotations
 from engine_svc.sampling_params import SamplingParams
 from gateway.engine_client import EngineDelta
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
-from tokenizer_svc.detokenizer import IncrementalDetokenizer
-from tokenizer_svc.stop_strings import StopStringMatcher
+from tokenizer_svc.text_stream import TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
 # engine.v1 and llmserve.v1 number their finish reasons alike.
@@ -33,12 +32,11 @@ class SequenceOutput:
     ) -> None:
         self.request_id = request_id
         self.index = index
-        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids=prompt_ids)
-        self._stop = (
-            StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._text = TextStream(
+            tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
         )
         self._return_ids = return_token_ids
-        self._want_prompt_logprobs = params.prompt_logprobs is not None and index == 0
+        self._want_prompt_logprobs = params.prompt_logprobs is not None  # one delta carries them
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.num_tokens = 0
@@ -50,16 +48,9 @@ class SequenceOutput:
             return None  # a stop string already ended this sequence; the engine has not caught up
         self.num_tokens += len(d.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
-        text = self._detok.push(d.token_ids)
         engine_finished = d.finish_reason != 0
-        if engine_finished:
-            text += self._detok.flush()
-        matched = None
-        if self._stop is not None:
-            result = self._stop.push(text)
-            text, matched = result.text, result.matched
-            if matched is None and engine_finished:
-                text += self._stop.flush()
+        step = self._text.push(d.token_ids, last=engine_finished)
+        text, matched = step.text, step.stop_string
         msg = pb.GenerateResponse(request_id=self.request_id, index=self.index, text=text)
         if self._return_ids:
             msg.token_ids.extend(d.token_ids)
@@ -83,9 +74,7 @@ class SequenceOutput:
 
     def abort(self) -> pb.GenerateResponse:
         """The server ends this sequence early (drain): release the held text and say so."""
-        text = self._detok.flush()
-        if self._stop is not None:
-            text = self._stop.push(text).text + self._stop.flush()
+        text = self._text.close()
         msg = pb.GenerateResponse(
             request_id=self.request_id, index=self.index, text=text, finish_reason=pb.FINISH_REASON_ABORT
         )

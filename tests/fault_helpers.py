@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_svc.server.shm_segments import creator_pid, list_segments
+from engine_svc.rpc.shm_segments import creator_pid, list_segments
 from gateway.client import build_request
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from engine_svc.server.shm_segments import creator_pid, list_segments
+from engine_svc.rpc.shm_segments import creator_pid, list_segments
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.fault_helpers import wait_for
 

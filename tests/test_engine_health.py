@@ -18,9 +18,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.tls import ClientTLS
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.server.convert import sampling_params_to_proto
 from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import STALL_AT, STALL_S
 from engine_svc.server.health import ENGINE_SERVICE, EngineHealth

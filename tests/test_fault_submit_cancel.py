@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.server.convert import sampling_params_to_proto
 from gateway.engine_client import EngineClient
 from llmserve_proto.engine.v1 import engine_pb2
 

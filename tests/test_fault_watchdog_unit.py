@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine_svc.rpc.stall import StallDetector
 from engine_svc.server.fault_injection import InjectedFault, install_from_env
-from engine_svc.server.watchdog import StallDetector, Watchdog
+from engine_svc.server.watchdog import Watchdog
 
 
 def test_stalled_only_while_work_is_pending_past_the_timeout():

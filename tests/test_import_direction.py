@@ -99,3 +99,20 @@ def test_the_engine_server_loads_without_the_gateway():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_gateway_uses_only_the_shared_engine_modules():
+    """What both ends of engine.v1 use lives in engine_svc/rpc/; engine_svc/server/ is the engine
+    process's own. The one exception is the ``llmserve engine`` command, which runs that process."""
+    offenders = {}
+    for p in sorted((ROOT / "gateway").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"), str(p))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad = [n for n in names if n == "engine_svc.server" or n.startswith("engine_svc.server.")]
+            if bad and not (p.name == "cli.py" and bad == ["engine_svc.server.main"]):
+                offenders.setdefault(str(p.relative_to(ROOT)), []).append(f"line {node.lineno}: {bad}")
+    assert not offenders, f"the gateway imports the engine process's modules: {offenders}"

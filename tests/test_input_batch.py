@@ -23,7 +23,8 @@ from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
 
 def rebuild_inputs(seqs: list[Sequence], num_new: list[int], block_size: int) -> dict[str, list]:
     """The step's inputs computed from the sequences alone, one Python list per field."""
-    ids, positions, slots, seq_lens, query_start, logit_rows, tables = [], [], [], [], [0], [], []
+    ids, positions, slots, seq_lens, query_start, tables = [], [], [], [], [0], []
+    sample_rows, prompt_rows = [], []  # the contract: every sample row first, then prompt-logprob rows
     start = 0
     for seq, n in zip(seqs, num_new, strict=True):
         c, table, request = seq.num_computed_tokens, seq.block_table, seq.request
@@ -35,10 +36,11 @@ def rebuild_inputs(seqs: list[Sequence], num_new: list[int], block_size: int) ->
         tables.append(list(table))
         if c + n == seq.num_tokens:
             fan = 1 if request.forked or request.params.n == 1 else request.params.n
-            logit_rows += [start + n - 1] * fan
+            sample_rows += [start + n - 1] * fan
         last_prompt = request.num_prompt_tokens - 1
-        if request.params.prompt_logprobs is not None and seq.index == 0 and c < last_prompt:
-            logit_rows += range(start, start + min(c + n, last_prompt) - c)
+        plp_due = request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        if plp_due and c < last_prompt:
+            prompt_rows += range(start, start + min(c + n, last_prompt) - c)
         start += n
     return dict(
         input_ids=ids,
@@ -46,7 +48,7 @@ def rebuild_inputs(seqs: list[Sequence], num_new: list[int], block_size: int) ->
         slots=slots,
         seq_lens=seq_lens,
         query_start=query_start,
-        logit_rows=logit_rows,
+        logit_rows=sample_rows + prompt_rows,
         tables=tables,
     )
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine_svc.server.shm_segments import creator_pid, list_segments
+from engine_svc.rpc.shm_segments import creator_pid, list_segments
 from gateway.client import LLMServeClient
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine_svc.server import shm_segments
-from engine_svc.server.shm_ring import HEADER_BYTES, TokenRing
+from engine_svc.rpc import shm_segments
+from engine_svc.rpc.shm_ring import HEADER_BYTES, TokenRing
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_reads_outside_the_live_region_are_rejected(ring):
 def test_another_process_reads_what_this_one_wrote_and_leaves_the_segment_alone(ring):
     start = ring.try_write([7, 8, 2**31 - 1, -1])
     code = (
-        "import sys; from engine_svc.server.shm_ring import TokenRing\n"
+        "import sys; from engine_svc.rpc.shm_ring import TokenRing\n"
         f"r = TokenRing.attach({ring.name!r}); print(r.read_and_release({start}, 4)); "
         "r.try_write([42]); r.close()"
     )

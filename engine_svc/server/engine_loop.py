@@ -19,8 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine_svc.server.convert import delta_to_proto
-from engine_svc.server.shm_ring import TokenRing
+from engine_svc.rpc.convert import delta_to_proto
+from engine_svc.rpc.shm_ring import TokenRing
 from engine_svc.server.watchdog import Watchdog
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 

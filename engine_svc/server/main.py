@@ -22,8 +22,10 @@ from pathlib import Path
 import grpc
 
 from engine_svc.rpc.defaults import ENGINE_TCP_PORT
+from engine_svc.rpc.engine_options import add_engine_options
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.log_setup import setup_logging
+from engine_svc.rpc.shm_segments import sweep_stale_segments
 from engine_svc.rpc.socket_dir import remove_if_owner_gone
 from engine_svc.rpc.tls import add_port, server_tls_from_args
 from engine_svc.server.cpus import torch_threads
@@ -31,7 +33,6 @@ from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.health import EngineHealth
 from engine_svc.server.servicer import EngineServicer
-from engine_svc.server.shm_segments import sweep_stale_segments
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -46,54 +47,6 @@ def default_socket_path() -> str:
     d.mkdir(mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)
     return str(d / "engine.sock")
-
-
-ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
-    ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
-    ("--block-size", int, "KV cache block size in tokens"),
-    ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
-    ("--max-num-seqs", int, "most sequences in one step"),
-    ("--max-num-batched-tokens", int, "token budget of one step"),
-    ("--max-model-len", int, "context length (default: the model's)"),
-    ("--no-prefix-caching", None, "turn prefix caching off"),
-    ("--dtype", str, "float32, float16 or bfloat16"),
-    ("--device", str, "cpu or cuda"),
-    ("--seed", int, "engine seed"),
-    ("--scheduling-policy", str, "fcfs or priority"),
-    (
-        "--torch-threads",
-        int,
-        "torch CPU threads (default: the CPUs this process may use, within its container's CPU "
-        "limit, less one kept for the gateway, tokenizer workers and this process's gRPC threads)",
-    ),
-    (
-        "--watchdog-timeout",
-        float,
-        "seconds without a completed step while work is pending before the "
-        "engine ends its sessions and refuses work (0: off; default 30)",
-    ),
-]
-
-
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The engine's own options; the launcher (llmserve serve) accepts and passes on the same flags."""
-    g = p.add_argument_group("engine")
-    for flag, kind, help_ in ENGINE_OPTIONS:
-        if kind is None:
-            g.add_argument(flag, action="store_true", help=help_)
-        else:
-            g.add_argument(flag, type=kind, help=help_)
-
-
-def engine_options_argv(args) -> list[str]:
-    out = []
-    for flag, kind, _ in ENGINE_OPTIONS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if kind is None and value:
-            out.append(flag)
-        elif kind is not None and value is not None:
-            out += [flag, str(value)]
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

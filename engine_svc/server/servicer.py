@@ -8,7 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from engine_svc.server.convert import sampling_params_from_proto
+from engine_svc.rpc.convert import sampling_params_from_proto
 from engine_svc.server.engine_loop import EngineLoop, Session
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc

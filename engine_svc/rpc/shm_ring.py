@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine_svc.server.shm_segments import attach_segment, create_segment
+from engine_svc.rpc.shm_segments import attach_segment, create_segment
 
 MAGIC = 0x4E52534C  # "LSRN" little-endian
 VERSION = 1

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 from engine_svc.outputs import RequestDelta, TokenLogprob
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.sequence import FinishReason
+from engine_svc.structured_outputs import StructuredOutputsParams
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 
 FINISH_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
 
@@ -31,7 +35,35 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        logit_bias=dict(p.logit_bias) or None,
+        allowed_token_ids=list(p.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w.ids) for w in p.bad_words] or None,
+        structured_outputs=_constraint_from_proto(p),
     )
+
+
+def _constraint_from_proto(p) -> StructuredOutputsParams | None:
+    kind = p.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=p.json_schema)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(p.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=p.json_object)
+    return StructuredOutputsParams(**{kind: getattr(p, kind)})
+
+
+def _constraint_to_proto(so: StructuredOutputsParams, msg) -> None:
+    """Either proto's ``constraint`` oneof (engine.v1 and llmserve.v1 name its fields alike)."""
+    kind = so.kind()
+    if kind == "json":
+        msg.json_schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+    elif kind == "choice":
+        msg.choice.choices.extend(so.choice)
+    else:
+        setattr(msg, kind, getattr(so, kind))
 
 
 def sampling_params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
@@ -53,6 +85,14 @@ def sampling_params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         value = getattr(sp, name)
         if value is not None:
             setattr(msg, name, value)
+    if sp.logit_bias:
+        msg.logit_bias.update(sp.logit_bias)
+    if sp.allowed_token_ids is not None:
+        msg.allowed_token_ids.extend(sp.allowed_token_ids)
+    for word in sp.bad_words_token_ids or ():
+        msg.bad_words.add(ids=word)
+    if sp.structured_outputs is not None:
+        _constraint_to_proto(sp.structured_outputs, msg)
     return msg
 
 
@@ -75,6 +115,8 @@ def delta_to_proto(d: RequestDelta, request_id: str, inline_ids: bool) -> pb.Seq
         finish_reason=FINISH_TO_PROTO[d.finish_reason],
         num_prompt_tokens=d.num_prompt_tokens,
         num_cached_tokens=d.num_cached_tokens,
+        request_finished=d.request_finished,
+        error=d.error or "",
     )
     if inline_ids:
         msg.token_ids.extend(d.new_token_ids)

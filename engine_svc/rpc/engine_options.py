@@ -1,0 +1,53 @@
+"""The engine process's own options. The engine's CLI takes them, and the launcher (``llmserve
+serve``) accepts the same flags and passes them on to the engine it starts."""
+
+from __future__ import annotations
+
+import argparse
+
+ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
+    ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
+    ("--block-size", int, "KV cache block size in tokens"),
+    ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
+    ("--max-num-seqs", int, "most sequences in one step"),
+    ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+    ("--no-prefix-caching", None, "turn prefix caching off"),
+    ("--dtype", str, "float32, float16 or bfloat16"),
+    ("--device", str, "cpu or cuda"),
+    ("--seed", int, "engine seed"),
+    ("--scheduling-policy", str, "fcfs or priority"),
+    (
+        "--torch-threads",
+        int,
+        "torch CPU threads (default: the CPUs this process may use, within its container's CPU "
+        "limit, less one kept for the gateway, tokenizer workers and this process's gRPC threads)",
+    ),
+    (
+        "--watchdog-timeout",
+        float,
+        "seconds without a completed step while work is pending before the "
+        "engine ends its sessions and refuses work (0: off; default 30)",
+    ),
+]
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's own options; the launcher (llmserve serve) accepts and passes on the same flags."""
+    g = p.add_argument_group("engine")
+    for flag, kind, help_ in ENGINE_OPTIONS:
+        if kind is None:
+            g.add_argument(flag, action="store_true", help=help_)
+        else:
+            g.add_argument(flag, type=kind, help=help_)
+
+
+def engine_options_argv(args) -> list[str]:
+    out = []
+    for flag, kind, _ in ENGINE_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if kind is None and value:
+            out.append(flag)
+        elif kind is not None and value is not None:
+            out += [flag, str(value)]
+    return out

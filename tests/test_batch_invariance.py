@@ -1,0 +1,241 @@
+"""Every request's result equals its own solo run, for random mixes (Hypothesis, engine level).
+
+A mix draws 2-8 requests with options per request (greedy or seeded or unseeded sampling, n up to
+3, logprobs, prompt logprobs, penalties, min_tokens, stop ids, priorities, logit bias, allowed
+token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens
+that may share a prefix or repeat a whole earlier prompt, arrivals mid-run, and aborts of neighbours
+(whole requests or one of their n outputs). The engine gets a small token budget and a small pool,
+so chunked prefill and preemption happen; the test asserts that chunking, preemption, prefix hits,
+forks, the decode-only input path and the general one all happened across its examples.
+
+Each greedy or seeded request is compared with the same request alone on a fresh engine of the same
+configuration (``tests/differential.py``): tokens, finish and stop reasons, logprobs and top-N,
+prompt logprobs, for each of its n outputs. Unseeded sampling requests are neighbours only.
+
+``make test`` runs ``LLMSERVE_DIFF_EXAMPLES`` examples (default 25, derandomized so CI is
+repeatable); a longer exploration: ``LLMSERVE_DIFF_EXAMPLES=500 LLMSERVE_DIFF_RANDOM=1 pytest
+tests/test_batch_invariance.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_svc import SamplingParams, StructuredOutputsParams
+from tests.differential import Result, assert_same_as_solo, drive, solo
+from tests.engine_helpers import assert_pool_whole, make_engine
+
+VOCAB = 1024
+EXAMPLES = int(os.environ.get("LLMSERVE_DIFF_EXAMPLES", "25"))
+DERANDOMIZE = os.environ.get("LLMSERVE_DIFF_RANDOM") != "1"
+
+
+@dataclass
+class Spec:
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    arrive_at: int  # engine step at which it is added
+    abort_at: int | None  # step at which it (or one output) is aborted; None: never
+    abort_index: int | None  # None: the whole request
+
+    @property
+    def compared(self) -> bool:
+        return (self.params.greedy or self.params.seed is not None) and not (
+            self.abort_at is not None and self.abort_index is None
+        )
+
+
+tokens = st.integers(3, VOCAB - 1)
+
+
+@st.composite
+def params_st(draw) -> SamplingParams:
+    kind = draw(st.sampled_from(["greedy", "greedy", "seeded", "seeded", "unseeded"]))
+    p = SamplingParams(
+        n=draw(st.sampled_from([1, 1, 1, 2, 3])),
+        temperature=0.0 if kind == "greedy" else draw(st.sampled_from([0.7, 1.0, 1.3])),
+        seed=draw(st.integers(-(2**63), 2**63 - 1)) if kind == "seeded" else None,
+        max_tokens=draw(st.integers(1, 24)),
+        ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.sampled_from([None, None, 0, 3])),
+        prompt_logprobs=draw(st.sampled_from([None, None, None, 0, 2])),
+    )
+    if kind != "greedy":
+        p.top_p = draw(st.sampled_from([1.0, 0.9]))
+        p.top_k = draw(st.sampled_from([0, 0, 20]))
+        p.min_p = draw(st.sampled_from([0.0, 0.0, 0.05]))
+    if draw(st.integers(0, 4)) == 0:
+        p.repetition_penalty = 1.2
+        p.presence_penalty = 0.5
+        p.frequency_penalty = 0.3
+    if draw(st.integers(0, 4)) == 0:
+        p.min_tokens = min(p.max_tokens, 3)
+    if draw(st.integers(0, 4)) == 0:
+        p.stop_token_ids = draw(st.lists(tokens, min_size=1, max_size=20))
+    control = draw(st.sampled_from([None] * 6 + ["bias", "allowed", "bad", "regex", "choice"]))
+    if control == "bias":
+        p.logit_bias = draw(st.dictionaries(tokens, st.sampled_from([-100.0, -2.0, 3.0, 8.0]), max_size=6))
+    elif control == "allowed":
+        p.allowed_token_ids = draw(st.lists(tokens, min_size=1, max_size=30))
+    elif control == "bad":
+        p.bad_words_token_ids = draw(
+            st.lists(st.lists(tokens, min_size=1, max_size=2), min_size=1, max_size=4)
+        )
+    elif control == "regex":
+        p.structured_outputs = StructuredOutputsParams(regex=r"[a-z ]{0,40}(\.|!)")
+    elif control == "choice":
+        p.structured_outputs = StructuredOutputsParams(choice=["yes", "no", "maybe later", "never ever"])
+    return p
+
+
+@st.composite
+def mix_st(draw):
+    prefixes = [draw(st.lists(tokens, min_size=8, max_size=64)) for _ in range(2)]
+    specs: list[Spec] = []
+    for _ in range(draw(st.integers(2, 8))):
+        shape = draw(st.sampled_from(["own", "own", "prefix", "repeat"]))
+        if shape == "repeat" and specs:
+            prompt = list(draw(st.sampled_from(specs)).prompt)  # a full-prompt hit
+        else:
+            own = draw(st.lists(tokens, min_size=1, max_size=draw(st.sampled_from([12, 40, 200]))))
+            prompt = (draw(st.sampled_from(prefixes)) if shape == "prefix" else []) + own
+        params = draw(params_st())
+        abort_at = draw(st.sampled_from([None, None, None, None, 2, 6, 12]))
+        abort_index = None
+        if abort_at is not None and params.n > 1 and draw(st.booleans()):
+            abort_index = draw(st.integers(0, params.n - 1))
+        specs.append(
+            Spec(
+                prompt,
+                params,
+                draw(st.integers(0, 2)),
+                draw(st.sampled_from([0, 0, 1, 3, 8])),
+                abort_at,
+                abort_index,
+            )
+        )
+    config = dict(
+        block_size=draw(st.sampled_from([8, 16])),
+        max_num_batched_tokens=draw(st.sampled_from([16, 32, 64, 256])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+    )
+    # Small enough that requests preempt each other; big enough for the largest one alone.
+    bs = config["block_size"]
+    need = max(-(-(len(s.prompt) + s.params.max_tokens) // bs) + s.params.n for s in specs)
+    config["num_kv_blocks"] = need + draw(st.integers(0, 12))
+    return specs, config
+
+
+class Coverage:
+    """What happened across the examples: the hard cases must all have been exercised."""
+
+    def __init__(self):
+        self.counts = Counter()
+
+    def watch(self, engine) -> None:
+        schedule = engine.scheduler.schedule
+        counts = self.counts
+
+        def observed():
+            out = schedule()
+            counts["decode-only steps" if out.only_decodes else "general steps"] += bool(out.seqs)
+            for seq, n in zip(out.seqs, out.num_new, strict=True):
+                if seq.num_computed_tokens + n < seq.request.num_prompt_tokens:
+                    counts["chunked prefills"] += 1
+            counts["preemptions"] += len(out.preempted)
+            counts["forks"] += sum(1 for f in out.layout.fans if f > 1)
+            counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
+            counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
+            return out
+
+        engine.scheduler.schedule = observed
+
+
+def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> dict[str, Result]:
+    engine = make_engine(model_dir, **config)
+    coverage.watch(engine)
+    results: dict[str, Result] = {}
+    pending = sorted(range(len(specs)), key=lambda i: specs[i].arrive_at)
+
+    def on_step(step: int) -> None:
+        while pending and specs[pending[0]].arrive_at <= step:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", specs[i].prompt, specs[i].params, priority=specs[i].priority)
+        for i, s in enumerate(specs):
+            if s.abort_at == step and f"r{i}" in engine.requests:
+                engine.abort_request(f"r{i}", s.abort_index)
+                coverage.counts["aborts"] += 1
+
+    on_step(0)
+    while pending or engine.has_unfinished_requests():
+        drive(engine, results, on_step=on_step)
+        if pending:
+            on_step(specs[pending[0]].arrive_at)
+    assert_pool_whole(engine)
+    stats = engine.stats()
+    coverage.counts["prefix-hit tokens"] += stats.prefix_hit_tokens
+    return results
+
+
+def check_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage, notes: list[str]) -> None:
+    results = run_mix(model_dir, specs, config, coverage)
+    fresh = partial(make_engine, model_dir, **config)
+    for i, s in enumerate(specs):
+        rid = f"r{i}"
+        if not s.compared:
+            continue
+        ref = solo(fresh, s.prompt, s.params)
+        got = results.get(rid, Result())
+        if s.abort_index is not None:  # one output aborted: the others are whole, it is a prefix
+            cut = got.outputs.pop(s.abort_index, None)
+            ref_cut = ref.outputs.pop(s.abort_index)
+            if cut is not None:
+                assert cut.tokens == ref_cut.tokens[: len(cut.tokens)], (
+                    f"{rid}[{s.abort_index}] before its abort"
+                )
+            got.request_finished = 1  # the abort, not a delta, may have ended it
+            if not got.outputs:
+                continue
+        note = assert_same_as_solo(rid, got, ref, s.params)
+        if note:
+            notes.append(note)
+
+
+def test_random_mixes_equal_their_solo_runs(tiny_llama):
+    coverage, notes = Coverage(), []
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=DERANDOMIZE,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(mix=mix_st())
+    def check(mix):
+        specs, config = mix
+        check_mix(tiny_llama, specs, config, coverage, notes)
+
+    check()
+    print("coverage:", dict(coverage.counts), "near-ties:", notes)
+    for case in (
+        "chunked prefills",
+        "preemptions",
+        "prefix-hit tokens",
+        "forks",
+        "decode-only steps",
+        "general steps",
+        "prompt-logprob chunks",
+        "aborts",
+        "structured-output samples",
+    ):
+        assert coverage.counts[case] > 0, (
+            f"no {case} happened in {EXAMPLES} examples: {dict(coverage.counts)}"
+        )

@@ -1,0 +1,117 @@
+"""Tests that can fail: each known mutant of a core mechanism must make the fast differential
+checks fail.
+
+A mutant is a one-line change to the source of one real function (applied in-process to a copy of
+that function, so nothing on disk changes). For each, the fast checks — the batch-invariance
+regressions and a few derandomized random mixes against their solo runs — run with the mutant in
+place and must fail (a wrong result or a crash); unmutated they pass (the rest of the suite). The
+mutants:
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+
+from engine_svc.block_pool import BlockPool
+from engine_svc.kv_cache_manager import KVCacheManager
+from engine_svc.logits_layout import LogitsLayout
+from engine_svc.scheduler import Scheduler
+from tests import test_batch_invariance as mixes
+from tests import test_batch_invariance_regressions as regressions
+
+# (name, owner, function, the original text, the mutant's text)
+MUTANTS = [
+    ("copy-on-write switched off", KVCacheManager, "allocate", "cow = (", "cow = False and ("),
+    (
+        "a prefix hit's token ids not checked",
+        BlockPool,
+        "lookup",
+        "if block_id is None or self.blocks[block_id].token_ids != token_ids:",
+        "if block_id is None:",
+    ),
+    (
+        "a block hash not chained to its parent (nor to the tenant's salt)",
+        KVCacheManager,
+        "block_hashes",
+        "parent = hash((parent, block_tokens))",
+        "parent = hash(block_tokens)",
+    ),
+    (
+        "off by one in num_computed_tokens after a chunk",
+        Scheduler,
+        "update_from_output",
+        "seq.num_computed_tokens + n",
+        "seq.num_computed_tokens + n + (n > 1)",
+    ),
+    (
+        "preemption keeps the counter of the blocks it released",
+        KVCacheManager,
+        "free",
+        "seq.num_computed_tokens = 0",
+        "pass",
+    ),
+    (
+        "logits rows: prompt-logprob rows before the sample rows",
+        LogitsLayout,
+        "build",
+        "np.array(sample_rows + plp_rows",
+        "np.array(plp_rows + sample_rows",
+    ),
+    (
+        "aborting one output before the fork ends the whole request",
+        Scheduler,
+        "abort",
+        "elif request.finished:",
+        "else:",
+    ),
+    (
+        "a prefix hit served to a request that wants prompt logprobs",
+        KVCacheManager,
+        "find_cached_prefix",
+        "if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:",
+        "if not self.enable_prefix_caching:",
+    ),
+    (
+        "prompt logprobs sent again after the first delta",
+        Scheduler,
+        "update_from_output",
+        "request.prompt_logprobs_sent = True",
+        "pass",
+    ),
+]
+__doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)
+
+
+def mutated(owner, name: str, old: str, new: str):
+    """A copy of ``owner.name`` compiled from its source with ``old`` replaced by ``new``."""
+    func = inspect.unwrap(getattr(owner, name))
+    func = getattr(func, "__func__", func)
+    source = textwrap.dedent(inspect.getsource(func))
+    assert source.count(old) == 1, f"the mutant's target text is not (once) in {owner.__name__}.{name}"
+    namespace = dict(func.__globals__)
+    exec(compile(source.replace(old, new), inspect.getsourcefile(func), "exec"), namespace)
+    replacement = namespace[name]
+    return (
+        classmethod(replacement)
+        if isinstance(inspect.getattr_static(owner, name), classmethod)
+        else replacement
+    )
+
+
+def fast_checks(model_dir) -> None:
+    for name in dir(regressions):
+        if name.startswith("test_"):
+            getattr(regressions, name)(model_dir)
+    mixes.EXAMPLES = 8
+    mixes.test_random_mixes_equal_their_solo_runs(model_dir)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_mutant_is_caught(tiny_llama, monkeypatch, mutant):
+    _, owner, name, old, new = mutant
+    monkeypatch.setattr(owner, name, mutated(owner, name, old, new))
+    with pytest.raises(Exception):  # noqa: B017 - a wrong result or a crash: either way it is caught
+        fast_checks(tiny_llama)

@@ -1,0 +1,236 @@
+"""The step contract without a model: the scheduler plans a step and applies fake results.
+
+``Scheduler.schedule`` says what each sequence computes and lays out the logits rows;
+``Scheduler.update_from_output`` applies a ``StepResult`` (sampled tokens per sample row, prompt
+logprobs per chunk). These tests drive it with made-up tokens, as vLLM's ``tests/v1/core`` does, and
+check counters, rows, forks, stops, aborts, pauses, preemption and prefix hits exactly. The last
+test proves the runner's decode-only input path equal to its general one on a real engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from engine_svc import EngineConfig, SamplingParams
+from engine_svc.kv_cache_manager import KVCacheManager
+from engine_svc.logits_layout import StepResult
+from engine_svc.outputs import TokenLogprob
+from engine_svc.scheduler import Scheduler
+from engine_svc.sequence import FinishReason, Request, Sequence
+from tests.engine_helpers import make_engine, random_prompts
+
+arrivals = itertools.count()
+
+
+def make_scheduler(num_blocks=64, block_size=8, budget=32, **kw) -> Scheduler:
+    config = EngineConfig(model="unused", block_size=block_size, max_num_batched_tokens=budget, **kw)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=True))
+
+
+def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Request:
+    p = SamplingParams(**{"temperature": 0.0, "max_tokens": 4, **params})
+    p.eos_token_ids = (2,)
+    request = Request(rid, prompt, p, 0, None, next(arrivals), p.max_tokens)
+    seq = Sequence(request, 0, list(prompt))
+    request.sequences.append(seq)
+    sched.add(seq)
+    return request
+
+
+def fake_result(out, token=7) -> StepResult:
+    """``token`` for every sample row (row r gets token + r when sampling n at a fork)."""
+    layout = out.layout
+    tokens = []
+    for fan in layout.fans:
+        tokens += [token + j for j in range(fan)]
+    plps = [
+        [TokenLogprob(c.seq.token_ids[c.first + 1 + i], -1.0, 1) for i in range(c.count)]
+        for c in layout.prompt_chunks
+    ]
+    return StepResult(tokens, [None] * len(tokens), plps)
+
+
+def step(sched, token=7):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_result(out, token))
+
+
+def test_chunks_advance_the_counter_exactly_and_sample_only_at_the_end():
+    sched = make_scheduler(budget=16)
+    request = add(sched, "a", list(range(3, 43)))  # 40 tokens: chunks of 16, 16, 8
+    seq = request.sequences[0]
+    for expected in (16, 32):
+        out, deltas = step(sched)
+        assert out.num_new == [16] and seq.num_computed_tokens == expected
+        assert deltas == [] and out.layout.num_sample_rows == 0
+    out, deltas = step(sched)
+    assert out.num_new == [8] and seq.num_computed_tokens == 40
+    assert [d.new_token_ids for d in deltas] == [[7]] and seq.token_ids[-1] == 7
+    out, deltas = step(sched, token=9)
+    assert out.only_decodes and out.num_new == [1] and seq.token_ids[-2:] == [7, 9]
+
+
+def test_layout_puts_every_sample_row_before_prompt_logprob_rows():
+    sched = make_scheduler(budget=64)
+    add(sched, "plp", list(range(3, 13)), prompt_logprobs=1)  # 10 tokens, rows 0..9 in the batch
+    add(sched, "b", list(range(20, 28)))  # 8 tokens, rows 10..17
+    out = sched.schedule()
+    layout = out.layout
+    assert [s.request.request_id for s in layout.sampled] == ["plp", "b"]
+    assert layout.num_sample_rows == 2
+    assert layout.token_rows.tolist() == [9, 17, *range(0, 9)]
+    (chunk,) = layout.prompt_chunks
+    assert (chunk.first, chunk.count, chunk.row) == (0, 9, 2)
+    deltas = sched.update_from_output(out, fake_result(out))
+    plp = deltas[0].prompt_logprobs
+    assert plp[0] is None and [e.token_id for e in plp[1:]] == list(range(4, 13))
+    assert deltas[1].prompt_logprobs is None
+
+
+def test_a_fork_shares_blocks_and_each_sequence_gets_its_own_first_token():
+    sched = make_scheduler()
+    request = add(sched, "n3", list(range(3, 15)), n=3, temperature=1.0)
+    out, deltas = step(sched, token=100)
+    assert out.layout.fans == [3]
+    assert [(d.index, d.new_token_ids) for d in deltas] == [(0, [100]), (1, [101]), (2, [102])]
+    tables = [s.block_table for s in request.sequences]
+    assert tables[0] == tables[1] == tables[2], "the forks share every block by reference"
+    for block_id in tables[0]:
+        assert sched.kv.pool.blocks[block_id].ref_count == 3
+    out, _ = step(sched)
+    # The first write into the shared partial block copies it for all but its last holder.
+    assert len(sched.kv.take_pending_copies()) == 2
+    assert len({s.block_table[-1] for s in request.sequences}) == 3
+
+
+def test_one_stop_rule_min_tokens_length_and_request_finished():
+    sched = make_scheduler()
+    request = add(sched, "s", [3, 4, 5], max_tokens=3, min_tokens=2, stop_token_ids=[7])
+    _, deltas = step(sched, token=7)  # a stop id before min_tokens is not a stop
+    assert deltas[0].finish_reason is None
+    _, deltas = step(sched, token=7)
+    assert deltas[0].finish_reason == FinishReason.STOP and deltas[0].stop_token_id == 7
+    assert deltas[0].request_finished and request.finished
+    request = add(sched, "l", [3, 4, 5], max_tokens=2)
+    step(sched, token=50)
+    _, deltas = step(sched, token=51)
+    assert deltas[0].finish_reason == FinishReason.LENGTH and deltas[0].request_finished
+    assert not sched.running and sched.kv.pool.num_used == 0
+
+
+def test_request_finished_only_on_the_last_output_of_a_fork():
+    sched = make_scheduler()
+    request = add(sched, "n2", [3, 4, 5], n=2, temperature=1.0, max_tokens=2)
+    step(sched)
+    sched.abort(request, {1})
+    _, deltas = step(sched)
+    assert [(d.index, d.finish_reason, d.request_finished) for d in deltas] == [(0, "length", True)]
+
+
+def test_abort_of_sequence_zero_before_the_fork_forks_the_rest():
+    sched = make_scheduler(budget=8)
+    request = add(sched, "n3", list(range(3, 23)), n=3, temperature=1.0)
+    step(sched)  # 8 of 20 prompt tokens
+    sched.abort(request, {0})
+    assert request.sequences[0].finish_reason is None, "sequence 0 still carries the prompt"
+    step(sched)
+    _, deltas = step(sched, token=100)
+    assert [(d.index, d.new_token_ids) for d in deltas] == [(1, [101]), (2, [102])]
+    assert request.sequences[0].finish_reason == FinishReason.ABORT
+    assert {s.index for s in sched.running} == {1, 2}
+
+
+def test_a_paused_request_takes_no_steps_and_gives_up_its_blocks_first():
+    sched = make_scheduler(num_blocks=6, budget=64)
+    slow = add(sched, "slow", list(range(3, 19)), max_tokens=20)  # 2 blocks
+    step(sched)
+    slow.paused = True
+    fast = add(sched, "fast", list(range(30, 54)), max_tokens=20)  # 3 blocks, then a 4th
+    for _ in range(10):
+        out, _ = step(sched)
+        assert all(s.request is fast for s in out.seqs), "a paused request was stepped"
+    assert sched.num_preemptions == 1 and slow.sequences[0].num_computed_tokens == 0
+    slow.paused = False
+    while not slow.finished:
+        step(sched)
+
+
+def test_preemption_releases_and_recompute_restarts_from_zero_or_the_cache():
+    sched = make_scheduler(num_blocks=5, budget=64)
+    a = add(sched, "a", list(range(3, 19)), max_tokens=16)  # 2 blocks, growing to 4
+    b = add(sched, "b", list(range(30, 46)), max_tokens=16)
+    step(sched)
+    preempted = []
+    while not (a.finished and b.finished):
+        out, _ = step(sched)
+        preempted += [s.request.request_id for s in out.preempted]
+        for s in out.preempted:
+            assert s.num_computed_tokens == 0 and not s.block_table
+        sched.kv.pool.check_invariants()
+    assert preempted and preempted[0] == "b", "the most recently admitted running sequence goes first"
+    assert sched.kv.hit_tokens > 0, "the recompute took its own published blocks from the cache"
+    assert sched.kv.pool.num_used == 0
+
+
+def test_a_prefix_hit_starts_the_counter_at_the_hit():
+    sched = make_scheduler(budget=64)
+    prompt = list(range(3, 30))  # 27 tokens: 3 full blocks of 8
+    add(sched, "first", prompt, max_tokens=1)
+    step(sched)
+    second = add(sched, "second", prompt, max_tokens=1)
+    out = sched.schedule()
+    # Never the last token: it must be computed to have logits to sample from.
+    assert second.sequences[0].num_cached_tokens == 24 and out.num_new == [3]
+
+
+def test_decode_only_inputs_equal_the_general_path(tiny_llama):
+    """The runner's short path for all-decode steps builds exactly what its general path builds."""
+    engine = make_engine(tiny_llama, block_size=8, num_kv_blocks=200, max_num_batched_tokens=64)
+    runner, compared = engine.runner, [0]
+    build = runner.build_inputs
+
+    def both(out, copies):
+        inputs = build(out, copies)
+        if out.only_decodes:
+            general = runner.general_inputs(out, copies)
+            for name in (
+                "input_ids",
+                "positions",
+                "slots",
+                "block_tables",
+                "seq_lens",
+                "query_start",
+                "copies",
+            ):
+                a, b = getattr(inputs, name, None), getattr(general, name, None)
+                assert a is not None and np.array_equal(a, b), name
+            assert np.array_equal(inputs.logit_rows, general.logit_rows)
+            assert (inputs.max_query_len, inputs.max_seq_len) == (general.max_query_len, general.max_seq_len)
+            compared[0] += 1
+        return inputs
+
+    runner.build_inputs = both
+    for i, prompt in enumerate(random_prompts([5, 17, 30, 9], 1024, seed=3)):
+        engine.add_request(
+            f"d{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True)
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compared[0] > 5
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_nothing_is_left_behind(policy):
+    sched = make_scheduler(num_blocks=8, budget=16, scheduling_policy=policy)
+    requests = [
+        add(sched, f"r{i}", list(range(3 + i, 20 + 2 * i)), max_tokens=6, n=1 + i % 2) for i in range(5)
+    ]
+    for _ in range(500):
+        if all(r.finished for r in requests):
+            break
+        step(sched)
+    assert all(r.finished for r in requests)
+    assert not sched.running and not sched.waiting and sched.kv.pool.num_used == 0
