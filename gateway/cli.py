@@ -53,6 +53,31 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars)
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message limit")
+    p.add_argument(
+        "--max-prompt-bytes", type=int, default=d.max_prompt_bytes, help="text, or chat roles + contents"
+    )
+    p.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages)
+    p.add_argument("--max-role-bytes", type=int, default=d.max_role_bytes)
+    p.add_argument(
+        "--chat-roles",
+        default=",".join(d.allowed_roles),
+        help="the chat roles accepted, comma-separated (empty: any role)",
+    )
+    p.add_argument("--max-model-name-bytes", type=int, default=d.max_model_name_bytes)
+    p.add_argument("--max-detokenize-ids", type=int, default=d.max_detokenize_ids)
+    p.add_argument(
+        "--max-unsent-messages",
+        type=int,
+        default=d.max_unsent_messages,
+        help="per stream: output not yet read by the client; past it the request is paused in the engine",
+    )
+    p.add_argument("--max-unsent-bytes", type=int, default=d.max_unsent_bytes)
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=d.stream_stall_timeout_s,
+        help="seconds a paused stream's client may read nothing before the request is aborted (0: never)",
+    )
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -178,6 +203,15 @@ def _serve(args) -> int:
         max_stop_string_chars=args.max_stop_string_chars,
         max_prompt_chars=args.max_prompt_chars,
         max_message_bytes=args.max_message_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_chat_messages=args.max_chat_messages,
+        max_role_bytes=args.max_role_bytes,
+        allowed_roles=tuple(r for r in args.chat_roles.split(",") if r),
+        max_model_name_bytes=args.max_model_name_bytes,
+        max_detokenize_ids=args.max_detokenize_ids,
+        max_unsent_messages=args.max_unsent_messages,
+        max_unsent_bytes=args.max_unsent_bytes,
+        stream_stall_timeout_s=args.stream_stall_timeout,
     )
     try:
         auth = Authenticator(ApiKeys.from_file(args.api_key_file) if args.api_key_file else None)

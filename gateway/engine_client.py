@@ -22,6 +22,7 @@ from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.shm_ring import TokenRing
 from engine_svc.rpc.stall import StallDetector
 from engine_svc.rpc.tls import ClientTLS
+from gateway.stream_buffer import OutputBudget, delta_bytes
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -58,20 +59,33 @@ class EngineDelta:
     num_cached_tokens: int
     logprobs: list  # engine.v1 TokenLogprob messages
     prompt_logprobs: list
+    wire_bytes: int = 0  # about, for the stream's output budget
 
 
 class RequestHandle:
-    """The deltas of one submitted request, in order, grouped as they arrived (one engine step)."""
+    """The deltas of one submitted request, in order, grouped as they arrived (one engine step).
+    What is queued and not yet taken is bounded by ``budget`` (stream_buffer.py): past it, the
+    request is paused in the engine until the consumer catches up."""
 
-    def __init__(self, request_id: str, n: int) -> None:
+    def __init__(self, request_id: str, n: int, budget: OutputBudget | None = None) -> None:
         self.request_id = request_id
         self.live_indexes = set(range(n))  # sequences the engine has not finished (nor been told to drop)
         # The same, as the session reader sees it (live_indexes follows the consumer, which may lag
         # behind a slow client): what the gateway's watchdog counts as work pending in the engine.
         self.engine_live = set(range(n))
+        self.budget = budget
         self._queue: asyncio.Queue = asyncio.Queue()
 
+    @property
+    def paused(self) -> bool:
+        return self.budget is not None and self.budget.paused
+
+    def stalled_for(self, now: float) -> float:
+        return self.budget.stalled_for(now) if self.budget is not None else 0.0
+
     def _put(self, item) -> None:
+        if self.budget is not None and isinstance(item, EngineDelta):
+            self.budget.added(item.wire_bytes)
         self._queue.put_nowait(item)
 
     async def next_deltas(self) -> list[EngineDelta]:
@@ -79,6 +93,9 @@ class RequestHandle:
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
+        deltas = [item for item in items if isinstance(item, EngineDelta)]
+        if self.budget is not None:
+            self.budget.taken(len(deltas), sum(d.wire_bytes for d in deltas))
         out = []
         for item in items:
             if isinstance(item, Exception):
@@ -103,8 +120,12 @@ class EngineClient:
         watchdog_timeout_s: float = 0.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         keepalive: Keepalive | None = None,
+        max_unsent_messages: int = 0,  # per request; 0: no backpressure (no pausing in the engine)
+        max_unsent_bytes: int = 0,
     ) -> None:
         self.address = address
+        self.max_unsent = (max_unsent_messages, max_unsent_bytes)
+        self._pause_unsupported = False
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.keepalive = keepalive or Keepalive()
@@ -184,7 +205,7 @@ class EngineClient:
         grpc.aio.AioRpcError with INVALID_ARGUMENT when the engine refuses the request."""
         if not self.ready:
             raise EngineUnavailable("the engine is not available")
-        handle = RequestHandle(request_id, params.n or 1)
+        handle = RequestHandle(request_id, params.n or 1, self._budget(request_id))
         self._handles[request_id] = handle  # before Submit: the first delta may beat its reply
         msg = pb.SubmitRequest(
             session_id=self._session_id,
@@ -235,6 +256,50 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
+
+    # Backpressure --------------------------------------------------------------------------------
+
+    def _budget(self, request_id: str) -> OutputBudget | None:
+        max_messages, max_bytes = self.max_unsent
+        if max_messages <= 0 and max_bytes <= 0:
+            return None
+        state = {"wanted": False, "sent": False, "task": None}
+
+        def set_paused(paused: bool) -> None:
+            # One sender per request, which always sends the latest wish: a pause and the resume
+            # right after it can never reach the engine in the other order.
+            state["wanted"] = paused
+            if state["task"] is None:
+                state["task"] = asyncio.get_running_loop().create_task(sync())
+                self._background.add(state["task"])
+                state["task"].add_done_callback(self._background.discard)
+
+        async def sync() -> None:
+            try:
+                while state["sent"] != state["wanted"] and request_id in self._handles:
+                    wanted = state["wanted"]
+                    await self.set_paused([request_id], wanted)
+                    state["sent"] = wanted
+            finally:
+                state["task"] = None
+
+        return OutputBudget(max_messages or 1 << 30, max_bytes or 1 << 62, set_paused)
+
+    async def set_paused(self, request_ids: list[str], paused: bool) -> None:
+        """Pause (or resume) requests in the engine; a failure only leaves them running."""
+        if not self.ready or self._pause_unsupported:
+            return
+        try:
+            await self._stub.SetPaused(
+                pb.SetPausedRequest(session_id=self._session_id, request_ids=request_ids, paused=paused),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._pause_unsupported = True  # an older engine: slow readers only buffer here
+                log.warning("the engine at %s cannot pause requests (no SetPaused)", self.address)
+            else:
+                log.debug("SetPaused(%s) of %s failed: %s", paused, request_ids, e.details())
 
     async def abort(self, request_ids: list[str], index: int | None = None) -> None:
         """Abort requests (or, with ``index``, one sequence of one request) in the engine."""
@@ -320,8 +385,9 @@ class EngineClient:
                     # The load may predate the last submits (it is refreshed between steps, and a
                     # stuck loop refreshes nothing), so the requests this gateway knows are
                     # running count too.
-                    pending = load.num_running + load.num_waiting > 0 or any(
-                        h.engine_live for h in self._handles.values()
+                    # Paused requests take no steps by design: they are not work the engine owes.
+                    pending = load.num_running + load.num_waiting - load.num_paused > 0 or any(
+                        h.engine_live and not h.paused for h in self._handles.values()
                     )
                     self._stall.update(now, pending=pending, progressed=load.num_steps != last_steps)
                     last_steps = load.num_steps
@@ -361,6 +427,7 @@ class EngineClient:
                     num_cached_tokens=d.num_cached_tokens,
                     logprobs=list(d.logprobs),
                     prompt_logprobs=list(d.prompt_logprobs),
+                    wire_bytes=delta_bytes(tokens, d.logprobs, d.prompt_logprobs),
                 )
             )
 

@@ -51,6 +51,21 @@ class RequestError(Exception):
         )
 
 
+def refuse(context, error: RequestError) -> None:
+    """Set ``error`` as the call's status; the handler then returns normally.
+
+    Not ``context.abort_with_status``: that raises an AbortError which gRPC keeps on the call's
+    state, and its traceback holds the handler's frames, the request among their locals, in a
+    reference cycle (frame -> context -> state -> error -> frame) that only the cyclic GC frees.
+    A refused 6 MB chat of 3 million messages (170 MB parsed) then stays resident until a full
+    collection, and a flood of them took the gateway from 0.4 to 2 GB.
+    """
+    st = error.status()
+    context.set_code(st.code)
+    context.set_details(st.details)
+    context.set_trailing_metadata(st.trailing_metadata)
+
+
 def invalid(violations: list[FieldViolation]) -> RequestError:
     summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {summary}", violations)

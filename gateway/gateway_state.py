@@ -10,10 +10,13 @@ import grpc
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.engine_client import EngineClient, RequestHandle
-from gateway.errors import RequestError, unavailable
+from gateway.errors import RequestError, invalid, unavailable
+from gateway.input_bounds import check_model_name
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_log import PromptLogPolicy
+from gateway.quoting import quote
+from gateway.stall_sweep import StreamControl
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -35,6 +38,7 @@ class GatewayState:
     prompt_log: PromptLogPolicy = field(default_factory=PromptLogPolicy)
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
+    streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight
     _background: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -52,11 +56,15 @@ class GatewayState:
             raise unavailable("the engine is not available (starting, restarting or gone)")
 
     def check_model(self, name: str) -> None:
-        if name and name != self.model_name:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} is not served here; this server has {self.model_name!r}",
-            )
+        if not name or name == self.model_name:
+            return
+        too_long = check_model_name(name, self.limits)
+        if too_long:
+            raise invalid(too_long)
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {quote(name)} is not served here; this server has {self.model_name!r}",
+        )
 
     def in_background(self, coro) -> None:
         """Run a coroutine that must finish even if the handler that started it is cancelled."""

@@ -18,10 +18,13 @@ import grpc
 from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.log_setup import request_scope
 from gateway.engine_client import EngineUnavailable
-from gateway.errors import FieldViolation, RequestError, invalid, unavailable
+from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
+from gateway.input_bounds import check_chat, check_text
 from gateway.metrics import RequestMetrics
+from gateway.quoting import clip
 from gateway.sequence_output import SequenceOutput
+from gateway.stall_sweep import StreamControl
 from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
@@ -42,11 +45,13 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # The stall sweep ends this call from outside if its client stops reading (stall_sweep.py).
+        control = StreamControl(asyncio.current_task(), context, log_id="")
         try:
-            async for msg in self._observed(request, context):
+            async for msg in self._observed(request, context, control):
                 yield msg
         except RequestError as e:
-            await context.abort_with_status(e.status())
+            refuse(context, e)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         try:
@@ -66,7 +71,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if reason is not None:
                         setattr(whole, reason, getattr(msg, reason))
         except RequestError as e:
-            await context.abort_with_status(e.status())
+            refuse(context, e)
+            return pb.GenerateResponse()
         first, *rest = (sequences[i] for i in sorted(sequences))
         first.additional_sequences.extend(rest)
         return first
@@ -76,15 +82,22 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.s.check_model(request.model)
             kind = request.WhichOneof("input")
             if kind == "text":
-                if len(request.text) > self.s.limits.max_prompt_chars:
-                    raise invalid(
-                        [FieldViolation("text", f"the limit is {self.s.limits.max_prompt_chars} chars")]
-                    )
+                bad = check_text(request.text, "text", self.s.limits)
+                if bad:
+                    raise invalid(bad)
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self._tokenized(
-                    self.s.tokenization.encode(request.text, add_special_tokens=add), "text"
+                    self.s.tokenization.encode(
+                        request.text,
+                        add_special_tokens=add,
+                        parse_special_tokens=request.allow_special_tokens,
+                    ),
+                    "text",
                 )
             elif kind == "chat":
+                bad = check_chat(request.chat.messages, "chat.messages", self.s.limits)
+                if bad:
+                    raise invalid(bad)
                 add = (
                     request.chat.add_generation_prompt
                     if request.chat.HasField("add_generation_prompt")
@@ -96,24 +109,33 @@ class GenerationService(pb_grpc.GenerationServicer):
             else:
                 raise invalid([FieldViolation("input", "one of text or chat is required")])
         except RequestError as e:
-            await context.abort_with_status(e.status())
+            refuse(context, e)
+            return pb.TokenizeResponse()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self._max_model_len())
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         try:
             self.s.check_model(request.model)
+            count, cap = len(request.token_ids), self.s.limits.max_detokenize_ids
+            if count > cap:
+                raise invalid(
+                    [FieldViolation("token_ids", f"has {count} ids; the limit is max_detokenize_ids={cap}")]
+                )
             vocab = self.s.tokenizer.vocab_size
             for i, t in enumerate(request.token_ids):
                 if not 0 <= t < vocab:
                     raise invalid(
                         [FieldViolation(f"token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")]
                     )
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            # In a worker: a long decode must not hold up the event loop's other streams.
+            text = await self._tokenized(
+                self.s.tokenization.decode(list(request.token_ids), skip_special_tokens=skip), "token_ids"
+            )
         except RequestError as e:
-            await context.abort_with_status(e.status())
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(
-            text=self.s.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
-        )
+            refuse(context, e)
+            return pb.DetokenizeResponse()
+        return pb.DetokenizeResponse(text=text)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -124,7 +146,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         if v.prompt_kind == "token_ids":
             return v.token_ids
         if v.prompt_kind == "text":
-            return await self._tokenized(self.s.tokenization.encode(v.text), "text")
+            encoding = self.s.tokenization.encode(v.text, parse_special_tokens=v.allow_special_tokens)
+            return await self._tokenized(encoding, "text")
         return await self._chat_ids(v.chat, v.add_generation_prompt)
 
     async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -138,22 +161,45 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             return await call
         except ValueError as e:  # the text or chat itself is at fault (e.g. the template refused it)
-            raise invalid([FieldViolation(field, str(e))]) from e
+            raise invalid([FieldViolation(field, clip(str(e)))]) from e
         except TokenizerWorkerDied as e:
             raise unavailable(f"tokenizer workers are unavailable: {e}") from e
         except TokenizerWorkerError as e:
             raise RequestError(grpc.StatusCode.INTERNAL, f"tokenizing failed: {e}") from e
 
-    async def _observed(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+    def _prompt_fields(self, request: pb.GenerateRequest, kind: str | None) -> dict:
+        """The request line's facts about the prompt, at a cost bounded by the limits: a chat over
+        the message limit is only counted (it is refused next)."""
+        messages, lim = request.chat.messages, self.s.limits
+        chat = text = None
+        if kind == "chat" and len(messages) <= lim.max_chat_messages:
+            chat = [{"role": m.role, "content": m.content} for m in messages]
+            if sum(len(m["role"]) + len(m["content"]) for m in chat) > lim.max_prompt_chars:
+                chat = None  # refused next; counted, never logged whole
+        if kind == "text" and len(request.text) <= lim.max_prompt_chars:
+            text = request.text  # (--log-prompts logs it whole: only within the limit)
+        fields = self.s.prompt_log.fields(
+            text=text, chat=chat, num_tokens=len(request.token_ids.ids) if kind == "token_ids" else None
+        )
+        if kind == "chat" and chat is None:
+            fields["chat_messages"] = len(messages)
+        if kind == "text" and text is None:
+            fields["prompt_chars"] = len(request.text)
+        return fields
+
+    async def _observed(
+        self, request: pb.GenerateRequest, context, control: StreamControl | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """One request's log lines (its id on each), metrics and outcome, around ``_generate``."""
         rid = request.request_id or uuid.uuid4().hex
         identity = self.s.auth.identity_of(context)
         rm = self.s.metrics.request()
         outcome = "internal"
-        completion = 0
         # The id is the client's text and is checked only later: a forged one (newlines, a
         # megabyte) must not reach a log line as it is.
         log_id = rid if len(rid) <= 256 and rid.isprintable() else f"unprintable-{hash(rid) & 0xFFFFFFFF:08x}"
+        if control is not None:
+            control.log_id = log_id
         with request_scope(log_id):
             kind = request.WhichOneof("prompt")
             log.info(
@@ -162,23 +208,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                     "fields": {
                         "tenant": identity.tenant or None,
                         "prompt_kind": kind,
-                        **self.s.prompt_log.fields(
-                            text=request.text if kind == "text" else None,
-                            chat=[{"role": m.role, "content": m.content} for m in request.chat.messages]
-                            if kind == "chat"
-                            else None,
-                            num_tokens=len(request.token_ids.ids) if kind == "token_ids" else None,
-                        ),
+                        **self._prompt_fields(request, kind),
                         "n": request.n if request.HasField("n") else 1,
                         "max_tokens": request.max_tokens if request.HasField("max_tokens") else None,
                     }
                 },
             )
             try:
-                async for msg in self._generate(request, rid, identity.cache_salt, rm):
+                async for msg in self._generate(request, rid, identity.cache_salt, rm, control):
                     if msg.finish_reason:
                         outcome = FINISH_OUTCOMES.get(msg.finish_reason, "unknown")
-                        completion += msg.usage.completion_tokens
                     yield msg
             except RequestError as e:
                 outcome = e.code.name.lower()
@@ -188,7 +227,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise
             except (asyncio.CancelledError, GeneratorExit):
                 remaining = context.time_remaining()
-                outcome = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+                if control is not None and control.stalled:
+                    outcome = "stalled"  # the client stopped reading (stall_sweep.py)
+                elif remaining is not None and remaining <= 0:
+                    outcome = "deadline_exceeded"
+                else:
+                    outcome = "cancelled"
                 raise
             except Exception:
                 log.exception("request failed")
@@ -197,11 +241,18 @@ class GenerationService(pb_grpc.GenerationServicer):
                 rm.finish(outcome)
                 log.info(
                     "finished",
-                    extra={"fields": {"outcome": outcome, "completion_tokens": completion, **rm.summary()}},
+                    extra={
+                        "fields": {"outcome": outcome, "completion_tokens": rm.sent_tokens, **rm.summary()}
+                    },
                 )
 
     async def _generate(
-        self, request: pb.GenerateRequest, rid: str, cache_salt: str, rm: RequestMetrics
+        self,
+        request: pb.GenerateRequest,
+        rid: str,
+        cache_salt: str,
+        rm: RequestMetrics,
+        control: StreamControl | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         s.check_serving()
@@ -236,10 +287,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                         raise invalid([FieldViolation("prompt", e.details())]) from e
                     raise RequestError(e.code(), e.details()) from e
                 s.inflight[rid] = handle
+                if control is not None:
+                    control.handle = handle
+                    s.streams[rid] = control
                 try:
                     async for msg in self._stream(rid, handle, v, prompt, rm):
                         yield msg
                 finally:
+                    s.streams.pop(rid, None)
                     s.engine.release(rid)
                     if (
                         handle.live_indexes
@@ -256,6 +311,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
         ]
         remaining = v.n
+        unsent = 0  # tokens fed since the last message gRPC took
         while remaining:
             try:
                 deltas = await handle.next_deltas()
@@ -271,6 +327,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if seq.done:
                     continue
                 rm.tokens(d.index, len(d.token_ids))
+                unsent += len(d.token_ids)
                 msg = seq.feed(d)
                 if msg is None:
                     continue
@@ -280,4 +337,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                         # A stop string ended this sequence while its siblings go on: drop just it.
                         handle.live_indexes.discard(d.index)
                         self.s.in_background(self.s.engine.abort([rid], index=d.index))
-                yield msg
+                yield msg  # returns once gRPC has taken the message (a stream's send completed)
+                rm.sent_tokens += unsent
+                unsent = 0

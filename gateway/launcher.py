@@ -17,10 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 from engine_svc.rpc.engine_options import engine_options_argv
 from engine_svc.rpc.shm_segments import sweep_stale_segments
+from engine_svc.rpc.socket_dir import make_private_dir, sweep_stale_dirs
 from gateway.server import GatewayOptions, GatewayServer
 
 log = logging.getLogger("gateway")
@@ -142,11 +142,14 @@ def serve(args, opts: GatewayOptions) -> int:
     removed = sweep_stale_segments()
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
+    stale_dirs = sweep_stale_dirs()
+    if stale_dirs:
+        log.info("removed %d socket directory(ies) of dead launchers", len(stale_dirs))
     workdir = None
     supervisors: list[EngineSupervisor] = []
     try:
         if not opts.engine_address and not opts.engine_addresses:
-            workdir = tempfile.mkdtemp(prefix="llmserve-")  # 0700: only this user reaches the socket
+            workdir = make_private_dir()  # /tmp/llmserve-<pid>-XXXXXXXX, 0700
             replicas = max(1, getattr(args, "replicas", 1))
             for i in range(replicas):  # each replica its own engine process, socket and KV pool
                 name = "engine.sock" if replicas == 1 else f"engine-{i}.sock"

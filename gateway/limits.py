@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The roles the common chat templates (ChatML, Llama 3, Mistral, Qwen) know; --chat-roles changes it.
+DEFAULT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -23,6 +26,19 @@ class Limits:
     max_prompt_tokens: int = 0  # 0: the model's context minus one
     max_tokens: int = 0  # the most new tokens a request may ask for; 0: the model's context minus one
     max_message_bytes: int = 16 << 20  # a gRPC message, either way; a larger request is refused by gRPC
+    # Every client string is bounded before any work is done on it (issue 17): a chat of millions
+    # of empty messages, or an 8 MiB role, must cost a length check, not a tokenizer run.
+    # UTF-8 bytes of a text prompt, or of all chat roles + contents: 1 MiB of characters of 2 bytes
+    max_prompt_bytes: int = 2 << 20
+    max_chat_messages: int = 2048
+    max_role_bytes: int = 32
+    allowed_roles: tuple[str, ...] = DEFAULT_ROLES
+    max_model_name_bytes: int = 256
+    max_detokenize_ids: int = 1 << 17
+    # Backpressure (gateway/stream_buffer.py): output a client has not taken yet, per stream.
+    max_unsent_messages: int = 64
+    max_unsent_bytes: int = 256 << 10
+    stream_stall_timeout_s: float = 30.0
 
     def prompt_token_limit(self, max_model_len: int) -> int:
         cap = max_model_len - 1

@@ -143,7 +143,7 @@ class GatewayMetrics:
 class RequestMetrics:
     """The clock of one request: feed it each sequence's token counts as messages go out."""
 
-    __slots__ = ("_m", "_start", "_last", "_first_seen", "_done", "_ttft", "_prompt_tokens")
+    __slots__ = ("_m", "_start", "_last", "_first_seen", "_done", "_ttft", "_prompt_tokens", "sent_tokens")
 
     def __init__(self, m: GatewayMetrics) -> None:
         self._m = m
@@ -153,6 +153,9 @@ class RequestMetrics:
         self._done = False
         self._ttft: float | None = None
         self._prompt_tokens = 0
+        # Tokens whose message the client was given (gRPC took it): the request log's count,
+        # right also for a request cancelled mid-way.
+        self.sent_tokens = 0
         m.inflight.inc()
 
     def prompt(self, num_tokens: int) -> None:

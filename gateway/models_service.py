@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import RequestError, unavailable
+from gateway.errors import RequestError, refuse, unavailable
 from gateway.gateway_state import GatewayState
 from llmserve_proto.llmserve.v1 import models_pb2 as pb
 from llmserve_proto.llmserve.v1 import models_pb2_grpc as pb_grpc
@@ -16,14 +16,16 @@ class ModelsService(pb_grpc.ModelsServicer):
         try:
             return pb.ListModelsResponse(models=[self._info()], default_model=self.s.model_name)
         except RequestError as e:
-            await context.abort_with_status(e.status())
+            refuse(context, e)
+            return pb.ListModelsResponse()
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         try:
             self.s.check_model(request.model)
             return self._info()
         except RequestError as e:
-            await context.abort_with_status(e.status())
+            refuse(context, e)
+            return pb.ModelInfo()
 
     def _info(self) -> pb.ModelInfo:
         info, lim = self.s.engine.info, self.s.limits
@@ -47,5 +49,15 @@ class ModelsService(pb_grpc.ModelsServicer):
                 max_prompt_tokens=lim.prompt_token_limit(info.max_model_len),
                 max_tokens=lim.max_tokens_limit(info.max_model_len),
                 max_prompt_chars=lim.max_prompt_chars,
+                max_prompt_bytes=lim.max_prompt_bytes,
+                max_chat_messages=lim.max_chat_messages,
+                max_role_bytes=lim.max_role_bytes,
+                allowed_roles=list(lim.allowed_roles),
+                max_model_name_bytes=lim.max_model_name_bytes,
+                max_detokenize_ids=lim.max_detokenize_ids,
+                max_request_id_chars=lim.max_request_id_chars,
+                max_unsent_messages=lim.max_unsent_messages,
+                max_unsent_bytes=lim.max_unsent_bytes,
+                stream_stall_timeout_s=lim.stream_stall_timeout_s,
             ),
         )

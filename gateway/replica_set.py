@@ -39,6 +39,13 @@ class RoutedHandle:
     def live_indexes(self) -> set[int]:
         return self._inner.live_indexes
 
+    @property
+    def paused(self) -> bool:
+        return self._inner is not None and self._inner.paused
+
+    def stalled_for(self, now: float) -> float:
+        return self._inner.stalled_for(now) if self._inner is not None else 0.0
+
     def _put(self, item) -> None:
         self._interrupt = item
         self._inner._put(item)
@@ -111,7 +118,14 @@ class ReplicaSet:
     def load(self) -> pb.Load:
         total = pb.Load()
         for r in self.healthy:
-            for f in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_steps"):
+            for f in (
+                "num_running",
+                "num_waiting",
+                "kv_blocks_used",
+                "kv_blocks_total",
+                "num_steps",
+                "num_paused",
+            ):
                 setattr(total, f, getattr(total, f) + getattr(r.load, f))
         return total
 
@@ -297,7 +311,14 @@ class ReplicaSet:
         per = await asyncio.gather(*(r.stats(check_invariants) for r in healthy))
         total = pb.EngineStats()
         for r, st in zip(healthy, per, strict=True):
-            for f in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_steps"):
+            for f in (
+                "num_running",
+                "num_waiting",
+                "kv_blocks_used",
+                "kv_blocks_total",
+                "num_steps",
+                "num_paused",
+            ):
                 setattr(total.load, f, getattr(total.load, f) + getattr(st.load, f))
             for f in (
                 "prefix_queried_tokens",

@@ -28,6 +28,7 @@ from gateway.models_service import ModelsService
 from gateway.prompt_log import PromptLogPolicy
 from gateway.replica_set import connect_engines
 from gateway.router import RoutingPolicy
+from gateway.stall_sweep import StallSweeper
 from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
 from tokenizer_svc.pool import TokenizerPool
@@ -77,6 +78,7 @@ class GatewayServer:
         self.state: GatewayState | None = None
         self.metrics = GatewayMetrics()
         self.metrics_port: int | None = None
+        self.stall_sweeper: StallSweeper | None = None
 
     async def start(self) -> None:
         o = self.opts
@@ -93,6 +95,8 @@ class GatewayServer:
                 watchdog_timeout_s=o.watchdog_timeout_s,
                 max_message_bytes=max(o.limits.max_message_bytes, 64 << 20),
                 keepalive=o.keepalive,
+                max_unsent_messages=o.limits.max_unsent_messages,
+                max_unsent_bytes=o.limits.max_unsent_bytes,
             ),
             o.routing,
         )
@@ -112,6 +116,7 @@ class GatewayServer:
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
         )
+        self.stall_sweeper = StallSweeper(self.state.streams, o.limits.stream_stall_timeout_s)
         server = grpc.aio.server(
             # Credentials first: nothing from an unknown caller is even parsed.
             interceptors=[
@@ -143,6 +148,7 @@ class GatewayServer:
             self.metrics_port = m.serve(o.metrics_host, o.metrics_port)
         await server.start()
         self._server = server
+        self.stall_sweeper.start()
         await engine.start()
         log.info(
             "gateway listening on %s:%d; waiting for the engine at %s",
@@ -195,6 +201,7 @@ class GatewayServer:
             while s.inflight and time.monotonic() < end:
                 await asyncio.sleep(0.02)
         await self._server.stop(grace=1.0)
+        await self.stall_sweeper.stop()
         await s.engine.close()
         await s.tokenization.close()
         self.metrics.close()

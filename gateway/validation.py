@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engine_svc.sampling_params import SamplingParams
 from gateway.errors import FieldViolation, invalid
+from gateway.input_bounds import check_chat, check_text
 from gateway.limits import Limits
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
@@ -25,6 +26,7 @@ class ValidatedRequest:
     params: SamplingParams  # stop strings included; the engine ignores them
     return_token_ids: bool
     priority: int
+    allow_special_tokens: bool = False  # parse special-token strings in `text` (unsafe; opt-in)
 
     @property
     def n(self) -> int:
@@ -50,36 +52,28 @@ def validate_generate(
         bad("prompt", "one of text, token_ids or chat is required")
     elif kind == "text":
         text = req.text
-        if not text:
-            bad("text", "must not be empty")
-        elif len(text) > limits.max_prompt_chars:
-            bad("text", f"has {len(text)} characters; the limit is {limits.max_prompt_chars}")
+        v.extend(check_text(text, "text", limits))
     elif kind == "token_ids":
-        token_ids = list(req.token_ids.ids)
-        if not token_ids:
+        # The count first: a list of millions of ids is refused before it is copied.
+        count, cap = len(req.token_ids.ids), limits.prompt_token_limit(max_model_len)
+        if not count:
             bad("token_ids.ids", "must not be empty")
-        elif len(token_ids) > limits.prompt_token_limit(max_model_len):
+        elif count > cap:
             bad(
                 "token_ids.ids",
-                f"has {len(token_ids)} tokens; the limit is {limits.prompt_token_limit(max_model_len)} "
-                f"(max_model_len {max_model_len})",
+                f"has {count} tokens; the limit is {cap} (max_model_len {max_model_len})",
             )
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < vocab_size:
-                bad(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
-                break
+        else:
+            token_ids = list(req.token_ids.ids)
+            for i, t in enumerate(token_ids):
+                if not 0 <= t < vocab_size:
+                    bad(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
+                    break
     else:
-        messages = req.chat.messages
-        if not messages:
-            bad("chat.messages", "must not be empty")
-        total = 0
-        for i, m in enumerate(messages):
-            if not m.role:
-                bad(f"chat.messages[{i}].role", "must not be empty")
-            total += len(m.content)
-        if total > limits.max_prompt_chars:
-            bad("chat.messages", f"have {total} characters; the limit is {limits.max_prompt_chars}")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat_violations = check_chat(req.chat.messages, "chat.messages", limits)
+        v.extend(chat_violations)
+        if not chat_violations:
+            chat = [{"role": m.role, "content": m.content} for m in req.chat.messages]
 
     def fnum(name: str, default: float, ok, rule: str) -> float:
         if not req.HasField(name):
@@ -178,6 +172,7 @@ def validate_generate(
         params=params,
         return_token_ids=req.return_token_ids,
         priority=req.priority,
+        allow_special_tokens=req.allow_special_tokens,
     )
 
 

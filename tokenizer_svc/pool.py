@@ -55,12 +55,20 @@ class TokenizerPool:
             await self.close()
             raise errors[0]
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = False
+    ) -> list[int]:
+        """Client text: a special token's string in it is plain text unless ``parse_special_tokens``."""
         if self._local is not None:
-            return self._local.encode(text, add_special_tokens=add_special_tokens)
+            return self._local.encode(
+                text, add_special_tokens=add_special_tokens, parse_special_tokens=parse_special_tokens
+            )
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        request = pb.WorkerRequest(encode=pb.EncodeRequest(text=text, add_special_tokens=add_special_tokens))
+        encode = pb.EncodeRequest(
+            text=text, add_special_tokens=add_special_tokens, parse_special_tokens=parse_special_tokens
+        )
+        request = pb.WorkerRequest(encode=encode)
         return list((await self._call(request)).token_ids.ids)
 
     async def apply_chat_template(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
+
 # transformers' placeholder for "no limit configured" (int(1e30)); anything this large means none.
 _NO_LENGTH_LIMIT = 10**18
 
@@ -42,6 +44,7 @@ class Tokenizer:
         # special_tokens_map names them; count them as special too so both views agree.
         special.update(i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
         self._special_ids = frozenset(special)
+        self._specials = SpecialTokens(hf_tokenizer.convert_ids_to_tokens(sorted(special)))
 
     @property
     def backend(self):
@@ -75,10 +78,22 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True
+    ) -> list[int]:
+        """``parse_special_tokens=False``: a special token's string in ``text`` is plain text (the
+        gateway's default for client text); ``add_special_tokens`` still adds BOS where the
+        tokenizer does."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if parse_special_tokens or not self._specials.found_in(text):
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # One backend per tokenizer, used by one thread at a time (a worker, or the event loop).
+        self._backend.encode_special_tokens = True
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._backend.encode_special_tokens = False
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -93,9 +108,17 @@ class Tokenizer:
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes BOS and the other markers itself; adding special tokens again would
-        # double them (the convention of transformers' own tokenize=True path).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        """The template's markers are special tokens; the messages' roles and contents are plain
+        text (chat_encoding.py). The template writes BOS itself; adding special tokens again would
+        double them (the convention of transformers' own tokenize=True path)."""
+        validate_messages(messages)
+        return encode_chat(
+            messages,
+            lambda msgs: self.render_chat(msgs, add_generation_prompt),
+            self._specials,
+            lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
+            self._backend.token_to_id,
+        )
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
         if isinstance(ids, int):

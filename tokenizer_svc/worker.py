@@ -22,7 +22,10 @@ def handle(tok: Tokenizer, request: pb.WorkerRequest) -> pb.WorkerResponse:
     try:
         kind = request.WhichOneof("kind")
         if kind == "encode":
-            ids = tok.encode(request.encode.text, add_special_tokens=request.encode.add_special_tokens)
+            e = request.encode
+            ids = tok.encode(
+                e.text, add_special_tokens=e.add_special_tokens, parse_special_tokens=e.parse_special_tokens
+            )
             response.token_ids.ids.extend(ids)
         elif kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]

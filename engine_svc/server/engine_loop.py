@@ -36,6 +36,7 @@ class Session:
     prompt_ring: TokenRing | None = None
     output_ring: TokenRing | None = None
     live: dict[str, set[int]] = field(default_factory=dict)  # client request id -> indexes still running
+    paused: set[str] = field(default_factory=set)  # of ``live``: paused by the gateway (backpressure)
     closed: bool = False
 
 
@@ -149,6 +150,7 @@ class EngineLoop:
         for rid in list(s.live):
             self.engine.abort_request(_engine_id(s, rid))
         s.live.clear()
+        s.paused.clear()
         if not s.closed:
             s.closed = True
             s.outbox.put(_CLOSED)
@@ -175,11 +177,28 @@ class EngineLoop:
             live.discard(index)
             if not live:
                 del s.live[request_ids[0]]
+                s.paused.discard(request_ids[0])
             return int(self.engine.abort_request(_engine_id(s, request_ids[0]), index))
         n = 0
         for rid in request_ids:
+            s.paused.discard(rid)
             if s.live.pop(rid, None) is not None:
                 n += bool(self.engine.abort_request(_engine_id(s, rid)))
+        return n
+
+    def set_paused(self, s: Session, request_ids: list[str], paused: bool) -> int:
+        """Pause (or resume) requests of this session; returns how many were live here."""
+        n = 0
+        for rid in request_ids:
+            if rid not in s.live:
+                continue  # finished or aborted meanwhile: nothing to pause
+            eid = _engine_id(s, rid)
+            if self.engine.pause_request(eid) if paused else self.engine.resume_request(eid):
+                n += 1
+                if paused:
+                    s.paused.add(rid)
+                else:
+                    s.paused.discard(rid)
         return n
 
     def stats(self, check_invariants: bool) -> pb.EngineStats:
@@ -204,18 +223,27 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            nothing_to_run = False
             while not self._stopping.is_set():
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() and not nothing_to_run
+                nothing_to_run = False
                 self._drain_commands(block_s=0.0 if busy else self.heartbeat_s)
                 if self._stopping.is_set():
                     break
                 if self.engine.has_unfinished_requests():
                     self.watchdog.step_started()
                     t0 = time.perf_counter()
+                    steps_before = self.engine.num_steps
                     deltas = self.engine.step()
                     step_time = time.perf_counter() - t0
-                    self.watchdog.step_finished(pending=self.engine.has_unfinished_requests())
-                    self._route(deltas, step_time)
+                    if self.engine.num_steps == steps_before and not deltas:
+                        # Nothing could run (every request paused by backpressure): wait for the
+                        # next command (a resume, a new request, an abort) instead of spinning.
+                        self.watchdog.idle()
+                        nothing_to_run = True
+                    else:
+                        self.watchdog.step_finished(pending=self.engine.has_unfinished_requests())
+                        self._route(deltas, step_time)
                 else:
                     self.watchdog.idle()
                 self._refresh_load()
@@ -277,6 +305,7 @@ class EngineLoop:
                 s.live[rid].discard(d.index)
                 if not s.live[rid]:
                     del s.live[rid]
+                    s.paused.discard(rid)
         for sid, items in per_session.items():
             s = self._sessions[sid]
             out = pb.StepOutput(step=step, step_time_s=step_time_s)
@@ -296,9 +325,9 @@ class EngineLoop:
             self.load = self._load_from(self.engine.stats())
             self._load_at = now
 
-    @staticmethod
-    def _load_from(st) -> pb.Load:
+    def _load_from(self, st) -> pb.Load:
         return pb.Load(
+            num_paused=sum(len(s.paused) for s in self._sessions.values()),
             num_running=st.num_running,
             num_waiting=st.num_waiting,
             kv_blocks_used=st.kv_blocks_used,

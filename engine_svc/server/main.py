@@ -26,6 +26,7 @@ from engine_svc.rpc.engine_options import add_engine_options
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.log_setup import setup_logging
 from engine_svc.rpc.shm_segments import sweep_stale_segments
+from engine_svc.rpc.socket_dir import remove_if_owner_gone
 from engine_svc.rpc.tls import add_port, server_tls_from_args
 from engine_svc.server.cpus import torch_threads
 from engine_svc.server.engine_loop import EngineLoop
@@ -219,5 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if health_server is not None:
         health_server.stop(grace=0.5).wait(1.0)
     if address.startswith("unix://"):
-        Path(address[len("unix://") :]).unlink(missing_ok=True)
+        socket_path = Path(address[len("unix://") :])
+        socket_path.unlink(missing_ok=True)
+        # A launcher killed by SIGKILL could not remove its private directory: do it for it.
+        remove_if_owner_gone(socket_path.parent)
     return 1 if crashed else 0

@@ -104,6 +104,11 @@ class EngineServicer(pb_grpc.EngineServicer):
         n = self._call(context, lambda: self._loop.abort(s, list(request.request_ids), index))
         return pb.AbortResponse(num_aborted=n)
 
+    def SetPaused(self, request: pb.SetPausedRequest, context):
+        s = self._session(request.session_id, context)
+        n = self._call(context, lambda: self._loop.set_paused(s, list(request.request_ids), request.paused))
+        return pb.SetPausedResponse(num_changed=n)
+
     def _session(self, session_id: str, context) -> Session:
         s = self._loop.session(session_id)  # a dict read; the loop only adds and removes whole entries
         if s is None or s.closed:
