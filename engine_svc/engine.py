@@ -224,6 +224,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def compiling_grammars(self) -> bool:
+        """Some request waits for its grammar (compiled off the loop): a step may soon run it."""
+        return any(r.waiting_for_grammar for r in self.requests.values())
+
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """schedule -> forward and sample -> the scheduler applies the result; nothing else."""

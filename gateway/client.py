@@ -57,6 +57,10 @@ def build_request(
         field = getattr(req, name)
         if isinstance(value, (list, tuple)) and hasattr(field, "extend"):
             field.extend(value)
+        elif isinstance(value, dict) and hasattr(field, "update"):  # a map field (logit_bias)
+            field.update(value)
+        elif hasattr(field, "CopyFrom"):  # a message field (choice=gen.Choices(...))
+            field.CopyFrom(value)
         else:
             setattr(req, name, value)
     return req

@@ -60,6 +60,8 @@ class EngineDelta:
     logprobs: list  # engine.v1 TokenLogprob messages
     prompt_logprobs: list
     wire_bytes: int = 0  # about, for the stream's output budget
+    request_finished: bool = False  # the engine says every output of the request has ended
+    error: str = ""  # the engine refused the request after taking it (its grammar did not compile)
 
 
 class RequestHandle:
@@ -69,10 +71,11 @@ class RequestHandle:
 
     def __init__(self, request_id: str, n: int, budget: OutputBudget | None = None) -> None:
         self.request_id = request_id
-        self.live_indexes = set(range(n))  # sequences the engine has not finished (nor been told to drop)
-        # The same, as the session reader sees it (live_indexes follows the consumer, which may lag
-        # behind a slow client): what the gateway's watchdog counts as work pending in the engine.
-        self.engine_live = set(range(n))
+        # Whether the engine still holds the request, as the engine says (``request_finished``):
+        # ``finished`` as the consumer has seen it, ``engine_done`` as the session reader has (the
+        # consumer may lag behind a slow client; the gateway's watchdog counts what the reader knows).
+        self.finished = False
+        self.engine_done = False
         self.budget = budget
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -100,8 +103,8 @@ class RequestHandle:
         for item in items:
             if isinstance(item, Exception):
                 raise item
-            if item.finish_reason:
-                self.live_indexes.discard(item.index)
+            if item.request_finished:
+                self.finished = True
             out.append(item)
         return out
 
@@ -306,10 +309,6 @@ class EngineClient:
         if index is None:
             for rid in request_ids:
                 self._handles.pop(rid, None)
-        else:
-            for rid in request_ids:
-                if (handle := self._handles.get(rid)) is not None:
-                    handle.engine_live.discard(index)
         if not self.ready or not request_ids:
             return
         try:
@@ -387,7 +386,7 @@ class EngineClient:
                     # running count too.
                     # Paused requests take no steps by design: they are not work the engine owes.
                     pending = load.num_running + load.num_waiting - load.num_paused > 0 or any(
-                        h.engine_live and not h.paused for h in self._handles.values()
+                        not h.engine_done and not h.paused for h in self._handles.values()
                     )
                     self._stall.update(now, pending=pending, progressed=load.num_steps != last_steps)
                     last_steps = load.num_steps
@@ -415,8 +414,8 @@ class EngineClient:
             handle = self._handles.get(d.request_id)
             if handle is None:
                 continue  # aborted here after the engine stepped it
-            if d.finish_reason:
-                handle.engine_live.discard(d.index)
+            if d.request_finished:
+                handle.engine_done = True
             handle._put(
                 EngineDelta(
                     index=d.index,
@@ -428,6 +427,8 @@ class EngineClient:
                     logprobs=list(d.logprobs),
                     prompt_logprobs=list(d.prompt_logprobs),
                     wire_bytes=delta_bytes(tokens, d.logprobs, d.prompt_logprobs),
+                    request_finished=d.request_finished,
+                    error=d.error,
                 )
             )
 

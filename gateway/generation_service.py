@@ -17,6 +17,7 @@ import grpc
 
 from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.log_setup import request_scope
+from gateway.constraints import complete_constraints
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
@@ -267,6 +268,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         s.inflight[rid] = None
         try:
             async with s.admission.slot():
+                await complete_constraints(v.params, list(request.bad_words), s.tokenization.encode)
                 prompt = await self._prompt_ids(v)
                 max_prompt = s.limits.max_prompt_tokens
                 check_prompt_length(
@@ -296,11 +298,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 finally:
                     s.streams.pop(rid, None)
                     s.engine.release(rid)
-                    if (
-                        handle.live_indexes
-                    ):  # cancelled, deadline, stop string, drain: free the engine's blocks
+                    if not handle.finished:  # cancelled, deadline, stop string, drain: free its blocks
                         s.in_background(s.engine.abort([rid]))
-                        handle.live_indexes.clear()
+                        handle.finished = True
         finally:
             del s.inflight[rid]
 
@@ -323,6 +323,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         yield seq.abort()
                 return
             for d in deltas:
+                if d.error:  # taken, then refused: its constraint did not compile for this vocabulary
+                    raise invalid([FieldViolation("constraint", d.error)])
                 seq = seqs[d.index]
                 if seq.done:
                     continue
@@ -333,9 +335,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     continue
                 if seq.done:
                     remaining -= 1
-                    if d.index in handle.live_indexes and remaining:
-                        # A stop string ended this sequence while its siblings go on: drop just it.
-                        handle.live_indexes.discard(d.index)
+                    if not d.finish_reason and remaining:
+                        # A stop string ended this sequence while the engine runs it and its
+                        # siblings go on: drop just it.
                         self.s.in_background(self.s.engine.abort([rid], index=d.index))
                 yield msg  # returns once gRPC has taken the message (a stream's send completed)
                 rm.sent_tokens += unsent

@@ -36,8 +36,12 @@ class RoutedHandle:
         self._interrupt: BaseException | None = None  # a drain's abort that came between two replicas
 
     @property
-    def live_indexes(self) -> set[int]:
-        return self._inner.live_indexes
+    def finished(self) -> bool:
+        return self._inner.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._inner.finished = value
 
     @property
     def paused(self) -> bool:
@@ -290,7 +294,7 @@ class ReplicaSet:
             return
         replica.release(request_id)
         handle = self._handles.get(request_id)
-        if handle is None or handle._inner is None or not handle.live_indexes:
+        if handle is None or handle._inner is None or handle.finished:
             self._untrack(request_id)
         # else: the gateway aborts the rest next (client gone, stop string, drain); abort() needs
         # the owner, and untracks it.

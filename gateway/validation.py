@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from engine_svc.sampling_params import SamplingParams
+from gateway.constraints import read_constraints
 from gateway.errors import FieldViolation, invalid
 from gateway.input_bounds import check_chat, check_text
 from gateway.limits import Limits
@@ -135,6 +136,7 @@ def validate_generate(
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and value > limits.max_logprobs:
             bad(name, f"must be <= {limits.max_logprobs}, got {value}")
+    constraints = read_constraints(req, vocab_size, bad)
 
     if v:
         raise invalid(v)
@@ -157,6 +159,7 @@ def validate_generate(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        **constraints,
     )
     add_gen = (
         req.chat.add_generation_prompt

@@ -35,7 +35,9 @@ class Session:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     prompt_ring: TokenRing | None = None
     output_ring: TokenRing | None = None
-    live: dict[str, set[int]] = field(default_factory=dict)  # client request id -> indexes still running
+    # Client request ids the engine still holds. Which of a request's n outputs are running is the
+    # engine's to know: it says so with ``request_finished``, and this set follows it.
+    live: set[str] = field(default_factory=set)
     paused: set[str] = field(default_factory=set)  # of ``live``: paused by the gateway (backpressure)
     closed: bool = False
 
@@ -167,23 +169,18 @@ class EngineLoop:
         self.engine.add_request(
             _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
         )
-        s.live[request_id] = set(range(params.n))
+        s.live.add(request_id)
 
     def abort(self, s: Session, request_ids: list[str], index: int | None = None) -> int:
-        if index is not None:
-            live = s.live.get(request_ids[0]) if len(request_ids) == 1 else None
-            if live is None or index not in live:
-                return 0
-            live.discard(index)
-            if not live:
-                del s.live[request_ids[0]]
-                s.paused.discard(request_ids[0])
-            return int(self.engine.abort_request(_engine_id(s, request_ids[0]), index))
         n = 0
         for rid in request_ids:
-            s.paused.discard(rid)
-            if s.live.pop(rid, None) is not None:
-                n += bool(self.engine.abort_request(_engine_id(s, rid)))
+            if rid not in s.live:
+                continue
+            eid = _engine_id(s, rid)
+            n += bool(self.engine.abort_request(eid, index))
+            if self.engine.request_finished(eid):
+                s.live.discard(rid)
+                s.paused.discard(rid)
         return n
 
     def set_paused(self, s: Session, request_ids: list[str], paused: bool) -> int:
@@ -236,7 +233,11 @@ class EngineLoop:
                     steps_before = self.engine.num_steps
                     deltas = self.engine.step()
                     step_time = time.perf_counter() - t0
-                    if self.engine.num_steps == steps_before and not deltas:
+                    if (
+                        self.engine.num_steps == steps_before
+                        and not deltas
+                        and not self.engine.compiling_grammars()
+                    ):
                         # Nothing could run (every request paused by backpressure): wait for the
                         # next command (a resume, a new request, an abort) instead of spinning.
                         self.watchdog.idle()
@@ -301,11 +302,9 @@ class EngineLoop:
             if s is None or s.closed or rid not in s.live:
                 continue
             per_session.setdefault(sid, []).append((rid, d))
-            if d.finish_reason is not None:
-                s.live[rid].discard(d.index)
-                if not s.live[rid]:
-                    del s.live[rid]
-                    s.paused.discard(rid)
+            if d.request_finished:
+                s.live.discard(rid)
+                s.paused.discard(rid)
         for sid, items in per_session.items():
             s = self._sessions[sid]
             out = pb.StepOutput(step=step, step_time_s=step_time_s)

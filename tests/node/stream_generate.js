@@ -1,8 +1,8 @@
 // A Node.js client for llmserve, with stubs made at run time from proto/ by @grpc/proto-loader.
 //
-//   node stream_generate.js 127.0.0.1:50051 "Once upon a time" [max_tokens]
+//   node stream_generate.js 127.0.0.1:50051 "Once upon a time" [max_tokens] [json_schema]
 //
-// Streams one greedy generation, printing each text delta as it arrives on stderr and, at the end,
+// Streams one greedy generation (constrained to the JSON schema when one is given), printing each text delta as it arrives on stderr and, at the end,
 // one JSON line on stdout: {"text", "token_ids", "finish_reason", "usage", "messages"}.
 "use strict";
 
@@ -25,7 +25,7 @@ function loadGeneration() {
 }
 
 function main() {
-  const [target, prompt, maxTokens] = process.argv.slice(2);
+  const [target, prompt, maxTokens, jsonSchema] = process.argv.slice(2);
   if (!target || prompt === undefined) {
     console.error("usage: node stream_generate.js HOST:PORT PROMPT [MAX_TOKENS]");
     process.exit(2);
@@ -38,6 +38,9 @@ function main() {
     max_tokens: Number(maxTokens || 16),
     return_token_ids: true,
   };
+  if (jsonSchema) {
+    request.json_schema = jsonSchema; // the `constraint` oneof: structured output
+  }
   const result = { text: "", token_ids: [], finish_reason: null, usage: null, messages: 0 };
   const call = client.GenerateStream(request, { deadline: Date.now() + 60000 });
   call.on("data", (msg) => {

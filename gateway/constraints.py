@@ -1,0 +1,84 @@
+"""Structured-output constraints and logit controls of a GenerateRequest: bounded and checked before
+any work (ids in the vocabulary, biases in range, sizes), the grammar's syntax checked off the event
+loop, and bad words tokenized by the tokenizer workers. The engine compiles the grammar against its
+vocabulary; it never sees the words, only their token ids."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_svc.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_CONTROL_IDS, SamplingParams
+from engine_svc.structured_outputs import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutputsParams
+from gateway.errors import FieldViolation, invalid
+from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_BYTES = 256
+
+
+def read_constraints(req: pb.GenerateRequest, vocab_size: int, bad) -> dict:
+    """The SamplingParams fields, with every violation reported through ``bad(field, why)``."""
+    out: dict = {}
+    kind = req.WhichOneof("constraint")
+    if kind is not None:
+        if kind == "choice":
+            choices = list(req.choice.choices)
+            if not 1 <= len(choices) <= MAX_CHOICES:
+                bad("choice", f"must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")
+            elif sum(len(c.encode()) for c in choices) > MAX_SPEC_BYTES:
+                bad("choice", f"the choices are over {MAX_SPEC_BYTES} bytes together")
+            out["structured_outputs"] = StructuredOutputsParams(choice=tuple(choices))
+        elif kind == "json_object":
+            if req.json_object:
+                out["structured_outputs"] = StructuredOutputsParams(json_object=True)
+        else:
+            spec = getattr(req, kind)
+            if not spec or len(spec.encode()) > MAX_SPEC_BYTES:
+                bad(kind, f"must be 1 to {MAX_SPEC_BYTES} bytes, got {len(spec.encode())}")
+            field = {"json_schema": "json"}.get(kind, kind)
+            out["structured_outputs"] = StructuredOutputsParams(**{field: spec})
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_CONTROL_IDS:
+            bad("logit_bias", f"at most {MAX_LOGIT_CONTROL_IDS} entries, got {len(req.logit_bias)}")
+        for tid, bias in req.logit_bias.items():
+            if not 0 <= tid < vocab_size:
+                bad(f"logit_bias[{tid}]", f"the token id is outside the vocabulary [0, {vocab_size})")
+            elif not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails this too
+                bad(f"logit_bias[{tid}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        out["logit_bias"] = dict(req.logit_bias)
+    if req.allowed_token_ids:
+        ids = list(req.allowed_token_ids)
+        if len(ids) > MAX_LOGIT_CONTROL_IDS:
+            bad("allowed_token_ids", f"at most {MAX_LOGIT_CONTROL_IDS} ids, got {len(ids)}")
+        for i, tid in enumerate(ids[:MAX_LOGIT_CONTROL_IDS]):
+            if not 0 <= tid < vocab_size:
+                bad(f"allowed_token_ids[{i}]", f"{tid} is outside the vocabulary [0, {vocab_size})")
+        out["allowed_token_ids"] = ids
+    words = list(req.bad_words)
+    if len(words) > MAX_BAD_WORDS:
+        bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    for i, w in enumerate(words[:MAX_BAD_WORDS]):
+        if not w or len(w.encode()) > MAX_BAD_WORD_BYTES:
+            bad(f"bad_words[{i}]", f"must be 1 to {MAX_BAD_WORD_BYTES} bytes")
+    return out
+
+
+async def complete_constraints(params: SamplingParams, bad_words: list[str], encode) -> None:
+    """The work that may take time, off the event loop: the grammar's syntax (INVALID_ARGUMENT with
+    the library's message), and the token sequences of the bad words (each as it would begin the
+    text and as it would follow a space, as vLLM does)."""
+    if params.structured_outputs is not None:
+        try:
+            await asyncio.to_thread(params.structured_outputs.to_grammar)
+        except ValueError as e:
+            field, _, why = str(e).partition(": ")
+            field = field.removeprefix("structured_outputs.").replace("json", "json_schema", 1)
+            raise invalid([FieldViolation(field if why else "constraint", (why or str(e))[:400])]) from None
+    if bad_words:
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = await encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        params.bad_words_token_ids = sequences
