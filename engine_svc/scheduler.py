@@ -168,7 +168,11 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         waiting, j = self.waiting, 0
-        while j < len(waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not waiting:
+            return budget
+        # Paused sequences hold no seat: a client that stops reading must not keep others out.
+        seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
+        while j < len(waiting) and budget > 0 and seats > 0:
             seq = waiting[j]
             request = seq.request
             if request.paused or request.waiting_for_grammar:
@@ -204,6 +208,7 @@ class Scheduler:
             out.add(seq, num_new)
             out.only_decodes = False
             budget -= num_new
+            seats -= 1
         return budget
 
     def _fail(self, seq: Sequence, why: str) -> None:
@@ -233,7 +238,11 @@ class Scheduler:
         return failed
 
     def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
-        """Priority policy: the running sequence that a waiting ``seq`` may evict, if any."""
+        """The running sequence that a waiting ``seq`` may evict, if any: a paused one, or under the
+        priority policy one of lower priority."""
+        paused = [s for s in self.running if s.request.paused]
+        if paused:
+            return paused[-1]
         if not self.priority or not self.running:
             return None
         victim = max(self.running, key=_priority_key)

@@ -17,8 +17,6 @@ from engine_svc.rpc.defaults import GATEWAY_PORT
 from gateway.limits import Limits
 from gateway.replica_options import add_replica_options, engine_addresses, routing_policy
 
-FINISH_NAMES = {1: "stop", 2: "length", 3: "abort"}
-
 
 def _add_serve(sub) -> None:
     from engine_svc.rpc.engine_options import add_engine_options
@@ -297,7 +295,9 @@ def _generate(args) -> int:
 def _summary(msg, seconds: float) -> None:
     if msg is None:
         return
-    reason = FINISH_NAMES.get(msg.finish_reason, "?")
+    from gateway.client import finish_name
+
+    reason = finish_name(msg.finish_reason)
     u = msg.usage
     print(
         f"-- finish: {reason}, prompt {u.prompt_tokens} tokens, completion {u.completion_tokens} tokens, "

@@ -25,6 +25,14 @@ from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc
 Message = dict | tuple[str, str]
 
 
+def finish_name(reason: int) -> str:
+    """ "stop", "length", "abort" for a llmserve.v1 FinishReason ("?" for one this build lacks)."""
+    try:
+        return gen.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    except ValueError:
+        return "?"
+
+
 def build_request(
     prompt: str | None = None,
     *,

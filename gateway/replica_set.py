@@ -322,15 +322,12 @@ class ReplicaSet:
                 "kv_blocks_total",
                 "num_steps",
                 "num_paused",
-            ):
-                setattr(total.load, f, getattr(total.load, f) + getattr(st.load, f))
-            for f in (
                 "prefix_queried_tokens",
                 "prefix_hit_tokens",
                 "num_preemptions",
-                "num_sessions",
-                "num_live_requests",
             ):
+                setattr(total.load, f, getattr(total.load, f) + getattr(st.load, f))
+            for f in ("num_sessions", "num_live_requests"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
             if st.invariant_error and not total.invariant_error:
                 total.invariant_error = f"{r.address}: {st.invariant_error}"

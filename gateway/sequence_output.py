@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from engine_svc.sampling_params import SamplingParams
 from gateway.engine_client import EngineDelta
+from llmserve_proto.engine.v1 import engine_pb2 as engine_pb
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from tokenizer_svc.text_stream import TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
 # engine.v1 and llmserve.v1 number their finish reasons alike.
-_FINISH = {1: pb.FINISH_REASON_STOP, 2: pb.FINISH_REASON_LENGTH, 3: pb.FINISH_REASON_ABORT}
+# engine.v1's finish reasons as llmserve.v1 names them.
+_FINISH = {
+    engine_pb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
+    engine_pb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH,
+    engine_pb.FINISH_REASON_ABORT: pb.FINISH_REASON_ABORT,
+}
 
 
 def public_logprob(engine_logprob) -> pb.TokenLogprob:

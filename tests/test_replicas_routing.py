@@ -63,12 +63,12 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
                     assert out.finish_reason
                 after = [r.stats() for r in engines]
                 got = [
-                    a.prefix_queried_tokens - b.prefix_queried_tokens
+                    a.load.prefix_queried_tokens - b.load.prefix_queried_tokens
                     for a, b in zip(after, before, strict=True)
                 ]
                 assert sorted(got)[0] == 0, f"group {group} was split over the replicas: {got}"
                 owner = got.index(max(got))
-                hits = after[owner].prefix_hit_tokens - before[owner].prefix_hit_tokens
+                hits = after[owner].load.prefix_hit_tokens - before[owner].load.prefix_hit_tokens
                 # The best possible: every request after the first finds the whole system prompt.
                 assert hits == 5 * len(system), f"group {group}: {hits} hit tokens of {got[owner]}"
 

@@ -218,3 +218,44 @@ def test_bad_speculative_configs_are_refused(tiny_llama):
         with pytest.raises(ValueError, match=match):
             make_engine(tiny_llama, speculative_config=bad)
     random.seed(0)
+
+
+def test_the_service_speculates_with_the_same_tokens(default_model_dir):
+    """``llmserve serve --speculative-config``: greedy tokens equal a service without it; a bad
+    config stops the engine with exit 2 and the reason."""
+    import subprocess
+    import sys
+
+    from gateway.client import LLMServeClient
+    from gateway.service_process import ServiceProcess
+
+    prompt = "one two three one two three one two three one two"
+    outs = []
+    for extra in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']):
+        with ServiceProcess(
+            default_model_dir, "--num-kv-blocks", "256", "--tokenizer-workers", "0", *extra
+        ) as sp:
+            with LLMServeClient(sp.target, timeout=60) as client:
+                outs.append(
+                    list(
+                        client.generate(
+                            prompt, temperature=0.0, max_tokens=40, return_token_ids=True
+                        ).token_ids
+                    )
+                )
+    assert outs[0] == outs[1]
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine_svc.server",
+            "--model",
+            str(default_model_dir),
+            "--speculative-config",
+            '{"method": "x"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "method must be one of" in bad.stderr, bad.stderr[-500:]

@@ -234,3 +234,26 @@ def test_nothing_is_left_behind(policy):
         step(sched)
     assert all(r.finished for r in requests)
     assert not sched.running and not sched.waiting and sched.kv.pool.num_used == 0
+
+
+def test_paused_requests_hold_no_seat_and_yield_their_blocks_to_newcomers():
+    """A client that stops reading must not keep others out: paused sequences do not count toward
+    max_num_seqs, and a waiting request that needs blocks preempts a paused one."""
+    sched = make_scheduler(num_blocks=4, budget=64, max_num_seqs=2)
+    stalled = [add(sched, f"s{i}", list(range(3, 19)), max_tokens=8) for i in range(2)]  # 2 blocks each
+    step(sched)
+    for r in stalled:
+        r.paused = True
+    fresh = add(sched, "fresh", list(range(30, 46)), max_tokens=4)
+    out, _ = step(sched)
+    assert [s.request for s in out.seqs] == [fresh], "a paused request kept the newcomer out"
+    assert sched.num_preemptions >= 1 and not all(r.sequences[0].block_table for r in stalled)
+    while not fresh.finished:
+        step(sched)
+    for r in stalled:
+        r.paused = False
+    for _ in range(100):
+        if all(r.finished for r in stalled):
+            break
+        step(sched)
+    assert all(r.finished for r in stalled) and sched.kv.pool.num_used == 0

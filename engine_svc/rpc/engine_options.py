@@ -18,6 +18,12 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
     ("--seed", int, "engine seed"),
     ("--scheduling-policy", str, "fcfs or priority"),
     (
+        "--speculative-config",
+        str,
+        'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+    ),
+    (
         "--torch-threads",
         int,
         "torch CPU threads (default: the CPUs this process may use, within its container's CPU "

@@ -202,9 +202,6 @@ class EngineLoop:
         st = self.engine.stats()
         out = pb.EngineStats(
             load=self._load_from(st),
-            prefix_queried_tokens=st.prefix_queried_tokens,
-            prefix_hit_tokens=st.prefix_hit_tokens,
-            num_preemptions=st.num_preemptions,
             num_sessions=sum(not s.closed for s in self._sessions.values()),
             num_live_requests=sum(len(s.live) for s in self._sessions.values()),
             num_refused_submits=self.refused_submits,
@@ -332,9 +329,6 @@ class EngineLoop:
             kv_blocks_used=st.kv_blocks_used,
             kv_blocks_total=st.kv_blocks_total,
             num_steps=st.num_steps,
-            prefix_queried_tokens=st.prefix_queried_tokens,
-            prefix_hit_tokens=st.prefix_hit_tokens,
-            num_preemptions=st.num_preemptions,
         )
 
 

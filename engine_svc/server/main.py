@@ -10,6 +10,7 @@ NOT_SERVING while the watchdog finds the loop stuck and once shutdown begins.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -97,6 +98,11 @@ def engine_config_kwargs(args) -> dict:
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
+    if args.speculative_config:
+        try:
+            kw["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
     return kw
 
 
@@ -157,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**engine_config_kwargs(args)))
+    try:
+        engine = LLMEngine(EngineConfig(**engine_config_kwargs(args)))
+    except ValueError as e:  # a bad option: say which, exit 2 (as for the other flags)
+        log.error("%s", e)
+        return 2
     warm_up(engine)
     install_from_env(engine)  # faults on purpose, for the fault suite only (environment variables)
     info = engine_info(engine)
