@@ -73,7 +73,7 @@ def main() -> dict:
     for name, f in figures.items():
         runs = [round(r, 2) for r in f["ratios"]]
         acceptance = f["acceptance"]
-        print(f"{name}: {f['speedup']:.2f}x (runs {runs}), acceptance {acceptance:.2f}, drafted {f['drafted']}")
+        print(f"{name}: {f['speedup']:.2f}x ({runs}), acceptance {acceptance:.2f}, drafts {f['drafted']}")
     b1 = figures["batch1_greedy"]
     targets = [
         common.target(
