@@ -47,8 +47,13 @@ def make_config(arch: str, **overrides):
     return AutoConfig.for_model(arch, **fields)
 
 
-def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
-                       generation_eos: int | list[int] | None = None, **overrides) -> Path:
+def build_random_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    generation_eos: int | list[int] | None = None,
+    **overrides,
+) -> Path:
     """Write a random-weight model of ``arch`` to ``out_dir`` and return the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,6 +64,7 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(out, safe_serialization=True)
     eos = generation_eos if generation_eos is not None else config.eos_token_id
-    GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id,
-                     pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=eos, bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id, do_sample=False
+    ).save_pretrained(out)
     return out

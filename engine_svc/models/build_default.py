@@ -25,8 +25,14 @@ DEFAULT_SHAPE = dict(
     max_position_embeddings=4096,
     initializer_range=0.05,
 )
-FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-         "tokenizer_config.json", "special_tokens_map.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+]
 
 
 def build_default_model(out_dir: str | Path, vocab_size: int = 8192, seed: int = 0) -> Path:
@@ -34,8 +40,14 @@ def build_default_model(out_dir: str | Path, vocab_size: int = 8192, seed: int =
     tok = train_tokenizer(vocab_size)
     save_tokenizer(tok, out, model_max_length=DEFAULT_SHAPE["max_position_embeddings"])
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    build_random_model(out, "llama", seed=seed, vocab_size=tok.get_vocab_size(),
-                       generation_eos=eos, **{**DEFAULT_SHAPE, "eos_token_id": eos[0]})
+    build_random_model(
+        out,
+        "llama",
+        seed=seed,
+        vocab_size=tok.get_vocab_size(),
+        generation_eos=eos,
+        **{**DEFAULT_SHAPE, "eos_token_id": eos[0]},
+    )
     (out / "SHA256SUMS").write_text("".join(f"{digest(out / f)}  {f}\n" for f in FILES))
     return out
 
@@ -45,7 +57,9 @@ def digest(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="models/default")
     parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args(argv)

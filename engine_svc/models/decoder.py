@@ -40,7 +40,9 @@ class DecoderLayer(nn.Module):
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
         inter = shard.intermediate(spec)
         self.qkv_weight = nn.Parameter(torch.empty(qkv_rows, h, dtype=dtype), requires_grad=False)
-        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows, dtype=dtype), requires_grad=False) if spec.qkv_bias else None
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(qkv_rows, dtype=dtype), requires_grad=False) if spec.qkv_bias else None
+        )
         self.o_weight = nn.Parameter(torch.empty(h, self.num_heads * d, dtype=dtype), requires_grad=False)
         self.o_bias = nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if spec.o_bias else None
         self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
@@ -73,16 +75,25 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        key = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-        value = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        key = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        value = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
             key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
         q, key = k.apply_rotary(positions, q, key, cos_sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
-        out = k.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                                self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len)
+        out = k.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            max_query_len=attn.max_query_len,
+            max_seq_len=attn.max_seq_len,
+        )
         out = self.shard.all_reduce(self.o_proj(out.reshape(t, q_size)))
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
@@ -95,11 +106,16 @@ class DecoderForCausalLM(nn.Module):
         shard.check(spec)
         self.vocab_start, vocab_end = shard.vocab_range(spec)
         local_vocab = vocab_end - self.vocab_start
-        self.embed = nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed = nn.Parameter(
+            torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard) for _ in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (None if spec.tie_word_embeddings else
-                        nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False))
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False)
+        )
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
         self.linear_backend = "dense"
@@ -114,8 +130,14 @@ class DecoderForCausalLM(nn.Module):
         self.linear_backend = backend
 
     @torch.inference_mode()
-    def forward(self, k: Kernels, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn: AttentionInputs) -> torch.Tensor:
+    def forward(
+        self,
+        k: Kernels,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttentionInputs,
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self._embed(input_ids)
         residual = None

@@ -21,7 +21,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     loaded = {name for name, tensor in _read_safetensors(Path(model_dir)) if assign(model, name, tensor)}
     missing = expected_names(model) - loaded
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        raise ValueError(
+            f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
+        )
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
@@ -86,7 +88,9 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
         return target is not None and _copy(target.data.narrow(0, dst, count), tensor.narrow(0, src, count))
     if proj in ("mlp.gate_proj", "mlp.up_proj"):
         dst = 0 if proj == "mlp.gate_proj" else inter
-        return _copy(layer.gate_up_weight.data.narrow(0, dst, inter), tensor.narrow(0, shard.rank * inter, inter))
+        return _copy(
+            layer.gate_up_weight.data.narrow(0, dst, inter), tensor.narrow(0, shard.rank * inter, inter)
+        )
     if rest == "self_attn.o_proj.weight":
         return _copy(layer.o_weight, tensor.narrow(1, q_src, heads * d))
     if rest == "mlp.down_proj.weight":
@@ -103,7 +107,9 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
     if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+        raise ValueError(
+            f"weight shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+        )
     target.data.copy_(tensor.to(target.dtype))
     return True
 
@@ -112,22 +118,27 @@ def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
     """HF name -> unsharded shape, for every weight the model needs."""
     s = model.spec
     h, d, inter = s.hidden_size, s.head_dim, s.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (s.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
     if model.lm_head is not None:
         shapes["lm_head.weight"] = (s.vocab_size, h)
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (s.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (s.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (s.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, s.num_heads * d),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (s.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (s.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (s.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, s.num_heads * d),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if s.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (s.num_heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (s.num_kv_heads * d,)

@@ -51,13 +51,16 @@ class ModelSpec:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
         flags = SUPPORTED_ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
-                                               else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         eos = generation_eos if generation_eos is not None else cfg.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
