@@ -40,7 +40,7 @@ def assert_nothing_left(engines: list[EngineReplica], sp: ServiceProcess) -> Non
 
 
 def queried(engines: list[EngineReplica]) -> list[int]:
-    return [r.stats().prefix_queried_tokens for r in engines]
+    return [r.stats().load.prefix_queried_tokens for r in engines]
 
 
 def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_model_dir):
@@ -91,15 +91,15 @@ def test_shared_prefixes_meet_on_one_replica_and_short_prompts_spread(default_mo
             frozen, other = engines[owner], engines[1 - owner]
             os.kill(frozen.proc.pid, signal.SIGSTOP)
             try:
-                before = other.stats().prefix_queried_tokens
+                before = other.stats().load.prefix_queried_tokens
                 assert client.generate(token_ids=system + [7, 7], max_tokens=4).finish_reason
-                assert other.stats().prefix_queried_tokens > before
+                assert other.stats().load.prefix_queried_tokens > before
             finally:
                 os.kill(frozen.proc.pid, signal.SIGCONT)
             wait_for(lambda: frozen.stats().num_sessions == 1, 30, "the thawed replica rejoined")
-            before = frozen.stats().prefix_queried_tokens
+            before = frozen.stats().load.prefix_queried_tokens
             assert client.generate(token_ids=system + [8, 8], max_tokens=4).finish_reason
-            assert frozen.stats().prefix_queried_tokens > before
+            assert frozen.stats().load.prefix_queried_tokens > before
             for r in engines:
                 assert_pool_whole(r)
         assert sp.proc.returncode == 0
@@ -160,10 +160,10 @@ def test_a_killed_replica_ends_streamed_requests_retries_the_rest_and_comes_back
 
             # The service keeps answering, on the survivor, for that prefix and any other.
             assert client.health_status() == SERVING
-            before = survivor.stats().prefix_queried_tokens
+            before = survivor.stats().load.prefix_queried_tokens
             for i in range(3):
                 assert client.generate(token_ids=system + [20 + i], max_tokens=4).finish_reason
-            assert survivor.stats().prefix_queried_tokens > before
+            assert survivor.stats().load.prefix_queried_tokens > before
 
             # The victim comes back on its address; the gateway takes it in again, and the prefix
             # it owned returns to it.
@@ -172,7 +172,7 @@ def test_a_killed_replica_ends_streamed_requests_retries_the_rest_and_comes_back
                 revived.wait_ready()
                 wait_for(lambda: revived.stats().num_sessions == 1, 30, "the gateway rejoined")
                 client.generate(token_ids=system + [40], max_tokens=4)
-                assert revived.stats().prefix_queried_tokens > 0
+                assert revived.stats().load.prefix_queried_tokens > 0
                 for r in (survivor, revived):
                     assert_pool_whole(r)
             finally:

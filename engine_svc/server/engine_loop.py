@@ -329,6 +329,9 @@ class EngineLoop:
             kv_blocks_used=st.kv_blocks_used,
             kv_blocks_total=st.kv_blocks_total,
             num_steps=st.num_steps,
+            prefix_queried_tokens=st.prefix_queried_tokens,
+            prefix_hit_tokens=st.prefix_hit_tokens,
+            num_preemptions=st.num_preemptions,
         )
 
 
