@@ -246,9 +246,8 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
         if isinstance(p, str):
             req.text = p
         else:
-            cap = limits.max_detokenize_ids
-            if len(p) > cap or any(not -(2**31) <= t < 2**31 for t in p):
-                raise invalid([FieldViolation("prompt", "token ids out of range or too many")])
+            if any(not -(2**31) <= t < 2**31 for t in p):  # the vocabulary is checked by validation
+                raise invalid([FieldViolation("prompt", "holds a token id out of the int32 range")])
             req.token_ids.ids.extend(p)
         out.append(req)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -44,6 +45,7 @@ def service(default_model_dir, tmp_path_factory):
         "default",
     ]
     args += ["--max-concurrent", "3", "--max-queue", "0", "--max-message-bytes", str(1 << 20)]
+    args += ["--stream-stall-timeout", "2", "--drain-grace-s", "1"]
     with ServiceProcess(default_model_dir, *args) as sp:
         assert sp.http_port
         yield sp
@@ -374,3 +376,48 @@ def test_node_fetch_streams_the_same_text(service, grpc_client):
     want = grpc_client.generate(PROMPT, max_tokens=12, temperature=0.0)
     assert result["text"] == want.text
     assert result["done"] and result["events"] >= 2
+
+
+def test_a_client_that_stops_reading_is_paused_then_ended(service):
+    """The gRPC path's backpressure, over HTTP: uvicorn's writes wait on the full socket, the request
+    is paused in the engine, and the stall sweep ends it (--stream-stall-timeout 2)."""
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 1500, "n": 8, "stream": True, "ignore_eos": True, "logprobs": 20}
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window; then read nothing
+    sock.connect(("127.0.0.1", service.http_port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    try:
+        deadline = time.monotonic() + 40  # the kernel's buffers take megabytes first (about 10 s here)
+        while 'outcome="stalled"' not in service.log_tail(20000):
+            assert time.monotonic() < deadline, "the stalled stream was not ended"
+            time.sleep(0.2)
+        assert service.engine_stats().load.num_steps  # the engine is alive
+        assert_engine_clean(service, within_s=2.0)
+    finally:
+        sock.close()
+
+
+def test_sigterm_drains_http_streams_last(service):
+    """Runs last: SIGTERM ends an open HTTP stream after --drain-grace-s with finish_reason abort,
+    then [DONE]; new requests meanwhile get 503; the process exits 0."""
+    body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", service.http_url + "/v1/completions", json=body, headers=h, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        service.proc.send_signal(15)
+        time.sleep(0.3)
+        refused = httpx.post(service.http_url + "/v1/completions", json={"prompt": "x"}, headers=h)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+        assert httpx.get(service.http_url + "/health").status_code == 503
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finals[-1] == "abort"
+    assert service.proc.wait(30) == 0
