@@ -113,6 +113,9 @@ class HttpApi:
             return self._error(err, 413)
         except RequestError as e:
             return self._error(e)
+        except Exception:  # a bug: still OpenAI's shape, and the traceback in the log
+            log.exception("HTTP request failed")
+            return self._error(RequestError(grpc.StatusCode.INTERNAL, "internal error"), 500)
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -493,7 +496,9 @@ async def _merge(gens):
         try:
             async for msg in gen:
                 await queue.put((p, msg))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except asyncio.CancelledError:
+            raise  # the consumer is gone: nobody would take a report
+        except Exception as e:  # handed to the consumer
             await queue.put((p, e))
             return
         finally:
@@ -507,7 +512,7 @@ async def _merge(gens):
             p, item = await queue.get()
             if item is END:
                 live -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield p, item

@@ -16,6 +16,7 @@ import grpc
 
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.limits import Limits
+from gateway.quoting import quote
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
@@ -52,11 +53,10 @@ class BodyReader:
             raise invalid([FieldViolation("body", "must be a JSON object")])
         self.body = body
         self.v: list[FieldViolation] = []
-        unknown = sorted(k for k in body if k not in allowed)
-        if unknown:
-            log.info(
-                "ignored unknown fields of a %s request", what, extra={"fields": {"ignored": unknown[:16]}}
-            )
+        unknown = [k for k in body if k not in allowed]
+        if unknown:  # names only, each quoted short (a name is the client's text too)
+            names = [quote(k, 32) for k in unknown[:16]]
+            log.info("ignored unknown fields of a %s request", what, extra={"fields": {"ignored": names}})
 
     def bad(self, field: str, why: str) -> None:
         self.v.append(FieldViolation(field, why))

@@ -36,7 +36,7 @@ def service(default_model_dir, tmp_path_factory):
     keys.chmod(0o600)
     args = [
         "--num-kv-blocks",
-        "256",
+        "1024",
         "--http-port",
         "0",
         "--api-key-file",
