@@ -157,6 +157,44 @@ def test_several_prompts_streamed_and_not(client):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    # token ids and text mixed, n = 2 each: choice index = prompt * n + sequence
+    mixed = client.completions.create(
+        model="default", prompt=[[1, 2, 3], "Once upon a time"], max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in mixed.choices] == [0, 1, 2, 3]
+    assert (
+        mixed.choices[2].text == mixed.choices[3].text == whole.choices[0].text[: len(mixed.choices[2].text)]
+    )
+
+
+def test_several_prompts_streamed_disconnect_frees_all(service):
+    body = {"prompt": [PROMPT, "Once upon a time"], "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream(
+        "POST", service.http_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert service.engine_stats().num_live_requests == 2
+        lines.close()
+    assert_engine_clean(service, within_s=2.0)
+
+
+def test_prompt_logprobs_and_json_object(client):
+    r = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    plps = r.choices[0].model_extra["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == r.usage.prompt_tokens
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if chat.choices[0].finish_reason == "stop":  # else cut by max_tokens: a valid prefix only
+        json.loads(chat.choices[0].message.content)
+    assert chat.choices[0].message.content.lstrip()[:1] in ("{", "[", '"', "-", "t", "f", "n", *"0123456789")
 
 
 def test_async_client_streams(service):
