@@ -536,7 +536,7 @@ class HttpServer:
     """uvicorn serving ``HttpApi`` as tasks on the running loop (no thread, no loop of its own, no
     signal handlers: the launcher's SIGTERM drain covers both APIs)."""
 
-    def __init__(self, api: HttpApi, host: str, port: int, tls, limits) -> None:
+    def __init__(self, api: HttpApi, host: str, port: int, tls) -> None:
         import uvicorn
 
         self.config = uvicorn.Config(

@@ -155,9 +155,7 @@ class GatewayServer:
         await server.start()
         self._server = server
         if o.http_port is not None:  # on this same loop: tasks of uvicorn's, no thread
-            self.http = HttpServer(
-                HttpApi(self.state, generation), o.http_host or o.host, o.http_port, o.tls, o.limits
-            )
+            self.http = HttpServer(HttpApi(self.state, generation), o.http_host or o.host, o.http_port, o.tls)
             self.http_port = await self.http.start()
         self.stall_sweeper.start()
         await engine.start()
