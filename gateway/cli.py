@@ -32,6 +32,12 @@ def _add_serve(sub) -> None:
         metavar="ADDRESS",
         help="use a running engine (unix:///path or host:port) instead of starting one; repeat for replicas",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API on this port (default: off; 0: any free port)",
+    )
+    p.add_argument("--http-host", help="the HTTP API's listen address (default: --host)")
     p.add_argument("--served-model-name")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="0: tokenize on the gateway's event loop")
     p.add_argument(
@@ -250,6 +256,8 @@ def _serve(args) -> int:
         metrics_port=args.metrics_port,
         watchdog_timeout_s=30.0 if args.watchdog_timeout is None else args.watchdog_timeout,
         log_prompts=args.log_prompts,
+        http_port=args.http_port,
+        http_host=args.http_host,
     )
     return serve(args, opts)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.log_setup import request_scope
+from gateway.auth import Identity
 from gateway.constraints import complete_constraints
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
@@ -80,62 +81,68 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
-            self.s.check_model(request.model)
-            kind = request.WhichOneof("input")
-            if kind == "text":
-                bad = check_text(request.text, "text", self.s.limits)
-                if bad:
-                    raise invalid(bad)
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await self._tokenized(
-                    self.s.tokenization.encode(
-                        request.text,
-                        add_special_tokens=add,
-                        parse_special_tokens=request.allow_special_tokens,
-                    ),
-                    "text",
-                )
-            elif kind == "chat":
-                bad = check_chat(request.chat.messages, "chat.messages", self.s.limits)
-                if bad:
-                    raise invalid(bad)
-                add = (
-                    request.chat.add_generation_prompt
-                    if request.chat.HasField("add_generation_prompt")
-                    else True
-                )
-                ids = await self._chat_ids(
-                    [{"role": m.role, "content": m.content} for m in request.chat.messages], add
-                )
-            else:
-                raise invalid([FieldViolation("input", "one of text or chat is required")])
+            return await self.tokenize(request)
         except RequestError as e:
             refuse(context, e)
             return pb.TokenizeResponse()
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Tokenize for any front end; a refusal is raised as a RequestError."""
+        self.s.check_model(request.model)
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            bad = check_text(request.text, "text", self.s.limits)
+            if bad:
+                raise invalid(bad)
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._tokenized(
+                self.s.tokenization.encode(
+                    request.text,
+                    add_special_tokens=add,
+                    parse_special_tokens=request.allow_special_tokens,
+                ),
+                "text",
+            )
+        elif kind == "chat":
+            bad = check_chat(request.chat.messages, "chat.messages", self.s.limits)
+            if bad:
+                raise invalid(bad)
+            add = (
+                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            )
+            ids = await self._chat_ids(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages], add
+            )
+        else:
+            raise invalid([FieldViolation("input", "one of text or chat is required")])
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self._max_model_len())
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         try:
-            self.s.check_model(request.model)
-            count, cap = len(request.token_ids), self.s.limits.max_detokenize_ids
-            if count > cap:
-                raise invalid(
-                    [FieldViolation("token_ids", f"has {count} ids; the limit is max_detokenize_ids={cap}")]
-                )
-            vocab = self.s.tokenizer.vocab_size
-            for i, t in enumerate(request.token_ids):
-                if not 0 <= t < vocab:
-                    raise invalid(
-                        [FieldViolation(f"token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")]
-                    )
-            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            # In a worker: a long decode must not hold up the event loop's other streams.
-            text = await self._tokenized(
-                self.s.tokenization.decode(list(request.token_ids), skip_special_tokens=skip), "token_ids"
-            )
+            return await self.detokenize(request)
         except RequestError as e:
             refuse(context, e)
             return pb.DetokenizeResponse()
+
+    async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        """Detokenize for any front end; a refusal is raised as a RequestError."""
+        self.s.check_model(request.model)
+        count, cap = len(request.token_ids), self.s.limits.max_detokenize_ids
+        if count > cap:
+            raise invalid(
+                [FieldViolation("token_ids", f"has {count} ids; the limit is max_detokenize_ids={cap}")]
+            )
+        vocab = self.s.tokenizer.vocab_size
+        for i, t in enumerate(request.token_ids):
+            if not 0 <= t < vocab:
+                raise invalid(
+                    [FieldViolation(f"token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")]
+                )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        # In a worker: a long decode must not hold up the event loop's other streams.
+        text = await self._tokenized(
+            self.s.tokenization.decode(list(request.token_ids), skip_special_tokens=skip), "token_ids"
+        )
         return pb.DetokenizeResponse(text=text)
 
     # ----------------------------------------------------------------------------------------------
@@ -188,12 +195,23 @@ class GenerationService(pb_grpc.GenerationServicer):
             fields["prompt_chars"] = len(request.text)
         return fields
 
-    async def _observed(
+    def _observed(
         self, request: pb.GenerateRequest, context, control: StreamControl | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One request's log lines (its id on each), metrics and outcome, around ``_generate``."""
+        return self.run(request, self.s.auth.identity_of(context), context.time_remaining, control)
+
+    async def run(
+        self,
+        request: pb.GenerateRequest,
+        identity: Identity,
+        time_remaining: Callable[[], float | None] = lambda: None,
+        control: StreamControl | None = None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
+        request's log lines (its id on each), metrics and outcome, around ``_generate``.
+        ``identity`` is the authenticated caller; ``time_remaining`` its deadline (None: none);
+        ``control`` lets the stall sweep end a stream whose client stopped reading."""
         rid = request.request_id or uuid.uuid4().hex
-        identity = self.s.auth.identity_of(context)
         rm = self.s.metrics.request()
         outcome = "internal"
         # The id is the client's text and is checked only later: a forged one (newlines, a
@@ -227,7 +245,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 log.info("refused: %s", e.code.name, extra={"fields": {"reason": why}})
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                remaining = context.time_remaining()
+                remaining = time_remaining()
                 if control is not None and control.stalled:
                     outcome = "stalled"  # the client stopped reading (stall_sweep.py)
                 elif remaining is not None and remaining <= 0:

@@ -114,6 +114,10 @@ async def run_gateway(opts: GatewayOptions, supervisors: list[EngineSupervisor],
         where += f", transport: {gw.state.engine.transport}"
         if gw.metrics_port is not None:
             print(f"llmserve: metrics on http://{opts.metrics_host}:{gw.metrics_port}/metrics", flush=True)
+        if gw.http_port is not None:  # before the "serving" line: a reader of it knows both ports
+            scheme = "https" if opts.tls is not None else "http"
+            host = opts.http_host or opts.host
+            print(f"llmserve: OpenAI-compatible HTTP API on {scheme}://{host}:{gw.http_port}/v1", flush=True)
         print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
         if print_hint:
             print(f"Try it:\n  {client_hint(opts.host, gw.port)}", flush=True)

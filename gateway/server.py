@@ -22,6 +22,7 @@ from gateway.auth import Authenticator, AuthInterceptor
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
+from gateway.http_api import HttpApi, HttpServer
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
@@ -63,6 +64,8 @@ class GatewayOptions:
     log_prompts: bool = False
     engine_addresses: list[str] = field(default_factory=list)  # several: replicas (engine_address unused)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
+    http_host: str | None = None  # None: the same host as the gRPC port
 
 
 class GatewayServer:
@@ -79,6 +82,8 @@ class GatewayServer:
         self.metrics = GatewayMetrics()
         self.metrics_port: int | None = None
         self.stall_sweeper: StallSweeper | None = None
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None
 
     async def start(self) -> None:
         o = self.opts
@@ -129,7 +134,8 @@ class GatewayServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.state), server)
+        generation = GenerationService(self.state)
+        generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
         models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
@@ -148,6 +154,9 @@ class GatewayServer:
             self.metrics_port = m.serve(o.metrics_host, o.metrics_port)
         await server.start()
         self._server = server
+        if o.http_port is not None:  # on this same loop: tasks of uvicorn's, no thread
+            self.http = HttpServer(HttpApi(self.state, generation), o.http_host or o.host, o.http_port, o.tls)
+            self.http_port = await self.http.start()
         self.stall_sweeper.start()
         await engine.start()
         log.info(
@@ -161,6 +170,7 @@ class GatewayServer:
                     "api_keys": len(o.auth.keys) if o.auth.enabled else 0,
                     "engine_tls": o.engine_tls is not None,
                     "metrics": f"{o.metrics_host}:{self.metrics_port}" if self.metrics_port else "off",
+                    "http": f"{o.http_host or o.host}:{self.http_port}" if self.http_port else "off",
                     "log_prompts": o.log_prompts,
                 }
             },
@@ -200,6 +210,8 @@ class GatewayServer:
             end = time.monotonic() + 2.0
             while s.inflight and time.monotonic() < end:
                 await asyncio.sleep(0.02)
+        if self.http is not None:
+            await self.http.stop()
         await self._server.stop(grace=1.0)
         await self.stall_sweeper.stop()
         await s.engine.close()

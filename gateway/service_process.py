@@ -24,6 +24,8 @@ _SERVING = re.compile(
     r"^llmserve: serving '.*' on (\S+):(\d+) \((?:engine pid (\d+)|engine) at (\S+), transport: ([\w-]+)\)"
 )
 
+_HTTP = re.compile(r"^llmserve: OpenAI-compatible HTTP API on https?://\S+:(\d+)/v1")
+
 
 class ServiceProcess:
     def __init__(
@@ -54,12 +56,17 @@ class ServiceProcess:
         self.engine_pid: int | None = None
         self.engine_address = ""
         self.transport = ""
+        self.http_port = 0  # with --http-port
         self.stdout_lines: list[str] = []
         self._log = tempfile.NamedTemporaryFile(prefix="llmserve-service-", suffix=".log", delete=False)
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def pid(self) -> int:
@@ -79,6 +86,9 @@ class ServiceProcess:
         def read_stdout() -> None:
             for line in self.proc.stdout:
                 self.stdout_lines.append(line)
+                h = _HTTP.match(line)
+                if h:
+                    self.http_port = int(h.group(1))
                 m = _SERVING.match(line)
                 if m and not ready.is_set():
                     self.port = int(m.group(2))

@@ -58,6 +58,8 @@ def svc(tiny_llama, tls, tmp_path_factory):
         str(tls.server.key),
         "--tls-client-ca",
         str(tls.ca.cert_path),
+        "--http-port",
+        "0",
     ).start()
     try:
         yield sp
@@ -249,3 +251,27 @@ def test_gateway_reaches_a_tcp_engine_over_mtls_and_plaintext_or_no_cert_cannot(
     assert asyncio.run(cannot_connect(ClientTLS(ca=str(tls.ca.cert_path))))  # no client certificate
     assert asyncio.run(cannot_connect(_tls(tls, cert=tls.rogue_client)))  # a certificate of another CA
     wait_for(lambda: engine.poll() is None, 1.0, "the engine is still up")
+
+
+def test_http_api_takes_the_same_tls_and_keys(svc, tls):
+    """The OpenAI-compatible port serves the same TLS (mTLS here) and the same API keys."""
+    import ssl
+
+    import httpx
+
+    url = f"https://127.0.0.1:{svc.http_port}"
+    ctx = ssl.create_default_context(cafile=str(tls.ca.cert_path))
+    ctx.load_cert_chain(str(tls.client.cert), str(tls.client.key))
+    body = {"prompt": "hello", "max_tokens": 2}
+    with httpx.Client(verify=ctx, timeout=30) as c:
+        ok = c.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ACME}"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        denied = c.post(
+            url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-not-a-key-0000000"}
+        )
+        assert denied.status_code == 401
+    no_cert = ssl.create_default_context(cafile=str(tls.ca.cert_path))
+    with pytest.raises(httpx.TransportError), httpx.Client(verify=no_cert, timeout=10) as c:
+        c.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ACME}"})
+    with pytest.raises(httpx.TransportError), httpx.Client(timeout=10) as c:
+        c.post(f"http://127.0.0.1:{svc.http_port}/v1/completions", json=body)

@@ -1,0 +1,350 @@
+"""OpenAI's JSON bodies to ``llmserve.v1.GenerateRequest`` and the stream's messages back.
+
+Nothing here generates: a body becomes the same proto a gRPC client would send, and it runs through
+the one generation path (``GenerationService.run``). Types are checked here (a string where a number
+belongs is a 400 naming the field); ranges and limits are checked by the gRPC path's validation,
+so both APIs refuse the same requests with the same words. Unknown fields are ignored, as vLLM's
+OpenAI server does by default (their names, never their values, are logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+
+from gateway.errors import FieldViolation, RequestError, invalid
+from gateway.limits import Limits
+from gateway.quoting import quote
+from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+
+log = logging.getLogger("gateway.http")
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+_COMMON = {
+    "model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "response_format",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "return_token_ids",
+    "allowed_token_ids", "bad_words", "request_id", "priority", "best_of",
+}  # fmt: skip
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
+CHAT_FIELDS = _COMMON | {
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+    "tools", "tool_choice", "parallel_tool_calls",
+}  # fmt: skip
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+class BodyReader:
+    """Typed access to a JSON object's fields; every type error is collected, then raised at once."""
+
+    def __init__(self, body, allowed: set[str], what: str) -> None:
+        if not isinstance(body, dict):
+            raise invalid([FieldViolation("body", "must be a JSON object")])
+        self.body = body
+        self.v: list[FieldViolation] = []
+        unknown = [k for k in body if k not in allowed]
+        if unknown:  # names only, each quoted short (a name is the client's text too)
+            names = [quote(k, 32) for k in unknown[:16]]
+            log.info("ignored unknown fields of a %s request", what, extra={"fields": {"ignored": names}})
+
+    def bad(self, field: str, why: str) -> None:
+        self.v.append(FieldViolation(field, why))
+
+    def get(self, name: str, check, rule: str):
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if not check(value):
+            self.bad(name, f"must be {rule}")
+            return None
+        return value
+
+    def int(self, name: str, minimum: int | None = 0):
+        value = self.get(name, _is_int, "an integer")
+        if value is not None and minimum is not None and value < minimum:
+            self.bad(name, f"must be >= {minimum}, got {value}")
+            return None
+        if value is not None and not -(2**63) <= value < 2**63:
+            self.bad(name, "is out of range")
+            return None
+        return value
+
+    def num(self, name: str):
+        return self.get(name, _is_num, "a number")
+
+    def bool(self, name: str):
+        return self.get(name, lambda x: isinstance(x, bool), "true or false")
+
+    def str(self, name: str):
+        return self.get(name, lambda x: isinstance(x, str), "a string")
+
+    def int_list(self, name: str):
+        return self.get(
+            name, lambda x: isinstance(x, list) and all(_is_int(t) for t in x), "a list of integers"
+        )
+
+    def str_list(self, name: str):
+        return self.get(
+            name, lambda x: isinstance(x, list) and all(isinstance(t, str) for t in x), "a list of strings"
+        )
+
+    def done(self) -> None:
+        if self.v:
+            raise invalid(self.v)
+
+
+def _uint32(r: BodyReader, name: str, value: int | None) -> int | None:
+    if value is not None and value >= 2**32:
+        r.bad(name, f"must be < 2**32, got {value}")
+        return None
+    return value
+
+
+def common_request(r: BodyReader, req: pb.GenerateRequest, limits: Limits) -> None:
+    """The fields completions and chat share, onto ``req``."""
+    req.model = r.str("model") or ""
+    req.request_id = r.str("request_id") or ""
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        value = r.num(name)
+        if value is not None:
+            setattr(req, name, value)
+    for name in ("n", "min_tokens", "prompt_logprobs"):
+        value = _uint32(r, name, r.int(name))
+        if value is not None:
+            setattr(req, name, value)
+    best_of = r.int("best_of", 1)
+    if best_of is not None and best_of != (req.n if req.HasField("n") else 1):
+        r.bad("best_of", "is not supported (only best_of == n)")
+    top_k = r.int("top_k", None)
+    if top_k is not None:
+        if not -(2**31) <= top_k < 2**31:
+            r.bad("top_k", "is out of range")
+        else:
+            req.top_k = top_k
+    seed = r.int("seed", None)
+    if seed is not None:
+        req.seed = seed
+    priority = r.int("priority", None)
+    if priority is not None:
+        if not -(2**31) <= priority < 2**31:
+            r.bad("priority", "is out of range")
+        else:
+            req.priority = priority
+    stop = r.body.get("stop")
+    if isinstance(stop, str):
+        req.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > limits.max_stop_strings:
+            r.bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+        else:
+            req.stop.extend(stop)
+    elif stop is not None:
+        r.bad("stop", "must be a string or a list of strings")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = r.int_list(name)
+        if ids is not None:
+            if any(not -(2**31) <= t < 2**31 for t in ids):
+                r.bad(name, "holds an id out of range")
+            else:
+                getattr(req, name).extend(ids)
+    words = r.str_list("bad_words")
+    if words:
+        req.bad_words.extend(words)
+    for name in ("ignore_eos", "include_stop_str_in_output", "return_token_ids"):
+        if r.bool(name):
+            setattr(req, name, True)
+    skip = r.bool("skip_special_tokens")
+    if skip is not None:
+        req.skip_special_tokens = skip
+    bias = r.get("logit_bias", lambda x: isinstance(x, dict), "an object of token id -> bias")
+    if bias:
+        for key, value in bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                r.bad(f"logit_bias[{key[:32]!r}]", "keys must be token ids")
+                break
+            if not _is_num(value) or not -(2**31) <= tid < 2**31:
+                r.bad(f"logit_bias[{tid}]", "must be a number, for a token id in range")
+                break
+            req.logit_bias[tid] = value
+    r.get("user", lambda x: isinstance(x, str), "a string")  # accepted; not used
+    fmt = r.get("response_format", lambda x: isinstance(x, dict), "an object")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            req.json_object = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict | bool):
+                r.bad("response_format.json_schema.schema", "must be a JSON Schema object")
+            else:
+                req.json_schema = json.dumps(schema)
+        elif kind != "text":
+            r.bad("response_format.type", "must be one of text, json_object, json_schema")
+    options = r.get("stream_options", lambda x: isinstance(x, dict), "an object")
+    if options is not None and not isinstance(options.get("include_usage", False), bool):
+        r.bad("stream_options.include_usage", "must be true or false")
+
+
+def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt (``prompt`` may be a list of prompts)."""
+    r = BodyReader(body, COMPLETION_FIELDS, "completions")
+    base = pb.GenerateRequest()
+    common_request(r, base, limits)
+    max_tokens = _uint32(r, "max_tokens", r.int("max_tokens"))
+    if max_tokens is not None:
+        base.max_tokens = max_tokens
+    logprobs = _uint32(r, "logprobs", r.int("logprobs"))
+    if logprobs is not None:
+        base.logprobs = logprobs
+    if r.bool("echo"):
+        r.bad("echo", "is not supported")
+    if r.str("suffix"):
+        r.bad("suffix", "is not supported")
+    prompt = body.get("prompt")
+    prompts: list = []
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if len(prompt) > limits.max_n:
+            r.bad("prompt", f"at most {limits.max_n} prompts in one request (max_n), got {len(prompt)}")
+        elif all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
+            prompts = prompt
+        else:
+            r.bad("prompt", "must be a string, a list of token ids, or a list of either")
+    else:
+        r.bad("prompt", "is required: a string, a list of token ids, or a list of either")
+    r.done()
+    out = []
+    for i, p in enumerate(prompts):
+        req = pb.GenerateRequest()
+        req.CopyFrom(base)
+        if req.request_id and len(prompts) > 1:
+            req.request_id = f"{base.request_id}-{i}"
+        if isinstance(p, str):
+            req.text = p
+        else:
+            if any(not -(2**31) <= t < 2**31 for t in p):  # the vocabulary is checked by validation
+                raise invalid([FieldViolation("prompt", "holds a token id out of the int32 range")])
+            req.token_ids.ids.extend(p)
+        out.append(req)
+    return out
+
+
+def chat_request(body, limits: Limits) -> pb.GenerateRequest:
+    r = BodyReader(body, CHAT_FIELDS, "chat completions")
+    req = pb.GenerateRequest()
+    common_request(r, req, limits)
+    max_tokens = r.int("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = r.int("max_tokens")
+    max_tokens = _uint32(r, "max_tokens", max_tokens)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if r.bool("logprobs"):
+        top = _uint32(r, "top_logprobs", r.int("top_logprobs"))
+        req.logprobs = top or 0
+    elif body.get("top_logprobs") is not None:
+        r.bad("top_logprobs", "needs logprobs: true")
+    if body.get("tools"):
+        r.bad("tools", "tool calling is not supported")
+    add = r.bool("add_generation_prompt")
+    if add is not None:
+        req.chat.add_generation_prompt = add
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        r.bad("messages", "is required: a non-empty list of {role, content}")
+    elif len(messages) > limits.max_chat_messages:  # counted before any is looked at
+        r.bad(
+            "messages",
+            f"has {len(messages)} messages; the limit is max_chat_messages={limits.max_chat_messages}",
+        )
+    else:
+        for i, m in enumerate(messages):
+            role = m.get("role") if isinstance(m, dict) else None
+            content = _content(m.get("content") if isinstance(m, dict) else None)
+            if not isinstance(role, str) or content is None:
+                r.bad(f"messages[{i}]", "must be {role: string, content: string or a list of text parts}")
+                break
+            req.chat.messages.add(role=role, content=content)
+    r.done()
+    return req
+
+
+def _content(content) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]; only text parts
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                return None
+            parts.append(part["text"])
+        return "".join(parts)
+    return None
+
+
+def status_of(code: grpc.StatusCode) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(e: RequestError, status: int | None = None) -> dict:
+    status = status or status_of(e.code)
+    return {
+        "error": {
+            "message": e.message,
+            "type": ERROR_TYPE.get(status, "internal_error"),
+            "param": e.violations[0].field if e.violations else None,
+            "code": e.code.name.lower(),
+        }
+    }
