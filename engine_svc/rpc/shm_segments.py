@@ -21,6 +21,8 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
+from engine_svc.rpc.pids import alive
+
 PREFIX = "llmserve_"
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(rf"^{PREFIX}(\d+)_[0-9a-f]{{32}}$")
@@ -97,16 +99,6 @@ def creator_pid(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_segments() -> list[str]:
     """Names of this user's llmserve segments (any creator)."""
     if not SHM_DIR.is_dir():
@@ -128,7 +120,7 @@ def sweep_stale_segments() -> list[str]:
     removed = []
     for name in list_segments():
         pid = creator_pid(name)
-        if pid is not None and pid != os.getpid() and not _alive(pid):
+        if pid is not None and pid != os.getpid() and not alive(pid):
             try:
                 (SHM_DIR / name).unlink()
                 removed.append(name)

@@ -14,6 +14,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from engine_svc.rpc.pids import alive
+
 _NAME = re.compile(r"^llmserve-(\d+)-[a-z0-9_]{8}$")  # tempfile.mkdtemp's 8 random characters
 
 
@@ -26,25 +28,12 @@ def owner_pid(directory: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed launcher not yet reaped by its parent is a zombie: gone for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def remove_if_owner_gone(directory: str | Path) -> bool:
     """Remove a private socket directory whose launcher is dead (its sockets first); True if
     removed. A live owner's directory is left alone: it may be restarting an engine in it."""
     d = Path(directory)
     pid = owner_pid(d)
-    if pid is None or _alive(pid) or not d.is_dir() or d.stat().st_uid != os.getuid():
+    if pid is None or alive(pid) or not d.is_dir() or d.stat().st_uid != os.getuid():
         return False
     for entry in d.iterdir():
         if entry.is_socket():
