@@ -70,7 +70,14 @@ def targets_of(name: str, doc: dict) -> list[dict]:
 
 
 def format_value(t: dict) -> str:
-    return f"{t['value']:.3g}{t['unit']}"
+    return "missing" if t["value"] is None else f"{t['value']:.3g}{t['unit']}"
+
+
+def verdict(t: dict) -> str:
+    """met / **MISSED**; a judged figure without a value (its peer did not run) is **MISSING**, never met."""
+    if t["op"] is not None and t["value"] is None:
+        return "**MISSING**"
+    return "" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
 
 
 def target_table(latest: dict) -> list[str]:
@@ -81,9 +88,8 @@ def target_table(latest: dict) -> list[str]:
             continue
         for t in targets_of(name, run["result"]):
             goal = "—" if t["op"] is None else f"{t['op']} {t['target']:g}{t['unit']}"
-            verdict = "" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
             note = f" ({t['note']})" if t.get("note") else ""
-            lines.append(f"| {name} | {t['name']}{note} | {format_value(t)} | {goal} | {verdict} |")
+            lines.append(f"| {name} | {t['name']}{note} | {format_value(t)} | {goal} | {verdict(t)} |")
     return lines
 
 
@@ -110,7 +116,7 @@ def plot_targets(latest: dict, out: Path) -> str | None:
     rows = []
     for name, run in latest["benchmarks"].items():
         for t in targets_of(name, run["result"]) if run["result"] else []:
-            if t["op"] is None or not t["target"]:
+            if t["op"] is None or not t["target"] or t["value"] is None:
                 continue
             v = t["value"]
             score = v / t["target"] if t["op"] == ">=" else (t["target"] / v if v > 0 else 10.0)
@@ -318,6 +324,9 @@ def details(latest: dict) -> list[str]:
                 f"- {phase}: {m['step_flop_s'] / 1e9:.1f} GFLOP/s per step, {m['forward_flop_s'] / 1e9:.1f} "
                 f"in the forward alone, plain matmul {m['matmul_flop_s'] / 1e9:.1f}."
             )
+    peer = (b.get("peer") or {}).get("result")
+    if peer:
+        out += peer_details(peer["figures"])
     routing = (b.get("routing") or {}).get("result")
     if routing:
         f = routing["figures"]
@@ -329,3 +338,32 @@ def details(latest: dict) -> list[str]:
             f"({f['throughput_ratio']:.2f}x); requests per replica {aff['requests_per_replica']}."
         )
     return out
+
+
+def peer_details(f: dict) -> list[str]:
+    """The side-by-side figures with vLLM's CPU build (or a line saying the peer is missing)."""
+    out = [f"- vLLM peer: {f.get('peer_note')}."]
+    peer = f.get("vllm")
+    rows = ["", "| workload | vLLM | llmserve default | llmserve matched | ratio default / matched |"]
+    rows.append("| --- | ---: | ---: | ---: | ---: |")
+    for name, key in (("random", "output_tok_s"), ("long_tail", "output_tok_s"), ("shared_prefix", "wall_s")):
+        unit = " s" if key == "wall_s" else " tok/s"
+        ours = [f[side][name][key] for side in ("ours_default", "ours_matched")]
+        ratios = f.get("ratios", {})
+        cells = [
+            f"{peer[name][key]:.1f}{unit}" if peer else "missing",
+            *(f"{v:.1f}{unit}" for v in ours),
+            " / ".join(
+                f"{ratios[f'{name}_{side}']:.2f}x" if f"{name}_{side}" in ratios else "missing"
+                for side in ("ours_default", "ours_matched")
+            ),
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    for c, ours in (f.get("serving_ours") or {}).items():
+        theirs = (f.get("serving_vllm") or {}).get(c)
+        fmt = "{output_tok_s:.1f} tok/s, TTFT p99 {ttft_p99_ms:.0f} ms, ITL p99 {itl_p99_ms:.1f} ms"
+        rows.append(
+            f"| serving c={c} | {fmt.format(**theirs) if theirs else 'missing'} | {fmt.format(**ours)} | – | "
+            + (f"{ours['output_tok_s'] / theirs['output_tok_s']:.2f}x |" if theirs else "missing |")
+        )
+    return out + rows + [""]

@@ -30,6 +30,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("chunked_prefill", "results-dir"),
     ("prefix_caching", "results-dir"),
     ("continuous_batching", "results-dir"),
+    ("peer", "results-dir"),
     ("serving", "out"),
     ("transports", "out"),
     ("tokenizer_workers", "out"),
