@@ -303,11 +303,17 @@ def details(latest: dict) -> list[str]:
     kv = (b.get("kv_memory") or {}).get("result")
     if kv:
         f = kv["figures"]
+        p = f["paged"]
         out.append(
-            f"- KV memory: {f['paged']['mean_running_saturated']:.1f} requests at once paged, "
-            f"{f['contiguous_max_model_len']['mean_running_saturated']:.1f} contiguous (max_model_len), "
-            f"{f['contiguous_prompt_plus_max_tokens']['mean_running_saturated']:.1f} contiguous "
-            f"(prompt + max_tokens); {f['paged']['preemptions']} preemptions."
+            f"- KV memory: {p['mean_running_saturated']:.1f} requests at once paged "
+            f"({p.get('mean_running_charged', float('nan')):.1f} charged for {p['preemptions']} preemptions, "
+            f"{p.get('recomputed_tokens', 0)} tokens recomputed); contiguous: "
+            + ", ".join(
+                f"{k.removeprefix('contiguous_')} {v['mean_running_saturated']:.1f}"
+                for k, v in f.items()
+                if k.startswith("contiguous_")
+            )
+            + " (max_model_len: the labelled best case)."
         )
     step = (b.get("step_overhead") or {}).get("result")
     if step:
