@@ -317,6 +317,14 @@ def details(latest: dict) -> list[str]:
         )
     step = (b.get("step_overhead") or {}).get("result")
     if step:
+        mixed = step["figures"].get("mixed")
+        if mixed:
+            out.append(
+                f"- step overhead, mixed (joins {mixed['joins_per_step']:.1f} and leaves "
+                f"{mixed['leaves_per_step']:.1f} per step, temperature + top-p, {mixed['mean_running']:.0f} "
+                f"running): {mixed['overhead_ms']:.3f} ms outside the model "
+                f"(+ {mixed['sampler_math_ms']:.3f} ms sampler math). Below, all decode: the best case."
+            )
         for n, m in step["figures"]["per_batch"].items():
             out.append(
                 f"- step overhead at {n} running: {m['overhead_ms']:.3f} ms outside the model "
