@@ -31,8 +31,8 @@ FULL = dict(
     mixed_running=256,
     mixed_prompt_range=(32, 512),
     mixed_output_range=(16, 256),
-    mixed_warmup_steps=150,
-    mixed_steps=150,
+    mixed_warmup_steps=50,
+    mixed_steps=60,
 )
 QUICK = dict(
     batch_sizes=[1, 8, 32],
