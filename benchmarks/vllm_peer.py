@@ -129,6 +129,23 @@ def server_command(python: str, model: Path, port: int) -> list[str]:
     ]
 
 
+def tree_cpu_s(pid: int | None = None) -> float:
+    """CPU-seconds (user + system) so far of a process and every live process below it, from /proc:
+    vLLM's front end, its engine core and its worker; for our side, the one process."""
+    tck = os.sysconf("SC_CLK_TCK")
+    todo, total = [pid or os.getpid()], 0
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return total / tck
+
+
 def _main(spec_path: str, out_path: str) -> None:  # runs inside the vLLM venv
     import torch
     from vllm import LLM, SamplingParams
@@ -152,11 +169,11 @@ def _main(spec_path: str, out_path: str) -> None:  # runs inside the vLLM venv
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
             for n in output_lens
         ]
-        t = time.perf_counter()
+        cpu0, t = tree_cpu_s(), time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, tree_cpu_s() - cpu0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return dict(wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall)
+        return dict(wall_s=wall, cpu_s=cpu, output_tokens=tokens, output_tok_s=tokens / wall)
 
     # Warm-up: one-off costs of the first calls never land in a timed run (as on our side).
     run([[5 + i for i in range(40)], [7 + i for i in range(24)]], [8, 8])
