@@ -125,7 +125,6 @@ def server_command(python: str, model: Path, port: int) -> list[str]:
         "0.2",
         "--seed",
         "0",
-        "--disable-log-requests",
     ]
 
 
