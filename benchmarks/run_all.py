@@ -96,9 +96,10 @@ def main() -> int:
             if not path.exists():
                 runs[name] = dict(status="no result file", elapsed_s=0.0, result=None)
                 continue
-            written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+            doc = json.loads(path.read_text())
+            written = doc.get("time", "a time it does not record")
             runs[name] = dict(
-                status=f"ok (file of {written})", elapsed_s=0.0, result=json.loads(path.read_text())
+                status=f"ok (result of {written})", elapsed_s=doc.get("elapsed_s", 0.0), result=doc
             )
             continue
         print(f"== {name}", flush=True)
