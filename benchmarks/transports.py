@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result["targets"] = targets
         result["elapsed_s"] = time.perf_counter() - t_start
+        result["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
         # Kept for the older readers of this file.
         result["throughput_ratio_shm_over_grpc"] = result["long_prompts"]["throughput_ratio_shm_over_grpc"]
         result["faster"] = "shm" if result["throughput_ratio_shm_over_grpc"] >= 1.0 else "grpc"
