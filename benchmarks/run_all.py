@@ -36,7 +36,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("tokenizer_workers", "out"),
     ("routing", "results-dir"),
 ]
-TIMEOUT_S = 1200
+TIMEOUT_S = 3600  # routing and transports take 20+ minutes on a loaded 2-core machine
 
 
 def run_one(name: str, style: str, results_dir: Path, quick: bool, threads: int) -> dict:
