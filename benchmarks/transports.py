@@ -5,9 +5,9 @@ the cost.
 
 A near-free model (Llama-shaped, hidden 64, 2 layers, dummy weights; the default tokenizer) so that
 the engine's compute does not hide the transport, and two workloads:
-- long prompts: 8k- and 32k-id prompts, ``max_tokens=1``, concurrency 32. A few distinct prompts
-  repeat, so that the prefix cache leaves the engine one token to compute per request and what is
-  left is moving and hashing the ids;
+- long prompts: 8k- and 32k-id prompts, ``max_tokens=1``, concurrency 32. One prompt of each length
+  repeats, so that the prefix cache leaves the engine one token to compute per request and what is
+  left is moving, hashing and matching the ids;
 - long outputs: 16-id prompts, 256 output tokens each, concurrency 32 (one step message per token).
 Each service (``--transport shm`` and ``--transport grpc``, both over the engine's unix socket) is
 started fresh in A B A B ... order, ``rounds`` times (3 in the full run). Judged: CPU-seconds of
