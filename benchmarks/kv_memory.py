@@ -1,7 +1,13 @@
 """KV memory: how much of the allocated KV cache holds live tokens (target >= 0.95), and how many
-requests run at once in a fixed KV budget against two contiguous allocators simulated on the same
-workload: one reserving ``max_model_len`` per request (target >= 4x) and one reserving
-prompt + max_tokens (target >= 2x).
+requests run at once in a fixed KV budget against contiguous allocators simulated on the same
+workload, each reserving per request:
+- the longest request's length, prompt + max_tokens (the smallest ``max_model_len`` that admits
+  every request of this workload; target >= 2x),
+- prompt + max_tokens, what the client declared (target >= 2x),
+- the request's true length, known in advance (an oracle no real allocator has; target >= 1x).
+The paged side is charged for preemption: its requests-at-once figure is scaled by useful tokens /
+computed tokens, so the prompts recomputed after a preemption count against it. The old figure
+(``max_model_len`` 2048, twice the longest request) is kept as the labelled best case, not judged.
 
 Memory use depends on the scheduler and the block pool, not on the numbers the model computes,
 so the model is a stub of fixed cost here: the real scheduler, KV cache manager, input
@@ -73,7 +79,7 @@ def main() -> dict:
         max_model_len=w["max_model_len"],
         enable_prefix_caching=False,
     )
-    common.install_stub_model(engine)
+    stub = common.install_stub_model(engine)
     rng_reqs = common.random_requests(
         w["num_requests"], w["prompt_range"], w["output_range"], engine.spec.vocab_size, seed=7
     )
@@ -98,51 +104,85 @@ def main() -> dict:
     trace = common.drive(engine, reqs, on_step=on_step)
     stats = engine.stats()
     assert stats.kv_blocks_used == 0, "blocks leaked after every request finished"
+    # Each request computes its prompt and all but its last output token once; what the model
+    # computed beyond that is the recompute that preemption cost.
+    useful = sum(len(r.prompt) + r.output_len - 1 for r in reqs)
+    computed = stub.tokens
+    running = sum(saturated) / max(1, len(saturated))
     paged = dict(
         utilization=acc["live"] / acc["allocated"],
-        mean_running_saturated=sum(saturated) / max(1, len(saturated)),
+        mean_running_saturated=running,
+        # Requests at once, charged for recompute: a preempted request's recomputed tokens are work
+        # that a contiguous allocator (which never preempts) does not do.
+        mean_running_charged=running * useful / computed,
         peak_running=max(s.running for s in trace.steps),
         preemptions=stats.num_preemptions,
+        useful_tokens=useful,
+        computed_tokens=computed,
+        recomputed_tokens=computed - useful,
+        recompute_fraction=(computed - useful) / useful,
         steps=len(trace.steps),
         output_tokens=trace.output_tokens,
     )
-    max_len = simulate_contiguous(reqs, budget_tokens, lambda r: w["max_model_len"])
-    declared = simulate_contiguous(reqs, budget_tokens, lambda r: len(r.prompt) + r.max_tokens)
+    # The smallest max_model_len that admits every request as declared (prompt + max_tokens).
+    longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+    contiguous = dict(
+        contiguous_longest_request=simulate_contiguous(reqs, budget_tokens, lambda r: longest),
+        contiguous_prompt_plus_max_tokens=simulate_contiguous(
+            reqs, budget_tokens, lambda r: len(r.prompt) + r.max_tokens
+        ),
+        contiguous_true_length=simulate_contiguous(
+            reqs, budget_tokens, lambda r: len(r.prompt) + r.output_len
+        ),
+        contiguous_max_model_len=simulate_contiguous(reqs, budget_tokens, lambda r: w["max_model_len"]),
+    )
+    charged = paged["mean_running_charged"]
     figures = dict(
         paged=paged,
-        contiguous_max_model_len=max_len,
-        contiguous_prompt_plus_max_tokens=declared,
-        concurrency_vs_max_model_len=paged["mean_running_saturated"] / max_len["mean_running_saturated"],
-        concurrency_vs_prompt_plus_max_tokens=(
-            paged["mean_running_saturated"] / declared["mean_running_saturated"]
-        ),
+        longest_request_tokens=longest,
+        **contiguous,
+        **{
+            "concurrency_vs_" + k.removeprefix("contiguous_"): charged / v["mean_running_saturated"]
+            for k, v in contiguous.items()
+        },
+        concurrency_vs_max_model_len_uncharged=running
+        / contiguous["contiguous_max_model_len"]["mean_running_saturated"],
     )
     print(
-        f"paged: {paged['utilization']:.3f} of allocated KV slots hold live tokens; "
-        f"{paged['mean_running_saturated']:.1f} requests run at once ({paged['preemptions']} preemptions)"
+        f"paged: {paged['utilization']:.3f} of allocated KV slots hold live tokens; {running:.1f} requests "
+        f"run at once, {charged:.1f} charged for {paged['preemptions']} preemptions "
+        f"({paged['recomputed_tokens']} tokens recomputed, +{100 * paged['recompute_fraction']:.1f}%)"
     )
+    for k, v in contiguous.items():
+        print(
+            f"{k}: {v['mean_running_saturated']:.1f} at once, utilization {v['utilization']:.3f} -> "
+            f"paged (charged) / it = {figures['concurrency_vs_' + k.removeprefix('contiguous_')]:.2f}x"
+        )
     print(
-        f"contiguous, max_model_len each: {max_len['mean_running_saturated']:.1f} at once, "
-        f"utilization {max_len['utilization']:.3f}"
-    )
-    print(
-        f"contiguous, prompt + max_tokens each: {declared['mean_running_saturated']:.1f} at once, "
-        f"utilization {declared['utilization']:.3f}"
+        f"best case, labelled and not judged: vs max_model_len {w['max_model_len']} (the longest request "
+        f"declares {longest} tokens), uncharged: {figures['concurrency_vs_max_model_len_uncharged']:.2f}x"
     )
     targets = [
         common.target("live tokens / allocated KV slots", paged["utilization"], ">=", 0.95),
         common.target(
-            "requests at once vs contiguous max_model_len",
-            figures["concurrency_vs_max_model_len"],
+            f"requests at once (charged for recompute) vs contiguous reserving the longest ({longest})",
+            figures["concurrency_vs_longest_request"],
             ">=",
-            4.0,
+            2.0,
             "x",
         ),
         common.target(
-            "requests at once vs contiguous prompt+max_tokens",
+            "requests at once (charged) vs contiguous prompt+max_tokens",
             figures["concurrency_vs_prompt_plus_max_tokens"],
             ">=",
             2.0,
+            "x",
+        ),
+        common.target(
+            "requests at once (charged) vs contiguous true-length oracle",
+            figures["concurrency_vs_true_length"],
+            ">=",
+            1.0,
             "x",
         ),
     ]

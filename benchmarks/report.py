@@ -70,7 +70,14 @@ def targets_of(name: str, doc: dict) -> list[dict]:
 
 
 def format_value(t: dict) -> str:
-    return f"{t['value']:.3g}{t['unit']}"
+    return "missing" if t["value"] is None else f"{t['value']:.3g}{t['unit']}"
+
+
+def verdict(t: dict) -> str:
+    """met / **MISSED**; a judged figure without a value (its peer did not run) is **MISSING**, never met."""
+    if t["op"] is not None and t["value"] is None:
+        return "**MISSING**"
+    return "" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
 
 
 def target_table(latest: dict) -> list[str]:
@@ -81,9 +88,8 @@ def target_table(latest: dict) -> list[str]:
             continue
         for t in targets_of(name, run["result"]):
             goal = "—" if t["op"] is None else f"{t['op']} {t['target']:g}{t['unit']}"
-            verdict = "" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
             note = f" ({t['note']})" if t.get("note") else ""
-            lines.append(f"| {name} | {t['name']}{note} | {format_value(t)} | {goal} | {verdict} |")
+            lines.append(f"| {name} | {t['name']}{note} | {format_value(t)} | {goal} | {verdict(t)} |")
     return lines
 
 
@@ -110,7 +116,7 @@ def plot_targets(latest: dict, out: Path) -> str | None:
     rows = []
     for name, run in latest["benchmarks"].items():
         for t in targets_of(name, run["result"]) if run["result"] else []:
-            if t["op"] is None or not t["target"]:
+            if t["op"] is None or not t["target"] or t["value"] is None:
                 continue
             v = t["value"]
             score = v / t["target"] if t["op"] == ">=" else (t["target"] / v if v > 0 else 10.0)
@@ -297,14 +303,28 @@ def details(latest: dict) -> list[str]:
     kv = (b.get("kv_memory") or {}).get("result")
     if kv:
         f = kv["figures"]
+        p = f["paged"]
         out.append(
-            f"- KV memory: {f['paged']['mean_running_saturated']:.1f} requests at once paged, "
-            f"{f['contiguous_max_model_len']['mean_running_saturated']:.1f} contiguous (max_model_len), "
-            f"{f['contiguous_prompt_plus_max_tokens']['mean_running_saturated']:.1f} contiguous "
-            f"(prompt + max_tokens); {f['paged']['preemptions']} preemptions."
+            f"- KV memory: {p['mean_running_saturated']:.1f} requests at once paged "
+            f"({p.get('mean_running_charged', float('nan')):.1f} charged for {p['preemptions']} preemptions, "
+            f"{p.get('recomputed_tokens', 0)} tokens recomputed); contiguous: "
+            + ", ".join(
+                f"{k.removeprefix('contiguous_')} {v['mean_running_saturated']:.1f}"
+                for k, v in f.items()
+                if k.startswith("contiguous_")
+            )
+            + " (max_model_len: the labelled best case)."
         )
     step = (b.get("step_overhead") or {}).get("result")
     if step:
+        mixed = step["figures"].get("mixed")
+        if mixed:
+            out.append(
+                f"- step overhead, mixed (joins {mixed['joins_per_step']:.1f} and leaves "
+                f"{mixed['leaves_per_step']:.1f} per step, temperature + top-p, {mixed['mean_running']:.0f} "
+                f"running): {mixed['overhead_ms']:.3f} ms outside the model "
+                f"(+ {mixed['sampler_math_ms']:.3f} ms sampler math). Below, all decode: the best case."
+            )
         for n, m in step["figures"]["per_batch"].items():
             out.append(
                 f"- step overhead at {n} running: {m['overhead_ms']:.3f} ms outside the model "
@@ -318,6 +338,9 @@ def details(latest: dict) -> list[str]:
                 f"- {phase}: {m['step_flop_s'] / 1e9:.1f} GFLOP/s per step, {m['forward_flop_s'] / 1e9:.1f} "
                 f"in the forward alone, plain matmul {m['matmul_flop_s'] / 1e9:.1f}."
             )
+    peer = (b.get("peer") or {}).get("result")
+    if peer:
+        out += peer_details(peer["figures"])
     routing = (b.get("routing") or {}).get("result")
     if routing:
         f = routing["figures"]
@@ -329,3 +352,32 @@ def details(latest: dict) -> list[str]:
             f"({f['throughput_ratio']:.2f}x); requests per replica {aff['requests_per_replica']}."
         )
     return out
+
+
+def peer_details(f: dict) -> list[str]:
+    """The side-by-side figures with vLLM's CPU build (or a line saying the peer is missing)."""
+    out = [f"- vLLM peer: {f.get('peer_note')}."]
+    peer = f.get("vllm")
+    rows = ["", "| workload | vLLM | llmserve default | llmserve matched | ratio default / matched |"]
+    rows.append("| --- | ---: | ---: | ---: | ---: |")
+    for name, key in (("random", "output_tok_s"), ("long_tail", "output_tok_s"), ("shared_prefix", "wall_s")):
+        unit = " s" if key == "wall_s" else " tok/s"
+        ours = [f[side][name][key] for side in ("ours_default", "ours_matched")]
+        ratios = f.get("ratios", {})
+        cells = [
+            f"{peer[name][key]:.1f}{unit}" if peer else "missing",
+            *(f"{v:.1f}{unit}" for v in ours),
+            " / ".join(
+                f"{ratios[f'{name}_{side}']:.2f}x" if f"{name}_{side}" in ratios else "missing"
+                for side in ("ours_default", "ours_matched")
+            ),
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    for c, ours in (f.get("serving_ours") or {}).items():
+        theirs = (f.get("serving_vllm") or {}).get(c)
+        fmt = "{output_tok_s:.1f} tok/s, TTFT p99 {ttft_p99_ms:.0f} ms, ITL p99 {itl_p99_ms:.1f} ms"
+        rows.append(
+            f"| serving c={c} | {fmt.format(**theirs) if theirs else 'missing'} | {fmt.format(**ours)} | – | "
+            + (f"{ours['output_tok_s'] / theirs['output_tok_s']:.2f}x |" if theirs else "missing |")
+        )
+    return out + rows + [""]

@@ -38,7 +38,11 @@ def test_routing_quick(tmp_path):
     }
     assert aff["hit_rate"] > rr["hit_rate"]
     assert math.isclose(f["hit_rate_ratio"], aff["hit_rate"] / rr["hit_rate"])
-    (t,) = doc["targets"]
+    t, vs_best = doc["targets"]
     assert t["value"] == f["hit_rate_ratio"] and t["met"] == (t["value"] >= t["target"])
+    # Against the best possible, over seeds, skewed popularity and more than 2 replicas.
+    study = f["study"][f["affinity_over_best_worst_config"]]
+    assert vs_best["value"] == study["affinity_over_best_median"]
+    assert all(0 < r["prefix-affinity"] <= r["best_possible"] <= 1 for r in study["rows"])
     s = doc["series"]
     assert len(s["round-robin"]) == len(s["prefix-affinity"]) == len(s["kv_blocks"]) >= 2
