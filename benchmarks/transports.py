@@ -145,7 +145,7 @@ def measure(sp: ServiceProcess, reqs: list, concurrency: int) -> dict:
 
 def micro(w: dict) -> dict:
     """Ring write + read (+ release) against protobuf serialize + parse, for the same ids."""
-    from engine_svc.server.shm_ring import TokenRing
+    from engine_svc.rpc.shm_ring import TokenRing
     from llmserve_proto.engine.v1 import engine_pb2 as pb
 
     rng = random.Random(3)
