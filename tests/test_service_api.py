@@ -350,3 +350,22 @@ def test_concurrent_streams_complete(client):
         t.join(60)
     assert len(results) == 8
     assert all(r["final"].usage.completion_tokens == 12 for r in results.values())
+
+
+def test_seeds_use_all_64_bits_through_the_service(client):
+    """The proto's int64 seed is whole: 5, 5 - 2**63, 2**32 + 5, 0 and -2**63 draw different tokens
+    (they drew alike when the engine seeded torch's 32-bit CPU generator), and each repeats."""
+    seeds = [5, 5 - 2**63, 2**32 + 5, 0, -(2**63)]
+    outs = [
+        tuple(
+            client.generate(
+                "Seeds:", temperature=1.0, seed=s, max_tokens=24, ignore_eos=True, return_token_ids=True
+            ).token_ids
+        )
+        for s in seeds
+    ]
+    assert len(set(outs)) == len(seeds), outs
+    again = client.generate(
+        "Seeds:", temperature=1.0, seed=2**32 + 5, max_tokens=24, ignore_eos=True, return_token_ids=True
+    )
+    assert tuple(again.token_ids) == outs[2]

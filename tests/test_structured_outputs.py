@@ -269,3 +269,24 @@ def test_real_tokenizers_give_valid_json_and_choices(tmp_path, name):
             assert out.finish_reason == "stop" and text in cases["choice"].choice, text
         else:
             check_valid("json", cases["json"], text, ids, out.finish_reason, model)
+
+
+def test_a_slow_grammar_holds_back_nobody(tiny_llama):
+    """A regex whose compile takes seconds (1000 x 1000 repetitions) compiles off the loop: a plain
+    request added after it runs to its end meanwhile, and then the constrained one runs too."""
+    import time
+
+    engine = make_engine(tiny_llama)
+    (prompt,) = random_prompts([8], 1024, seed=3)
+    slow = StructuredOutputsParams(regex="(x{1000}){1000}")
+    engine.add_request("slow", prompt, SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=slow))
+    engine.add_request("plain", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    finished_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.request_finished:
+                finished_at[d.request_id] = time.perf_counter() - t0
+        assert time.perf_counter() - t0 < 120, "the grammar's compile was not bounded"
+    assert finished_at["plain"] < finished_at["slow"], finished_at
+    assert_pool_whole(engine)
