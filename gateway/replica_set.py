@@ -120,18 +120,7 @@ class ReplicaSet:
 
     @property
     def load(self) -> pb.Load:
-        total = pb.Load()
-        for r in self.healthy:
-            for f in (
-                "num_running",
-                "num_waiting",
-                "kv_blocks_used",
-                "kv_blocks_total",
-                "num_steps",
-                "num_paused",
-            ):
-                setattr(total, f, getattr(total, f) + getattr(r.load, f))
-        return total
+        return sum_loads(r.load for r in self.healthy)
 
     @property
     def transport(self) -> str:
@@ -313,25 +302,22 @@ class ReplicaSet:
         """Every healthy replica's stats, added up (an invariant error names its replica)."""
         healthy = self.healthy
         per = await asyncio.gather(*(r.stats(check_invariants) for r in healthy))
-        total = pb.EngineStats()
+        total = pb.EngineStats(load=sum_loads(st.load for st in per))
         for r, st in zip(healthy, per, strict=True):
-            for f in (
-                "num_running",
-                "num_waiting",
-                "kv_blocks_used",
-                "kv_blocks_total",
-                "num_steps",
-                "num_paused",
-                "prefix_queried_tokens",
-                "prefix_hit_tokens",
-                "num_preemptions",
-            ):
-                setattr(total.load, f, getattr(total.load, f) + getattr(st.load, f))
             for f in ("num_sessions", "num_live_requests"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
             if st.invariant_error and not total.invariant_error:
                 total.invariant_error = f"{r.address}: {st.invariant_error}"
         return total
+
+
+def sum_loads(loads) -> pb.Load:
+    """Replicas' loads added up, field by field (every Load field is a count)."""
+    total = pb.Load()
+    for load in loads:
+        for f in pb.Load.DESCRIPTOR.fields:
+            setattr(total, f.name, getattr(total, f.name) + getattr(load, f.name))
+    return total
 
 
 def connect_engines(
