@@ -33,6 +33,7 @@ from engine_svc.server.cpus import torch_threads
 from engine_svc.server.engine_loop import EngineLoop
 from engine_svc.server.fault_injection import install_from_env
 from engine_svc.server.health import EngineHealth
+from engine_svc.server.malloc_tuning import fix_mmap_threshold
 from engine_svc.server.servicer import EngineServicer
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    fix_mmap_threshold()
     swept = sweep_stale_segments()
     if swept:
         log.info("removed %d stale shared-memory segment(s)", len(swept))
