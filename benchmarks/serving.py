@@ -59,12 +59,18 @@ def default_model_dir(scratch: Path) -> Path:
 def dummy_model_dir(scratch: Path) -> Path:
     """config.json of the 55M Llama shape (weights are made at load: --load-format dummy) plus the
     default model's tokenizer; its ids stay below 8192, the prompts here use only those."""
-    out = scratch / "llama-55m-dummy"
+    return dummy_llama_dir(scratch, "llama-55m-dummy", DUMMY_SHAPE, 2048)
+
+
+def dummy_llama_dir(scratch: Path, name: str, shape: dict, max_len: int) -> Path:
+    """A Llama config.json of ``shape`` (weights made at load: --load-format dummy) beside the
+    default model's tokenizer files."""
+    out = scratch / name
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_len,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -72,7 +78,7 @@ def dummy_model_dir(scratch: Path) -> Path:
         "eos_token_id": 2,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
-        **DUMMY_SHAPE,
+        **shape,
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     src = default_model_dir(scratch)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import target, write_json
-from benchmarks.serving import RESULTS, TOKENIZER_FILES, default_model_dir
+from benchmarks.serving import RESULTS, dummy_llama_dir
 from gateway.loadgen import run_load, summarize
 from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
@@ -72,26 +71,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def tiny_model_dir(scratch: Path, max_len: int) -> Path:
-    out = scratch / "llama-tiny-dummy"
-    out.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "max_position_embeddings": max_len,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        **TINY_SHAPE,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    src = default_model_dir(scratch)
-    for f in TOKENIZER_FILES:
-        shutil.copy(src / f, out / f)
-    return out
+    return dummy_llama_dir(scratch, "llama-tiny-dummy", TINY_SHAPE, max_len)
 
 
 def cpu_seconds(sp: ServiceProcess) -> float:

@@ -226,7 +226,10 @@ class LLMEngine:
 
     def compiling_grammars(self) -> bool:
         """Some request waits for its grammar (compiled off the loop): a step may soon run it."""
-        return any(r.waiting_for_grammar for r in self.requests.values())
+        return bool(self._compiling())
+
+    def _compiling(self) -> list:
+        return [r.grammar for r in self.requests.values() if r.waiting_for_grammar]
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -235,7 +238,7 @@ class LLMEngine:
         deltas = self.scheduler.take_failed()
         if not out.seqs:
             self.runner.batch.sync(self.kv.take_changed_tables())  # release the rows of what was aborted
-            compiling = [r.grammar for r in self.requests.values() if r.waiting_for_grammar]
+            compiling = self._compiling()
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it
                 futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         else:
