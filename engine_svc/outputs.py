@@ -34,7 +34,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first delta only
     request_finished: bool = False  # the request's last delta: every one of its n outputs has ended
-    error: str | None = None  # why a request ended without running (its grammar did not compile)
+    error: str | None = None  # why a request ended early: its grammar did not compile, or hit a dead end
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,10 @@ import torch
 from engine_svc.outputs import TokenLogprob
 from engine_svc.sequence import draw_noise
 
+# The token of a row whose constraints (grammar mask, allowed ids, bias) leave it nothing to sample:
+# the scheduler ends that sequence instead of emitting anything.
+DEAD_END_TOKEN = -1
+
 
 @dataclass
 class SamplingBatch:
@@ -123,8 +127,12 @@ def filter_logits(
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of ``logits [R, V]`` (fp32). Returns token ids and logprobs."""
+        dead = None
         if b.matchers is not None or b.allowed_ids is not None or b.logit_bias is not None:
             apply_constraints(logits, b)
+            dead = torch.isneginf(logits).all(dim=-1)  # rows whose constraints leave no token
+            if not dead.any():
+                dead = None
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in b.num_logprobs) else None
         for r, banned in enumerate(b.banned_ids):
             if banned:
@@ -136,6 +144,8 @@ class Sampler:
             tokens = greedy
         else:
             tokens = torch.where(b.temperature == 0, greedy, self._sample(logits, b))
+        if dead is not None:
+            tokens = tokens.masked_fill(dead, DEAD_END_TOKEN)
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, token_list, b.num_logprobs)
 
@@ -161,7 +171,9 @@ class Sampler:
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], wanted: list[int | None]):
         if raw is None:
             return [None] * len(tokens)
-        rows = [r for r, n in enumerate(wanted) if n is not None]
+        rows = [r for r, n in enumerate(wanted) if n is not None and tokens[r] != DEAD_END_TOKEN]
+        if not rows:
+            return [None] * len(tokens)
         idx = torch.tensor(rows, device=raw.device)
         chosen = torch.tensor([tokens[r] for r in rows], device=raw.device)
         sub = raw[idx]

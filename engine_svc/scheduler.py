@@ -23,11 +23,17 @@ from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
+from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
+
+DEAD_END = (
+    "no token the request may sample satisfies its constraint"
+    " (check allowed_token_ids, logit_bias and bad_words against it)"
+)
 
 
 @dataclass
@@ -294,14 +300,28 @@ class Scheduler:
         for seq, toks, lps in emissions:
             request = seq.request
             matcher = seq.matcher
+            dead_end = False
             for k, token in enumerate(toks):
+                if token == DEAD_END_TOKEN:
+                    # Nothing the request may sample satisfies its constraints (a grammar's mask met
+                    # allowed ids or a bias that exclude it all): end it, emit nothing, never loop.
+                    log.warning("request %s: %s", request.request_id, DEAD_END)
+                    seq.finish_reason = FinishReason.ABORT
+                    dead_end = True
+                    toks, lps = toks[:k], lps[:k]
+                    finished.append(seq)
+                    break
                 seq.token_ids.append(token)
                 num_tokens = len(seq.token_ids)
                 if token in request.stop_ids and num_tokens >= request.min_stop_len:
                     seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
                 elif matcher is not None and not matcher.consume_token(token):
-                    # The mask allowed nothing this vocabulary can say: report it, do not loop on it.
-                    log.warning("request %s: its grammar allows no token here", request.request_id)
+                    # The mask allowed a token its matcher refuses: the library disagrees with itself.
+                    log.error(
+                        "request %s: its grammar refused token %d after allowing it",
+                        request.request_id,
+                        token,
+                    )
                     seq.finish_reason = FinishReason.ABORT
                 elif num_tokens >= request.length_limit:
                     seq.finish_reason = FinishReason.LENGTH
@@ -317,11 +337,12 @@ class Scheduler:
                 request.request_id,
                 seq.index,
                 toks,
-                None if lps[0] is None else lps,
+                None if not lps or lps[0] is None else lps,
                 seq.finish_reason,
                 seq.stop_token_id,
                 request.num_prompt_tokens,
                 seq.num_cached_tokens,
+                error=DEAD_END if dead_end else None,
             )
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 delta.prompt_logprobs = request.prompt_logprobs

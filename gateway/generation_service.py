@@ -341,7 +341,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                         yield seq.abort()
                 return
             for d in deltas:
-                if d.error:  # taken, then refused: its constraint did not compile for this vocabulary
+                if d.error:  # its constraint did not compile for this vocabulary, or left it no token
                     raise invalid([FieldViolation("constraint", d.error)])
                 seq = seqs[d.index]
                 if seq.done:

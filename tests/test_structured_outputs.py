@@ -290,3 +290,42 @@ def test_a_slow_grammar_holds_back_nobody(tiny_llama):
         assert time.perf_counter() - t0 < 120, "the grammar's compile was not bounded"
     assert finished_at["plain"] < finished_at["slow"], finished_at
     assert_pool_whole(engine)
+
+
+def test_a_constraint_that_leaves_no_token_ends_the_request_and_says_why(tiny_llama):
+    """The grammar wants "red"/"green..." while allowed_token_ids permit only digits: the mask leaves
+    the row nothing. The request ends at once with the reason, emits no token outside its grammar,
+    and its neighbour runs on as it would alone."""
+    from engine_svc.scheduler import DEAD_END
+
+    tok = tokenizer_of(tiny_llama)
+    digits = sorted({i for d in "0123456789" for i in tok.encode(d, add_special_tokens=False)})
+    engine = make_engine(tiny_llama)
+    (prompt,) = random_prompts([12], 1024, seed=5)
+    stuck = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        n=2,
+        allowed_token_ids=digits,
+        structured_outputs=StructuredOutputsParams(choice=["red", "green apple"]),
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("stuck", prompt, stuck)
+    engine.add_request("plain", prompt, plain)
+    results: dict[str, Result] = {}
+    errors: list[str] = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            results.setdefault(d.request_id, Result()).add(d)
+            if d.error:
+                errors.append(d.error)
+        engine.check_invariants()
+        steps += 1
+        assert steps < 200, "the engine looped on a dead end"
+    for out in results["stuck"].outputs.values():
+        assert out.finish_reason == "abort" and out.tokens == []
+    assert errors == [DEAD_END, DEAD_END]
+    fresh = partial(make_engine, tiny_llama)
+    assert_same_as_solo("plain", results["plain"], solo(fresh, prompt, plain), plain)
+    assert_pool_whole(engine)

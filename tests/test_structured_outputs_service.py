@@ -138,3 +138,15 @@ def test_node_client_with_a_schema(service):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["finish_reason"] == "FINISH_REASON_STOP"
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
+
+
+def test_a_constraint_that_leaves_no_token_is_invalid_argument(client, service):
+    """allowed_token_ids that the constraint can never use: the engine finds the dead end at the
+    first step, the stream ends INVALID_ARGUMENT naming the constraint, and no blocks stay held."""
+    digits = sorted({i for d in "0123456789" for i in client.tokenize(d, add_special_tokens=False)})
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("hello", max_tokens=8, regex="[a-c]+", allowed_token_ids=digits)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "constraint" in [v.field for v in field_violations(err.value)], err.value.details()
+    assert "no token the request may sample" in err.value.details()
+    assert service.engine_stats().load.kv_blocks_used == 0
