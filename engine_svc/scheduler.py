@@ -46,6 +46,7 @@ class SchedulerOutput:
     only_decodes: bool = True
     layout: LogitsLayout | None = None  # set once the schedule is final
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
+    published_early: set[Sequence] = field(default_factory=set)  # admitted; blocks published already
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -178,6 +179,7 @@ class Scheduler:
             return budget
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
+        publish = self.kv.enable_prefix_caching
         while j < len(waiting) and budget > 0 and seats > 0:
             seq = waiting[j]
             request = seq.request
@@ -197,7 +199,7 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             if not self.kv.allocate(seq, num_new, cached):
-                victim = self._lower_priority_victim(seq)
+                victim = self._lower_priority_victim(seq, out.published_early)
                 if victim is None:
                     break
                 budget += out.unschedule(victim)
@@ -205,6 +207,9 @@ class Scheduler:
                 j = 0
                 continue  # the pool and the queue changed: look again
             del waiting[j]
+            if publish:  # its prompt's blocks, to the requests admitted after it in this very step
+                self.kv.register_computed_blocks(seq, seq.num_computed_tokens + num_new)
+                out.published_early.add(seq)
             self.kv.note_admission(seq, len(cached))
             if not seq.admitted_before:
                 seq.num_cached_tokens = len(cached) * self.kv.block_size
@@ -243,15 +248,17 @@ class Scheduler:
         failed, self.failed = self.failed, []
         return failed
 
-    def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
+    def _lower_priority_victim(self, seq: Sequence, keep: set[Sequence]) -> Sequence | None:
         """The running sequence that a waiting ``seq`` may evict, if any: a paused one, or under the
-        priority policy one of lower priority."""
+        priority policy one of lower priority. Never one in ``keep``: a sequence that published
+        blocks this step, which others admitted after it may already share, must compute them."""
         paused = [s for s in self.running if s.request.paused]
         if paused:
             return paused[-1]
-        if not self.priority or not self.running:
+        candidates = [s for s in self.running if s not in keep] if keep else self.running
+        if not self.priority or not candidates:
             return None
-        victim = max(self.running, key=_priority_key)
+        victim = max(candidates, key=_priority_key)
         return victim if _priority_key(victim) > _priority_key(seq) else None
 
     def _pick_victim(self) -> Sequence:
