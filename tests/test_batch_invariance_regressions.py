@@ -204,3 +204,26 @@ def test_tenant_salts_never_share_blocks(tiny_llama):
     drive(engine, results)
     assert engine.stats().prefix_hit_tokens == 24
     assert results["a"].outputs[0].tokens == results["b"].outputs[0].tokens == results["a2"].outputs[0].tokens
+
+
+def test_requests_admitted_in_one_step_share_the_prefix_its_first_one_computes(tiny_llama):
+    """Four requests behind one 48-token prefix, added together: the first computes the prefix and
+    the others, admitted after it in the same step, already share its blocks (each layer writes the
+    step's K/V before any attention reads it). Each gets its solo result."""
+    engine_opts = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=256)
+    (prefix,) = random_prompts([48], 1024, seed=41)
+    prompts = [prefix + own for own in random_prompts([5, 9, 3, 7], 1024, seed=42)]
+    params = greedy(max_tokens=6, logprobs=1)
+    engine = make_engine(tiny_llama, **engine_opts)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    results: dict[str, Result] = {}
+    for d in engine.step():
+        results.setdefault(d.request_id, Result()).add(d)
+    assert engine.scheduler.running and len(engine.scheduler.running) == 4, "all four in the first step"
+    assert engine.stats().prefix_hit_tokens == 3 * 48, "the three later ones hit the first one's blocks"
+    drive(engine, results)
+    assert_pool_whole(engine)
+    fresh = partial(make_engine, tiny_llama, **engine_opts)
+    for i, p in enumerate(prompts):
+        assert_same_as_solo(str(i), results[str(i)], solo(fresh, p, params), params)
