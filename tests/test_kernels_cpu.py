@@ -286,3 +286,48 @@ def test_greedy_equals_hf_with_decodes_over_a_shared_prefix(tiny_llama, monkeypa
     assert any(len(rows) == 5 for rows, _ in cascades), "the decodes never went through cascade attention"
     for i, p in enumerate(prompts):
         assert_greedy_matches(hf, p, outputs[(str(i), 0)], hf_greedy(hf, p, 12))
+
+
+GEMM_SHAPES_SCRIPT = """
+import sys, torch
+from kernels.cpu.linear import OneDNNLinear
+torch.set_num_threads(1)
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+lins = [OneDNNLinear(torch.randn(n, 256)) for n in (384, 1024, 4096)]
+for m in range(1, 9):  # the first shapes: buffers every later call reuses
+    [lin(torch.randn(m, 256)) for lin in lins]
+start = rss()
+for m in range(9, 240):
+    [lin(torch.randn(m, 256)) for lin in lins]
+print((rss() - start) >> 20)
+"""
+
+
+@pytest.mark.skipif(not cpu_features()["onednn"], reason="this torch build has no oneDNN linear ops")
+@pytest.mark.parametrize("entries, bound", [(None, 24), ("1024", None)])
+def test_packed_gemms_over_many_row_counts_hold_bounded_memory(entries, bound):
+    """A step's row count changes all the time; oneDNN's and ideep's shape-keyed caches, left at
+    1024 entries, grow the process by ~0.2 MiB per new shape. The module caps them (run with its
+    default) and the resident set stays flat; the uncapped run shows the test can tell."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    }
+    env["MALLOC_MMAP_THRESHOLD_"] = str(256 << 10)  # as the engine process sets it
+    if entries is not None:
+        env["LRU_CACHE_CAPACITY"] = env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = entries
+    out = subprocess.run(
+        [sys.executable, "-c", GEMM_SHAPES_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    grew_mib = int(out.stdout.split()[-1])
+    if bound is not None:
+        assert grew_mib < bound, f"grew {grew_mib} MiB over 231 row counts"  # 3 MiB measured
+    else:
+        assert grew_mib > 2 * 24, f"uncapped caches grew only {grew_mib} MiB: the test cannot tell"  # 376
