@@ -431,16 +431,23 @@ def main(argv: list[str] | None = None) -> dict | int:
             title = f"offline {labels[name]}, llmserve / vLLM, {label}"
             if peer is None:
                 targets.append(missing(title, ">=", goal, "x", why))
+                if side == "ours_matched":
+                    targets.append(missing(f"{title}, per CPU-second", ">=", goal, "x", why))
             else:
                 ratio = offline_ratio(name, figures[side], peer)
                 figures.setdefault("ratios", {})[f"{name}_{side}"] = ratio
-                # Output tokens per CPU-second of each side's whole process tree: what other jobs on a
-                # shared machine do not distort as much as wall time (informational, not judged).
+                # Output tokens per CPU-second of each side's whole process tree. At matched threads
+                # this is judged too: vLLM's offline LLM runs its engine core in a process of its own
+                # beside the front end (~1.1 cores for "one thread"), and on a shared machine two
+                # processes get two shares of the CPU where ours, one process, gets one.
                 ours_m, peer_m = figures[side][name], peer[name]
-                figures.setdefault("ratios_per_cpu_s", {})[f"{name}_{side}"] = (
-                    ours_m["output_tokens"] / ours_m["cpu_s"]
-                ) / (peer_m["output_tokens"] / peer_m["cpu_s"])
+                per_cpu = (ours_m["output_tokens"] / ours_m["cpu_s"]) / (
+                    peer_m["output_tokens"] / peer_m["cpu_s"]
+                )
+                figures.setdefault("ratios_per_cpu_s", {})[f"{name}_{side}"] = per_cpu
                 targets.append(common.target(title, ratio, ">=", goal, "x"))
+                if side == "ours_matched":
+                    targets.append(common.target(f"{title}, per CPU-second", per_cpu, ">=", goal, "x"))
     if not args.no_serving:
         figures["serving_ours"] = serve_ours(model, w["serving"])
         if python:

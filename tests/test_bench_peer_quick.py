@@ -31,7 +31,7 @@ def test_peer_quick_reports_a_missing_peer_as_missing(tmp_path):
             assert f[side][name]["wall_s"] > 0
     assert f["ours_matched"]["_meta"]["torch_threads"] == 1
     assert "vllm" not in f
-    assert len(doc["targets"]) == 6  # three workloads, at defaults and at matched threads
+    assert len(doc["targets"]) == 9  # three workloads: at defaults, at matched threads (wall, per CPU-second)
     for t in doc["targets"]:
         assert t["value"] is None and t["met"] is None and t["note"].startswith("MISSING")
         assert verdict(t) == "**MISSING**"
