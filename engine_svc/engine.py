@@ -50,6 +50,12 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified since the engine started
+    num_accepted_draft_tokens: int = 0  # ... and accepted
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def kv_usage(self) -> float:
@@ -261,6 +267,8 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_draft_tokens=self.scheduler.num_drafted,
+            num_accepted_draft_tokens=self.scheduler.num_accepted,
         )
 
     def check_invariants(self) -> None:

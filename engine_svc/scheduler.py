@@ -322,6 +322,8 @@ class Scheduler:
                 seq.stop_token_id,
                 request.num_prompt_tokens,
                 seq.num_cached_tokens,
+                num_draft_tokens=seq.num_drafted,
+                num_accepted_draft_tokens=seq.num_accepted,
             )
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 delta.prompt_logprobs = request.prompt_logprobs

@@ -78,7 +78,7 @@ class Request:
         p = self.params
         # Drafts are verified row by row with the options that do not depend on earlier outputs;
         # those that do (penalties, bad words, min_tokens, a grammar's state) never speculate.
-        self.can_speculate = not (
+        self.can_speculate = p.speculative and not (
             p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty

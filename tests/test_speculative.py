@@ -220,30 +220,106 @@ def test_bad_speculative_configs_are_refused(tiny_llama):
     random.seed(0)
 
 
+def test_counts_reach_every_output_and_an_opted_out_request_never_drafts(cycling_model):
+    """Per-output drafted/accepted counts (offline ``LLM``) equal an independent count taken from
+    the schedules and the tokens each verification emitted; the engine's totals are their sum; a
+    request with ``speculative=False`` drafts nothing and still gets the same tokens."""
+    from engine_svc import LLM
+
+    base = random_prompts([5, 7], 1024, seed=3)
+    prompts = [base[0] * 6, base[1] * 4, base[0] * 6]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, speculative=False),
+    ]
+    llm = LLM(cycling_model, block_size=8, num_kv_blocks=128, speculative_config=NGRAM)
+    engine = llm.engine
+    drafted: Counter = Counter()
+    accepted: Counter = Counter()
+    update = engine.scheduler.update_from_output
+
+    def counting_update(out, result):
+        deltas = update(out, result)
+        by_seq = {s.request.request_id: len(d) for s, d in out.drafts.items()}
+        for delta in deltas:  # no stop can cut a verification here: accepted = emitted - the bonus
+            if delta.request_id in by_seq:
+                drafted[delta.request_id] += by_seq[delta.request_id]
+                accepted[delta.request_id] += len(delta.new_token_ids) - 1
+        return deltas
+
+    engine.scheduler.update_from_output = counting_update
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = LLM(cycling_model, block_size=8, num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outs, plain, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        c = out.outputs[0]
+        assert (c.num_draft_tokens, c.num_accepted_draft_tokens) == (
+            drafted[out.request_id],
+            accepted[out.request_id],
+        ), out.request_id
+        assert ref.num_draft_tokens == 0
+    assert outs[0].num_draft_tokens > 20 and outs[0].num_accepted_draft_tokens > 0
+    assert outs[2].num_draft_tokens == 0, "an opted-out request drafted"
+    stats = engine.stats()
+    assert stats.num_draft_tokens == sum(drafted.values())
+    assert stats.num_accepted_draft_tokens == sum(accepted.values())
+    with pytest.raises(ValueError, match="speculative must be True or False"):
+        engine.add_request("bad", [1, 2], SamplingParams(speculative="no"))
+
+
 def test_the_service_speculates_with_the_same_tokens(default_model_dir):
-    """``llmserve serve --speculative-config``: greedy tokens equal a service without it; a bad
-    config stops the engine with exit 2 and the reason."""
+    """``llmserve serve --speculative-config``: greedy tokens equal a service without it; usage
+    carries each sequence's drafted and accepted counts (none for ``speculative=False``), the
+    engine's Load their totals, and Prometheus serves them (our names and vLLM's); a bad config
+    stops the engine with exit 2 and the reason."""
     import subprocess
     import sys
 
     from gateway.client import LLMServeClient
     from gateway.service_process import ServiceProcess
+    from tests.fault_helpers import metrics_port, wait_for
+    from tests.test_metrics import scrape
 
     prompt = "one two three one two three one two three one two"
     outs = []
     for extra in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']):
         with ServiceProcess(
-            default_model_dir, "--num-kv-blocks", "256", "--tokenizer-workers", "0", *extra
+            default_model_dir,
+            "--num-kv-blocks",
+            "256",
+            "--tokenizer-workers",
+            "0",
+            "--metrics-port",
+            "0",
+            *extra,
         ) as sp:
             with LLMServeClient(sp.target, timeout=60) as client:
-                outs.append(
-                    list(
-                        client.generate(
-                            prompt, temperature=0.0, max_tokens=40, return_token_ids=True
-                        ).token_ids
-                    )
-                )
-    assert outs[0] == outs[1]
+                runs = [
+                    client.generate(prompt, temperature=0.0, max_tokens=40, return_token_ids=True, **opt)
+                    for opt in ({}, {"speculative": False})
+                ]
+            outs.append([list(r.token_ids) for r in runs])
+            drafted = [r.usage.draft_tokens for r in runs]
+            accepted = [r.usage.accepted_draft_tokens for r in runs]
+            assert drafted[1] == accepted[1] == 0, "speculative=False drafted"
+            assert (drafted[0] > 0) == bool(extra), drafted
+            assert accepted[0] <= drafted[0]
+            load = sp.engine_stats().load
+            assert (load.spec_draft_tokens, load.spec_accepted_tokens) == (drafted[0], accepted[0])
+            port = metrics_port(sp)
+
+            def heartbeat_arrived(port=port, want=drafted[0]):  # the figures come with heartbeats
+                s = scrape(port)
+                return s if s.get("vllm:spec_decode_num_draft_tokens_total") == want else None
+
+            s = wait_for(heartbeat_arrived, 5.0, "the metrics did not reach the engine's drafted count")
+            assert s["llmserve_spec_decode_draft_tokens_total"] == drafted[0]
+            assert s["vllm:spec_decode_num_accepted_tokens_total"] == accepted[0]
+            assert s["llmserve_spec_decode_accepted_tokens_total"] == accepted[0]
+            rate = accepted[0] / drafted[0] if drafted[0] else 0.0
+            assert abs(s["llmserve_spec_decode_acceptance_rate"] - rate) < 1e-9
+    assert outs[0] == outs[1] and outs[0][0] == outs[0][1]
     bad = subprocess.run(
         [
             sys.executable,
