@@ -105,11 +105,13 @@ class KVCacheManager:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += num_hit_blocks * self.block_size
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks that this step completed, so later requests can reuse them."""
+    def register_computed_blocks(self, seq: Sequence, upto: int | None = None) -> None:
+        """Publish the blocks that this step completed, so later requests can reuse them (those
+        wholly before token ``upto`` only, when given: a draft model's cache may lag one token)."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        computed = seq.num_computed_tokens if upto is None else min(upto, seq.num_computed_tokens)
+        full = computed // self.block_size
         if full <= seq.num_registered_blocks:
             return
         bs = self.block_size

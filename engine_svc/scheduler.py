@@ -64,6 +64,7 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
         self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.draft_model = self.spec is not None and self.spec.method == "draft_model"
         self.num_drafted = self.num_accepted = 0
         self.verified: list[Sequence] = []  # sequences whose drafts this update verified
 
@@ -156,15 +157,20 @@ class Scheduler:
         return out
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying."""
+        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying.
+        With a draft model, k places that the engine's proposer fills before the forward."""
         spec = self.spec
         if seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted:
             return []
-        if seq.ngram is None:
-            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Never past max_tokens: the last draft's successor is the bonus token.
         k = min(spec.num_speculative_tokens, room, seq.request.length_limit - len(seq.token_ids) - 1)
-        return seq.ngram.propose(seq.token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.draft_model:
+            return [0] * k
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return seq.ngram.propose(seq.token_ids, k)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         waiting, j = self.waiting, 0
@@ -336,7 +342,9 @@ class Scheduler:
         if self.verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
             for seq in self.verified:
                 if seq.finish_reason is None:
-                    kv.register_computed_blocks(seq)
+                    # A block is published once the draft model's cache holds it too: after all k
+                    # drafts are accepted, the last one's draft K/V is computed next step.
+                    kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
                     kv.trim(seq)
             self.verified = []
         if finished:  # the last delta of a request that has nothing more to send says so
@@ -380,6 +388,8 @@ class Scheduler:
         # The last token and the accepted drafts have their K/V; rejected positions lie past the
         # counter (overwritten later) and their lookahead blocks are released once tokens are added.
         seq.num_computed_tokens += 1 + accepted
+        if self.draft_model:  # the proposer wrote the draft model's K/V of all drafts but the last
+            seq.num_draft_computed += min(accepted, len(draft) - 1)
         self.verified.append(seq)
         return seq, sampled[: accepted + 1], lps[: accepted + 1]
 
@@ -401,6 +411,7 @@ class Scheduler:
                 if seq.matcher is not None:
                     child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                 child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
+                child.num_draft_computed = seq.num_draft_computed
                 self.kv.fork(seq, child)
                 child.status = seq.status
                 request.sequences.append(child)

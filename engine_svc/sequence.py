@@ -130,6 +130,9 @@ class Sequence:
     ngram: object = None  # spec_decode.ngram.NgramIndex, once this sequence drafts
     num_drafted: int = 0
     num_accepted: int = 0
+    # Draft-model speculation: leading tokens whose K/V the draft model's cache holds (it computes
+    # what the target computes, in the same blocks; see spec_decode/draft_model.py).
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -66,8 +67,26 @@ def cycling_model(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def truncated_draft(cycling_model, tmp_path_factory):
+    """The cycling model's first layer alone: a draft that is often wrong (drafts get rejected)."""
+    from engine_svc.models.build import build_truncated_model
+
+    return build_truncated_model(cycling_model, tmp_path_factory.mktemp("draft") / "llama1", 1)
+
+
+def speculation(method: str, cycling_model, truncated_draft) -> dict:
+    if method == "ngram":
+        return dict(NGRAM, max_batch=16)
+    draft = cycling_model if method == "draft=target" else truncated_draft
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "max_batch": 16}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft=target", "draft=1 layer"])
 @pytest.mark.parametrize("budget, blocks", [(512, 256), (24, 22)])
-def test_greedy_and_seeded_tokens_equal_the_plain_engine(cycling_model, budget, blocks):
+def test_greedy_and_seeded_tokens_equal_the_plain_engine(
+    cycling_model, truncated_draft, method, budget, blocks
+):
     base = random_prompts([6, 5, 7, 4, 9, 6], 1024, seed=31)
     prompts = [base[0] * 5, base[1] * 3, base[0] * 4 + base[2], base[3] * 6, base[4] * 2, base[0] * 5]
     params = [
@@ -85,9 +104,12 @@ def test_greedy_and_seeded_tokens_equal_the_plain_engine(cycling_model, budget, 
         **opts,
     )
     requests = {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))}
-    spec, engine = run(cycling_model, requests, speculative_config=dict(NGRAM, max_batch=16), **opts)
+    config = speculation(method, cycling_model, truncated_draft)
+    spec, engine = run(cycling_model, requests, speculative_config=config, **opts)
     s = engine.scheduler
-    assert s.num_drafted > 50 and s.num_accepted > 0.3 * s.num_drafted, (s.num_drafted, s.num_accepted)
+    assert s.num_drafted > 50 and s.num_accepted > 0, (s.num_drafted, s.num_accepted)
+    if method != "draft=1 layer":
+        assert s.num_accepted > 0.3 * s.num_drafted, (s.num_drafted, s.num_accepted)
     for rid, (_, sp) in requests.items():
         note = assert_same_as_solo(rid, spec[rid], plain[rid], sp)
         assert note is None or sp.greedy, note
@@ -198,6 +220,38 @@ def test_drafts_are_bounded_by_max_tokens_and_the_budget():
     assert sched.kv.pool.num_used == 0
 
 
+def test_a_draft_model_that_is_the_target_gets_every_greedy_draft_accepted(cycling_model):
+    """The draft model's cache follows the target's blocks exactly (prefill chunks, forks, prefix
+    hits): with the target itself as draft, every greedy draft is accepted, in a batch of requests
+    with chunked prompts, a shared prefix and n = 2 greedy sequences."""
+    base = random_prompts([9, 7, 5], 1024, seed=8)
+    requests = {
+        "a": (base[0] * 4, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)),
+        "b": (base[0] * 4 + base[1], SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)),
+        "c": (base[2] * 3, SamplingParams(n=2, temperature=0.0, max_tokens=33, ignore_eos=True)),
+    }
+    config = {"method": "draft_model", "model": str(cycling_model), "num_speculative_tokens": 4}
+    opts = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=16)
+    spec, engine = run(cycling_model, requests, speculative_config=config, **opts)
+    plain, _ = run(cycling_model, requests, **opts)
+    for rid in requests:
+        assert spec[rid].outputs.keys() == plain[rid].outputs.keys()
+        for i, out in spec[rid].outputs.items():
+            assert out.tokens == plain[rid].outputs[i].tokens, (rid, i)
+    s = engine.scheduler
+    assert s.num_drafted > 80 and s.num_accepted == s.num_drafted, (s.num_drafted, s.num_accepted)
+    assert engine.stats().prefix_hit_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(cycling_model, tmp_path):
+    from engine_svc.models.build import build_random_model
+
+    other = build_random_model(tmp_path / "v512", "llama", seed=2, vocab_size=512)
+    config = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens, the target's 1024"):
+        make_engine(cycling_model, speculative_config=config)
+
+
 def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
     from engine_svc import EngineConfig
 
@@ -210,7 +264,10 @@ def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
 def test_bad_speculative_configs_are_refused(tiny_llama):
     for bad, match in [
         ({"method": "eagle"}, "method must be one of"),
-        ({"method": "draft_model", "model": "x"}, "unknown keys"),
+        ({"method": "draft_model", "model": "/nonexistent"}, "not a loadable model directory"),
+        ({"method": "draft_model"}, "'model' .* goes with method 'draft_model'"),
+        ({"method": "ngram", "model": str(tiny_llama)}, "goes with method 'draft_model'"),
+        ({"method": "ngram", "draft": 3}, "unknown keys"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ("ngram", "must be a dict"),
@@ -283,7 +340,14 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
 
     prompt = "one two three one two three one two three one two"
     outs = []
-    for extra in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']):
+    draft = json.dumps(
+        {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    )
+    for extra in (
+        [],
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        ["--speculative-config", draft],
+    ):
         with ServiceProcess(
             default_model_dir,
             "--num-kv-blocks",
@@ -305,6 +369,8 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
             assert drafted[1] == accepted[1] == 0, "speculative=False drafted"
             assert (drafted[0] > 0) == bool(extra), drafted
             assert accepted[0] <= drafted[0]
+            if "draft_model" in "".join(extra):  # the target as its own draft: greedy accepts all
+                assert accepted[0] == drafted[0]
             load = sp.engine_stats().load
             assert (load.spec_draft_tokens, load.spec_accepted_tokens) == (drafted[0], accepted[0])
             port = metrics_port(sp)
@@ -319,7 +385,7 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
             assert s["llmserve_spec_decode_accepted_tokens_total"] == accepted[0]
             rate = accepted[0] / drafted[0] if drafted[0] else 0.0
             assert abs(s["llmserve_spec_decode_acceptance_rate"] - rate) < 1e-9
-    assert outs[0] == outs[1] and outs[0][0] == outs[0][1]
+    assert outs[0] == outs[1] == outs[2] and outs[0][0] == outs[0][1]
     bad = subprocess.run(
         [
             sys.executable,
