@@ -170,7 +170,10 @@ class Scheduler:
             return [0] * k
         if seq.ngram is None:
             seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return seq.ngram.propose(seq.token_ids, k)
+        draft = seq.ngram.propose(seq.token_ids, k)
+        if draft and seq.matcher is not None:  # only what the grammar accepts is worth verifying
+            draft = draft[: seq.matcher.validate_tokens(draft)]
+        return draft
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         waiting, j = self.waiting, 0

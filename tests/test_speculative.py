@@ -401,3 +401,58 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
         timeout=120,
     )
     assert bad.returncode == 2 and "method must be one of" in bad.stderr, bad.stderr[-500:]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft=target"])
+def test_structured_output_requests_draft_and_get_the_same_tokens(tiny_llama, method):
+    """Constrained requests speculate: n-gram drafts are cut to what the grammar accepts, each draft
+    position is masked by the matcher's state after the drafts before it, and the matcher advances
+    by the verified tokens only. Greedy and seeded outputs equal the plain engine's and are valid;
+    the draft model drafts without the grammar, and what it refuses is rejected at verification
+    (the rows after a refused draft are left unmasked and never used)."""
+    from engine_svc import StructuredOutputsParams
+    from tests.test_structured_outputs import GRAMMAR, SCHEMA, matcher_accepts
+
+    specs = {
+        "regex": StructuredOutputsParams(regex="(abc,|de;)+"),
+        "json": StructuredOutputsParams(json={"type": "array", "items": {"enum": ["ab", "cd"]}}),
+        "schema": StructuredOutputsParams(json=SCHEMA),
+        "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+    }
+    (prompt,) = random_prompts([7], 512, seed=12)
+    requests = {}
+    for kind, so in specs.items():
+        requests[f"{kind}/greedy"] = (
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=so),
+        )
+        requests[f"{kind}/seeded"] = (
+            prompt,
+            SamplingParams(temperature=0.8, seed=5, max_tokens=48, structured_outputs=so),
+        )
+    if method == "ngram":
+        config = dict(NGRAM, max_batch=16, min_acceptance=0.0)
+    else:
+        config = {
+            "method": "draft_model",
+            "model": str(tiny_llama),
+            "num_speculative_tokens": 3,
+            "max_batch": 16,
+        }
+    opts = dict(block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    plain, _ = run(tiny_llama, {rid: (p, solo_params(sp)) for rid, (p, sp) in requests.items()}, **opts)
+    spec, engine = run(tiny_llama, requests, speculative_config=config, **opts)
+    s = engine.scheduler
+    assert s.num_drafted > 40, s.num_drafted
+    if method == "ngram":  # drafts cut to what the grammar accepts are often right
+        assert s.num_accepted > 10, (s.num_drafted, s.num_accepted)
+    else:  # the target's unconstrained argmax is rarely what the grammar allows
+        assert s.num_accepted < s.num_drafted, "no draft was refused: the refused-draft path is untested"
+    for rid, (_, sp) in requests.items():
+        note = assert_same_as_solo(rid, spec[rid], plain[rid], sp)
+        assert note is None or sp.greedy, note
+        out = spec[rid].outputs[0]
+        tokens = out.tokens[:-1] if out.stop_token_id is not None else out.tokens  # EOS is not text
+        assert matcher_accepts(
+            tiny_llama, specs[rid.split("/")[0]], tokens, whole=out.finish_reason == "stop"
+        )
