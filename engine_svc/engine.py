@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -287,6 +288,7 @@ class LLMEngine:
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it
                 futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         else:
+            started = time.perf_counter()
             copies, changed = self.kv.take_pending_copies(), self.kv.take_changed_tables()
             if self.proposer is not None:  # drafts before the target's forward, which verifies them
                 self.runner.batch.sync(changed)
@@ -295,7 +297,9 @@ class LLMEngine:
                 self.proposer.propose(out, self.runner.batch, copy_array)
             result = self.runner.execute(out, copies, changed)
             self.num_steps += 1
-            deltas += self.scheduler.update_from_output(out, result)
+            stepped = self.scheduler.update_from_output(out, result)
+            self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
+            deltas += stepped
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]

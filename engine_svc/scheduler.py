@@ -25,6 +25,7 @@ from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
+from engine_svc.spec_decode.governor import SpeculationGovernor
 from engine_svc.spec_decode.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,10 @@ class SchedulerOutput:
     only_decodes: bool = True
     layout: LogitsLayout | None = None  # set once the schedule is final
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
+    # Every scheduled sequence decodes (no prompt chunk, no admission, no preemption): the step's
+    # time per token is comparable with other such steps (speculation's governor measures these).
+    all_decoding: bool = True
+    num_running: int = 0  # running sequences when it was planned
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -65,6 +70,7 @@ class Scheduler:
         self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.draft_model = self.spec is not None and self.spec.method == "draft_model"
+        self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
         self.num_drafted = self.num_accepted = 0
         self.verified: list[Sequence] = []  # sequences whose drafts this update verified
 
@@ -117,7 +123,10 @@ class Scheduler:
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, allocate = self.running, self.kv.allocate
         add_seq, add_num = out.seqs.append, out.num_new.append
+        out.num_running = len(running)
         speculate = self.spec is not None and len(running) <= self.spec.max_batch
+        if speculate and self.governor is not None:
+            speculate = self.governor.allow(len(running))
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.request.paused:
@@ -127,7 +136,7 @@ class Scheduler:
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
             if remaining != 1 or num_tokens == seq.request.num_prompt_tokens:
-                out.only_decodes = False
+                out.only_decodes = out.all_decoding = False
             elif speculate and budget > 1 and seq.request.can_speculate:
                 draft = self._draft(seq, budget - 1)
                 if draft and allocate(seq, 1 + len(draft)):
@@ -149,6 +158,8 @@ class Scheduler:
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
             budget = self._admit(out, budget)
+        if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
+            out.all_decoding = False
         out.layout = (
             LogitsLayout.decodes(out.seqs)
             if out.only_decodes
@@ -215,7 +226,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
-            out.only_decodes = False
+            out.only_decodes = out.all_decoding = False
             budget -= num_new
             seats -= 1
         return budget
@@ -276,6 +287,12 @@ class Scheduler:
             self._insert_by_priority(seq)
         else:
             self.waiting.appendleft(seq)
+
+    def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:
+        """The governor learns from decode steps: how long one took, for how many tokens."""
+        if self.governor is not None and out.all_decoding and out.num_running <= self.spec.max_batch:
+            tokens = sum(len(d.new_token_ids) for d in deltas)
+            self.governor.record(out.num_running, bool(out.drafts), seconds, tokens)
 
     # --- applying a step ------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:

@@ -36,13 +36,25 @@ from tests.engine_helpers import assert_pool_whole, make_engine
 VOCAB = 1024
 EXAMPLES = int(os.environ.get("LLMSERVE_DIFF_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("LLMSERVE_DIFF_RANDOM") != "1"
-SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+# Not adaptive: which steps draft must not depend on the machine's timing (examples are replayed).
+SPECULATE = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+    "adaptive": False,
+}
 DRAFT_MODEL = "draft model: the target itself"  # resolved against the model directory in run_mix
 
 
 def engine_options(model_dir, config: dict) -> dict:
     if config.get("speculative_config") == DRAFT_MODEL:
-        draft = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+        draft = {
+            "method": "draft_model",
+            "model": str(model_dir),
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        }
         return {**config, "speculative_config": draft}
     return config
 

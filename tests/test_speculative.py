@@ -27,7 +27,14 @@ from tests.differential import Result, assert_same_as_solo, drive, solo_params
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
 from tests.test_step_contract import add, fake_result
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Not adaptive: these tests count drafts, which must not depend on the machine's timing.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 
 
 def run(model_dir, requests: dict, **opts) -> tuple[dict[str, Result], object]:
@@ -45,10 +52,10 @@ def test_ngram_index_proposes_what_followed_the_latest_earlier_match():
     tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 5, 6, 7]
     assert index.propose(tokens, 4) == [9, 5, 6, 7]  # "5 6 7" last seen before the suffix ending at 9
     assert index.propose([1, 2, 3], 4) == []
-    tokens = [4, 4, 4]
-    assert NgramIndex(1, 2).propose(tokens, 3) == [
-        4
-    ]  # the earlier "4 4" ends where the suffix's last token is
+    # The earlier "4 4" ends one token back: the continuation runs into the end and goes on with period 1.
+    assert NgramIndex(1, 2).propose([4, 4, 4], 3) == [4, 4, 4]
+    # "7 8" last ended three tokens back: what followed it, "9 7 8", goes on with period 3.
+    assert NgramIndex(2, 2).propose([1, 7, 8, 9, 7, 8], 5) == [9, 7, 8, 9, 7]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +86,13 @@ def speculation(method: str, cycling_model, truncated_draft) -> dict:
     if method == "ngram":
         return dict(NGRAM, max_batch=16)
     draft = cycling_model if method == "draft=target" else truncated_draft
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "max_batch": 16}
+    return {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 3,
+        "max_batch": 16,
+        "adaptive": False,
+    }
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft=target", "draft=1 layer"])
@@ -230,7 +243,12 @@ def test_a_draft_model_that_is_the_target_gets_every_greedy_draft_accepted(cycli
         "b": (base[0] * 4 + base[1], SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)),
         "c": (base[2] * 3, SamplingParams(n=2, temperature=0.0, max_tokens=33, ignore_eos=True)),
     }
-    config = {"method": "draft_model", "model": str(cycling_model), "num_speculative_tokens": 4}
+    config = {
+        "method": "draft_model",
+        "model": str(cycling_model),
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    }
     opts = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=16)
     spec, engine = run(cycling_model, requests, speculative_config=config, **opts)
     plain, _ = run(cycling_model, requests, **opts)
@@ -438,6 +456,7 @@ def test_structured_output_requests_draft_and_get_the_same_tokens(tiny_llama, me
             "model": str(tiny_llama),
             "num_speculative_tokens": 3,
             "max_batch": 16,
+            "adaptive": False,
         }
     opts = dict(block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
     plain, _ = run(tiny_llama, {rid: (p, solo_params(sp)) for rid, (p, sp) in requests.items()}, **opts)
@@ -456,3 +475,46 @@ def test_structured_output_requests_draft_and_get_the_same_tokens(tiny_llama, me
         assert matcher_accepts(
             tiny_llama, specs[rid.split("/")[0]], tokens, whole=out.finish_reason == "stop"
         )
+
+
+def test_the_governor_drafts_only_at_batch_sizes_where_drafting_is_cheaper():
+    """Per batch size, seconds per emitted token with and without drafts decide; the other choice
+    is retried every ``explore_every`` steps, and sizes are judged apart."""
+    from engine_svc.spec_decode.governor import SpeculationGovernor
+
+    g = SpeculationGovernor(explore_every=4)
+    assert g.allow(1) is True  # nothing measured: try drafting first
+    g.record(1, True, seconds=0.010, tokens=3)  # 3.3 ms per token with drafts
+    assert g.allow(1) is False  # then without
+    g.record(1, False, seconds=0.008, tokens=1)  # 8 ms per token without
+    assert [g.allow(1) for _ in range(6)] == [True, False, True, True, True, False]  # steps 4, 8 explore
+    g.record(4, True, seconds=0.060, tokens=8)  # 7.5 ms per token at batch 4 with drafts
+    g.record(4, False, seconds=0.020, tokens=4)  # 5 ms without
+    assert [g.allow(4) for _ in range(4)] == [False, False, False, True]
+    for _ in range(20):  # batch 1 gets slow with drafts (acceptance fell): the average follows
+        g.record(1, True, seconds=0.030, tokens=2)
+    assert g.allow(1) is False
+
+
+def test_the_scheduler_stops_drafting_where_the_governor_measured_it_slower():
+    config = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=True
+    )
+    sched = make_sched(config)
+    request = add(sched, "r", [5, 6, 5, 6, 5, 6], max_tokens=60)
+    drafted = []
+    for _ in range(40):
+        out = sched.schedule()
+        drafted.append(bool(out.drafts))
+        result = fake_result(out)
+        draft = next(iter(out.drafts.values()), [])
+        tokens = (draft + [7])[: out.layout.num_sample_rows] if draft else result.token_ids
+        result.token_ids, result.logprobs = tokens, [None] * len(tokens)
+        deltas = sched.update_from_output(out, result)
+        # Drafted steps: 4 tokens in 40 ms (10 ms each); plain steps: 1 token in 5 ms.
+        sched.note_step_time(out, 0.040 if out.drafts else 0.005, deltas)
+        if request.finished:
+            break
+    assert any(drafted[:5]), drafted  # it tried
+    later = drafted[5:]
+    assert sum(later) <= len(later) // 16 + 1, drafted  # only the governor's exploring steps draft

@@ -24,6 +24,9 @@ class SpeculativeConfig:
     # drafting: its verification rows would be wasted work.
     min_acceptance: float = 0.25
     min_drafted: int = 24
+    # Measure, per batch size, seconds per emitted token with drafts and without, and draft only
+    # where it is cheaper (spec_decode/governor.py). Off: draft whenever a proposer has something.
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
