@@ -158,7 +158,7 @@ class LLMEngine:
         shard = Shard(0, 1)
         model = load_model(draft_config, self.draft_spec, self.dtype, self.device, self.max_model_len, shard)
         caches = allocate_kv_caches(self.draft_spec, shard, num_blocks, c.block_size, self.dtype, self.device)
-        log.info("draft model %s: %d layers", c.speculative_config["model"], self.draft_spec.num_layers)
+        log.info("draft model %s: %d layers", self.speculative.model, self.draft_spec.num_layers)
         return DraftModelProposer(ModelForward(model, self.kernels, caches, self.device), c.block_size)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
