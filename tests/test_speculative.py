@@ -1,14 +1,17 @@
-"""Speculative decoding (n-gram prompt lookup), verified in the normal step.
+"""Speculative decoding (n-gram prompt lookup and a draft model), verified in the normal step.
 
 - Greedy and seeded requests get exactly the tokens they get without speculation (seeded rows draw
   their noise by position, so verification takes the very sample the plain run takes), across mixes
-  with chunking, preemption, prefix hits and n > 1; drafts were made and accepted.
+  with chunking, preemption, prefix hits and n > 1, for both proposers; drafts were made and
+  accepted (every greedy one, with the target as its own draft model).
 - Unseeded sampling keeps its distribution: token frequencies with and without speculation agree
   under a chi-square test, on a tiny vocabulary where drafts are often right and often wrong.
+- Structured-output requests draft too, and get the plain engine's tokens.
 - The pool is whole after every step (lookahead blocks of rejected drafts are released).
-- A sequence whose drafts keep failing stops drafting.
+- A sequence whose drafts keep failing stops drafting; the governor drafts only where measured cheaper.
+- Drafted/accepted counts reach usage (offline and through a service), Load and Prometheus; a
+  request that opts out never drafts.
 """
-
 from __future__ import annotations
 
 import json
@@ -136,7 +139,8 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_unseeded_sampling_keeps_its_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_unseeded_sampling_keeps_its_distribution(tmp_path, method):
     """A 12-token vocabulary: n-gram drafts are right often and wrong often. Token frequencies at
     each of the first output positions, over many samples, agree with and without speculation."""
     import torch
@@ -162,7 +166,12 @@ def test_unseeded_sampling_keeps_its_distribution(tmp_path):
         torch.manual_seed(123 if mode == "plain" else 321)
         opts = dict(block_size=8, num_kv_blocks=64 * 16, max_num_batched_tokens=2048, max_num_seqs=512)
         if mode == "spec":
-            opts["speculative_config"] = dict(NGRAM, max_batch=1024, min_acceptance=0.0)
+            opts["speculative_config"] = (
+                dict(NGRAM, max_batch=1024, min_acceptance=0.0)
+                if method == "ngram"  # the model itself drafts, greedily: right often, wrong often
+                else {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+                | {"max_batch": 1024, "min_acceptance": 0.0, "adaptive": False}
+            )
         reqs = {
             f"s{i}": (prompt, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
             for i in range(samples)
