@@ -12,6 +12,7 @@
 - Drafted/accepted counts reach usage (offline and through a service), Load and Prometheus; a
   request that opts out never drafts.
 """
+
 from __future__ import annotations
 
 import json
