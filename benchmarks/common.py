@@ -55,12 +55,15 @@ def vocab_size(quick: bool) -> int:
     return (QUICK_SHAPE if quick else FULL_SHAPE)["vocab_size"]
 
 
-def model_dir(quick: bool) -> Path:
+def model_dir(quick: bool, initializer_range: float | None = None) -> Path:
     """A real safetensors checkpoint of the benchmark shape, built once from a fixed seed and cached,
-    so that the engine and HF transformers load the very same weights."""
+    so that the engine and HF transformers load the very same weights. ``initializer_range`` 0.02
+    (HF's default scale) gives a model whose greedy outputs fall into cycles (speculation's)."""
     from engine_svc.models.build import build_random_model
 
-    shape = QUICK_SHAPE if quick else FULL_SHAPE
+    shape = dict(QUICK_SHAPE if quick else FULL_SHAPE)
+    if initializer_range is not None:
+        shape["initializer_range"] = initializer_range
     name = "llama-" + "-".join(f"{k[:3]}{v}" for k, v in sorted(shape.items()))
     out = CACHE_DIR / name
     stamp = out / ".complete"

@@ -36,6 +36,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("tokenizer_workers", "out"),
     ("routing", "results-dir"),
     ("structured_output", "results-dir"),
+    ("speculative", "results-dir"),
 ]
 TIMEOUT_S = 3600  # routing and transports take 20+ minutes on a loaded 2-core machine
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
@@ -24,6 +26,8 @@ from engine_svc.parallel.shard import Shard
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
+from engine_svc.spec_decode.config import SpeculativeConfig
+from engine_svc.spec_decode.draft_model import DraftModelProposer
 from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,12 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified since the engine started
+    num_accepted_draft_tokens: int = 0  # ... and accepted
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def kv_usage(self) -> float:
@@ -71,6 +81,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.kernels = select_kernels(self.device, config.kernel_backend)
+        self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)
         kv_caches = allocate_kv_caches(
             self.spec, shard, num_blocks, config.block_size, self.dtype, self.device
@@ -85,6 +96,7 @@ class LLMEngine:
             cdiv(self.max_model_len, config.block_size),
             self.tp_group.broadcast if self.tp_group else None,
         )
+        self.proposer = self._draft_proposer(num_blocks) if self.draft_spec is not None else None
         self.grammars = self._grammar_compiler()
         if self.grammars is not None:
             self.runner.grammar_executor = self.grammars.executor
@@ -114,6 +126,40 @@ class LLMEngine:
             self.max_model_len,
             shard.size,
         )
+
+    def _draft_spec(self) -> ModelSpec | None:
+        """The draft model's facts, refused unless it can draft for this target."""
+        spec_config = self.speculative = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec_config is None or spec_config.method != "draft_model":
+            return None
+        where = f"speculative_config.model ({spec_config.model})"
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only")
+        try:
+            draft = ModelSpec.from_dir(spec_config.model)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{where}: not a loadable model directory: {e}") from None
+        if draft.vocab_size != self.spec.vocab_size:
+            raise ValueError(
+                f"{where}: the draft model's vocabulary has {draft.vocab_size} tokens, the target's "
+                f"{self.spec.vocab_size}; a draft model must share the target's vocabulary"
+            )
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"{where}: the draft model's context ({draft.max_position_embeddings}) is shorter than "
+                f"max_model_len ({self.max_model_len})"
+            )
+        return draft
+
+    def _draft_proposer(self, num_blocks: int) -> DraftModelProposer:
+        """The draft model, and its KV cache: the target's blocks, in tensors of its own shape."""
+        c = self.config
+        draft_config = replace(c, model=self.speculative.model, speculative_config=None)
+        shard = Shard(0, 1)
+        model = load_model(draft_config, self.draft_spec, self.dtype, self.device, self.max_model_len, shard)
+        caches = allocate_kv_caches(self.draft_spec, shard, num_blocks, c.block_size, self.dtype, self.device)
+        log.info("draft model %s: %d layers", self.speculative.model, self.draft_spec.num_layers)
+        return DraftModelProposer(ModelForward(model, self.kernels, caches, self.device), c.block_size)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         tokenizer_json = find_tokenizer_json(self.config.model)
@@ -242,9 +288,18 @@ class LLMEngine:
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it
                 futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         else:
-            result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
+            started = time.perf_counter()
+            copies, changed = self.kv.take_pending_copies(), self.kv.take_changed_tables()
+            if self.proposer is not None:  # drafts before the target's forward, which verifies them
+                self.runner.batch.sync(changed)
+                changed = {}
+                copy_array = np.array(copies, dtype=np.int64).reshape(len(copies), 2)
+                self.proposer.propose(out, self.runner.batch, copy_array)
+            result = self.runner.execute(out, copies, changed)
             self.num_steps += 1
-            deltas += self.scheduler.update_from_output(out, result)
+            stepped = self.scheduler.update_from_output(out, result)
+            self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
+            deltas += stepped
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
@@ -261,6 +316,8 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_draft_tokens=self.scheduler.num_drafted,
+            num_accepted_draft_tokens=self.scheduler.num_accepted,
         )
 
     def check_invariants(self) -> None:
@@ -296,6 +353,9 @@ class LLMEngine:
         per_token = (
             2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * self.dtype.itemsize
         )
+        if self.draft_spec is not None:  # the draft model's cache has the same blocks
+            d = self.draft_spec
+            per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * self.dtype.itemsize
         per_block = per_token * c.block_size
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks

@@ -105,14 +105,18 @@ class KVCacheManager:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += num_hit_blocks * self.block_size
 
-    def register_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Publish the full blocks of the first ``num_tokens`` tokens (default: those computed), so
-        later requests can reuse them. The scheduler may publish a prompt's blocks as soon as it
-        schedules their computation: every layer writes the step's K/V before any attention reads
+    def register_computed_blocks(self, seq: Sequence, upto: int | None = None, scheduled: int = 0) -> None:
+        """Publish the full blocks of the tokens computed, plus ``scheduled`` more that this step
+        computes (those wholly before token ``upto`` only, when given: a draft model's cache may lag
+        one token), so that later requests can reuse them. The scheduler publishes a prompt's blocks
+        as soon as it schedules them: every layer writes the step's K/V before any attention reads
         it, so a request admitted later in the same step may already share them."""
         if not self.enable_prefix_caching:
             return
-        full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        computed = seq.num_computed_tokens + scheduled
+        if upto is not None:
+            computed = min(upto, computed)
+        full = computed // self.block_size
         if full <= seq.num_registered_blocks:
             return
         bs = self.block_size

@@ -134,6 +134,8 @@ class _Seq:
     stop_reason: int | str | None = None
     logprobs: list | None = None
     text_stream: object = None  # tokenizer_svc.text_stream.TextStream, when there is a tokenizer
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class _Track:
@@ -173,6 +175,8 @@ class _Track:
             self.prompt_logprobs = delta.prompt_logprobs
         if seq.finish_reason is not None:
             return  # a stop string ended it; the engine's abort came after this step
+        seq.num_draft_tokens = delta.num_draft_tokens  # the sequence's totals so far
+        seq.num_accepted_draft_tokens = delta.num_accepted_draft_tokens
         seq.token_ids.extend(delta.new_token_ids)
         if delta.logprobs:
             if seq.logprobs is None:
@@ -192,7 +196,16 @@ class _Track:
 
     def result(self) -> RequestOutput:
         outputs = [
-            CompletionOutput(i, s.token_ids, s.text, s.finish_reason or "abort", s.stop_reason, s.logprobs)
+            CompletionOutput(
+                i,
+                s.token_ids,
+                s.text,
+                s.finish_reason or "abort",
+                s.stop_reason,
+                s.logprobs,
+                s.num_draft_tokens,
+                s.num_accepted_draft_tokens,
+            )
             for i, s in enumerate(self.seqs)
         ]
         return RequestOutput(

@@ -196,6 +196,8 @@ class ModelRunner:
         if used[ib.GRAMMAR]:
             controls["matchers"] = [s.matcher for s, *_ in row_seqs]
             controls["grammar_executor"] = self.grammar_executor
+            if layout.drafts is not None:
+                controls["grammar_drafts"] = _grammar_drafts(layout)
         return SamplingBatch(
             temperature=cols[:, ib.TEMPERATURE],
             top_k=cols[:, ib.TOP_K].to(torch.int64),
@@ -229,6 +231,16 @@ def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int, int]]:
         else:
             rows += [(s, s.index if k == 1 else j, 0) for j in range(k)]
     return rows
+
+
+def _grammar_drafts(layout: LogitsLayout) -> dict[int, list[int]]:
+    """First sample row of each constrained sequence verifying drafts -> its drafts."""
+    out, r = {}, 0
+    for s, fan, draft in zip(layout.sampled, layout.fans, layout.drafts, strict=True):
+        if draft is not None and s.matcher is not None:
+            out[r] = draft
+        r += fan
+    return out
 
 
 def _banned_now(seq: Sequence) -> list[int]:

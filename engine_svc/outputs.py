@@ -35,6 +35,9 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first delta only
     request_finished: bool = False  # the request's last delta: every one of its n outputs has ended
     error: str | None = None  # why a request ended early: its grammar did not compile, or hit a dead end
+    # Speculative decoding, this sequence's totals so far: drafts verified, and drafts accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -49,6 +52,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this output
+    num_accepted_draft_tokens: int = 0  # ... and accepted by the target model
 
 
 @dataclass
@@ -63,3 +68,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(o.num_draft_tokens for o in self.outputs)
+
+    @property
+    def num_accepted_draft_tokens(self) -> int:
+        return sum(o.num_accepted_draft_tokens for o in self.outputs)

@@ -38,6 +38,9 @@ class SamplingBatch:
     logit_bias: list[dict[int, float] | None] | None = None  # per row, when some row has one
     allowed_ids: list[list[int] | None] | None = None  # per row, when some row has them
     matchers: list | None = None  # per row: its llguidance matcher (structured output) or None
+    # First row of a constrained sequence verifying drafts -> its drafts: rows r + 1 .. r + k get
+    # the masks of the states after drafts[:1] .. drafts[:k].
+    grammar_drafts: dict[int, list[int]] | None = None
     grammar_executor: object = None  # llguidance.LLExecutor: fills the rows' masks in parallel
 
 
@@ -45,7 +48,7 @@ def apply_constraints(logits: torch.Tensor, b: SamplingBatch) -> None:
     """In place: a grammar's token mask, allowed token ids and logit bias, row by row as asked.
     Logprobs are reported after these (what the request could have sampled), as vLLM does."""
     if b.matchers is not None:
-        apply_grammar_masks(logits, b.matchers, b.grammar_executor)
+        apply_grammar_masks(logits, b.matchers, b.grammar_executor, b.grammar_drafts)
     if b.allowed_ids is not None:
         rows = [r for r, ids in enumerate(b.allowed_ids) if ids is not None]
         keep = torch.full(
@@ -61,19 +64,34 @@ def apply_constraints(logits: torch.Tensor, b: SamplingBatch) -> None:
                 logits[r, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list, executor) -> None:
+def apply_grammar_masks(
+    logits: torch.Tensor, matchers: list, executor, drafts: dict[int, list[int]] | None = None
+) -> None:
     """Each constrained row keeps only the tokens its grammar allows next. The masks of all rows
-    are filled in one parallel call; rows sharing a matcher (an n > 1 prompt about to fork) are
-    filled once and copied."""
+    are filled in parallel calls; rows sharing a matcher (an n > 1 prompt about to fork) are
+    filled once and copied. A sequence verifying drafts has a row per position: llguidance
+    advances its matcher through the drafts, fills each position's mask, and rolls it back (a
+    draft the grammar refuses stops the walk there: the rows after it stay unmasked, and are never
+    used, since the target cannot sample a refused draft and verification stops at it)."""
     import llguidance.torch as lt
 
+    drafts = drafts or {}
     rows = [r for r, m in enumerate(matchers) if m is not None]
+    covered = {r + 1 + j for r, d in drafts.items() for j in range(len(d))}  # filled with their first row
     first: dict[int, int] = {}  # id(matcher) -> its row in the mask
     for i, r in enumerate(rows):
-        first.setdefault(id(matchers[r]), i)
+        if r not in covered:
+            first.setdefault(id(matchers[r]), i)
     mask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
-    lt.fill_next_token_bitmask_par(executor, [(matchers[rows[i]], i) for i in first.values()], mask)
+    plain = [(matchers[rows[i]], i) for i in first.values() if rows[i] not in drafts]
+    if plain:
+        lt.fill_next_token_bitmask_par(executor, plain, mask)
+    drafting = [(matchers[rows[i]], i, drafts[rows[i]]) for i in first.values() if rows[i] in drafts]
+    if drafting:
+        lt.fill_next_token_bitmask_par_with_draft_tokens(executor, drafting, mask)
     for i, r in enumerate(rows):
+        if r in covered:
+            continue
         j = first[id(matchers[r])]
         if j != i:
             mask[i] = mask[j]

@@ -40,6 +40,9 @@ class SamplingParams:
     # with the ones before it (a one-token sequence: always). The text side tokenizes ``bad_words``.
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # False: this request never drafts (speculative decoding); True: as the engine is configured.
+    # The tokens are the same either way, only the speed differs.
+    speculative: bool = True
     # Set by the engine from the model's generation config, not by callers.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -87,6 +90,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(value, name, lo=0, hi=max_logprobs)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         self._validate_logit_controls(vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -26,6 +26,7 @@ from engine_svc.outputs import RequestDelta
 from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
+from engine_svc.spec_decode.governor import SpeculationGovernor
 from engine_svc.spec_decode.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class SchedulerOutput:
     layout: LogitsLayout | None = None  # set once the schedule is final
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
     published_early: set[Sequence] = field(default_factory=set)  # admitted; blocks published already
+    # Every scheduled sequence decodes (no prompt chunk, no admission, no preemption): the step's
+    # time per token is comparable with other such steps (speculation's governor measures these).
+    all_decoding: bool = True
+    num_running: int = 0  # running sequences when it was planned
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -71,6 +76,8 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
         self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.draft_model = self.spec is not None and self.spec.method == "draft_model"
+        self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
         self.num_drafted = self.num_accepted = 0
         self.verified: list[Sequence] = []  # sequences whose drafts this update verified
 
@@ -123,7 +130,10 @@ class Scheduler:
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, allocate = self.running, self.kv.allocate
         add_seq, add_num = out.seqs.append, out.num_new.append
+        out.num_running = len(running)
         speculate = self.spec is not None and len(running) <= self.spec.max_batch
+        if speculate and self.governor is not None:
+            speculate = self.governor.allow(len(running))
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.request.paused:
@@ -133,7 +143,7 @@ class Scheduler:
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
             if remaining != 1 or num_tokens == seq.request.num_prompt_tokens:
-                out.only_decodes = False
+                out.only_decodes = out.all_decoding = False
             elif speculate and budget > 1 and seq.request.can_speculate:
                 draft = self._draft(seq, budget - 1)
                 if draft and allocate(seq, 1 + len(draft)):
@@ -155,6 +165,8 @@ class Scheduler:
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
             budget = self._admit(out, budget)
+        if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
+            out.all_decoding = False
         out.layout = (
             LogitsLayout.decodes(out.seqs)
             if out.only_decodes
@@ -163,15 +175,23 @@ class Scheduler:
         return out
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying."""
+        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying.
+        With a draft model, k places that the engine's proposer fills before the forward."""
         spec = self.spec
         if seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted:
             return []
-        if seq.ngram is None:
-            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Never past max_tokens: the last draft's successor is the bonus token.
         k = min(spec.num_speculative_tokens, room, seq.request.length_limit - len(seq.token_ids) - 1)
-        return seq.ngram.propose(seq.token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.draft_model:
+            return [0] * k
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = seq.ngram.propose(seq.token_ids, k)
+        if draft and seq.matcher is not None:  # only what the grammar accepts is worth verifying
+            draft = draft[: seq.matcher.validate_tokens(draft)]
+        return draft
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         waiting, j = self.waiting, 0
@@ -208,7 +228,7 @@ class Scheduler:
                 continue  # the pool and the queue changed: look again
             del waiting[j]
             if publish:  # its prompt's blocks, to the requests admitted after it in this very step
-                self.kv.register_computed_blocks(seq, seq.num_computed_tokens + num_new)
+                self.kv.register_computed_blocks(seq, scheduled=num_new)
                 out.published_early.add(seq)
             self.kv.note_admission(seq, len(cached))
             if not seq.admitted_before:
@@ -217,7 +237,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
-            out.only_decodes = False
+            out.only_decodes = out.all_decoding = False
             budget -= num_new
             seats -= 1
         return budget
@@ -280,6 +300,12 @@ class Scheduler:
             self._insert_by_priority(seq)
         else:
             self.waiting.appendleft(seq)
+
+    def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:
+        """The governor learns from decode steps: how long one took, for how many tokens."""
+        if self.governor is not None and out.all_decoding and out.num_running <= self.spec.max_batch:
+            tokens = sum(len(d.new_token_ids) for d in deltas)
+            self.governor.record(out.num_running, bool(out.drafts), seconds, tokens)
 
     # --- applying a step ------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
@@ -350,6 +376,8 @@ class Scheduler:
                 request.num_prompt_tokens,
                 seq.num_cached_tokens,
                 error=DEAD_END if dead_end else None,
+                num_draft_tokens=seq.num_drafted,
+                num_accepted_draft_tokens=seq.num_accepted,
             )
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 delta.prompt_logprobs = request.prompt_logprobs
@@ -362,7 +390,9 @@ class Scheduler:
         if self.verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
             for seq in self.verified:
                 if seq.finish_reason is None:
-                    kv.register_computed_blocks(seq)
+                    # A block is published once the draft model's cache holds it too: after all k
+                    # drafts are accepted, the last one's draft K/V is computed next step.
+                    kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
                     kv.trim(seq)
             self.verified = []
         if finished:  # the last delta of a request that has nothing more to send says so
@@ -406,6 +436,8 @@ class Scheduler:
         # The last token and the accepted drafts have their K/V; rejected positions lie past the
         # counter (overwritten later) and their lookahead blocks are released once tokens are added.
         seq.num_computed_tokens += 1 + accepted
+        if self.draft_model:  # the proposer wrote the draft model's K/V of all drafts but the last
+            seq.num_draft_computed += min(accepted, len(draft) - 1)
         self.verified.append(seq)
         return seq, sampled[: accepted + 1], lps[: accepted + 1]
 
@@ -427,6 +459,7 @@ class Scheduler:
                 if seq.matcher is not None:
                     child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                 child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
+                child.num_draft_computed = seq.num_draft_computed
                 self.kv.fork(seq, child)
                 child.status = seq.status
                 request.sequences.append(child)

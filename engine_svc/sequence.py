@@ -77,14 +77,15 @@ class Request:
         self.min_stop_len = self.num_prompt_tokens + self.params.min_tokens  # no stop token before this
         p = self.params
         # Drafts are verified row by row with the options that do not depend on earlier outputs;
-        # those that do (penalties, bad words, min_tokens, a grammar's state) never speculate.
-        self.can_speculate = not (
+        # those that do (penalties, bad words, min_tokens) never speculate. A grammar's state does
+        # depend on them, but its matcher gives each draft position its mask (advanced through the
+        # drafts before it, then rolled back; sampler.apply_grammar_masks).
+        self.can_speculate = p.speculative and not (
             p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty
             or p.bad_words_token_ids
             or p.min_tokens
-            or p.structured_outputs is not None
         )
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
@@ -130,6 +131,9 @@ class Sequence:
     ngram: object = None  # spec_decode.ngram.NgramIndex, once this sequence drafts
     num_drafted: int = 0
     num_accepted: int = 0
+    # Draft-model speculation: leading tokens whose K/V the draft model's cache holds (it computes
+    # what the target computes, in the same blocks; see spec_decode/draft_model.py).
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,8 @@ class EngineDelta:
     wire_bytes: int = 0  # about, for the stream's output budget
     request_finished: bool = False  # the engine says every output of the request has ended
     error: str = ""  # the engine refused the request after taking it (its grammar did not compile)
+    num_draft_tokens: int = 0  # speculative decoding: the sequence's totals so far
+    num_accepted_draft_tokens: int = 0
 
 
 class RequestHandle:
@@ -429,6 +431,8 @@ class EngineClient:
                     wire_bytes=delta_bytes(tokens, d.logprobs, d.prompt_logprobs),
                     request_finished=d.request_finished,
                     error=d.error,
+                    num_draft_tokens=d.num_draft_tokens,
+                    num_accepted_draft_tokens=d.num_accepted_draft_tokens,
                 )
             )
 

@@ -71,6 +71,42 @@ class EngineLoadCollector(Collector):
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(getattr(load, f)))
                 yield c
+        yield from _speculation_metrics(load)
+
+
+# Speculative decoding's counters, under our names and under vLLM's (dashboards built for vLLM read
+# them unchanged): (field of Load, our name, vLLM's name, help).
+_SPEC_COUNTERS = (
+    (
+        "spec_draft_tokens",
+        "llmserve_spec_decode_draft_tokens",
+        "vllm:spec_decode_num_draft_tokens",
+        "Draft tokens verified by the target model (speculative decoding)",
+    ),
+    (
+        "spec_accepted_tokens",
+        "llmserve_spec_decode_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "Draft tokens the target model accepted (speculative decoding)",
+    ),
+)
+
+
+def _speculation_metrics(load):
+    if not hasattr(load, "spec_draft_tokens"):
+        return
+    for field, ours, vllms, doc in _SPEC_COUNTERS:
+        for name in (ours, vllms):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(getattr(load, field)))
+            yield c
+    drafted, accepted = load.spec_draft_tokens, load.spec_accepted_tokens
+    rate = GaugeMetricFamily(
+        "llmserve_spec_decode_acceptance_rate",
+        "Accepted / drafted tokens since the engine started (0 before any draft)",
+    )
+    rate.add_metric([], accepted / drafted if drafted else 0.0)
+    yield rate
 
 
 class GatewayMetrics:

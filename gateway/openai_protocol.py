@@ -28,7 +28,7 @@ _COMMON = {
     "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "response_format",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "return_token_ids",
-    "allowed_token_ids", "bad_words", "request_id", "priority", "best_of",
+    "allowed_token_ids", "bad_words", "request_id", "priority", "best_of", "speculative",
 }  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {
@@ -174,6 +174,9 @@ def common_request(r: BodyReader, req: pb.GenerateRequest, limits: Limits) -> No
     skip = r.bool("skip_special_tokens")
     if skip is not None:
         req.skip_special_tokens = skip
+    speculative = r.bool("speculative")  # false: this request never drafts
+    if speculative is not None:
+        req.speculative = speculative
     bias = r.get("logit_bias", lambda x: isinstance(x, dict), "an object of token id -> bias")
     if bias:
         for key, value in bias.items():

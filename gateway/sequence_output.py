@@ -45,6 +45,7 @@ class SequenceOutput:
         self._want_prompt_logprobs = params.prompt_logprobs is not None  # one delta carries them
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
+        self.num_draft_tokens = self.num_accepted_draft_tokens = 0
         self.num_tokens = 0
         self.done = False
 
@@ -54,6 +55,9 @@ class SequenceOutput:
             return None  # a stop string already ended this sequence; the engine has not caught up
         self.num_tokens += len(d.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        # Totals so far, not increments: the latest delta's are the sequence's.
+        self.num_draft_tokens = max(self.num_draft_tokens, d.num_draft_tokens)
+        self.num_accepted_draft_tokens = max(self.num_accepted_draft_tokens, d.num_accepted_draft_tokens)
         engine_finished = d.finish_reason != 0
         step = self._text.push(d.token_ids, last=engine_finished)
         text, matched = step.text, step.stop_string
@@ -92,3 +96,5 @@ class SequenceOutput:
         msg.usage.prompt_tokens = self.num_prompt_tokens
         msg.usage.completion_tokens = self.num_tokens
         msg.usage.cached_prompt_tokens = self.num_cached_tokens
+        msg.usage.draft_tokens = self.num_draft_tokens
+        msg.usage.accepted_draft_tokens = self.num_accepted_draft_tokens

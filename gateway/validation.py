@@ -159,6 +159,7 @@ def validate_generate(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        speculative=req.speculative if req.HasField("speculative") else True,
         **constraints,
     )
     add_gen = (

@@ -5,9 +5,10 @@ A mix draws 2-8 requests with options per request (greedy or seeded or unseeded 
 token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens
 that may share a prefix or repeat a whole earlier prompt, arrivals mid-run, and aborts of neighbours
 (whole requests or one of their n outputs). The engine gets a small token budget and a small pool,
-so chunked prefill and preemption happen, and n-gram speculation in some examples; the test asserts
-that chunking, preemption, prefix hits, forks, aborts, structured output, draft verification, the
-decode-only input path and the general one all happened across its examples.
+so chunked prefill and preemption happen, and speculation in some examples (n-gram drafts, or the
+target itself as a draft model, whose KV cache then follows every block operation); the test asserts
+that chunking, preemption, prefix hits, forks, aborts, structured output, draft verification (of
+both proposers), the decode-only input path and the general one all happened across its examples.
 
 Each greedy or seeded request is compared with the same request alone on a fresh engine of the same
 configuration (``tests/differential.py``): tokens, finish and stop reasons, logprobs and top-N,
@@ -35,7 +36,27 @@ from tests.engine_helpers import assert_pool_whole, make_engine
 VOCAB = 1024
 EXAMPLES = int(os.environ.get("LLMSERVE_DIFF_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("LLMSERVE_DIFF_RANDOM") != "1"
-SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+# Not adaptive: which steps draft must not depend on the machine's timing (examples are replayed).
+SPECULATE = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+    "adaptive": False,
+}
+DRAFT_MODEL = "draft model: the target itself"  # resolved against the model directory in run_mix
+
+
+def engine_options(model_dir, config: dict) -> dict:
+    if config.get("speculative_config") == DRAFT_MODEL:
+        draft = {
+            "method": "draft_model",
+            "model": str(model_dir),
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        }
+        return {**config, "speculative_config": draft}
+    return config
 
 
 @dataclass
@@ -127,7 +148,7 @@ def mix_st(draw):
         block_size=draw(st.sampled_from([8, 16])),
         max_num_batched_tokens=draw(st.sampled_from([16, 32, 64, 256])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-        speculative_config=draw(st.sampled_from([None, None, SPECULATE])),
+        speculative_config=draw(st.sampled_from([None, None, SPECULATE, DRAFT_MODEL])),
     )
     # Small enough that requests preempt each other; big enough for the largest one alone.
     bs = config["block_size"]
@@ -157,13 +178,14 @@ class Coverage:
             counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
             counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
             counts["draft verifications"] += len(out.drafts)
+            counts["draft-model verifications"] += len(out.drafts) if engine.proposer is not None else 0
             return out
 
         engine.scheduler.schedule = observed
 
 
 def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> dict[str, Result]:
-    engine = make_engine(model_dir, **config)
+    engine = make_engine(model_dir, **engine_options(model_dir, config))
     coverage.watch(engine)
     results: dict[str, Result] = {}
     pending = sorted(range(len(specs)), key=lambda i: specs[i].arrive_at)
@@ -190,7 +212,7 @@ def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> d
 
 def check_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage, notes: list[str]) -> None:
     results = run_mix(model_dir, specs, config, coverage)
-    fresh = partial(make_engine, model_dir, **config)
+    fresh = partial(make_engine, model_dir, **engine_options(model_dir, config))
     for i, s in enumerate(specs):
         rid = f"r{i}"
         if not s.compared:
@@ -240,6 +262,7 @@ def test_random_mixes_equal_their_solo_runs(tiny_llama):
         "aborts",
         "structured-output samples",
         "draft verifications",
+        "draft-model verifications",
     ):
         assert coverage.counts[case] > 0, (
             f"no {case} happened in {EXAMPLES} examples: {dict(coverage.counts)}"

@@ -108,6 +108,16 @@ def test_compute_efficiency(results):
         assert 0 < m["step_efficiency"] <= m["forward_efficiency"]
 
 
+def test_speculative(results):
+    f = run_quick("speculative", results)["figures"]
+    for name in ("batch1_ngram", "concurrency4_ngram", "batch1_draft_model", "batch1_never_right"):
+        assert f[name]["drafted"] > 0, name
+        assert 0.0 <= f[name]["acceptance"] <= 1.0
+        assert len(f[name]["ratios"]) >= 1 and f[name]["speedup"] > 0
+    assert f["batch1_ngram"]["acceptance"] > 0.3  # the cycling model gives n-gram lookup something
+    assert f["batch1_never_right"]["acceptance"] < 0.1  # the forced-wrong proposer is wrong
+
+
 def test_run_all_writes_report_with_plots(tmp_path):
     proc = subprocess.run(
         [

@@ -73,3 +73,17 @@ def test_prompt_length_after_tokenizing_names_the_limit():
     with pytest.raises(RequestError) as e:
         check_prompt_length(500, 16, CTX, "text")
     assert e.value.violations[0].field == "max_tokens"
+
+
+def test_speculative_opt_out_reaches_the_engine_params():
+    """GenerateRequest.speculative: unset or true is the server's default, false never drafts; the
+    engine.v1 message carries it through (an independent parse of the bytes the engine gets)."""
+    from engine_svc.rpc.convert import sampling_params_from_proto, sampling_params_to_proto
+    from llmserve_proto.engine.v1 import engine_pb2
+
+    for opts, want in (({}, True), ({"speculative": True}, True), ({"speculative": False}, False)):
+        params = validate_generate(build_request("hi", **opts), VOCAB, CTX, Limits()).params
+        assert params.speculative is want
+        wire = engine_pb2.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
+        assert wire.HasField("speculative") == (not want)
+        assert sampling_params_from_proto(wire).speculative is want

@@ -102,3 +102,24 @@ def test_two_servers_keep_their_numbers_apart_and_the_port_closes():
         pass
     else:
         raise AssertionError("the metrics port still answers after close()")
+
+
+def test_speculation_counters_and_acceptance_rate_under_both_names():
+    m = GatewayMetrics()
+    latest = {"load": None}
+    m.watch_engine(lambda: latest["load"])
+    port = m.serve("127.0.0.1", 0)
+    try:
+        base = dict(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=8)
+        latest["load"] = SimpleNamespace(**base, spec_draft_tokens=0, spec_accepted_tokens=0)
+        s = scrape(port)
+        assert s["llmserve_spec_decode_acceptance_rate"] == 0.0  # nothing drafted: no division by 0
+        latest["load"] = SimpleNamespace(**base, spec_draft_tokens=40, spec_accepted_tokens=30)
+        s = scrape(port)
+        assert s["vllm:spec_decode_num_draft_tokens_total"] == 40
+        assert s["vllm:spec_decode_num_accepted_tokens_total"] == 30
+        assert s["llmserve_spec_decode_draft_tokens_total"] == 40
+        assert s["llmserve_spec_decode_accepted_tokens_total"] == 30
+        assert s["llmserve_spec_decode_acceptance_rate"] == 0.75
+    finally:
+        m.close()

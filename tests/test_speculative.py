@@ -1,16 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup), verified in the normal step.
+"""Speculative decoding (n-gram prompt lookup and a draft model), verified in the normal step.
 
 - Greedy and seeded requests get exactly the tokens they get without speculation (seeded rows draw
   their noise by position, so verification takes the very sample the plain run takes), across mixes
-  with chunking, preemption, prefix hits and n > 1; drafts were made and accepted.
+  with chunking, preemption, prefix hits and n > 1, for both proposers; drafts were made and
+  accepted (every greedy one, with the target as its own draft model).
 - Unseeded sampling keeps its distribution: token frequencies with and without speculation agree
   under a chi-square test, on a tiny vocabulary where drafts are often right and often wrong.
+- Structured-output requests draft too, and get the plain engine's tokens.
 - The pool is whole after every step (lookahead blocks of rejected drafts are released).
-- A sequence whose drafts keep failing stops drafting.
+- A sequence whose drafts keep failing stops drafting; the governor drafts only where measured cheaper.
+- Drafted/accepted counts reach usage (offline and through a service), Load and Prometheus; a
+  request that opts out never drafts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -26,7 +31,14 @@ from tests.differential import Result, assert_same_as_solo, drive, solo_params
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
 from tests.test_step_contract import add, fake_result
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Not adaptive: these tests count drafts, which must not depend on the machine's timing.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 
 
 def run(model_dir, requests: dict, **opts) -> tuple[dict[str, Result], object]:
@@ -44,10 +56,10 @@ def test_ngram_index_proposes_what_followed_the_latest_earlier_match():
     tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 5, 6, 7]
     assert index.propose(tokens, 4) == [9, 5, 6, 7]  # "5 6 7" last seen before the suffix ending at 9
     assert index.propose([1, 2, 3], 4) == []
-    tokens = [4, 4, 4]
-    assert NgramIndex(1, 2).propose(tokens, 3) == [
-        4
-    ]  # the earlier "4 4" ends where the suffix's last token is
+    # The earlier "4 4" ends one token back: the continuation runs into the end and goes on with period 1.
+    assert NgramIndex(1, 2).propose([4, 4, 4], 3) == [4, 4, 4]
+    # "7 8" last ended three tokens back: what followed it, "9 7 8", goes on with period 3.
+    assert NgramIndex(2, 2).propose([1, 7, 8, 9, 7, 8], 5) == [9, 7, 8, 9, 7]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +78,32 @@ def cycling_model(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def truncated_draft(cycling_model, tmp_path_factory):
+    """The cycling model's first layer alone: a draft that is often wrong (drafts get rejected)."""
+    from engine_svc.models.build import build_truncated_model
+
+    return build_truncated_model(cycling_model, tmp_path_factory.mktemp("draft") / "llama1", 1)
+
+
+def speculation(method: str, cycling_model, truncated_draft) -> dict:
+    if method == "ngram":
+        return dict(NGRAM, max_batch=16)
+    draft = cycling_model if method == "draft=target" else truncated_draft
+    return {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 3,
+        "max_batch": 16,
+        "adaptive": False,
+    }
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft=target", "draft=1 layer"])
 @pytest.mark.parametrize("budget, blocks", [(512, 256), (24, 22)])
-def test_greedy_and_seeded_tokens_equal_the_plain_engine(cycling_model, budget, blocks):
+def test_greedy_and_seeded_tokens_equal_the_plain_engine(
+    cycling_model, truncated_draft, method, budget, blocks
+):
     base = random_prompts([6, 5, 7, 4, 9, 6], 1024, seed=31)
     prompts = [base[0] * 5, base[1] * 3, base[0] * 4 + base[2], base[3] * 6, base[4] * 2, base[0] * 5]
     params = [
@@ -85,9 +121,12 @@ def test_greedy_and_seeded_tokens_equal_the_plain_engine(cycling_model, budget, 
         **opts,
     )
     requests = {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))}
-    spec, engine = run(cycling_model, requests, speculative_config=dict(NGRAM, max_batch=16), **opts)
+    config = speculation(method, cycling_model, truncated_draft)
+    spec, engine = run(cycling_model, requests, speculative_config=config, **opts)
     s = engine.scheduler
-    assert s.num_drafted > 50 and s.num_accepted > 0.3 * s.num_drafted, (s.num_drafted, s.num_accepted)
+    assert s.num_drafted > 50 and s.num_accepted > 0, (s.num_drafted, s.num_accepted)
+    if method != "draft=1 layer":
+        assert s.num_accepted > 0.3 * s.num_drafted, (s.num_drafted, s.num_accepted)
     for rid, (_, sp) in requests.items():
         note = assert_same_as_solo(rid, spec[rid], plain[rid], sp)
         assert note is None or sp.greedy, note
@@ -101,7 +140,8 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_unseeded_sampling_keeps_its_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_unseeded_sampling_keeps_its_distribution(tmp_path, method):
     """A 12-token vocabulary: n-gram drafts are right often and wrong often. Token frequencies at
     each of the first output positions, over many samples, agree with and without speculation."""
     import torch
@@ -127,7 +167,12 @@ def test_unseeded_sampling_keeps_its_distribution(tmp_path):
         torch.manual_seed(123 if mode == "plain" else 321)
         opts = dict(block_size=8, num_kv_blocks=64 * 16, max_num_batched_tokens=2048, max_num_seqs=512)
         if mode == "spec":
-            opts["speculative_config"] = dict(NGRAM, max_batch=1024, min_acceptance=0.0)
+            opts["speculative_config"] = (
+                dict(NGRAM, max_batch=1024, min_acceptance=0.0)
+                if method == "ngram"  # the model itself drafts, greedily: right often, wrong often
+                else {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+                | {"max_batch": 1024, "min_acceptance": 0.0, "adaptive": False}
+            )
         reqs = {
             f"s{i}": (prompt, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
             for i in range(samples)
@@ -198,6 +243,43 @@ def test_drafts_are_bounded_by_max_tokens_and_the_budget():
     assert sched.kv.pool.num_used == 0
 
 
+def test_a_draft_model_that_is_the_target_gets_every_greedy_draft_accepted(cycling_model):
+    """The draft model's cache follows the target's blocks exactly (prefill chunks, forks, prefix
+    hits): with the target itself as draft, every greedy draft is accepted, in a batch of requests
+    with chunked prompts, a shared prefix and n = 2 greedy sequences."""
+    base = random_prompts([9, 7, 5], 1024, seed=8)
+    requests = {
+        "a": (base[0] * 4, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)),
+        "b": (base[0] * 4 + base[1], SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)),
+        "c": (base[2] * 3, SamplingParams(n=2, temperature=0.0, max_tokens=33, ignore_eos=True)),
+    }
+    config = {
+        "method": "draft_model",
+        "model": str(cycling_model),
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    }
+    opts = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=16)
+    spec, engine = run(cycling_model, requests, speculative_config=config, **opts)
+    plain, _ = run(cycling_model, requests, **opts)
+    for rid in requests:
+        assert spec[rid].outputs.keys() == plain[rid].outputs.keys()
+        for i, out in spec[rid].outputs.items():
+            assert out.tokens == plain[rid].outputs[i].tokens, (rid, i)
+    s = engine.scheduler
+    assert s.num_drafted > 80 and s.num_accepted == s.num_drafted, (s.num_drafted, s.num_accepted)
+    assert engine.stats().prefix_hit_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(cycling_model, tmp_path):
+    from engine_svc.models.build import build_random_model
+
+    other = build_random_model(tmp_path / "v512", "llama", seed=2, vocab_size=512)
+    config = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens, the target's 1024"):
+        make_engine(cycling_model, speculative_config=config)
+
+
 def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
     from engine_svc import EngineConfig
 
@@ -210,7 +292,10 @@ def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
 def test_bad_speculative_configs_are_refused(tiny_llama):
     for bad, match in [
         ({"method": "eagle"}, "method must be one of"),
-        ({"method": "draft_model", "model": "x"}, "unknown keys"),
+        ({"method": "draft_model", "model": "/nonexistent"}, "not a loadable model directory"),
+        ({"method": "draft_model"}, "'model' .* goes with method 'draft_model'"),
+        ({"method": "ngram", "model": str(tiny_llama)}, "goes with method 'draft_model'"),
+        ({"method": "ngram", "draft": 3}, "unknown keys"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ("ngram", "must be a dict"),
@@ -220,30 +305,115 @@ def test_bad_speculative_configs_are_refused(tiny_llama):
     random.seed(0)
 
 
+def test_counts_reach_every_output_and_an_opted_out_request_never_drafts(cycling_model):
+    """Per-output drafted/accepted counts (offline ``LLM``) equal an independent count taken from
+    the schedules and the tokens each verification emitted; the engine's totals are their sum; a
+    request with ``speculative=False`` drafts nothing and still gets the same tokens."""
+    from engine_svc import LLM
+
+    base = random_prompts([5, 7], 1024, seed=3)
+    prompts = [base[0] * 6, base[1] * 4, base[0] * 6]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, speculative=False),
+    ]
+    llm = LLM(cycling_model, block_size=8, num_kv_blocks=128, speculative_config=NGRAM)
+    engine = llm.engine
+    drafted: Counter = Counter()
+    accepted: Counter = Counter()
+    update = engine.scheduler.update_from_output
+
+    def counting_update(out, result):
+        deltas = update(out, result)
+        by_seq = {s.request.request_id: len(d) for s, d in out.drafts.items()}
+        for delta in deltas:  # no stop can cut a verification here: accepted = emitted - the bonus
+            if delta.request_id in by_seq:
+                drafted[delta.request_id] += by_seq[delta.request_id]
+                accepted[delta.request_id] += len(delta.new_token_ids) - 1
+        return deltas
+
+    engine.scheduler.update_from_output = counting_update
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = LLM(cycling_model, block_size=8, num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outs, plain, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        c = out.outputs[0]
+        assert (c.num_draft_tokens, c.num_accepted_draft_tokens) == (
+            drafted[out.request_id],
+            accepted[out.request_id],
+        ), out.request_id
+        assert ref.num_draft_tokens == 0
+    assert outs[0].num_draft_tokens > 20 and outs[0].num_accepted_draft_tokens > 0
+    assert outs[2].num_draft_tokens == 0, "an opted-out request drafted"
+    stats = engine.stats()
+    assert stats.num_draft_tokens == sum(drafted.values())
+    assert stats.num_accepted_draft_tokens == sum(accepted.values())
+    with pytest.raises(ValueError, match="speculative must be True or False"):
+        engine.add_request("bad", [1, 2], SamplingParams(speculative="no"))
+
+
 def test_the_service_speculates_with_the_same_tokens(default_model_dir):
-    """``llmserve serve --speculative-config``: greedy tokens equal a service without it; a bad
-    config stops the engine with exit 2 and the reason."""
+    """``llmserve serve --speculative-config``: greedy tokens equal a service without it; usage
+    carries each sequence's drafted and accepted counts (none for ``speculative=False``), the
+    engine's Load their totals, and Prometheus serves them (our names and vLLM's); a bad config
+    stops the engine with exit 2 and the reason."""
     import subprocess
     import sys
 
     from gateway.client import LLMServeClient
     from gateway.service_process import ServiceProcess
+    from tests.fault_helpers import metrics_port, wait_for
+    from tests.test_metrics import scrape
 
     prompt = "one two three one two three one two three one two"
     outs = []
-    for extra in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']):
+    draft = json.dumps(
+        {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    )
+    for extra in (
+        [],
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        ["--speculative-config", draft],
+    ):
         with ServiceProcess(
-            default_model_dir, "--num-kv-blocks", "256", "--tokenizer-workers", "0", *extra
+            default_model_dir,
+            "--num-kv-blocks",
+            "256",
+            "--tokenizer-workers",
+            "0",
+            "--metrics-port",
+            "0",
+            *extra,
         ) as sp:
             with LLMServeClient(sp.target, timeout=60) as client:
-                outs.append(
-                    list(
-                        client.generate(
-                            prompt, temperature=0.0, max_tokens=40, return_token_ids=True
-                        ).token_ids
-                    )
-                )
-    assert outs[0] == outs[1]
+                runs = [
+                    client.generate(prompt, temperature=0.0, max_tokens=40, return_token_ids=True, **opt)
+                    for opt in ({}, {"speculative": False})
+                ]
+            outs.append([list(r.token_ids) for r in runs])
+            drafted = [r.usage.draft_tokens for r in runs]
+            accepted = [r.usage.accepted_draft_tokens for r in runs]
+            assert drafted[1] == accepted[1] == 0, "speculative=False drafted"
+            assert (drafted[0] > 0) == bool(extra), drafted
+            assert accepted[0] <= drafted[0]
+            if "draft_model" in "".join(extra):  # the target as its own draft: greedy accepts all
+                assert accepted[0] == drafted[0]
+            load = sp.engine_stats().load
+            assert (load.spec_draft_tokens, load.spec_accepted_tokens) == (drafted[0], accepted[0])
+            port = metrics_port(sp)
+
+            def heartbeat_arrived(port=port, want=drafted[0]):  # the figures come with heartbeats
+                s = scrape(port)
+                return s if s.get("vllm:spec_decode_num_draft_tokens_total") == want else None
+
+            s = wait_for(heartbeat_arrived, 5.0, "the metrics did not reach the engine's drafted count")
+            assert s["llmserve_spec_decode_draft_tokens_total"] == drafted[0]
+            assert s["vllm:spec_decode_num_accepted_tokens_total"] == accepted[0]
+            assert s["llmserve_spec_decode_accepted_tokens_total"] == accepted[0]
+            rate = accepted[0] / drafted[0] if drafted[0] else 0.0
+            assert abs(s["llmserve_spec_decode_acceptance_rate"] - rate) < 1e-9
+    assert outs[0] == outs[1] == outs[2] and outs[0][0] == outs[0][1]
     bad = subprocess.run(
         [
             sys.executable,
@@ -259,3 +429,102 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
         timeout=120,
     )
     assert bad.returncode == 2 and "method must be one of" in bad.stderr, bad.stderr[-500:]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft=target"])
+def test_structured_output_requests_draft_and_get_the_same_tokens(tiny_llama, method):
+    """Constrained requests speculate: n-gram drafts are cut to what the grammar accepts, each draft
+    position is masked by the matcher's state after the drafts before it, and the matcher advances
+    by the verified tokens only. Greedy and seeded outputs equal the plain engine's and are valid;
+    the draft model drafts without the grammar, and what it refuses is rejected at verification
+    (the rows after a refused draft are left unmasked and never used)."""
+    from engine_svc import StructuredOutputsParams
+    from tests.test_structured_outputs import GRAMMAR, SCHEMA, matcher_accepts
+
+    specs = {
+        "regex": StructuredOutputsParams(regex="(abc,|de;)+"),
+        "json": StructuredOutputsParams(json={"type": "array", "items": {"enum": ["ab", "cd"]}}),
+        "schema": StructuredOutputsParams(json=SCHEMA),
+        "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+    }
+    (prompt,) = random_prompts([7], 512, seed=12)
+    requests = {}
+    for kind, so in specs.items():
+        requests[f"{kind}/greedy"] = (
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=so),
+        )
+        requests[f"{kind}/seeded"] = (
+            prompt,
+            SamplingParams(temperature=0.8, seed=5, max_tokens=48, structured_outputs=so),
+        )
+    if method == "ngram":
+        config = dict(NGRAM, max_batch=16, min_acceptance=0.0)
+    else:
+        config = {
+            "method": "draft_model",
+            "model": str(tiny_llama),
+            "num_speculative_tokens": 3,
+            "max_batch": 16,
+            "adaptive": False,
+        }
+    opts = dict(block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    plain, _ = run(tiny_llama, {rid: (p, solo_params(sp)) for rid, (p, sp) in requests.items()}, **opts)
+    spec, engine = run(tiny_llama, requests, speculative_config=config, **opts)
+    s = engine.scheduler
+    assert s.num_drafted > 40, s.num_drafted
+    if method == "ngram":  # drafts cut to what the grammar accepts are often right
+        assert s.num_accepted > 10, (s.num_drafted, s.num_accepted)
+    else:  # the target's unconstrained argmax is rarely what the grammar allows
+        assert s.num_accepted < s.num_drafted, "no draft was refused: the refused-draft path is untested"
+    for rid, (_, sp) in requests.items():
+        note = assert_same_as_solo(rid, spec[rid], plain[rid], sp)
+        assert note is None or sp.greedy, note
+        out = spec[rid].outputs[0]
+        tokens = out.tokens[:-1] if out.stop_token_id is not None else out.tokens  # EOS is not text
+        assert matcher_accepts(
+            tiny_llama, specs[rid.split("/")[0]], tokens, whole=out.finish_reason == "stop"
+        )
+
+
+def test_the_governor_drafts_only_at_batch_sizes_where_drafting_is_cheaper():
+    """Per batch size, seconds per emitted token with and without drafts decide; the other choice
+    is retried every ``explore_every`` steps, and sizes are judged apart."""
+    from engine_svc.spec_decode.governor import SpeculationGovernor
+
+    g = SpeculationGovernor(explore_every=4)
+    assert g.allow(1) is True  # nothing measured: try drafting first
+    g.record(1, True, seconds=0.010, tokens=3)  # 3.3 ms per token with drafts
+    assert g.allow(1) is False  # then without
+    g.record(1, False, seconds=0.008, tokens=1)  # 8 ms per token without
+    assert [g.allow(1) for _ in range(6)] == [True, False, True, True, True, False]  # steps 4, 8 explore
+    g.record(4, True, seconds=0.060, tokens=8)  # 7.5 ms per token at batch 4 with drafts
+    g.record(4, False, seconds=0.020, tokens=4)  # 5 ms without
+    assert [g.allow(4) for _ in range(4)] == [False, False, False, True]
+    for _ in range(20):  # batch 1 gets slow with drafts (acceptance fell): the average follows
+        g.record(1, True, seconds=0.030, tokens=2)
+    assert g.allow(1) is False
+
+
+def test_the_scheduler_stops_drafting_where_the_governor_measured_it_slower():
+    config = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=True
+    )
+    sched = make_sched(config)
+    request = add(sched, "r", [5, 6, 5, 6, 5, 6], max_tokens=60)
+    drafted = []
+    for _ in range(40):
+        out = sched.schedule()
+        drafted.append(bool(out.drafts))
+        result = fake_result(out)
+        draft = next(iter(out.drafts.values()), [])
+        tokens = (draft + [7])[: out.layout.num_sample_rows] if draft else result.token_ids
+        result.token_ids, result.logprobs = tokens, [None] * len(tokens)
+        deltas = sched.update_from_output(out, result)
+        # Drafted steps: 4 tokens in 40 ms (10 ms each); plain steps: 1 token in 5 ms.
+        sched.note_step_time(out, 0.040 if out.drafts else 0.005, deltas)
+        if request.finished:
+            break
+    assert any(drafted[:5]), drafted  # it tried
+    later = drafted[5:]
+    assert sum(later) <= len(later) // 16 + 1, drafted  # only the governor's exploring steps draft

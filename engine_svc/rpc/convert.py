@@ -39,6 +39,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(p.allowed_token_ids) or None,
         bad_words_token_ids=[list(w.ids) for w in p.bad_words] or None,
         structured_outputs=_constraint_from_proto(p),
+        speculative=p.speculative if p.HasField("speculative") else True,
     )
 
 
@@ -93,6 +94,8 @@ def sampling_params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.bad_words.add(ids=word)
     if sp.structured_outputs is not None:
         _constraint_to_proto(sp.structured_outputs, msg)
+    if not sp.speculative:
+        msg.speculative = False
     return msg
 
 
@@ -117,6 +120,8 @@ def delta_to_proto(d: RequestDelta, request_id: str, inline_ids: bool) -> pb.Seq
         num_cached_tokens=d.num_cached_tokens,
         request_finished=d.request_finished,
         error=d.error or "",
+        num_draft_tokens=d.num_draft_tokens,
+        num_accepted_draft_tokens=d.num_accepted_draft_tokens,
     )
     if inline_ids:
         msg.token_ids.extend(d.new_token_ids)

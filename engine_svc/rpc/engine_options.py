@@ -21,7 +21,8 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
         "--speculative-config",
         str,
         'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 4}\' (k is also the cap: no request drafts more per step)',
     ),
     (
         "--torch-threads",

@@ -332,6 +332,8 @@ class EngineLoop:
             prefix_queried_tokens=st.prefix_queried_tokens,
             prefix_hit_tokens=st.prefix_hit_tokens,
             num_preemptions=st.num_preemptions,
+            spec_draft_tokens=st.num_draft_tokens,
+            spec_accepted_tokens=st.num_accepted_draft_tokens,
         )
 
 
