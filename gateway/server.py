@@ -66,6 +66,9 @@ class GatewayOptions:
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None  # None: the same host as the gRPC port
+    # Token-only serving: no tokenizer is loaded and no tokenizer worker started (prompts and
+    # outputs are token ids; text fields are refused).
+    skip_tokenizer_init: bool = False
 
 
 class GatewayServer:
@@ -87,9 +90,11 @@ class GatewayServer:
 
     async def start(self) -> None:
         o = self.opts
-        tokenizer = load_tokenizer(o.model_dir)
-        tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
-        await tokenization.start()
+        tokenizer = tokenization = None
+        if not o.skip_tokenizer_init:
+            tokenizer = load_tokenizer(o.model_dir)
+            tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
+            await tokenization.start()
         engine = connect_engines(  # several addresses: replicas behind the prefix-affinity router
             o.engine_addresses or [o.engine_address],
             lambda address: EngineClient(
@@ -172,6 +177,7 @@ class GatewayServer:
                     "metrics": f"{o.metrics_host}:{self.metrics_port}" if self.metrics_port else "off",
                     "http": f"{o.http_host or o.host}:{self.http_port}" if self.http_port else "off",
                     "log_prompts": o.log_prompts,
+                    "token_only": o.skip_tokenizer_init,
                 }
             },
         )
@@ -215,7 +221,8 @@ class GatewayServer:
         await self._server.stop(grace=1.0)
         await self.stall_sweeper.stop()
         await s.engine.close()
-        await s.tokenization.close()
+        if s.tokenization is not None:
+            await s.tokenization.close()
         self.metrics.close()
 
     async def wait_for_termination(self) -> None:
