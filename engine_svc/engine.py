@@ -50,6 +50,9 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    # Cumulative: prompt tokens the engine computed (cache hits excluded) and tokens it generated.
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -91,6 +94,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
         self.model_info = ModelInfo(
             model_name=Path(config.model).name,
             vocab_size=self.spec.vocab_size,
@@ -242,9 +247,16 @@ class LLMEngine:
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it
                 futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         else:
+            if not out.only_decodes:  # prompt tokens this step computes (a decode is not one)
+                self.num_prompt_tokens_computed += sum(
+                    min(n, s.request.num_prompt_tokens - s.num_computed_tokens)
+                    for s, n in zip(out.seqs, out.num_new, strict=True)
+                    if s.num_computed_tokens < s.request.num_prompt_tokens
+                )
             result = self.runner.execute(out, self.kv.take_pending_copies(), self.kv.take_changed_tables())
             self.num_steps += 1
             deltas += self.scheduler.update_from_output(out, result)
+            self.num_generation_tokens += sum(len(d.new_token_ids) for d in deltas)
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
@@ -261,7 +273,27 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
+            generation_tokens=self.num_generation_tokens,
         )
+
+    # --- KV-cache events (for KV-aware routers) ---------------------------------------------------
+    def listen_kv_events(self) -> list:
+        """Start logging prefix-cache events; returns the snapshot of the cache as events."""
+        return self.kv.pool.listen(self.kv.block_size)
+
+    def stop_kv_events(self) -> None:
+        self.kv.pool.stop_listening()
+
+    def take_kv_events(self) -> list:
+        """The events since the last take (empty when nobody listens)."""
+        log = self.kv.pool.events
+        return log.take() if log is not None and log.events else []
+
+    def cached_block_hashes(self) -> set[int]:
+        """The prefix cache's block hashes, read from the pool itself (tests compare a router's
+        replay of the events against this)."""
+        return set(self.kv.pool.cached)
 
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa."""

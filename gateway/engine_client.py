@@ -322,6 +322,10 @@ class EngineClient:
     async def stats(self, check_invariants: bool = False) -> pb.EngineStats:
         return await self._stub.GetStats(pb.GetStatsRequest(check_invariants=check_invariants), timeout=10)
 
+    def kv_events(self, max_buffered_batches: int = 0):
+        """The engine's KV-event stream (a call to iterate; cancel it to unsubscribe)."""
+        return self._stub.StreamKvEvents(pb.KvEventsRequest(max_buffered_batches=max_buffered_batches))
+
     # The session ---------------------------------------------------------------------------------
 
     async def _maintain(self) -> None:
