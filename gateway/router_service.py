@@ -16,7 +16,6 @@ import grpc
 
 from gateway.errors import RequestError, refuse, unavailable
 from gateway.gateway_state import GatewayState
-from llmserve_proto.engine.v1 import engine_pb2
 from llmserve_proto.llmserve.v1 import router_pb2 as pb
 from llmserve_proto.llmserve.v1 import router_pb2_grpc as pb_grpc
 
@@ -107,6 +106,3 @@ async def _relay(index: int, engine, queue: asyncio.Queue) -> None:
 def _fractions(load: pb.ReplicaLoad) -> None:
     load.kv_usage = load.kv_blocks_used / max(1, load.kv_blocks_total)
     load.prefix_hit_rate = load.prefix_hit_tokens / max(1, load.prefix_queried_tokens)
-
-
-assert engine_pb2.KvEventBatch.DESCRIPTOR.fields_by_name["events"].number == 2  # the shared layout

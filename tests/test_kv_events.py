@@ -160,3 +160,26 @@ def test_slow_subscriber_is_dropped_and_events_stop(tiny_llama):
     with pytest.raises(SubscriberDropped, match="fell 3 batches behind"):
         slow.next(timeout=0)
     assert feed.subscribers == [] and engine.kv.pool.events is None  # off again
+
+
+def test_the_public_event_messages_read_the_engines_bytes():
+    """The gateway relays engine.v1 batches as llmserve.v1 ones by their bytes: the layouts agree."""
+    from llmserve_proto.llmserve.v1 import router_pb2
+
+    batch = pb.KvEventBatch(step=7, snapshot=True)
+    batch.events.add().cleared.SetInParent()
+    batch.events.add().stored.CopyFrom(
+        pb.BlockStored(block_hashes=[2**64 - 1, 5], parent_block_hash=3, block_size=16, salt_hash=9)
+    )
+    batch.events.add().removed.block_hashes.extend([5, 6])
+    public = router_pb2.KvEventBatch.FromString(batch.SerializeToString())
+    assert public.step == 7 and public.snapshot and public.replica == 0
+    assert [e.WhichOneof("kind") for e in public.events] == ["cleared", "stored", "removed"]
+    s = public.events[1].stored
+    assert (list(s.block_hashes), s.parent_block_hash, s.block_size, s.salt_hash) == (
+        [2**64 - 1, 5],
+        3,
+        16,
+        9,
+    )
+    assert list(public.events[2].removed.block_hashes) == [5, 6]
