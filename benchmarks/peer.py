@@ -285,7 +285,8 @@ def serve_vllm(python: str, model: Path, w: dict, work_dir: Path) -> dict:
         out = {}
         for c, num in w["levels"].items():
             prompts, outs = serving_workload(w, c, num)
-            asyncio.run(openai_load("127.0.0.1", port, str(model), prompts[:c], [4] * c, c))  # warm-up
+            # Warm-up with every prompt (each prompt shape once), 4 tokens each: as ours.
+            asyncio.run(openai_load("127.0.0.1", port, str(model), prompts, [4] * len(prompts), c))
             cpu0 = tree_cpu_s(proc.pid)
             out[c] = summarize(*asyncio.run(openai_load("127.0.0.1", port, str(model), prompts, outs, c)))
             out[c]["server_cpu_s"] = tree_cpu_s(proc.pid) - cpu0
@@ -300,29 +301,32 @@ def serve_vllm(python: str, model: Path, w: dict, work_dir: Path) -> dict:
 
 
 def serve_ours(model: Path, w: dict) -> tuple[dict, dict]:
-    """Our gateway at each level, through gRPC and through its OpenAI endpoint (alternated: gRPC
-    first at one level, HTTP first at the next)."""
-    from benchmarks.serving import grpc_requests
+    """Our gateway at each level, through gRPC and through its OpenAI endpoint, alternated and
+    repeated (gRPC, HTTP, HTTP, gRPC; each API's figures the mean of its two passes): the first
+    pass after a warm-up ran up to 2x slower than the next on this machine, whichever API had it."""
+    from benchmarks.serving import grpc_requests, mean_summary
     from gateway.loadgen import run_load, summarize
     from gateway.service_process import ServiceProcess
 
     grpc_out, http_out = {}, {}
     with ServiceProcess(model, "--http-port", "0") as sp:
-        for i, (c, num) in enumerate(w["levels"].items()):
+        for c, num in w["levels"].items():
             prompts, outs = serving_workload(w, c, num)
-            warm = [grpc_requests([p], 4)[0] for p in prompts[:c]]
+            warm = [grpc_requests([p], 4)[0] for p in prompts]  # every prompt shape once
             asyncio.run(run_load(sp.target, warm, c))
             asyncio.run(openai_load("127.0.0.1", sp.http_port, "", prompts[:c], [4] * c, c))
             reqs = [grpc_requests([p], n)[0] for p, n in zip(prompts, outs, strict=True)]
-            for api in ("grpc", "http") if i % 2 == 0 else ("http", "grpc"):
+            passes: dict[str, list] = {"grpc": [], "http": []}
+            for api in ("grpc", "http", "http", "grpc"):
                 cpu0 = tree_cpu_s(sp.pid)
                 if api == "grpc":
                     r = summarize(*asyncio.run(run_load(sp.target, reqs, c)))
                 else:
                     r = summarize(*asyncio.run(openai_load("127.0.0.1", sp.http_port, "", prompts, outs, c)))
                 r["server_cpu_s"] = tree_cpu_s(sp.pid) - cpu0
-                r["transport"] = sp.transport
-                (grpc_out if api == "grpc" else http_out)[c] = r
+                passes[api].append(r)
+            for api, out in (("grpc", grpc_out), ("http", http_out)):
+                out[c] = mean_summary(passes[api]) | {"transport": sp.transport, "passes": passes[api]}
     return grpc_out, http_out
 
 
