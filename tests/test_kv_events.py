@@ -183,3 +183,57 @@ def test_the_public_event_messages_read_the_engines_bytes():
         9,
     )
     assert list(public.events[2].removed.block_hashes) == [5, 6]
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What EngineServicer.StreamKvEvents uses of a gRPC context."""
+
+    def __init__(self) -> None:
+        self.code = self.details = None
+        self.callbacks = []
+
+    def is_active(self) -> bool:
+        return True
+
+    def add_callback(self, fn) -> None:
+        self.callbacks.append(fn)
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted
+
+
+def test_a_subscriber_that_does_not_read_is_dropped_and_the_engine_goes_on(tiny_llama):
+    """engine.v1 StreamKvEvents: a subscriber that reads nothing after its snapshot is ended with
+    RESOURCE_EXHAUSTED once its buffer is full, while the loop keeps stepping; events stop."""
+    import grpc
+
+    from engine_svc.server.engine_loop import EngineLoop
+    from engine_svc.server.servicer import EngineServicer
+
+    engine = make_engine(tiny_llama, num_kv_blocks=64)
+    loop = EngineLoop(engine, heartbeat_s=0.05)
+    loop.start()
+    try:
+        servicer, ctx = EngineServicer(loop, pb.EngineInfo()), _Context()
+        stream = servicer.StreamKvEvents(pb.KvEventsRequest(max_buffered_batches=2), ctx)
+        assert next(stream).snapshot
+        session = loop.call(lambda: loop.open_session("test", 0, 0))
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        for i in range(8):  # each stores new blocks in steps of its own: more than 2 batches
+            loop.call(lambda i=i: loop.add_request(session, f"r{i}", [i + 3] * 40, params, 0, None))
+            deadline = 50
+            while loop.call(engine.has_unfinished_requests) and deadline:
+                deadline -= 1
+                loop.call(lambda: None)
+        assert not loop.call(engine.has_unfinished_requests)  # the engine never waited for the reader
+        with pytest.raises(_Aborted):
+            next(stream)
+        assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "fell 2 batches behind" in ctx.details
+        assert loop.call(lambda: engine.kv.pool.events is None and not loop.kv_events.subscribers)
+    finally:
+        loop.stop()
