@@ -204,6 +204,8 @@ class HttpApi:
         async def handler(request, identity, body):
             if not isinstance(body, dict):
                 raise invalid([FieldViolation("body", "must be a JSON object")])
+            if self.s.token_only:  # named by this API's field, not the gRPC one
+                refuse_text_call("messages" if "messages" in body else "prompt", "tokenizing")
             req = pb.TokenizeRequest(model=body.get("model") or "")
             if isinstance(body.get("add_special_tokens"), bool):
                 req.add_special_tokens = body["add_special_tokens"]
@@ -230,6 +232,8 @@ class HttpApi:
 
     async def detokenize(self, request: Request) -> Response:
         async def handler(request, identity, body):
+            if self.s.token_only:
+                refuse_text_call("tokens", "detokenizing")
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and -(2**31) <= t < 2**31 for t in tokens

@@ -126,8 +126,9 @@ def test_http_completions_with_token_ids(service, want_ids):
         ("/v1/completions", {"prompt": "hello", "max_tokens": 2}, "text"),
         ("/v1/completions", {"prompt": PROMPT_IDS, "stop": ["x"], "max_tokens": 2}, "stop"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
-        ("/tokenize", {"prompt": "hi"}, "text"),
-        ("/detokenize", {"tokens": [1, 2]}, "token_ids"),
+        ("/tokenize", {"prompt": "hi"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ("/detokenize", {"tokens": [1, 2]}, "tokens"),
     ],
 )
 def test_http_refuses_text_fields(service, path, body, param):
