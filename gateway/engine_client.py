@@ -379,6 +379,8 @@ class EngineClient:
                 now = self.last_event_at = time.monotonic()
                 kind = event.WhichOneof("kind")
                 if kind == "step":
+                    if event.step.HasField("load"):  # busy: no heartbeats, the load comes with steps
+                        self.load = event.step.load
                     self._dispatch(event.step)
                     self._stall.update(now, pending=True, progressed=True)
                     if self.on_step_time is not None and event.step.step_time_s > 0:

@@ -100,9 +100,10 @@ def test_replayed_kv_events_equal_each_replicas_cache(service):
         while min(r.batches for r in sub.replicas.values()) < 1:  # both snapshots arrived
             assert time.monotonic() < deadline and sub.error is None, sub.error
             time.sleep(0.05)
-        # Shared system prompts and distinct tails: many more blocks than 2 x 24 (evictions).
-        prompts = [[(s * 31 + j) % 500 + 3 for j in range(40)] + [(i * 7 + j) % 500 + 3 for j in range(30)]
-                   for i, s in enumerate([0, 1, 2] * 6)]  # fmt: skip
+        # Shared system prompts and distinct tails: 4 blocks of its own per prompt, 96 in all, twice
+        # what the two 24-block pools hold together, however the router spreads them (evictions).
+        prompts = [[(s * 31 + j) % 500 + 3 for j in range(40)] + [(i * 7 + j) % 500 + 3 for j in range(60)]
+                   for i, s in enumerate([0, 1, 2] * 8)]  # fmt: skip
         with LLMServeClient(service.target, timeout=120, api_key=KEY) as c, ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: c.generate(token_ids=p, max_tokens=4, temperature=0.0), prompts))
         removed_any = False
@@ -115,10 +116,14 @@ def test_replayed_kv_events_equal_each_replicas_cache(service):
                 break
             time.sleep(0.1)
         assert sub.error is None, sub.error
-        assert replay == engines
+        for i in replay:
+            assert replay[i] == engines[i], (
+                f"replica {i}: {len(replay[i] - engines[i])} hashes only in the replay, "
+                f"{len(engines[i] - replay[i])} only in the engine, {sub.replicas[i].batches} batches"
+            )
         assert all(engines.values()), "each replica cached something"
         for r in sub.replicas.values():
-            removed_any |= r.batches > 1 and len(r.parents) > len(r.cached)
+            removed_any |= len(r.parents) > len(r.cached)  # stored once, not cached now: evicted
         assert removed_any, "the workload must evict"
         # The router computes the last prompt's hashes (tenant "acme": salt "tenant:acme") and finds
         # its cached prefix on one replica; without the tenant's salt nothing matches.
@@ -165,3 +170,20 @@ def test_metrics_serve_the_inference_extension_names(service):
     ):
         assert re.search(rf'^{name}{{model_name="[^"]+"}} [0-9.e+-]+$', text, re.M), name
     assert re.search(r"^llmserve_num_requests_waiting [0-9.]+$", text, re.M)  # ours stay
+
+
+def test_metrics_are_fresh_while_the_engine_is_busy(service):
+    """A busy engine sends no heartbeats (its steps keep the session alive): the load figures must
+    come with its steps, or a scraper would read the idle figures of before the work began."""
+    port = next(
+        int(m.group(1))
+        for x in service.stdout_lines
+        if (m := re.match(r"llmserve: metrics on http://\S+:(\d+)/metrics", x))
+    )
+    with LLMServeClient(service.target, timeout=120, api_key=KEY) as c:
+        stream = c.generate_stream(token_ids=list(range(3, 40)), max_tokens=300, ignore_eos=True)
+        next(stream)
+        time.sleep(1.5)  # several heartbeat periods into the run
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        stream.cancel()
+    assert re.search(r'^vllm:num_requests_running{model_name="[^"]+"} 1\.0$', text, re.M), text[-2000:]

@@ -41,6 +41,7 @@ class Session:
     # engine's to know: it says so with ``request_finished``, and this set follows it.
     live: set[str] = field(default_factory=set)
     paused: set[str] = field(default_factory=set)  # of ``live``: paused by the gateway (backpressure)
+    load_sent_at: float = 0.0  # when the load figures it last got were refreshed
     closed: bool = False
 
 
@@ -320,6 +321,9 @@ class EngineLoop:
         for sid, items in per_session.items():
             s = self._sessions[sid]
             out = pb.StepOutput(step=step, step_time_s=step_time_s)
+            if s.load_sent_at < self._load_at:  # a busy engine sends no heartbeats: the load rides along
+                out.load.CopyFrom(self.load)
+                s.load_sent_at = self._load_at
             if s.output_ring is not None:
                 ids = [t for _, d in items for t in d.new_token_ids]
                 start = s.output_ring.try_write(ids)
