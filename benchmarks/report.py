@@ -40,6 +40,15 @@ def service_targets(name: str, doc: dict) -> list[dict]:
                     " ms",
                 )
             )
+            if "http_over_grpc_throughput" in row:  # reported, not judged
+                out.append(
+                    informational(
+                        f"OpenAI HTTP / gRPC throughput, concurrency {c}",
+                        row["http_over_grpc_throughput"],
+                        "x",
+                        "the same requests through the same gateway",
+                    )
+                )
     elif name == "transports" and "throughput_ratio_shm_over_grpc" in doc:
         out.append(
             informational(
