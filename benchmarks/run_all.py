@@ -29,6 +29,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("compute_efficiency", "results-dir"),
     ("chunked_prefill", "results-dir"),
     ("prefix_caching", "results-dir"),
+    ("block_hashing", "results-dir"),
     ("continuous_batching", "results-dir"),
     ("peer", "results-dir"),
     ("serving", "out"),

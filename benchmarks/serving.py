@@ -1,4 +1,5 @@
-"""Serving through the gateway vs the offline engine, same workload, same run.
+"""Serving through the gateway vs the offline engine, and our OpenAI HTTP endpoint vs our gRPC API,
+same workload, same run.
 
     python -m benchmarks.serving [--quick]
 
@@ -6,10 +7,12 @@ The 55M Llama-shaped dummy model (random weights from config.json; the default m
 so that the gateway can detokenize) serves a token-id workload at concurrency 1, 8, 32 and 64
 (4 x concurrency requests, at least 32), through the whole service (gateway + engine process,
 shared-memory transport) and through LLMEngine in this process with the same requests kept at
-the same concurrency, alternating offline, service, service, offline; each path's figures are
-the mean of its two passes.
+the same concurrency, alternating offline, service, http, http, service, offline; each path's
+figures are the mean of its two passes. "service" is the gRPC GenerateStream; "http" is the same
+requests through ``POST /v1/completions`` (token-id prompts, streamed SSE, ``return_token_ids``) on
+the same gateway, each client in a child process of its own.
 Figures: request throughput, output tokens/s, TTFT, TPOT, ITL p50/p99, and the ratios.
-Targets: throughput >= 0.9x offline; added p50 ITL <= 1 ms.
+Targets: throughput >= 0.9x offline; added p50 ITL <= 1 ms. HTTP / gRPC is reported (not judged).
 """
 
 from __future__ import annotations
@@ -146,12 +149,14 @@ def in_engine_thread(fn, *args):
     return box[0]
 
 
-def client_in_subprocess(target: str, concurrency: int, num: int, prompt_len: int, output_len: int) -> dict:
+def client_in_subprocess(
+    target: str, concurrency: int, num: int, prompt_len: int, output_len: int, http: bool = False
+) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "benchmarks.serving",
-        "--client",
+        "--http-client" if http else "--client",
         target,
         "--concurrency",
         str(concurrency),
@@ -170,6 +175,14 @@ def run_client(args) -> int:
     """Child mode: warm up, then the measured run; print the summary as one JSON line."""
     c = args.concurrency[0]
     prompts = workload(args.num_requests, args.prompt_len, args.output_len, seed=c)
+    if args.http_client:  # the same requests as OpenAI completions: benchmarks.peer's SSE client
+        from benchmarks.peer import openai_load
+
+        host, _, port = args.http_client.rpartition(":")
+        asyncio.run(openai_load(host, int(port), "", prompts[:c], [args.output_len] * c, c))
+        outs = [args.output_len] * len(prompts)
+        print(json.dumps(summarize(*asyncio.run(openai_load(host, int(port), "", prompts, outs, c)))))
+        return 0
     asyncio.run(run_load(args.client, grpc_requests(prompts[:c], args.output_len), c))
     print(
         json.dumps(summarize(*asyncio.run(run_load(args.client, grpc_requests(prompts, args.output_len), c))))
@@ -185,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
     ap.add_argument("--client", metavar="TARGET", help=argparse.SUPPRESS)  # child mode: client_in_subprocess
+    ap.add_argument("--http-client", metavar="HOST:PORT", help=argparse.SUPPRESS)  # the same, over HTTP
     ap.add_argument("--num-requests", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.client:
+    if args.client or args.http_client:
         return run_client(args)
     levels = args.concurrency or ([1, 4] if args.quick else [1, 8, 32, 64])
     prompt_len, output_len = (16, 8) if args.quick else (args.prompt_len, args.output_len)
@@ -217,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             EngineConfig(model=str(model), load_format="dummy", num_kv_blocks=kv_blocks, max_num_seqs=64)
         )
         with ServiceProcess(
-            model, *engine_args(kv_blocks), "--tokenizer-workers", "1", "--torch-threads", str(threads)
+            model,
+            *engine_args(kv_blocks),
+            "--tokenizer-workers",
+            "1",
+            "--torch-threads",
+            str(threads),
+            "--http-port",
+            "0",
         ) as sp:
             results["transport"] = sp.transport
             # Offline and service run back to back per level, so that both see the same machine. The
@@ -228,27 +249,33 @@ def main(argv: list[str] | None = None) -> int:
                 in_engine_thread(
                     offline_load, engine, prompts[:c], output_len, c
                 )  # warm-up, like the service's
-                passes: dict[str, list] = {"offline": [], "service": []}
-                # Alternate, repeated: offline, service, service, offline, ... so that a drift of the
-                # shared machine's load falls on both paths alike.
-                order = (["offline", "service", "service", "offline"] * repeats)[: 2 * repeats]
-                for path in order:
+                passes: dict[str, list] = {"offline": [], "service": [], "http": []}
+                # Alternate, repeated: offline, service, http, http, service, offline, ... so that a
+                # drift of the shared machine's load falls on every path alike.
+                cycle = ["offline", "service", "http", "http", "service", "offline"]
+                for path in (cycle * repeats)[: 3 * repeats]:
                     if path == "offline":
                         passes[path].append(
                             summarize(*in_engine_thread(offline_load, engine, prompts, output_len, c))
                         )
                     else:
+                        target = sp.target if path == "service" else f"127.0.0.1:{sp.http_port}"
                         passes[path].append(
-                            client_in_subprocess(sp.target, c, num[c], prompt_len, output_len)
+                            client_in_subprocess(target, c, num[c], prompt_len, output_len, path == "http")
                         )
                 off, svc = mean_summary(passes["offline"]), mean_summary(passes["service"])
+                http = mean_summary(passes["http"])
                 results["levels"].append(
                     {
                         "concurrency": c,
                         "service": svc,
                         "offline": off,
+                        "http": http,
                         "passes": passes,
                         "throughput_ratio": svc["output_tok_s"] / off["output_tok_s"],
+                        "http_over_grpc_throughput": http["output_tok_s"] / svc["output_tok_s"],
+                        "http_minus_grpc_itl_p50_ms": http["itl_p50_ms"] - svc["itl_p50_ms"],
+                        "http_minus_grpc_ttft_p50_ms": http["ttft_p50_ms"] - svc["ttft_p50_ms"],
                         "added_itl_p50_ms": svc["itl_p50_ms"] - off["itl_p50_ms"],
                     }
                 )
@@ -281,7 +308,7 @@ def print_table(results: dict) -> None:
     )
     print(head)
     for row in results["levels"]:
-        for path in ("service", "offline"):
+        for path in ("service", "http", "offline"):
             r = row[path]
             print(
                 f"{row['concurrency']:>4} {path:>8} {r['request_throughput']:>7.2f} "
@@ -292,6 +319,11 @@ def print_table(results: dict) -> None:
         print(
             f"     throughput service/offline = {row['throughput_ratio']:.3f} (target >= 0.9), "
             f"added ITL p50 = {row['added_itl_p50_ms']:+.2f} ms (target <= 1)"
+        )
+        print(
+            f"     HTTP/gRPC throughput = {row['http_over_grpc_throughput']:.3f}, "
+            f"ITL p50 {row['http_minus_grpc_itl_p50_ms']:+.2f} ms, "
+            f"TTFT p50 {row['http_minus_grpc_ttft_p50_ms']:+.2f} ms"
         )
 
 

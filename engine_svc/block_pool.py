@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine_svc.kv_events import KvEventLog
+
 
 @dataclass
 class Block:
@@ -16,6 +18,8 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # kept with the hash: a hit is accepted only if these match
+    parent_hash: int = 0  # of the block before it in its chain (KV events, snapshots)
+    salt_hash: int = 0
 
 
 class BlockPool:
@@ -25,6 +29,7 @@ class BlockPool:
         # Insertion order is eviction order: the first key is the least recently freed block.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.events: KvEventLog | None = None  # set while a KV-event subscriber listens
 
     @property
     def num_free(self) -> int:
@@ -68,22 +73,58 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block_id] = None
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def register(
+        self,
+        block_id: int,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent_hash: int = 0,
+        salt_hash: int = 0,
+    ) -> None:
         """Publish a full, computed block as a prefix-cache entry (first writer wins)."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
+        block.parent_hash, block.salt_hash = parent_hash, salt_hash
         self.cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, salt_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
-            self._forget_hash(block)
+            self._forget_hash(block, quiet=True)
+        if self.events is not None:
+            self.events.cleared()
 
-    def _forget_hash(self, block: Block) -> None:
+    def listen(self, block_size: int) -> list:
+        """Start logging KV events; returns the snapshot a new listener starts from: the cache as it
+        is now, as one clear and the stores of every cached block (parents before children where
+        both are cached)."""
+        log = KvEventLog(block_size)
+        log.cleared()
+        cached = {h: self.blocks[b] for h, b in self.cached.items()}
+        done: set[int] = set()
+        for h in cached:
+            chain = []  # h and its cached ancestors not yet emitted, child first
+            while h in cached and h not in done:
+                done.add(h)
+                chain.append(h)
+                h = cached[h].parent_hash
+            for c in reversed(chain):
+                log.stored(c, cached[c].parent_hash, cached[c].salt_hash)
+        self.events = KvEventLog(block_size)
+        return log.take()
+
+    def stop_listening(self) -> None:
+        self.events = None
+
+    def _forget_hash(self, block: Block, quiet: bool = False) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+                if self.events is not None and not quiet:
+                    self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, None
 
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:

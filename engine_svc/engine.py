@@ -61,6 +61,10 @@ class EngineStats:
     def draft_acceptance(self) -> float | None:
         return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
+    # Cumulative: prompt tokens the engine computed (cache hits excluded) and tokens it generated.
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / max(1, self.kv_blocks_total)
@@ -103,6 +107,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
         self.model_info = ModelInfo(
             model_name=Path(config.model).name,
             vocab_size=self.spec.vocab_size,
@@ -288,6 +294,12 @@ class LLMEngine:
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it
                 futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         else:
+            if not out.only_decodes:  # prompt tokens this step computes (a decode is not one)
+                self.num_prompt_tokens_computed += sum(
+                    min(n, s.request.num_prompt_tokens - s.num_computed_tokens)
+                    for s, n in zip(out.seqs, out.num_new, strict=True)
+                    if s.num_computed_tokens < s.request.num_prompt_tokens
+                )
             started = time.perf_counter()
             copies, changed = self.kv.take_pending_copies(), self.kv.take_changed_tables()
             if self.proposer is not None:  # drafts before the target's forward, which verifies them
@@ -300,6 +312,7 @@ class LLMEngine:
             stepped = self.scheduler.update_from_output(out, result)
             self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
             deltas += stepped
+            self.num_generation_tokens += sum(len(d.new_token_ids) for d in stepped)
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
@@ -318,7 +331,27 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_draft_tokens=self.scheduler.num_drafted,
             num_accepted_draft_tokens=self.scheduler.num_accepted,
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
+            generation_tokens=self.num_generation_tokens,
         )
+
+    # --- KV-cache events (for KV-aware routers) ---------------------------------------------------
+    def listen_kv_events(self) -> list:
+        """Start logging prefix-cache events; returns the snapshot of the cache as events."""
+        return self.kv.pool.listen(self.kv.block_size)
+
+    def stop_kv_events(self) -> None:
+        self.kv.pool.stop_listening()
+
+    def take_kv_events(self) -> list:
+        """The events since the last take (empty when nobody listens)."""
+        log = self.kv.pool.events
+        return log.take() if log is not None and log.events else []
+
+    def cached_block_hashes(self) -> set[int]:
+        """The prefix cache's block hashes, read from the pool itself (tests compare a router's
+        replay of the events against this)."""
+        return set(self.kv.pool.cached)
 
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa."""

@@ -3,6 +3,7 @@ lookups over chained block hashes, copy-on-write for shared partial blocks, and 
 
 from __future__ import annotations
 
+from engine_svc.block_hash import chain_hash, root_hash, salt_hash
 from engine_svc.block_pool import BlockPool
 from engine_svc.sequence import Sequence
 
@@ -26,14 +27,18 @@ class KVCacheManager:
 
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent and salted."""
+        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent and salted
+        (deterministic: ``block_hash.py`` defines them for routers)."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        parent = hashes[-1] if hashes else hash(("llmserve-prefix-root", seq.request.cache_salt))
+        parent = hashes[-1] if hashes else self.root_of(seq)
         for i in range(len(hashes), num_blocks):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = hash((parent, block_tokens))
+            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes[:num_blocks]
+
+    @staticmethod
+    def root_of(seq: Sequence) -> int:
+        return root_hash(salt_hash(seq.request.cache_salt))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq`` (never its last token: that one must be
@@ -121,8 +126,11 @@ class KVCacheManager:
             return
         bs = self.block_size
         hashes = self.block_hashes(seq, full)
+        salt_h = salt_hash(seq.request.cache_salt)
         for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[i - 1] if i else root_hash(salt_h)
+            block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.register(seq.block_table[i], hashes[i], block_tokens, parent, salt_h)
         seq.num_registered_blocks = full
 
     def trim(self, seq: Sequence) -> None:

@@ -41,6 +41,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="0: tokenize on the gateway's event loop")
     p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token-only serving: no tokenizer (prompts and outputs are token ids; text is refused)",
+    )
+    p.add_argument(
         "--transport",
         choices=["shm", "grpc"],
         default="shm",
@@ -258,6 +263,7 @@ def _serve(args) -> int:
         log_prompts=args.log_prompts,
         http_port=args.http_port,
         http_host=args.http_host,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     return serve(args, opts)
 

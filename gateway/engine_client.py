@@ -324,6 +324,10 @@ class EngineClient:
     async def stats(self, check_invariants: bool = False) -> pb.EngineStats:
         return await self._stub.GetStats(pb.GetStatsRequest(check_invariants=check_invariants), timeout=10)
 
+    def kv_events(self, max_buffered_batches: int = 0):
+        """The engine's KV-event stream (a call to iterate; cancel it to unsubscribe)."""
+        return self._stub.StreamKvEvents(pb.KvEventsRequest(max_buffered_batches=max_buffered_batches))
+
     # The session ---------------------------------------------------------------------------------
 
     async def _maintain(self) -> None:
@@ -377,6 +381,8 @@ class EngineClient:
                 now = self.last_event_at = time.monotonic()
                 kind = event.WhichOneof("kind")
                 if kind == "step":
+                    if event.step.HasField("load"):  # busy: no heartbeats, the load comes with steps
+                        self.load = event.step.load
                     self._dispatch(event.step)
                     self._stall.update(now, pending=True, progressed=True)
                     if self.on_step_time is not None and event.step.step_time_s > 0:

@@ -28,8 +28,9 @@ class ServerAborting(Exception):
 @dataclass
 class GatewayState:
     model_name: str
-    tokenizer: Tokenizer
-    tokenization: TokenizerPool  # prompt encoding in worker processes (0 workers: on the event loop)
+    # Both None in token-only mode (--skip-tokenizer-init): prompts and outputs are token ids.
+    tokenizer: Tokenizer | None
+    tokenization: TokenizerPool | None  # prompt encoding in worker processes (0 workers: on the loop)
     engine: EngineClient
     limits: Limits
     admission: Admission
@@ -40,6 +41,10 @@ class GatewayState:
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight
     _background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def token_only(self) -> bool:
+        return self.tokenizer is None
 
     @property
     def vocab_size(self) -> int:

@@ -27,6 +27,7 @@ from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
 from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
+from gateway.token_only import check_generate, refuse_text_call
 from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
@@ -89,6 +90,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """Tokenize for any front end; a refusal is raised as a RequestError."""
         self.s.check_model(request.model)
+        if self.s.token_only:
+            refuse_text_call(request.WhichOneof("input") or "text", "tokenizing")
         kind = request.WhichOneof("input")
         if kind == "text":
             bad = check_text(request.text, "text", self.s.limits)
@@ -127,6 +130,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize for any front end; a refusal is raised as a RequestError."""
         self.s.check_model(request.model)
+        if self.s.token_only:
+            refuse_text_call("token_ids", "detokenizing")
         count, cap = len(request.token_ids), self.s.limits.max_detokenize_ids
         if count > cap:
             raise invalid(
@@ -206,11 +211,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         identity: Identity,
         time_remaining: Callable[[], float | None] = lambda: None,
         control: StreamControl | None = None,
+        fill_context: bool = False,
+        on_prompt: Callable[[list[int]], None] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
         ``identity`` is the authenticated caller; ``time_remaining`` its deadline (None: none);
-        ``control`` lets the stall sweep end a stream whose client stopped reading."""
+        ``control`` lets the stall sweep end a stream whose client stopped reading.
+        ``fill_context``: an unset max_tokens is the rest of the context (OpenAI's API, as vLLM
+        serves it) instead of the server's default. ``on_prompt`` is told the prompt's token ids
+        once they are known (before the first message)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -234,7 +244,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 },
             )
             try:
-                async for msg in self._generate(request, rid, identity.cache_salt, rm, control):
+                stream = self._generate(
+                    request, rid, identity.cache_salt, rm, control, fill_context, on_prompt
+                )
+                async for msg in stream:
                     if msg.finish_reason:
                         outcome = FINISH_OUTCOMES.get(msg.finish_reason, "unknown")
                     yield msg
@@ -272,11 +285,20 @@ class GenerationService(pb_grpc.GenerationServicer):
         cache_salt: str,
         rm: RequestMetrics,
         control: StreamControl | None = None,
+        fill_context: bool = False,
+        on_prompt: Callable[[list[int]], None] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
+        fill = fill_context and not request.HasField("max_tokens")
+        if fill:  # validated against the largest value; the prompt's length sets it below
+            request = _with_max_tokens(request, s.limits.max_tokens_limit(s.max_model_len))
         s.check_serving()
         s.check_model(request.model)
+        if s.token_only:
+            check_generate(request)
         v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
+        if s.token_only:
+            v.return_token_ids = True  # token ids are the only output there is
         if rid in s.inflight:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -286,16 +308,21 @@ class GenerationService(pb_grpc.GenerationServicer):
         s.inflight[rid] = None
         try:
             async with s.admission.slot():
-                await complete_constraints(v.params, list(request.bad_words), s.tokenization.encode)
+                encode = s.tokenization.encode if s.tokenization is not None else None  # token-only: no words
+                await complete_constraints(v.params, list(request.bad_words), encode)
                 prompt = await self._prompt_ids(v)
                 max_prompt = s.limits.max_prompt_tokens
+                info = s.engine.info
+                if fill:
+                    v.params.max_tokens = _rest_of_context(len(prompt), v.params, s.max_model_len, info)
                 check_prompt_length(
                     len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind, max_prompt
                 )
-                info = s.engine.info
                 check_fits_kv_pool(len(prompt), v.params.max_tokens, info.block_size, info.num_kv_blocks)
                 s.check_serving()  # tokenizing took time: the engine may have gone, or a drain begun
                 rm.prompt(len(prompt))
+                if on_prompt is not None:
+                    on_prompt(prompt)
                 try:
                     handle = await s.engine.submit(
                         rid, prompt, sampling_params_to_proto(v.params), v.priority, cache_salt=cache_salt
@@ -360,3 +387,21 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield msg  # returns once gRPC has taken the message (a stream's send completed)
                 rm.sent_tokens += unsent
                 unsent = 0
+
+
+def _with_max_tokens(request: pb.GenerateRequest, max_tokens: int) -> pb.GenerateRequest:
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    out.max_tokens = max_tokens
+    return out
+
+
+def _rest_of_context(num_prompt_tokens: int, params, max_model_len: int, info) -> int:
+    """max_tokens for a request that left it unset (vLLM's rule: the rest of the context), also
+    held within what the engine's whole KV pool can hold, so that the default itself is never
+    the reason for a refusal. At least 1 and min_tokens: a prompt that fills the context is refused
+    by the length check with its own words."""
+    rest = min(params.max_tokens, max_model_len - num_prompt_tokens)
+    if info.block_size and info.num_kv_blocks:
+        rest = min(rest, info.block_size * info.num_kv_blocks - num_prompt_tokens)
+    return max(rest, params.min_tokens, 1)

@@ -30,6 +30,7 @@ from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
 from gateway.openai_protocol import FINISH, chat_request, completion_requests, error_body, status_of
 from gateway.stall_sweep import StreamControl
+from gateway.token_only import refuse_text_call
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
@@ -130,6 +131,8 @@ class HttpApi:
         return await self._respond(request, identity, body, reqs, chat=False)
 
     async def _chat(self, request: Request, identity: Identity, body) -> Response:
+        if self.s.token_only:  # before the body is read as a chat: there is no template to render it
+            refuse_text_call("messages", "chat completions (the chat template)")
         req = chat_request(body, self.s.limits)
         return await self._respond(request, identity, body, [req], chat=True)
 
@@ -142,7 +145,7 @@ class HttpApi:
             "created": int(time.time()),
             "model": self.s.model_name,
         }
-        fmt = _Formatter(self.s.tokenizer, chat, meta, n)
+        fmt = _Formatter(self.s.tokenizer, chat, meta, n, reqs[0].return_token_ids)
         if body.get("stream"):
             options = body.get("stream_options") or {}
             return _SseResponse(self, identity, reqs, fmt, bool(options.get("include_usage")))
@@ -153,7 +156,7 @@ class HttpApi:
         cancels them all (their engine requests are aborted)."""
 
         async def one(p: int, req: pb.GenerateRequest) -> None:
-            async for msg in self.service.run(req, identity):
+            async for msg in self.service.run(req, identity, **fmt.run_options(p)):
                 fmt.add(p, msg)
 
         tasks = [asyncio.ensure_future(one(p, r)) for p, r in enumerate(reqs)]
@@ -201,6 +204,8 @@ class HttpApi:
         async def handler(request, identity, body):
             if not isinstance(body, dict):
                 raise invalid([FieldViolation("body", "must be a JSON object")])
+            if self.s.token_only:  # named by this API's field, not the gRPC one
+                refuse_text_call("messages" if "messages" in body else "prompt", "tokenizing")
             req = pb.TokenizeRequest(model=body.get("model") or "")
             if isinstance(body.get("add_special_tokens"), bool):
                 req.add_special_tokens = body["add_special_tokens"]
@@ -227,6 +232,8 @@ class HttpApi:
 
     async def detokenize(self, request: Request) -> Response:
         async def handler(request, identity, body):
+            if self.s.token_only:
+                refuse_text_call("tokens", "detokenizing")
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and -(2**31) <= t < 2**31 for t in tokens
@@ -255,8 +262,10 @@ async def _wait_disconnect(receive) -> None:
 class _Formatter:
     """The stream's messages as OpenAI choices: choice index = prompt * n + sequence index."""
 
-    def __init__(self, tokenizer, chat: bool, meta: dict, n: int) -> None:
+    def __init__(self, tokenizer, chat: bool, meta: dict, n: int, prompt_ids: bool = False) -> None:
         self.tok = tokenizer
+        self.want_prompt_ids = prompt_ids  # return_token_ids: the prompt's ids too (vLLM's shape)
+        self.prompt_ids: dict[int, list[int]] = {}
         self.chat = chat
         self.meta = meta
         self.n = n
@@ -266,8 +275,18 @@ class _Formatter:
         self.completion_tokens = 0
         self._token_cache: dict[int, str] = {}
 
+    def run_options(self, p: int) -> dict:
+        """What ``GenerationService.run`` takes for prompt ``p`` of this request."""
+
+        def keep(ids: list[int]) -> None:
+            self.prompt_ids[p] = list(ids)
+
+        return {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+
     def _token(self, tid: int) -> str:
         s = self._token_cache.get(tid)
+        if s is None and self.tok is None:  # token-only mode: vLLM's "token_id:N" spelling
+            s = self._token_cache[tid] = f"token_id:{tid}"
         if s is None:
             s = self._token_cache[tid] = self.tok.decode([tid], skip_special_tokens=False)
         return s
@@ -348,6 +367,8 @@ class _Formatter:
                 choice["logprobs"] = self._completion_logprobs(c["lps"], 0) if want_lps else None
             choice["finish_reason"] = FINISH.get(last.finish_reason) if last else None
             choice["stop_reason"] = self._stop_reason(last) if last else None
+            if self.want_prompt_ids and not self.chat:
+                choice["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
             if c["ids"]:
                 choice["token_ids"] = list(c["ids"])
             if c["plps"]:
@@ -356,7 +377,10 @@ class _Formatter:
                 ]
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self.meta, "object": kind, "choices": choices, "usage": self.usage()}
+        out = {**self.meta, "object": kind, "choices": choices, "usage": self.usage()}
+        if self.want_prompt_ids and self.chat:
+            out["prompt_token_ids"] = self.prompt_ids.get(0)
+        return out
 
     # streamed
     def chunk(self, p: int, msg: pb.GenerateResponse, first: bool) -> dict:
@@ -373,6 +397,8 @@ class _Formatter:
         choice["finish_reason"] = FINISH.get(msg.finish_reason) if msg.finish_reason else None
         if msg.finish_reason:
             choice["stop_reason"] = self._stop_reason(msg)
+        if first and self.want_prompt_ids and not self.chat:
+            choice["prompt_token_ids"] = self.prompt_ids.get(p)
         if msg.token_ids:
             choice["token_ids"] = list(msg.token_ids)
         if msg.prompt_logprobs:
@@ -381,7 +407,10 @@ class _Formatter:
                 for lp in msg.prompt_logprobs
             ]
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self.meta, "object": kind, "choices": [choice]}
+        out = {**self.meta, "object": kind, "choices": [choice]}
+        if first and self.want_prompt_ids and self.chat:
+            out["prompt_token_ids"] = self.prompt_ids.get(p)
+        return out
 
     def usage_chunk(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -419,10 +448,10 @@ class _SseResponse(Response):
 
         controls = []
         gens = []
-        for r in self.reqs:
+        for p, r in enumerate(self.reqs):
             control = StreamControl(task, _HttpStreamContext(), log_id="")
             controls.append(control)
-            gens.append(self.api.service.run(r, self.identity, control=control))
+            gens.append(self.api.service.run(r, self.identity, control=control, **self.fmt.run_options(p)))
         watcher = asyncio.ensure_future(watch())
         started = False
         try:

@@ -35,8 +35,9 @@ class EngineLoadCollector(Collector):
     ``Load`` fields (num_running, num_waiting, kv_blocks_used, kv_blocks_total and, when the engine
     sends them, prefix_queried_tokens, prefix_hit_tokens, num_preemptions)."""
 
-    def __init__(self, snapshot: Callable[[], object | None]) -> None:
+    def __init__(self, snapshot: Callable[[], object | None], model_name: str = "") -> None:
         self._snapshot = snapshot
+        self._model_name = model_name
 
     def collect(self):
         load = self._snapshot()
@@ -60,6 +61,7 @@ class EngineLoadCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from self._vllm_names(load)
         counters = (
             ("llmserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
             ("llmserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"),
@@ -107,6 +109,20 @@ def _speculation_metrics(load):
     )
     rate.add_metric([], accepted / drafted if drafted else 0.0)
     yield rate
+
+    def _vllm_names(self, load):
+        """The names the Gateway API inference extension's model-server protocol reads (vLLM's,
+        with its ``model_name`` label), beside ours: the same figures."""
+        usage = load.kv_blocks_used / max(1, load.kv_blocks_total)
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests running in the engine", load.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting in the engine's queue", load.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent (vLLM's older name)", usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model_name], float(value))
+            yield g
 
 
 class GatewayMetrics:
@@ -156,8 +172,8 @@ class GatewayMetrics:
         )
         self._server = None
 
-    def watch_engine(self, snapshot: Callable[[], object | None]) -> None:
-        self.registry.register(EngineLoadCollector(snapshot))
+    def watch_engine(self, snapshot: Callable[[], object | None], model_name: str = "") -> None:
+        self.registry.register(EngineLoadCollector(snapshot, model_name))
 
     def request(self) -> RequestMetrics:
         return RequestMetrics(self)

@@ -38,7 +38,7 @@ class ModelsService(pb_grpc.ModelsServicer):
             eos_token_ids=list(info.eos_token_ids),
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
-            has_chat_template=self.s.tokenizer.has_chat_template,
+            has_chat_template=not self.s.token_only and self.s.tokenizer.has_chat_template,
             limits=pb.ServerLimits(
                 max_concurrent_requests=lim.max_concurrent_requests,
                 max_queue_length=lim.max_queue_length,

@@ -31,15 +31,23 @@ class SequenceOutput:
         self,
         request_id: str,
         index: int,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,  # None: token-only mode (no text at all)
         params: SamplingParams,
         prompt_ids: list[int],
         return_token_ids: bool,
     ) -> None:
         self.request_id = request_id
         self.index = index
-        self._text = TextStream(
-            tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+        self._text = (
+            None
+            if tokenizer is None
+            else TextStream(
+                tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
         )
         self._return_ids = return_token_ids
         self._want_prompt_logprobs = params.prompt_logprobs is not None  # one delta carries them
@@ -59,8 +67,11 @@ class SequenceOutput:
         self.num_draft_tokens = max(self.num_draft_tokens, d.num_draft_tokens)
         self.num_accepted_draft_tokens = max(self.num_accepted_draft_tokens, d.num_accepted_draft_tokens)
         engine_finished = d.finish_reason != 0
-        step = self._text.push(d.token_ids, last=engine_finished)
-        text, matched = step.text, step.stop_string
+        if self._text is None:
+            text, matched = "", None
+        else:
+            step = self._text.push(d.token_ids, last=engine_finished)
+            text, matched = step.text, step.stop_string
         msg = pb.GenerateResponse(request_id=self.request_id, index=self.index, text=text)
         if self._return_ids:
             msg.token_ids.extend(d.token_ids)
@@ -84,7 +95,7 @@ class SequenceOutput:
 
     def abort(self) -> pb.GenerateResponse:
         """The server ends this sequence early (drain): release the held text and say so."""
-        text = self._text.close()
+        text = self._text.close() if self._text is not None else ""
         msg = pb.GenerateResponse(
             request_id=self.request_id, index=self.index, text=text, finish_reason=pb.FINISH_REASON_ABORT
         )

@@ -29,9 +29,17 @@ from gateway.models_service import ModelsService
 from gateway.prompt_log import PromptLogPolicy
 from gateway.replica_set import connect_engines
 from gateway.router import RoutingPolicy
+from gateway.router_service import RouterService
 from gateway.stall_sweep import StallSweeper
 from gateway.wire_guard import DecodeGuardInterceptor
-from llmserve_proto.llmserve.v1 import generation_pb2, generation_pb2_grpc, models_pb2, models_pb2_grpc
+from llmserve_proto.llmserve.v1 import (
+    generation_pb2,
+    generation_pb2_grpc,
+    models_pb2,
+    models_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import load_tokenizer
 
@@ -39,6 +47,7 @@ log = logging.getLogger("gateway")
 SERVICES = [
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     models_pb2.DESCRIPTOR.services_by_name["Models"].full_name,
+    router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
 ]
 
 
@@ -66,6 +75,9 @@ class GatewayOptions:
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None  # None: the same host as the gRPC port
+    # Token-only serving: no tokenizer is loaded and no tokenizer worker started (prompts and
+    # outputs are token ids; text fields are refused).
+    skip_tokenizer_init: bool = False
 
 
 class GatewayServer:
@@ -87,9 +99,11 @@ class GatewayServer:
 
     async def start(self) -> None:
         o = self.opts
-        tokenizer = load_tokenizer(o.model_dir)
-        tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
-        await tokenization.start()
+        tokenizer = tokenization = None
+        if not o.skip_tokenizer_init:
+            tokenizer = load_tokenizer(o.model_dir)
+            tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
+            await tokenization.start()
         engine = connect_engines(  # several addresses: replicas behind the prefix-affinity router
             o.engine_addresses or [o.engine_address],
             lambda address: EngineClient(
@@ -109,9 +123,10 @@ class GatewayServer:
         m = self.metrics
         engine.on_step_time = m.step_time.observe
         engine.on_lost = lambda reason: m.engine_lost.labels(reason=reason).inc()
-        m.watch_engine(lambda: engine.load if engine.ready else None)
+        model_name = o.served_model_name or Path(o.model_dir).resolve().name
+        m.watch_engine(lambda: engine.load if engine.ready else None, model_name)
         self.state = GatewayState(
-            model_name=o.served_model_name or Path(o.model_dir).resolve().name,
+            model_name=model_name,
             tokenizer=tokenizer,
             tokenization=tokenization,
             engine=engine,
@@ -137,6 +152,7 @@ class GatewayServer:
         generation = GenerationService(self.state)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
         models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -172,6 +188,7 @@ class GatewayServer:
                     "metrics": f"{o.metrics_host}:{self.metrics_port}" if self.metrics_port else "off",
                     "http": f"{o.http_host or o.host}:{self.http_port}" if self.http_port else "off",
                     "log_prompts": o.log_prompts,
+                    "token_only": o.skip_tokenizer_init,
                 }
             },
         )
@@ -215,7 +232,8 @@ class GatewayServer:
         await self._server.stop(grace=1.0)
         await self.stall_sweeper.stop()
         await s.engine.close()
-        await s.tokenization.close()
+        if s.tokenization is not None:
+            await s.tokenization.close()
         self.metrics.close()
 
     async def wait_for_termination(self) -> None:

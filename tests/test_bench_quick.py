@@ -89,6 +89,13 @@ def test_prefix_caching(results):
     assert doc["series"]["hit_rate"]
 
 
+def test_block_hashing(results):
+    f = run_quick("block_hashing", results)["figures"]
+    assert f["blake2b_us_per_block"] > 0 and f["blocks_hashed_per_step"] > 0
+    assert 0 < f["hash_ms_per_step"] < f["step_ms_events_off"]
+    assert f["event_batches"] > 0  # the subscriber got the workload's events
+
+
 def test_step_overhead(results):
     doc = run_quick("step_overhead", results)
     per = doc["figures"]["per_batch"]

@@ -32,10 +32,14 @@ def test_serving_quick(tmp_path):
     assert [row["concurrency"] for row in r["levels"]] == [1, 4]
     assert r["transport"] == "shared-memory"
     for row in r["levels"]:
-        for path in ("service", "offline"):
+        for path in ("service", "http", "offline"):
             assert row[path]["errors"] == 0
             assert finite(row[path]["output_tok_s"], row[path]["itl_p50_ms"], row[path]["ttft_p50_ms"])
-        assert finite(row["throughput_ratio"])
+        assert finite(row["throughput_ratio"], row["http_over_grpc_throughput"])
+        # the same requests: both APIs delivered every token (wall_s is rounded to 1 ms)
+        tokens = {p: row[p]["output_tok_s"] * row[p]["wall_s"] for p in ("service", "http")}
+        assert row["http"]["requests"] == row["service"]["requests"]
+        assert tokens["http"] == pytest.approx(tokens["service"], rel=0.01)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -439,6 +440,49 @@ def test_a_client_that_stops_reading_is_paused_then_ended(service):
         assert_engine_clean(service, within_s=2.0)
     finally:
         sock.close()
+
+
+def test_unset_max_tokens_is_the_rest_of_the_context(client, grpc_client):
+    """vLLM's rule: no max_tokens = max_model_len - prompt (the gRPC default, 16, would not fit)."""
+    max_len = grpc_client.model_info().max_model_len
+    prompt = [(7 * i) % 500 + 3 for i in range(max_len - 3)]
+    r = client.completions.create(
+        model="default", prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    with pytest.raises(grpc.RpcError) as e:  # the gRPC API keeps its documented default
+        grpc_client.generate(token_ids=prompt, temperature=0.0)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prompt_token_ids_with_return_token_ids(client, grpc_client):
+    ids = grpc_client.tokenize(PROMPT)
+    extra = {"return_token_ids": True}
+    r = client.completions.create(
+        model="default", prompt=[PROMPT, ids[:5]], max_tokens=3, temperature=0, extra_body=extra
+    )
+    assert [c.model_extra["prompt_token_ids"] for c in r.choices] == [ids, ids[:5]]
+    chunks = list(
+        client.completions.create(
+            model="default", prompt=PROMPT, max_tokens=3, temperature=0, extra_body=extra, stream=True
+        )
+    )
+    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks if c.choices]
+    assert firsts[0] == ids and not any(firsts[1:])
+    messages = [{"role": "user", "content": "Hello"}]
+    want = grpc_client.tokenize(messages=messages)
+    chat = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=3, temperature=0, extra_body=extra
+    )
+    assert chat.model_extra["prompt_token_ids"] == want
+    stream = list(
+        client.chat.completions.create(
+            model="default", messages=messages, max_tokens=3, temperature=0, extra_body=extra, stream=True
+        )
+    )
+    assert stream[0].model_extra["prompt_token_ids"] == want
+    plain = client.completions.create(model="default", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert "prompt_token_ids" not in (plain.choices[0].model_extra or {})
 
 
 def test_sigterm_drains_http_streams_last(service):

@@ -36,8 +36,8 @@ MUTANTS = [
         "a block hash not chained to its parent (nor to the tenant's salt)",
         KVCacheManager,
         "block_hashes",
-        "parent = hash((parent, block_tokens))",
-        "parent = hash(block_tokens)",
+        "parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])",
+        "parent = chain_hash(0, tokens[i * bs : (i + 1) * bs])",
     ),
     (
         "off by one in num_computed_tokens after a chunk",

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from engine_svc.rpc.convert import delta_to_proto
 from engine_svc.rpc.shm_ring import TokenRing
+from engine_svc.server.kv_event_feed import KvEventFeed, Subscriber
+from engine_svc.server.throughput import ThroughputWindow
 from engine_svc.server.watchdog import Watchdog
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 
@@ -39,6 +41,7 @@ class Session:
     # engine's to know: it says so with ``request_finished``, and this set follows it.
     live: set[str] = field(default_factory=set)
     paused: set[str] = field(default_factory=set)  # of ``live``: paused by the gateway (backpressure)
+    load_sent_at: float = 0.0  # when the load figures it last got were refreshed
     closed: bool = False
 
 
@@ -57,6 +60,9 @@ class EngineLoop:
         self._step_counter = itertools.count(1)
         self.load = pb.Load()
         self._load_at = 0.0
+        self._throughput = ThroughputWindow()
+        self._rates = (0.0, 0.0)  # prompt, generation tokens/s: refreshed with the load
+        self.kv_events = KvEventFeed()  # KV-cache event subscribers (routers); nothing while none
         self.on_parent_exit: Callable[[], None] | None = None
         # Set by the watchdog while a step has run past its timeout: no new sessions or requests.
         self.stalled = threading.Event()
@@ -198,7 +204,13 @@ class EngineLoop:
                     s.paused.discard(rid)
         return n
 
-    def stats(self, check_invariants: bool) -> pb.EngineStats:
+    def subscribe_kv_events(self, max_batches: int) -> Subscriber:
+        return self.kv_events.subscribe(self.engine, max_batches)
+
+    def unsubscribe_kv_events(self, sub: Subscriber) -> None:
+        self.kv_events.unsubscribe(self.engine, sub)
+
+    def stats(self, check_invariants: bool, cached_block_hashes: bool = False) -> pb.EngineStats:
         st = self.engine.stats()
         out = pb.EngineStats(
             load=self._load_from(st),
@@ -206,6 +218,8 @@ class EngineLoop:
             num_live_requests=sum(len(s.live) for s in self._sessions.values()),
             num_refused_submits=self.refused_submits,
         )
+        if cached_block_hashes:
+            out.cached_block_hashes.extend(sorted(self.engine.cached_block_hashes()))
         if check_invariants:
             try:
                 self.engine.check_invariants()
@@ -244,6 +258,7 @@ class EngineLoop:
                         self._route(deltas, step_time)
                 else:
                     self.watchdog.idle()
+                self.kv_events.publish(self.engine)  # this step's cache changes (and commands')
                 self._refresh_load()
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.warning("parent process %d is gone; shutting down", self._parent_pid)
@@ -256,6 +271,7 @@ class EngineLoop:
         finally:
             for sid in list(self._sessions):
                 self.close_session(sid)
+            self.kv_events.close()
             self._fail_pending_commands()
             self.stopped.set()
 
@@ -305,6 +321,9 @@ class EngineLoop:
         for sid, items in per_session.items():
             s = self._sessions[sid]
             out = pb.StepOutput(step=step, step_time_s=step_time_s)
+            if s.load_sent_at < self._load_at:  # a busy engine sends no heartbeats: the load rides along
+                out.load.CopyFrom(self.load)
+                s.load_sent_at = self._load_at
             if s.output_ring is not None:
                 ids = [t for _, d in items for t in d.new_token_ids]
                 start = s.output_ring.try_write(ids)
@@ -318,7 +337,9 @@ class EngineLoop:
     def _refresh_load(self) -> None:
         now = time.monotonic()
         if now - self._load_at >= self.heartbeat_s / 2:
-            self.load = self._load_from(self.engine.stats())
+            st = self.engine.stats()
+            self._rates = self._throughput.add(now, st.prompt_tokens_computed, st.generation_tokens)
+            self.load = self._load_from(st)
             self._load_at = now
 
     def _load_from(self, st) -> pb.Load:
@@ -334,6 +355,10 @@ class EngineLoop:
             num_preemptions=st.num_preemptions,
             spec_draft_tokens=st.num_draft_tokens,
             spec_accepted_tokens=st.num_accepted_draft_tokens,
+            prompt_tokens_computed=st.prompt_tokens_computed,
+            generation_tokens=st.generation_tokens,
+            prompt_tokens_per_s=self._rates[0],
+            generation_tokens_per_s=self._rates[1],
         )
 
 

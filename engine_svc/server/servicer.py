@@ -10,6 +10,7 @@ import grpc
 
 from engine_svc.rpc.convert import sampling_params_from_proto
 from engine_svc.server.engine_loop import EngineLoop, Session
+from engine_svc.server.kv_event_feed import FeedClosed, SubscriberDropped
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -30,7 +31,24 @@ class EngineServicer(pb_grpc.EngineServicer):
         return self._info
 
     def GetStats(self, request, context):
-        return self._call(context, lambda: self._loop.stats(request.check_invariants))
+        return self._call(
+            context, lambda: self._loop.stats(request.check_invariants, request.include_cached_block_hashes)
+        )
+
+    def StreamKvEvents(self, request: pb.KvEventsRequest, context):
+        loop = self._loop
+        sub = self._call(context, lambda: loop.subscribe_kv_events(request.max_buffered_batches))
+        # However the stream ends, the subscriber goes (and with the last one, the events stop).
+        context.add_callback(lambda: loop.post(lambda: loop.unsubscribe_kv_events(sub)))
+        while context.is_active():
+            try:
+                batch = sub.next(timeout=loop.heartbeat_s)
+            except SubscriberDropped as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except FeedClosed:
+                return
+            if batch is not None:
+                yield batch
 
     def Connect(self, request: pb.ConnectRequest, context):
         if max(request.prompt_ring_bytes, request.output_ring_bytes) > MAX_RING_BYTES:
