@@ -75,6 +75,20 @@ class EngineLoadCollector(Collector):
                 yield c
         yield from _speculation_metrics(load)
 
+    def _vllm_names(self, load):
+        """The names the Gateway API inference extension's model-server protocol reads (vLLM's,
+        with its ``model_name`` label), beside ours: the same figures."""
+        usage = load.kv_blocks_used / max(1, load.kv_blocks_total)
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests running in the engine", load.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting in the engine's queue", load.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent (vLLM's older name)", usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model_name], float(value))
+            yield g
+
 
 # Speculative decoding's counters, under our names and under vLLM's (dashboards built for vLLM read
 # them unchanged): (field of Load, our name, vLLM's name, help).
@@ -109,20 +123,6 @@ def _speculation_metrics(load):
     )
     rate.add_metric([], accepted / drafted if drafted else 0.0)
     yield rate
-
-    def _vllm_names(self, load):
-        """The names the Gateway API inference extension's model-server protocol reads (vLLM's,
-        with its ``model_name`` label), beside ours: the same figures."""
-        usage = load.kv_blocks_used / max(1, load.kv_blocks_total)
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests running in the engine", load.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting in the engine's queue", load.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", usage),
-            ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent (vLLM's older name)", usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self._model_name], float(value))
-            yield g
 
 
 class GatewayMetrics:
