@@ -26,9 +26,10 @@ class KVCacheManager:
 
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent and salted."""
+        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent; the root is
+        salted with the cache salt and the LoRA adapter (name and version)."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        parent = hashes[-1] if hashes else hash(("llmserve-prefix-root", seq.request.cache_salt))
+        parent = hashes[-1] if hashes else _root_hash(seq)
         for i in range(len(hashes), num_blocks):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent = hash((parent, block_tokens))
@@ -156,3 +157,10 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+
+def _root_hash(seq: Sequence) -> int:
+    """KV computed under one adapter (or version of it), or one salt, is never served to another."""
+    lora = seq.request.lora
+    adapter = None if lora is None else (lora.name, lora.version)
+    return hash(("llmserve-prefix-root", seq.request.cache_salt, adapter))

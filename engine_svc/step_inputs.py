@@ -30,6 +30,7 @@ class StepInputs:
     copies: np.ndarray  # [C, 2] int64: copy-on-write (src, dst) block copies before the forward
     max_query_len: int
     max_seq_len: int
+    lora: object = None  # engine_svc.lora.batch.LoRABatch of this step; never packed (no LoRA with TP yet)
 
     def attention(self, device: torch.device) -> AttentionInputs:
         return AttentionInputs(
