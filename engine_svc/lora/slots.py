@@ -10,7 +10,7 @@ from collections import OrderedDict
 import torch
 
 from engine_svc.lora.adapter import LoRAAdapter
-from engine_svc.lora.geometry import TARGET_MODULES, Target
+from engine_svc.lora.geometry import Target
 
 
 class SlotsExhausted(RuntimeError):
@@ -79,8 +79,7 @@ class AdapterSlots:
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         r = adapter.rank
         for layer, stacks in enumerate(self.stacks):
-            for module in TARGET_MODULES:
-                a_stack, b_stack = stacks[module]
+            for module, (a_stack, b_stack) in stacks.items():
                 a_stack[slot].zero_()
                 b_stack[slot].zero_()
                 w = adapter.weights.get((layer, module))

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.reductions import row_sum
+
 
 @triton.jit
 def _lora_shrink_kernel(
@@ -28,20 +30,22 @@ def _lora_shrink_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    active = slot >= 0
+    # A base token (slot -1) reads nothing: its bounds are zero (masks stay plain comparisons).
+    live = (slot >= 0).to(tl.int32)
     slot = tl.maximum(slot, 0)
+    in_bound = in_features * live
     r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = (k < in_features) & active
+        kmask = k < in_bound
         x = tl.load(x_ptr + t * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
         a = tl.load(
             a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
             mask=(r[:, None] < rank) & kmask[None, :],
             other=0.0,
         ).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
+        acc += row_sum(a * x[None, :], axis=1)
     tl.store(y_ptr + t * stride_yt + r, acc, mask=r < rank)
 
 
@@ -64,17 +68,17 @@ def _lora_expand_kernel(
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    active = slot >= 0
+    live = (slot >= 0).to(tl.int32)
     slot = tl.maximum(slot, 0)
     r = tl.arange(0, BLOCK_R)
-    nmask = (n < out_features) & active
-    y = tl.load(y_ptr + t * stride_yt + r, mask=(r < rank) & active, other=0.0)
+    nmask = n < out_features * live
+    y = tl.load(y_ptr + t * stride_yt + r, mask=r < rank * live, other=0.0)
     b = tl.load(
         b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
         mask=nmask[:, None] & (r[None, :] < rank),
         other=0.0,
     ).to(tl.float32)
-    delta = tl.sum(b * y[None, :], axis=1)
+    delta = row_sum(b * y[None, :], axis=1)
     o_ptrs = out_ptr + t * stride_ot + n * stride_on
     base = tl.load(o_ptrs, mask=nmask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (base + delta).to(out_ptr.dtype.element_ty), mask=nmask)
