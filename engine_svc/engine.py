@@ -16,7 +16,7 @@ from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
-from engine_svc.lora.manager import AdapterNotFound, LoRAManager
+from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
@@ -221,9 +221,16 @@ class LLMEngine:
         """Load (or reload) adapter ``name`` from a PEFT directory. ``ValueError`` naming the problem
         (missing file, bad config, rank above the limit, a module or shape the model lacks) changes
         nothing."""
+        return self.install_lora(self.read_lora(name, path, int_id))
+
+    def read_lora(self, name: str, path: str, int_id: int | None = None) -> LoRAAdapter:
+        """``add_lora``'s file work alone (no engine state is touched): a server runs it off its loop."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled: start the engine with enable_lora (--enable-lora)")
-        return self.lora.load(name, path, int_id)
+        return self.lora.read(name, path, int_id)
+
+    def install_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        return self.lora.install(adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unload ``name``: ``AdapterNotFound`` if it is not loaded, ``ValueError`` while live
@@ -231,7 +238,7 @@ class LLMEngine:
         self._adapter(name)
         users = sum(1 for r in self.requests.values() if r.lora is not None and r.lora.name == name)
         if users:
-            raise AdapterError(
+            raise AdapterInUse(
                 f"adapter {name!r} is in use by {users} live request(s); unload it after they end"
             )
         self.lora.unload(name)

@@ -23,6 +23,10 @@ class AdapterNotFound(LookupError):
     """A request or an unload named an adapter that is not loaded."""
 
 
+class AdapterInUse(AdapterError):
+    """An unload of an adapter that live requests use."""
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -42,13 +46,22 @@ class LoRAManager:
 
     # --- registry -----------------------------------------------------------------------------
     def load(self, name: str, path: str, int_id: int | None = None) -> LoRAAdapter:
-        """Read and check an adapter; ``AdapterError`` (a ValueError naming the problem) changes
-        nothing. Loading a name again replaces it: a new version, so the prefix cache keeps the two
-        apart; live requests finish on the version they started with."""
+        """Read and check an adapter, then install it; ``AdapterError`` (a ValueError naming the
+        problem) changes nothing."""
+        return self.install(self.read(name, path, int_id))
+
+    def read(self, name: str, path: str, int_id: int | None = None) -> LoRAAdapter:
+        """The file work, touching no state: a server does it off the engine loop."""
         check_name(name)
         adapter = read_adapter(name, path, self.spec, self.max_rank, self.dtype)
-        adapter.version = next(self._versions)
         adapter.int_id = int_id
+        return adapter
+
+    def install(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Loading a name again replaces it: a new version, so the prefix cache keeps the two apart;
+        live requests finish on the version they started with."""
+        name, path = adapter.name, adapter.path
+        adapter.version = next(self._versions)
         self.adapters[name] = adapter
         log.info(
             "LoRA adapter %r loaded from %s: rank %d, %d modules (%s), version %d",

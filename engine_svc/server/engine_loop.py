@@ -162,12 +162,19 @@ class EngineLoop:
         log.info("session %s closed", session_id)
 
     def add_request(
-        self, s: Session, request_id: str, prompt: list[int], params, priority: int, cache_salt: str | None
+        self,
+        s: Session,
+        request_id: str,
+        prompt: list[int],
+        params,
+        priority: int,
+        cache_salt: str | None,
+        lora: str | None = None,
     ) -> None:
         if s.closed or self.stalled.is_set():
             raise RuntimeError("session closed" if s.closed else "the engine is stalled")
         self.engine.add_request(
-            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
+            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt, lora=lora
         )
         s.live.add(request_id)
 
@@ -332,6 +339,9 @@ class EngineLoop:
             prefix_queried_tokens=st.prefix_queried_tokens,
             prefix_hit_tokens=st.prefix_hit_tokens,
             num_preemptions=st.num_preemptions,
+            running_lora_adapters=st.running_lora_adapters,
+            waiting_lora_adapters=st.waiting_lora_adapters,
+            max_lora=st.max_lora,
         )
 
 
