@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference.lora import group_tokens
+from kernels.reference.lora import plan_tokens
 
 # (name, tokens, in_features, out_features, slots, padded rank, ranks per slot, token pattern)
 LORA_CASES = [
@@ -29,8 +29,8 @@ class LoRACase:
     token_slots: np.ndarray
     ranks: dict[int, int]
 
-    def groups(self, device):
-        return group_tokens(self.token_slots, self.ranks, device)
+    def plan(self, device):
+        return plan_tokens(self.token_slots, device)
 
     @property
     def max_rank(self) -> int:

@@ -224,7 +224,7 @@ def test_lora_apply_equals_its_twin_and_the_definition(tk, case, dtype):
     want = lora_by_token(got)
     slots = torch.from_numpy(got.token_slots.astype("int32"))
     tk.kernels.lora_apply(got.out, got.x, got.a, got.b, slots, None, got.max_rank)
-    ref_lora.lora_apply(twin.out, twin.x, twin.a, twin.b, slots, twin.groups("cpu"), twin.max_rank)
+    ref_lora.lora_apply(twin.out, twin.x, twin.a, twin.b, slots, twin.plan("cpu"), twin.max_rank)
     torch.testing.assert_close(got.out, twin.out, **TOL[dtype])
     torch.testing.assert_close(got.out.float(), want, **TOL[dtype])
     base = got.token_slots < 0

@@ -98,7 +98,7 @@ class LoRAManager:
         seq_slots = np.array([-1 if a is None else slot_of[(a.name, a.version)] for a in adapters], np.int64)
         token_slots = seq_slots if num_new is None else np.repeat(seq_slots, num_new)
         ranks = {slot_of[(a.name, a.version)]: a.rank for a in wanted}
-        return LoRABatch(self.slots, self.geometry, token_slots, ranks, self.kernel, self.device)
+        return LoRABatch(self.slots, token_slots, ranks, self.kernel, self.device)
 
 
 def check_name(name) -> None:

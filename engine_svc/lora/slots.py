@@ -1,7 +1,14 @@
 """A fixed number of adapter slots on the device (``max_loras``), each holding one adapter's A and B
-for every layer and target, zero padded to ``max_lora_rank``. Adapters beyond the slots wait in host
-memory and are copied in when a step needs them, evicting the least recently used slot whose adapter
-no running request uses (the scheduler never runs more distinct adapters than there are slots)."""
+for every layer, zero padded to ``max_lora_rank``. Adapters beyond the slots wait in host memory and
+are copied in when a step needs them, evicting the least recently used slot whose adapter no
+running request uses (the scheduler never runs more distinct adapters than there are slots).
+
+The stacks follow the decoder's fused projections (``qkv``, ``o``, ``gate_up``, ``down``): per
+layer and fused projection, ``A [slots, modules * R, in]`` and ``B [slots, fused_out, modules * R]``
+with B block-structured (module j's B reads only module j's A rows and writes only its own output
+columns), so one shrink and one expand per fused projection serve all of its modules. Rank columns
+are interleaved (column ``i * modules + j`` is rank i of module j), so an adapter of rank r uses
+exactly the first ``r * modules`` columns and a step reads no more than its largest rank needs."""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from collections import OrderedDict
 import torch
 
 from engine_svc.lora.adapter import LoRAAdapter
-from engine_svc.lora.geometry import Target
+from engine_svc.lora.geometry import FUSED, Target
 
 
 class SlotsExhausted(RuntimeError):
@@ -27,25 +34,25 @@ class AdapterSlots:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.num_slots, self.max_rank = num_slots, max_rank
-        # stacks[layer][module] = (A [slots, R, in], B [slots, out, R])
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
-            {
-                m: (
-                    torch.zeros(num_slots, max_rank, t.in_features, dtype=dtype, device=device),
-                    torch.zeros(num_slots, t.out_features, max_rank, dtype=dtype, device=device),
+        self.num_slots, self.max_rank, self.geometry = num_slots, max_rank, geometry
+        # Only the fused projections whose modules the geometry has (all of them in the engine).
+        self.fused = {f: ms for f, ms in FUSED.items() if all(m in geometry for m in ms)}
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(num_layers):
+            layer = {}
+            for f, modules in self.fused.items():
+                n_in = geometry[modules[0]].in_features
+                n_out = sum(geometry[m].out_features for m in modules)
+                cols = len(modules) * max_rank
+                layer[f] = (
+                    torch.zeros(num_slots, cols, n_in, dtype=dtype, device=device),
+                    torch.zeros(num_slots, n_out, cols, dtype=dtype, device=device),
                 )
-                for m, t in geometry.items()
-            }
-            for _ in range(num_layers)
-        ]
+            self.stacks.append(layer)
         self.holder: list[tuple[str, int] | None] = [None] * num_slots  # (name, version) per slot
         self.modules: list[frozenset[str]] = [frozenset()] * num_slots  # what each slot's adapter targets
         self._lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # key -> slot, oldest first
         self.num_swaps = 0  # adapters copied in (first loads included)
-
-    def slot_of(self, adapter: LoRAAdapter) -> int | None:
-        return self._lru.get((adapter.name, adapter.version))
 
     def activate(self, wanted: list[LoRAAdapter], in_use: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Make every adapter of ``wanted`` resident; returns (name, version) -> slot. Evicts only
@@ -79,13 +86,18 @@ class AdapterSlots:
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         r = adapter.rank
         for layer, stacks in enumerate(self.stacks):
-            for module, (a_stack, b_stack) in stacks.items():
+            for f, modules in self.fused.items():
+                a_stack, b_stack = stacks[f]
                 a_stack[slot].zero_()
                 b_stack[slot].zero_()
-                w = adapter.weights.get((layer, module))
-                if w is not None:
-                    a_stack[slot, :r].copy_(w[0])
-                    b_stack[slot, :, :r].copy_(w[1])
+                n = len(modules)
+                for j, module in enumerate(modules):
+                    w = adapter.weights.get((layer, module))
+                    if w is None:
+                        continue
+                    t = self.geometry[module]
+                    a_stack[slot, j : r * n : n].copy_(w[0])
+                    b_stack[slot, t.offset : t.offset + t.out_features, j : r * n : n].copy_(w[1])
         key = (adapter.name, adapter.version)
         self.holder[slot] = key
         self.modules[slot] = adapter.modules

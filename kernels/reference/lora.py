@@ -3,9 +3,11 @@ and B, read from stacks of adapter slots.
 
     out[t] += (x[t] @ A[s].T) @ B[s].T      for each token t whose slot s = token_slots[t] >= 0
 
-Tokens are grouped by adapter once per step (``group_tokens``); each group is two matmuls over its
-rows (a slice when its tokens are contiguous, an index otherwise), so the cost is one pair of GEMMs
-per adapter in the step, never a Python loop per token. Base tokens (slot -1) are not touched."""
+Once per step the tokens are planned (``plan_tokens``): the rows that use an adapter, ordered by
+slot, and one segment per slot. Per projection, those rows are gathered once, each segment is two
+matmuls (one pair of GEMMs per adapter in the step, never a Python loop per token), and the deltas
+are added back in one scatter. Base tokens (slot -1) are not touched; when every token uses an
+adapter and they are already grouped, there is no gather or scatter at all."""
 
 from __future__ import annotations
 
@@ -16,27 +18,35 @@ import torch
 
 
 @dataclass(frozen=True)
-class TokenGroup:
+class Segment:
     slot: int
-    rank: int  # the adapter's rank: columns past it in the padded stacks are zero and skipped
-    rows: slice | torch.Tensor  # the group's token rows
+    start: int  # rows [start, end) of the gathered (slot-ordered) tokens
+    end: int
 
 
-def group_tokens(
-    token_slots: np.ndarray, ranks: dict[int, int], device: torch.device | str = "cpu"
-) -> list[TokenGroup]:
-    """One group per slot in ``token_slots`` (int array, -1 = base), in slot order."""
-    groups = []
-    for slot in np.unique(token_slots):
-        if slot < 0:
-            continue
-        rows = np.flatnonzero(token_slots == slot)
-        if rows[-1] - rows[0] + 1 == len(rows):
-            index: slice | torch.Tensor = slice(int(rows[0]), int(rows[-1]) + 1)
-        else:
-            index = torch.from_numpy(rows).to(device)
-        groups.append(TokenGroup(int(slot), ranks[int(slot)], index))
-    return groups
+@dataclass(frozen=True)
+class TokenPlan:
+    rows: slice | torch.Tensor  # the adapter tokens, in slot order (a slice when already so)
+    count: int
+    segments: tuple[Segment, ...]
+
+
+def plan_tokens(token_slots: np.ndarray, device: torch.device | str = "cpu") -> TokenPlan:
+    """``token_slots``: one slot per token (-1 = base)."""
+    order = np.argsort(token_slots, kind="stable")
+    order = order[token_slots[order] >= 0]
+    slots = token_slots[order]
+    if not len(order):
+        return TokenPlan(slice(0, 0), 0, ())
+    bounds = np.flatnonzero(np.diff(slots)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(order)]])
+    segments = tuple(Segment(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True))
+    if len(order) and order[-1] - order[0] + 1 == len(order) and np.all(np.diff(order) == 1):
+        rows: slice | torch.Tensor = slice(int(order[0]), int(order[-1]) + 1)
+    else:
+        rows = torch.from_numpy(order).to(device)
+    return TokenPlan(rows, len(order), segments)
 
 
 def lora_apply(
@@ -45,14 +55,23 @@ def lora_apply(
     a_stack: torch.Tensor,
     b_stack: torch.Tensor,
     token_slots: torch.Tensor,
-    groups: list[TokenGroup],
+    plan: TokenPlan,
     max_rank: int,
 ) -> None:
     """Add each token's LoRA delta to ``out [T, n]`` in place (``out`` may be a column slice of a
     fused projection's output). ``a_stack [S, R, in]``, ``b_stack [S, n, R]``; ``token_slots`` is
-    the Triton kernel's input and unused here (``groups`` say the same, grouped)."""
-    del token_slots, max_rank
-    for g in groups:
-        xs = x[g.rows]
-        delta = (xs @ a_stack[g.slot, : g.rank].T) @ b_stack[g.slot, :, : g.rank].T
-        out[g.rows] += delta
+    the Triton kernel's input and unused here (``plan`` says the same, grouped); columns of the
+    stacks past ``max_rank`` are not read."""
+    del token_slots
+    if not plan.count:
+        return
+    xs = x[plan.rows]
+    delta = xs.new_empty(plan.count, out.shape[1])
+    for seg in plan.segments:
+        part = xs[seg.start : seg.end]
+        shrunk = part @ a_stack[seg.slot, :max_rank].T
+        torch.mm(shrunk, b_stack[seg.slot, :, :max_rank].T, out=delta[seg.start : seg.end])
+    if isinstance(plan.rows, slice):
+        out[plan.rows] += delta
+    else:
+        out.index_add_(0, plan.rows, delta)

@@ -29,12 +29,12 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     # A base token (slot -1) reads nothing: its bounds are zero (masks stay plain comparisons).
     live = (slot >= 0).to(tl.int32)
     slot = tl.maximum(slot, 0)
     in_bound = in_features * live
-    r = tl.arange(0, BLOCK_R)
     acc = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -70,15 +70,18 @@ def _lora_expand_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     live = (slot >= 0).to(tl.int32)
     slot = tl.maximum(slot, 0)
-    r = tl.arange(0, BLOCK_R)
     nmask = n < out_features * live
-    y = tl.load(y_ptr + t * stride_yt + r, mask=r < rank * live, other=0.0)
-    b = tl.load(
-        b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
-        mask=nmask[:, None] & (r[None, :] < rank),
-        other=0.0,
-    ).to(tl.float32)
-    delta = row_sum(b * y[None, :], axis=1)
+    delta = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        rmask = r < rank * live
+        y = tl.load(y_ptr + t * stride_yt + r, mask=rmask, other=0.0)
+        b = tl.load(
+            b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
+            mask=nmask[:, None] & rmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        delta += row_sum(b * y[None, :], axis=1)
     o_ptrs = out_ptr + t * stride_ot + n * stride_on
     base = tl.load(o_ptrs, mask=nmask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (base + delta).to(out_ptr.dtype.element_ty), mask=nmask)
@@ -90,12 +93,12 @@ def lora_apply(
     a_stack: torch.Tensor,
     b_stack: torch.Tensor,
     token_slots: torch.Tensor,
-    groups,
+    plan,
     max_rank: int,
 ) -> None:
-    """Same contract as ``kernels.reference.lora.lora_apply``; ``groups`` are unused (the kernel
+    """Same contract as ``kernels.reference.lora.lora_apply``; ``plan`` is unused (the kernel
     gathers by ``token_slots``), ``max_rank`` bounds the rank columns read."""
-    del groups
+    del plan
     tokens = x.shape[0]
     if tokens == 0 or max_rank == 0:
         return
@@ -104,8 +107,8 @@ def lora_apply(
     assert a_stack.stride(-1) == 1 and b_stack.stride(-1) == 1, "LoRA stacks must be row-contiguous"
     in_features, out_features = x.shape[1], out.shape[1]
     y = torch.empty(tokens, max_rank, dtype=torch.float32, device=x.device)
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    _lora_shrink_kernel[(tokens,)](
+    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    _lora_shrink_kernel[(tokens, triton.cdiv(max_rank, block_r))](
         x,
         a_stack,
         token_slots,
