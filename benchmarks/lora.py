@@ -14,39 +14,15 @@ ratio is the worse of its repeats. The adapters are random PEFT-format directori
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
 
 from benchmarks import common
-from engine_svc.lora.geometry import TARGET_MODULES, targets
-from engine_svc.models.spec import ModelSpec
+from engine_svc.lora.random_adapter import write_random_adapter
 
 FULL = dict(
     num_requests=64, prompt_range=(32, 256), output_range=(32, 128), num_adapters=4, rank=16, repeats=2
 )
 QUICK = dict(num_requests=8, prompt_range=(8, 32), output_range=(4, 16), num_adapters=4, rank=4, repeats=1)
-
-
-def write_adapter(model: Path, out: Path, rank: int, seed: int) -> Path:
-    """A random LoRA adapter on every target module, in PEFT's on-disk format."""
-    spec = ModelSpec.from_dir(model)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(spec.num_layers):
-        for module, t in targets(spec).items():
-            kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, t.in_features, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(t.out_features, rank, generator=gen) * 0.02
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES))
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
 
 
 def run(engine, reqs: list[common.Req], loras: list[str | None], tag: str) -> dict:
@@ -85,7 +61,7 @@ def main() -> dict:
         num_kv_blocks=4096 if not args.quick else 512,
     )
     for i, name in enumerate(names):
-        engine.add_lora(name, str(write_adapter(model, root / name, w["rank"], seed=100 + i)))
+        engine.add_lora(name, str(write_random_adapter(model, root / name, w["rank"], seed=100 + i)))
     common.warm_up(engine)
     loras = [names[i % len(names)] for i in range(len(reqs))]
     base_loras: list[str | None] = [None] * len(reqs)
