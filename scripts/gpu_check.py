@@ -368,6 +368,8 @@ def section_lora(
     perf_cfg: dict = LORA_MODEL,
     perf_requests: int = 64,
     perf_lengths: tuple[int, int] = (128, 128),
+    prompt_lengths: tuple[int, ...] = (5, 40, 17, 90, 3, 33, 61, 8),
+    max_tokens: int = 12,
 ) -> dict:
     import torch
 
@@ -406,9 +408,9 @@ def section_lora(
         )
         requests.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (5, 40, 17, 90, 3, 33, 61, 8)]
+    prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in prompt_lengths]
     loras = [requests[i % len(requests)] for i in range(len(prompts))]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = {}
     for backend in (kernel_backend, "torch"):
         with LLM(
@@ -424,7 +426,6 @@ def section_lora(
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             tokens[backend] = [o.outputs[0].token_ids for o in outs]
     result["equal_to_torch_twin"] = tokens[kernel_backend] == tokens["torch"]
-    result["adapters_change_outputs"] = len({tuple(t) for t in tokens["torch"][:4]}) > 1
     result["throughput"] = _lora_throughput(
         device, workdir, seed, kernel_backend, perf_cfg, perf_requests, perf_lengths
     )

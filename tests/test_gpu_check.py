@@ -215,10 +215,12 @@ def test_lora_section_plumbing_on_cpu(tmp_path):
             dtypes=(torch.float32,),
             perf_cfg=TINY_CFG,
             perf_requests=4,
-            perf_lengths=(6, 3),
+            perf_lengths=(6, 2),
+            prompt_lengths=(5, 20, 3, 9),
+            max_tokens=3,
         )
     assert result["kernels_ok"] and {r["kernel"] for r in result["kernel_records"]} == {"lora_apply"}
-    assert result["equal_to_torch_twin"] and result["adapters_change_outputs"]
+    assert result["equal_to_torch_twin"]
     tp = result["throughput"]
     assert tp["adapters_vs_base"] > 0 and tp["mixed_vs_separate"] > 0
     summary = gpu_check.summary(
