@@ -35,6 +35,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("transports", "out"),
     ("tokenizer_workers", "out"),
     ("routing", "results-dir"),
+    ("lora", "results-dir"),
 ]
 TIMEOUT_S = 3600  # routing and transports take 20+ minutes on a loaded 2-core machine
 
