@@ -99,7 +99,10 @@ class LLMEngine:
                 self.dtype,
                 self.device,
                 self.kernels.lora_apply,
+                shard,
             )
+            if self.tp_group is not None:  # workers load each adapter into the same slot, their part
+                self.lora.slots.on_load = self.tp_group.send_lora_load
             self.runner.lora = self.lora
             self.runner.lora_in_use = self.scheduler.running_adapters
             for name, path in (config.lora_modules or {}).items():

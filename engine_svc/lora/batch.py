@@ -13,6 +13,7 @@ from kernels.reference.lora import plan_tokens
 class LoRABatch:
     def __init__(self, slots: AdapterSlots, token_slots: np.ndarray, ranks: dict[int, int], kernel, device):
         self.slots, self.kernel = slots, kernel
+        self.token_slots_host = token_slots  # sent to tensor-parallel workers with the step
         self.plan = plan_tokens(token_slots, device)
         self.token_slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
         # Per fused projection, the stack columns the step reads (its largest rank, interleaved over

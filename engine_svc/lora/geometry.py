@@ -41,3 +41,27 @@ def targets(spec: ModelSpec, shard: Shard | None = None) -> dict[str, Target]:
         "up_proj": Target("up_proj", "gate_up", h, inter, inter),
         "down_proj": Target("down_proj", "down", inter, h, 0),
     }
+
+
+def shard_pair(module: str, a, b, spec: ModelSpec, shard: Shard) -> tuple:
+    """This rank's part of one module's (A [r, in], B [out, r]), split like its base layer:
+    column-parallel projections (q/k/v, gate/up) keep A whole and take their output rows of B;
+    row-parallel ones (o, down) take their input columns of A and keep B whole (the partial
+    deltas are summed by the layer's all-reduce, as its base output is)."""
+    if shard.size == 1:
+        return a, b
+    d = spec.head_dim
+    if module == "q_proj":
+        n = shard.heads(spec) * d
+        return a, b[shard.rank * n : (shard.rank + 1) * n]
+    if module in ("k_proj", "v_proj"):
+        start, n = shard.kv_head_start(spec) * d, shard.kv_heads(spec) * d
+        return a, b[start : start + n]
+    if module in ("gate_proj", "up_proj"):
+        n = shard.intermediate(spec)
+        return a, b[shard.rank * n : (shard.rank + 1) * n]
+    if module == "o_proj":
+        n = shard.heads(spec) * d
+        return a[:, shard.rank * n : (shard.rank + 1) * n], b
+    n = shard.intermediate(spec)  # down_proj
+    return a[:, shard.rank * n : (shard.rank + 1) * n], b

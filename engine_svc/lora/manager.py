@@ -14,6 +14,7 @@ from engine_svc.lora.batch import LoRABatch
 from engine_svc.lora.geometry import targets
 from engine_svc.lora.slots import AdapterSlots
 from engine_svc.models.spec import ModelSpec
+from engine_svc.parallel.shard import Shard
 
 log = logging.getLogger(__name__)
 MAX_NAME_LEN = 256
@@ -36,12 +37,13 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         kernel,
+        shard: Shard | None = None,
     ):
         self.spec, self.max_loras, self.max_rank = spec, max_loras, max_rank
         self.dtype, self.device, self.kernel = dtype, device, kernel
-        self.geometry = targets(spec)
         self.adapters: dict[str, LoRAAdapter] = {}
-        self.slots = AdapterSlots(max_loras, max_rank, spec.num_layers, self.geometry, dtype, device)
+        # Host adapters are whole; the slots hold this rank's part (all of it without TP).
+        self.slots = make_slots(spec, max_loras, max_rank, dtype, device, shard)
         self._versions = itertools.count(1)
 
     # --- registry -----------------------------------------------------------------------------
@@ -99,6 +101,12 @@ class LoRAManager:
         token_slots = seq_slots if num_new is None else np.repeat(seq_slots, num_new)
         ranks = {slot_of[(a.name, a.version)]: a.rank for a in wanted}
         return LoRABatch(self.slots, token_slots, ranks, self.kernel, self.device)
+
+
+def make_slots(spec, max_loras, max_rank, dtype, device, shard: Shard | None = None) -> AdapterSlots:
+    shard = shard or Shard()
+    geometry = targets(spec, shard)
+    return AdapterSlots(max_loras, max_rank, spec.num_layers, geometry, dtype, device, spec, shard)
 
 
 def check_name(name) -> None:

@@ -17,7 +17,9 @@ from collections import OrderedDict
 import torch
 
 from engine_svc.lora.adapter import LoRAAdapter
-from engine_svc.lora.geometry import FUSED, Target
+from engine_svc.lora.geometry import FUSED, Target, shard_pair
+from engine_svc.models.spec import ModelSpec
+from engine_svc.parallel.shard import Shard
 
 
 class SlotsExhausted(RuntimeError):
@@ -33,8 +35,12 @@ class AdapterSlots:
         geometry: dict[str, Target],
         dtype: torch.dtype,
         device: torch.device,
+        spec: ModelSpec | None = None,
+        shard: Shard | None = None,
     ):
         self.num_slots, self.max_rank, self.geometry = num_slots, max_rank, geometry
+        self.spec, self.shard = spec, shard or Shard()  # with tensor parallelism: this rank's part
+        self.on_load = None  # (slot, adapter) -> None: tells tensor-parallel workers to load it too
         # Only the fused projections whose modules the geometry has (all of them in the engine).
         self.fused = {f: ms for f, ms in FUSED.items() if all(m in geometry for m in ms)}
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -51,6 +57,7 @@ class AdapterSlots:
             self.stacks.append(layer)
         self.holder: list[tuple[str, int] | None] = [None] * num_slots  # (name, version) per slot
         self.modules: list[frozenset[str]] = [frozenset()] * num_slots  # what each slot's adapter targets
+        self.ranks: list[int] = [0] * num_slots
         self._lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # key -> slot, oldest first
         self.num_swaps = 0  # adapters copied in (first loads included)
 
@@ -83,7 +90,16 @@ class AdapterSlots:
                 return slot
         raise SlotsExhausted(f"all {self.num_slots} LoRA slots hold adapters in use")
 
+    def load_into(self, slot: int, adapter: LoRAAdapter) -> None:
+        """A tensor-parallel worker's side: rank 0 chose the slot."""
+        key = self.holder[slot]
+        if key is not None:
+            self._lru.pop(key, None)
+        self._load(slot, adapter)
+
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        if self.on_load is not None:
+            self.on_load(slot, adapter)
         r = adapter.rank
         for layer, stacks in enumerate(self.stacks):
             for f, modules in self.fused.items():
@@ -96,10 +112,12 @@ class AdapterSlots:
                     if w is None:
                         continue
                     t = self.geometry[module]
-                    a_stack[slot, j : r * n : n].copy_(w[0])
-                    b_stack[slot, t.offset : t.offset + t.out_features, j : r * n : n].copy_(w[1])
+                    a, b = shard_pair(module, w[0], w[1], self.spec, self.shard) if self.spec else w
+                    a_stack[slot, j : r * n : n].copy_(a)
+                    b_stack[slot, t.offset : t.offset + t.out_features, j : r * n : n].copy_(b)
         key = (adapter.name, adapter.version)
         self.holder[slot] = key
         self.modules[slot] = adapter.modules
+        self.ranks[slot] = adapter.rank
         self._lru[key] = slot
         self.num_swaps += 1
