@@ -125,7 +125,16 @@ def test_mixed_batch_equals_solo_with_chunking_preemption_caching_and_swaps(tiny
     engine = _engine(model_dir, max_loras=2, block_size=8, num_kv_blocks=24, max_num_batched_tokens=20)
     for name in names:
         engine.add_lora(name, str(adapters[("qwen2", name)]))
-    mixed = _run(engine, requests)
+    for rid, (prompt, lora) in requests.items():
+        engine.add_request(rid, prompt, GREEDY, lora=lora)
+    first: dict[str, list[int]] = {}
+    for delta in engine.step():
+        first.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    st = engine.stats()  # the figures behind vllm:lora_requests_info
+    assert st.max_lora == 2 and set(st.running_lora_adapters) | set(st.waiting_lora_adapters) == set(names)
+    assert len(st.running_lora_adapters) <= 2 and st.waiting_lora_adapters
+    rest = _run(engine, {})
+    mixed = {rid: first.get(rid, []) + rest.get(rid, []) for rid in requests}
     again = _run(engine, {f"again{rid}": r for rid, r in requests.items()})  # served from the cache
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the pool never ran dry: no preemption was tested"

@@ -5,6 +5,8 @@ unchanged), and vLLM's lora_requests_info metric."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -31,8 +33,11 @@ def adapters(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(tiny_llama, adapters):
-    args = ["--tokenizer-workers", "1", "--num-kv-blocks", "256", "--metrics-port", "0"]
+    args = ["--tokenizer-workers", "1", "--num-kv-blocks", "256", "--metrics-port", "0", "--http-port", "0"]
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
+    # An unread stream is paused after a few messages: the engine goes quiet with its request
+    # running, and its heartbeat brings the load figures (the metric test reads them then).
+    args += ["--max-unsent-messages", "4"]
     args += ["--lora-modules", f"start={adapters['start']}"]
     with ServiceProcess(tiny_llama, *args) as sp:
         yield sp
@@ -117,15 +122,32 @@ def test_failed_load_is_invalid_argument_and_changes_nothing(
 
 
 def test_lora_requests_info_metric(service):
+    """The family as vLLM serves it, from the engine's heartbeat (figures while busy: the unit test
+    in tests/test_lora_units.py; the engine's running/waiting names: tests/test_lora.py)."""
     port = metrics_port(service)
+    key = "vllm:lora_requests_info{max_lora=2,running_lora_adapters=,waiting_lora_adapters=}"
+    s = wait_for(lambda: (lambda s: s if key in s else None)(scrape(port)), 10.0, "no lora_requests_info")
+    assert abs(s[key] - time.time()) < 60  # the time of the figures
+
+
+def test_openai_model_field_names_the_adapter(service, offline):
+    """As vLLM: the OpenAI API's ``model`` is the served model or a loaded adapter's name."""
+    import httpx
+
+    prompts, want = offline
+    url = service.http_url + "/v1/completions"
+    body = dict(
+        prompt=prompts[0], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, return_token_ids=True
+    )
     with LLMServeClient(service.target, timeout=60) as c:
-        stream = c.generate_stream(token_ids=[5, 6, 7], max_tokens=900, ignore_eos=True, lora="start")
-        next(stream)
-
-        def seen():
-            s = scrape(port)
-            key = "vllm:lora_requests_info{max_lora=2,running_lora_adapters=start,waiting_lora_adapters=}"
-            return s if key in s else None
-
-        wait_for(seen, 10.0, "lora_requests_info never showed the running adapter")
-        stream.cancel()
+        via_grpc = _ids(c, prompts[0], "start")
+    assert via_grpc == want["start"][0]
+    with httpx.Client(timeout=60) as h:
+        r = h.post(url, json=dict(body, model="start"))
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "start"
+        text_adapter = r.json()["choices"][0]["text"]
+        base = h.post(url, json=body).json()["choices"][0]["text"]
+        assert text_adapter != base
+        missing = h.post(url, json=dict(body, model="nope"))
+        assert missing.status_code == 404 and "nope" in missing.text

@@ -90,3 +90,21 @@ def test_fused_stacks_put_each_module_in_its_columns_and_rows():
         t = geometry[m]
         want[:, t.offset : t.offset + t.out_features] = x @ wa.T @ wb.T
     torch.testing.assert_close(out, want)
+
+
+def test_lora_requests_info_is_served_as_vllm_serves_it():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.metrics import EngineLoadCollector
+    from llmserve_proto.engine.v1 import engine_pb2 as pb
+
+    load = pb.Load(running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"], max_lora=4)
+    registry = CollectorRegistry()
+    registry.register(EngineLoadCollector(lambda: load))
+    text = generate_latest(registry).decode()
+    assert (
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"}' in text
+    )
+    registry = CollectorRegistry()
+    registry.register(EngineLoadCollector(lambda: pb.Load()))  # LoRA off: no family
+    assert "lora_requests_info" not in generate_latest(registry).decode()
