@@ -85,8 +85,7 @@ class LoRAManager:
     def get(self, name: str) -> LoRAAdapter:
         adapter = self.adapters.get(name)
         if adapter is None:
-            known = ", ".join(sorted(self.adapters)) or "none"
-            raise AdapterNotFound(f"no LoRA adapter named {name!r} is loaded (loaded: {known})")
+            raise AdapterNotFound(f"no LoRA adapter named {name!r} is loaded")
         return adapter
 
     # --- a step -------------------------------------------------------------------------------
