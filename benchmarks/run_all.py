@@ -38,6 +38,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("routing", "results-dir"),
     ("structured_output", "results-dir"),
     ("speculative", "results-dir"),
+    ("lora", "results-dir"),
 ]
 TIMEOUT_S = 3600  # routing and transports take 20+ minutes on a loaded 2-core machine
 

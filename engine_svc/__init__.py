@@ -1,10 +1,19 @@
 """The engine: paged KV cache, continuous batching, prefix caching; token ids in, token ids out."""
 
 from engine_svc.config import EngineConfig, ModelInfo
+from engine_svc.lora.request import LoRARequest
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelInfo", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "LoRARequest",
+    "ModelInfo",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name):

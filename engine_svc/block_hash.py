@@ -5,7 +5,9 @@ Definition (all integers 64-bit unsigned, bytes little-endian; ``B(x)`` is BLAKE
 digest, read as a little-endian integer):
 
     salt_hash  = 0 without a tenant salt, else B(utf8(salt))
-    root       = B(b"llmserve-prefix-root" + u64(salt_hash))
+    root       = B(b"llmserve-prefix-root" + u64(salt_hash))                     (base model)
+    root       = B(b"llmserve-prefix-root" + u64(salt_hash) + utf8(name@version))  (a LoRA adapter:
+                 its name and the engine's load counter for it, so a reload never meets old KV)
     block_hash = B(u64(parent) + i32(t0) + i32(t1) + ... + i32(t_{block_size-1}))
 
 where ``parent`` is ``root`` for a prompt's first block and the previous block's hash after it.
@@ -34,10 +36,11 @@ def salt_hash(salt: str | None) -> int:
 
 
 @lru_cache(maxsize=4096)
-def root_hash(salt_h: int) -> int:
-    """The parent of a prompt's first block. Kept one small function on purpose: whatever else must
-    keep two prompts' caches apart (a LoRA adapter's name) is folded in here."""
-    return _digest64(_ROOT_TAG + salt_h.to_bytes(8, "little"))
+def root_hash(salt_h: int, adapter: str | None = None) -> int:
+    """The parent of a prompt's first block: whatever must keep two prompts' caches apart (the
+    tenant's salt, a LoRA adapter's name@version) is folded in here."""
+    tail = adapter.encode() if adapter else b""
+    return _digest64(_ROOT_TAG + salt_h.to_bytes(8, "little") + tail)
 
 
 def chain_hash(parent: int, token_ids) -> int:
@@ -48,9 +51,11 @@ def chain_hash(parent: int, token_ids) -> int:
     return _digest64(parent.to_bytes(8, "little") + ids.tobytes())
 
 
-def prompt_block_hashes(token_ids, block_size: int, salt: str | None = None) -> list[int]:
+def prompt_block_hashes(
+    token_ids, block_size: int, salt: str | None = None, adapter: str | None = None
+) -> list[int]:
     """Every full block's hash of a token sequence, as the engine computes them (for routers, tests)."""
-    parent, out = root_hash(salt_hash(salt)), []
+    parent, out = root_hash(salt_hash(salt), adapter), []
     for i in range(len(token_ids) // block_size):
         parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

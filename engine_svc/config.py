@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+MAX_LORAS = 256
+MAX_LORA_RANK = 512
 
 
 @dataclass
@@ -29,6 +31,10 @@ class EngineConfig:
     max_logprobs: int = 20
     gpu_memory_utilization: float = 0.9
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    enable_lora: bool = False
+    max_loras: int = 1  # adapter slots on the device: distinct adapters one step can run
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, loaded at start
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -52,9 +58,18 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._validate_lora()
         from engine_svc.spec_decode.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)
+
+    def _validate_lora(self) -> None:
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ValueError(f"max_loras must be in [1, {MAX_LORAS}], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
 
 
 @dataclass

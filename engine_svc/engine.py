@@ -17,6 +17,8 @@ from engine_svc.config import EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
+from engine_svc.lora.adapter import AdapterError, LoRAAdapter
+from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
@@ -64,6 +66,9 @@ class EngineStats:
     # Cumulative: prompt tokens the engine computed (cache hits excluded) and tokens it generated.
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
+    running_lora_adapters: tuple[str, ...] = ()  # names, as vLLM's lora_requests_info labels them
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0  # device slots; 0: LoRA off
 
     @property
     def kv_usage(self) -> float:
@@ -101,6 +106,23 @@ class LLMEngine:
             self.tp_group.broadcast if self.tp_group else None,
         )
         self.proposer = self._draft_proposer(num_blocks) if self.draft_spec is not None else None
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                self.spec,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                self.kernels.lora_apply,
+                shard,
+            )
+            if self.tp_group is not None:  # workers load each adapter into the same slot, their part
+                self.lora.slots.on_load = self.tp_group.send_lora_load
+            self.runner.lora = self.lora
+            self.runner.lora_in_use = self.scheduler.running_adapters
+            for name, path in (config.lora_modules or {}).items():
+                self.lora.load(name, path)
         self.grammars = self._grammar_compiler()
         if self.grammars is not None:
             self.runner.grammar_executor = self.grammars.executor
@@ -189,12 +211,16 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace."""
+        """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace.
+        ``lora`` names a loaded adapter (None or "": the base model); an unknown one raises
+        ``AdapterNotFound`` (a LookupError)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        adapter = self._adapter(lora) if lora else None
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
@@ -232,12 +258,48 @@ class LLMEngine:
             grammar = params.structured_outputs.to_grammar()  # ValueError naming the field
         params.eos_token_ids = tuple(self.spec.eos_token_ids)
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
+        request.lora = adapter
         if grammar is not None:
             request.grammar = self.grammars.submit(grammar)  # compiled off the loop; admitted when ready
         seq = Sequence(request, 0, list(prompt))
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    # --- LoRA adapters --------------------------------------------------------------------------
+    def _adapter(self, name: str) -> LoRAAdapter:
+        if self.lora is None:
+            raise AdapterNotFound(f"no LoRA adapter named {name!r}: LoRA is not enabled (--enable-lora)")
+        return self.lora.get(name)
+
+    def add_lora(self, name: str, path: str, int_id: int | None = None) -> LoRAAdapter:
+        """Load (or reload) adapter ``name`` from a PEFT directory. ``ValueError`` naming the problem
+        (missing file, bad config, rank above the limit, a module or shape the model lacks) changes
+        nothing."""
+        return self.install_lora(self.read_lora(name, path, int_id))
+
+    def read_lora(self, name: str, path: str, int_id: int | None = None) -> LoRAAdapter:
+        """``add_lora``'s file work alone (no engine state is touched): a server runs it off its loop."""
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled: start the engine with enable_lora (--enable-lora)")
+        return self.lora.read(name, path, int_id)
+
+    def install_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        return self.lora.install(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload ``name``: ``AdapterNotFound`` if it is not loaded, ``ValueError`` while live
+        requests use it (they keep their adapter to the end; unload after)."""
+        self._adapter(name)
+        users = sum(1 for r in self.requests.values() if r.lora is not None and r.lora.name == name)
+        if users:
+            raise AdapterInUse(
+                f"adapter {name!r} is in use by {users} live request(s); unload it after they end"
+            )
+        self.lora.unload(name)
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        return [] if self.lora is None else list(self.lora.adapters.values())
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Drop a request (or, with ``index``, one of its n outputs) now, returning its blocks as soon
@@ -320,6 +382,10 @@ class LLMEngine:
 
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        running_loras = waiting_loras = ()
+        if self.lora is not None:
+            running_loras = _adapter_names(self.scheduler.running)
+            waiting_loras = _adapter_names(self.scheduler.waiting)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -333,6 +399,9 @@ class LLMEngine:
             num_accepted_draft_tokens=self.scheduler.num_accepted,
             prompt_tokens_computed=self.num_prompt_tokens_computed,
             generation_tokens=self.num_generation_tokens,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+            max_lora=self.config.max_loras if self.lora is not None else 0,
         )
 
     # --- KV-cache events (for KV-aware routers) ---------------------------------------------------
@@ -403,6 +472,10 @@ class LLMEngine:
         if blocks < 1:
             raise ValueError(f"the KV budget holds no block of {per_block} bytes; give more kv_cache_memory")
         return int(blocks)
+
+
+def _adapter_names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({s.request.lora.name for s in seqs if s.request.lora is not None}))
 
 
 def resolve_device(name: str | None, rank: int = 0) -> torch.device:

@@ -27,8 +27,9 @@ class KVCacheManager:
 
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent and salted
-        (deterministic: ``block_hash.py`` defines them for routers)."""
+        """Hashes of the first ``num_blocks`` full blocks, each chained to its parent; the root is
+        salted with the cache salt and the LoRA adapter (deterministic: ``block_hash.py`` defines
+        them for routers)."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
         parent = hashes[-1] if hashes else self.root_of(seq)
         for i in range(len(hashes), num_blocks):
@@ -38,7 +39,11 @@ class KVCacheManager:
 
     @staticmethod
     def root_of(seq: Sequence) -> int:
-        return root_hash(salt_hash(seq.request.cache_salt))
+        """KV computed under one adapter (or version of it), or one salt, is never served to another."""
+        lora = seq.request.lora
+        return root_hash(
+            salt_hash(seq.request.cache_salt), None if lora is None else f"{lora.name}@{lora.version}"
+        )
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq`` (never its last token: that one must be
@@ -128,7 +133,7 @@ class KVCacheManager:
         hashes = self.block_hashes(seq, full)
         salt_h = salt_hash(seq.request.cache_salt)
         for i in range(seq.num_registered_blocks, full):
-            parent = hashes[i - 1] if i else root_hash(salt_h)
+            parent = hashes[i - 1] if i else self.root_of(seq)
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.pool.register(seq.block_table[i], hashes[i], block_tokens, parent, salt_h)
         seq.num_registered_blocks = full

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from engine_svc.config import EngineConfig
 from engine_svc.engine import LLMEngine
+from engine_svc.lora.request import LoRARequest
 from engine_svc.outputs import CompletionOutput, RequestDelta, RequestOutput
 from engine_svc.sampling_params import SamplingParams
 
@@ -83,8 +84,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt;
+        an adapter not loaded yet is loaded from its ``lora_path`` first."""
         prompt_list = _as_prompt_list(prompts)
         params_list = (
             sampling_params
@@ -93,10 +97,14 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompt_list)} prompts")
+        names = [self._ensure_lora(r) for r in loras]
         tracks: dict[str, _Track] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-                track = self._start(prompt, params, priority[i] if priority else 0)
+                track = self._start(prompt, params, priority[i] if priority else 0, names[i])
                 tracks[track.request_id] = track
             with tqdm(total=len(tracks), disable=not use_tqdm, desc="generate") as bar:
                 while self.engine.has_unfinished_requests():
@@ -111,7 +119,19 @@ class LLM:
                 self.engine.abort_request(rid)  # on an error mid-way, leave nothing behind
         return [t.result() for t in tracks.values()]
 
-    def _start(self, prompt, params: SamplingParams, priority: int) -> _Track:
+    def _ensure_lora(self, request: LoRARequest | None) -> str | None:
+        """The adapter's name, loading it first if this engine does not hold that adapter (same
+        name, id and path) yet."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(request).__name__}")
+        held = {a.name: a for a in self.engine.list_loras()}.get(request.lora_name)
+        if held is None or held.int_id != request.lora_int_id or held.path != str(request.lora_path):
+            self.engine.add_lora(request.lora_name, str(request.lora_path), request.lora_int_id)
+        return request.lora_name
+
+    def _start(self, prompt, params: SamplingParams, priority: int, lora: str | None = None) -> _Track:
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -122,7 +142,7 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, list(prompt), params, priority=priority)
+        self.engine.add_request(request_id, list(prompt), params, priority=priority, lora=lora)
         return _Track(request_id, list(prompt), text, params, self.tokenizer)
 
 

@@ -43,6 +43,7 @@ class ModelForward:
             to_device(inputs.positions, dev),
             self.kv_caches,
             inputs.attention(dev),
+            lora=inputs.lora,
         )
         rows = inputs.logit_rows
         if not len(rows):
@@ -68,6 +69,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.grammar_executor = None  # set by the engine when structured outputs are available
         self.batch = InputBatch(max_blocks_per_seq)
+        self.lora = None  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
+        self.lora_in_use = None  # () -> {(name, version)} of the adapters running requests use
 
     @torch.inference_mode()
     def execute(
@@ -96,8 +99,14 @@ class ModelRunner:
 
     def build_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
         if out.only_decodes:
-            return self.decode_inputs(out.seqs, copies)
-        return self.general_inputs(out, copies)
+            inputs = self.decode_inputs(out.seqs, copies)
+        else:
+            inputs = self.general_inputs(out, copies)
+        if self.lora is not None and self.lora.adapters:
+            adapters = [s.request.lora for s in out.seqs]
+            num_new = None if out.only_decodes else out.num_new
+            inputs.lora = self.lora.batch(adapters, num_new, self.lora_in_use())
+        return inputs
 
     def decode_inputs(self, seqs: list[Sequence], copies: np.ndarray) -> StepInputs:
         """The short path, for a step where every sequence computes its last token and samples its

@@ -80,6 +80,8 @@ class Scheduler:
         self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
         self.num_drafted = self.num_accepted = 0
         self.verified: list[Sequence] = []  # sequences whose drafts this update verified
+        # Distinct LoRA adapters the running sequences may use: one device slot each.
+        self.max_loras = config.max_loras if config.enable_lora else 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -200,11 +202,16 @@ class Scheduler:
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
         publish = self.kv.enable_prefix_caching
+        adapters = self.running_adapters() if self.max_loras else None
         while j < len(waiting) and budget > 0 and seats > 0:
             seq = waiting[j]
             request = seq.request
             if request.paused or request.waiting_for_grammar:
                 j += 1
+                continue
+            lora = None if request.lora is None else (request.lora.name, request.lora.version)
+            if lora is not None and lora not in adapters and len(adapters) >= self.max_loras:
+                j += 1  # every slot is taken by adapters in use: it waits for one to free up
                 continue
             if request.grammar is not None and seq.matcher is None:
                 try:
@@ -224,8 +231,11 @@ class Scheduler:
                     break
                 budget += out.unschedule(victim)
                 self._preempt(victim, out)
+                adapters = self.running_adapters() if self.max_loras else None
                 j = 0
                 continue  # the pool and the queue changed: look again
+            if lora is not None:
+                adapters.add(lora)
             del waiting[j]
             if publish:  # its prompt's blocks, to the requests admitted after it in this very step
                 self.kv.register_computed_blocks(seq, scheduled=num_new)
@@ -241,6 +251,10 @@ class Scheduler:
             budget -= num_new
             seats -= 1
         return budget
+
+    def running_adapters(self) -> set[tuple[str, int]]:
+        """(name, version) of the LoRA adapters running sequences use: their slots are pinned."""
+        return {(s.request.lora.name, s.request.lora.version) for s in self.running if s.request.lora}
 
     def _fail(self, seq: Sequence, why: str) -> None:
         """End a request that cannot run (its grammar did not compile): an abort delta says why."""

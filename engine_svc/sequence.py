@@ -66,6 +66,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     grammar: Future | None = None  # of the first sequence's matcher, compiled off the loop
+    lora: object = None  # engine_svc.lora.adapter.LoRAAdapter it runs under; None: the base model
 
     def __post_init__(self) -> None:
         # Read for every sequence on every step: fields computed once, not properties.

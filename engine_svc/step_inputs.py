@@ -15,7 +15,7 @@ import torch
 from engine_svc.models.decoder import AttentionInputs
 
 HEADER_LEN = 8
-CMD_STEP, CMD_STOP = 1, 2
+CMD_STEP, CMD_STOP, CMD_LORA_LOAD = 1, 2, 3
 
 
 @dataclass
@@ -30,6 +30,8 @@ class StepInputs:
     copies: np.ndarray  # [C, 2] int64: copy-on-write (src, dst) block copies before the forward
     max_query_len: int
     max_seq_len: int
+    lora: object = None  # engine_svc.lora.batch.LoRABatch of this step (its token slots are packed)
+    lora_slots: np.ndarray | None = None  # unpacked by a tensor-parallel worker: [T] slot per token
 
     def attention(self, device: torch.device) -> AttentionInputs:
         return AttentionInputs(
@@ -45,6 +47,7 @@ class StepInputs:
     def pack(self) -> tuple[list[int], np.ndarray]:
         """(header, payload): the header's fixed fields say how to cut the payload."""
         b, width = self.block_tables.shape
+        lora_slots = self.lora.token_slots_host if self.lora is not None else np.empty(0, np.int64)
         payload = np.concatenate(
             [
                 self.input_ids,
@@ -55,21 +58,22 @@ class StepInputs:
                 self.query_start,
                 self.logit_rows,
                 self.copies.reshape(-1),
+                lora_slots,
             ]
         ).astype(np.int64, copy=False)
         header = [CMD_STEP, len(self.input_ids), b, width, len(self.logit_rows), len(self.copies)]
-        header += [len(payload), 0]
+        header += [len(payload), len(lora_slots)]
         return header, payload
 
     @classmethod
     def unpack(cls, header: list[int], payload: np.ndarray) -> StepInputs:
-        _, t, b, width, n_logits, n_copies, _, _ = header
-        cuts = [t, t, t, b * width, b, b + 1, n_logits, 2 * n_copies]
+        _, t, b, width, n_logits, n_copies, _, n_lora = header
+        cuts = [t, t, t, b * width, b, b + 1, n_logits, 2 * n_copies, n_lora]
         parts, at = [], 0
         for n in cuts:
             parts.append(payload[at : at + n])
             at += n
-        ids, pos, slots, tables, seq_lens, qs, rows, copies = parts
+        ids, pos, slots, tables, seq_lens, qs, rows, copies, lora_slots = parts
         seq_lens = seq_lens.astype(np.int32)
         qs = qs.astype(np.int32)
         return cls(
@@ -83,6 +87,7 @@ class StepInputs:
             copies.reshape(n_copies, 2),
             max_query_len=int(np.diff(qs).max()),
             max_seq_len=int(seq_lens.max()),
+            lora_slots=lora_slots if n_lora else None,
         )
 
 

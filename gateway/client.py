@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_svc.rpc.defaults import GATEWAY_PORT
 from engine_svc.rpc.grpc_options import Keepalive
 from engine_svc.rpc.tls import ClientTLS
+from llmserve_proto.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, models_pb2, models_pb2_grpc
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
-from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc
 
 Message = dict | tuple[str, str]
 
@@ -98,6 +98,7 @@ class LLMServeClient:
         self.channel = channel or grpc.insecure_channel(target, options=options)
         self.generation = gen_grpc.GenerationStub(self.channel)
         self.models = models_pb2_grpc.ModelsStub(self.channel)
+        self.adapters = adapters_pb2_grpc.AdaptersStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def __enter__(self) -> LLMServeClient:
@@ -116,6 +117,19 @@ class LLMServeClient:
         return self.generation.GenerateStream(
             build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
         )
+
+    def load_adapter(self, name: str, path: str) -> adapters_pb2.Adapter:
+        """Load (or reload) a LoRA adapter from a PEFT directory on the engine's host."""
+        request = adapters_pb2.LoadAdapterRequest(name=name, path=str(path))
+        return self.adapters.LoadAdapter(request, timeout=self.timeout, metadata=self.metadata)
+
+    def unload_adapter(self, name: str) -> None:
+        request = adapters_pb2.UnloadAdapterRequest(name=name)
+        self.adapters.UnloadAdapter(request, timeout=self.timeout, metadata=self.metadata)
+
+    def list_adapters(self) -> adapters_pb2.ListAdaptersResponse:
+        request = adapters_pb2.ListAdaptersRequest()
+        return self.adapters.ListAdapters(request, timeout=self.timeout, metadata=self.metadata)
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs

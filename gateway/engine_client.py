@@ -205,6 +205,7 @@ class EngineClient:
         params: pb.SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        lora: str = "",
     ) -> RequestHandle:
         """Send a request; its deltas go to the returned handle. Raises EngineUnavailable, or
         grpc.aio.AioRpcError with INVALID_ARGUMENT when the engine refuses the request."""
@@ -218,6 +219,7 @@ class EngineClient:
             params=params,
             priority=priority,
             cache_salt=cache_salt,
+            lora=lora,
         )
         start = self._prompt_ring.try_write(prompt) if self._prompt_ring is not None else None
         if start is not None:
@@ -320,6 +322,26 @@ class EngineClient:
             )
         except grpc.aio.AioRpcError as e:
             log.warning("abort of %s failed: %s", request_ids, e.details())
+
+    # LoRA adapters: errors are the engine's grpc.aio.AioRpcError (INVALID_ARGUMENT, NOT_FOUND, ...)
+
+    async def load_adapter(self, name: str, path: str) -> pb.AdapterInfo:
+        self._check_ready()
+        return await self._stub.LoadAdapter(
+            pb.LoadAdapterRequest(name=name, path=path), timeout=RPC_TIMEOUT_S
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        self._check_ready()
+        await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=RPC_TIMEOUT_S)
+
+    async def list_adapters(self) -> pb.ListAdaptersResponse:
+        self._check_ready()
+        return await self._stub.ListAdapters(pb.ListAdaptersRequest(), timeout=RPC_TIMEOUT_S)
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise EngineUnavailable("the engine is not available")
 
     async def stats(self, check_invariants: bool = False) -> pb.EngineStats:
         return await self._stub.GetStats(pb.GetStatsRequest(check_invariants=check_invariants), timeout=10)

@@ -60,6 +60,14 @@ class GatewayState:
         if not self.engine.ready:
             raise unavailable("the engine is not available (starting, restarting or gone)")
 
+    def lora_for_model(self, name: str) -> str:
+        """The LoRA adapter an OpenAI ``model`` names: any name but the served model's, when the
+        engine serves adapters ("" otherwise: ``check_model`` then refuses an unknown name)."""
+        info = self.engine.info
+        if not name or name == self.model_name or info is None or not info.max_loras:
+            return ""
+        return name
+
     def check_model(self, name: str) -> None:
         if not name or name == self.model_name:
             return

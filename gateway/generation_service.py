@@ -22,7 +22,7 @@ from gateway.constraints import complete_constraints
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
-from gateway.input_bounds import check_chat, check_text
+from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
 from gateway.sequence_output import SequenceOutput
@@ -296,6 +296,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         s.check_model(request.model)
         if s.token_only:
             check_generate(request)
+        bad_lora = check_lora_name(request.lora)
+        if bad_lora:
+            raise invalid(bad_lora)
         v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
         if s.token_only:
             v.return_token_ids = True  # token ids are the only output there is
@@ -325,7 +328,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                     on_prompt(prompt)
                 try:
                     handle = await s.engine.submit(
-                        rid, prompt, sampling_params_to_proto(v.params), v.priority, cache_salt=cache_salt
+                        rid,
+                        prompt,
+                        sampling_params_to_proto(v.params),
+                        v.priority,
+                        cache_salt=cache_salt,
+                        lora=request.lora,
                     )
                 except EngineUnavailable as e:
                     raise unavailable(str(e)) from e

@@ -138,12 +138,18 @@ class HttpApi:
 
     async def _respond(self, request: Request, identity, body, reqs, chat: bool) -> Response:
         self.s.check_serving()  # before a 200 is sent: a drain or a lost engine is a 503
+        model = self.s.model_name
+        lora = self.s.lora_for_model(reqs[0].model)
+        if lora:  # as vLLM: `model` names a LoRA adapter (the engine says NOT_FOUND if it is not one)
+            model = lora
+            for r in reqs:
+                r.model, r.lora = "", lora
         self.s.check_model(reqs[0].model)
         n = reqs[0].n if reqs[0].HasField("n") else 1
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + (reqs[0].request_id or uuid.uuid4().hex),
             "created": int(time.time()),
-            "model": self.s.model_name,
+            "model": model,
         }
         fmt = _Formatter(self.s.tokenizer, chat, meta, n, reqs[0].return_token_ids)
         if body.get("stream"):

@@ -90,5 +90,14 @@ def check_model_name(name: str, limits: Limits) -> list[FieldViolation]:
     return []
 
 
+MAX_LORA_NAME_BYTES = 256  # the engine's bound on adapter names (engine_svc/lora/manager.py)
+
+
+def check_lora_name(name: str) -> list[FieldViolation]:
+    if len(name) > MAX_LORA_NAME_BYTES or utf8_len_over(name, MAX_LORA_NAME_BYTES):
+        return [FieldViolation("lora", f"{quote(name)} is longer than {MAX_LORA_NAME_BYTES} UTF-8 bytes")]
+    return []
+
+
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))

@@ -74,6 +74,23 @@ class EngineLoadCollector(Collector):
                 c.add_metric([], float(getattr(load, f)))
                 yield c
         yield from _speculation_metrics(load)
+        if getattr(load, "max_lora", 0):
+            # As vLLM serves it: adapter names comma-joined in labels; the value is the time of the
+            # figures (dashboards take the latest series).
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests",
+                labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    ",".join(load.running_lora_adapters),
+                    str(load.max_lora),
+                    ",".join(load.waiting_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield info
 
     def _vllm_names(self, load):
         """The names the Gateway API inference extension's model-server protocol reads (vLLM's,

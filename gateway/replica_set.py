@@ -29,7 +29,7 @@ class RoutedHandle:
     def __init__(self, replicas: ReplicaSet, request_id: str, submit_args: tuple, retries: int) -> None:
         self.request_id = request_id
         self._replicas = replicas
-        self._submit_args = submit_args  # prompt, params, priority, cache_salt: to submit again
+        self._submit_args = submit_args  # prompt, params, priority, cache_salt, lora: to submit again
         self._retries_left = retries
         self._inner: RequestHandle | None = None
         self._delivered = False
@@ -198,8 +198,9 @@ class ReplicaSet:
         params: pb.SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        lora: str = "",
     ) -> RoutedHandle:
-        handle = RoutedHandle(self, request_id, (prompt, params, priority, cache_salt), self.retries)
+        handle = RoutedHandle(self, request_id, (prompt, params, priority, cache_salt, lora), self.retries)
         await self._place(handle, avoid=None)
         return handle
 
@@ -210,7 +211,7 @@ class ReplicaSet:
         await self._place(handle, avoid=lost)
 
     async def _place(self, handle: RoutedHandle, avoid: EngineClient | None) -> None:
-        prompt, params, priority, cache_salt = handle._submit_args
+        prompt, params, priority, cache_salt, lora = handle._submit_args
         rid = handle.request_id
         tried: set[str] = set() if avoid is None else {avoid.address}
         while True:
@@ -220,7 +221,7 @@ class ReplicaSet:
             self._track(rid, replica, handle)  # before Submit: the first delta may beat its reply
             try:
                 handle._inner = await self._submit_unless_lost(
-                    replica, replica.submit(rid, prompt, params, priority, cache_salt=cache_salt)
+                    replica, replica.submit(rid, prompt, params, priority, cache_salt=cache_salt, lora=lora)
                 )
                 return
             except EngineUnavailable:
@@ -298,6 +299,26 @@ class ReplicaSet:
                 owners[replica.address] = replica
         await asyncio.gather(*(owners[a].abort(rids, index) for a, rids in by_replica.items()))
 
+    # LoRA adapters: every replica holds the same set ---------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> pb.AdapterInfo:
+        """On every healthy replica (a refusal anywhere is the caller's error; replicas that loaded
+        it keep it, as a load of the same name again replaces it)."""
+        infos = await asyncio.gather(*(r.load_adapter(name, path) for r in self._all_up()))
+        return infos[0]
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.gather(*(r.unload_adapter(name) for r in self._all_up()))
+
+    async def list_adapters(self) -> pb.ListAdaptersResponse:
+        return await self._all_up()[0].list_adapters()
+
+    def _all_up(self) -> list[EngineClient]:
+        healthy = self.healthy
+        if not healthy:
+            raise EngineUnavailable("no engine replica is available")
+        return healthy
+
     async def stats(self, check_invariants: bool = False) -> pb.EngineStats:
         """Every healthy replica's stats, added up (an invariant error names its replica)."""
         healthy = self.healthy
@@ -312,11 +333,20 @@ class ReplicaSet:
 
 
 def sum_loads(loads) -> pb.Load:
-    """Replicas' loads added up, field by field (every Load field is a count)."""
+    """Replicas' loads added up, field by field: counts summed; the LoRA adapter names in use
+    joined (each once); ``max_lora`` (slots per engine) the largest."""
     total = pb.Load()
+    names: dict[str, set[str]] = {}
     for load in loads:
         for f in pb.Load.DESCRIPTOR.fields:
-            setattr(total, f.name, getattr(total, f.name) + getattr(load, f.name))
+            if f.label == f.LABEL_REPEATED:
+                names.setdefault(f.name, set()).update(getattr(load, f.name))
+            elif f.name == "max_lora":
+                total.max_lora = max(total.max_lora, load.max_lora)
+            else:
+                setattr(total, f.name, getattr(total, f.name) + getattr(load, f.name))
+    for name, values in names.items():
+        getattr(total, name).extend(sorted(values))
     return total
 
 

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_svc.rpc.defaults import GATEWAY_PORT, LIVENESS_SERVICE
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
 from engine_svc.rpc.tls import ClientTLS, ServerTLS, add_port
+from gateway.adapters_service import AdaptersService
 from gateway.admission import Admission
 from gateway.auth import Authenticator, AuthInterceptor
 from gateway.engine_client import EngineClient
@@ -33,6 +34,8 @@ from gateway.router_service import RouterService
 from gateway.stall_sweep import StallSweeper
 from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
     models_pb2,
@@ -48,6 +51,7 @@ SERVICES = [
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     models_pb2.DESCRIPTOR.services_by_name["Models"].full_name,
     router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+    adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name,
 ]
 
 
@@ -153,6 +157,7 @@ class GatewayServer:
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
         models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.state), server)
+        adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import paged_attention as cpu_paged_attention
-from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
+from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class Kernels:
     apply_rotary: Callable
     write_kv: Callable
     paged_attention: Callable
+    lora_apply: Callable = lora.lora_apply  # batched mixed-adapter LoRA (kernels/reference/lora.py)
 
 
 # The plain-torch twins exactly as written: the definition of every kernel.

@@ -11,7 +11,8 @@ import torch
 
 from kernels.backend import Kernels
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
-from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
+from kernels.lora_cases import LORA_CASES, make_lora_case
+from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 # (rtol, atol) per dtype; bf16 keeps 8 mantissa bits, so one rounding step is ~4e-3 relative.
 TOLERANCES = {
@@ -107,9 +108,23 @@ def check_attention(
     return records
 
 
+def check_lora(k: Kernels, device: str, dtype: torch.dtype) -> list[dict]:
+    """The batched LoRA apply (a mix of base tokens and several adapters, into a column slice of a
+    wider output) against the torch twin."""
+    records = []
+    for case in LORA_CASES:
+        got, want = make_lora_case(case, dtype, device), make_lora_case(case, dtype, device)
+        slots = torch.from_numpy(got.token_slots.astype("int32")).to(device)
+        k.lora_apply(got.out, got.x, got.a, got.b, slots, got.plan(device), got.max_rank)
+        lora.lora_apply(want.out, want.x, want.a, want.b, slots, want.plan(device), want.max_rank)
+        records.append(_record("lora_apply", case[0], dtype, got.out, want.out))
+    return records
+
+
 def check_all(k: Kernels, device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
     records = []
     for dtype in dtypes:
         records += check_elementwise(k, device, dtype)
         records += check_attention(k, device, dtype)
+        records += check_lora(k, device, dtype)
     return records

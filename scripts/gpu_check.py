@@ -11,7 +11,12 @@ For a machine with an NVIDIA GPU (H100/H200 class); finishes in under 8 minutes 
    (from ``PEAK_BANDWIDTH_TBPS`` by device name, or ``--peak-bandwidth-tbps``).
 4. ``tiny_hf_equality``: the engine's greedy tokens (Triton kernels, fp32) equal HF ``generate`` on
    the GPU for a small random Llama.
-5. ``llama3_8b``: a Llama-3-8B-shaped model with ``load_format="dummy"`` in bf16: batch-1 decode
+5. ``lora``: the batched LoRA kernel against its torch twin in bf16/fp16; a batch mixing the base
+   and three adapters (ranks 4-16, different target sets, on two slots: swaps) gives the same
+   greedy tokens (fp32) with the Triton kernels as with the torch twins; and, on a 1B-class model
+   with dummy weights in bf16, output tokens/s of requests over four rank-16 adapters vs the base
+   and mixed-adapter steps vs each adapter's requests in a batch of their own.
+6. ``llama3_8b``: a Llama-3-8B-shaped model with ``load_format="dummy"`` in bf16: batch-1 decode
    time per token against the bandwidth floor (weight bytes / peak), and output tokens/s for
    ``--requests`` requests of mixed lengths.
 
@@ -32,7 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-SECTIONS = ("kernels", "attention_vs_sdpa", "decode_bandwidth", "tiny_hf_equality", "llama3_8b")
+SECTIONS = ("kernels", "attention_vs_sdpa", "decode_bandwidth", "tiny_hf_equality", "lora", "llama3_8b")
 
 # Peak HBM bandwidth in TB/s by device name, most specific names first (first substring match wins).
 PEAK_BANDWIDTH_TBPS: tuple[tuple[str, float], ...] = (
@@ -342,6 +347,140 @@ def section_llama3_8b(
     return result
 
 
+LORA_MODEL = dict(
+    LLAMA3_8B,
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+)
+
+
+def section_lora(
+    device: str,
+    workdir: Path,
+    seed: int,
+    kernel_backend: str = "triton",
+    dtypes: tuple | None = None,
+    perf_cfg: dict = LORA_MODEL,
+    perf_requests: int = 64,
+    perf_lengths: tuple[int, int] = (128, 128),
+    prompt_lengths: tuple[int, ...] = (5, 40, 17, 90, 3, 33, 61, 8),
+    max_tokens: int = 12,
+) -> dict:
+    import torch
+
+    from engine_svc import LLM, LoRARequest, SamplingParams
+    from engine_svc.lora.random_adapter import write_random_adapter
+    from engine_svc.models.build import build_random_model
+    from kernels import conformance
+    from kernels.backend import select_kernels
+
+    kernels = select_kernels(device, kernel_backend)
+    records = []
+    for dtype in dtypes or (torch.bfloat16, torch.float16):
+        records += conformance.check_lora(kernels, device, dtype)
+    result: dict = dict(kernel_records=records, kernels_ok=all(r["ok"] for r in records))
+
+    # Equality: the Triton forward and the torch twin's, same device, same mixed batch (fp32).
+    model_dir = build_random_model(
+        workdir / "lora_llama",
+        "llama",
+        seed=seed,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    sets = (("q_proj", "v_proj"), ("o_proj", "gate_proj", "up_proj", "down_proj"), None)
+    requests = [None]
+    for i, (rank, modules) in enumerate(zip((4, 8, 16), sets, strict=True)):
+        path = workdir / f"lora_adapter{i}"
+        write_random_adapter(
+            model_dir, path, rank, seed + i, **({"modules": modules} if modules else {}), std=0.1
+        )
+        requests.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in prompt_lengths]
+    loras = [requests[i % len(requests)] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = {}
+    for backend in (kernel_backend, "torch"):
+        with LLM(
+            str(model_dir),
+            device=device,
+            dtype="float32",
+            kernel_backend=backend,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
+            max_num_batched_tokens=48,
+        ) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            tokens[backend] = [o.outputs[0].token_ids for o in outs]
+    result["equal_to_torch_twin"] = tokens[kernel_backend] == tokens["torch"]
+    result["throughput"] = _lora_throughput(
+        device, workdir, seed, kernel_backend, perf_cfg, perf_requests, perf_lengths
+    )
+    return result
+
+
+def _lora_throughput(device, workdir, seed, kernel_backend, cfg, num_requests, lengths) -> dict:
+    from engine_svc import LLM, LoRARequest, SamplingParams
+    from engine_svc.lora.random_adapter import write_random_adapter
+
+    model_dir = write_config_only_model(workdir / "lora_perf_model", cfg)
+    names = [LoRARequest(f"perf{i}", 100 + i, str(workdir / f"lora_perf{i}")) for i in range(4)]
+    for i, r in enumerate(names):
+        write_random_adapter(model_dir, r.lora_path, 16, seed + 10 + i)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(lengths[0])] for _ in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=lengths[1], ignore_eos=True)
+    loras = [names[i % 4] for i in range(num_requests)]
+    with LLM(
+        str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        device=device,
+        kernel_backend=kernel_backend,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        enable_prefix_caching=False,
+    ) as llm:
+
+        def timed(p, lo) -> float:
+            t0 = time.perf_counter()
+            outs = llm.generate(p, params, use_tqdm=False, lora_request=lo)
+            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+        timed(prompts[:8], loras[:8])  # compile and load first
+        base = timed(prompts, None)
+        mixed = timed(prompts, loras)
+        separate_tokens, separate_s = 0, 0.0
+        for r in names:
+            mine = [p for p, lo in zip(prompts, loras, strict=True) if lo is r]
+            t0 = time.perf_counter()
+            outs = llm.generate(mine, params, use_tqdm=False, lora_request=r)
+            separate_s += time.perf_counter() - t0
+            separate_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    separate = separate_tokens / separate_s
+    return dict(
+        base_tok_s=base,
+        adapters_tok_s=mixed,
+        separate_tok_s=separate,
+        adapters_vs_base=mixed / base,
+        mixed_vs_separate=mixed / separate,
+    )
+
+
 def _batch1_decode(engine, cfg: dict, steps: int, seed: int, peak: float | None) -> dict:
     """Median wall time of one decode step of a lone request (each step returns its token to the
     host, so a step's time is its whole cost)."""
@@ -423,6 +562,7 @@ def run(args: argparse.Namespace) -> dict:
             "attention_vs_sdpa": lambda: section_attention_vs_sdpa(device),
             "decode_bandwidth": lambda: section_decode_bandwidth(device, peak),
             "tiny_hf_equality": lambda: section_tiny_hf_equality(device, work, args.seed),
+            "lora": lambda: section_lora(device, work, args.seed),
             "llama3_8b": lambda: section_llama3_8b(
                 device, work, peak, args.requests, args.decode_steps, args.seed
             ),
@@ -488,6 +628,14 @@ def summary(report: dict) -> dict:
         }
     if s.get("tiny_hf_equality", {}).get("status") == "ok":
         out["tiny_hf_equal"] = s["tiny_hf_equality"]["all_equal"]
+    if s.get("lora", {}).get("status") == "ok":
+        lo = s["lora"]
+        out["lora"] = dict(
+            kernels_ok=lo["kernels_ok"],
+            equal_to_torch_twin=lo["equal_to_torch_twin"],
+            adapters_vs_base=round(lo["throughput"]["adapters_vs_base"], 3),
+            mixed_vs_separate=round(lo["throughput"]["mixed_vs_separate"], 3),
+        )
     if s.get("llama3_8b", {}).get("status") == "ok":
         b1, tp = s["llama3_8b"]["batch1_decode"], s["llama3_8b"]["throughput"]
         out["llama3_8b_batch1_ms_per_token"] = round(b1["s_per_token"] * 1e3, 3)

@@ -152,3 +152,17 @@ def test_run_all_writes_report_with_plots(tmp_path):
     assert "live tokens / allocated KV slots" in report and "hit rate / best possible" in report
     for png in ("targets.png", "kv_usage.png", "prefix_hit_rate.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in report
+
+
+def test_lora(results):
+    doc = run_quick("lora", results)
+    f = doc["figures"]
+    runs = f["runs"]
+    tokens = {side: {r["tokens"] for r in rs} for side, rs in runs.items()}
+    assert tokens["base"] == tokens["adapters"] == tokens["separate"], (
+        "every side must produce the same tokens"
+    )
+    pairs = zip(runs["adapters"], runs["base"], strict=True)
+    assert f["adapters_vs_base"] == [a["tok_s"] / b["tok_s"] for a, b in pairs]
+    # Mixed: one batch for every adapter; separate: each adapter's requests apart, so more steps.
+    assert all(s["steps"] > a["steps"] for s, a in zip(runs["separate"], runs["adapters"], strict=True))

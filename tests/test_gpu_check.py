@@ -203,3 +203,27 @@ def test_tiny_hf_equality_plumbing_on_cpu(tmp_path):
     with interpreted_kernels():
         result = gpu_check.section_tiny_hf_equality("cpu", tmp_path, seed=0, prompt_lengths=(1, 20))
     assert result["all_equal"], result
+
+
+def test_lora_section_plumbing_on_cpu(tmp_path):
+    """The LoRA section end to end on CPU with the kernels interpreted (fp32), small shapes."""
+    with interpreted_kernels():
+        result = gpu_check.section_lora(
+            "cpu",
+            tmp_path,
+            0,
+            dtypes=(torch.float32,),
+            perf_cfg=TINY_CFG,
+            perf_requests=4,
+            perf_lengths=(6, 2),
+            prompt_lengths=(5, 20, 3, 9),
+            max_tokens=3,
+        )
+    assert result["kernels_ok"] and {r["kernel"] for r in result["kernel_records"]} == {"lora_apply"}
+    assert result["equal_to_torch_twin"]
+    tp = result["throughput"]
+    assert tp["adapters_vs_base"] > 0 and tp["mixed_vs_separate"] > 0
+    summary = gpu_check.summary(
+        dict(facts=dict(device="cpu", date="today"), sections={"lora": dict(status="ok", **result)})
+    )
+    assert summary["lora"]["equal_to_torch_twin"] is True

@@ -18,9 +18,9 @@ from gateway.client import LLMServeClient
 from gateway.engine_client import EngineClient
 from gateway.service_process import ServiceProcess
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from llmserve_proto.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, models_pb2, models_pb2_grpc
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
-from llmserve_proto.llmserve.v1 import models_pb2, models_pb2_grpc
 from tests.fault_helpers import (
     assert_engine_clean,
     assert_segments_only_of_live_sessions,
@@ -81,7 +81,12 @@ def _every_rpc(ch: grpc.Channel, metadata) -> dict[str, grpc.StatusCode]:
     """Call each public RPC once (unary and streaming); the status each one ended with."""
     g, m = gen_grpc.GenerationStub(ch), models_pb2_grpc.ModelsStub(ch)
     r = reflection_pb2_grpc.ServerReflectionStub(ch)
+    a = adapters_pb2_grpc.AdaptersStub(ch)
     calls = {
+        # The admin API: LoRA is off here, so with a key the list is empty (OK).
+        "ListAdapters": lambda: a.ListAdapters(
+            adapters_pb2.ListAdaptersRequest(), metadata=metadata, timeout=10
+        ),
         "Generate": lambda: g.Generate(
             gen.GenerateRequest(text="hi", max_tokens=2), metadata=metadata, timeout=10
         ),

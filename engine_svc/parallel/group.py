@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from engine_svc.config import EngineConfig
-from engine_svc.step_inputs import CMD_STOP, HEADER_LEN, StepInputs
+from engine_svc.lora.geometry import TARGET_MODULES
+from engine_svc.step_inputs import CMD_LORA_LOAD, CMD_STOP, HEADER_LEN, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,17 @@ class TensorParallelGroup:
     def broadcast(self, inputs: StepInputs) -> None:
         header, payload = inputs.pack()
         self._send(header, payload)
+
+    def send_lora_load(self, slot: int, adapter) -> None:
+        """Rank 0 put ``adapter`` in ``slot``: the workers do the same with their parts. Its whole
+        tensors travel (each worker cuts its own part, as rank 0 does), in the model's dtype."""
+        pairs = sorted(adapter.weights)
+        index = [v for layer, module in pairs for v in (layer, TARGET_MODULES.index(module))]
+        header = [CMD_LORA_LOAD, slot, adapter.rank, len(pairs), 0, 0, 0, 0]
+        self._send(header, np.array(index, dtype=np.int64))
+        for pair in pairs:
+            for tensor in adapter.weights[pair]:
+                dist.broadcast(tensor.contiguous().to(self.device), src=0)
 
     def _send(self, header: list[int], payload: np.ndarray | None) -> None:
         dist.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=0)

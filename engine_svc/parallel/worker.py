@@ -14,12 +14,16 @@ import torch.distributed as dist
 
 from engine_svc.config import EngineConfig
 from engine_svc.engine import resolve_device, resolve_dtype, resolve_max_model_len
+from engine_svc.lora.adapter import LoRAAdapter
+from engine_svc.lora.batch import LoRABatch
+from engine_svc.lora.geometry import TARGET_MODULES, targets
+from engine_svc.lora.manager import make_slots
 from engine_svc.model_runner import ModelForward
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.group import STEP_TIMEOUT, backend_for
 from engine_svc.parallel.shard import Shard
-from engine_svc.step_inputs import CMD_STOP, HEADER_LEN, StepInputs
+from engine_svc.step_inputs import CMD_LORA_LOAD, CMD_STOP, HEADER_LEN, StepInputs
 from kernels.backend import select_kernels
 
 
@@ -51,7 +55,11 @@ def main() -> None:
     torch.manual_seed(config.seed)
     model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)
     kv_caches = allocate_kv_caches(spec, shard, args.num_blocks, config.block_size, dtype, device)
-    forward = ModelForward(model, select_kernels(device, config.kernel_backend), kv_caches, device)
+    kernels = select_kernels(device, config.kernel_backend)
+    forward = ModelForward(model, kernels, kv_caches, device)
+    slots = None
+    if config.enable_lora:
+        slots = make_slots(spec, config.max_loras, config.max_lora_rank, dtype, device, shard)
     dist.init_process_group(
         backend_for(device),
         init_method=args.init_method,
@@ -65,10 +73,37 @@ def main() -> None:
         head = header.tolist()
         if head[0] == CMD_STOP:
             break
+        if head[0] == CMD_LORA_LOAD:
+            _load_adapter(slots, spec, head, dtype, device)
+            continue
         payload = torch.empty(head[6], dtype=torch.int64, device=device)
         dist.broadcast(payload, src=0)
-        forward(StepInputs.unpack(head, payload.cpu().numpy()))
+        inputs = StepInputs.unpack(head, payload.cpu().numpy())
+        if inputs.lora_slots is not None:
+            ranks = {s: slots.ranks[s] for s in set(inputs.lora_slots.tolist()) if s >= 0}
+            inputs.lora = LoRABatch(slots, inputs.lora_slots, ranks, kernels.lora_apply, device)
+        forward(inputs)
     dist.destroy_process_group()
+
+
+def _load_adapter(slots, spec: ModelSpec, head: list[int], dtype, device) -> None:
+    """Receive what ``TensorParallelGroup.send_lora_load`` sends and load this rank's part."""
+    _, slot, rank, num_pairs = head[:4]
+    index = torch.empty(2 * num_pairs, dtype=torch.int64, device=device)
+    if num_pairs:
+        dist.broadcast(index, src=0)
+    geometry = targets(spec)  # whole shapes: the sender's tensors are whole
+    weights = {}
+    pairs = index.view(-1, 2).tolist()
+    for layer, m in pairs:
+        t = geometry[TARGET_MODULES[m]]
+        a = torch.empty(rank, t.in_features, dtype=dtype, device=device)
+        b = torch.empty(t.out_features, rank, dtype=dtype, device=device)
+        dist.broadcast(a, src=0)
+        dist.broadcast(b, src=0)
+        weights[(layer, TARGET_MODULES[m])] = (a, b)
+    modules = frozenset(TARGET_MODULES[m] for _, m in pairs)
+    slots.load_into(slot, LoRAAdapter(f"slot{slot}", "", rank, 1.0, modules, weights))
 
 
 if __name__ == "__main__":

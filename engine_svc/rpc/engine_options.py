@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
+ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or more strings
     ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
     ("--block-size", int, "KV cache block size in tokens"),
     ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
@@ -24,6 +24,10 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
         '"num_speculative_tokens": 4}\' (k is also the cap: no request drafts more per step)',
     ),
+    ("--enable-lora", None, "serve LoRA adapters (loaded with --lora-modules or the Adapters RPCs)"),
+    ("--max-loras", int, "LoRA adapter slots on the device: distinct adapters one step runs (default 1)"),
+    ("--max-lora-rank", int, "largest LoRA rank accepted (default 16)"),
+    ("--lora-modules", "list", "LoRA adapters loaded at start, as name=path (PEFT directories)"),
     (
         "--torch-threads",
         int,
@@ -45,6 +49,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     for flag, kind, help_ in ENGINE_OPTIONS:
         if kind is None:
             g.add_argument(flag, action="store_true", help=help_)
+        elif kind == "list":
+            g.add_argument(flag, nargs="+", help=help_)
         else:
             g.add_argument(flag, type=kind, help=help_)
 
@@ -55,6 +61,8 @@ def engine_options_argv(args) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if kind is None and value:
             out.append(flag)
-        elif kind is not None and value is not None:
+        elif kind == "list" and value:
+            out += [flag, *value]
+        elif kind is not None and kind != "list" and value is not None:
             out += [flag, str(value)]
     return out

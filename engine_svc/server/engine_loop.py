@@ -168,12 +168,19 @@ class EngineLoop:
         log.info("session %s closed", session_id)
 
     def add_request(
-        self, s: Session, request_id: str, prompt: list[int], params, priority: int, cache_salt: str | None
+        self,
+        s: Session,
+        request_id: str,
+        prompt: list[int],
+        params,
+        priority: int,
+        cache_salt: str | None,
+        lora: str | None = None,
     ) -> None:
         if s.closed or self.stalled.is_set():
             raise RuntimeError("session closed" if s.closed else "the engine is stalled")
         self.engine.add_request(
-            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt
+            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt, lora=lora
         )
         s.live.add(request_id)
 
@@ -359,6 +366,9 @@ class EngineLoop:
             generation_tokens=st.generation_tokens,
             prompt_tokens_per_s=self._rates[0],
             generation_tokens_per_s=self._rates[1],
+            running_lora_adapters=st.running_lora_adapters,
+            waiting_lora_adapters=st.waiting_lora_adapters,
+            max_lora=st.max_lora,
         )
 
 

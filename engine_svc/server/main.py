@@ -95,6 +95,8 @@ def engine_config_kwargs(args) -> dict:
         "device",
         "seed",
         "scheduling_policy",
+        "max_loras",
+        "max_lora_rank",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -104,7 +106,24 @@ def engine_config_kwargs(args) -> dict:
             kw["speculative_config"] = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not JSON: {e}") from None
+    if args.enable_lora:
+        kw["enable_lora"] = True
+    if args.lora_modules:
+        kw["lora_modules"] = parse_lora_modules(args.lora_modules)
     return kw
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """``name=path`` pairs of ``--lora-modules``."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path pairs, got {item!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def listen_address(args) -> str:
@@ -135,6 +154,8 @@ def engine_info(engine) -> pb.EngineInfo:
         block_size=mi.block_size,
         num_kv_blocks=mi.num_kv_blocks,
         max_logprobs=mi.max_logprobs,
+        max_loras=engine.config.max_loras if engine.config.enable_lora else 0,
+        max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else 0,
     )
 
 

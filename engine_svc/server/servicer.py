@@ -8,6 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
+from engine_svc.lora.manager import AdapterInUse, AdapterNotFound
 from engine_svc.rpc.convert import sampling_params_from_proto
 from engine_svc.server.engine_loop import EngineLoop, Session
 from engine_svc.server.kv_event_feed import FeedClosed, SubscriberDropped
@@ -20,6 +21,16 @@ MAX_RING_BYTES = 1 << 30
 
 class _Refused(Exception):
     """A Submit the engine refuses as invalid (INVALID_ARGUMENT)."""
+
+
+class _InUse(Exception):
+    """An unload of an adapter live requests use (FAILED_PRECONDITION)."""
+
+
+def adapter_info(a) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=a.name, path=a.path, rank=a.rank, version=a.version, target_modules=sorted(a.modules)
+    )
 
 
 class EngineServicer(pb_grpc.EngineServicer):
@@ -85,7 +96,13 @@ class EngineServicer(pb_grpc.EngineServicer):
             self._call(
                 context,
                 lambda: self._loop.add_request(
-                    s, request.request_id, prompt, params, request.priority, request.cache_salt or None
+                    s,
+                    request.request_id,
+                    prompt,
+                    params,
+                    request.priority,
+                    request.cache_salt or None,
+                    request.lora or None,
                 ),
                 refusal=True,
             )
@@ -127,17 +144,49 @@ class EngineServicer(pb_grpc.EngineServicer):
         n = self._call(context, lambda: self._loop.set_paused(s, list(request.request_ids), request.paused))
         return pb.SetPausedResponse(num_changed=n)
 
+    # --- LoRA adapters ------------------------------------------------------------------------
+    def LoadAdapter(self, request: pb.LoadAdapterRequest, context):
+        engine = self._loop.engine
+        try:
+            adapter = engine.read_lora(request.name, request.path)  # the file work, off the loop
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return adapter_info(self._call(context, lambda: engine.install_lora(adapter)))
+
+    def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context):
+        try:
+            self._call(context, lambda: self._loop.engine.remove_lora(request.name), in_use=True)
+        except _InUse as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.UnloadAdapterResponse()
+
+    def ListAdapters(self, request, context):
+        engine = self._loop.engine
+        adapters = self._call(context, engine.list_loras)
+        on = engine.config.enable_lora
+        return pb.ListAdaptersResponse(
+            adapters=[adapter_info(a) for a in adapters],
+            max_loras=engine.config.max_loras if on else 0,
+            max_lora_rank=engine.config.max_lora_rank if on else 0,
+        )
+
     def _session(self, session_id: str, context) -> Session:
         s = self._loop.session(session_id)  # a dict read; the loop only adds and removes whole entries
         if s is None or s.closed:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or closed session {session_id!r}")
         return s
 
-    def _call(self, context, fn, refusal: bool = False):
+    def _call(self, context, fn, refusal: bool = False, in_use: bool = False):
         if self._loop.stalled.is_set():  # the loop would not answer until its stuck step returns
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (watchdog)")
         try:
             return self._loop.call(fn)
+        except AdapterNotFound as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except AdapterInUse as e:
+            if in_use:
+                raise _InUse(str(e)) from e
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             if refusal:
                 raise _Refused(str(e)) from e

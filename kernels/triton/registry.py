@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels.backend import Kernels
-from kernels.triton import activation, kv_write, paged_attention, rmsnorm, rotary
+from kernels.triton import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 TRITON_KERNELS = Kernels(
     name="triton",
@@ -12,4 +12,5 @@ TRITON_KERNELS = Kernels(
     apply_rotary=rotary.apply_rotary,
     write_kv=kv_write.write_kv,
     paged_attention=paged_attention.paged_attention,
+    lora_apply=lora.lora_apply,
 )
