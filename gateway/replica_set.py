@@ -339,7 +339,7 @@ def sum_loads(loads) -> pb.Load:
     names: dict[str, set[str]] = {}
     for load in loads:
         for f in pb.Load.DESCRIPTOR.fields:
-            if f.label == f.LABEL_REPEATED:
+            if _repeated(f):
                 names.setdefault(f.name, set()).update(getattr(load, f.name))
             elif f.name == "max_lora":
                 total.max_lora = max(total.max_lora, load.max_lora)
@@ -359,3 +359,9 @@ def connect_engines(
     if len(addresses) == 1:
         return make_client(addresses[0])
     return ReplicaSet([make_client(a) for a in addresses], policy)
+
+
+def _repeated(field) -> bool:
+    # protobuf 7 has only ``is_repeated``; releases before 5.28 only ``label``.
+    flag = getattr(field, "is_repeated", None)
+    return flag if flag is not None else field.label == field.LABEL_REPEATED
