@@ -244,7 +244,7 @@ class StubModel:
         self.calls = 0
         self.tokens = 0  # tokens computed, recomputes after preemption included
 
-    def __call__(self, kernels, input_ids, positions, kv_caches, attn):
+    def __call__(self, kernels, input_ids, positions, kv_caches, attn, lora=None):
         t0 = time.perf_counter()
         if self.cost_s:
             time.sleep(self.cost_s)

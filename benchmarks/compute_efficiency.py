@@ -48,9 +48,9 @@ class TimedModel:
         self.model = model
         self.inside_s = 0.0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
-        out = self.model(*args)
+        out = self.model(*args, **kwargs)
         self.inside_s += time.perf_counter() - t0
         return out
 
