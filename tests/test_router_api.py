@@ -43,6 +43,16 @@ def service(default_model_dir, tmp_path_factory):
         str(keys),
     ]
     with ServiceProcess(default_model_dir, *args) as sp:
+        # The gateway serves once one replica is up; these tests need both.
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(sp.target) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            while True:
+                report = stub.GetLoad(router_pb2.GetLoadRequest(), metadata=metadata(), timeout=10)
+                if len(report.replicas) == 2 and all(r.ready for r in report.replicas):
+                    break
+                assert time.monotonic() < deadline, f"both replicas ready: {report}"
+                time.sleep(0.1)
         yield sp
 
 
@@ -140,8 +150,15 @@ def test_replayed_kv_events_equal_each_replicas_cache(service):
 def test_get_load_per_replica_and_summed(service):
     with LLMServeClient(service.target, timeout=120, api_key=KEY) as c:
         c.generate(token_ids=list(range(3, 60)), max_tokens=8, temperature=0.0, ignore_eos=True)
+    # The rates are the engine's over its last seconds, refreshed a few times a second: a fast
+    # request can finish between two refreshes.
+    deadline = time.monotonic() + 5
     with grpc.insecure_channel(service.target) as ch:
-        report = router_pb2_grpc.RouterStub(ch).GetLoad(router_pb2.GetLoadRequest(), metadata=metadata())
+        while True:
+            report = router_pb2_grpc.RouterStub(ch).GetLoad(router_pb2.GetLoadRequest(), metadata=metadata())
+            if report.total.generation_tokens_per_s > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert [r.replica for r in report.replicas] == [0, 1] and all(r.ready for r in report.replicas)
     assert [r.address for r in report.replicas] == engine_addresses(service)
     assert all(r.kv_blocks_total == BLOCKS and r.block_size == 16 for r in report.replicas)
@@ -183,7 +200,16 @@ def test_metrics_are_fresh_while_the_engine_is_busy(service):
     with LLMServeClient(service.target, timeout=120, api_key=KEY) as c:
         stream = c.generate_stream(token_ids=list(range(3, 40)), max_tokens=300, ignore_eos=True)
         next(stream)
-        time.sleep(1.5)  # several heartbeat periods into the run
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        # Past the last heartbeat before the work (0.5 s) and two load refreshes, and then until
+        # the figure shows the running request: the 300 tokens take about a second here, so a
+        # fixed wait could outlast the request on a quiet machine.
+        time.sleep(0.6)
+        running = r'^vllm:num_requests_running{model_name="[^"]+"} 1\.0$'
+        deadline = time.monotonic() + 1.0
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            if re.search(running, text, re.M) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         stream.cancel()
-    assert re.search(r'^vllm:num_requests_running{model_name="[^"]+"} 1\.0$', text, re.M), text[-2000:]
+    assert re.search(running, text, re.M), text[-2000:]
