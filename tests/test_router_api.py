@@ -21,6 +21,7 @@ from gateway.client import LLMServeClient
 from gateway.service_process import ServiceProcess
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve_proto.llmserve.v1 import router_pb2, router_pb2_grpc
+from tests.fault_helpers import wait_for
 from tests.test_kv_events import ReplayRouter
 
 KEY = "sk-router-test-key-0123456789"
@@ -44,15 +45,14 @@ def service(default_model_dir, tmp_path_factory):
     ]
     with ServiceProcess(default_model_dir, *args) as sp:
         # The gateway serves once one replica is up; these tests need both.
-        deadline = time.monotonic() + 60
         with grpc.insecure_channel(sp.target) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            while True:
+
+            def both_ready() -> bool:
                 report = stub.GetLoad(router_pb2.GetLoadRequest(), metadata=metadata(), timeout=10)
-                if len(report.replicas) == 2 and all(r.ready for r in report.replicas):
-                    break
-                assert time.monotonic() < deadline, f"both replicas ready: {report}"
-                time.sleep(0.1)
+                return len(report.replicas) == 2 and all(r.ready for r in report.replicas)
+
+            wait_for(both_ready, 60, "both replicas ready", every_s=0.1)
         yield sp
 
 
