@@ -6,7 +6,7 @@ same workload, same run.
 The 55M Llama-shaped dummy model (random weights from config.json; the default model's tokenizer
 so that the gateway can detokenize) serves a token-id workload at concurrency 1, 8, 32 and 64
 (4 x concurrency requests, at least 32), through the whole service (gateway + engine process,
-shared-memory transport) and through LLMEngine in this process with the same requests kept at
+the default gRPC transport) and through LLMEngine in this process with the same requests kept at
 the same concurrency, alternating offline, service, http, http, service, offline; each path's
 figures are the mean of its two passes. "service" is the gRPC GenerateStream; "http" is the same
 requests through ``POST /v1/completions`` (token-id prompts, streamed SSE, ``return_token_ids``) on

@@ -48,8 +48,9 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--transport",
         choices=["shm", "grpc"],
-        default="shm",
-        help="token ids to a local engine through shared memory (default) or in gRPC messages",
+        default="grpc",
+        help="token ids to the engine in gRPC messages (default) or, for a local engine, through "
+        "shared-memory rings (measured no faster end to end: benchmarks/transports.py)",
     )
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent_requests)
     p.add_argument("--max-queue", type=int, default=d.max_queue_length)

@@ -63,7 +63,7 @@ class GatewayOptions:
     port: int = GATEWAY_PORT
     served_model_name: str | None = None
     tokenizer_workers: int = 1
-    use_shared_memory: bool = True
+    use_shared_memory: bool = False  # measured no faster end to end (benchmarks/transports.py)
     limits: Limits = field(default_factory=Limits)
     drain_grace_s: float = 10.0
     heartbeat_timeout_s: float = 5.0

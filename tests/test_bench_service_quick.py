@@ -30,7 +30,7 @@ def finite(*values) -> bool:
 def test_serving_quick(tmp_path):
     r = run_bench("serving", tmp_path / "serving.json")
     assert [row["concurrency"] for row in r["levels"]] == [1, 4]
-    assert r["transport"] == "shared-memory"
+    assert r["transport"] == "grpc"  # the default transport
     for row in r["levels"]:
         for path in ("service", "http", "offline"):
             assert row[path]["errors"] == 0

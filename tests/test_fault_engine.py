@@ -44,6 +44,8 @@ def _all_unavailable(streams: OpenStreams) -> None:
 def svc(tiny_llama):
     sp = ServiceProcess(
         tiny_llama,
+        "--transport",
+        "shm",
         "--num-kv-blocks",
         "256",
         "--engine-heartbeat-timeout",
@@ -105,7 +107,9 @@ def test_engine_sigkill_ends_streams_and_the_launcher_restarts_it(svc):
 
 
 def test_gateway_sigkill_makes_the_engine_abort_everything_and_exit(tiny_llama):
-    sp = ServiceProcess(tiny_llama, "--num-kv-blocks", "128", "--tokenizer-workers", "1").start()
+    sp = ServiceProcess(
+        tiny_llama, "--transport", "shm", "--num-kv-blocks", "128", "--tokenizer-workers", "1"
+    ).start()
     try:
         children = sp.descendants()
         pid = engine_pid(sp)
@@ -124,6 +128,8 @@ def test_gateway_sigkill_makes_the_engine_abort_everything_and_exit(tiny_llama):
 def test_forward_pass_that_raises_ends_every_stream_and_nothing_hangs(tiny_llama):
     sp = ServiceProcess(
         tiny_llama,
+        "--transport",
+        "shm",
         "--num-kv-blocks",
         "128",
         "--tokenizer-workers",
@@ -153,6 +159,8 @@ def test_forward_pass_that_raises_ends_every_stream_and_nothing_hangs(tiny_llama
 def test_engine_watchdog_ends_streams_on_a_stalled_step_and_service_resumes(tiny_llama):
     sp = ServiceProcess(
         tiny_llama,
+        "--transport",
+        "shm",
         "--num-kv-blocks",
         "128",
         "--tokenizer-workers",
@@ -211,7 +219,15 @@ def test_gateway_watchdog_notices_a_hung_engine_whose_own_watchdog_is_off(tiny_l
     )
     try:
         sp = ServiceProcess(
-            tiny_llama, "--engine", f"unix://{sock}", "--tokenizer-workers", "0", "--watchdog-timeout", "1.5"
+            tiny_llama,
+            "--transport",
+            "shm",
+            "--engine",
+            f"unix://{sock}",
+            "--tokenizer-workers",
+            "0",
+            "--watchdog-timeout",
+            "1.5",
         ).start()
         try:
             with LLMServeClient(sp.target, timeout=60) as client:

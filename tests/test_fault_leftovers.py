@@ -58,7 +58,7 @@ def test_the_sweep_removes_only_directories_of_dead_launchers(tmp_path):
 
 def test_a_sigkilled_launcher_leaves_no_socket_directory(tiny_llama):
     leftover = stale_socket_dir(Path(tempfile.gettempdir()))  # as if an earlier launcher was killed
-    sp = ServiceProcess(tiny_llama, "--num-kv-blocks", "64").start()
+    sp = ServiceProcess(tiny_llama, "--transport", "shm", "--num-kv-blocks", "64").start()
     try:
         assert not leftover.exists(), "the start did not sweep a dead launcher's directory"
         sock_dir = Path(sp.engine_address.removeprefix("unix://")).parent
@@ -75,7 +75,9 @@ def test_a_sigkilled_launcher_leaves_no_socket_directory(tiny_llama):
 
 @pytest.fixture(scope="module")
 def svc(tiny_llama):
-    sp = ServiceProcess(tiny_llama, "--num-kv-blocks", "256", "--log-format", "json").start()
+    sp = ServiceProcess(
+        tiny_llama, "--transport", "shm", "--num-kv-blocks", "256", "--log-format", "json"
+    ).start()
     try:
         yield sp
         stop_and_check(sp)

@@ -29,7 +29,7 @@ def _can_make_a_private_dev_shm() -> bool:
     not _can_make_a_private_dev_shm(), reason="needs a private mount namespace (unshare -m) for /dev/shm"
 )
 def test_a_dev_shm_without_room_falls_back_to_grpc_transport(tiny_llama):
-    sp = ServiceProcess(tiny_llama, "--tokenizer-workers", "0")
+    sp = ServiceProcess(tiny_llama, "--transport", "shm", "--tokenizer-workers", "0")
     sp.cmd = [*SMALL_SHM, MOUNT_THEN_EXEC, "sh", *sp.cmd]
     sp.start()
     try:

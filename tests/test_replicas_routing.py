@@ -189,7 +189,9 @@ def test_a_killed_replica_ends_streamed_requests_retries_the_rest_and_comes_back
 
 
 def test_serve_with_replicas_starts_k_engines_and_leaves_nothing(default_model_dir):
-    with ServiceProcess(default_model_dir, "--replicas", "2", "--tokenizer-workers", "0") as sp:
+    with ServiceProcess(
+        default_model_dir, "--replicas", "2", "--tokenizer-workers", "0", "--transport", "shm"
+    ) as sp:
         line = next(s for s in sp.stdout_lines if s.startswith("llmserve: engine replicas:"))
         pids = {int(w) for w in line.replace(",", " ").split() if w.isdigit()}
         assert len(pids) == 2 and set(sp.descendants()) >= pids

@@ -103,6 +103,8 @@ async def _run(target: str, work, tokenizer, sample_every: int, on_sample) -> di
 def test_soak_memory_stays_flat_and_text_matches_ids(tiny_llama):
     sp = ServiceProcess(
         tiny_llama,
+        "--transport",
+        "shm",
         "--num-kv-blocks",
         "512",
         "--max-concurrent",
