@@ -15,6 +15,7 @@ INSTALL_STAMP := $(VENV)/.installed
 .PHONY: install proto model run test bench bench-peer bench-quick lint gpu-check clean
 
 install: $(INSTALL_STAMP) $(PROTO_STAMP)
+	@$(PY) -m kernels.cpu.native_build  # the native CPU kernels, once per instruction set (cached)
 
 $(INSTALL_STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

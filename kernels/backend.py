@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import paged_attention as cpu_paged_attention
+from kernels.cpu import native_attention as cpu_paged_attention
 from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ REFERENCE_KERNELS = Kernels(
 )
 
 # The torch path the engine runs off CUDA: the references, except attention, which has a
-# CPU-tuned form with the same results (kernels/cpu/paged_attention.py).
+# CPU-tuned form with the same results: a native kernel reading the blocks in place where it is
+# faster, torch's SDPA over gathered blocks elsewhere (kernels/cpu/native_attention.py).
 TORCH_KERNELS = Kernels(
     name="torch",
     rms_norm=rmsnorm.rms_norm,
@@ -71,5 +72,8 @@ def select_kernels(device: torch.device | str, backend: str | None = None) -> Ke
         kernels = triton_kernels()
     else:
         kernels = REFERENCE_KERNELS if backend == "reference" else TORCH_KERNELS
+    if kernels is TORCH_KERNELS and device.type == "cpu":
+        log.info("kernels: torch on cpu, paged attention %s", cpu_paged_attention.prepare())
+        return kernels
     log.info("kernels: %s on %s", kernels.name, device)
     return kernels

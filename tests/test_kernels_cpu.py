@@ -15,6 +15,7 @@ from engine_svc import SamplingParams
 from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS, select_kernels
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu import native_attention
 from kernels.cpu import paged_attention as cpu_attention
 from kernels.cpu.features import cpu_features, native_bf16
 from kernels.reference.paged_attention import paged_attention as reference_attention
@@ -39,7 +40,8 @@ CPU_CASES = MIXED_CASES + SPLIT_DECODE_CASES + (DECODE_HEAVY,)
 
 def test_torch_backend_uses_the_cpu_attention_and_reference_stays_selectable():
     assert select_kernels("cpu") is TORCH_KERNELS
-    assert TORCH_KERNELS.paged_attention is cpu_attention.paged_attention
+    # The native kernel's wrapper, which hands what it does not take to this torch path.
+    assert TORCH_KERNELS.paged_attention is native_attention.paged_attention
     assert select_kernels("cpu", "reference") is REFERENCE_KERNELS
     assert REFERENCE_KERNELS.paged_attention is reference_attention
 
@@ -270,8 +272,10 @@ def test_shared_prefix_groups_stop_where_the_tables_part():
 
 
 def test_greedy_equals_hf_with_decodes_over_a_shared_prefix(tiny_llama, monkeypatch):
-    """Five requests behind one 144-token system prompt: their decodes take cascade attention (the
-    prefix cache gives them the same blocks) and the tokens stay HF's."""
+    """Five requests behind one 144-token system prompt: on the torch path (the native kernel off:
+    it is faster than cascade where it runs) their decodes take cascade attention (the prefix cache
+    gives them the same blocks) and the tokens stay HF's."""
+    monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "0")
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="float32").eval()
     (prefix,) = random_prompts([144], 1024, seed=31)
     prompts = [prefix + own for own in random_prompts([3, 7, 11, 5, 9], 1024, seed=32)]

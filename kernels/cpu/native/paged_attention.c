@@ -1,0 +1,230 @@
+/* Paged attention on the CPU, reading K/V from the cache blocks in place (fp32).
+ *
+ * The arithmetic is the reference's (kernels/reference/paged_attention.py): each query vector
+ * attends to context positions [0, limit) of its sequence, softmax(q . k * scale) . v. What
+ * differs is where the data comes from: K and V rows are read straight out of the blocks named by
+ * the block table, once per work item, where the torch path first copies them out of the cache
+ * and then reads the copy.
+ *
+ * Work items are (sequence, KV head, tile of query rows); a tile's vectors are the query heads
+ * that share that KV head, for each of its rows, so a K/V row loaded for one is in L1 for the
+ * others. Every vector's result is computed by the same code in the same order whatever else is
+ * in its tile, its step or its thread, so a row's output depends only on its query and its
+ * context: the same in a decode and in any prefill chunk, alone or in a batch.
+ *
+ * The library is compiled (see native_build.py) once per instruction set: the same source with
+ * -march=x86-64-v4 (AVX-512), -march=x86-64-v3 (AVX2 + FMA) or none, chosen at run time. OpenMP
+ * threads are torch's own: torch's wheel loads libgomp.so.1 first, and this library's reference
+ * to that soname binds to it, so there is one thread pool. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16   /* partial sums per dot product: one AVX-512 register, two AVX2 ones */
+#define MAX_VEC 16 /* query vectors per work item */
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* GCC/Clang vector types: one source for every instruction set (a 16-float vector is one AVX-512
+ * register, two AVX2 ones, four SSE ones), and reductions that stay in registers. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+INLINE v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+/* The sum of a vector's lanes, in a fixed tree. */
+INLINE float hsum16(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* q . k over d elements (a multiple of LANES): LANES partial sums in two chains, then a fixed
+ * tree. The order never depends on the caller, so equal inputs give equal sums. */
+INLINE float dot(const float *restrict a, const float *restrict b, int d) {
+    v16 acc0 = load16(a) * load16(b), acc1 = {0};
+    int i = LANES;
+    for (; i + 2 * LANES <= d; i += 2 * LANES) {
+        acc1 += load16(a + i) * load16(b + i);
+        acc0 += load16(a + i + LANES) * load16(b + i + LANES);
+    }
+    if (i < d) acc1 += load16(a + i) * load16(b + i);
+    return hsum16(acc0 + acc1);
+}
+
+/* e^x for x <= 0 (scores minus their maximum), to about 2 ulp: Cody-Waite reduction to
+ * 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial (Cephes' coefficients). Written without
+ * calls so that the compiler vectorizes the loops that use it; below -87 it returns e^-87. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+/* softmax numerators of s[0, n) in place; returns their sum (LANES partial sums, fixed tree). */
+INLINE float softmax_numerators(float *restrict s, int n) {
+    float m = -INFINITY;
+    for (int p = 0; p < n; ++p) m = s[p] > m ? s[p] : m;
+    float acc[LANES] = {0};
+    int p = 0;
+    for (; p + LANES <= n; p += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            float e = exp_nonpositive(s[p + l] - m);
+            s[p + l] = e;
+            acc[l] += e;
+        }
+    for (int l = 0; p + l < n; ++l) {
+        float e = exp_nonpositive(s[p + l] - m);
+        s[p + l] = e;
+        acc[l] += e;
+    }
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+typedef struct {
+    const float *q;
+    int64_t q_stride_token, q_stride_head;
+    const float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *seq_lens, *query_start_loc;
+    int32_t num_heads, num_kv_heads, block_size;
+    float scale;
+    float *out; /* [num_tokens, num_heads, head_dim], contiguous */
+} Args;
+
+/* One work item: sequence b, KV head h, query rows [r0, r1) of the sequence's chunk. D is a
+ * compile-time constant where the caller can make it one (64, 128), so that q and the output
+ * accumulators stay in registers. */
+INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scores, const int D) {
+    const int rep = a->num_heads / a->num_kv_heads;
+    const int bs = a->block_size;
+    const int64_t pos_stride = (int64_t)a->num_kv_heads * D;
+    const int start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - start;
+    const int ctx = a->seq_lens[b];
+    const int32_t *table = a->block_tables + (int64_t)b * a->block_table_stride;
+    const int nvec = (r1 - r0) * rep;
+    const float *qv[MAX_VEC];
+    int limit[MAX_VEC];
+    for (int v = 0; v < nvec; ++v) {
+        int row = r0 + v / rep, head = h * rep + v % rep;
+        qv[v] = a->q + (int64_t)(start + row) * a->q_stride_token + (int64_t)head * a->q_stride_head;
+        limit[v] = ctx - q_len + row + 1; /* causal: row i sees positions <= ctx - q_len + i */
+    }
+    const int longest = limit[nvec - 1];
+    /* scores[v * longest + p] = q_v . k_p * scale */
+    for (int blk = 0; blk * bs < longest; ++blk) {
+        const float *kb = a->k_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
+        const int p0 = blk * bs;
+        for (int v = 0; v < nvec; ++v) {
+            int n = limit[v] - p0;
+            n = n > bs ? bs : n;
+            float *s = scores + (int64_t)v * longest + p0;
+            for (int p = 0; p < n; ++p) s[p] = dot(qv[v], kb + p * pos_stride, D) * a->scale;
+        }
+    }
+    float sums[MAX_VEC];
+    for (int v = 0; v < nvec; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * longest, limit[v]);
+    for (int v = 0; v < nvec; ++v) {
+        float acc[D];
+        for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+        const float *s = scores + (int64_t)v * longest;
+        for (int blk = 0; blk * bs < limit[v]; ++blk) {
+            const float *vb = a->v_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
+            int n = limit[v] - blk * bs;
+            n = n > bs ? bs : n;
+            for (int p = 0; p < n; ++p) {
+                const float w = s[blk * bs + p];
+                const float *vp = vb + p * pos_stride;
+                for (int d = 0; d < D; ++d) acc[d] += w * vp[d];
+            }
+        }
+        int row = r0 + v / rep, head = h * rep + v % rep;
+        float *o = a->out + ((int64_t)(start + row) * a->num_heads + head) * D;
+        for (int d = 0; d < D; ++d) o[d] = acc[d] / sums[v];
+    }
+}
+
+/* Attention for the sequences seqs[0, num_seqs) of the batch (the caller handles the others).
+ * head_dim must be a multiple of LANES. Returns 0, or -1 for a shape this library does not take. */
+int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
+                                 const float *k_cache, const float *v_cache,
+                                 const int32_t *block_tables, int64_t block_table_stride,
+                                 const int32_t *seq_lens, const int32_t *query_start_loc,
+                                 const int32_t *seqs, int32_t num_seqs, int32_t num_heads,
+                                 int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                                 float scale, float *out, int32_t num_threads) {
+    if (head_dim % LANES || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_VEC) return -1;
+    const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
+                    block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                    block_size, scale, out};
+    const int rep = num_heads / num_kv_heads;
+    const int rows_per_tile = MAX_VEC / rep;
+    /* Work items, in a fixed order: (sequence, KV head, tile). */
+    int64_t num_items = 0;
+    int32_t longest = 1;
+    for (int i = 0; i < num_seqs; ++i) {
+        int b = seqs[i], q_len = query_start_loc[b + 1] - query_start_loc[b];
+        num_items += (int64_t)num_kv_heads * ((q_len + rows_per_tile - 1) / rows_per_tile);
+        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    }
+    int32_t *items = malloc(sizeof(int32_t) * 3 * (num_items ? num_items : 1));
+    if (!items) return -2;
+    int64_t n = 0;
+    for (int i = 0; i < num_seqs; ++i) {
+        int b = seqs[i], q_len = query_start_loc[b + 1] - query_start_loc[b];
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int r0 = 0; r0 < q_len; r0 += rows_per_tile) {
+                items[3 * n] = b;
+                items[3 * n + 1] = h;
+                items[3 * n + 2] = r0;
+                ++n;
+            }
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * MAX_VEC * (size_t)longest);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; ++i) {
+            if (!scores) continue;
+            int b = items[3 * i], h = items[3 * i + 1], r0 = items[3 * i + 2];
+            int q_len = query_start_loc[b + 1] - query_start_loc[b];
+            int r1 = r0 + rows_per_tile < q_len ? r0 + rows_per_tile : q_len;
+            switch (head_dim) {
+            case 64: attend_item(&a, b, h, r0, r1, scores, 64); break;
+            case 128: attend_item(&a, b, h, r0, r1, scores, 128); break;
+            default: attend_item(&a, b, h, r0, r1, scores, head_dim);
+            }
+        }
+        free(scores);
+    }
+    free(items);
+    return failed ? -2 : 0;
+}

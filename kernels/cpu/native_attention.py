@@ -1,0 +1,127 @@
+"""Paged attention for the CPU through the native kernel (``kernels/cpu/native/paged_attention.c``),
+which reads K/V from the cache blocks in place; what it does not take goes to the torch path
+(``kernels/cpu/paged_attention.py``) with the same contract.
+
+The native kernel takes fp32 queries and caches whose head size is a multiple of 16. Of those it
+takes the sequences where it is faster than torch's fused SDPA over gathered K/V (measured with
+``python -m benchmarks.cpu_attention``): at most ``NATIVE_MAX_QUERY_LEN`` queries this step (decodes,
+short chunks, speculative verify steps), or a whole prompt with nothing cached before it (the
+kernel skips the causal mask's upper half, where SDPA computes it and masks). A chunk of many
+queries after a cached prefix stays on SDPA, whose blocked matmuls win there. Without a C compiler,
+or with ``LLMSERVE_NATIVE_ATTENTION=0``, everything runs on the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from kernels.cpu import native_build
+from kernels.cpu import paged_attention as torch_path
+
+NATIVE_MAX_QUERY_LEN = 8
+
+
+def enabled() -> bool:
+    return os.environ.get("LLMSERVE_NATIVE_ATTENTION", "1") != "0"
+
+
+_P = ctypes.c_void_p
+_I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+@functools.cache
+def library(isa: str | None = None):
+    """The loaded kernel's entry point for ``isa`` (default: this CPU's best), or None."""
+    lib = native_build.load_or_none("paged_attention", isa)
+    if lib is None:
+        return None
+    fn = lib.llmserve_paged_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _P, _I32]
+    return fn
+
+
+def prepare() -> str:
+    """Build and load the kernel now (not in the first forward pass); says which path runs."""
+    if not enabled():
+        return "torch (LLMSERVE_NATIVE_ATTENTION=0)"
+    return f"native ({native_build.chosen_isa()})" if library() is not None else "torch (no native build)"
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes this layer's shapes and dtypes."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and q.shape[-1] % 16 == 0
+        and q.stride(-1) == 1
+        and q.shape[1] % k_cache.shape[2] == 0
+        and q.shape[1] // k_cache.shape[2] <= 16
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    isa: str | None = None,
+    max_native_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
+    fn = library(isa) if enabled() and takes(q, k_cache) else None
+    if fn is None:
+        return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    limit = NATIVE_MAX_QUERY_LEN if max_native_query_len is None else max_native_query_len
+    starts, ctx = query_start_loc.tolist(), seq_lens.tolist()
+    native, rest = [], []
+    for b in range(len(ctx)):
+        n = starts[b + 1] - starts[b]
+        if n > 0:
+            (native if n <= limit or n == ctx[b] else rest).append(b)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if native:
+        tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        tables = tables.contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        qsl = query_start_loc.to(torch.int32).contiguous()
+        seqs = torch.tensor(native, dtype=torch.int32)
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        rc = fn(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            lens.data_ptr(),
+            qsl.data_ptr(),
+            seqs.data_ptr(),
+            len(native),
+            q.shape[1],
+            k_cache.shape[2],
+            q.shape[2],
+            k_cache.shape[1],
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")
+    if rest:
+        torch_path.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, rows=rest, out=out
+        )
+    return out

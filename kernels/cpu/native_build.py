@@ -1,0 +1,141 @@
+"""The native CPU kernels (``kernels/cpu/native/*.c``): compiled once per instruction set with the
+system's C compiler, cached by the source's hash, loaded with ctypes.
+
+The instruction set is chosen at run time from what this CPU reports: ``avx512`` (x86-64-v4),
+``avx2`` (x86-64-v3: AVX2 + FMA) or ``generic`` (the compiler's baseline, any architecture).
+``LLMSERVE_CPU_ISA`` forces one (for tests and comparisons); one the CPU lacks is refused.
+No compiler, or a failed build, is not an error: callers fall back to the torch path, and the
+reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "native"
+ISAS = ("avx512", "avx2", "generic")
+_FLAGS = {
+    "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+    "avx2": ["-march=x86-64-v3"],
+    "generic": [],
+}
+# The x86-64 microarchitecture levels' CPU flags (what -march=x86-64-v3 / -v4 may emit).
+_NEEDS = {
+    "avx2": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"},
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+_COMMON = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLMSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve", "kernels"
+    )
+    return Path(root)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs, best first (``generic`` always)."""
+    out = []
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = cpu_flags()
+        if _NEEDS["avx2"] <= flags:
+            if _NEEDS["avx512"] <= flags:
+                out.append("avx512")
+            out.append("avx2")
+    return [*out, "generic"]
+
+
+def chosen_isa() -> str:
+    forced = os.environ.get("LLMSERVE_CPU_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"LLMSERVE_CPU_ISA must be one of {ISAS}, got {forced!r}")
+        if forced not in supported_isas():
+            raise ValueError(f"LLMSERVE_CPU_ISA={forced}: this CPU lacks it (it has {supported_isas()})")
+        return forced
+    return supported_isas()[0]
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(name: str, isa: str) -> Path:
+    """Compile ``native/<name>.c`` for ``isa`` into the cache (if not there yet); the library's path.
+    Raises ``RuntimeError`` with the compiler's message when it cannot."""
+    source = SOURCE_DIR / f"{name}.c"
+    text = source.read_bytes()
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    flags = [*_COMMON, *_FLAGS[isa]]
+    key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{isa}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name} ({isa}): {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("native kernels: built %s", out)
+    return out
+
+
+@functools.cache
+def load(name: str, isa: str) -> ctypes.CDLL:
+    import torch  # noqa: F401  torch's libgomp must be loaded first, so that ours binds to it
+
+    return ctypes.CDLL(str(build(name, isa)))
+
+
+@functools.cache
+def load_or_none(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The library for ``isa`` (default: the chosen one), or None with the reason logged once."""
+    isa = isa or chosen_isa()
+    try:
+        lib = load(name, isa)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        log.warning("native kernel %s (%s) unavailable, using the torch path: %s", name, isa, e)
+        return None
+    log.info("native kernel %s: %s", name, isa)
+    return lib
+
+
+if __name__ == "__main__":  # make install: build for every instruction set this CPU runs
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for _isa in supported_isas():
+        try:
+            print(f"native kernels ({_isa}): {build('paged_attention', _isa)}")
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as _e:  # the torch path still runs
+            print(f"native kernels ({_isa}) not built, the torch path will run: {_e}")

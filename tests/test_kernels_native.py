@@ -1,0 +1,202 @@
+"""The native CPU attention kernel (``kernels/cpu/native/paged_attention.c``), on every instruction
+set this CPU runs (AVX-512, AVX2, generic; each built here and tested where the test runs):
+against the reference twin (an independent reader: advanced indexing + SDPA), a row's output
+bit-equal whatever shares its call (alone, in a batch, as a decode or inside a prefill chunk), the
+cache outside a row's table never read, and the routing and fallbacks of the wrapper."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels.backend import TORCH_KERNELS, select_kernels
+from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from kernels.cpu import native_attention, native_build
+from kernels.cpu import paged_attention as torch_path
+from kernels.reference.paged_attention import paged_attention as reference_attention
+
+ISAS = native_build.supported_isas()
+ALL_NATIVE = 10**9  # every row through the kernel, long prefill chunks included
+
+SHAPES = [
+    # (requests (seq_len, q_len), Hq, Hk, D, block size): GQA 1..16 query heads per KV head, head
+    # sizes 16..128, block sizes 1..64, contexts that end mid-block, chunks after a cached prefix.
+    AttentionCase(((1, 1), (2, 1), (33, 1), (700, 1), (129, 5), (64, 64)), 4, 4, 64, 16),
+    AttentionCase(((31, 1), (300, 300), (1000, 37), (17, 1)), 16, 1, 64, 32),
+    AttentionCase(((5, 5), (90, 1), (257, 256)), 8, 2, 128, 8),
+    AttentionCase(((40, 1), (41, 2), (70, 70)), 6, 3, 16, 1),
+    AttentionCase(((130, 1), (200, 9), (64, 1)), 8, 4, 32, 64),
+]
+CASES = MIXED_CASES + SPLIT_DECODE_CASES + tuple(SHAPES)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if native_attention.library(request.param) is None:
+        pytest.fail(f"the native kernel did not build for {request.param} (a C compiler is on this machine)")
+    return request.param
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_native_attention_equals_the_reference(isa, case):
+    batch = make_paged_batch(case, torch.float32, seed=17)
+    got = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_is_bit_equal_alone_in_a_batch_and_as_a_decode(isa):
+    """Each row is computed by the same code in the same order whatever shares its call, so its
+    output is the same bits alone, beside others, and when its position is decoded instead of
+    being one row of a prefill chunk."""
+    case = AttentionCase(((300, 1), (200, 37), (64, 64), (513, 1), (100, 9)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=5)
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    whole = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    starts = qsl.tolist()
+    for b in range(len(case.requests)):
+        lo, hi = starts[b], starts[b + 1]
+        alone = native_attention.paged_attention(
+            q[lo:hi],
+            k_cache,
+            v_cache,
+            tables[b : b + 1],
+            lens[b : b + 1],
+            torch.tensor([0, hi - lo], dtype=torch.int32),
+            scale,
+            isa=isa,
+            max_native_query_len=ALL_NATIVE,
+        )
+        assert torch.equal(alone, whole[lo:hi]), f"sequence {b}: its rows changed with the batch around it"
+        ctx, q_len = case.requests[b]
+        for i in range(q_len):  # query i of the chunk, as the decode of its own position
+            decode = native_attention.paged_attention(
+                q[lo + i : lo + i + 1],
+                k_cache,
+                v_cache,
+                tables[b : b + 1],
+                torch.tensor([ctx - q_len + i + 1], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32),
+                scale,
+                isa=isa,
+            )
+            assert torch.equal(decode[0], whole[lo + i]), (
+                f"sequence {b} row {i}: decode differs from its chunk"
+            )
+
+
+def test_native_attention_never_reads_outside_a_rows_context(isa):
+    case = AttentionCase(((45, 1), (100, 20), (33, 33), (16, 1)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=3)
+    before = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    used = set()
+    for b, (ctx, _) in enumerate(case.requests):
+        used |= set(batch.block_tables[b, : (ctx + case.block_size - 1) // case.block_size].tolist())
+    unused = [i for i in range(batch.k_cache.shape[0]) if i not in used]
+    assert unused
+    for cache in (batch.k_cache, batch.v_cache):
+        cache[unused] = float("nan")
+        for b, (ctx, _) in enumerate(case.requests):  # past the last position, in the last block
+            cache[int(batch.block_tables[b, (ctx - 1) // case.block_size]), ctx % case.block_size or 16 :] = (
+                float("nan")
+            )
+    after = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    assert torch.equal(after, before)
+
+
+def test_strided_queries_are_read_where_they_are(isa):
+    """The model hands attention a view of its fused QKV projection: rows of Hq*D + 2*Hk*D floats."""
+    case = AttentionCase(((50, 1), (70, 7), (20, 20)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=8)
+    t, hq, d = batch.q.shape
+    fused = torch.randn(t, hq * d + 2 * 2 * d)
+    fused[:, : hq * d] = batch.q.reshape(t, hq * d)
+    view = fused[:, : hq * d].view(t, hq, d)
+    assert not view.is_contiguous()
+    args = list(batch.args())
+    args[0] = view
+    got = native_attention.paged_attention(*args, isa=isa, max_native_query_len=ALL_NATIVE)
+    assert torch.equal(
+        got, native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    )
+
+
+def test_the_routing_sends_long_chunks_after_a_prefix_to_sdpa(monkeypatch):
+    if native_attention.library() is None:
+        pytest.fail("the native kernel did not build on this machine")
+    # Decodes, a short chunk, a whole fresh prompt: native. A long chunk after a cached prefix: SDPA.
+    case = AttentionCase(((90, 1), (100, 8), (64, 64), (300, 40)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=2)
+    seen = []
+    real = torch_path.paged_attention
+    monkeypatch.setattr(
+        torch_path, "paged_attention", lambda *a, **k: seen.append(k.get("rows")) or real(*a, **k)
+    )
+    got = native_attention.paged_attention(*batch.args())
+    assert seen == [[3]]
+    torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_kernel_does_not_take_runs_on_the_torch_path(monkeypatch):
+    case = MIXED_CASES[0]
+    bf16 = make_paged_batch(case, torch.bfloat16, seed=1)
+    assert not native_attention.takes(bf16.q, bf16.k_cache)
+    assert torch.equal(
+        native_attention.paged_attention(*bf16.args()), torch_path.paged_attention(*bf16.args())
+    )
+    odd = make_paged_batch(AttentionCase(((20, 1), (9, 9)), 4, 2, 24, 16), torch.float32, seed=1)  # D % 16
+    assert not native_attention.takes(odd.q, odd.k_cache)
+    assert torch.equal(native_attention.paged_attention(*odd.args()), torch_path.paged_attention(*odd.args()))
+    f32 = make_paged_batch(case, torch.float32, seed=1)
+    monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "0")
+    assert native_attention.prepare().startswith("torch")
+    assert torch.equal(native_attention.paged_attention(*f32.args()), torch_path.paged_attention(*f32.args()))
+
+
+def test_the_cpu_backend_runs_the_native_wrapper_and_says_so(caplog):
+    assert TORCH_KERNELS.paged_attention is native_attention.paged_attention
+    with caplog.at_level(logging.INFO, logger="kernels.backend"):
+        select_kernels("cpu")
+    assert f"paged attention native ({native_build.chosen_isa()})" in caplog.text
+
+
+def test_instruction_set_choice(monkeypatch):
+    assert ISAS[-1] == "generic" and native_build.chosen_isa() == ISAS[0]
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "generic")
+    assert native_build.chosen_isa() == "generic"
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="must be one of"):
+        native_build.chosen_isa()
+    monkeypatch.setattr(native_build, "supported_isas", lambda: ["avx2", "generic"])
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="lacks it"):
+        native_build.chosen_isa()
+
+
+def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError):
+        native_build.build("paged_attention", "generic")
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match="failed on paged_attention.c"):
+        native_build.build("paged_attention", "generic")
+    assert list(tmp_path.iterdir()) == []  # no half-written library left for another process
+    native_build.load_or_none.cache_clear()
+    native_build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu.native_build"):
+            assert native_build.load_or_none("paged_attention", "generic") is None
+        assert "using the torch path" in caplog.text
+    finally:
+        native_build.load_or_none.cache_clear()
+        native_build.load.cache_clear()
+
+
+def test_a_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
+    first = native_build.build("paged_attention", "generic")
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native_build.build("paged_attention", "generic") == first and first.stat().st_mtime_ns == mtime
