@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import native_attention as cpu_paged_attention
+from kernels.cpu import native_elementwise
 from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 log = logging.getLogger(__name__)
@@ -41,14 +42,15 @@ REFERENCE_KERNELS = Kernels(
     paged_attention=paged_attention.paged_attention,
 )
 
-# The torch path the engine runs off CUDA: the references, except attention, which has a
-# CPU-tuned form with the same results: a native kernel reading the blocks in place where it is
-# faster, torch's SDPA over gathered blocks elsewhere (kernels/cpu/native_attention.py).
+# The torch path the engine runs off CUDA: the references, except where native CPU kernels with
+# the same results are faster: attention reading the blocks in place (torch's SDPA over gathered
+# blocks where that wins: kernels/cpu/native_attention.py), and RMSNorm and rotary fused into one
+# pass each (kernels/cpu/native_elementwise.py). Each falls back to torch for what it does not take.
 TORCH_KERNELS = Kernels(
     name="torch",
-    rms_norm=rmsnorm.rms_norm,
+    rms_norm=native_elementwise.rms_norm,
     silu_and_mul=activation.silu_and_mul,
-    apply_rotary=rotary.apply_rotary,
+    apply_rotary=native_elementwise.apply_rotary,
     write_kv=kv_write.write_kv,
     paged_attention=cpu_paged_attention.paged_attention,
 )
@@ -73,7 +75,11 @@ def select_kernels(device: torch.device | str, backend: str | None = None) -> Ke
     else:
         kernels = REFERENCE_KERNELS if backend == "reference" else TORCH_KERNELS
     if kernels is TORCH_KERNELS and device.type == "cpu":
-        log.info("kernels: torch on cpu, paged attention %s", cpu_paged_attention.prepare())
+        log.info(
+            "kernels: torch on cpu, paged attention %s, rms_norm and rotary %s",
+            cpu_paged_attention.prepare(),
+            native_elementwise.prepare(),
+        )
         return kernels
     log.info("kernels: %s on %s", kernels.name, device)
     return kernels

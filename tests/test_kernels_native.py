@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (``kernels/cpu/native/paged_attention.c``), on every instruction
+"""The native CPU kernels (``kernels/cpu/native/``: paged attention, RMSNorm, rotary), on every instruction
 set this CPU runs (AVX-512, AVX2, generic; each built here and tested where the test runs):
 against the reference twin (an independent reader: advanced indexing + SDPA), a row's output
 bit-equal whatever shares its call (alone, in a batch, as a decode or inside a prefill chunk), the
@@ -13,8 +13,9 @@ import torch
 
 from kernels.backend import TORCH_KERNELS, select_kernels
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
-from kernels.cpu import native_attention, native_build
+from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_path
+from kernels.reference import rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
 
 ISAS = native_build.supported_isas()
@@ -158,7 +159,8 @@ def test_the_cpu_backend_runs_the_native_wrapper_and_says_so(caplog):
     assert TORCH_KERNELS.paged_attention is native_attention.paged_attention
     with caplog.at_level(logging.INFO, logger="kernels.backend"):
         select_kernels("cpu")
-    assert f"paged attention native ({native_build.chosen_isa()})" in caplog.text
+    isa = native_build.chosen_isa()
+    assert f"paged attention native ({isa}), rms_norm and rotary native ({isa})" in caplog.text
 
 
 def test_instruction_set_choice(monkeypatch):
@@ -200,3 +202,71 @@ def test_a_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert first.parent == tmp_path and first.exists()
     mtime = first.stat().st_mtime_ns
     assert native_build.build("paged_attention", "generic") == first and first.stat().st_mtime_ns == mtime
+
+
+# --- RMSNorm and rotary, fused ---------------------------------------------------------------
+
+
+@pytest.fixture(params=ISAS)
+def elementwise_isa(request):
+    if native_elementwise.library(request.param) is None:
+        pytest.fail(f"the native elementwise kernels did not build for {request.param}")
+    return request.param
+
+
+@pytest.mark.parametrize("rows,dim", [(0, 64), (1, 512), (37, 100), (300, 512), (5, 4096)])
+def test_fused_rms_norm_equals_the_reference(elementwise_isa, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x, r = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)
+    w = torch.randn(dim, generator=g)
+    out, res = native_elementwise.rms_norm(x, w, 1e-6, r, isa=elementwise_isa)
+    want, want_res = rmsnorm.rms_norm(x, w, 1e-6, r)
+    assert torch.equal(res, want_res)  # x + residual: one rounding either way
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    alone, same = native_elementwise.rms_norm(x, w, 1e-6, isa=elementwise_isa)
+    assert same is x
+    torch.testing.assert_close(alone, rmsnorm.rms_norm(x, w, 1e-6)[0], rtol=1e-5, atol=1e-5)
+    if rows > 1:  # a row alone is the same bits as in the batch
+        one, _ = native_elementwise.rms_norm(x[1:2], w, 1e-6, r[1:2], isa=elementwise_isa)
+        assert torch.equal(one[0], out[1])
+
+
+@pytest.mark.parametrize("tokens,hq,hk,d", [(1, 8, 2, 64), (50, 4, 4, 128), (7, 6, 3, 32), (0, 2, 1, 16)])
+def test_fused_rotary_equals_the_reference_on_qkv_views(elementwise_isa, tokens, hq, hk, d):
+    g = torch.Generator().manual_seed(tokens + d)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+    cos_sin = rotary.rope_cos_sin_cache(rotary.rope_inv_freq(d, 10000.0), 2048)
+    for positions in (
+        torch.randint(0, 2048, (tokens,), generator=g),
+        torch.arange(tokens, dtype=torch.int32),
+    ):
+        got_q, got_k = native_elementwise.apply_rotary(positions, q, k, cos_sin, isa=elementwise_isa)
+        want_q, want_k = rotary.apply_rotary(positions, q, k, cos_sin)
+        torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_fused_kernels_do_not_take_runs_the_reference(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    assert torch.equal(native_elementwise.rms_norm(x, w, 1e-6)[0], rmsnorm.rms_norm(x, w, 1e-6)[0])
+    strided = torch.randn(9, 128, generator=g)[:, ::2]
+    w32 = w.float()
+    assert torch.equal(
+        native_elementwise.rms_norm(strided, w32, 1e-6)[0], rmsnorm.rms_norm(strided, w32, 1e-6)[0]
+    )
+    monkeypatch.setenv("LLMSERVE_NATIVE_ELEMENTWISE", "0")
+    x32 = x.float()
+    assert torch.equal(native_elementwise.rms_norm(x32, w32, 1e-6)[0], rmsnorm.rms_norm(x32, w32, 1e-6)[0])
+    assert native_elementwise.prepare().startswith("reference")
+
+
+def test_fused_rotary_refuses_a_position_outside_the_table():
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    cos_sin = rotary.rope_cos_sin_cache(rotary.rope_inv_freq(16, 10000.0), 8)
+    with pytest.raises(IndexError, match=r"rotary position 8 outside \[0, 8\)"):
+        native_elementwise.apply_rotary(torch.tensor([3, 8]), q, k, cos_sin)
+    with pytest.raises(IndexError, match="rotary position -1"):
+        native_elementwise.apply_rotary(torch.tensor([-1, 2]), q, k, cos_sin)

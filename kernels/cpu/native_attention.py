@@ -4,7 +4,7 @@ which reads K/V from the cache blocks in place; what it does not take goes to th
 
 The native kernel takes fp32 queries and caches whose head size is a multiple of 16. Of those it
 takes the sequences where it is faster than torch's fused SDPA over gathered K/V (measured with
-``python -m benchmarks.cpu_attention``): at most ``NATIVE_MAX_QUERY_LEN`` queries this step (decodes,
+``python -m benchmarks.cpu_kernels``): at most ``NATIVE_MAX_QUERY_LEN`` queries this step (decodes,
 short chunks, speculative verify steps), or a whole prompt with nothing cached before it (the
 kernel skips the causal mask's upper half, where SDPA computes it and masks). A chunk of many
 queries after a cached prefix stays on SDPA, whose blocked matmuls win there. Without a C compiler,

@@ -136,6 +136,7 @@ if __name__ == "__main__":  # make install: build for every instruction set this
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for _isa in supported_isas():
         try:
-            print(f"native kernels ({_isa}): {build('paged_attention', _isa)}")
+            for _src in sorted(SOURCE_DIR.glob("*.c")):
+                print(f"native kernels ({_isa}): {build(_src.stem, _isa)}")
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as _e:  # the torch path still runs
             print(f"native kernels ({_isa}) not built, the torch path will run: {_e}")
