@@ -1,7 +1,7 @@
 """The native CPU kernels (``kernels/cpu/native/``: paged attention, RMSNorm, rotary), on every instruction
 set this CPU runs (AVX-512, AVX2, generic; each built here and tested where the test runs):
 against the reference twin (an independent reader: advanced indexing + SDPA), a row's output
-bit-equal whatever shares its call (alone, in a batch, as a decode or inside a prefill chunk), the
+bit-equal whatever shares its call (alone, in a batch, in any split of its chunk), the
 cache outside a row's table never read, and the routing and fallbacks of the wrapper."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from kernels.reference import rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
 
 ISAS = native_build.supported_isas()
-ALL_NATIVE = 10**9  # every row through the kernel, long prefill chunks included
 
 SHAPES = [
     # (requests (seq_len, q_len), Hq, Hk, D, block size): GQA 1..16 query heads per KV head, head
@@ -43,54 +42,60 @@ def isa(request):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
 def test_native_attention_equals_the_reference(isa, case):
     batch = make_paged_batch(case, torch.float32, seed=17)
-    got = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    got = native_attention.paged_attention(*batch.args(), isa=isa)
     torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
 
 
-def test_a_row_is_bit_equal_alone_in_a_batch_and_as_a_decode(isa):
+def _one_sequence(batch, b, rows=None, isa=None):
+    """Sequence ``b`` of the batch alone, or only its chunk's ``rows`` (a ``range``), as a chunk ending
+    at the last of them: the same queries seeing the same positions."""
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    lo, hi = int(qsl[b]), int(qsl[b + 1])
+    rows = rows or range(hi - lo)
+    ctx = int(lens[b]) - (hi - lo) + rows.stop
+    return native_attention.paged_attention(
+        q[lo + rows.start : lo + rows.stop],
+        k_cache,
+        v_cache,
+        tables[b : b + 1],
+        torch.tensor([ctx], dtype=torch.int32),
+        torch.tensor([0, len(rows)], dtype=torch.int32),
+        scale,
+        isa=isa,
+    )
+
+
+def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa):
     """Each row is computed by the same code in the same order whatever shares its call, so its
-    output is the same bits alone, beside others, and when its position is decoded instead of
-    being one row of a prefill chunk."""
+    output is the same bits alone, beside others, and however its chunk is split (which moves it
+    to another lane of another tile). A decode (dot products) and a chunk's row (lanes) sum the
+    same terms in another order: equal within rounding."""
     case = AttentionCase(((300, 1), (200, 37), (64, 64), (513, 1), (100, 9)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=5)
-    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
-    whole = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
-    starts = qsl.tolist()
-    for b in range(len(case.requests)):
+    whole = native_attention.paged_attention(*batch.args(), isa=isa)
+    starts = batch.args()[5].tolist()
+    for b, (_, q_len) in enumerate(case.requests):
         lo, hi = starts[b], starts[b + 1]
-        alone = native_attention.paged_attention(
-            q[lo:hi],
-            k_cache,
-            v_cache,
-            tables[b : b + 1],
-            lens[b : b + 1],
-            torch.tensor([0, hi - lo], dtype=torch.int32),
-            scale,
-            isa=isa,
-            max_native_query_len=ALL_NATIVE,
+        assert torch.equal(_one_sequence(batch, b, isa=isa), whole[lo:hi]), (
+            f"sequence {b} changed with the batch"
         )
-        assert torch.equal(alone, whole[lo:hi]), f"sequence {b}: its rows changed with the batch around it"
-        ctx, q_len = case.requests[b]
+        if q_len < 4:
+            continue
+        for cut in (2, 3, q_len // 2, q_len - 2):  # parts of 2+ rows: a part of one row is a decode
+            parts = [
+                _one_sequence(batch, b, range(0, cut), isa),
+                _one_sequence(batch, b, range(cut, q_len), isa),
+            ]
+            assert torch.equal(torch.cat(parts), whole[lo:hi]), f"sequence {b} split at {cut} changed"
         for i in range(q_len):  # query i of the chunk, as the decode of its own position
-            decode = native_attention.paged_attention(
-                q[lo + i : lo + i + 1],
-                k_cache,
-                v_cache,
-                tables[b : b + 1],
-                torch.tensor([ctx - q_len + i + 1], dtype=torch.int32),
-                torch.tensor([0, 1], dtype=torch.int32),
-                scale,
-                isa=isa,
-            )
-            assert torch.equal(decode[0], whole[lo + i]), (
-                f"sequence {b} row {i}: decode differs from its chunk"
-            )
+            decode = _one_sequence(batch, b, range(i, i + 1), isa)
+            torch.testing.assert_close(decode[0], whole[lo + i], rtol=1e-6, atol=1e-6)
 
 
 def test_native_attention_never_reads_outside_a_rows_context(isa):
     case = AttentionCase(((45, 1), (100, 20), (33, 33), (16, 1)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=3)
-    before = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    before = native_attention.paged_attention(*batch.args(), isa=isa)
     used = set()
     for b, (ctx, _) in enumerate(case.requests):
         used |= set(batch.block_tables[b, : (ctx + case.block_size - 1) // case.block_size].tolist())
@@ -102,7 +107,7 @@ def test_native_attention_never_reads_outside_a_rows_context(isa):
             cache[int(batch.block_tables[b, (ctx - 1) // case.block_size]), ctx % case.block_size or 16 :] = (
                 float("nan")
             )
-    after = native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
+    after = native_attention.paged_attention(*batch.args(), isa=isa)
     assert torch.equal(after, before)
 
 
@@ -117,37 +122,29 @@ def test_strided_queries_are_read_where_they_are(isa):
     assert not view.is_contiguous()
     args = list(batch.args())
     args[0] = view
-    got = native_attention.paged_attention(*args, isa=isa, max_native_query_len=ALL_NATIVE)
-    assert torch.equal(
-        got, native_attention.paged_attention(*batch.args(), isa=isa, max_native_query_len=ALL_NATIVE)
-    )
+    got = native_attention.paged_attention(*args, isa=isa)
+    assert torch.equal(got, native_attention.paged_attention(*batch.args(), isa=isa))
 
 
-def test_the_routing_sends_long_chunks_after_a_prefix_to_sdpa(monkeypatch):
+def test_every_row_runs_native_where_the_kernel_takes_the_shapes(monkeypatch):
     if native_attention.library() is None:
         pytest.fail("the native kernel did not build on this machine")
-    # Decodes, a short chunk, a whole fresh prompt: native. A long chunk after a cached prefix: SDPA.
-    case = AttentionCase(((90, 1), (100, 8), (64, 64), (300, 40)), 8, 2, 64, 16)
+    case = AttentionCase(((90, 1), (100, 8), (64, 64), (300, 40), (7, 0)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=2)
-    seen = []
-    real = torch_path.paged_attention
-    monkeypatch.setattr(
-        torch_path, "paged_attention", lambda *a, **k: seen.append(k.get("rows")) or real(*a, **k)
-    )
+    monkeypatch.setattr(torch_path, "paged_attention", lambda *a, **k: pytest.fail("the torch path ran"))
     got = native_attention.paged_attention(*batch.args())
-    assert seen == [[3]]
     torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
 
 
 def test_what_the_kernel_does_not_take_runs_on_the_torch_path(monkeypatch):
     case = MIXED_CASES[0]
     bf16 = make_paged_batch(case, torch.bfloat16, seed=1)
-    assert not native_attention.takes(bf16.q, bf16.k_cache)
+    assert not native_attention.takes(bf16.q, bf16.k_cache, bf16.v_cache)
     assert torch.equal(
         native_attention.paged_attention(*bf16.args()), torch_path.paged_attention(*bf16.args())
     )
     odd = make_paged_batch(AttentionCase(((20, 1), (9, 9)), 4, 2, 24, 16), torch.float32, seed=1)  # D % 16
-    assert not native_attention.takes(odd.q, odd.k_cache)
+    assert not native_attention.takes(odd.q, odd.k_cache, odd.v_cache)
     assert torch.equal(native_attention.paged_attention(*odd.args()), torch_path.paged_attention(*odd.args()))
     f32 = make_paged_batch(case, torch.float32, seed=1)
     monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "0")

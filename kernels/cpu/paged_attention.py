@@ -47,18 +47,13 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    *,
-    rows: list[int] | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention.paged_attention``; with ``rows``, only
-    those sequences' queries are computed (into ``out`` when given), the others left as they are."""
-    out = torch.empty_like(q) if out is None else out
+    """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
+    out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    rows = range(len(lens)) if rows is None else rows
-    decodes = [b for b in rows if starts[b + 1] - starts[b] == 1]
-    prefills = [b for b in rows if starts[b + 1] - starts[b] > 1]
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
     block_size = k_cache.shape[1]
     token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one position
     tables = block_tables.long()

@@ -6,11 +6,15 @@
  * the block table, once per work item, where the torch path first copies them out of the cache
  * and then reads the copy.
  *
- * Work items are (sequence, KV head, tile of query rows); a tile's vectors are the query heads
- * that share that KV head, for each of its rows, so a K/V row loaded for one is in L1 for the
- * others. Every vector's result is computed by the same code in the same order whatever else is
- * in its tile, its step or its thread, so a row's output depends only on its query and its
- * context: the same in a decode and in any prefill chunk, alone or in a batch.
+ * Work items are (sequence, KV head, tile of query rows). A decode's item holds the query heads
+ * that share the KV head and takes dot products, so a K/V row loaded for one is in L1 for the
+ * others. A chunk's tile holds up to 16 query vectors (its rows times those heads) in the lanes
+ * of one vector: q . k at a position is head_dim multiply-adds of the transposed queries by the
+ * K row's broadcast values, with no horizontal sums, and the same for the output over V.
+ * Every vector's result is computed by the same code in the same order whatever else is in its
+ * tile, its step or its thread, so a row's output depends only on its query and its context:
+ * the same alone or in a batch, and in any split of its chunk into chunks of two rows or more
+ * (a decode and a chunk's row sum the same terms in another order: equal within rounding).
  *
  * The library is compiled (see native_build.py) once per instruction set: the same source with
  * -march=x86-64-v4 (AVX-512), -march=x86-64-v3 (AVX2 + FMA) or none, chosen at run time. OpenMP
@@ -29,9 +33,11 @@
 
 /* GCC/Clang vector types: one source for every instruction set (a 16-float vector is one AVX-512
  * register, two AVX2 ones, four SSE ones), and reductions that stay in registers. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+/* Aligned to a float only: GCC does not realign every stack frame (OpenMP's outlined functions
+ * among them) for 64-byte types when it targets AVX2, and aligned moves there fault. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 INLINE v16 load16(const float *p) {
     v16 x;
@@ -167,6 +173,99 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
     }
 }
 
+/* A chunk's rows, a tile at a time: the tile's vectors are the lanes of one 16-float vector, so
+ * q . k for all of them at one position is D multiply-adds of the transposed queries by that K
+ * row's broadcast values (no horizontal sums), and each output element is the same over V.
+ * A lane's sums run over d, then over positions, in order, and a position past a lane's causal
+ * limit adds an exact zero: a row's result does not depend on which rows share its tile. */
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+INLINE v16 select16(vi16 keep, v16 yes, v16 no) { return (v16)(((vi16)yes & keep) | ((vi16)no & ~keep)); }
+
+INLINE void attend_tile(const Args *a, int b, int h, int r0, int r1, v16 *restrict st, const int D) {
+    const int rep = a->num_heads / a->num_kv_heads;
+    const int bs = a->block_size;
+    const int64_t pos_stride = (int64_t)a->num_kv_heads * D;
+    const int start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - start;
+    const int ctx = a->seq_lens[b];
+    const int32_t *table = a->block_tables + (int64_t)b * a->block_table_stride;
+    const int nvec = (r1 - r0) * rep;
+    v16 qt[D];
+    vi16 limit = {0};
+    for (int v = 0; v < nvec; ++v) {
+        const int row = r0 + v / rep, head = h * rep + v % rep;
+        const float *qv = a->q + (int64_t)(start + row) * a->q_stride_token + (int64_t)head * a->q_stride_head;
+        for (int d = 0; d < D; ++d) qt[d][v] = qv[d];
+        limit[v] = ctx - q_len + row + 1;
+    }
+    for (int v = nvec; v < MAX_VEC; ++v)
+        for (int d = 0; d < D; ++d) qt[d][v] = 0.0f;
+    const int longest = limit[nvec - 1];
+    const v16 neg_inf = (v16){0} - INFINITY;
+    v16 m = neg_inf;
+    /* st[p] = the tile's scores at position p (masked past each lane's limit) */
+    for (int blk = 0; blk * bs < longest; ++blk) {
+        const float *kb = a->k_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
+        const int p0 = blk * bs;
+        const int n = longest - p0 < bs ? longest - p0 : bs;
+        int p = 0;
+        for (; p + 4 <= n; p += 4) {
+            const float *k0 = kb + p * pos_stride, *k1 = k0 + pos_stride, *k2 = k1 + pos_stride,
+                        *k3 = k2 + pos_stride;
+            v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            for (int d = 0; d < D; ++d) {
+                const v16 qd = qt[d];
+                s0 += qd * k0[d];
+                s1 += qd * k1[d];
+                s2 += qd * k2[d];
+                s3 += qd * k3[d];
+            }
+            const v16 sc[4] = {s0, s1, s2, s3};
+            for (int j = 0; j < 4; ++j) {
+                const v16 x = select16(p0 + p + j < limit, sc[j] * a->scale, neg_inf);
+                st[p0 + p + j] = x;
+                m = select16(x > m, x, m);
+            }
+        }
+        for (; p < n; ++p) {
+            const float *k0 = kb + p * pos_stride;
+            v16 s0 = {0};
+            for (int d = 0; d < D; ++d) s0 += qt[d] * k0[d];
+            const v16 x = select16(p0 + p < limit, s0 * a->scale, neg_inf);
+            st[p0 + p] = x;
+            m = select16(x > m, x, m);
+        }
+    }
+    /* softmax numerators, lane by lane; a masked position's is exactly 0 */
+    v16 sum = {0};
+    for (int p = 0; p < longest; ++p) {
+        float e[MAX_VEC];
+        for (int l = 0; l < MAX_VEC; ++l) e[l] = exp_nonpositive(st[p][l] - m[l]);
+        const v16 x = select16(p < limit, load16(e), (v16){0});
+        st[p] = x;
+        sum += x;
+    }
+    for (int dc = 0; dc < D; dc += LANES) {
+        v16 acc[LANES];
+        for (int i = 0; i < LANES; ++i) acc[i] = (v16){0};
+        for (int blk = 0; blk * bs < longest; ++blk) {
+            const float *vb = a->v_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D + dc;
+            const int p0 = blk * bs;
+            const int n = longest - p0 < bs ? longest - p0 : bs;
+            for (int p = 0; p < n; ++p) {
+                const v16 w = st[p0 + p];
+                const float *vp = vb + p * pos_stride;
+                for (int i = 0; i < LANES; ++i) acc[i] += w * vp[i];
+            }
+        }
+        for (int v = 0; v < nvec; ++v) {
+            const int row = r0 + v / rep, head = h * rep + v % rep;
+            float *o = a->out + ((int64_t)(start + row) * a->num_heads + head) * D + dc;
+            for (int i = 0; i < LANES; ++i) o[i] = acc[i][v] / sum[v];
+        }
+    }
+}
+
 /* Attention for the sequences seqs[0, num_seqs) of the batch (the caller handles the others).
  * head_dim must be a multiple of LANES. Returns 0, or -1 for a shape this library does not take. */
 int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
@@ -206,7 +305,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * MAX_VEC * (size_t)longest);
+        float *scores = aligned_alloc(64, sizeof(float) * MAX_VEC * (size_t)longest);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -217,10 +316,19 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
             int b = items[3 * i], h = items[3 * i + 1], r0 = items[3 * i + 2];
             int q_len = query_start_loc[b + 1] - query_start_loc[b];
             int r1 = r0 + rows_per_tile < q_len ? r0 + rows_per_tile : q_len;
-            switch (head_dim) {
-            case 64: attend_item(&a, b, h, r0, r1, scores, 64); break;
-            case 128: attend_item(&a, b, h, r0, r1, scores, 128); break;
-            default: attend_item(&a, b, h, r0, r1, scores, head_dim);
+            if (q_len == 1) { /* a decode: rep vectors, one position each, dot products */
+                switch (head_dim) {
+                case 64: attend_item(&a, b, h, r0, r1, scores, 64); break;
+                case 128: attend_item(&a, b, h, r0, r1, scores, 128); break;
+                default: attend_item(&a, b, h, r0, r1, scores, head_dim);
+                }
+            } else { /* a chunk: tiles of up to 16 vectors in the lanes */
+                v16 *st = (v16 *)scores;
+                switch (head_dim) {
+                case 64: attend_tile(&a, b, h, r0, r1, st, 64); break;
+                case 128: attend_tile(&a, b, h, r0, r1, st, 128); break;
+                default: attend_tile(&a, b, h, r0, r1, st, head_dim);
+                }
             }
         }
         free(scores);
