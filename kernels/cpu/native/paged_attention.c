@@ -66,6 +66,22 @@ INLINE float dot(const float *restrict a, const float *restrict b, int d) {
     return hsum16(acc0 + acc1);
 }
 
+/* The lane sums of four vectors, [a, b, c, d]: hsum16's tree, four at a time. */
+INLINE v4 hsum4x16(v16 a, v16 b, v16 c, v16 d) {
+#define HALVES(x) (__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + \
+                   __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15))
+    const v8 a8 = HALVES(a), b8 = HALVES(b), c8 = HALVES(c), d8 = HALVES(d);
+#undef HALVES
+    const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v4 acbd = __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
+    return __builtin_shufflevector(acbd, acbd, 0, 2, 1, 3);
+}
+
 /* e^x for x <= 0 (scores minus their maximum), to about 2 ulp: Cody-Waite reduction to
  * 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial (Cephes' coefficients). Written without
  * calls so that the compiler vectorizes the loops that use it; below -87 it returns e^-87. */
@@ -144,7 +160,39 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
     for (int blk = 0; blk * bs < longest; ++blk) {
         const float *kb = a->k_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
         const int p0 = blk * bs;
-        for (int v = 0; v < nvec; ++v) {
+        if ((blk + 1) * bs < longest) { /* the next block is elsewhere in memory: ask for it now */
+            const char *next = (const char *)(a->k_cache + ((int64_t)table[blk + 1] * bs * a->num_kv_heads + h) * D);
+            const char *nextv = (const char *)(a->v_cache + ((int64_t)table[blk + 1] * bs * a->num_kv_heads + h) * D);
+            for (int p = 0; p < bs; ++p)
+                for (int c = 0; c < D * 4; c += 64) {
+                    __builtin_prefetch(next + p * pos_stride * 4 + c);
+                    __builtin_prefetch(nextv + p * pos_stride * 4 + c);
+                }
+        }
+        int v = 0;
+        if (D % (2 * LANES) == 0) /* four queries at a time, held in registers, one K row load */
+            for (; v + 4 <= nvec; v += 4) {
+                v16 qr[4][D / LANES];
+                for (int j = 0; j < 4; ++j)
+                    for (int c = 0; c < D / LANES; ++c) qr[j][c] = load16(qv[v + j] + c * LANES);
+                int n = limit[v] - p0; /* a decode's vectors share one limit */
+                n = n > bs ? bs : n;
+                for (int p = 0; p < n; ++p) {
+                    const float *kp = kb + p * pos_stride;
+                    v16 acc[4];
+                    for (int j = 0; j < 4; ++j) {
+                        v16 even = qr[j][0] * load16(kp), odd = (v16){0};
+                        for (int c = 1; c < D / LANES; c += 2) {
+                            odd += qr[j][c] * load16(kp + c * LANES);
+                            if (c + 1 < D / LANES) even += qr[j][c + 1] * load16(kp + (c + 1) * LANES);
+                        }
+                        acc[j] = even + odd;
+                    }
+                    const v4 s4 = hsum4x16(acc[0], acc[1], acc[2], acc[3]);
+                    for (int j = 0; j < 4; ++j) scores[(int64_t)(v + j) * longest + p0 + p] = s4[j] * a->scale;
+                }
+            }
+        for (; v < nvec; ++v) {
             int n = limit[v] - p0;
             n = n > bs ? bs : n;
             float *s = scores + (int64_t)v * longest + p0;
@@ -154,8 +202,8 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
     float sums[MAX_VEC];
     for (int v = 0; v < nvec; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * longest, limit[v]);
     for (int v = 0; v < nvec; ++v) {
-        float acc[D];
-        for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+        v16 acc[D / LANES]; /* registers, when D is a constant */
+        for (int c = 0; c < D / LANES; ++c) acc[c] = (v16){0};
         const float *s = scores + (int64_t)v * longest;
         for (int blk = 0; blk * bs < limit[v]; ++blk) {
             const float *vb = a->v_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
@@ -164,12 +212,15 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
             for (int p = 0; p < n; ++p) {
                 const float w = s[blk * bs + p];
                 const float *vp = vb + p * pos_stride;
-                for (int d = 0; d < D; ++d) acc[d] += w * vp[d];
+                for (int c = 0; c < D / LANES; ++c) acc[c] += w * load16(vp + c * LANES);
             }
         }
         int row = r0 + v / rep, head = h * rep + v % rep;
         float *o = a->out + ((int64_t)(start + row) * a->num_heads + head) * D;
-        for (int d = 0; d < D; ++d) o[d] = acc[d] / sums[v];
+        for (int c = 0; c < D / LANES; ++c) {
+            const v16 x = acc[c] / sums[v];
+            memcpy(o + c * LANES, &x, sizeof x);
+        }
     }
 }
 
