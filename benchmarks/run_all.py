@@ -27,6 +27,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("kv_memory", "results-dir"),
     ("step_overhead", "results-dir"),
     ("compute_efficiency", "results-dir"),
+    ("cpu_kernels", "results-dir"),
     ("chunked_prefill", "results-dir"),
     ("prefix_caching", "results-dir"),
     ("block_hashing", "results-dir"),

@@ -166,3 +166,17 @@ def test_lora(results):
     assert f["adapters_vs_base"] == [a["tok_s"] / b["tok_s"] for a, b in pairs]
     # Mixed: one batch for every adapter; separate: each adapter's requests apart, so more steps.
     assert all(s["steps"] > a["steps"] for s, a in zip(runs["separate"], runs["adapters"], strict=True))
+
+
+def test_cpu_kernels(results):
+    f = run_quick("cpu_kernels", results)["figures"]
+    # every shape on every instruction set this CPU runs, and both fused kernels at each size
+    shapes = {r["shape"] for r in f["attention"]}
+    assert len(shapes) == 4 and {r["isa"] for r in f["attention"]} == set(f["isas"])
+    assert f["chosen_isa"] == f["isas"][0]
+    assert {(r["kernel"], r["tokens"]) for r in f["elementwise"]} == {
+        (k, t) for k in ("rms_norm + residual", "rotary") for t in (1, 16)
+    }
+    for r in f["attention"] + f["elementwise"]:
+        assert r["native_ms"] > 0 and r["torch_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_ms"] / r["native_ms"])

@@ -132,7 +132,7 @@ def test_every_row_runs_native_where_the_kernel_takes_the_shapes(monkeypatch):
     case = AttentionCase(((90, 1), (100, 8), (64, 64), (300, 40), (7, 0)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=2)
     monkeypatch.setattr(torch_path, "paged_attention", lambda *a, **k: pytest.fail("the torch path ran"))
-    got = native_attention.paged_attention(*batch.args())
+    got = native_attention.paged_attention(*batch.args(), isa=native_build.chosen_isa())
     torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
 
 
@@ -157,10 +157,33 @@ def test_the_cpu_backend_runs_the_native_wrapper_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="kernels.backend"):
         select_kernels("cpu")
     isa = native_build.chosen_isa()
-    assert f"paged attention native ({isa}), rms_norm and rotary native ({isa})" in caplog.text
+    attention = (
+        f"native ({isa})" if isa in native_attention.FASTER_THAN_TORCH else "torch (native measured slower"
+    )
+    assert f"paged attention {attention}" in caplog.text
+    assert f"rms_norm and rotary native ({isa})" in caplog.text
+
+
+def test_attention_runs_native_only_where_it_measured_faster_unless_forced(monkeypatch):
+    batch = make_paged_batch(MIXED_CASES[0], torch.float32, seed=4)
+    calls = []
+    real = torch_path.paged_attention
+    monkeypatch.setattr(torch_path, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(native_build, "chosen_isa", lambda: "avx2")
+    assert native_attention.prepare().startswith("torch (native measured slower on avx2")
+    native_attention.paged_attention(*batch.args())
+    assert calls == [1]
+    monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "1")
+    if native_attention.library() is not None:
+        native_attention.paged_attention(*batch.args())
+        assert calls == [1]  # forced: native, whatever the instruction set
+    monkeypatch.setattr(native_build, "chosen_isa", lambda: "avx512")
+    monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "auto")
+    assert native_attention.enabled()
 
 
 def test_instruction_set_choice(monkeypatch):
+    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
     assert ISAS[-1] == "generic" and native_build.chosen_isa() == ISAS[0]
     monkeypatch.setenv("LLMSERVE_CPU_ISA", "generic")
     assert native_build.chosen_isa() == "generic"

@@ -6,7 +6,8 @@ The native kernel takes fp32 queries and caches whose head size is a multiple of
 16 query heads per KV head: decodes as dot products, chunks as tiles of 16 query vectors in the
 lanes of one register. It was faster than the torch path at every shape measured (1.4-3.6x on one
 thread, ``python -m benchmarks.cpu_kernels``), cascade over shared prefixes included. Without a C
-compiler, or with ``LLMSERVE_NATIVE_ATTENTION=0``, everything runs on the torch path.
+compiler, with ``LLMSERVE_NATIVE_ATTENTION=0``, or on an instruction set where the kernel measured
+slower (``FASTER_THAN_TORCH``), everything runs on the torch path.
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ import torch
 from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
 
+# Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
+# On AVX2 and SSE2 builds GCC splits its 16-lane vectors and the kernel ran at 0.2-0.6x of torch's
+# SDPA there: those machines run the torch path unless LLMSERVE_NATIVE_ATTENTION=1 forces it.
+FASTER_THAN_TORCH = ("avx512",)
 
-def enabled() -> bool:
-    return os.environ.get("LLMSERVE_NATIVE_ATTENTION", "1") != "0"
+
+def enabled(isa: str | None = None) -> bool:
+    """``LLMSERVE_NATIVE_ATTENTION``: ``0`` never, ``1`` on any instruction set, unset (``auto``)
+    where it is faster; a caller naming ``isa`` (tests, benchmarks) gets that build."""
+    mode = os.environ.get("LLMSERVE_NATIVE_ATTENTION", "auto")
+    if mode == "0":
+        return False
+    return mode == "1" or isa is not None or native_build.chosen_isa() in FASTER_THAN_TORCH
 
 
 _P = ctypes.c_void_p
@@ -43,8 +54,11 @@ def library(isa: str | None = None):
 
 def prepare() -> str:
     """Build and load the kernel now (not in the first forward pass); says which path runs."""
-    if not enabled():
+    if os.environ.get("LLMSERVE_NATIVE_ATTENTION") == "0":
         return "torch (LLMSERVE_NATIVE_ATTENTION=0)"
+    if not enabled():
+        isa = native_build.chosen_isa()
+        return f"torch (native measured slower on {isa}; LLMSERVE_NATIVE_ATTENTION=1 forces it)"
     return f"native ({native_build.chosen_isa()})" if library() is not None else "torch (no native build)"
 
 
@@ -77,7 +91,7 @@ def paged_attention(
     isa: str | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
-    fn = library(isa) if enabled() and takes(q, k_cache, v_cache) else None
+    fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     starts = query_start_loc.tolist()
