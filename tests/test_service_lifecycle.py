@@ -117,7 +117,15 @@ def test_engine_killed_mid_stream_ends_streams_unavailable_and_health_not_servin
 
 def test_sigterm_drains_then_exits_clean(default_model_dir):
     sp = ServiceProcess(
-        default_model_dir, "--num-kv-blocks", "512", "--drain-grace-s", "2", "--tokenizer-workers", "1"
+        default_model_dir,
+        "--num-kv-blocks",
+        "512",
+        "--drain-grace-s",
+        "2",
+        "--tokenizer-workers",
+        "1",
+        "--transport",
+        "shm",  # the rings, and their removal on the way out
     ).start()
     try:
         children = sp.descendants()
