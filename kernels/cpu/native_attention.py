@@ -48,7 +48,7 @@ def library(isa: str | None = None):
         return None
     fn = lib.llmserve_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _P, _I32]
+    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _P, _I32]
     return fn
 
 
@@ -94,35 +94,31 @@ def paged_attention(
     fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    starts = query_start_loc.tolist()
-    native = [b for b in range(len(starts) - 1) if starts[b + 1] > starts[b]]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if native:
-        tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-        tables = tables.contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
-        qsl = query_start_loc.to(torch.int32).contiguous()
-        seqs = torch.tensor(native, dtype=torch.int32)
-        rc = fn(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            lens.data_ptr(),
-            qsl.data_ptr(),
-            seqs.data_ptr(),
-            len(native),
-            q.shape[1],
-            k_cache.shape[2],
-            q.shape[2],
-            k_cache.shape[1],
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")
+    # .to / .contiguous are no-ops for the engine's int32 metadata; the kernel skips sequences with
+    # no queries this step itself.
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        qsl.data_ptr(),
+        lens.shape[0],
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")
     return out

@@ -137,32 +137,42 @@ typedef struct {
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
 } Args;
 
-/* One work item: sequence b, KV head h, query rows [r0, r1) of the sequence's chunk. D is a
- * compile-time constant where the caller can make it one (64, 128), so that q and the output
- * accumulators stay in registers. */
-INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scores, const int D) {
+/* Where sequence b's tokens and blocks are. */
+typedef struct {
+    int start, q_len, ctx;      /* its first query token, its queries this step, its context */
+    const int32_t *table;       /* its block table */
+} Seq;
+
+INLINE Seq seq_of(const Args *a, int b) {
+    const int start = a->query_start_loc[b];
+    return (Seq){start, a->query_start_loc[b + 1] - start, a->seq_lens[b],
+                 a->block_tables + (int64_t)b * a->block_table_stride};
+}
+
+/* KV head h's row of position 0 of the sequence's blk-th block, in cache. */
+INLINE const float *block_at(const Args *a, const float *cache, const Seq *s, int blk, int h, const int D) {
+    return cache + ((int64_t)s->table[blk] * a->block_size * a->num_kv_heads + h) * D;
+}
+
+/* A decode: sequence b's one query, its rep heads that share KV head h, all seeing the whole
+ * context. D is a compile-time constant where the caller can make it one (64, 128), so that q and
+ * the output accumulators stay in registers. */
+INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t pos_stride = (int64_t)a->num_kv_heads * D;
-    const int start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - start;
-    const int ctx = a->seq_lens[b];
-    const int32_t *table = a->block_tables + (int64_t)b * a->block_table_stride;
-    const int nvec = (r1 - r0) * rep;
+    const Seq sq = seq_of(a, b);
+    const int ctx = sq.ctx;
     const float *qv[MAX_VEC];
-    int limit[MAX_VEC];
-    for (int v = 0; v < nvec; ++v) {
-        int row = r0 + v / rep, head = h * rep + v % rep;
-        qv[v] = a->q + (int64_t)(start + row) * a->q_stride_token + (int64_t)head * a->q_stride_head;
-        limit[v] = ctx - q_len + row + 1; /* causal: row i sees positions <= ctx - q_len + i */
-    }
-    const int longest = limit[nvec - 1];
-    /* scores[v * longest + p] = q_v . k_p * scale */
-    for (int blk = 0; blk * bs < longest; ++blk) {
-        const float *kb = a->k_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
-        const int p0 = blk * bs;
-        if ((blk + 1) * bs < longest) { /* the next block is elsewhere in memory: ask for it now */
-            const char *next = (const char *)(a->k_cache + ((int64_t)table[blk + 1] * bs * a->num_kv_heads + h) * D);
-            const char *nextv = (const char *)(a->v_cache + ((int64_t)table[blk + 1] * bs * a->num_kv_heads + h) * D);
+    for (int v = 0; v < rep; ++v)
+        qv[v] = a->q + (int64_t)sq.start * a->q_stride_token + (int64_t)(h * rep + v) * a->q_stride_head;
+    /* scores[v * ctx + p] = q_v . k_p * scale */
+    for (int blk = 0; blk * bs < ctx; ++blk) {
+        const float *kb = block_at(a, a->k_cache, &sq, blk, h, D);
+        const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+        if (p0 + bs < ctx) { /* the next block is elsewhere in memory: ask for it now */
+            const char *next = (const char *)block_at(a, a->k_cache, &sq, blk + 1, h, D);
+            const char *nextv = (const char *)block_at(a, a->v_cache, &sq, blk + 1, h, D);
             for (int p = 0; p < bs; ++p)
                 for (int c = 0; c < D * 4; c += 64) {
                     __builtin_prefetch(next + p * pos_stride * 4 + c);
@@ -171,12 +181,10 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
         }
         int v = 0;
         if (D % (2 * LANES) == 0) /* four queries at a time, held in registers, one K row load */
-            for (; v + 4 <= nvec; v += 4) {
+            for (; v + 4 <= rep; v += 4) {
                 v16 qr[4][D / LANES];
                 for (int j = 0; j < 4; ++j)
                     for (int c = 0; c < D / LANES; ++c) qr[j][c] = load16(qv[v + j] + c * LANES);
-                int n = limit[v] - p0; /* a decode's vectors share one limit */
-                n = n > bs ? bs : n;
                 for (int p = 0; p < n; ++p) {
                     const float *kp = kb + p * pos_stride;
                     v16 acc[4];
@@ -189,36 +197,31 @@ INLINE void attend_item(const Args *a, int b, int h, int r0, int r1, float *scor
                         acc[j] = even + odd;
                     }
                     const v4 s4 = hsum4x16(acc[0], acc[1], acc[2], acc[3]);
-                    for (int j = 0; j < 4; ++j) scores[(int64_t)(v + j) * longest + p0 + p] = s4[j] * a->scale;
+                    for (int j = 0; j < 4; ++j) scores[(int64_t)(v + j) * ctx + p0 + p] = s4[j] * a->scale;
                 }
             }
-        for (; v < nvec; ++v) {
-            int n = limit[v] - p0;
-            n = n > bs ? bs : n;
-            float *s = scores + (int64_t)v * longest + p0;
+        for (; v < rep; ++v) {
+            float *s = scores + (int64_t)v * ctx + p0;
             for (int p = 0; p < n; ++p) s[p] = dot(qv[v], kb + p * pos_stride, D) * a->scale;
         }
     }
-    float sums[MAX_VEC];
-    for (int v = 0; v < nvec; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * longest, limit[v]);
-    for (int v = 0; v < nvec; ++v) {
+    for (int v = 0; v < rep; ++v) {
+        const float *s = scores + (int64_t)v * ctx;
+        const float sum = softmax_numerators(scores + (int64_t)v * ctx, ctx);
         v16 acc[D / LANES]; /* registers, when D is a constant */
         for (int c = 0; c < D / LANES; ++c) acc[c] = (v16){0};
-        const float *s = scores + (int64_t)v * longest;
-        for (int blk = 0; blk * bs < limit[v]; ++blk) {
-            const float *vb = a->v_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
-            int n = limit[v] - blk * bs;
-            n = n > bs ? bs : n;
+        for (int blk = 0; blk * bs < ctx; ++blk) {
+            const float *vb = block_at(a, a->v_cache, &sq, blk, h, D);
+            const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
             for (int p = 0; p < n; ++p) {
-                const float w = s[blk * bs + p];
+                const float w = s[p0 + p];
                 const float *vp = vb + p * pos_stride;
                 for (int c = 0; c < D / LANES; ++c) acc[c] += w * load16(vp + c * LANES);
             }
         }
-        int row = r0 + v / rep, head = h * rep + v % rep;
-        float *o = a->out + ((int64_t)(start + row) * a->num_heads + head) * D;
+        float *o = a->out + ((int64_t)sq.start * a->num_heads + h * rep + v) * D;
         for (int c = 0; c < D / LANES; ++c) {
-            const v16 x = acc[c] / sums[v];
+            const v16 x = acc[c] / sum;
             memcpy(o + c * LANES, &x, sizeof x);
         }
     }
@@ -237,9 +240,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int r0, int r1, v16 *restri
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t pos_stride = (int64_t)a->num_kv_heads * D;
-    const int start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - start;
-    const int ctx = a->seq_lens[b];
-    const int32_t *table = a->block_tables + (int64_t)b * a->block_table_stride;
+    const Seq sq = seq_of(a, b);
+    const int start = sq.start, q_len = sq.q_len, ctx = sq.ctx;
     const int nvec = (r1 - r0) * rep;
     v16 qt[D];
     vi16 limit = {0};
@@ -256,7 +258,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int r0, int r1, v16 *restri
     v16 m = neg_inf;
     /* st[p] = the tile's scores at position p (masked past each lane's limit) */
     for (int blk = 0; blk * bs < longest; ++blk) {
-        const float *kb = a->k_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D;
+        const float *kb = block_at(a, a->k_cache, &sq, blk, h, D);
         const int p0 = blk * bs;
         const int n = longest - p0 < bs ? longest - p0 : bs;
         int p = 0;
@@ -300,7 +302,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int r0, int r1, v16 *restri
         v16 acc[LANES];
         for (int i = 0; i < LANES; ++i) acc[i] = (v16){0};
         for (int blk = 0; blk * bs < longest; ++blk) {
-            const float *vb = a->v_cache + ((int64_t)table[blk] * bs * a->num_kv_heads + h) * D + dc;
+            const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + dc;
             const int p0 = blk * bs;
             const int n = longest - p0 < bs ? longest - p0 : bs;
             for (int p = 0; p < n; ++p) {
@@ -317,13 +319,13 @@ INLINE void attend_tile(const Args *a, int b, int h, int r0, int r1, v16 *restri
     }
 }
 
-/* Attention for the sequences seqs[0, num_seqs) of the batch (the caller handles the others).
+/* Attention for every sequence of the batch (one with no queries this step has no work).
  * head_dim must be a multiple of LANES. Returns 0, or -1 for a shape this library does not take. */
 int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
                                  const float *k_cache, const float *v_cache,
                                  const int32_t *block_tables, int64_t block_table_stride,
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
-                                 const int32_t *seqs, int32_t num_seqs, int32_t num_heads,
+                                 int32_t num_seqs, int32_t num_heads,
                                  int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                                  float scale, float *out, int32_t num_threads) {
     if (head_dim % LANES || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_VEC) return -1;
@@ -335,16 +337,16 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     /* Work items, in a fixed order: (sequence, KV head, tile). */
     int64_t num_items = 0;
     int32_t longest = 1;
-    for (int i = 0; i < num_seqs; ++i) {
-        int b = seqs[i], q_len = query_start_loc[b + 1] - query_start_loc[b];
+    for (int b = 0; b < num_seqs; ++b) {
+        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         num_items += (int64_t)num_kv_heads * ((q_len + rows_per_tile - 1) / rows_per_tile);
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
     int32_t *items = malloc(sizeof(int32_t) * 3 * (num_items ? num_items : 1));
     if (!items) return -2;
     int64_t n = 0;
-    for (int i = 0; i < num_seqs; ++i) {
-        int b = seqs[i], q_len = query_start_loc[b + 1] - query_start_loc[b];
+    for (int b = 0; b < num_seqs; ++b) {
+        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         for (int h = 0; h < num_kv_heads; ++h)
             for (int r0 = 0; r0 < q_len; r0 += rows_per_tile) {
                 items[3 * n] = b;
@@ -369,9 +371,9 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
             int r1 = r0 + rows_per_tile < q_len ? r0 + rows_per_tile : q_len;
             if (q_len == 1) { /* a decode: rep vectors, one position each, dot products */
                 switch (head_dim) {
-                case 64: attend_item(&a, b, h, r0, r1, scores, 64); break;
-                case 128: attend_item(&a, b, h, r0, r1, scores, 128); break;
-                default: attend_item(&a, b, h, r0, r1, scores, head_dim);
+                case 64: attend_decode(&a, b, h, scores, 64); break;
+                case 128: attend_decode(&a, b, h, scores, 128); break;
+                default: attend_decode(&a, b, h, scores, head_dim);
                 }
             } else { /* a chunk: tiles of up to 16 vectors in the lanes */
                 v16 *st = (v16 *)scores;
