@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #if defined(__AVX512F__)
 #define W 16
 #define REGS 32
@@ -102,33 +104,20 @@ INLINE vf dot_lanes(const vf *restrict q, const float *restrict k, const int D) 
     return even + odd;
 }
 
-/* e^x for x <= 0 (scores minus their maximum), to about 2 ulp: Cody-Waite reduction to
- * 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial (Cephes' coefficients). Written without
- * calls so that the compiler vectorizes the loops that use it; below -87 it returns e^-87. */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
-}
-
 /* softmax numerators of s[0, n) in place; returns their sum (W partial sums, fixed tree). */
 INLINE float softmax_numerators(float *restrict s, int n) {
-    float m = -INFINITY;
-    for (int p = 0; p < n; ++p) m = s[p] > m ? s[p] : m;
-    float acc[W] = {0};
+    /* the maximum, W lanes at a time (a maximum is exact: any order gives the same) */
+    vf mv = (vf){0} - INFINITY;
     int p = 0;
+    for (; p + W <= n; p += W) {
+        const vf x = loadv(s + p);
+        mv = select_v(x > mv, x, mv);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < W; ++l) m = mv[l] > m ? mv[l] : m;
+    for (; p < n; ++p) m = s[p] > m ? s[p] : m;
+    float acc[W] = {0};
+    p = 0;
     for (; p + W <= n; p += W)
         for (int l = 0; l < W; ++l) {
             float e = exp_nonpositive(s[p + l] - m);
@@ -207,6 +196,42 @@ INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const flo
         }
 }
 
+/* Decode queries whose outputs accumulate together over one V row load, and the most vectors of
+ * each query's output held at a time: the G x SLICE accumulators fill half the registers, enough
+ * independent chains to hide the multiply-add's latency. */
+#define DECODE_PV_GROUP (REGS >= 32 ? 4 : 1)
+
+/* The outputs of G queries (from `head` on; their softmax numerators in rows of ctx from w, their
+ * sums in sums) over the V rows, SLICE vectors of each at a time: a query's sums run over
+ * positions in order, whichever queries share its group. */
+INLINE void decode_output(const Args *a, const Seq *sq, int head, const float *w, int ctx,
+                          const float *sums, const int G, const int D) {
+    const int bs = a->block_size, h = head / (a->num_heads / a->num_kv_heads);
+    const int64_t ps = (int64_t)a->num_kv_heads * D;
+    const int nv = D / W, most = REGS / 2 / G;
+    const int SLICE = nv <= most ? nv : nv % most == 0 ? most : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
+    for (int c0 = 0; c0 < nv; c0 += SLICE) {
+        vf acc[G][SLICE];
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < SLICE; ++c) acc[j][c] = (vf){0};
+        for (int blk = 0; blk * bs < ctx; ++blk) {
+            const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + c0 * W;
+            const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+            for (int p = 0; p < n; ++p) {
+                const float *vp = vb + p * ps;
+                for (int j = 0; j < G; ++j) {
+                    const float wj = w[(int64_t)j * ctx + p0 + p];
+                    for (int c = 0; c < SLICE; ++c) acc[j][c] += wj * loadv(vp + c * W);
+                }
+            }
+        }
+        for (int j = 0; j < G; ++j) {
+            float *o = a->out + ((int64_t)sq->start * a->num_heads + head + j) * D + c0 * W;
+            for (int c = 0; c < SLICE; ++c) storev(o + c * W, acc[j][c] / sums[j]);
+        }
+    }
+}
+
 /* A decode: sequence b's one query, its rep heads that share KV head h, all seeing the whole
  * context. D is a compile-time constant where the caller can make it one (64, 128), so that
  * queries and accumulators stay in registers. */
@@ -241,27 +266,12 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
             decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
         }
     }
-    /* the output, in slices of at most 8 vectors of accumulators (registers when D is a constant) */
-    const int nv = D / W, SLICE = nv <= 8 ? nv : nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
-    for (int v = 0; v < rep; ++v) {
-        const float *s = scores + (int64_t)v * ctx;
-        const float sum = softmax_numerators(scores + (int64_t)v * ctx, ctx);
-        float *o = a->out + ((int64_t)sq.start * a->num_heads + h * rep + v) * D;
-        for (int c0 = 0; c0 < nv; c0 += SLICE) {
-            vf acc[SLICE];
-            for (int c = 0; c < SLICE; ++c) acc[c] = (vf){0};
-            for (int blk = 0; blk * bs < ctx; ++blk) {
-                const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + c0 * W;
-                const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
-                for (int p = 0; p < n; ++p) {
-                    const float w = s[p0 + p];
-                    const float *vp = vb + p * ps;
-                    for (int c = 0; c < SLICE; ++c) acc[c] += w * loadv(vp + c * W);
-                }
-            }
-            for (int c = 0; c < SLICE; ++c) storev(o + (c0 + c) * W, acc[c] / sum);
-        }
-    }
+    float sums[rep];
+    for (int v = 0; v < rep; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * ctx, ctx);
+    int v = 0;
+    for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
+        decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, DECODE_PV_GROUP, D);
+    for (; v < rep; ++v) decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, 1, D);
 }
 
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
