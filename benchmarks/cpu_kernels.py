@@ -7,8 +7,8 @@ shapes (8 query heads, 2 KV heads, head size 64, hidden 512), in one run and alt
   ``kernels/cpu/paged_attention.py`` (torch's SDPA over blocks gathered with ``index_select``,
   cascade over shared prefixes), for decodes, fresh prompts, chunks after a cached prefix, and
   decodes sharing a prefix; on this CPU's instruction set and, labelled, on each other one it runs;
-- RMSNorm with its residual add and rotary embedding: ``kernels/cpu/native_elementwise.py``
-  against the reference twins, at 1, 64 and 2048 tokens.
+- RMSNorm with its residual add, rotary embedding and SiLU-and-multiply (the 55M model's 1,408-wide
+  MLP): ``kernels/cpu/native_elementwise.py`` against the reference twins, at 1, 64 and 2048 tokens.
 
 Each figure is the median of ``reps`` calls after a warm-up, and the two sides alternate ``rounds``
 times (the lower median of the rounds is kept, so that a burst of other load on a shared machine
@@ -27,7 +27,7 @@ from benchmarks import common
 from kernels.cases import AttentionCase, make_paged_batch
 from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_attention
-from kernels.reference import rmsnorm, rotary
+from kernels.reference import activation, rmsnorm, rotary
 
 HQ, HK, D = 8, 2, 64
 FULL = dict(
@@ -137,6 +137,7 @@ def elementwise_pairs(t: int, g: torch.Generator, isa: str) -> dict:
     qkv = torch.randn(t, (HQ + 2 * HK) * D, generator=g)
     q, k = qkv[:, : HQ * D].view(t, HQ, D), qkv[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
     pos = torch.randint(0, 4096, (t,), generator=g)
+    gate_up = torch.randn(t, 2 * 1408, generator=g)
     return {
         "rms_norm + residual": (
             lambda: native_elementwise.rms_norm(x, weight, 1e-6, res, isa=isa),
@@ -146,13 +147,17 @@ def elementwise_pairs(t: int, g: torch.Generator, isa: str) -> dict:
             lambda: native_elementwise.apply_rotary(pos, q, k, cos_sin, isa=isa),
             lambda: rotary.apply_rotary(pos, q, k, cos_sin),
         ),
+        "silu_and_mul": (
+            lambda: native_elementwise.silu_and_mul(gate_up, isa=isa),
+            lambda: activation.silu_and_mul(gate_up),
+        ),
     }
 
 
 def elementwise_rows(w: dict) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
-    isa = native_build.chosen_isa()
+    isa = native_build.chosen_isa()  # silu_and_mul measured here even where it is not the default
     for t in w["elementwise_tokens"]:
         for name, (fast, slow) in elementwise_pairs(t, g, isa).items():
             r = ab(fast, slow, w["reps"] * 3, w["rounds"])

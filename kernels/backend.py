@@ -44,12 +44,13 @@ REFERENCE_KERNELS = Kernels(
 
 # The torch path the engine runs off CUDA: the references, except where native CPU kernels with
 # the same results are faster: attention reading the blocks in place (torch's SDPA over gathered
-# blocks where that wins: kernels/cpu/native_attention.py), and RMSNorm and rotary fused into one
-# pass each (kernels/cpu/native_elementwise.py). Each falls back to torch for what it does not take.
+# blocks where that wins: kernels/cpu/native_attention.py), and RMSNorm, rotary and SiLU-and-multiply
+# fused into one pass each (kernels/cpu/native_elementwise.py). Each falls back to torch for what it
+# does not take.
 TORCH_KERNELS = Kernels(
     name="torch",
     rms_norm=native_elementwise.rms_norm,
-    silu_and_mul=activation.silu_and_mul,
+    silu_and_mul=native_elementwise.silu_and_mul,
     apply_rotary=native_elementwise.apply_rotary,
     write_kv=kv_write.write_kv,
     paged_attention=cpu_paged_attention.paged_attention,

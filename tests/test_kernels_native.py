@@ -15,7 +15,7 @@ from kernels.backend import TORCH_KERNELS, select_kernels
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_path
-from kernels.reference import rmsnorm, rotary
+from kernels.reference import activation, rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
 
 ISAS = native_build.supported_isas()
@@ -228,6 +228,20 @@ def test_a_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert native_build.build("paged_attention", "generic") == first and first.stat().st_mtime_ns == mtime
 
 
+def test_a_changed_header_is_a_new_build(monkeypatch, tmp_path):
+    import shutil
+
+    src = tmp_path / "native"
+    shutil.copytree(native_build.SOURCE_DIR, src)
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = native_build.build("paged_attention", "generic")
+    header = src / "fast_exp.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    second = native_build.build("paged_attention", "generic")
+    assert second != first and first.exists() and second.exists()
+
+
 # --- RMSNorm and rotary, fused ---------------------------------------------------------------
 
 
@@ -270,6 +284,37 @@ def test_fused_rotary_equals_the_reference_on_qkv_views(elementwise_isa, tokens,
         want_q, want_k = rotary.apply_rotary(positions, q, k, cos_sin)
         torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,d", [(0, 64), (1, 1408), (37, 100), (300, 1408), (3, 7)])
+def test_fused_silu_and_mul_equals_the_reference(elementwise_isa, rows, d):
+    g = torch.Generator().manual_seed(rows + d)
+    x = torch.randn(rows, 2 * d, generator=g) * 6
+    if rows:  # zeros of both signs, and gates far past where e^-|g| under- or overflows naively
+        x[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    got = native_elementwise.silu_and_mul(x, isa=elementwise_isa)
+    torch.testing.assert_close(got, activation.silu_and_mul(x), rtol=1e-6, atol=1e-6)
+    if rows > 1:  # a row alone is the same bits as in the batch
+        assert torch.equal(native_elementwise.silu_and_mul(x[1:2], isa=elementwise_isa)[0], got[1])
+    assert torch.equal(native_elementwise.silu_and_mul(x.view(1, rows, 2 * d), isa=elementwise_isa)[0], got)
+
+
+def test_silu_and_mul_runs_native_only_where_it_measured_faster(monkeypatch):
+    x = torch.randn(4, 32)
+    calls = []
+    real = activation.silu_and_mul
+    monkeypatch.setattr(activation, "silu_and_mul", lambda t: calls.append(1) or real(t))
+    monkeypatch.setattr(native_build, "chosen_isa", lambda: "avx2")
+    native_elementwise.silu_and_mul(x)
+    assert calls == [1]
+    assert "silu_and_mul torch (native measured slower)" in native_elementwise.prepare()
+    monkeypatch.setattr(native_build, "chosen_isa", lambda: "avx512")
+    if native_elementwise.library() is not None:
+        native_elementwise.silu_and_mul(x)
+        assert calls == [1]
+        assert native_elementwise.prepare().endswith("silu_and_mul native")
+    native_elementwise.silu_and_mul(x[:, ::2])  # strided: torch's
+    assert calls == [1, 1]
 
 
 def test_what_the_fused_kernels_do_not_take_runs_the_reference(monkeypatch):

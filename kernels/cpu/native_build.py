@@ -97,7 +97,8 @@ def build(name: str, isa: str) -> Path:
     """Compile ``native/<name>.c`` for ``isa`` into the cache (if not there yet); the library's path.
     Raises ``RuntimeError`` with the compiler's message when it cannot."""
     source = SOURCE_DIR / f"{name}.c"
-    text = source.read_bytes()
+    # The headers it may include are part of what is built: a change to one is a new build.
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")

@@ -1,8 +1,10 @@
-"""RMSNorm (+ residual) and rotary embedding through the fused native kernels
+"""RMSNorm (+ residual), rotary embedding and SiLU-and-multiply through the fused native kernels
 (``kernels/cpu/native/elementwise.c``): one pass over memory where the torch twins make one per
 operation (measured with ``python -m benchmarks.cpu_kernels``). Each takes what the reference
 takes and returns what it returns; anything but fp32 on the CPU in the layouts below (or
 ``LLMSERVE_NATIVE_ELEMENTWISE=0``, or no C compiler) runs the reference (``kernels/reference``).
+SiLU-and-multiply runs native only where it measured faster than torch's (``SILU_FASTER_THAN_TORCH``;
+a caller naming ``isa`` gets that build).
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import os
 import torch
 
 from kernels.cpu import native_build
-from kernels.reference import rmsnorm, rotary
+from kernels.reference import activation, rmsnorm, rotary
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _SIGNATURES = {
     "llmserve_rms_norm_f32": [_P, _P, _P, _F32, _I64, _I64, _P, _P, _I32],
     "llmserve_rotary_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
+    "llmserve_silu_and_mul_f32": [_P, _I64, _I64, _P, _I32],
 }
+# Where the fused SiLU-and-multiply measured faster than torch's two vectorized passes
+# (benchmarks/cpu_kernels.py): 1.2-1.9x with AVX-512; 0.8-1.0x with AVX2 (its 8-lane divide), and
+# the generic build does not vectorize its exp.
+SILU_FASTER_THAN_TORCH = ("avx512",)
 
 
 def enabled() -> bool:
@@ -117,7 +124,27 @@ def apply_rotary(
     return outs[0], outs[1]
 
 
+def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
+    lib = _lib(x, isa=isa)
+    if (
+        lib is None
+        or (isa is None and native_build.chosen_isa() not in SILU_FASTER_THAN_TORCH)
+        or not x.is_contiguous()
+        or x.shape[-1] % 2
+    ):
+        return activation.silu_and_mul(x)
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    rows = out.numel() // d if d else 0
+    lib.llmserve_silu_and_mul_f32(x.data_ptr(), rows, d, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def prepare() -> str:
     if not enabled():
         return "reference (LLMSERVE_NATIVE_ELEMENTWISE=0)"
-    return f"native ({native_build.chosen_isa()})" if library() is not None else "reference (no native build)"
+    if library() is None:
+        return "reference (no native build)"
+    isa = native_build.chosen_isa()
+    silu = "native" if isa in SILU_FASTER_THAN_TORCH else "torch (native measured slower)"
+    return f"native ({isa}), silu_and_mul {silu}"
