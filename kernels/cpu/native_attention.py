@@ -3,8 +3,8 @@ which reads K/V from the cache blocks in place; what it does not take goes to th
 (``kernels/cpu/paged_attention.py``, SDPA over gathered blocks) with the same contract.
 
 The native kernel takes fp32 queries and caches whose head size is a multiple of 16, any number of
-query heads per KV head: decodes as dot products, chunks as tiles of 16 query vectors in the
-lanes of registers (one AVX-512 register, two AVX2 ones). It was faster than the torch path at
+query heads per KV head: decodes as dot products, chunks as tiles of query vectors in the lanes
+of two registers (32 vectors with AVX-512, 16 with AVX2). It was faster than the torch path at
 every shape measured on AVX-512 and AVX2 (``python -m benchmarks.cpu_kernels``), cascade over shared
 prefixes included. Without a C compiler, with ``LLMSERVE_NATIVE_ATTENTION=0``, or on an
 instruction set where the kernel was not measured faster (``FASTER_THAN_TORCH``), everything runs
