@@ -46,7 +46,7 @@ $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	else echo "npm not found: the Node.js client test will skip"; fi
 
 test: install $(NODE_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: install
 	$(PY) -m benchmarks.run_all
