@@ -23,7 +23,7 @@ from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
 
 # Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
-# The generic build (SSE2 on x86, no fused multiply-add) ran at 0.6-1.2x of torch's SDPA: machines
+# The generic build (SSE2 on x86, no fused multiply-add) ran at 0.4-1.4x of the torch path: machines
 # without AVX2 run the torch path unless LLMSERVE_NATIVE_ATTENTION=1 forces it.
 FASTER_THAN_TORCH = ("avx512", "avx2")
 

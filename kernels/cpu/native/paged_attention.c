@@ -25,7 +25,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "fast_exp.h"
 
@@ -198,6 +197,13 @@ INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const flo
         }
 }
 
+/* The largest divisor of n that is at most `most` (a constant where n and most are). */
+INLINE int largest_divisor_at_most(int n, int most) {
+    int d = most < n ? most : n;
+    while (n % d) --d;
+    return d;
+}
+
 /* Decode queries whose outputs accumulate together over one V row load, and the most vectors of
  * each query's output held at a time: the G x SLICE accumulators fill half the registers, enough
  * independent chains to hide the multiply-add's latency. */
@@ -210,8 +216,7 @@ INLINE void decode_output(const Args *a, const Seq *sq, int head, const float *w
                           const float *sums, const int G, const int D) {
     const int bs = a->block_size, h = head / (a->num_heads / a->num_kv_heads);
     const int64_t ps = (int64_t)a->num_kv_heads * D;
-    const int nv = D / W, most = REGS / 2 / G;
-    const int SLICE = nv <= most ? nv : nv % most == 0 ? most : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
+    const int nv = D / W, SLICE = largest_divisor_at_most(nv, REGS / 2 / G);
     for (int c0 = 0; c0 < nv; c0 += SLICE) {
         vf acc[G][SLICE];
         for (int j = 0; j < G; ++j)
@@ -378,9 +383,6 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         }
     }
 }
-
-/* The vector width this build was compiled for (a head size must be a multiple of it). */
-int llmserve_paged_attention_width(void) { return W; }
 
 /* Attention for every sequence of the batch (one with no queries this step has no work).
  * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
