@@ -25,7 +25,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     seed: int = 0
     kernel_backend: str | None = None  # None/"auto": triton on CUDA, torch elsewhere
-    linear_backend: str | None = None  # None/"auto": prepacked oneDNN on CPU where usable, else F.linear
+    linear_backend: str | None = None  # None/"auto": native GEMM or oneDNN on CPU, else F.linear
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -52,9 +52,9 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
             )
-        if self.linear_backend not in (None, "auto", "onednn", "dense"):
+        if self.linear_backend not in (None, "auto", "native", "onednn", "dense"):
             raise ValueError(
-                f"linear_backend must be 'auto', 'onednn' or 'dense', got {self.linear_backend!r}"
+                f"linear_backend must be 'auto', 'native', 'onednn' or 'dense', got {self.linear_backend!r}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -11,6 +11,7 @@ from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
+from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
 from kernels.cpu.linear import resolve_linear_backend
 
@@ -36,7 +37,9 @@ def load_model(
     model.prepare_linears(backend)
     log.info(
         "linear layers: %s (%s on %s)",
-        "oneDNN, prepacked" if backend == "onednn" else "F.linear",
+        {"native": f"native GEMM, packed ({native_build.chosen_isa()})", "onednn": "oneDNN, prepacked"}.get(
+            backend, "F.linear"
+        ),
         dtype,
         device,
     )

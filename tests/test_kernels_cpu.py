@@ -15,7 +15,7 @@ from engine_svc import SamplingParams
 from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS, select_kernels
 from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.cpu import linear as cpu_linear
-from kernels.cpu import native_attention
+from kernels.cpu import native_attention, native_gemm
 from kernels.cpu import paged_attention as cpu_attention
 from kernels.cpu.features import cpu_features, native_bf16
 from kernels.reference.paged_attention import paged_attention as reference_attention
@@ -134,10 +134,9 @@ def test_linear_backend_choice_and_fallbacks(monkeypatch, caplog):
     assert cpu_linear.resolve_linear_backend(None, cuda, torch.bfloat16) == "dense"
     with pytest.raises(ValueError, match="linear_backend"):
         cpu_linear.resolve_linear_backend("mkl", cpu, torch.float32)
-    expected = "onednn" if cpu_features()["onednn"] else "dense"
-    assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float32) == expected
-    # A oneDNN that computes wrong numbers (or none) is never served: auto falls back, with a log line.
-    monkeypatch.setattr(cpu_linear, "_probe_ok", lambda dtype: False)
+    assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float32) == auto_fp32_backend()
+    # A GEMM that computes wrong numbers (or none) is never served: auto falls back, with a log line.
+    monkeypatch.setattr(cpu_linear, "_probe_ok", lambda dtype, kind=None: False)
     with caplog.at_level(logging.INFO, logger="kernels.cpu.linear"):
         assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float32) == "dense"
     assert "F.linear" in caplog.text
@@ -160,8 +159,16 @@ def test_probe_passes_where_onednn_runs():
 
 # --- the engine on each path -----------------------------------------------------------------
 
+
+def auto_fp32_backend() -> str:
+    if native_gemm.unusable_reason(torch.float32) is None:
+        return "native"
+    return "onednn" if cpu_features()["onednn"] else "dense"
+
+
 PATHS = [
-    pytest.param("auto", None, id="default"),  # oneDNN + CPU attention where this machine has them
+    pytest.param("auto", None, id="default"),  # native GEMM + CPU attention where this machine has them
+    pytest.param("onednn", None, id="onednn", marks=onednn_here),
     pytest.param("dense", None, id="f_linear"),
     pytest.param("dense", "reference", id="reference_twins"),
 ]
@@ -185,7 +192,7 @@ def test_greedy_equals_hf_on_each_cpu_path(llama_case, linear_backend, kernel_ba
         linear_backend=linear_backend,
         kernel_backend=kernel_backend,
     )
-    want = "onednn" if linear_backend == "auto" and cpu_features()["onednn"] else "dense"
+    want = auto_fp32_backend() if linear_backend == "auto" else linear_backend
     assert engine.model.linear_backend == want
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})

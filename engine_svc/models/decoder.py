@@ -139,8 +139,8 @@ class DecoderForCausalLM(nn.Module):
         self.prepare_linears("dense")
 
     def prepare_linears(self, backend: str) -> None:
-        """``"onednn"`` (weights prepacked once) or ``"dense"`` (``F.linear``) for every projection
-        and the LM head; called by ``model_setup.load_model`` once the weights are in place."""
+        """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
+        projection and the LM head; called by ``model_setup.load_model`` once the weights are in place."""
         for layer in self.layers:
             layer.prepare_linears(backend)
         self.lm_head_proj = make_linear(backend, self.embed if self.lm_head is None else self.lm_head)

@@ -1,6 +1,9 @@
-"""The model's linear layers: oneDNN with weights reordered once at load time into its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the path inductor
-uses for CPU linears), or plain ``F.linear`` on CUDA, where oneDNN is missing, or when asked.
+"""The model's linear layers. On a CPU in fp32: the native GEMM on a weight packed once at load time
+(``kernels/cpu/native_gemm.py``; faster than oneDNN at decode sizes, and a row's result never
+depends on its batch) where its build measured faster; else oneDNN with weights reordered once
+into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the
+path inductor uses for CPU linears; also bf16); plain ``F.linear`` on CUDA, where neither runs, or
+when asked.
 
 On a CPU the prepacked GEMM skips the per-call packing of the weight that the default dense path
 does, which is most of the gap at the engine's shapes (M = 1..512 tokens, K = 512..1408): see
@@ -16,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import native_gemm
 from kernels.cpu.features import cpu_features, native_bf16
 
 log = logging.getLogger(__name__)
@@ -32,7 +36,7 @@ ONEDNN_CACHE_ENTRIES = "16"
 for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE_ENTRIES)
 
-LINEAR_BACKENDS = ("auto", "onednn", "dense")
+LINEAR_BACKENDS = ("auto", "native", "onednn", "dense")
 
 
 class DenseLinear:
@@ -79,15 +83,25 @@ def onednn_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | No
 
 
 def resolve_linear_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """``"onednn"`` or ``"dense"``. ``auto`` (None) takes oneDNN where it can run; asking for
-    ``onednn`` where it cannot is an error, not a silent fallback."""
+    """``"native"``, ``"onednn"`` or ``"dense"``. ``auto`` (None) takes the native GEMM where it
+    runs and measured faster, else oneDNN where it can run; asking for one by name where it cannot
+    run is an error, not a silent fallback."""
     requested = requested or "auto"
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
     if requested == "dense":
         return "dense"
+    if requested in ("auto", "native"):
+        reason = native_unusable_reason(device, dtype, forced=requested == "native")
+        if reason is None and not _probe_ok(dtype, native_gemm.NativeLinear):
+            reason = "the load-time probe did not match F.linear"
+        if reason is None:
+            return "native"
+        if requested == "native":
+            raise ValueError(f"linear_backend 'native' is unavailable: {reason}")
+        log.info("linear layers: not the native GEMM (%s)", reason)
     reason = onednn_unusable_reason(device, dtype)
-    if reason is None and not _probe_ok(dtype):
+    if reason is None and not _probe_ok(dtype, OneDNNLinear):
         reason = "the load-time probe did not match F.linear"
     if reason is not None:
         if requested == "onednn":
@@ -97,19 +111,28 @@ def resolve_linear_backend(requested: str | None, device: torch.device, dtype: t
     return "onednn"
 
 
+def native_unusable_reason(device: torch.device, dtype: torch.dtype, *, forced: bool = False) -> str | None:
+    if device.type != "cpu":
+        return f"device is {device.type}"
+    return native_gemm.unusable_reason(dtype, forced=forced)
+
+
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    if backend == "native":
+        return native_gemm.NativeLinear(weight, bias)
     return OneDNNLinear(weight, bias) if backend == "onednn" else DenseLinear(weight, bias)
 
 
-def _probe_ok(dtype: torch.dtype) -> bool:
-    """One small GEMM through the packed path against F.linear: a broken or partial oneDNN build
-    falls back instead of serving wrong numbers."""
+def _probe_ok(dtype: torch.dtype, kind=None) -> bool:
+    """One small GEMM through a packed path (oneDNN's unless ``kind`` says) against F.linear: a
+    broken or partial build falls back instead of serving wrong numbers."""
+    kind = kind or OneDNNLinear
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 40, generator=g).to(dtype)
         b = torch.randn(48, generator=g).to(dtype)
         x = torch.randn(5, 40, generator=g).to(dtype)
-        got = OneDNNLinear(w, b)(x).float()
+        got = kind(w, b)(x).float()
         want = F.linear(x.float(), w.float(), b.float())
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(got, want, rtol=tol, atol=tol * 10))

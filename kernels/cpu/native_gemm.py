@@ -1,0 +1,104 @@
+"""The model's fp32 linears through the native GEMM (``kernels/cpu/native/small_gemm.c``): the weight
+is packed once into column panels, and each output is one chain of multiply-adds over K in order,
+so a row's result is the same bit for bit whatever else is in the batch.
+
+Measured (``python -m benchmarks.cpu_kernels``, weights streamed from memory as in a real step) it
+beats oneDNN's prepacked GEMM at decode sizes (M = 1..64) and matches it on prefills, on AVX-512
+and AVX2 (``FASTER_THAN_ONEDNN``); the generic build (SSE2, no FMA) is a fraction of it and runs
+only when asked for by name (``linear_backend="native"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cpu import native_build
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_SIGNATURES = {
+    "llmserve_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
+    "llmserve_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
+    "llmserve_gemm_panel_width": ([], _I32),
+}
+FASTER_THAN_ONEDNN = ("avx512", "avx2")
+
+
+def library(isa: str | None = None):
+    """The build for ``isa`` (default: the chosen set), or None where none builds."""
+    return _library(isa or native_build.chosen_isa())
+
+
+@functools.cache
+def _library(isa: str):
+    lib = native_build.load_or_none("small_gemm", isa)
+    if lib is None:
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
+    """Why the native GEMM would not serve ``dtype`` here (None: it would). ``forced``: asked for by
+    name, so a build slower than oneDNN still serves."""
+    if dtype != torch.float32:
+        return f"{dtype} (the native GEMM is fp32)"
+    if library() is None:
+        return "no native build (see the log)"
+    isa = native_build.chosen_isa()
+    if not forced and isa not in FASTER_THAN_ONEDNN:
+        return f"the {isa} build measured slower than oneDNN"
+    return None
+
+
+class NativeLinear:
+    """``F.linear(x, weight, bias)`` for fp32 on the CPU, on a weight packed at construction."""
+
+    kind = "native"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, isa: str | None = None):
+        lib = library(isa)
+        if lib is None:
+            raise RuntimeError("the native GEMM has no build here")
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(
+                f"the native GEMM takes a 2-D fp32 weight, got {weight.dtype} {tuple(weight.shape)}"
+            )
+        w = weight.detach().contiguous()
+        self.out_features, self.in_features = w.shape
+        nb = lib.llmserve_gemm_panel_width()
+        panels = -(-self.out_features // nb)
+        self.packed = torch.empty(panels * nb * self.in_features, dtype=torch.float32)
+        lib.llmserve_gemm_pack_f32(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._gemm = lib.llmserve_gemm_f32
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"linear takes rows of {self.in_features}, got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+            x2 = x2.float().contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            self._gemm(
+                x2.data_ptr(),
+                m,
+                self.in_features,
+                x2.stride(0),
+                self._packed_ptr,
+                self.out_features,
+                self._bias_ptr,
+                y.data_ptr(),
+                self.out_features,
+                torch.get_num_threads(),
+            )
+        return y.view(*lead, self.out_features)
