@@ -8,12 +8,16 @@ shapes (8 query heads, 2 KV heads, head size 64, hidden 512), in one run and alt
   cascade over shared prefixes), for decodes, fresh prompts, chunks after a cached prefix, and
   decodes sharing a prefix; on this CPU's instruction set and, labelled, on each other one it runs;
 - RMSNorm with its residual add, rotary embedding and SiLU-and-multiply (the 55M model's 1,408-wide
-  MLP): ``kernels/cpu/native_elementwise.py`` against the reference twins, at 1, 64 and 2048 tokens.
+  MLP): ``kernels/cpu/native_elementwise.py`` against the reference twins, at 1, 64 and 2048 tokens;
+- the linears (``kernels/cpu/native_gemm.py``) against oneDNN's prepacked linear, on the model's
+  five weight shapes at 1 to 512 rows, each side cycling over enough copies of the weight (96 MB,
+  three times this machine's L3) that it comes from memory, as in a step that streams every layer.
 
 Each figure is the median of ``reps`` calls after a warm-up, and the two sides alternate ``rounds``
 times (the lower median of the rounds is kept, so that a burst of other load on a shared machine
 does not pick the winner). Targets: native attention no slower than the torch path (>= 1.0x) on
-every shape, on the chosen instruction set.
+every shape, and the native GEMM no slower than oneDNN at decode sizes (M <= 64), on the chosen
+instruction set.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 
 from benchmarks import common
 from kernels.cases import AttentionCase, make_paged_batch
-from kernels.cpu import native_attention, native_build, native_elementwise
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import native_attention, native_build, native_elementwise, native_gemm
 from kernels.cpu import paged_attention as torch_attention
 from kernels.reference import activation, rmsnorm, rotary
 
@@ -43,6 +48,15 @@ FULL = dict(
     },
     shared_prefix=dict(rows=64, prefix_blocks=64, own=64),
     elementwise_tokens=(1, 64, 2048),
+    gemm_shapes={
+        "qkv": (768, 512),
+        "o": (512, 512),
+        "gate_up": (2816, 512),
+        "down": (512, 1408),
+        "lm_head": (32000, 512),
+    },
+    gemm_rows=(1, 16, 64, 512),
+    gemm_cold_bytes=96 << 20,
 )
 QUICK = dict(
     reps=2,
@@ -54,6 +68,9 @@ QUICK = dict(
     },
     shared_prefix=dict(rows=4, prefix_blocks=8, own=16),
     elementwise_tokens=(1, 16),
+    gemm_shapes={"qkv": (768, 512), "down": (512, 1408)},
+    gemm_rows=(1, 8),
+    gemm_cold_bytes=0,
 )
 
 
@@ -170,6 +187,47 @@ def elementwise_rows(w: dict) -> list[dict]:
     return rows
 
 
+def gemm_rows(w: dict) -> list[dict]:
+    """Native GEMM against oneDNN's prepacked linear (empty where this torch has no oneDNN)."""
+    if cpu_linear.onednn_unusable_reason(torch.device("cpu"), torch.float32) is not None:
+        print("  GEMM: no oneDNN linear in this torch build, nothing to compare")
+        return []
+    rows, isa = [], native_build.chosen_isa()
+    g = torch.Generator().manual_seed(1)
+    for name, (n, k) in w["gemm_shapes"].items():
+        copies = max(1, -(-w["gemm_cold_bytes"] // (n * k * 4)))
+        weights = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(copies)]
+        native = [native_gemm.NativeLinear(x, isa=isa) for x in weights]
+        onednn = [cpu_linear.OneDNNLinear(x) for x in weights]
+        for m in w["gemm_rows"]:
+            x = torch.randn(m, k, generator=g)
+
+            def cycle(lins, x=x):
+                return lambda: [lin(x) for lin in lins]
+
+            r = ab(cycle(native), cycle(onednn), max(3, w["reps"] // 3), w["rounds"])
+            native_ms, onednn_ms = r["native_ms"] / copies, r["torch_ms"] / copies
+            rows.append(
+                dict(
+                    weight=name,
+                    m=m,
+                    n=n,
+                    k=k,
+                    isa=isa,
+                    copies=copies,
+                    native_ms=native_ms,
+                    onednn_ms=onednn_ms,
+                )
+            )
+            rows[-1]["speedup"] = onednn_ms / native_ms
+            gflop = 2 * m * n * k / 1e6
+            print(
+                f"  GEMM {name:>8} M={m:<4} N={n:<5} K={k:<4}: native {gflop / native_ms:.0f} GFLOP/s, "
+                f"oneDNN {gflop / onednn_ms:.0f} GFLOP/s, {onednn_ms / native_ms:.2f}x"
+            )
+    return rows
+
+
 def main() -> dict:
     args, t_start, w, _ = common.begin(__doc__.split("\n\n")[0], FULL, QUICK)
     if native_attention.library() is None or native_elementwise.library() is None:
@@ -177,6 +235,7 @@ def main() -> dict:
     chosen = native_build.chosen_isa()
     attention = attention_rows(w)
     elementwise = elementwise_rows(w)
+    gemm = gemm_rows(w)
     mine = [r for r in attention if r["isa"] == chosen]
     targets = [
         common.target(
@@ -187,8 +246,23 @@ def main() -> dict:
             "x",
         )
     ]
+    decode_gemms = [r for r in gemm if r["m"] <= 64]
+    if decode_gemms and chosen in native_gemm.FASTER_THAN_ONEDNN:
+        targets.append(
+            common.target(
+                f"native GEMM vs oneDNN at M <= 64, slowest of {len(decode_gemms)} ({chosen})",
+                min(r["speedup"] for r in decode_gemms),
+                ">=",
+                1.0,
+                "x",
+            )
+        )
     figures = dict(
-        attention=attention, elementwise=elementwise, chosen_isa=chosen, isas=native_build.supported_isas()
+        attention=attention,
+        elementwise=elementwise,
+        gemm=gemm,
+        chosen_isa=chosen,
+        isas=native_build.supported_isas(),
     )
     return common.finish(
         "cpu_kernels", args, dict(workload=w, heads=(HQ, HK, D)), figures, targets, None, t_start

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from kernels.cpu import linear as cpu_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_KEYS = {"name", "value", "op", "target", "unit", "met", "note"}
@@ -113,6 +116,8 @@ def test_compute_efficiency(results):
         assert m["flops"] > 0 and m["matmul_flop_s"] > 0
         assert 0 < m["forward_s"] <= m["step_s"]
         assert 0 < m["step_efficiency"] <= m["forward_efficiency"]
+        rates = [m["matmul_flop_s"], m["prepacked_flop_s"] or 0.0, m["native_flop_s"] or 0.0]
+        assert m["baseline_flop_s"] == max(rates)  # judged against the fastest GEMM measured
 
 
 def test_speculative(results):
@@ -180,3 +185,7 @@ def test_cpu_kernels(results):
     for r in f["attention"] + f["elementwise"]:
         assert r["native_ms"] > 0 and r["torch_ms"] > 0
         assert r["speedup"] == pytest.approx(r["torch_ms"] / r["native_ms"])
+    if cpu_linear.onednn_unusable_reason(torch.device("cpu"), torch.float32) is None:
+        assert {(r["weight"], r["m"]) for r in f["gemm"]} == {(w, m) for w in ("qkv", "down") for m in (1, 8)}
+        for r in f["gemm"]:
+            assert r["native_ms"] > 0 and r["speedup"] == pytest.approx(r["onednn_ms"] / r["native_ms"])
