@@ -63,13 +63,19 @@ class TimedModel:
         return out
 
 
+def model_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every projection's weight of the layers, in order, and the LM head's."""
+    weights = [
+        w
+        for layer in model.layers
+        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+    ]
+    return weights, model.embed if model.lm_head is None else model.lm_head
+
+
 def projection_shapes(model) -> list[tuple[int, int]]:
     """(in, out) of every projection matmul of one token's trip through the layers."""
-    shapes = []
-    for layer in model.layers:
-        for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
-            shapes.append((weight.shape[1], weight.shape[0]))
-    return shapes
+    return [(w.shape[1], w.shape[0]) for w in model_weights(model)[0]]
 
 
 def step_flops(model, spec, new_tokens: int, sampled_rows: int, attended_positions: int) -> float:
@@ -79,92 +85,77 @@ def step_flops(model, spec, new_tokens: int, sampled_rows: int, attended_positio
     return float(proj + head + attention)
 
 
-def matmul_rate(model, spec, tokens: int, sampled_rows: int, repeats: int) -> float:
-    """FLOP/s of plain matmuls with the model's own weights, at this step's token count."""
-    weights = [
-        w
-        for layer in model.layers
-        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
-    ]
-    head = model.embed if model.lm_head is None else model.lm_head
-    x = torch.randn(tokens, max(w.shape[1] for w in weights))
-    h = torch.randn(sampled_rows, spec.hidden_size)
-    transposed = [w.t() for w in weights]
-    flops = sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights) + 2 * sampled_rows * head.numel()
+def gemm_flop_rate(calls, repeats: int) -> float:
+    """FLOP/s of one pass over ``calls`` (``(linear, x, out_features)`` for the model's weights), best of
+    ``repeats`` after a warm-up."""
+    flops = sum(2 * x.shape[0] * x.shape[1] * n for _, x, n in calls)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first is a warm-up
             t0 = time.perf_counter()
-            for wt in transposed:
-                torch.matmul(x[:, : wt.shape[0]], wt)
-            torch.matmul(h, head.t())
+            for linear, x, _ in calls:
+                linear(x)
             best = min(best, time.perf_counter() - t0)
     return flops / best
+
+
+def matmul_rate(model, tokens: int, sampled_rows: int, repeats: int) -> float:
+    """FLOP/s of plain matmuls with the model's own weights, at this step's token count."""
+    weights, head = model_weights(model)
+    calls = [
+        (functools.partial(torch.matmul, other=w.t()), torch.randn(tokens, w.shape[1]), w.shape[0])
+        for w in weights
+    ]
+    calls.append(
+        (
+            functools.partial(torch.matmul, other=head.t()),
+            torch.randn(sampled_rows, head.shape[1]),
+            head.shape[0],
+        )
+    )
+    return gemm_flop_rate(calls, repeats)
 
 
 def prepacked_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def prepacked_rate(model, spec, tokens: int, sampled_rows: int, repeats: int) -> float | None:
+def prepacked_rate(model, tokens: int, sampled_rows: int, repeats: int) -> float | None:
     """FLOP/s of oneDNN's linear with weights prepacked for ``tokens`` rows, the model's own weight
     shapes; None where torch has no oneDNN. Its results equal ``F.linear``'s (fp32 rounding aside)."""
     if not prepacked_available():
         return None
-    weights = [
-        w
-        for layer in model.layers
-        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
-    ]
-    head = model.embed if model.lm_head is None else model.lm_head
-    linear = torch.ops.mkldnn._linear_pointwise
+    weights, head = model_weights(model)
+
+    def packed(w, rows):
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        return (
+            (lambda x: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")),
+            torch.randn(rows, w.shape[1]),
+            w.shape[0],
+        )
+
     with torch.inference_mode():
-        packed = [
-            (torch.randn(tokens, w.shape[1]), torch.ops.mkldnn._reorder_linear_weight(w, tokens))
-            for w in weights
-        ]
-        head_packed = (
-            torch.randn(sampled_rows, head.shape[1]),
-            torch.ops.mkldnn._reorder_linear_weight(head, sampled_rows),
-        )
-        x, pw = packed[0]
-        assert torch.allclose(
-            linear(x, pw, None, "none", [], ""), torch.nn.functional.linear(x, weights[0]), atol=1e-3
-        )
-        flops = sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights) + 2 * sampled_rows * head.numel()
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for x, pw in packed:
-                linear(x, pw, None, "none", [], "")
-            linear(head_packed[0], head_packed[1], None, "none", [], "")
-            best = min(best, time.perf_counter() - t0)
-    return flops / best
+        calls = [packed(w, tokens) for w in weights] + [packed(head, sampled_rows)]
+        linear, x, _ = calls[0]
+        assert torch.allclose(linear(x), torch.nn.functional.linear(x, weights[0]), atol=1e-3)
+    return gemm_flop_rate(calls, repeats)
 
 
-def native_rate(model, spec, tokens: int, sampled_rows: int, repeats: int) -> float | None:
+def native_rate(model, tokens: int, sampled_rows: int, repeats: int) -> float | None:
     """FLOP/s of the native GEMM on the model's own weight shapes; None where it does not build."""
     from kernels.cpu import native_gemm
 
     if native_gemm.unusable_reason(torch.float32, forced=True) is not None:
         return None
-    weights = [
-        w
-        for layer in model.layers
-        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+    weights, head = model_weights(model)
+    calls = [
+        (native_gemm.NativeLinear(w.float()), torch.randn(tokens, w.shape[1]), w.shape[0]) for w in weights
     ]
-    head = model.embed if model.lm_head is None else model.lm_head
-    with torch.inference_mode():
-        calls = [(torch.randn(tokens, w.shape[1]), native_gemm.NativeLinear(w.float())) for w in weights]
-        calls.append((torch.randn(sampled_rows, head.shape[1]), native_gemm.NativeLinear(head.float())))
-        flops = sum(2 * x.shape[0] * lin.out_features * lin.in_features for x, lin in calls)
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for x, lin in calls:
-                lin(x)
-            best = min(best, time.perf_counter() - t0)
-    return flops / best
+    calls.append(
+        (native_gemm.NativeLinear(head.float()), torch.randn(sampled_rows, head.shape[1]), head.shape[0])
+    )
+    return gemm_flop_rate(calls, repeats)
 
 
 def gemm_table(model, rows_list, repeats: int) -> list[dict]:
@@ -273,37 +264,14 @@ def main() -> dict:
     timed = TimedModel(engine.runner.forward.model)
     engine.runner.forward.model = timed
     decode = measure_decode(engine, timed, w)
-    decode["matmul_flop_s"] = matmul_rate(
-        timed.model, engine.spec, w["decode_batch"], w["decode_batch"], w["matmul_repeats"]
-    )
     prefill = measure_prefill(engine, timed, w)
-    prefill["matmul_flop_s"] = matmul_rate(
-        timed.model,
-        engine.spec,
-        w["prefill_prompts"] * w["prefill_len"],
-        w["prefill_prompts"],
-        w["matmul_repeats"],
-    )
-    decode["prepacked_flop_s"] = prepacked_rate(
-        timed.model, engine.spec, w["decode_batch"], w["decode_batch"], w["matmul_repeats"]
-    )
-    prefill["prepacked_flop_s"] = prepacked_rate(
-        timed.model,
-        engine.spec,
-        w["prefill_prompts"] * w["prefill_len"],
-        w["prefill_prompts"],
-        w["matmul_repeats"],
-    )
-    decode["native_flop_s"] = native_rate(
-        timed.model, engine.spec, w["decode_batch"], w["decode_batch"], w["matmul_repeats"]
-    )
-    prefill["native_flop_s"] = native_rate(
-        timed.model,
-        engine.spec,
-        w["prefill_prompts"] * w["prefill_len"],
-        w["prefill_prompts"],
-        w["matmul_repeats"],
-    )
+    step_shapes = {
+        "decode": (w["decode_batch"], w["decode_batch"]),
+        "prefill": (w["prefill_prompts"] * w["prefill_len"], w["prefill_prompts"]),
+    }
+    for m, (tokens, sampled) in zip((decode, prefill), step_shapes.values(), strict=True):
+        for key, rate in (("matmul", matmul_rate), ("prepacked", prepacked_rate), ("native", native_rate)):
+            m[f"{key}_flop_s"] = rate(timed.model, tokens, sampled, w["matmul_repeats"])
     for name, m in (("decode", decode), ("prefill", prefill)):
         # The baseline is the fastest GEMM: judging against the slow default path would flatter.
         rates = {

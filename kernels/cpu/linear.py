@@ -91,36 +91,32 @@ def resolve_linear_backend(requested: str | None, device: torch.device, dtype: t
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
     if requested == "dense":
         return "dense"
-    if requested in ("auto", "native"):
-        reason = native_unusable_reason(device, dtype, forced=requested == "native")
-        if reason is None and not _probe_ok(dtype, native_gemm.NativeLinear):
+    for name in ("native", "onednn") if requested == "auto" else (requested,):
+        reason = _unusable_reason(name, device, dtype, forced=requested == name)
+        if reason is None and not _probe_ok(dtype, _PACKED[name]):
             reason = "the load-time probe did not match F.linear"
         if reason is None:
-            return "native"
-        if requested == "native":
-            raise ValueError(f"linear_backend 'native' is unavailable: {reason}")
-        log.info("linear layers: not the native GEMM (%s)", reason)
-    reason = onednn_unusable_reason(device, dtype)
-    if reason is None and not _probe_ok(dtype, OneDNNLinear):
-        reason = "the load-time probe did not match F.linear"
-    if reason is not None:
-        if requested == "onednn":
-            raise ValueError(f"linear_backend 'onednn' is unavailable: {reason}")
-        log.info("linear layers: F.linear (%s)", reason)
-        return "dense"
-    return "onednn"
+            return name
+        if requested == name:
+            raise ValueError(f"linear_backend {name!r} is unavailable: {reason}")
+        log.info("linear layers: not %s (%s)", name, reason)
+    log.info("linear layers: F.linear (%s)", reason)
+    return "dense"
 
 
-def native_unusable_reason(device: torch.device, dtype: torch.dtype, *, forced: bool = False) -> str | None:
+def _unusable_reason(name: str, device: torch.device, dtype: torch.dtype, *, forced: bool) -> str | None:
+    if name == "onednn":
+        return onednn_unusable_reason(device, dtype)
     if device.type != "cpu":
         return f"device is {device.type}"
     return native_gemm.unusable_reason(dtype, forced=forced)
 
 
+_PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear}
+
+
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    if backend == "native":
-        return native_gemm.NativeLinear(weight, bias)
-    return OneDNNLinear(weight, bias) if backend == "onednn" else DenseLinear(weight, bias)
+    return _PACKED.get(backend, DenseLinear)(weight, bias)
 
 
 def _probe_ok(dtype: torch.dtype, kind=None) -> bool:
