@@ -155,7 +155,8 @@ def test_engine_benchmark_plumbing_on_cpu(tmp_path):
 
 
 def test_kernel_measurements_plumbing_on_cpu(tmp_path):
-    from kernels import conformance, microbench
+    from benchmarks import kernel_microbench as microbench
+    from tests import kernel_conformance as conformance
 
     with interpreted_kernels():
         from kernels.triton.registry import TRITON_KERNELS as k

@@ -17,7 +17,6 @@ import grpc
 import pytest
 
 from gateway.client import build_request
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.fault_helpers import (
@@ -27,6 +26,7 @@ from tests.fault_helpers import (
     memory_bytes,
     stop_and_check,
 )
+from tests.service_process import ServiceProcess
 from tokenizer_svc.tokenizer import load_tokenizer
 
 REQUESTS = int(os.environ.get("LLMSERVE_SOAK_REQUESTS", "10000"))
