@@ -8,6 +8,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 MODEL_DIR := models/default
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 PROTO_SRC := $(shell find proto -name '*.proto')
 PROTO_STAMP := llmserve_proto/.stamp
 INSTALL_STAMP := $(VENV)/.installed
@@ -36,7 +37,7 @@ $(MODEL_DIR)/model.safetensors: | $(INSTALL_STAMP)
 	$(PY) -m engine_svc.models.build_default --out $(MODEL_DIR)
 
 run: install model
-	$(PY) -m gateway serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
+	$(PY) -m gateway serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 # The Node.js client test needs its npm packages; without node on the machine that test skips.
 NODE_STAMP := tests/node/node_modules/.stamp
