@@ -347,10 +347,15 @@ def stamp(latest: dict) -> list[str]:
         else f"{'quick mode, ' if latest['quick'] else ''}whole suite {latest['elapsed_s'] / 60:.1f} min, "
         f"load average before {m['load_average_before'][0]:.1f}, after {m['load_average_after'][0]:.1f}"
     )
+    whose = (
+        " of this report (each result names its own in the Runs table, where it records one)"
+        if latest.get("report_only")
+        else ""
+    )
     return [
         f"- Commit: `{latest.get('commit', 'unknown')}`",
         f"- Date: {latest['time']}",
-        f"- Machine: {describe(m)}; {m['torch_threads']} torch thread(s) per benchmark side",
+        f"- Machine{whose}: {describe(m)}; {m['torch_threads']} torch thread(s) per benchmark side",
         f"- How: {how}",
     ]
 
