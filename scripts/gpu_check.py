@@ -373,8 +373,8 @@ def section_lora(
 ) -> dict:
     import torch
 
+    from benchmarks.random_adapter import write_random_adapter
     from engine_svc import LLM, LoRARequest, SamplingParams
-    from engine_svc.lora.random_adapter import write_random_adapter
     from engine_svc.models.build import build_random_model
     from kernels.backend import select_kernels
     from tests import kernel_conformance as conformance
@@ -433,8 +433,8 @@ def section_lora(
 
 
 def _lora_throughput(device, workdir, seed, kernel_backend, cfg, num_requests, lengths) -> dict:
+    from benchmarks.random_adapter import write_random_adapter
     from engine_svc import LLM, LoRARequest, SamplingParams
-    from engine_svc.lora.random_adapter import write_random_adapter
 
     model_dir = write_config_only_model(workdir / "lora_perf_model", cfg)
     names = [LoRARequest(f"perf{i}", 100 + i, str(workdir / f"lora_perf{i}")) for i in range(4)]

@@ -12,8 +12,8 @@ import torch
 # Imported before the interpreter is switched on, as in a full test run (see test_kernels_triton.py).
 import triton.language  # noqa: F401
 
-from kernels.interpret_mode import interpreted_kernels
 from scripts import gpu_check
+from tests.triton_mode import interpreted_kernels
 
 TINY_CFG = dict(
     gpu_check.LLAMA3_8B,
