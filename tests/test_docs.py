@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -265,3 +266,69 @@ def test_quick_start_offline_snippet_runs(snippet_model):
         pytest.xfail("LLM.chat is not in this tree yet")
     printed = out.getvalue().splitlines()
     assert len(printed) == 2, printed
+
+
+def readme_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+
+
+@pytest.mark.slow
+def test_quick_start_against_a_real_service(snippet_model):
+    """The README's curl, openai-client, Python-client and CLI steps, against `llmserve serve` on a
+    tiny model, with the README's addresses swapped for the test's ports."""
+    from tests.service_process import ServiceProcess
+
+    args = ("--http-port", "0", "--served-model-name", "default", "--num-kv-blocks", "256")
+    with ServiceProcess(snippet_model, *args) as sp:
+        http = f"127.0.0.1:{sp.http_port}"
+        curls = [
+            line
+            for block in readme_blocks("bash")
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines()
+            if line.startswith("curl ")
+        ]
+        assert len(curls) == 2
+        for line in curls:
+            cmd = line.replace("localhost:8000", http).split("#")[0]
+            out = subprocess.run(
+                cmd, shell=True, capture_output=True, text=True, timeout=120, check=True
+            ).stdout
+            if '"stream": true' in cmd:
+                assert out.rstrip().endswith("data: [DONE]"), out[-300:]
+            else:
+                assert '"choices"' in out and '"finish_reason"' in out, out[:300]
+
+        python = [b for b in readme_blocks("python") if "OpenAI(" in b or "LLMServeClient(" in b]
+        assert len(python) == 2
+        for code in python:
+            code = code.replace("127.0.0.1:8000", http).replace("127.0.0.1:50051", sp.target)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, "README.md quick start", "exec"), {})
+            assert out.getvalue().strip(), f"printed nothing:\n{code}"
+
+        cli = next(
+            line for b in readme_blocks("bash") for line in b.splitlines() if "llmserve generate" in line
+        )
+        cli_args = shlex.split(cli.split("#")[0].split("llmserve", 1)[1])
+        run = subprocess.run(
+            [sys.executable, "-m", "gateway", *cli_args, "--target", sp.target],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr[-2000:]
+        if shutil.which("grpcurl"):
+            grpc_cmd = next(
+                re.sub(r"\\\n\s*", " ", b) for b in readme_blocks("bash") if b.startswith("grpcurl")
+            ).splitlines()[0]
+            out = subprocess.run(
+                grpc_cmd.replace("127.0.0.1:50051", sp.target),
+                shell=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            ).stdout
+            assert '"text"' in out
