@@ -1,7 +1,7 @@
 """The product packages hold only what the running service imports: every module under gateway/,
 engine_svc/, kernels/ and tokenizer_svc/ is reachable by imports from an entry point (the
 ``llmserve`` script, a ``python -m`` the Makefile or the service itself runs, the offline API).
-Test and benchmark helpers live under tests/ and benchmarks/."""
+Test and benchmark helpers live under tests/ and benchmarks/; set-up scripts under scripts/."""
 
 from __future__ import annotations
 
@@ -47,7 +47,13 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def entry_points(modules: dict[str, Path]) -> set[str]:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("scripts", {})
     entries = {target.split(":")[0] for target in scripts.values()}
-    entries |= {m for m in re.findall(r"-m ([\w.]+)", (ROOT / "Makefile").read_text()) if m in modules}
+    made = re.findall(r"-m ([\w.]+)", (ROOT / "Makefile").read_text())
+    entries |= {m for m in made if m in modules}
+    # The set-up scripts make runs (make model: scripts.default_model) import what they build with;
+    # the GPU check is verification tooling, like the tests, and counts for nothing.
+    for script in {m for m in made if m.startswith("scripts.") and m != "scripts.gpu_check"}:
+        path = ROOT / (script.replace(".", "/") + ".py")
+        entries |= imports_of(script, path, modules)
     entries |= {m for m in modules if m.endswith("__main__")}
     entries |= set(PACKAGES)  # the public API: `from engine_svc import LLM`, `from gateway.client import ...`
     return entries
