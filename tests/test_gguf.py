@@ -323,7 +323,7 @@ def test_the_service_serves_a_gguf_file(hf_dirs, tmp_path):
     """`llmserve serve --model x.gguf`: gateway, tokenizer worker and engine all read the one file;
     a chat over gRPC gives the offline LLM.chat's tokens on the same file."""
     from gateway.client import LLMServeClient
-    from gateway.service_process import ServiceProcess
+    from tests.service_process import ServiceProcess
 
     path = write_gguf(hf_dirs["llama"], tmp_path / "served.gguf", "Q8_0")
     messages = [{"role": "user", "content": "Hello, who are you?"}]
