@@ -98,7 +98,7 @@ def _add_serve(sub) -> None:
         "--max-paused-streams",
         type=int,
         default=d.max_paused_streams,
-        help="streams paused at once (they hold no slot); past it the one unread longest is ended (0: no bound)",
+        help="streams paused at once (they hold no slot); past it the longest unread is ended (0: no bound)",
     )
     p.add_argument(
         "--new-client-slots",
