@@ -276,12 +276,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise
             finally:
                 rm.finish(outcome)
-                log.info(
-                    "finished",
-                    extra={
-                        "fields": {"outcome": outcome, "completion_tokens": rm.sent_tokens, **rm.summary()}
-                    },
-                )
+                fields = {"outcome": outcome, "completion_tokens": rm.sent_tokens}
+                if rm.unconfirmed_tokens:  # ended mid-send (its client stopped reading, or left)
+                    fields["unconfirmed_tokens"] = rm.unconfirmed_tokens
+                log.info("finished", extra={"fields": {**fields, **rm.summary()}})
 
     async def _generate(
         self,
@@ -400,9 +398,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                         # A stop string ended this sequence while the engine runs it and its
                         # siblings go on: drop just it.
                         self.s.in_background(self.s.engine.abort([rid], index=d.index))
+                rm.unconfirmed_tokens = unsent
                 yield msg  # returns once gRPC has taken the message (a stream's send completed)
                 rm.sent_tokens += unsent
-                unsent = 0
+                rm.unconfirmed_tokens = unsent = 0
 
 
 def _with_max_tokens(request: pb.GenerateRequest, max_tokens: int) -> pb.GenerateRequest:

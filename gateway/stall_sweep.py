@@ -43,13 +43,16 @@ class StreamControl:
     async def end_stalled(self, message: str, outcome: str, unread_s: float) -> None:
         self.stalled = True
         self.outcome = outcome
-        sent = getattr(self.metrics, "sent_tokens", None)
+        m = self.metrics
+        fields = {"outcome": outcome}
+        if m is not None:
+            fields.update(completion_tokens=m.sent_tokens, unconfirmed_tokens=m.unconfirmed_tokens)
         with request_scope(self.log_id):
             log.warning(
                 "client read nothing for %.1fs: %s, the request is aborted",
                 unread_s,
                 "stall timeout" if outcome == "stalled" else "shed (too many paused streams)",
-                extra={"fields": {"outcome": outcome, "completion_tokens": sent}},
+                extra={"fields": fields},
             )
         status = asyncio.ensure_future(self._send_status(message))
         await asyncio.sleep(0)  # the status batch starts on the abort's first step
