@@ -92,6 +92,14 @@ class RequestHandle:
         """When its client stopped reading, while it is paused for that (None: it is not)."""
         return self.budget.unread_since() if self.budget is not None else None
 
+    def sending(self, pending: bool) -> None:
+        """The handler gave its client a message (True) and the client made room for it (False)."""
+        if self.budget is not None:
+            if pending:
+                self.budget.send_started()
+            else:
+                self.budget.send_done()
+
     def watch_pause(self, callback: Callable[[bool], None]) -> None:
         """Tell ``callback`` each time the request is paused (True) or resumed (False)."""
         if self.budget is not None:

@@ -399,7 +399,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                         # siblings go on: drop just it.
                         self.s.in_background(self.s.engine.abort([rid], index=d.index))
                 rm.unconfirmed_tokens = unsent
+                handle.sending(True)
                 yield msg  # returns once gRPC has taken the message (a stream's send completed)
+                handle.sending(False)
                 rm.sent_tokens += unsent
                 rm.unconfirmed_tokens = unsent = 0
 

@@ -54,6 +54,10 @@ class RoutedHandle:
     def unread_since(self) -> float | None:
         return self._inner.unread_since() if self._inner is not None else None
 
+    def sending(self, pending: bool) -> None:
+        if self._inner is not None:
+            self._inner.sending(pending)
+
     def watch_pause(self, callback: Callable[[bool], None]) -> None:
         self._on_pause = callback
         if self._inner is not None:

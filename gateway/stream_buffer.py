@@ -6,12 +6,13 @@ reads. A client that stops reading would make the queue grow without bound while
 generating for nobody. ``OutputBudget`` counts what is queued (messages and wire bytes) and how long
 the oldest of it has waited. It asks for the request to be paused in the engine (no steps; its KV
 blocks are the first preempted, and its seat and admission slot go to others) when either bound is
-passed, or when output has waited untaken for ``pause_after_s``: a client that stops reading is
-seen within about a second whatever its buffers hold, instead of after 64 more engine steps. When
+passed, or when output has waited untaken (or a send has not completed) for ``pause_after_s``: a
+client that stops reading is seen at the first engine step a second after its flow-control window
+filled, instead of after 64 more engine steps. When
 the handler has taken half of it back, the request is resumed.
 
-The stall clock starts with the oldest untaken output, which is when the client stopped reading
-(its last send did not complete), not when the buffer filled. A paused request whose client takes
+The stall clock starts when the client stopped reading: the send it never made room for, or the
+oldest output not taken, whichever came first; not when the buffer filled. A paused request whose client takes
 nothing for the stall timeout is ended by the gateway (stall_sweep.py).
 """
 
@@ -51,6 +52,7 @@ class OutputBudget:
         # The gateway's admission is told too (a paused stream gives its slot back); set after submit.
         self.on_pause: Callable[[bool], None] | None = None
         self.waiting_since: float | None = None  # when the oldest untaken output arrived; None: none
+        self.sending_since: float | None = None  # when the handler's pending send began; None: none
 
     def added(self, size: int) -> None:
         now = self._clock()
@@ -60,9 +62,23 @@ class OutputBudget:
         self.bytes += size
         if self.paused:
             return
-        unread = self.pause_after_s > 0 and now - self.waiting_since >= self.pause_after_s
+        unread = self.pause_after_s > 0 and now - self._unread_start() >= self.pause_after_s
         if unread or self.messages > self.max_messages or self.bytes > self.max_bytes:
             self._change(True)
+
+    def send_started(self) -> None:
+        """The handler gave gRPC a message; until ``send_done`` the client has not made room for it."""
+        self.sending_since = self._clock()
+
+    def send_done(self) -> None:
+        self.sending_since = None
+
+    def _unread_start(self) -> float:
+        # The client stopped reading when a send did not complete, or, while the handler was busy
+        # elsewhere, when the oldest output it has not taken arrived.
+        if self.sending_since is None or self.waiting_since is None:
+            return self.waiting_since if self.sending_since is None else self.sending_since
+        return min(self.sending_since, self.waiting_since)
 
     def taken(self, count: int, size: int) -> None:
         self.messages -= count
@@ -80,7 +96,7 @@ class OutputBudget:
 
     def unread_since(self) -> float | None:
         """When the client stopped reading, if it is paused for that (None: it is not)."""
-        return self.waiting_since if self.paused else None
+        return self._unread_start() if self.paused else None
 
     def stalled_for(self, now: float) -> float:
         """Seconds since the client stopped reading, while paused (0 when not paused)."""

@@ -53,8 +53,10 @@ _FINISHED = re.compile(
 
 @pytest.fixture(scope="module")
 def svc(default_model_dir):
-    # The default serve options, all of them (LLMSERVE_SLOW_READER_ARGS adds some, to try others).
-    sp = ServiceProcess(default_model_dir, *os.environ.get("LLMSERVE_SLOW_READER_ARGS", "").split()).start()
+    # The default serve options, all of them (LLMSERVE_SLOW_READER_ARGS adds some, to try others;
+    # LLMSERVE_SLOW_READER_MODEL serves another model, e.g. models/default as `make model` builds it).
+    model = os.environ.get("LLMSERVE_SLOW_READER_MODEL") or default_model_dir
+    sp = ServiceProcess(model, *os.environ.get("LLMSERVE_SLOW_READER_ARGS", "").split()).start()
     try:
         yield sp
         stop_and_check(sp)

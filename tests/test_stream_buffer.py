@@ -69,3 +69,23 @@ def test_output_waiting_untaken_for_pause_after_pauses_before_the_bounds():
     b.on_pause = seen.append
     b.taken(2, 20)
     assert calls == [True, False] and seen == [False] and b.unread_since() is None
+
+
+def test_a_send_the_client_never_made_room_for_starts_the_clock():
+    """With slow engine steps, the first delta after a blocked send already shows an unread client."""
+    calls, clock = [], Clock()
+    b = OutputBudget(64, 1 << 20, calls.append, clock, pause_after_s=1.0)
+    b.added(10)
+    b.taken(1, 10)
+    b.send_started()  # at 0: the handler's send waits for the client's window
+    clock.now = 5.0
+    b.added(10)  # the next step's output, 5 s later: the client has read nothing for 5 s
+    assert calls == [True] and b.unread_since() == 0.0 and b.stalled_for(7.0) == 7.0
+    b.send_done()
+    b.taken(1, 10)
+    assert calls == [True, False]
+    b.send_started()
+    b.send_done()  # a reading client: its sends complete
+    clock.now = 9.0
+    b.added(10)
+    assert calls == [True, False]
