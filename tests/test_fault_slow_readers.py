@@ -94,9 +94,12 @@ def test_300_never_read_streams_at_the_defaults_leave_normal_requests_served(svc
     gw = svc.pid
     with LLMServeClient(svc.target, timeout=60) as client:
         client.generate("warm up", max_tokens=16, ignore_eos=True)
-        t0 = time.monotonic()
-        client.generate("alone", max_tokens=16, ignore_eos=True)
-        alone_s = time.monotonic() - t0
+        alone = []
+        for i in range(3):  # the same request alone, for the ratio (the best of 3: the machine is noisy)
+            t0 = time.monotonic()
+            client.generate(f"alone {i}", max_tokens=16, ignore_eos=True)
+            alone.append(time.monotonic() - t0)
+        alone_s = min(alone)
         rss = {"before": rss_mib(gw)}
 
         options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
