@@ -88,6 +88,24 @@ def _add_serve(sub) -> None:
         default=d.stream_stall_timeout_s,
         help="seconds a paused stream's client may read nothing before the request is aborted (0: never)",
     )
+    p.add_argument(
+        "--stream-pause-after",
+        type=float,
+        default=d.stream_pause_after_s,
+        help="seconds a stream's output may wait unread before the request is paused (0: only the bounds)",
+    )
+    p.add_argument(
+        "--max-paused-streams",
+        type=int,
+        default=d.max_paused_streams,
+        help="streams paused at once (they hold no slot); past it the longest unread is ended (0: no bound)",
+    )
+    p.add_argument(
+        "--new-client-slots",
+        type=int,
+        default=d.new_client_slots,
+        help="of --max-concurrent, slots kept for clients (connections) that hold none (-1: an eighth)",
+    )
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -222,6 +240,9 @@ def _serve(args) -> int:
         max_unsent_messages=args.max_unsent_messages,
         max_unsent_bytes=args.max_unsent_bytes,
         stream_stall_timeout_s=args.stream_stall_timeout,
+        stream_pause_after_s=args.stream_pause_after,
+        max_paused_streams=args.max_paused_streams,
+        new_client_slots=args.new_client_slots,
     )
     try:
         auth = Authenticator(ApiKeys.from_file(args.api_key_file) if args.api_key_file else None)

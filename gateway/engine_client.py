@@ -88,6 +88,25 @@ class RequestHandle:
     def stalled_for(self, now: float) -> float:
         return self.budget.stalled_for(now) if self.budget is not None else 0.0
 
+    def unread_since(self) -> float | None:
+        """When its client stopped reading, while it is paused for that (None: it is not)."""
+        return self.budget.unread_since() if self.budget is not None else None
+
+    def sending(self, pending: bool) -> None:
+        """The handler gave its client a message (True) and the client made room for it (False)."""
+        if self.budget is not None:
+            if pending:
+                self.budget.send_started()
+            else:
+                self.budget.send_done()
+
+    def watch_pause(self, callback: Callable[[bool], None]) -> None:
+        """Tell ``callback`` each time the request is paused (True) or resumed (False)."""
+        if self.budget is not None:
+            self.budget.on_pause = callback
+            if self.budget.paused:
+                callback(True)
+
     def _put(self, item) -> None:
         if self.budget is not None and isinstance(item, EngineDelta):
             self.budget.added(item.wire_bytes)
@@ -127,9 +146,11 @@ class EngineClient:
         keepalive: Keepalive | None = None,
         max_unsent_messages: int = 0,  # per request; 0: no backpressure (no pausing in the engine)
         max_unsent_bytes: int = 0,
+        pause_after_s: float = 0.0,  # output untaken this long pauses the request too (0: never)
     ) -> None:
         self.address = address
         self.max_unsent = (max_unsent_messages, max_unsent_bytes)
+        self.pause_after_s = pause_after_s
         self._pause_unsupported = False
         self.tls = tls
         self.max_message_bytes = max_message_bytes
@@ -290,7 +311,9 @@ class EngineClient:
             finally:
                 state["task"] = None
 
-        return OutputBudget(max_messages or 1 << 30, max_bytes or 1 << 62, set_paused)
+        return OutputBudget(
+            max_messages or 1 << 30, max_bytes or 1 << 62, set_paused, pause_after_s=self.pause_after_s
+        )
 
     async def set_paused(self, request_ids: list[str], paused: bool) -> None:
         """Pause (or resume) requests in the engine; a failure only leaves them running."""

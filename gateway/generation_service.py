@@ -203,7 +203,9 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _observed(
         self, request: pb.GenerateRequest, context, control: StreamControl | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        return self.run(request, self.s.auth.identity_of(context), context.time_remaining, control)
+        return self.run(
+            request, self.s.auth.identity_of(context), context.time_remaining, control, client=context.peer()
+        )
 
     async def run(
         self,
@@ -213,6 +215,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         control: StreamControl | None = None,
         fill_context: bool = False,
         on_prompt: Callable[[list[int]], None] | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -220,7 +223,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         ``control`` lets the stall sweep end a stream whose client stopped reading.
         ``fill_context``: an unset max_tokens is the rest of the context (OpenAI's API, as vLLM
         serves it) instead of the server's default. ``on_prompt`` is told the prompt's token ids
-        once they are known (before the first message)."""
+        once they are known (before the first message). ``client`` names the caller's connection
+        for admission's share of slots kept for new clients (None: counted as a new client)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -229,6 +233,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         log_id = rid if len(rid) <= 256 and rid.isprintable() else f"unprintable-{hash(rid) & 0xFFFFFFFF:08x}"
         if control is not None:
             control.log_id = log_id
+            control.metrics = rm
         with request_scope(log_id):
             kind = request.WhichOneof("prompt")
             log.info(
@@ -245,7 +250,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
             try:
                 stream = self._generate(
-                    request, rid, identity.cache_salt, rm, control, fill_context, on_prompt
+                    request, rid, identity.cache_salt, rm, control, fill_context, on_prompt, client
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -260,7 +265,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             except (asyncio.CancelledError, GeneratorExit):
                 remaining = time_remaining()
                 if control is not None and control.stalled:
-                    outcome = "stalled"  # the client stopped reading (stall_sweep.py)
+                    outcome = control.outcome  # the client stopped reading: stalled or shed (stall_sweep.py)
                 elif remaining is not None and remaining <= 0:
                     outcome = "deadline_exceeded"
                 else:
@@ -271,12 +276,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise
             finally:
                 rm.finish(outcome)
-                log.info(
-                    "finished",
-                    extra={
-                        "fields": {"outcome": outcome, "completion_tokens": rm.sent_tokens, **rm.summary()}
-                    },
-                )
+                fields = {"outcome": outcome, "completion_tokens": rm.sent_tokens}
+                if rm.unconfirmed_tokens:  # ended mid-send (its client stopped reading, or left)
+                    fields["unconfirmed_tokens"] = rm.unconfirmed_tokens
+                log.info("finished", extra={"fields": {**fields, **rm.summary()}})
 
     async def _generate(
         self,
@@ -287,6 +290,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         control: StreamControl | None = None,
         fill_context: bool = False,
         on_prompt: Callable[[list[int]], None] | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -310,7 +314,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
         s.inflight[rid] = None
         try:
-            async with s.admission.slot():
+            async with s.admission.slot(client) as slot:
                 encode = s.tokenization.encode if s.tokenization is not None else None  # token-only: no words
                 await complete_constraints(v.params, list(request.bad_words), encode)
                 prompt = await self._prompt_ids(v)
@@ -345,6 +349,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if control is not None:
                     control.handle = handle
                     s.streams[rid] = control
+                    # Paused because its client does not read: its slot is another's meanwhile.
+                    handle.watch_pause(slot.set_paused)
                 try:
                     async for msg in self._stream(rid, handle, v, prompt, rm):
                         yield msg
@@ -392,9 +398,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                         # A stop string ended this sequence while the engine runs it and its
                         # siblings go on: drop just it.
                         self.s.in_background(self.s.engine.abort([rid], index=d.index))
+                rm.unconfirmed_tokens = unsent
+                handle.sending(True)
                 yield msg  # returns once gRPC has taken the message (a stream's send completed)
+                handle.sending(False)
                 rm.sent_tokens += unsent
-                unsent = 0
+                rm.unconfirmed_tokens = unsent = 0
 
 
 def _with_max_tokens(request: pb.GenerateRequest, max_tokens: int) -> pb.GenerateRequest:

@@ -162,7 +162,9 @@ class HttpApi:
         cancels them all (their engine requests are aborted)."""
 
         async def one(p: int, req: pb.GenerateRequest) -> None:
-            async for msg in self.service.run(req, identity, **fmt.run_options(p)):
+            async for msg in self.service.run(
+                req, identity, client=_peer(request.scope), **fmt.run_options(p)
+            ):
                 fmt.add(p, msg)
 
         tasks = [asyncio.ensure_future(one(p, r)) for p, r in enumerate(reqs)]
@@ -457,7 +459,11 @@ class _SseResponse(Response):
         for p, r in enumerate(self.reqs):
             control = StreamControl(task, _HttpStreamContext(), log_id="")
             controls.append(control)
-            gens.append(self.api.service.run(r, self.identity, control=control, **self.fmt.run_options(p)))
+            gens.append(
+                self.api.service.run(
+                    r, self.identity, control=control, client=_peer(scope), **self.fmt.run_options(p)
+                )
+            )
         watcher = asyncio.ensure_future(watch())
         started = False
         try:
@@ -608,3 +614,9 @@ class HttpServer:
         if self._main is not None:
             await asyncio.gather(self._main, return_exceptions=True)
         await self.server.shutdown()
+
+
+def _peer(scope) -> str | None:
+    """The client's connection (host:port), for admission's share kept for new clients."""
+    client = scope.get("client")
+    return f"http:{client[0]}:{client[1]}" if client else None

@@ -39,6 +39,18 @@ class Limits:
     max_unsent_messages: int = 64
     max_unsent_bytes: int = 256 << 10
     stream_stall_timeout_s: float = 30.0
+    # Slow readers (docs/slow-readers.md): output untaken this long pauses the request in the engine
+    # (0: only the two bounds above pause); a paused stream holds no admission slot and no seat.
+    stream_pause_after_s: float = 1.0
+    # Streams paused at once; past it, the one unread longest is ended (RESOURCE_EXHAUSTED). 0: no bound
+    max_paused_streams: int = 256
+    # Of max_concurrent_requests, kept for clients (connections) that hold none; -1: an eighth
+    new_client_slots: int = -1
+
+    def new_client_slot_count(self) -> int:
+        if self.new_client_slots < 0:
+            return self.max_concurrent_requests // 8
+        return min(self.new_client_slots, self.max_concurrent_requests)
 
     def prompt_token_limit(self, max_model_len: int) -> int:
         cap = max_model_len - 1

@@ -212,7 +212,17 @@ class GatewayMetrics:
 class RequestMetrics:
     """The clock of one request: feed it each sequence's token counts as messages go out."""
 
-    __slots__ = ("_m", "_start", "_last", "_first_seen", "_done", "_ttft", "_prompt_tokens", "sent_tokens")
+    __slots__ = (
+        "_m",
+        "_start",
+        "_last",
+        "_first_seen",
+        "_done",
+        "_ttft",
+        "_prompt_tokens",
+        "sent_tokens",
+        "unconfirmed_tokens",
+    )
 
     def __init__(self, m: GatewayMetrics) -> None:
         self._m = m
@@ -225,6 +235,9 @@ class RequestMetrics:
         # Tokens whose message the client was given (gRPC took it): the request log's count,
         # right also for a request cancelled mid-way.
         self.sent_tokens = 0
+        # Tokens of the message gRPC is sending when the request ends (its send never completed:
+        # a client that stopped reading). It reaches the client, before the status, if it reads again.
+        self.unconfirmed_tokens = 0
         m.inflight.inc()
 
     def prompt(self, num_tokens: int) -> None:

@@ -59,5 +59,8 @@ class ModelsService(pb_grpc.ModelsServicer):
                 max_unsent_messages=lim.max_unsent_messages,
                 max_unsent_bytes=lim.max_unsent_bytes,
                 stream_stall_timeout_s=lim.stream_stall_timeout_s,
+                stream_pause_after_s=lim.stream_pause_after_s,
+                max_paused_streams=lim.max_paused_streams,
+                new_client_slots=lim.new_client_slot_count(),
             ),
         )

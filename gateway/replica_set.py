@@ -34,6 +34,7 @@ class RoutedHandle:
         self._inner: RequestHandle | None = None
         self._delivered = False
         self._interrupt: BaseException | None = None  # a drain's abort that came between two replicas
+        self._on_pause: Callable[[bool], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,6 +50,26 @@ class RoutedHandle:
 
     def stalled_for(self, now: float) -> float:
         return self._inner.stalled_for(now) if self._inner is not None else 0.0
+
+    def unread_since(self) -> float | None:
+        return self._inner.unread_since() if self._inner is not None else None
+
+    def sending(self, pending: bool) -> None:
+        if self._inner is not None:
+            self._inner.sending(pending)
+
+    def watch_pause(self, callback: Callable[[bool], None]) -> None:
+        self._on_pause = callback
+        if self._inner is not None:
+            self._inner.watch_pause(callback)
+
+    def _replace_inner(self, inner: RequestHandle) -> None:
+        was_paused = self.paused
+        self._inner = inner
+        if self._on_pause is not None:
+            if was_paused:
+                self._on_pause(False)  # the new replica's request starts unpaused
+            inner.watch_pause(self._on_pause)
 
     def _put(self, item) -> None:
         self._interrupt = item
@@ -220,8 +241,11 @@ class ReplicaSet:
                 raise EngineUnavailable("no engine replica is available")
             self._track(rid, replica, handle)  # before Submit: the first delta may beat its reply
             try:
-                handle._inner = await self._submit_unless_lost(
-                    replica, replica.submit(rid, prompt, params, priority, cache_salt=cache_salt, lora=lora)
+                handle._replace_inner(
+                    await self._submit_unless_lost(
+                        replica,
+                        replica.submit(rid, prompt, params, priority, cache_salt=cache_salt, lora=lora),
+                    )
                 )
                 return
             except EngineUnavailable:

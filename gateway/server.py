@@ -120,6 +120,7 @@ class GatewayServer:
                 keepalive=o.keepalive,
                 max_unsent_messages=o.limits.max_unsent_messages,
                 max_unsent_bytes=o.limits.max_unsent_bytes,
+                pause_after_s=o.limits.stream_pause_after_s,
             ),
             o.routing,
         )
@@ -135,12 +136,18 @@ class GatewayServer:
             tokenization=tokenization,
             engine=engine,
             limits=o.limits,
-            admission=Admission(o.limits.max_concurrent_requests, o.limits.max_queue_length),
+            admission=Admission(
+                o.limits.max_concurrent_requests,
+                o.limits.max_queue_length,
+                o.limits.new_client_slot_count(),
+            ),
             auth=o.auth,
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
         )
-        self.stall_sweeper = StallSweeper(self.state.streams, o.limits.stream_stall_timeout_s)
+        self.stall_sweeper = StallSweeper(
+            self.state.streams, o.limits.stream_stall_timeout_s, o.limits.max_paused_streams
+        )
         server = grpc.aio.server(
             # Credentials first: nothing from an unknown caller is even parsed.
             interceptors=[

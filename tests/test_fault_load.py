@@ -121,7 +121,8 @@ def test_overload_burst_of_200_against_8_running_and_16_queued(tiny_llama):
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         done = [r for r in results if not isinstance(r, grpc.aio.AioRpcError)]
         assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert len(done) >= 24 and len(refused) >= 120, (len(done), len(refused))
+        # One channel is one client: it gets 7 of the 8 slots (one is kept for new clients) and 16 queued.
+        assert len(done) >= 23 and len(refused) >= 120, (len(done), len(refused))
         for msgs in done:  # every admitted request ran to the end
             assert msgs[-1].finish_reason == gen.FINISH_REASON_LENGTH
             assert msgs[-1].usage.completion_tokens == 128

@@ -1,57 +1,66 @@
-"""Backpressure against clients that never read their streams (issue 17), through a real service.
+"""Slow readers at the default serve options (issues 17 and 27), through a real service.
 
-Before the fix the engine kept generating for such streams, the gateway buffered their output
-without bound (about 0.55 MB/s for 16 of them), and they held their admission slots until the
-client went away, so a normal request got DEADLINE_EXCEEDED. Now each stream's unsent output is
-bounded; a full buffer pauses the request in the engine (no steps), and after
---stream-stall-timeout without reading the request is aborted with RESOURCE_EXHAUSTED and its slot
-is free again.
+300 GenerateStream clients (max_tokens=3000, ignore_eos, logprobs=20) over 8 channels never read.
+Beside them, 5 normal 16-token Generate requests must be served within 2 s each; the stalled streams
+end with RESOURCE_EXHAUSTED; gateway memory stays bounded; every stream ended by the gateway is
+logged with the tokens gRPC really took for it; the pool is whole afterwards.
 
-CI runs a scaled-down shape (8 stalled streams of 900 tokens with logprobs=20, a 4 s stall timeout,
-one spare admission slot for normal traffic). The issue's full size, on the default limits
-(256 slots, 30 s stall timeout; the model must allow 3,000 tokens, e.g. models/default):
+The service runs with no option but ``--model`` (default limits: 256 slots of which 32 kept for new
+clients, 256 engine seats, ``--stream-pause-after 1``, ``--max-paused-streams 256``, a 30 s stall
+timeout; the KV pool sized by the engine's default). What the defence does (docs/slow-readers.md):
+a stream whose output waits unread for a second is paused in the engine and gives its admission slot
+and engine seat back, so the burst never holds the slots a reading client needs; past 256 paused
+streams the ones unread longest are shed; 30 s after a client stopped reading its stream ends.
 
-    LLMSERVE_SLOW_READERS=300 LLMSERVE_SLOW_READER_TOKENS=3000 LLMSERVE_SLOW_READER_MODEL=models/default \\
-        .venv/bin/python -m pytest -s tests/test_fault_slow_readers.py
+The model is the tiny random one (``default_model_dir``, as ``python -m
+engine_svc.models.build_default`` builds it), not the real default SmolLM2-135M that ``make model``
+puts in models/default: the test measures the gateway's and scheduler's defence, which is the same
+for both, and on the real model it does not fit ~90 s on this 2-core machine. Measured there (two
+runs): an engine step with 224 sequences takes 5-8 s, so the burst is seen not to read only 35-80 s
+in (all paused or ended 69-82 s in); a 16-token request alone takes 1.3-1.6 s and 1.5-1.9 s beside
+the paused burst, no margin under the 2 s bound on a noisy machine. LLMSERVE_SLOW_READER_MODEL=
+models/default runs it there anyway.
+
+The stalled client announces 1 KiB flow-control windows (no BDP growth), so that gRPC stops taking
+the gateway's messages after a few: a default client's 64 KiB and more hold some 200 messages of
+logprobs=20 per stream before the gateway can tell that nobody reads them (see the docs).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 from gateway.client import LLMServeClient, build_request
+from gateway.limits import Limits
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.fault_helpers import assert_engine_clean, memory_bytes, stop_and_check, wait_for
 from tests.service_process import ServiceProcess
 
-READERS = int(os.environ.get("LLMSERVE_SLOW_READERS", "8"))
-TOKENS = int(os.environ.get("LLMSERVE_SLOW_READER_TOKENS", "900"))
-FULL_SIZE = "LLMSERVE_SLOW_READERS" in os.environ
-STALL_S = 30.0 if FULL_SIZE else 4.0
-MAX_CONCURRENT = 256 if FULL_SIZE else READERS + 1  # CI: one slot left for normal traffic
+READERS = 300
+TOKENS = 3000
+CHANNELS = 8
+NORMAL = 5
+D = Limits()
+STALL_S = D.stream_stall_timeout_s
+MAX_PAUSED = D.max_paused_streams
+_FINISHED = re.compile(
+    r"request_id=(\S+) finished outcome=\"(\w+)\" completion_tokens=(\d+)(?: unconfirmed_tokens=(\d+))?"
+)
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_llama):
-    model = os.environ.get("LLMSERVE_SLOW_READER_MODEL", str(tiny_llama))
-    # At full size the pool holds every stalled stream's blocks (256 x 16 blocks): with fewer, some are
-    # preempted before their buffers fill and wait for blocks that paused streams hold.
-    args = ["--num-kv-blocks", "4096" if FULL_SIZE else "1024", "--tokenizer-workers", "1"]
-    if not FULL_SIZE:
-        args += [
-            "--max-concurrent",
-            str(MAX_CONCURRENT),
-            "--max-queue",
-            "0",
-            "--stream-stall-timeout",
-            str(STALL_S),
-        ]
-    sp = ServiceProcess(model, *args).start()
+def svc(default_model_dir):
+    # The default serve options, all of them (LLMSERVE_SLOW_READER_ARGS adds some, to try others;
+    # LLMSERVE_SLOW_READER_MODEL serves another model, e.g. models/default as `make model` builds it).
+    model = os.environ.get("LLMSERVE_SLOW_READER_MODEL") or default_model_dir
+    sp = ServiceProcess(model, *os.environ.get("LLMSERVE_SLOW_READER_ARGS", "").split()).start()
     try:
         yield sp
         stop_and_check(sp)
@@ -63,62 +72,93 @@ def rss_mib(pid: int) -> float:
     return memory_bytes(pid)["rss"] / 2**20
 
 
-def test_never_reading_streams_are_paused_then_aborted_and_normal_traffic_goes_on(svc):
+def finished_lines(sp: ServiceProcess) -> dict[str, tuple[str, int, int]]:
+    """request id -> (outcome, completion_tokens, unconfirmed_tokens) from the gateway's 'finished'
+    log lines: the tokens of messages gRPC took, and of the one it was still sending."""
+    text = Path(sp._log.name).read_text(errors="replace")
+    return {m[1]: (m[2], int(m[3]), int(m[4] or 0)) for m in _FINISHED.finditer(text)}
+
+
+def drain(call) -> tuple[int, grpc.RpcError | None]:
+    """Read a stalled call at last: the tokens gRPC had buffered for it, then its status."""
+    tokens = 0
+    try:
+        for msg in call:
+            tokens += len(msg.token_ids)
+    except grpc.RpcError as e:
+        return tokens, e
+    return tokens, None
+
+
+def test_300_never_read_streams_at_the_defaults_leave_normal_requests_served(svc):
     gw = svc.pid
     with LLMServeClient(svc.target, timeout=60) as client:
-        client.generate("warm up", max_tokens=4)
+        client.generate("warm up", max_tokens=16, ignore_eos=True)
+        alone = []
+        for i in range(3):  # the same request alone, for the ratio (the best of 3: the machine is noisy)
+            t0 = time.monotonic()
+            client.generate(f"alone {i}", max_tokens=16, ignore_eos=True)
+            alone.append(time.monotonic() - t0)
+        alone_s = min(alone)
         rss = {"before": rss_mib(gw)}
-        # A client that never reads, with small flow-control windows (1 KiB a stream, no BDP growth)
-        # so that gRPC stops taking the gateway's messages after a few: a default client's 64 KiB
-        # and more only make the buffers fill later (after some 300 steps at logprobs=20).
-        stalled_channel = grpc.insecure_channel(
-            svc.target, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-        )
-        stub = gen_grpc.GenerationStub(stalled_channel)
+
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        channels = [grpc.insecure_channel(svc.target, options=options) for _ in range(CHANNELS)]
+        stubs = [gen_grpc.GenerationStub(ch) for ch in channels]
+        started = time.monotonic()
         calls = [
-            stub.GenerateStream(
-                build_request(f"never read {i}", max_tokens=TOKENS, ignore_eos=True, logprobs=20), timeout=600
+            stubs[i % CHANNELS].GenerateStream(
+                build_request(
+                    f"never read {i}",
+                    request_id=f"stalled-{i}",
+                    max_tokens=TOKENS,
+                    ignore_eos=True,
+                    logprobs=20,
+                    return_token_ids=True,
+                ),
+                timeout=300,
             )
             for i in range(READERS)
         ]
-        admitted = min(READERS, MAX_CONCURRENT)
-        started = time.monotonic()
-        wait_for(
-            lambda: svc.engine_stats().load.num_paused >= admitted, 300, "the stalled streams were not paused"
-        )
-        paused_after = time.monotonic() - started
-        rss["paused"] = rss_mib(gw)
 
-        # Once their buffers are full, the stalled streams cost the engine no steps at all.
-        steps = svc.engine_stats().load.num_steps
-        time.sleep(1.5)
+        # Every stream is seen not to read within seconds: all of it paused in the engine, and the
+        # oldest unread shed past max_paused_streams (none of them holds a slot or a seat now).
+        def settled():
+            st = svc.engine_stats()
+            ended = [r for r in finished_lines(svc) if r.startswith("stalled-")]
+            live = st.num_live_requests
+            return live == st.load.num_paused <= MAX_PAUSED and len(ended) + live == READERS
+
+        wait_for(settled, 60, "the never-read streams were not all paused or shed", every_s=0.2)
+        settled_s = time.monotonic() - started
+        st = svc.engine_stats()
+        paused = st.load.num_paused
+        assert paused == MAX_PAUSED, paused
+        rss["paused"] = rss_mib(gw)
+        steps = st.load.num_steps
+        time.sleep(1.0)
         assert svc.engine_stats().load.num_steps == steps, "the engine stepped paused requests"
 
-        # Normal traffic beside them: a 16-token request completes within seconds (at full size
-        # every slot is taken by a stalled stream, so as in the issue it comes after the stall
-        # timeout has aborted the first of them).
-        if FULL_SIZE:
-            wait_for(lambda: svc.engine_stats().num_live_requests < admitted, STALL_S + 60, "no stall abort")
-        t0 = time.monotonic()
-        out = client.generate("a normal request", max_tokens=16, ignore_eos=True, timeout=30)
-        normal_s = time.monotonic() - t0
-        assert out.usage.completion_tokens == 16 and normal_s < 5, normal_s
+        # Normal traffic beside them, from a client that holds no slot.
+        latencies = []
+        for i in range(NORMAL):
+            t = time.monotonic()
+            out = client.generate(f"a normal request {i}", max_tokens=16, ignore_eos=True, timeout=30)
+            latencies.append(time.monotonic() - t)
+            assert out.usage.completion_tokens == 16
         rss["during"] = rss_mib(gw)
+        p99 = max(latencies)  # of 5: the worst
+        assert p99 <= 2.0, latencies
+        assert svc.engine_stats().num_live_requests == MAX_PAUSED  # the paused wait for their timeout
 
-        def all_live_paused():
-            st = svc.engine_stats()
-            return st.load.num_paused == st.num_live_requests
-
-        wait_for(all_live_paused, 120, "the stalled streams admitted later were not paused")
-        steps = svc.engine_stats().load.num_steps
-        time.sleep(1.0)
-        assert svc.engine_stats().load.num_steps == steps
-
-        # After the stall timeout the stalled requests are aborted and give back their slots.
+        # The stall timeout, counted from when each client stopped reading, ends the rest.
         wait_for(
             lambda: svc.engine_stats().num_live_requests == 0, STALL_S + 30, "stalled requests not aborted"
         )
-        aborted_after = time.monotonic() - started
+        ended_s = time.monotonic() - started
+        assert ended_s >= STALL_S, ended_s  # none was ended by the timeout before it ran out
+
+        # Every slot is free again: as many requests at once as the limit's share for one client.
         results: dict[int, object] = {}
 
         def normal(i: int) -> None:
@@ -127,31 +167,42 @@ def test_never_reading_streams_are_paused_then_aborted_and_normal_traffic_goes_o
             except grpc.RpcError as e:
                 results[i] = e
 
-        threads = [
-            threading.Thread(target=normal, args=(i,)) for i in range(MAX_CONCURRENT if not FULL_SIZE else 16)
-        ]
+        threads = [threading.Thread(target=normal, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(90)
         errors = [r for r in results.values() if isinstance(r, grpc.RpcError)]
-        assert not errors, [(e.code(), e.details()) for e in errors]  # every slot was free again
+        assert not errors and len(results) == 16, [(e.code(), e.details()) for e in errors]
 
-        # The stalled client, reading at last, gets what gRPC had buffered, then a clear status.
-        with pytest.raises(grpc.RpcError) as e:
-            for _ in calls[0]:
-                pass
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "stream_stall_timeout_s" in e.value.details()
-        stalled_channel.close()
+        # The stalled clients, reading at last, get what gRPC had taken, then a clear status; the
+        # gateway's log says how each ended and how many tokens it sent, which is what they read.
+        logged = finished_lines(svc)
+        outcomes = {"stalled": 0, "shed": 0}
+        read = unconfirmed = 0
+        for i, call in enumerate(calls):
+            tokens, err = drain(call)
+            assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, err)
+            outcome, sent, in_flight = logged[f"stalled-{i}"]
+            limit = "stream_stall_timeout_s" if outcome == "stalled" else "max_paused_streams"
+            assert limit in err.details(), (outcome, err.details())
+            assert tokens == sent + in_flight, (i, outcome, sent, in_flight, tokens)
+            outcomes[outcome] += 1
+            read += tokens
+            unconfirmed += in_flight
+        assert outcomes == {"stalled": MAX_PAUSED, "shed": READERS - MAX_PAUSED}, outcomes
+        for ch in channels:
+            ch.close()
         time.sleep(1.0)
         rss["after"] = rss_mib(gw)
     print(
-        f"\n{READERS} never-reading streams of {TOKENS} tokens (logprobs=20): all paused after "
-        f"{paused_after:.1f}s, aborted after {aborted_after:.1f}s (stall timeout {STALL_S:g}s); a normal "
-        f"16-token request beside them took {normal_s * 1000:.0f} ms; gateway RSS before "
-        f"{rss['before']:.0f}, paused {rss['paused']:.0f}, during {rss['during']:.0f}, "
-        f"after {rss['after']:.0f} MiB"
+        f"\n{READERS} never-read streams of {TOKENS} tokens (logprobs=20) over {CHANNELS} channels at the "
+        f"defaults: {paused} paused and {outcomes['shed']} shed {settled_s:.1f}s in; every one ended "
+        f"by {ended_s:.1f}s (stall timeout {STALL_S:g}s), their clients read {read} tokens at last "
+        f"({unconfirmed} of them in messages gRPC was still sending); {NORMAL} normal 16-token "
+        f"requests beside them: worst {p99 * 1000:.0f} ms, {p99 / alone_s:.2f}x the same request alone "
+        f"({alone_s * 1000:.0f} ms); gateway RSS before {rss['before']:.0f}, paused {rss['paused']:.0f}, "
+        f"during {rss['during']:.0f}, after {rss['after']:.0f} MiB"
     )
-    assert rss["during"] - rss["before"] < 64 + 0.5 * READERS, rss
+    assert rss["during"] - rss["before"] < 128, rss
     assert_engine_clean(svc)

@@ -161,6 +161,9 @@ def test_model_info_reports_every_bound(client):
     assert lim.max_request_id_chars == D.max_request_id_chars
     assert (lim.max_unsent_messages, lim.max_unsent_bytes) == (D.max_unsent_messages, D.max_unsent_bytes)
     assert lim.stream_stall_timeout_s == pytest.approx(D.stream_stall_timeout_s)
+    assert lim.stream_pause_after_s == pytest.approx(D.stream_pause_after_s)
+    assert lim.max_paused_streams == D.max_paused_streams
+    assert lim.new_client_slots == D.new_client_slot_count() == lim.max_concurrent_requests // 8
     assert isinstance(lim, models_pb2.ServerLimits)
 
 

@@ -37,14 +37,55 @@ def test_pauses_past_the_byte_bound():
     assert calls == [True]
 
 
-def test_stall_time_counts_from_the_pause_or_the_last_take():
+def test_stall_time_counts_from_the_oldest_untaken_output():
+    """The client stopped reading when the output it left waiting arrived, not when the buffer filled."""
     clock = Clock()
     b = OutputBudget(1, 1 << 20, lambda _: None, clock)
     assert b.stalled_for(100.0) == 0.0
-    b.added(1)
+    b.added(1)  # waiting since 0
     clock.now = 5.0
     b.added(1)  # paused at 5
-    assert b.stalled_for(9.0) == 4.0
+    assert b.paused and b.unread_since() == 0.0 and b.stalled_for(9.0) == 9.0
     clock.now = 10.0
     b.taken(0, 0)  # a take of nothing still shows the client reads
     assert b.stalled_for(12.0) == 2.0
+
+
+def test_output_waiting_untaken_for_pause_after_pauses_before_the_bounds():
+    calls, clock = [], Clock()
+    b = OutputBudget(64, 1 << 20, calls.append, clock, pause_after_s=1.0)
+    b.added(10)
+    clock.now = 0.9
+    b.added(10)
+    assert calls == []  # younger than the limit
+    b.taken(2, 20)  # read: nothing waits
+    clock.now = 5.0
+    b.added(10)  # a slow step (4 s since the take) is not an unread client: this just arrived
+    assert calls == []
+    clock.now = 6.0
+    b.added(10)
+    assert calls == [True] and b.unread_since() == 5.0
+    seen = []
+    b.on_pause = seen.append
+    b.taken(2, 20)
+    assert calls == [True, False] and seen == [False] and b.unread_since() is None
+
+
+def test_a_send_the_client_never_made_room_for_starts_the_clock():
+    """With slow engine steps, the first delta after a blocked send already shows an unread client."""
+    calls, clock = [], Clock()
+    b = OutputBudget(64, 1 << 20, calls.append, clock, pause_after_s=1.0)
+    b.added(10)
+    b.taken(1, 10)
+    b.send_started()  # at 0: the handler's send waits for the client's window
+    clock.now = 5.0
+    b.added(10)  # the next step's output, 5 s later: the client has read nothing for 5 s
+    assert calls == [True] and b.unread_since() == 0.0 and b.stalled_for(7.0) == 7.0
+    b.send_done()
+    b.taken(1, 10)
+    assert calls == [True, False]
+    b.send_started()
+    b.send_done()  # a reading client: its sends complete
+    clock.now = 9.0
+    b.added(10)
+    assert calls == [True, False]
