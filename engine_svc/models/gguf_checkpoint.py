@@ -235,7 +235,16 @@ def _open_reader(path: Path):
 class _ValidatingReader(GGUFReader):
     """The gguf package's reader, with each tensor's type and byte range checked before it is
     mapped, so that a bad file's error names the tensor (the reader alone fails with a bare enum or
-    reshape error)."""
+    reshape error). It also slices a plain ndarray view of the map: every field of a large
+    vocabulary is a slice, and a ``np.memmap`` slice costs several times a plain one."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._plain = mapped.view(np.ndarray)  # shares the mapping, which it keeps alive
 
     def _build_tensors(self, start_offs, fields):
         end = len(self.data)
