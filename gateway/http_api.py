@@ -27,10 +27,11 @@ from starlette.routing import Route
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
-from gateway.generation_service import GenerationService
+from gateway.generation_service import GenerationService, merge_tool_calls
 from gateway.openai_protocol import FINISH, chat_request, completion_requests, error_body, status_of
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import refuse_text_call
+from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
@@ -287,7 +288,10 @@ class _Formatter:
         def keep(ids: list[int]) -> None:
             self.prompt_ids[p] = list(ids)
 
-        return {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+        options = {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+        if self.chat:
+            options["tool_names"] = HTTP_NAMES  # violations name this API's fields
+        return options
 
     def _token(self, tid: int) -> str:
         s = self._token_cache.get(tid)
@@ -349,8 +353,21 @@ class _Formatter:
     # not streamed
     def add(self, p: int, msg: pb.GenerateResponse) -> None:
         index = p * self.n + msg.index
-        c = self.choices.setdefault(index, {"text": "", "ids": [], "lps": [], "plps": [], "msg": None})
+        c = self.choices.setdefault(
+            index,
+            {
+                "text": "",
+                "ids": [],
+                "lps": [],
+                "plps": [],
+                "msg": None,
+                "calls": pb.GenerateResponse(),
+                "thought": "",
+            },
+        )
         c["text"] += msg.text
+        c["thought"] += msg.reasoning_content
+        merge_tool_calls(c["calls"].tool_calls, msg.tool_calls)
         c["ids"] += msg.token_ids
         c["lps"] += msg.logprobs
         c["plps"] += msg.prompt_logprobs
@@ -366,7 +383,21 @@ class _Formatter:
             want_lps = bool(c["lps"])
             choice: dict = {"index": index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": c["text"]}
+                message: dict = {"role": "assistant", "content": c["text"]}
+                calls = c["calls"].tool_calls
+                if calls:
+                    message["content"] = c["text"] or None
+                    message["tool_calls"] = [
+                        {
+                            "id": t.id,
+                            "type": "function",
+                            "function": {"name": t.name, "arguments": t.arguments},
+                        }
+                        for t in calls
+                    ]
+                if c["thought"]:
+                    message["reasoning_content"] = c["thought"]
+                choice["message"] = message
                 choice["logprobs"] = {"content": self._logprobs(c["lps"])} if want_lps else None
             else:
                 choice["text"] = c["text"]
@@ -395,6 +426,10 @@ class _Formatter:
         choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+            if msg.reasoning_content:
+                delta["reasoning_content"] = msg.reasoning_content
+            if msg.tool_calls:
+                delta["tool_calls"] = [_call_delta(t) for t in msg.tool_calls]
             choice["delta"] = delta
             choice["logprobs"] = {"content": self._logprobs(msg.logprobs)} if msg.logprobs else None
         else:
@@ -421,6 +456,19 @@ class _Formatter:
     def usage_chunk(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self.meta, "object": kind, "choices": [], "usage": self.usage()}
+
+
+def _call_delta(t) -> dict:
+    """OpenAI's streamed call shape: the first piece has index, id, type and name; the rest only
+    the index and the next piece of the arguments."""
+    if t.name:
+        return {
+            "index": t.index,
+            "id": t.id,
+            "type": "function",
+            "function": {"name": t.name, "arguments": t.arguments},
+        }
+    return {"index": t.index, "function": {"arguments": t.arguments}}
 
 
 def _finite(x: float) -> float:

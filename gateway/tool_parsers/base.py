@@ -252,4 +252,7 @@ def lark_str(s: str) -> str:
 
 
 def json_rule(schema: dict) -> str:
+    """A rule body for a JSON value of ``schema``, written compact (free whitespace would let a
+    model pad forever instead of closing the value), unless the schema opts in with x-guidance."""
+    schema = {**schema, "x-guidance": schema.get("x-guidance", {"whitespace_flexible": False})}
     return "%json " + json.dumps(schema, separators=(",", ":"))
