@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
 from tokenizer_svc.chat_messages import validate_messages, validate_tools
+from tokenizer_svc.tokenizer_files import find_tokenizer_dir
 
 __all__ = ["Tokenizer", "load_tokenizer", "validate_messages"]
 
@@ -89,18 +90,26 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text the model's chat template makes of ``messages`` (and ``tools``, which
-        the template reads as its ``tools`` variable: HF's convention)."""
-        if not self.has_chat_template:
+        """The prompt text the model's chat template (or ``chat_template``) makes of ``messages``
+        (and ``tools``, which the template reads as its ``tools`` variable: HF's convention)."""
+        if chat_template is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; send a text prompt instead")
         validate_messages(messages)
         validate_tools(tools)
         extra = {"tools": tools} if tools else {}
         try:
             return self._hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **extra,
             )
         except Exception as e:  # the template raised (raise_exception) or failed on these messages
             if isinstance(e, ValueError):
@@ -108,7 +117,11 @@ class Tokenizer:
             raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The template's markers are special tokens; every string of the messages and tools is
         plain text (chat_encoding.py). The template writes BOS itself; adding special tokens again
@@ -117,7 +130,7 @@ class Tokenizer:
         validate_tools(tools)
         return encode_chat(
             messages,
-            lambda msgs, tls: self.render_chat(msgs, add_generation_prompt, tls),
+            lambda msgs, tls: self.render_chat(msgs, add_generation_prompt, chat_template, tls),
             self._specials,
             lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
             self._backend.token_to_id,
@@ -133,13 +146,14 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
-def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
-    """Load the tokenizer of a model folder (tokenizer.json, tokenizer_config.json, chat template);
-    ``chat_template``: a Jinja file that replaces the model's template."""
+def load_tokenizer(model: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
+    """Load the tokenizer of a model folder (tokenizer.json, tokenizer_config.json, chat template)
+    or of a GGUF file (from its metadata); ``chat_template``: a Jinja file that replaces the
+    model's template."""
     from transformers import AutoTokenizer
 
-    path = Path(model_dir)
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    path = find_tokenizer_dir(model)
+    if path is None:
+        raise FileNotFoundError(f"no tokenizer.json in {model}")
     template = Path(chat_template).read_text() if chat_template is not None else None
     return Tokenizer(AutoTokenizer.from_pretrained(str(path), use_fast=True), chat_template=template)
