@@ -120,3 +120,28 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         LLM(model=str(tmp_path), load_format="dummy")
+
+
+def test_chat_renders_tools_into_the_prompt(llm):
+    from pathlib import Path
+
+    template = (
+        Path(__file__).resolve().parent / "chat_templates" / "tool_chat_template_hermes.jinja"
+    ).read_text()
+    tools = [
+        {"type": "function", "function": {"name": "get_time", "description": "Clock.", "parameters": {}}}
+    ]
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.chat(messages, params, chat_template=template, tools=tools, use_tqdm=False)[0]
+    assert '"name": "get_time"' in out.prompt and "<tools>" in out.prompt
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in out.prompt
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages, True, template, tools=tools)
+    without = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
+    assert "<tools>" not in without.prompt
