@@ -154,6 +154,9 @@ def plan_tools(
                 )
                 return plan
             plan.parser = parser
+            if not has_constraint:  # free text or well-formed calls (where the format can say)
+                parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+                plan.grammar = parser.auto_grammar(tools, parallel, marker)
             return plan
         chosen = tools  # required
     else:

@@ -96,3 +96,35 @@ def test_every_output_under_the_grammar_is_valid_calls(vocab, name, chosen, para
         for call in out.calls:
             assert call.name in names
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("name,opening", [("hermes", "Sure. <tool_call>"), ("mistral", "Sure. [TOOL_CALLS]"),
+                                          ("llama3_json", "{"), ("pythonic", "[")])  # fmt: skip
+def test_auto_is_free_text_or_well_formed_calls(trained_tokenizer_dir, name, opening):
+    import llguidance
+
+    vocab = _Tok(trained_tokenizer_dir)
+    parser = get_parser(name)
+    grammar = llguidance.LLMatcher.grammar_from_lark(parser.auto_grammar(TOOLS, True, marker_for(vocab.tok)))
+    rng = random.Random(name)
+    for _ in range(4):  # free text: anything that does not open a call, ended anywhere
+        m = llguidance.LLMatcher(vocab.ll, grammar)
+        text = vocab.tok.decode(random_walk(m, vocab, vocab.vocab, rng, limit=2000))
+        out = parser.parse(text)
+        for call in out.calls:  # a walk that happened to open a call made a well-formed one
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        if not out.calls:
+            assert out.content == text
+    for _ in range(4):  # once a call is opened it can only be a well-formed one
+        m = llguidance.LLMatcher(vocab.ll, grammar)
+        prefix = vocab.tok.encode(opening, add_special_tokens=False)
+        assert all(m.consume_token(t) for t in prefix)
+        text = vocab.tok.decode(prefix + random_walk(m, vocab, vocab.vocab, rng), skip_special_tokens=False)
+        out = parser.parse(text)
+        assert out.calls, text
+        for call in out.calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    broken = {"hermes": "Sure. <tool_call>oops", "mistral": "Sure. [TOOL_CALLS]oops",
+              "llama3_json": "{oops", "pythonic": "[oops"}[name]  # fmt: skip
+    m = llguidance.LLMatcher(vocab.ll, grammar)
+    assert not all(m.consume_token(t) for t in vocab.tok.encode(broken, add_special_tokens=False))

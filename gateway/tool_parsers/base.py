@@ -74,6 +74,11 @@ class ToolParser(ABC):
         ``{"function": {"name", "parameters"}}``) in this format; one call when not ``parallel``.
         ``marker(s)``: the grammar for a marker string (a special token where the vocabulary has it)."""
 
+    def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
+        """A Lark grammar of "free text, or well-formed calls" (``tool_choice: auto``): text that
+        could begin a call must be one. None: the format cannot say (the output is unconstrained)."""
+        return None
+
     def snapshot(self, text: str, final: bool) -> Snapshot:
         return assemble(self.pieces(text, final), final)
 
@@ -256,3 +261,30 @@ def json_rule(schema: dict) -> str:
     model pad forever instead of closing the value), unless the schema opts in with x-guidance."""
     schema = {**schema, "x-guidance": schema.get("x-guidance", {"whitespace_flexible": False})}
     return "%json " + json.dumps(schema, separators=(",", ":"))
+
+
+def rust_regex_escape(s: str) -> str:
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in s)
+
+
+def text_then_calls(calls_grammar: str, mark: str, marker, rest: str) -> str:
+    """``start: free text | text, then the marker, then ``rest`` (the calls after their first
+    marker)``; the text never holds the marker. A marker that is a plain string is one lexeme with
+    the text before it (llguidance's lexer cannot end a free-text lexeme where a literal begins)."""
+    lines = calls_grammar.splitlines()[1:]  # the grammar's own start rule is replaced
+    m = marker(mark)
+    text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{rust_regex_escape(mark)}.*)/"
+    if m.startswith("<["):  # a special token: a lexeme of its own
+        head = [f"start: TEXT | TEXT? {m} {rest}", text]
+    else:
+        head = [f"start: TEXT | OPEN {rest}", text, f"OPEN: TEXT {m}"]
+    return "\n".join(head + lines) + "\n"
+
+
+def text_or_calls(calls_grammar: str, opener: str) -> str:
+    """``start: free text that does not open with ``opener`` | the calls`` (formats whose calls
+    are the whole output)."""
+    lines = calls_grammar.splitlines()
+    calls = lines[0].removeprefix("start:").strip()
+    text = f"TEXT: /(?s:.*)/ & ~/(?s:\\s*{rust_regex_escape(opener)}.*)/"
+    return "\n".join([f"start: TEXT | {calls}", text, *lines[1:]]) + "\n"

@@ -11,6 +11,7 @@ from gateway.tool_parsers.base import (
     json_rule,
     lark_str,
     skip_ws,
+    text_then_calls,
     tool_schema,
 )
 
@@ -53,3 +54,7 @@ class HermesToolParser(ToolParser):
             lines.append(f"fn{i}: {lark_str(head)} args{i} " + '"}"')
             lines.append(f"args{i}: {json_rule(tool_schema(tool))}")
         return "\n".join(lines) + "\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
+        rest = '"\\n" body "\\n" ' + marker(END) + (' ("\\n" call)*' if parallel else "")
+        return text_then_calls(self.grammar(tools, parallel, marker), START, marker, rest)

@@ -10,6 +10,7 @@ from gateway.tool_parsers.base import (
     json_rule,
     lark_str,
     skip_ws,
+    text_or_calls,
     tool_schema,
 )
 
@@ -28,7 +29,7 @@ class Llama3JsonToolParser(ToolParser):
             pos = skip_ws(text, pos + len(TAG))
             if pos >= len(text):
                 return []
-        if text[pos] != "{":
+        if pos >= len(text) or text[pos] != "{":
             return [text]
         out: list[str | PartialCall] = []
         while True:
@@ -63,3 +64,6 @@ class Llama3JsonToolParser(ToolParser):
             lines.append(f"fn{i}: {lark_str(head)} args{i} " + '"}"')
             lines.append(f"args{i}: {json_rule(tool_schema(tool))}")
         return "\n".join(lines) + "\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
+        return text_or_calls(self.grammar(tools, parallel, marker), "{")

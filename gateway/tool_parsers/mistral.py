@@ -14,6 +14,7 @@ from gateway.tool_parsers.base import (
     lark_str,
     scan_json_value,
     skip_ws,
+    text_then_calls,
     tool_schema,
 )
 
@@ -98,3 +99,7 @@ class MistralToolParser(ToolParser):
             lines.append(f"fn{i}: {lark_str(head)} args{i} " + '"}"')
             lines.append(f"args{i}: {json_rule(tool_schema(tool))}")
         return "\n".join(lines) + "\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
+        rest = '"[" call' + (' (", " call)*' if parallel else "") + ' "]"'
+        return text_then_calls(self.grammar(tools, parallel, marker), MARK, marker, rest)

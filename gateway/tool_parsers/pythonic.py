@@ -9,7 +9,15 @@ import ast
 import json
 import re
 
-from gateway.tool_parsers.base import PartialCall, ToolParser, json_rule, lark_str, skip_ws, tool_schema
+from gateway.tool_parsers.base import (
+    PartialCall,
+    ToolParser,
+    json_rule,
+    lark_str,
+    skip_ws,
+    text_or_calls,
+    tool_schema,
+)
 
 _PY_TOKEN = re.compile(r"""'(?:[^'\\\n]|\\.)*'?|"(?:[^"\\\n]|\\.)*"?|[\[\](){}]""")
 _JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
@@ -49,6 +57,9 @@ class PythonicToolParser(ToolParser):
             body = _first(items, 0)
             lines.append(f"fn{i}: {lark_str(tool['function']['name'] + '(')} {body} " + '")"')
         return "\n".join(lines) + "\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
+        return text_or_calls(self.grammar(tools, parallel, marker), "[")
 
 
 def _rest(items, j: int) -> str:
