@@ -28,6 +28,7 @@ from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
 from gateway.reasoning import get_reasoning_parser
+from gateway.reasoning_grammar import after_reasoning
 from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import check_generate, refuse_text_call
@@ -202,6 +203,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             v.params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         if plan.parser is not None and plan.parser.needs_special_tokens:
             v.params.skip_special_tokens = False
+        reasoning = self.s.tool_options.reasoning_parser
+        if reasoning is not None and v.params.structured_outputs is not None:  # never inside the thinking
+            v.params.structured_outputs = after_reasoning(
+                v.params.structured_outputs, get_reasoning_parser(reasoning), marker_for(self.s.tokenizer)
+            )
         return plan
 
     @staticmethod

@@ -222,3 +222,37 @@ def test_grpc_chat_with_tools(service):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(req, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat.tool_choice" in e.value.details()
+
+
+def test_a_tool_request_beside_others_equals_its_solo_run(client):
+    """Batch invariance with tools: the grammar-constrained request's calls do not depend on what
+    else shares its steps (other tool requests, plain chats, other seeds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def tool_request(seed: int, choice="required"):
+        r = client.chat.completions.create(
+            model="default", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+            temperature=1.0, seed=seed, max_tokens=120,
+        )  # fmt: skip
+        c = r.choices[0]
+        return c.message.content, [
+            (t.function.name, t.function.arguments) for t in c.message.tool_calls or []
+        ]
+
+    def plain(seed: int):
+        client.chat.completions.create(
+            model="default", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=40
+        )
+
+    solo = tool_request(11)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with ThreadPoolExecutor(4) as pool:
+        mixed = pool.submit(tool_request, 11)
+        others = [
+            pool.submit(plain, 1),
+            pool.submit(tool_request, 12, named),
+            pool.submit(tool_request, 13, "auto"),
+        ]
+        assert mixed.result() == solo
+        for f in others:
+            f.result()
