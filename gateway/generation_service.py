@@ -190,6 +190,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         tokens kept in the text where the call format's markers are special tokens)."""
         if v.prompt_kind != "chat":
             return None
+        chat, cap = request.chat, self.s.limits.max_prompt_chars
+        size = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+        size += sum(len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
+        if size > cap:  # the tools and the history's calls are prompt text too
+            field = (names or Names()).tool_list
+            raise invalid(
+                [
+                    FieldViolation(
+                        field,
+                        f"tools and tool calls have {size} characters; the limit is max_prompt_chars={cap}",
+                    )
+                ]
+            )
         plan = plan_tools(
             request.chat,
             self.s.tool_options,

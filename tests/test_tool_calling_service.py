@@ -49,7 +49,7 @@ MESSAGES = [{"role": "user", "content": "What's the weather in Oslo for 3 days?"
 def service(default_model_dir):
     args = ["--num-kv-blocks", "1024", "--http-port", "0", "--served-model-name", "default"]
     args += ["--chat-template", str(TEMPLATES / "tool_chat_template_hermes.jinja")]
-    args += ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    args += ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--max-prompt-chars", "100000"]
     with ServiceProcess(default_model_dir, *args) as sp:
         yield sp
 
@@ -191,6 +191,13 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_tools_count_toward_the_prompt_limit(client):
+    huge = {"type": "function", "function": {"name": "f", "description": "x" * 200_000}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=MESSAGES, tools=[huge], max_tokens=2)
+    assert e.value.body["param"] == "tools" and "max_prompt_chars" in e.value.body["message"]
 
 
 def test_grpc_chat_with_tools(service):
