@@ -43,7 +43,8 @@ CASES = [
     ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
     ("pythonic", "[f(s='a ] \\' ) string', t=true)]", "", [("f", '{"s": "a ] \' ) string", "t": true}')]),
     ("pythonic", "No calls here.", "No calls here.", []),
-    *[(name, text, text, []) for name in ("hermes", "llama3_json", "mistral", "pythonic") for text in ("", " \n ")],
+    *[(name, text, text, []) for name in ("hermes", "llama3_json", "mistral", "pythonic")
+      for text in ("", " \n ")],
 ]  # fmt: skip
 
 
