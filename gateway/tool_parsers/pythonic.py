@@ -19,7 +19,7 @@ from gateway.tool_parsers.base import (
     tool_schema,
 )
 
-_PY_TOKEN = re.compile(r"""'(?:[^'\\\n]|\\.)*'?|"(?:[^"\\\n]|\\.)*"?|[\[\](){}]""")
+_PY_TOKEN = re.compile(r"""'[^'\\\n]*(?:\\.[^'\\\n]*)*'?|"[^"\\\n]*(?:\\.[^"\\\n]*)*"?|[\[\](){}]""")
 _JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
