@@ -125,7 +125,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             messages = chat_messages(
                 request.chat.messages, Names(), lambda f, why: v.append(FieldViolation(f, why))
             )
-            plan = plan_tools(request.chat, self.s.tool_options, False, marker_for(self.s.tokenizer))
+            chat = pb.Chat()
+            chat.CopyFrom(request.chat)
+            chat.tool_choice.mode = pb.ToolChoice.MODE_NONE  # the tools are rendered; nothing is parsed
+            plan = plan_tools(chat, self.s.tool_options, False, marker_for(self.s.tokenizer))
             if v or plan.violations:
                 raise invalid(v + plan.violations)
             ids = await self._chat_ids(messages, add, plan.tools)

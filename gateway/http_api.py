@@ -28,7 +28,17 @@ from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService, merge_tool_calls
-from gateway.openai_protocol import FINISH, chat_request, completion_requests, error_body, status_of
+from gateway.openai_protocol import (
+    FINISH,
+    TOKENIZE_FIELDS,
+    BodyReader,
+    chat_request,
+    completion_requests,
+    error_body,
+    read_message,
+    read_tools,
+    status_of,
+)
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import HTTP_NAMES
@@ -222,10 +232,12 @@ class HttpApi:
                 msgs = body["messages"]
                 if len(msgs) > self.s.limits.max_chat_messages:
                     raise invalid([FieldViolation("messages", "over max_chat_messages")])
-                for i, m in enumerate(msgs):
-                    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                        raise invalid([FieldViolation(f"messages[{i}]", "must be {role, content}")])
-                    req.chat.messages.add(role=str(m.get("role", "")), content=m["content"])
+                r = BodyReader(body, TOKENIZE_FIELDS, "tokenize")
+                for i, m in enumerate(msgs):  # as a chat request's: tool calls, tool results
+                    if not read_message(r, i, m, req.chat.messages.add()):
+                        break
+                read_tools(r, req.chat)  # rendered by the template, as a chat request's would be
+                r.done()
                 if isinstance(body.get("add_generation_prompt"), bool):
                     req.chat.add_generation_prompt = body["add_generation_prompt"]
             else:

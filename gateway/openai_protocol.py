@@ -35,6 +35,7 @@ _COMMON = {
     "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "return_token_ids",
     "allowed_token_ids", "bad_words", "request_id", "priority", "best_of", "speculative",
 }  # fmt: skip
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
@@ -276,7 +277,7 @@ def chat_request(body, limits: Limits) -> pb.GenerateRequest:
         req.logprobs = top or 0
     elif body.get("top_logprobs") is not None:
         r.bad("top_logprobs", "needs logprobs: true")
-    _tools(r, req.chat)
+    read_tools(r, req.chat)
     add = r.bool("add_generation_prompt")
     if add is not None:
         req.chat.add_generation_prompt = add
@@ -290,13 +291,13 @@ def chat_request(body, limits: Limits) -> pb.GenerateRequest:
         )
     else:
         for i, m in enumerate(messages):
-            if not _message(r, i, m, req.chat.messages.add()):
+            if not read_message(r, i, m, req.chat.messages.add()):
                 break
     r.done()
     return req
 
 
-def _message(r: BodyReader, i: int, m, out: pb.ChatMessage) -> bool:
+def read_message(r: BodyReader, i: int, m, out: pb.ChatMessage) -> bool:
     """One chat message onto ``out``; False (with the violation) if it is not one."""
     role = m.get("role") if isinstance(m, dict) else None
     calls = m.get("tool_calls") if isinstance(m, dict) else None
@@ -342,7 +343,7 @@ def _message(r: BodyReader, i: int, m, out: pb.ChatMessage) -> bool:
     return True
 
 
-def _tools(r: BodyReader, chat: pb.Chat) -> None:
+def read_tools(r: BodyReader, chat: pb.Chat) -> None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (their meaning is checked with the
     server's settings in ``gateway.tool_request``, for both APIs)."""
     tools = r.get("tools", lambda x: isinstance(x, list), "a list of {type: function, function: {...}}")

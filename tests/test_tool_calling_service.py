@@ -263,3 +263,19 @@ def test_a_tool_request_beside_others_equals_its_solo_run(client):
         assert mixed.result() == solo
         for f in others:
             f.result()
+
+
+def test_tokenize_renders_tools_like_the_chat_request(service, client):
+    import httpx
+
+    call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with_tools = httpx.post(service.http_url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()
+    without = httpx.post(service.http_url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert with_tools["count"] > without["count"] + 50
+    r = client.chat.completions.create(
+        model="default", messages=history, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert r.usage.prompt_tokens == with_tools["count"]
+    bad = httpx.post(service.http_url + "/tokenize", json={"messages": MESSAGES, "tools": [{"type": "nope"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0]"
