@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.machine import git_commit, machine_info
 from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
 
@@ -362,6 +363,8 @@ def result_doc(
         elapsed_s=elapsed_s,
         torch_threads=torch.get_num_threads(),
         time=time.strftime("%Y-%m-%d %H:%M:%S"),
+        commit=git_commit(),
+        machine=machine_info(),
     )
 
 

@@ -28,11 +28,11 @@ import time
 import torch
 
 from benchmarks import common
-from kernels.cases import AttentionCase, make_paged_batch
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import native_attention, native_build, native_elementwise, native_gemm
 from kernels.cpu import paged_attention as torch_attention
 from kernels.reference import activation, rmsnorm, rotary
+from tests.kernel_cases import AttentionCase, make_paged_batch
 
 HQ, HK, D = 8, 2, 64
 FULL = dict(

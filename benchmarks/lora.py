@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from benchmarks import common
-from engine_svc.lora.random_adapter import write_random_adapter
+from benchmarks.random_adapter import write_random_adapter
 
 FULL = dict(
     num_requests=64, prompt_range=(32, 256), output_range=(32, 128), num_adapters=4, rank=16, repeats=2

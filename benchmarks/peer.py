@@ -180,7 +180,7 @@ async def _read_chunked_lines(reader: asyncio.StreamReader):
 
 
 async def openai_stream_one(host: str, port: int, model: str, prompt: list[int], max_tokens: int):
-    from gateway.loadgen import RequestRecord
+    from benchmarks.loadgen import RequestRecord
 
     body = json.dumps(
         dict(
@@ -273,7 +273,7 @@ def wait_http_ok(port: int, path: str, proc: subprocess.Popen, timeout_s: float)
 
 
 def serve_vllm(python: str, model: Path, w: dict, work_dir: Path) -> dict:
-    from gateway.loadgen import summarize
+    from benchmarks.loadgen import summarize
 
     port = free_port()
     log = open(work_dir / "vllm_server.log", "w")  # noqa: SIM115 (closed below)
@@ -304,9 +304,9 @@ def serve_ours(model: Path, w: dict) -> tuple[dict, dict]:
     """Our gateway at each level, through gRPC and through its OpenAI endpoint, alternated and
     repeated (gRPC, HTTP, HTTP, gRPC; each API's figures the mean of its two passes): the first
     pass after a warm-up ran up to 2x slower than the next on this machine, whichever API had it."""
+    from benchmarks.loadgen import run_load, summarize
     from benchmarks.serving import grpc_requests, mean_summary
-    from gateway.loadgen import run_load, summarize
-    from gateway.service_process import ServiceProcess
+    from tests.service_process import ServiceProcess
 
     grpc_out, http_out = {}, {}
     with ServiceProcess(model, "--http-port", "0") as sp:

@@ -1,6 +1,11 @@
-"""``results/REPORT.md`` and its PNG plots from ``latest.json``: every judged figure next to its
-target (a missed one says so), then throughput against concurrency, latency percentiles, KV usage
-over time and the prefix-cache hit rate.
+"""``results/REPORT.md`` and its PNG plots from the benchmarks' JSON results: a stamp (commit, date,
+machine), the headline figures against the peer, every judged figure next to its target (a missed
+one says so), then throughput against concurrency, latency percentiles, KV usage over time and the
+prefix-cache hit rate.
+
+``python -m benchmarks.report`` rebuilds ``latest.json`` and the report from the result files
+already in ``benchmarks/results/`` (no benchmark runs) and writes the headline table into the
+README between its markers, so that the README quotes the report and nothing is copied by hand.
 
 Our benchmarks carry their targets in their JSON; the service benchmarks (serving, transports,
 tokenizer workers) write their own layout, read here by small adapters.
@@ -8,9 +13,16 @@ tokenizer workers) write their own layout, read here by small adapters.
 
 from __future__ import annotations
 
+import argparse
+import json
+import time
 from pathlib import Path
 
-from benchmarks.common import target
+from benchmarks.common import RESULTS_DIR, target, write_result
+from benchmarks.machine import REPO, describe, git_commit, machine_info
+
+README_BEGIN = "<!-- headline table: written by python -m benchmarks.report; do not edit -->"
+README_END = "<!-- end of headline table -->"
 
 PLOT_STYLE = dict(figsize=(6.0, 3.4), dpi=80)
 
@@ -255,22 +267,115 @@ def plot_routing(latest: dict, out: Path) -> str | None:
     return _save(plt, fig, out / "routing_hit_rate.png")
 
 
+# --- the headline: llmserve against the peer ----------------------------------------------------
+OFFLINE_LABELS = {
+    "random": "64 requests, prompts 32-512, outputs 16-256 (output tok/s)",
+    "long_tail": "128 requests, prompts 8-128, long-tailed outputs (output tok/s)",
+    "shared_prefix": "64 requests sharing a 1024-token prefix, 32 out each (seconds)",
+}
+
+
+def headline_table(latest: dict) -> list[str]:
+    """The peer comparison in two small tables (offline, serving), from ``peer.json``."""
+    peer = (latest["benchmarks"].get("peer") or {}).get("result")
+    if not peer:
+        return ["No peer result in this report (`make bench-peer`, then `python -m benchmarks.peer`)."]
+    f, doc = peer["figures"], peer
+    if not f.get("vllm"):
+        return [f"The peer did not run: {f.get('peer_note')}."]
+    version = f["vllm"].get("_meta", {}).get("version", "?")
+    where = describe(doc["machine"]) if doc.get("machine") else "machine not recorded in the result file"
+    out = [
+        f"llmserve against vLLM {version} (CPU build), same model (55M-parameter Llama shape, fp32) and "
+        f"the same token ids; `python -m benchmarks.peer`, result of {doc.get('time')} ({where}). "
+        "Higher is better for every ratio except TTFT and ITL (lower is better).",
+        "",
+        "| offline workload | vLLM | llmserve default | ratio | llmserve 1 thread | ratio (matched) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ratios = f.get("ratios", {})
+    for name, label in OFFLINE_LABELS.items():
+        if name not in f["vllm"] or not f.get("ours_default"):
+            continue
+        key, unit = ("wall_s", " s") if name == "shared_prefix" else ("output_tok_s", "")
+        out.append(
+            f"| {label} | {f['vllm'][name][key]:.1f}{unit} | {f['ours_default'][name][key]:.1f}{unit} | "
+            f"**{ratios[name + '_ours_default']:.2f}x** | {f['ours_matched'][name][key]:.1f}{unit} | "
+            f"**{ratios[name + '_ours_matched']:.2f}x** |"
+        )
+    out += [
+        "",
+        "| serving (streams at once) | vLLM OpenAI, tok/s | llmserve gRPC, tok/s | ratio | "
+        "llmserve OpenAI, ratio | TTFT p99 ratio | ITL p99 ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    sr = f.get("serving_ratios", {})
+    for c, theirs in sorted((f.get("serving_vllm") or {}).items(), key=lambda kv: int(kv[0])):
+        ours, grpc_r = f["serving_ours"][c], sr[f"serving_ours_c{c}"]
+        http_r = sr.get(f"serving_ours_http_c{c}")
+        http = f"{http_r['output_tok_s']:.2f}x" if http_r else "not run"
+        out.append(
+            f"| concurrency {c} | {theirs['output_tok_s']:.1f} | {ours['output_tok_s']:.1f} | "
+            f"**{grpc_r['output_tok_s']:.2f}x** | {http} | {grpc_r['ttft_p99_ms']:.2f}x | "
+            f"{grpc_r['itl_p99_ms']:.2f}x |"
+        )
+    return out
+
+
+def readme_block(latest: dict) -> str:
+    return "\n".join([README_BEGIN, *headline_table(latest), README_END])
+
+
+def update_readme(latest: dict, readme: Path) -> bool:
+    """Replace the README's headline block with this report's; False when the README has no markers."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(head + readme_block(latest) + tail)
+    return True
+
+
 # --- the report -------------------------------------------------------------------------------
-def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
+def stamp(latest: dict) -> list[str]:
     m = latest["machine"]
+    how = (
+        "rebuilt from the result files already there (no benchmark ran; each result's own time is in "
+        "the Runs table)"
+        if latest.get("report_only")
+        else f"{'quick mode, ' if latest['quick'] else ''}whole suite {latest['elapsed_s'] / 60:.1f} min, "
+        f"load average before {m['load_average_before'][0]:.1f}, after {m['load_average_after'][0]:.1f}"
+    )
+    whose = (
+        " of this report (each result names its own in the Runs table, where it records one)"
+        if latest.get("report_only")
+        else ""
+    )
+    return [
+        f"- Commit: `{latest.get('commit', 'unknown')}`",
+        f"- Date: {latest['time']}",
+        f"- Machine{whose}: {describe(m)}; {m['torch_threads']} torch thread(s) per benchmark side",
+        f"- How: {how}",
+    ]
+
+
+def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
     lines = [
         "# Benchmark report",
         "",
-        f"{latest['time']}, {'quick mode, ' if latest['quick'] else ''}"
-        f"whole suite {latest['elapsed_s'] / 60:.1f} min "
-        f"on {m['cpus']} CPUs ({m['platform']}, Python {m['python']}, torch {m['torch']}, "
-        f"{m['torch_threads']} torch thread(s)); load average before {m['load_average_before'][0]:.1f}, "
-        f"after {m['load_average_after'][0]:.1f}.",
+        "Generated by `benchmarks/report.py`; do not edit by hand.",
+        "",
+        *stamp(latest),
         "",
         "Every judged figure is a ratio against a baseline measured in the same run; absolute times are "
         "printed by each benchmark and kept in `latest.json`, never judged. A missed target is marked "
         "**MISSED**. The machine is shared: a load average above the CPU count means other processes "
         "competed for the cores during the run.",
+        "",
+        "## Headline: llmserve against vLLM",
+        "",
+        *headline_table(latest),
         "",
         "## Targets",
         "",
@@ -289,8 +394,17 @@ def write_report(latest: dict, out: Path, plots: bool = True) -> Path:
         ):
             png = fn(latest, out)
             lines += [f"### {title}", "", f"![{title}]({png})" if png else "(no data in this run)", ""]
-    lines += ["## Runs", "", "| benchmark | status | seconds |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {r['status']} | {r['elapsed_s']:.0f} |" for n, r in latest["benchmarks"].items()]
+    lines += [
+        "## Runs",
+        "",
+        "| benchmark | status | seconds | commit of the result | machine of the result |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for n, r in latest["benchmarks"].items():
+        doc = r["result"] or {}
+        machine = describe(doc["machine"]) if doc.get("machine") else "not recorded"
+        commit = doc.get("commit", "not recorded")
+        lines.append(f"| {n} | {r['status']} | {r['elapsed_s']:.0f} | {commit} | {machine} |")
     lines += ["", *details(latest)]
     path = out / "REPORT.md"
     path.write_text("\n".join(lines) + "\n")
@@ -393,3 +507,47 @@ def peer_details(f: dict) -> list[str]:
                 + (f"{ours['output_tok_s'] / theirs['output_tok_s']:.2f}x |" if theirs else "missing |")
             )
     return out + rows + [""]
+
+
+# --- from the stored result files -------------------------------------------------------------
+def stored_run(name: str, results_dir: Path) -> dict:
+    """One benchmark's entry in ``latest.json`` from its result file, as ``run_all`` makes it."""
+    path = results_dir / f"{name}.json"
+    if not path.exists():
+        return dict(status="no result file", elapsed_s=0.0, result=None)
+    doc = json.loads(path.read_text())
+    written = doc.get("time", "a time it does not record")
+    return dict(status=f"ok (result of {written})", elapsed_s=doc.get("elapsed_s", 0.0), result=doc)
+
+
+def collect(results_dir: Path = RESULTS_DIR, threads: int = 1) -> dict:
+    """``latest.json`` rebuilt from the result files (the machine is this one: the report's own)."""
+    from benchmarks.run_all import REGISTRY
+
+    return dict(
+        time=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        quick=False,
+        report_only=True,
+        elapsed_s=0.0,
+        commit=git_commit(),
+        machine=dict(**machine_info(), torch_threads=threads),
+        benchmarks={name: stored_run(name, results_dir) for name, _ in REGISTRY},
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--readme", type=Path, default=REPO / "README.md", help="whose headline block to update")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args()
+    latest = collect(args.results_dir)
+    write_result("latest", latest, args.results_dir)
+    report = write_report(latest, args.results_dir, plots=not args.no_plots)
+    updated = update_readme(latest, args.readme) if args.readme.exists() else False
+    print(f"wrote {report}" + (f" and the headline block of {args.readme}" if updated else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,16 +11,14 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks import common
-from benchmarks.report import write_report
+from benchmarks.machine import git_commit, machine_info
+from benchmarks.report import stored_run, write_report
 
 # (module, how it is told where to write: "results-dir" for ours, "out" for the service helper's)
 REGISTRY: list[tuple[str, str]] = [
@@ -97,15 +95,7 @@ def main() -> int:
             runs[name] = dict(status="absent", elapsed_s=0.0, result=None)
             continue
         if args.report_only:
-            path = args.results_dir / f"{name}.json"
-            if not path.exists():
-                runs[name] = dict(status="no result file", elapsed_s=0.0, result=None)
-                continue
-            doc = json.loads(path.read_text())
-            written = doc.get("time", "a time it does not record")
-            runs[name] = dict(
-                status=f"ok (result of {written})", elapsed_s=doc.get("elapsed_s", 0.0), result=doc
-            )
+            runs[name] = stored_run(name, args.results_dir)
             continue
         print(f"== {name}", flush=True)
         runs[name] = run_one(name, style, args.results_dir, args.quick, args.threads)
@@ -114,11 +104,9 @@ def main() -> int:
         time=time.strftime("%Y-%m-%d %H:%M:%S"),
         quick=args.quick,
         elapsed_s=time.perf_counter() - t_start,
+        commit=git_commit(),
         machine=dict(
-            cpus=os.cpu_count(),
-            platform=platform.platform(),
-            python=platform.python_version(),
-            torch=torch.__version__,
+            **machine_info(),
             torch_threads=args.threads,
             load_average_before=load_before,
             load_average_after=os.getloadavg(),

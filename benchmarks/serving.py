@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_json
+from benchmarks.loadgen import RequestRecord, run_load, summarize
 from engine_svc.server.cpus import torch_threads
-from gateway.loadgen import RequestRecord, run_load, summarize
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from tests.service_process import ServiceProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DUMMY_SHAPE = dict(

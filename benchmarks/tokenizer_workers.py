@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 
 from benchmarks.common import write_json
+from benchmarks.loadgen import stream_one, summarize
 from benchmarks.serving import RESULTS, default_model_dir, mean_summary
-from gateway.loadgen import stream_one, summarize
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
+from tests.service_process import ServiceProcess
 
 LONG_TEXT = ("The gateway must never let one long prompt stall the streams that are already running. " * 400)[
     :32000

@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import target, write_json
+from benchmarks.loadgen import run_load, summarize
 from benchmarks.serving import RESULTS, dummy_llama_dir
-from gateway.loadgen import run_load, summarize
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from tests.service_process import ServiceProcess
 
 TINY_SHAPE = dict(
     hidden_size=64,

@@ -4,7 +4,7 @@ For a machine with an NVIDIA GPU (H100/H200 class); finishes in under 8 minutes 
 ``DIR/gpu_check.json`` after every section, so a run cut short still leaves what it measured:
 
 1. ``kernels``: every Triton kernel against its torch reference on CUDA, bf16 and fp16, on the
-   cases the CPU tests run under the interpreter (``kernels.cases``).
+   cases the CPU tests run under the interpreter (``tests.kernel_cases``).
 2. ``attention_vs_sdpa``: paged attention time over ``scaled_dot_product_attention`` time on the
    same contiguous K/V (causal prefill and a decode batch).
 3. ``decode_bandwidth``: the decode path's achieved memory bandwidth as a fraction of the peak
@@ -180,8 +180,8 @@ def mixed_requests(
 def section_kernels(device: str) -> dict:
     import torch
 
-    from kernels import conformance
     from kernels.backend import select_kernels
+    from tests import kernel_conformance as conformance
 
     records = conformance.check_all(select_kernels(device, "triton"), device, (torch.bfloat16, torch.float16))
     failed = [r for r in records if not r["ok"]]
@@ -191,7 +191,7 @@ def section_kernels(device: str) -> dict:
 def section_attention_vs_sdpa(device: str) -> dict:
     import torch
 
-    from kernels import microbench
+    from benchmarks import kernel_microbench as microbench
     from kernels.backend import select_kernels
 
     attn = select_kernels(device, "triton").paged_attention
@@ -210,7 +210,7 @@ def section_attention_vs_sdpa(device: str) -> dict:
 def section_decode_bandwidth(device: str, peak: float | None) -> dict:
     import torch
 
-    from kernels import microbench
+    from benchmarks import kernel_microbench as microbench
     from kernels.backend import select_kernels
 
     attn = select_kernels(device, "triton").paged_attention
@@ -373,11 +373,11 @@ def section_lora(
 ) -> dict:
     import torch
 
+    from benchmarks.random_adapter import write_random_adapter
     from engine_svc import LLM, LoRARequest, SamplingParams
-    from engine_svc.lora.random_adapter import write_random_adapter
     from engine_svc.models.build import build_random_model
-    from kernels import conformance
     from kernels.backend import select_kernels
+    from tests import kernel_conformance as conformance
 
     kernels = select_kernels(device, kernel_backend)
     records = []
@@ -433,8 +433,8 @@ def section_lora(
 
 
 def _lora_throughput(device, workdir, seed, kernel_backend, cfg, num_requests, lengths) -> dict:
+    from benchmarks.random_adapter import write_random_adapter
     from engine_svc import LLM, LoRARequest, SamplingParams
-    from engine_svc.lora.random_adapter import write_random_adapter
 
     model_dir = write_config_only_model(workdir / "lora_perf_model", cfg)
     names = [LoRARequest(f"perf{i}", 100 + i, str(workdir / f"lora_perf{i}")) for i in range(4)]

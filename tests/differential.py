@@ -1,6 +1,6 @@
 """A request's result, and the check that it equals its own solo run.
 
-The property under test (DESIGN.md, "a request's output is its own"): whatever shares its steps and
+The property under test (docs/design/batch-invariance.md): whatever shares its steps and
 whatever the engine does, each request gets what it would get alone on a fresh engine. ``Result``
 collects everything a request returns from the deltas; ``assert_same_as_solo`` compares two of
 them, allowing only a greedy near-tie (the solo run's own top-2 gap below ``NEAR_TIE``) to flip.

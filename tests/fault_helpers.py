@@ -14,8 +14,8 @@ import pytest
 
 from engine_svc.rpc.shm_segments import creator_pid, list_segments
 from gateway.client import build_request
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
+from tests.service_process import ServiceProcess
 
 _RESTARTED = re.compile(r"^llmserve: engine restarted, pid (\d+)")
 _METRICS = re.compile(r"^llmserve: metrics on http://([\d.]+):(\d+)/metrics")

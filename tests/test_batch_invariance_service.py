@@ -18,9 +18,9 @@ import pytest
 
 from engine_svc import SamplingParams
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.engine_helpers import NEAR_TIE
 from tests.fault_helpers import assert_engine_clean
+from tests.service_process import ServiceProcess
 
 TOL = 1e-3
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs".split()

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from engine_svc.server.cpus import torch_threads, usable_cpus
-from gateway.service_process import ServiceProcess
+from tests.service_process import ServiceProcess
 
 
 def test_default_leaves_one_cpu_and_never_goes_below_one(monkeypatch, tmp_path):

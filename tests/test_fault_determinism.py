@@ -7,8 +7,8 @@ import asyncio
 import random
 
 from gateway.client import LLMServeClient, build_request
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import assert_engine_clean, stop_and_check, stream_all, token_ids_of
+from tests.service_process import ServiceProcess
 
 SEEDED = [
     dict(prompt="The seed decides", max_tokens=24, temperature=0.9, top_k=50, seed=1234, ignore_eos=True),

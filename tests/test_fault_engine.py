@@ -15,7 +15,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import (
     OpenStreams,
     alive,
@@ -26,6 +25,7 @@ from tests.fault_helpers import (
     stop_and_check,
     wait_for,
 )
+from tests.service_process import ServiceProcess
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -23,8 +23,8 @@ import pytest
 
 from engine_svc.rpc.socket_dir import owner_pid, sweep_stale_dirs
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import alive, stop_and_check, wait_for
+from tests.service_process import ServiceProcess
 
 
 def dead_pid() -> int:

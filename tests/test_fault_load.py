@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from gateway.client import LLMServeClient, build_request
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.fault_helpers import (
@@ -21,6 +20,7 @@ from tests.fault_helpers import (
     stream_all,
     token_ids_of,
 )
+from tests.service_process import ServiceProcess
 from tests.test_metrics import scrape
 
 

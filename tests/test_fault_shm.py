@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import assert_engine_clean
+from tests.service_process import ServiceProcess
 
 # Mount an 8 MiB tmpfs over /dev/shm for the service alone, then become the service (same pid).
 SMALL_SHM = ["unshare", "-m", "--propagation", "private", "sh", "-c"]

@@ -25,9 +25,9 @@ import grpc
 import pytest
 
 from gateway.client import LLMServeClient, build_request
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.fault_helpers import assert_engine_clean, memory_bytes, stop_and_check, wait_for
+from tests.service_process import ServiceProcess
 
 READERS = int(os.environ.get("LLMSERVE_SLOW_READERS", "8"))
 TOKENS = int(os.environ.get("LLMSERVE_SLOW_READER_TOKENS", "900"))

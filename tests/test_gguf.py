@@ -317,3 +317,27 @@ def test_rope_freq_factors_from_the_file(hf_dirs, tmp_path):
         rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling), plain / torch.tensor(factors)
     )
     assert GGUFCheckpoint(out).config()["rope_scaling"]["rope_type"] == "freq_factors"
+
+
+def test_the_service_serves_a_gguf_file(hf_dirs, tmp_path):
+    """`llmserve serve --model x.gguf`: gateway, tokenizer worker and engine all read the one file;
+    a chat over gRPC gives the offline LLM.chat's tokens on the same file."""
+    from gateway.client import LLMServeClient
+    from tests.service_process import ServiceProcess
+
+    path = write_gguf(hf_dirs["llama"], tmp_path / "served.gguf", "Q8_0")
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    offline = LLM(model=str(path), dtype="float32", num_kv_blocks=64).chat(messages, params, use_tqdm=False)[
+        0
+    ]
+    with ServiceProcess(path, "--num-kv-blocks", "64", "--tokenizer-workers", "1") as sp:
+        with LLMServeClient(sp.target, timeout=60) as client:
+            info = client.model_info()
+            assert info.has_chat_template
+            reply = client.generate(
+                messages=messages, max_tokens=12, temperature=0.0, ignore_eos=True, return_token_ids=True
+            )
+    assert list(reply.token_ids) == offline.outputs[0].token_ids
+    assert reply.text == offline.outputs[0].text
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)

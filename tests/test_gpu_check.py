@@ -12,8 +12,8 @@ import torch
 # Imported before the interpreter is switched on, as in a full test run (see test_kernels_triton.py).
 import triton.language  # noqa: F401
 
-from kernels.interpret_mode import interpreted_kernels
 from scripts import gpu_check
+from tests.triton_mode import interpreted_kernels
 
 TINY_CFG = dict(
     gpu_check.LLAMA3_8B,
@@ -155,7 +155,8 @@ def test_engine_benchmark_plumbing_on_cpu(tmp_path):
 
 
 def test_kernel_measurements_plumbing_on_cpu(tmp_path):
-    from kernels import conformance, microbench
+    from benchmarks import kernel_microbench as microbench
+    from tests import kernel_conformance as conformance
 
     with interpreted_kernels():
         from kernels.triton.registry import TRITON_KERNELS as k

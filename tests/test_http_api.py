@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import assert_engine_clean
+from tests.service_process import ServiceProcess
 
 KEY = "sk-http-test-key-0123456789"
 OTHER = "sk-http-other-key-9876543210"

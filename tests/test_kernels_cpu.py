@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from engine_svc import SamplingParams
 from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS, select_kernels
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import native_attention, native_gemm
 from kernels.cpu import paged_attention as cpu_attention
@@ -26,6 +25,7 @@ from tests.engine_helpers import (
     random_prompts,
     run_to_completion,
 )
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 
 # Many decodes of scattered lengths (several length groups, chunks of a few rows) beside prefills.
 DECODE_HEAVY = AttentionCase(

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kernels.backend import TORCH_KERNELS, select_kernels
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_path
 from kernels.reference import activation, rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
 
 ISAS = native_build.supported_isas()
 

@@ -10,12 +10,12 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, dense_causal_reference, make_paged_batch
 from kernels.reference.activation import silu_and_mul
 from kernels.reference.kv_write import write_kv
 from kernels.reference.paged_attention import paged_attention
 from kernels.reference.rmsnorm import rms_norm
 from kernels.reference.rotary import apply_rotary, rope_cos_sin_cache, rope_inv_freq
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, dense_causal_reference, make_paged_batch
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

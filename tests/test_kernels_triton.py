@@ -16,15 +16,15 @@ import torch
 # transformers) usually imports triton first, and the kernels must run interpreted all the same.
 import triton.language  # noqa: F401
 
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
-from kernels.interpret_mode import interpreted_kernels
-from kernels.lora_cases import LORA_CASES, lora_by_token, make_lora_case
 from kernels.reference import activation as ref_activation
 from kernels.reference import kv_write as ref_kv_write
 from kernels.reference import lora as ref_lora
 from kernels.reference import paged_attention as ref_attention
 from kernels.reference import rmsnorm as ref_rmsnorm
 from kernels.reference import rotary as ref_rotary
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.lora_cases import LORA_CASES, lora_by_token, make_lora_case
+from tests.triton_mode import interpreted_kernels
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=2e-3)}

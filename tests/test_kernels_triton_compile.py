@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, make_paged_batch
-from kernels.interpret_mode import triton_mode
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, make_paged_batch
+from tests.triton_mode import triton_mode
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on H100/H200 (227 KiB)
 TYPE_NAMES = {

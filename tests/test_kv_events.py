@@ -54,7 +54,7 @@ def _b2(data: bytes) -> int:
 
 
 def reference_hashes(ids: list[int], block_size: int, salt: str | None) -> list[int]:
-    """The README's definition, written out independently of engine_svc.block_hash."""
+    """The definition in docs/scaling-out.md, written out independently of engine_svc.block_hash."""
     salt_h = _b2(salt.encode()) if salt else 0
     parent = _b2(b"llmserve-prefix-root" + struct.pack("<Q", salt_h))
     out = []

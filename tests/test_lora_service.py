@@ -12,10 +12,10 @@ import pytest
 
 from engine_svc import LLM, LoRARequest, SamplingParams
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.engine_helpers import random_prompts
 from tests.fault_helpers import assert_engine_clean, metrics_port, wait_for
 from tests.lora_helpers import ALL_TARGETS, make_adapter
+from tests.service_process import ServiceProcess
 from tests.test_metrics import scrape
 
 MAX_NEW = 8

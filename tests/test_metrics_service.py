@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import assert_engine_clean, metrics_port, stop_and_check, wait_for
+from tests.service_process import ServiceProcess
 from tests.test_metrics import scrape
 
 SECRET = "zebra-quokka-7731 my card number"

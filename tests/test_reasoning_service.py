@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.service_process import ServiceProcess
+from tests.service_process import ServiceProcess
 
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 SCHEMA = {

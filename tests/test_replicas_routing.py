@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from tests.fault_helpers import alive, wait_for
 from tests.replica_helpers import EngineReplica, assert_pool_whole, replicas, segments_of
+from tests.service_process import ServiceProcess
 
 BLOCK = 16
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -18,10 +18,10 @@ import pytest
 
 from engine_svc.block_hash import prompt_block_hashes
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve_proto.llmserve.v1 import router_pb2, router_pb2_grpc
 from tests.fault_helpers import wait_for
+from tests.service_process import ServiceProcess
 from tests.test_kv_events import ReplayRouter
 
 KEY = "sk-router-test-key-0123456789"

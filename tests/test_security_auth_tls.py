@@ -16,7 +16,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from engine_svc.rpc.tls import ClientTLS
 from gateway.client import LLMServeClient
 from gateway.engine_client import EngineClient
-from gateway.service_process import ServiceProcess
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve_proto.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, models_pb2, models_pb2_grpc
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
@@ -28,6 +27,7 @@ from tests.fault_helpers import (
     stop_and_check,
     wait_for,
 )
+from tests.service_process import ServiceProcess
 from tests.tls_certs import make_tls_material
 
 ACME = "sk-acme-0123456789abcdef0123"

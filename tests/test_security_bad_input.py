@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from gateway.client import LLMServeClient
 from gateway.errors import field_violations
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from tests.fault_helpers import (
     assert_engine_clean,
@@ -24,6 +23,7 @@ from tests.fault_helpers import (
     ends_clean,  # noqa: F401  (autouse fixture: importing it applies it here)
     stop_and_check,
 )
+from tests.service_process import ServiceProcess
 
 VOCAB = 1024
 LIMITS = dict(n=4, max_tokens=64, stop=2, stop_chars=8, logprobs=3, prompt_tokens=200, prompt_chars=2000)

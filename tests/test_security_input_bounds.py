@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.client import LLMServeClient
 from gateway.errors import field_violations
 from gateway.limits import Limits
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import models_pb2
 from tests.fault_helpers import ends_clean, memory_bytes, stop_and_check  # noqa: F401
+from tests.service_process import ServiceProcess
 
 D = Limits()
 

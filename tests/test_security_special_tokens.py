@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from tests.conftest import shared_tokenizer
 from tests.fault_helpers import stop_and_check
+from tests.service_process import ServiceProcess
 from tokenizer_svc.tokenizer import load_tokenizer
 
 # Llama 3's own template (the fixture folder has the tokenizer only); note its `| trim`.

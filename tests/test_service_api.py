@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.client import LLMServeClient, build_request
 from gateway.errors import field_violations
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from tests.service_process import ServiceProcess
 
 PROMPTS = {
     "english": "The quick brown fox jumps over the lazy dog because",

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2
 
 from engine_svc.rpc.shm_segments import creator_pid, list_segments
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from tests.service_process import ServiceProcess
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
+from tests.service_process import ServiceProcess
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 

@@ -11,7 +11,7 @@ import time
 from grpc_health.v1 import health_pb2
 
 from gateway.client import LLMServeClient
-from gateway.service_process import ServiceProcess
+from tests.service_process import ServiceProcess
 
 
 def free_port() -> int:

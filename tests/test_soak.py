@@ -17,7 +17,6 @@ import grpc
 import pytest
 
 from gateway.client import build_request
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 from tests.fault_helpers import (
@@ -27,13 +26,14 @@ from tests.fault_helpers import (
     memory_bytes,
     stop_and_check,
 )
+from tests.service_process import ServiceProcess
 from tokenizer_svc.tokenizer import load_tokenizer
 
 REQUESTS = int(os.environ.get("LLMSERVE_SOAK_REQUESTS", "10000"))
 CONCURRENCY = 32
 # Growth allowed between the warm-up and the end, per process: allocator noise, not a leak. Over
 # 80,000 requests the gateway grows 0.4 MiB and the engine 3.4 MiB, level after the second fifth
-# (README); a leak of 2 KiB per request would be 16 MiB over CI's 8,000 measured requests.
+# (docs/operations.md); a leak of 2 KiB per request would be 16 MiB over CI's 8,000 measured requests.
 MAX_GROWTH_BYTES = 12 << 20
 # The engine's too: its oneDNN GEMMs keep per-shape state in caches that kernels/cpu/linear.py caps
 # at 16 entries (uncapped, each new tokens-per-step count grew it, 20-35 MiB over this workload).

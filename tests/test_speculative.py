@@ -362,8 +362,8 @@ def test_the_service_speculates_with_the_same_tokens(default_model_dir):
     import sys
 
     from gateway.client import LLMServeClient
-    from gateway.service_process import ServiceProcess
     from tests.fault_helpers import metrics_port, wait_for
+    from tests.service_process import ServiceProcess
     from tests.test_metrics import scrape
 
     prompt = "one two three one two three one two three one two"

@@ -15,8 +15,8 @@ import pytest
 
 from gateway.client import LLMServeClient
 from gateway.errors import field_violations
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+from tests.service_process import ServiceProcess
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 SCHEMA = {

@@ -16,7 +16,7 @@ from engine_svc.llm import LLM
 from engine_svc.sampling_params import SamplingParams
 from gateway.client import LLMServeClient
 from gateway.errors import field_violations
-from gateway.service_process import ServiceProcess
+from tests.service_process import ServiceProcess
 
 PROMPT_IDS = [5, 17, 99, 300, 42, 7, 8, 250, 11, 64]
 

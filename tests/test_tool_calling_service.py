@@ -13,9 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.service_process import ServiceProcess
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
+from tests.service_process import ServiceProcess
 
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 WEATHER = {

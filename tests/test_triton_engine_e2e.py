@@ -11,8 +11,8 @@ import triton.language  # noqa: F401
 from transformers import AutoModelForCausalLM
 
 from engine_svc import LLM, SamplingParams
-from kernels.interpret_mode import interpreted_kernels
 from tests.engine_helpers import assert_greedy_matches, hf_greedy, random_prompts
+from tests.triton_mode import interpreted_kernels
 
 VOCAB = 1024
 MAX_NEW = 8

@@ -9,6 +9,7 @@ time; a changed file is converted again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -50,6 +51,16 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     out = cache_root() / key
     if (out / "tokenizer.json").exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start together (gateway, tokenizer workers, engine) wait for one conversion.
+    with open(out.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "tokenizer.json").exists():
+            _convert(gguf, out)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
@@ -57,8 +68,7 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:
         raise ValueError(f"GGUF file {gguf.name}: its tokenizer metadata cannot be converted: {e}") from e
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tok.save_pretrained(str(tmp))
     # Reloaded under its model-specific class, transformers would rebuild the pre-tokenizer from that
     # class's defaults; the generic backend takes tokenizer.json as converted.
@@ -67,8 +77,7 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     config["tokenizer_class"] = "TokenizersBackend"
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     try:
-        tmp.rename(out)  # atomic: a concurrent converter's result is as good as ours
-    except OSError:
+        tmp.rename(out)
+    except OSError:  # another process's conversion got there first (no lock on this file system)
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("tokenizer of %s converted in %.1fs (cached in %s)", gguf.name, time.perf_counter() - start, out)
-    return out

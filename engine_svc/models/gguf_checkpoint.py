@@ -58,22 +58,8 @@ _DERIVED = {"rope_freqs.weight"}
 
 
 SUPPORTED_TYPES = {
-    getattr(GGMLQuantizationType, name): name
-    for name in (
-        "F32",
-        "F16",
-        "BF16",
-        "Q8_0",
-        "Q4_0",
-        "Q4_1",
-        "Q5_0",
-        "Q5_1",
-        "Q2_K",
-        "Q3_K",
-        "Q4_K",
-        "Q5_K",
-        "Q6_K",
-    )
+    GGMLQuantizationType[name]: name
+    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
 }
 
 

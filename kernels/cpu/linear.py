@@ -7,8 +7,9 @@ when asked.
 
 On a CPU the prepacked GEMM skips the per-call packing of the weight that the default dense path
 does, which is most of the gap at the engine's shapes (M = 1..512 tokens, K = 512..1408): see
-the README's "CPU speed". Results equal ``F.linear`` within fp32 rounding (a different order of
-the same sums); a probe at load time checks this, and any failure falls back to ``F.linear``.
+docs/design/native-cpu-kernels.md ("The CPU path's pieces"). Results equal ``F.linear`` within fp32
+rounding (a different order of the same sums); a probe at load time checks this, and any failure
+falls back to ``F.linear``.
 """
 
 from __future__ import annotations

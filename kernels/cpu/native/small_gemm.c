@@ -5,7 +5,7 @@
  * 60-80% of this kernel's rate. This one streams each weight through once per step in panels of NB
  * columns and holds MR rows x NB columns of sums in registers, so that each weight vector loaded
  * feeds MR multiply-adds and each row value broadcast feeds V; on prefills (M in the hundreds or
- * thousands) it measured level with oneDNN. README, "CPU path".
+ * thousands) it measured level with oneDNN. docs/architecture.md, "The CPU path"; docs/design/native-gemm.md.
  *
  * The packed weight is panel-major: panel p holds columns [p * NB, (p + 1) * NB) as K rows of NB
  * floats (columns past N are zero), so a panel is one sequential stream.

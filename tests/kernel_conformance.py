@@ -1,7 +1,7 @@
 """Every Triton kernel against its torch reference on one device, as plain records.
 
 The GPU check runs this on CUDA in bf16/fp16 with the same cases the CPU tests run under the
-interpreter (``kernels.cases``); each record says what was compared, the largest error and the
+interpreter (``tests.kernel_cases``); each record says what was compared, the largest error and the
 tolerance, so a failure on a GPU machine is readable from the JSON alone.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import Kernels
-from kernels.cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
-from kernels.lora_cases import LORA_CASES, make_lora_case
 from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.lora_cases import LORA_CASES, make_lora_case
 
 # (rtol, atol) per dtype; bf16 keeps 8 mantissa bits, so one rounding step is ~4e-3 relative.
 TOLERANCES = {
