@@ -125,11 +125,16 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
         list of them; one output per conversation, in order. The prompt is the model's chat
         template (or ``chat_template``, a Jinja string) applied the gateway's way: the template's
-        markers are special tokens, the messages' text never is."""
+        markers are special tokens, the messages' text never is. ``tools``: functions in HF's
+        convention (``{"type": "function", "function": {"name", "description", "parameters"}}``),
+        rendered by the template as its ``tools`` variable; history messages may hold
+        ``tool_calls`` (arguments as dicts) and ``role: "tool"`` results. The output is the raw
+        text (the gateway's ``--tool-call-parser`` reads calls out of it when served)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none (a token-only model directory)")
         if not isinstance(messages, list) or not messages:
@@ -138,9 +143,13 @@ class LLM:
         prompts, texts = [], []
         for conversation in conversations:
             prompts.append(
-                self.tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template)
+                self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt, chat_template, tools=tools
+                )
             )
-            texts.append(self.tokenizer.render_chat(conversation, add_generation_prompt, chat_template))
+            texts.append(
+                self.tokenizer.render_chat(conversation, add_generation_prompt, chat_template, tools=tools)
+            )
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text

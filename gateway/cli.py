@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from engine_svc.rpc.defaults import GATEWAY_PORT
 from gateway.limits import Limits
@@ -107,6 +108,19 @@ def _add_serve(sub) -> None:
         help="of --max-concurrent, slots kept for clients (connections) that hold none (-1: an eighth)",
     )
     p.add_argument("--drain-grace-s", type=float, default=10.0)
+    t = p.add_argument_group("chat and tools (vLLM's names)")
+    t.add_argument("--chat-template", help="a Jinja chat template file that replaces the model's")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    t.add_argument(
+        "--tool-call-parser", help="the model's call format: hermes, llama3_json, mistral, pythonic"
+    )
+    t.add_argument(
+        "--reasoning-parser", help="split <think>...</think> out as reasoning_content: deepseek_r1, qwen3"
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("--log-prompts", action="store_true", help="put prompt text in request log lines")
@@ -217,6 +231,7 @@ def _serve(args) -> int:
     from gateway.auth import ApiKeys, Authenticator
     from gateway.launcher import serve
     from gateway.server import GatewayOptions
+    from gateway.tool_request import ToolOptions
 
     setup_logging(args.log_level, args.log_format, "gateway")
     limits = Limits(
@@ -251,6 +266,13 @@ def _serve(args) -> int:
             args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, args.engine_tls_server_name
         )
         engines, routing = engine_addresses(args), routing_policy(args)
+        tool_options = ToolOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
+        if args.chat_template is not None and not Path(args.chat_template).is_file():
+            raise ValueError(f"--chat-template {args.chat_template}: no such file")
     except (OSError, ValueError) as e:
         print(f"llmserve: {e}", file=sys.stderr)
         return 2
@@ -286,6 +308,8 @@ def _serve(args) -> int:
         http_port=args.http_port,
         http_host=args.http_host,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        tool_options=tool_options,
+        chat_template=args.chat_template,
     )
     return serve(args, opts)
 

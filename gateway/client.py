@@ -33,6 +33,30 @@ def finish_name(reason: int) -> str:
         return "?"
 
 
+def _tools_onto(chat: gen.Chat, tools, tool_choice) -> None:
+    """``tools`` in OpenAI's shape (``{"type": "function", "function": {"name", "description",
+    "parameters"}}``); ``tool_choice`` "auto" / "none" / "required" or a function's name."""
+    import json
+
+    for t in tools or []:
+        fn = t["function"]
+        params = fn.get("parameters")
+        chat.tools.add(
+            name=fn["name"],
+            description=fn.get("description", ""),
+            parameters=json.dumps(params) if params else "",
+        )
+    modes = {
+        "auto": gen.ToolChoice.MODE_AUTO,
+        "none": gen.ToolChoice.MODE_NONE,
+        "required": gen.ToolChoice.MODE_REQUIRED,
+    }
+    if tool_choice in modes:
+        chat.tool_choice.mode = modes[tool_choice]
+    elif tool_choice is not None:
+        chat.tool_choice.function = tool_choice
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -57,6 +81,7 @@ def build_request(
             req.chat.messages.add(role=role, content=content)
         if add_gen is not None:
             req.chat.add_generation_prompt = add_gen
+        _tools_onto(req.chat, options.pop("tools", None), options.pop("tool_choice", None))
     for name, value in options.items():
         if value is None:
             continue

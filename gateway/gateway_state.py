@@ -17,6 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompt_log import PromptLogPolicy
 from gateway.quoting import quote
 from gateway.stall_sweep import StreamControl
+from gateway.tool_request import ToolOptions
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -37,6 +38,7 @@ class GatewayState:
     auth: Authenticator = field(default_factory=lambda: Authenticator(None))
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     prompt_log: PromptLogPolicy = field(default_factory=PromptLogPolicy)
+    tool_options: ToolOptions = field(default_factory=ToolOptions)  # --tool-call-parser and friends
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight

@@ -17,7 +17,9 @@ import grpc
 
 from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.log_setup import request_scope
+from engine_svc.structured_outputs import StructuredOutputsParams
 from gateway.auth import Identity
+from gateway.chat_output import ChatOutput
 from gateway.constraints import complete_constraints
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
@@ -25,9 +27,12 @@ from gateway.gateway_state import GatewayState, ServerAborting
 from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
+from gateway.reasoning import get_reasoning_parser
+from gateway.reasoning_grammar import after_reasoning
 from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import check_generate, refuse_text_call
+from gateway.tool_request import Names, ToolPlan, chat_messages, marker_for, plan_tools
 from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
@@ -38,6 +43,7 @@ FINISH_OUTCOMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -64,6 +70,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     msg.index, pb.GenerateResponse(request_id=msg.request_id, index=msg.index)
                 )
                 whole.text += msg.text
+                whole.reasoning_content += msg.reasoning_content
+                merge_tool_calls(whole.tool_calls, msg.tool_calls)
                 whole.token_ids.extend(msg.token_ids)
                 whole.logprobs.extend(msg.logprobs)
                 whole.prompt_logprobs.extend(msg.prompt_logprobs)
@@ -113,9 +121,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             add = (
                 request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             )
-            ids = await self._chat_ids(
-                [{"role": m.role, "content": m.content} for m in request.chat.messages], add
+            v: list[FieldViolation] = []
+            messages = chat_messages(
+                request.chat.messages, Names(), lambda f, why: v.append(FieldViolation(f, why))
             )
+            chat = pb.Chat()
+            chat.CopyFrom(request.chat)
+            chat.tool_choice.mode = pb.ToolChoice.MODE_NONE  # the tools are rendered; nothing is parsed
+            plan = plan_tools(chat, self.s.tool_options, False, marker_for(self.s.tokenizer))
+            if v or plan.violations:
+                raise invalid(v + plan.violations)
+            ids = await self._chat_ids(messages, add, plan.tools)
         else:
             raise invalid([FieldViolation("input", "one of text or chat is required")])
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self._max_model_len())
@@ -155,19 +171,60 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _max_model_len(self) -> int:
         return self.s.engine.info.max_model_len if self.s.engine.info else 0
 
-    async def _prompt_ids(self, v) -> list[int]:
+    async def _prompt_ids(self, v, tools: list[dict] | None) -> list[int]:
         if v.prompt_kind == "token_ids":
             return v.token_ids
         if v.prompt_kind == "text":
             encoding = self.s.tokenization.encode(v.text, parse_special_tokens=v.allow_special_tokens)
             return await self._tokenized(encoding, "text")
-        return await self._chat_ids(v.chat, v.add_generation_prompt)
+        return await self._chat_ids(v.chat, v.add_generation_prompt, tools)
 
-    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def _chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
         pool = self.s.tokenization
         return await self._tokenized(
-            pool.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), "chat"
+            pool.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools),
+            "chat",
         )
+
+    def _plan_tools(self, request: pb.GenerateRequest, v, names: Names | None) -> ToolPlan | None:
+        """A chat's tools: checked, and what they change (the grammar of a forced call, special
+        tokens kept in the text where the call format's markers are special tokens)."""
+        if v.prompt_kind != "chat":
+            return None
+        chat, cap = request.chat, self.s.limits.max_prompt_chars
+        size = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+        size += sum(len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
+        if size > cap:  # the tools and the history's calls are prompt text too
+            field = (names or Names()).tool_list
+            raise invalid(
+                [
+                    FieldViolation(
+                        field,
+                        f"tools and tool calls have {size} characters; the limit is max_prompt_chars={cap}",
+                    )
+                ]
+            )
+        plan = plan_tools(
+            request.chat,
+            self.s.tool_options,
+            v.params.structured_outputs is not None,
+            marker_for(self.s.tokenizer),
+            names,
+        )
+        if plan.violations:
+            raise invalid(plan.violations)
+        if plan.grammar is not None:
+            v.params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
+        if plan.parser is not None and plan.parser.needs_special_tokens:
+            v.params.skip_special_tokens = False
+        reasoning = self.s.tool_options.reasoning_parser
+        if reasoning is not None and v.params.structured_outputs is not None:  # never inside the thinking
+            v.params.structured_outputs = after_reasoning(
+                v.params.structured_outputs, get_reasoning_parser(reasoning), marker_for(self.s.tokenizer)
+            )
+        return plan
 
     @staticmethod
     async def _tokenized(call, field: str) -> list[int]:
@@ -216,6 +273,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         fill_context: bool = False,
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
+        tool_names: Names | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -224,7 +282,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         ``fill_context``: an unset max_tokens is the rest of the context (OpenAI's API, as vLLM
         serves it) instead of the server's default. ``on_prompt`` is told the prompt's token ids
         once they are known (before the first message). ``client`` names the caller's connection
-        for admission's share of slots kept for new clients (None: counted as a new client)."""
+        for admission's share of slots kept for new clients (None: counted as a new client).
+        ``tool_names``: how violations of the tools name their fields (the HTTP API's own names;
+        default the proto's)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -250,7 +310,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
             try:
                 stream = self._generate(
-                    request, rid, identity.cache_salt, rm, control, fill_context, on_prompt, client
+                    request,
+                    rid,
+                    identity.cache_salt,
+                    rm,
+                    control,
+                    fill_context,
+                    on_prompt,
+                    client,
+                    tool_names,
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -291,6 +359,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         fill_context: bool = False,
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
+        tool_names: Names | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -306,6 +375,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
         if s.token_only:
             v.return_token_ids = True  # token ids are the only output there is
+        plan = self._plan_tools(request, v, tool_names)
         if rid in s.inflight:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -317,7 +387,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             async with s.admission.slot(client) as slot:
                 encode = s.tokenization.encode if s.tokenization is not None else None  # token-only: no words
                 await complete_constraints(v.params, list(request.bad_words), encode)
-                prompt = await self._prompt_ids(v)
+                prompt = await self._prompt_ids(v, plan.tools if plan is not None else None)
                 max_prompt = s.limits.max_prompt_tokens
                 info = s.engine.info
                 if fill:
@@ -352,7 +422,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     # Paused because its client does not read: its slot is another's meanwhile.
                     handle.watch_pause(slot.set_paused)
                 try:
-                    async for msg in self._stream(rid, handle, v, prompt, rm):
+                    async for msg in self._stream(rid, handle, v, prompt, rm, plan):
                         yield msg
                 finally:
                     s.streams.pop(rid, None)
@@ -364,11 +434,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             del s.inflight[rid]
 
     async def _stream(
-        self, rid: str, handle, v, prompt: list[int], rm: RequestMetrics
+        self, rid: str, handle, v, prompt: list[int], rm: RequestMetrics, plan: ToolPlan | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         seqs = [
             SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
         ]
+        outputs = self._chat_outputs(v, plan)
         remaining = v.n
         unsent = 0  # tokens fed since the last message gRPC took
         while remaining:
@@ -379,7 +450,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ServerAborting:
                 for seq in seqs:
                     if not seq.done:
-                        yield seq.abort()
+                        msg = seq.abort()
+                        yield outputs[seq.index].apply(msg) if outputs else msg
                 return
             for d in deltas:
                 if d.error:  # its constraint did not compile for this vocabulary, or left it no token
@@ -392,6 +464,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 msg = seq.feed(d)
                 if msg is None:
                     continue
+                if outputs:
+                    msg = outputs[d.index].apply(msg)
                 if seq.done:
                     remaining -= 1
                     if not d.finish_reason and remaining:
@@ -404,6 +478,27 @@ class GenerationService(pb_grpc.GenerationServicer):
                 handle.sending(False)
                 rm.sent_tokens += unsent
                 rm.unconfirmed_tokens = unsent = 0
+
+    def _chat_outputs(self, v, plan: ToolPlan | None) -> list[ChatOutput] | None:
+        """Per sequence, what takes the reasoning and the calls out of a chat's text (None: the text
+        is all content)."""
+        if v.prompt_kind != "chat" or self.s.token_only:
+            return None
+        name = self.s.tool_options.reasoning_parser
+        parser = plan.parser if plan is not None else None
+        if parser is None and name is None:
+            return None
+        return [ChatOutput(parser, get_reasoning_parser(name) if name else None) for _ in range(v.n)]
+
+
+def merge_tool_calls(whole, pieces) -> None:
+    """Stream pieces of calls into whole calls: a new index starts a call, later pieces extend its
+    arguments."""
+    for piece in pieces:
+        if piece.index == len(whole):
+            whole.add(index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments)
+        else:
+            whole[piece.index].arguments += piece.arguments
 
 
 def _with_max_tokens(request: pb.GenerateRequest, max_tokens: int) -> pb.GenerateRequest:

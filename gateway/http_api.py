@@ -27,10 +27,21 @@ from starlette.routing import Route
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
-from gateway.generation_service import GenerationService
-from gateway.openai_protocol import FINISH, chat_request, completion_requests, error_body, status_of
+from gateway.generation_service import GenerationService, merge_tool_calls
+from gateway.openai_protocol import (
+    FINISH,
+    TOKENIZE_FIELDS,
+    BodyReader,
+    chat_request,
+    completion_requests,
+    error_body,
+    read_message,
+    read_tools,
+    status_of,
+)
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import refuse_text_call
+from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
@@ -223,10 +234,12 @@ class HttpApi:
                 msgs = body["messages"]
                 if len(msgs) > self.s.limits.max_chat_messages:
                     raise invalid([FieldViolation("messages", "over max_chat_messages")])
-                for i, m in enumerate(msgs):
-                    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                        raise invalid([FieldViolation(f"messages[{i}]", "must be {role, content}")])
-                    req.chat.messages.add(role=str(m.get("role", "")), content=m["content"])
+                r = BodyReader(body, TOKENIZE_FIELDS, "tokenize")
+                for i, m in enumerate(msgs):  # as a chat request's: tool calls, tool results
+                    if not read_message(r, i, m, req.chat.messages.add()):
+                        break
+                read_tools(r, req.chat)  # rendered by the template, as a chat request's would be
+                r.done()
                 if isinstance(body.get("add_generation_prompt"), bool):
                     req.chat.add_generation_prompt = body["add_generation_prompt"]
             else:
@@ -289,7 +302,10 @@ class _Formatter:
         def keep(ids: list[int]) -> None:
             self.prompt_ids[p] = list(ids)
 
-        return {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+        options = {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+        if self.chat:
+            options["tool_names"] = HTTP_NAMES  # violations name this API's fields
+        return options
 
     def _token(self, tid: int) -> str:
         s = self._token_cache.get(tid)
@@ -351,8 +367,21 @@ class _Formatter:
     # not streamed
     def add(self, p: int, msg: pb.GenerateResponse) -> None:
         index = p * self.n + msg.index
-        c = self.choices.setdefault(index, {"text": "", "ids": [], "lps": [], "plps": [], "msg": None})
+        c = self.choices.setdefault(
+            index,
+            {
+                "text": "",
+                "ids": [],
+                "lps": [],
+                "plps": [],
+                "msg": None,
+                "calls": pb.GenerateResponse(),
+                "thought": "",
+            },
+        )
         c["text"] += msg.text
+        c["thought"] += msg.reasoning_content
+        merge_tool_calls(c["calls"].tool_calls, msg.tool_calls)
         c["ids"] += msg.token_ids
         c["lps"] += msg.logprobs
         c["plps"] += msg.prompt_logprobs
@@ -368,7 +397,21 @@ class _Formatter:
             want_lps = bool(c["lps"])
             choice: dict = {"index": index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": c["text"]}
+                message: dict = {"role": "assistant", "content": c["text"]}
+                calls = c["calls"].tool_calls
+                if calls:
+                    message["content"] = c["text"] or None
+                    message["tool_calls"] = [
+                        {
+                            "id": t.id,
+                            "type": "function",
+                            "function": {"name": t.name, "arguments": t.arguments},
+                        }
+                        for t in calls
+                    ]
+                if c["thought"]:
+                    message["reasoning_content"] = c["thought"]
+                choice["message"] = message
                 choice["logprobs"] = {"content": self._logprobs(c["lps"])} if want_lps else None
             else:
                 choice["text"] = c["text"]
@@ -397,6 +440,10 @@ class _Formatter:
         choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+            if msg.reasoning_content:
+                delta["reasoning_content"] = msg.reasoning_content
+            if msg.tool_calls:
+                delta["tool_calls"] = [_call_delta(t) for t in msg.tool_calls]
             choice["delta"] = delta
             choice["logprobs"] = {"content": self._logprobs(msg.logprobs)} if msg.logprobs else None
         else:
@@ -423,6 +470,19 @@ class _Formatter:
     def usage_chunk(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self.meta, "object": kind, "choices": [], "usage": self.usage()}
+
+
+def _call_delta(t) -> dict:
+    """OpenAI's streamed call shape: the first piece has index, id, type and name; the rest only
+    the index and the next piece of the arguments."""
+    if t.name:
+        return {
+            "index": t.index,
+            "id": t.id,
+            "type": "function",
+            "function": {"name": t.name, "arguments": t.arguments},
+        }
+    return {"index": t.index, "function": {"arguments": t.arguments}}
 
 
 def _finite(x: float) -> float:

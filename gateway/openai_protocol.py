@@ -21,7 +21,12 @@ from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
 
-FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 
 _COMMON = {
     "model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty",
@@ -30,6 +35,7 @@ _COMMON = {
     "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "return_token_ids",
     "allowed_token_ids", "bad_words", "request_id", "priority", "best_of", "speculative",
 }  # fmt: skip
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
@@ -271,8 +277,7 @@ def chat_request(body, limits: Limits) -> pb.GenerateRequest:
         req.logprobs = top or 0
     elif body.get("top_logprobs") is not None:
         r.bad("top_logprobs", "needs logprobs: true")
-    if body.get("tools"):
-        r.bad("tools", "tool calling is not supported")
+    read_tools(r, req.chat)
     add = r.bool("add_generation_prompt")
     if add is not None:
         req.chat.add_generation_prompt = add
@@ -286,14 +291,114 @@ def chat_request(body, limits: Limits) -> pb.GenerateRequest:
         )
     else:
         for i, m in enumerate(messages):
-            role = m.get("role") if isinstance(m, dict) else None
-            content = _content(m.get("content") if isinstance(m, dict) else None)
-            if not isinstance(role, str) or content is None:
-                r.bad(f"messages[{i}]", "must be {role: string, content: string or a list of text parts}")
+            if not read_message(r, i, m, req.chat.messages.add()):
                 break
-            req.chat.messages.add(role=role, content=content)
     r.done()
     return req
+
+
+def read_message(r: BodyReader, i: int, m, out: pb.ChatMessage) -> bool:
+    """One chat message onto ``out``; False (with the violation) if it is not one."""
+    role = m.get("role") if isinstance(m, dict) else None
+    calls = m.get("tool_calls") if isinstance(m, dict) else None
+    raw = m.get("content") if isinstance(m, dict) else None
+    content = _content(raw)
+    if not isinstance(role, str) or (content is None and not (raw is None and calls)):
+        r.bad(f"messages[{i}]", "must be {role: string, content: string or a list of text parts}")
+        return False
+    out.role = role
+    if content is not None:
+        out.content = content
+    if calls is not None:
+        if not isinstance(calls, list):
+            r.bad(f"messages[{i}].tool_calls", "must be a list of calls")
+            return False
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, str):
+                r.bad(
+                    f"messages[{i}].tool_calls[{j}]",
+                    "must be {id, type: function, function: {name: string, arguments: JSON text}}",
+                )
+                return False
+            try:
+                parsed = json.loads(args) if args else {}
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                r.bad(f"messages[{i}].tool_calls[{j}].function.arguments", "must be a JSON object as text")
+                return False
+            call_id = call.get("id")
+            out.tool_calls.add(
+                id=call_id if isinstance(call_id, str) else "", name=fn["name"], arguments=args
+            )
+    for name in ("tool_call_id", "name"):
+        value = m.get(name)
+        if value is not None and not isinstance(value, str):
+            r.bad(f"messages[{i}].{name}", "must be a string")
+            return False
+        if value:
+            setattr(out, name, value)
+    return True
+
+
+def read_tools(r: BodyReader, chat: pb.Chat) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (their meaning is checked with the
+    server's settings in ``gateway.tool_request``, for both APIs)."""
+    tools = r.get("tools", lambda x: isinstance(x, list), "a list of {type: function, function: {...}}")
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            r.bad(f"tools[{i}]", 'must be {"type": "function", "function": {name, description, parameters}}')
+            return
+        name, description, params = fn.get("name"), fn.get("description"), fn.get("parameters")
+        if not isinstance(name, str):
+            r.bad(f"tools[{i}].function.name", "must be a string")
+            return
+        if description is not None and not isinstance(description, str):
+            r.bad(f"tools[{i}].function.description", "must be a string")
+            return
+        if params is not None and not isinstance(params, dict):
+            r.bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+            return
+        chat.tools.add(
+            name=name, description=description or "", parameters=json.dumps(params) if params else ""
+        )
+    choice = r.body.get("tool_choice")
+    if isinstance(choice, str):
+        modes = {
+            "auto": pb.ToolChoice.MODE_AUTO,
+            "none": pb.ToolChoice.MODE_NONE,
+            "required": pb.ToolChoice.MODE_REQUIRED,
+        }
+        if choice not in modes:
+            r.bad(
+                "tool_choice",
+                'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+            )
+        else:
+            chat.tool_choice.mode = modes[choice]
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if (
+            choice.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            r.bad(
+                "tool_choice",
+                'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+            )
+        else:
+            chat.tool_choice.function = fn["name"]
+    elif choice is not None:
+        r.bad(
+            "tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}'
+        )
+    parallel = r.bool("parallel_tool_calls")
+    if parallel is not None:
+        chat.parallel_tool_calls = parallel
 
 
 def _content(content) -> str | None:

@@ -32,6 +32,7 @@ from gateway.replica_set import connect_engines
 from gateway.router import RoutingPolicy
 from gateway.router_service import RouterService
 from gateway.stall_sweep import StallSweeper
+from gateway.tool_request import ToolOptions
 from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import (
     adapters_pb2,
@@ -82,6 +83,8 @@ class GatewayOptions:
     # Token-only serving: no tokenizer is loaded and no tokenizer worker started (prompts and
     # outputs are token ids; text fields are refused).
     skip_tokenizer_init: bool = False
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
+    chat_template: str | None = None  # a Jinja file that replaces the model's chat template
 
 
 class GatewayServer:
@@ -105,8 +108,8 @@ class GatewayServer:
         o = self.opts
         tokenizer = tokenization = None
         if not o.skip_tokenizer_init:
-            tokenizer = load_tokenizer(o.model_dir)
-            tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers)
+            tokenizer = load_tokenizer(o.model_dir, o.chat_template)
+            tokenization = TokenizerPool(o.model_dir, o.tokenizer_workers, o.chat_template)
             await tokenization.start()
         engine = connect_engines(  # several addresses: replicas behind the prefix-affinity router
             o.engine_addresses or [o.engine_address],
@@ -144,6 +147,7 @@ class GatewayServer:
             auth=o.auth,
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
+            tool_options=o.tool_options,
         )
         self.stall_sweeper = StallSweeper(
             self.state.streams, o.limits.stream_stall_timeout_s, o.limits.max_paused_streams

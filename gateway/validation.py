@@ -14,6 +14,7 @@ from gateway.constraints import read_constraints
 from gateway.errors import FieldViolation, invalid
 from gateway.input_bounds import check_chat, check_text
 from gateway.limits import Limits
+from gateway.tool_request import Names, chat_messages
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 
@@ -74,7 +75,7 @@ def validate_generate(
         chat_violations = check_chat(req.chat.messages, "chat.messages", limits)
         v.extend(chat_violations)
         if not chat_violations:
-            chat = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            chat = chat_messages(req.chat.messages, Names(), bad)
 
     def fnum(name: str, default: float, ok, rule: str) -> float:
         if not req.HasField(name):

@@ -46,7 +46,15 @@ TINY_ARCHS: dict[str, dict] = {
     ),
 }
 
-SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
+# ../shared from the main checkout; ../../shared from a worktree under /work/wt.
+SHARED_TOKENIZERS = next(
+    (
+        p / "shared" / "fixtures" / "tokenizers"
+        for p in Path(__file__).resolve().parents[2:4]
+        if (p / "shared" / "fixtures" / "tokenizers").is_dir()
+    ),
+    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers",
+)
 
 
 @pytest.fixture(scope="session")

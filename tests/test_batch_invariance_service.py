@@ -30,6 +30,12 @@ def text_of(k: int, words: int) -> str:
     return " ".join(WORDS[(k * 7 + i * 3) % len(WORDS)] for i in range(words))
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"], "additionalProperties": False}}},
+]  # fmt: skip
+
 # (name, prompt words, options); every one is greedy or seeded, so it has one right answer.
 REQUESTS = [
     ("greedy", 40, dict(temperature=0.0, max_tokens=24, ignore_eos=True)),
@@ -50,13 +56,15 @@ REQUESTS = [
     ),
     ("priority", 100, dict(temperature=0.0, max_tokens=16, priority=-1, ignore_eos=True)),
     ("short", 3, dict(temperature=0.0, max_tokens=30, ignore_eos=True)),
+    # A chat whose required call is decoded under the tools' grammar (and parsed into tool_calls).
+    ("tools-required", 12, dict(temperature=1.0, seed=5, max_tokens=60, tools=TOOLS, tool_choice="required")),
 ]
 
 
 @pytest.fixture(scope="module")
 def service(default_model_dir):
     args = ["--num-kv-blocks", "40", "--block-size", "16", "--max-num-batched-tokens", "64"]
-    args += ["--scheduling-policy", "priority", "--tokenizer-workers", "1"]
+    args += ["--scheduling-policy", "priority", "--tokenizer-workers", "1", "--tool-call-parser", "hermes"]
     with ServiceProcess(default_model_dir, *args) as sp:
         yield sp
 
@@ -66,9 +74,14 @@ def run(client: LLMServeClient, name: str, words: int, options: dict, solo: bool
     if solo and opts.get("temperature") == 0.0:
         opts["logprobs"] = max(2, opts.get("logprobs") or 0)  # to judge a greedy near-tie
     out: dict[int, dict] = {}
-    for msg in client.generate_stream(text_of(len(name), words), **opts):
-        s = out.setdefault(msg.index, {"text": "", "ids": [], "lps": [], "plp": [], "final": None})
+    prompt = text_of(len(name), words)
+    chat = {"messages": [{"role": "user", "content": prompt}]} if "tools" in opts else {"prompt": prompt}
+    for msg in client.generate_stream(**chat, **opts):
+        s = out.setdefault(
+            msg.index, {"text": "", "ids": [], "lps": [], "plp": [], "final": None, "calls": []}
+        )
         s["text"] += msg.text
+        s["calls"] += [(c.index, c.name, c.arguments) for c in msg.tool_calls]
         s["ids"] += list(msg.token_ids)
         s["lps"] += list(msg.logprobs)
         s["plp"] += list(msg.prompt_logprobs)
@@ -103,6 +116,9 @@ def compare(name: str, options: dict, got: dict, ref: dict) -> str | None:
             note = f"{where}: greedy near-tie at {pos}"
             continue
         assert g["text"] == r["text"], where
+        assert g["calls"] == r["calls"], where
+        if "tools" in options:
+            assert g["calls"] and gf_is_tool_calls(g), where
         gf, rf = g["final"], r["final"]
         assert gf.finish_reason == rf.finish_reason and gf.WhichOneof("stop_reason") == rf.WhichOneof(
             "stop_reason"
@@ -127,6 +143,12 @@ def compare(name: str, options: dict, got: dict, ref: dict) -> str | None:
         for k, (a, b) in enumerate(zip(plps[0], ref_plp, strict=True)):
             same_logprob(a, b, options["prompt_logprobs"], f"{name} prompt logprob {k}")
     return note
+
+
+def gf_is_tool_calls(seq: dict) -> bool:
+    from llmserve_proto.llmserve.v1 import generation_pb2 as gen
+
+    return seq["final"].finish_reason in (gen.FINISH_REASON_TOOL_CALLS, gen.FINISH_REASON_LENGTH)
 
 
 def test_concurrent_mixed_requests_equal_their_solo_runs(service, default_model_dir):
@@ -175,6 +197,8 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(service, default_model_
 
     llm = LLM(model=str(default_model_dir), num_kv_blocks=256)
     for name, words, opts in REQUESTS:
+        if "tools" in opts:
+            continue  # a chat: the offline API has no tool parser
         params = SamplingParams(**{k: v for k, v in opts.items() if k != "priority"})
         (offline,) = llm.generate([text_of(len(name), words)], params, use_tqdm=False)
         for c in offline.outputs:

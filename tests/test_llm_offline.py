@@ -175,3 +175,28 @@ def test_chat_refuses_bad_messages_and_token_only_models(llm, tiny_llama, tmp_pa
     with pytest.raises(ValueError, match="chat needs a tokenizer"):
         LLM(model=str(bare), num_kv_blocks=16).chat([{"role": "user", "content": "x"}], params)
     assert_pool_whole(llm.engine)
+
+
+def test_chat_renders_tools_into_the_prompt(llm):
+    from pathlib import Path
+
+    template = (
+        Path(__file__).resolve().parent / "chat_templates" / "tool_chat_template_hermes.jinja"
+    ).read_text()
+    tools = [
+        {"type": "function", "function": {"name": "get_time", "description": "Clock.", "parameters": {}}}
+    ]
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.chat(messages, params, chat_template=template, tools=tools, use_tqdm=False)[0]
+    assert '"name": "get_time"' in out.prompt and "<tools>" in out.prompt
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in out.prompt
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages, True, template, tools=tools)
+    without = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
+    assert "<tools>" not in without.prompt

@@ -5,7 +5,10 @@ messages; tokenizing the rendered text as a whole would also turn a marker's *st
 user's message into the control token, letting any user forge a system turn. Here the messages'
 strings are plain text and only the template's markers are special tokens:
 
-1. If no role or content holds a special token's string (nearly always), the rendered text's
+Every string a client gave counts: roles, contents, and (with tools) the calls' names, ids and
+arguments and the tools' names, descriptions and schemas, dict keys included.
+
+1. If no such string holds a special token's string (nearly always), the rendered text's
    special tokens are all the template's own: it is encoded as a whole, exactly as before.
 2. Otherwise each such string in the messages is swapped for a sentinel (a private-use character
    that none of them contains, around an index), the template is rendered, the result is cut at
@@ -48,18 +51,42 @@ def _sentinel(strings: Sequence[str]) -> str:
     raise ValueError("the chat messages use every private-use character; cannot encode them safely")
 
 
+def _strings(value, out: list[str]) -> list[str]:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _strings(k, out)
+            _strings(v, out)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _strings(v, out)
+    return out
+
+
+def _map_strings(value, fn):
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
 def encode_chat(
     messages: list[dict],
-    render: Callable[[list[dict]], str],
+    render: Callable[[list[dict], list[dict] | None], str],
     specials: SpecialTokens,
     encode: Callable[[str, bool], list[int]],
     token_id: Callable[[str], int],
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """``render(messages)``: the template's text; ``encode(text, parse_special)``: ids without
-    BOS/EOS added; ``token_id(marker)``: the id of a special token's string."""
-    strings = [s for m in messages for s in (m["role"], m["content"])]
+    """``render(messages, tools)``: the template's text; ``encode(text, parse_special)``: ids
+    without BOS/EOS added; ``token_id(marker)``: the id of a special token's string."""
+    strings = _strings([messages, tools], [])
     if not any(specials.found_in(s) for s in strings):
-        return encode(render(messages), True)
+        return encode(render(messages, tools), True)
     mark = _sentinel(strings)
     swapped: list[str] = []
 
@@ -70,8 +97,7 @@ def encode_chat(
 
         return specials.pattern.sub(one, text)
 
-    safe = [{**m, "role": hide(m["role"]), "content": hide(m["content"])} for m in messages]
-    rendered = render(safe)
+    rendered = render(_map_strings(messages, hide), _map_strings(tools, hide))
     back = re.compile(f"{re.escape(mark)}(\\d+){re.escape(mark)}")
     ids: list[int] = []
     pos = 0

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llmserve_proto.tokenizer.v1 import tokenizer_pb2 as pb
+from tokenizer_svc.chat_messages import to_proto, validate_tools
 from tokenizer_svc.tokenizer import Tokenizer, load_tokenizer, validate_messages
 from tokenizer_svc.worker_process import TokenizerWorkerDied, TokenizerWorkerError, WorkerProcess
 
@@ -25,10 +26,13 @@ _MAX_TOKEN_ID = 2**32 - 1
 
 
 class TokenizerPool:
-    def __init__(self, model_dir: str | Path, num_workers: int = 1) -> None:
+    def __init__(
+        self, model_dir: str | Path, num_workers: int = 1, chat_template: str | Path | None = None
+    ) -> None:
         if num_workers < 0:
             raise ValueError("num_workers must be >= 0")
         self.model_dir = Path(model_dir)
+        self.chat_template = chat_template  # a Jinja file replacing the model's (--chat-template)
         self.num_workers = num_workers
         self._local: Tokenizer | None = None
         self._workers: list[WorkerProcess] = []
@@ -43,10 +47,10 @@ class TokenizerPool:
 
     async def start(self) -> None:
         if self.num_workers == 0:
-            self._local = load_tokenizer(self.model_dir)
+            self._local = load_tokenizer(self.model_dir, self.chat_template)
             return
         started = await asyncio.gather(
-            *(WorkerProcess.start(self.model_dir, i, self._on_death) for i in range(self.num_workers)),
+            *(self._start_worker(i) for i in range(self.num_workers)),
             return_exceptions=True,
         )
         self._workers = [w for w in started if isinstance(w, WorkerProcess)]
@@ -71,15 +75,21 @@ class TokenizerPool:
         request = pb.WorkerRequest(encode=encode)
         return list((await self._call(request)).token_ids.ids)
 
+    def _start_worker(self, index: int):
+        return WorkerProcess.start(self.model_dir, index, self._on_death, chat_template=self.chat_template)
+
     async def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
         if self._local is not None:
-            return self._local.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self._local.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         validate_messages(messages)
+        validate_tools(tools)
+        pb_messages, pb_tools = to_proto(messages, tools)
         chat = pb.ChatRequest(
-            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            messages=pb_messages, tools=pb_tools, add_generation_prompt=add_generation_prompt
         )
         return list((await self._call(pb.WorkerRequest(chat=chat))).token_ids.ids)
 
@@ -144,7 +154,7 @@ class TokenizerPool:
 
     async def _restart(self, index: int) -> None:
         try:
-            self._workers[index] = await WorkerProcess.start(self.model_dir, index, self._on_death)
+            self._workers[index] = await self._start_worker(index)
         except Exception:
             pass  # the dead worker stays in its slot, not alive, so no request is sent to it
         finally:

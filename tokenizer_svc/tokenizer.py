@@ -11,34 +11,24 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
+from tokenizer_svc.chat_messages import validate_messages, validate_tools
 from tokenizer_svc.tokenizer_files import find_tokenizer_dir
+
+__all__ = ["Tokenizer", "load_tokenizer", "validate_messages"]
 
 # transformers' placeholder for "no limit configured" (int(1e30)); anything this large means none.
 _NO_LENGTH_LIMIT = 10**18
 
 
-def validate_messages(messages: object) -> list[dict]:
-    """Check chat messages before a template sees them: a list of dicts with string role and content."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("chat messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"chat message {i} is {type(message).__name__}, expected a dict")
-        for key in ("role", "content"):
-            if key not in message:
-                raise ValueError(f"chat message {i} has no '{key}'")
-            if not isinstance(message[key], str):
-                raise ValueError(f"chat message {i}: '{key}' must be a string")
-    return messages
-
-
 class Tokenizer:
     """One model's tokenizer: encode, decode, chat template, special tokens."""
 
-    def __init__(self, hf_tokenizer) -> None:
+    def __init__(self, hf_tokenizer, chat_template: str | None = None) -> None:
         if not getattr(hf_tokenizer, "is_fast", False):
             raise ValueError("only fast tokenizers (a tokenizer.json) are supported")
         self._hf = hf_tokenizer
+        if chat_template is not None:  # --chat-template: replaces the model's own
+            hf_tokenizer.chat_template = chat_template
         self._backend = hf_tokenizer.backend_tokenizer
         special = set(hf_tokenizer.all_special_ids)
         # Added tokens flagged special (e.g. <|im_start|>) are skipped by decode even when no
@@ -100,29 +90,51 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text the model's chat template (or ``chat_template``) makes of ``messages``."""
+        """The prompt text the model's chat template (or ``chat_template``) makes of ``messages``
+        (and ``tools``, which the template reads as its ``tools`` variable: HF's convention)."""
         if chat_template is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; send a text prompt instead")
         validate_messages(messages)
-        return self._hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-        )
+        validate_tools(tools)
+        extra = {"tools": tools} if tools else {}
+        try:
+            return self._hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **extra,
+            )
+        except Exception as e:  # the template raised (raise_exception) or failed on these messages
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The template's markers are special tokens; the messages' roles and contents are plain
-        text (chat_encoding.py). The template writes BOS itself; adding special tokens again would
-        double them (the convention of transformers' own tokenize=True path)."""
+        """The template's markers are special tokens; every string of the messages and tools is
+        plain text (chat_encoding.py). The template writes BOS itself; adding special tokens again
+        would double them (the convention of transformers' own tokenize=True path)."""
         validate_messages(messages)
+        validate_tools(tools)
         return encode_chat(
             messages,
-            lambda msgs: self.render_chat(msgs, add_generation_prompt, chat_template),
+            lambda msgs, tls: self.render_chat(msgs, add_generation_prompt, chat_template, tls),
             self._specials,
             lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
             self._backend.token_to_id,
+            tools,
         )
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
@@ -134,12 +146,14 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
-def load_tokenizer(model: str | Path) -> Tokenizer:
+def load_tokenizer(model: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
     """Load the tokenizer of a model folder (tokenizer.json, tokenizer_config.json, chat template)
-    or of a GGUF file (from its metadata)."""
+    or of a GGUF file (from its metadata); ``chat_template``: a Jinja file that replaces the
+    model's template."""
     from transformers import AutoTokenizer
 
     path = find_tokenizer_dir(model)
     if path is None:
         raise FileNotFoundError(f"no tokenizer.json in {model}")
-    return Tokenizer(AutoTokenizer.from_pretrained(str(path), use_fast=True))
+    template = Path(chat_template).read_text() if chat_template is not None else None
+    return Tokenizer(AutoTokenizer.from_pretrained(str(path), use_fast=True), chat_template=template)

@@ -13,6 +13,7 @@ import sys
 from typing import BinaryIO
 
 from llmserve_proto.tokenizer.v1 import tokenizer_pb2 as pb
+from tokenizer_svc.chat_messages import from_proto
 from tokenizer_svc.framing import frame, read_frame
 from tokenizer_svc.tokenizer import Tokenizer, load_tokenizer
 
@@ -28,8 +29,10 @@ def handle(tok: Tokenizer, request: pb.WorkerRequest) -> pb.WorkerResponse:
             )
             response.token_ids.ids.extend(ids)
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=request.chat.add_generation_prompt)
+            messages, tools = from_proto(request.chat)
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=request.chat.add_generation_prompt, tools=tools
+            )
             response.token_ids.ids.extend(ids)
         elif kind == "decode":
             response.text = tok.decode(
@@ -46,8 +49,8 @@ def handle(tok: Tokenizer, request: pb.WorkerRequest) -> pb.WorkerResponse:
     return response
 
 
-def serve(model_dir: str, requests: BinaryIO, responses: BinaryIO) -> None:
-    tok = load_tokenizer(model_dir)
+def serve(model_dir: str, requests: BinaryIO, responses: BinaryIO, chat_template: str | None = None) -> None:
+    tok = load_tokenizer(model_dir, chat_template)
     ready = pb.WorkerResponse(ready=pb.WorkerReady(pid=os.getpid(), vocab_size=tok.vocab_size))
     responses.write(frame(ready.SerializeToString()))
     responses.flush()
@@ -60,12 +63,13 @@ def serve(model_dir: str, requests: BinaryIO, responses: BinaryIO) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model folder with tokenizer.json")
+    parser.add_argument("--chat-template", help="a Jinja file that replaces the model's chat template")
     args = parser.parse_args(argv)
     # Keep the real stdout for frames and point fd 1 at stderr, so a stray print cannot corrupt them.
     responses = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(args.model, sys.stdin.buffer, responses)
+        serve(args.model, sys.stdin.buffer, responses, args.chat_template)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:

@@ -48,13 +48,15 @@ class WorkerProcess:
         index: int,
         on_death: Callable[[WorkerProcess], None],
         timeout: float = 120.0,
+        chat_template: str | Path | None = None,
     ) -> WorkerProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
         # One request at a time per worker; parallelism comes from the number of workers.
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        template = ["--chat-template", str(chat_template)] if chat_template is not None else []
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenizer_svc.worker", "--model", str(model_dir),
+            sys.executable, "-m", "tokenizer_svc.worker", "--model", str(model_dir), *template,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         worker = cls(index, proc)

@@ -1,0 +1,41 @@
+"""Tool-call parsers by name (``--tool-call-parser``): one module per model family's call format."""
+
+from __future__ import annotations
+
+from gateway.tool_parsers.base import (
+    CallDelta,
+    OutputDelta,
+    ParsedOutput,
+    PartialCall,
+    ToolCall,
+    ToolCallStream,
+    ToolParser,
+)
+from gateway.tool_parsers.hermes import HermesToolParser
+from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
+from gateway.tool_parsers.mistral import MistralToolParser
+from gateway.tool_parsers.pythonic import PythonicToolParser
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+}
+
+__all__ = [
+    "PARSERS",
+    "CallDelta",
+    "OutputDelta",
+    "ParsedOutput",
+    "PartialCall",
+    "ToolCall",
+    "ToolCallStream",
+    "ToolParser",
+    "get_parser",
+]
+
+
+def get_parser(name: str) -> ToolParser:
+    """The parser called ``name``; ``ValueError`` listing the known names otherwise."""
+    cls = PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+    return cls()

@@ -1,0 +1,215 @@
+"""A chat request's tools and history of calls, checked, and what they mean for generation: the
+messages and tools as the chat template reads them, which parser reads the output, and the grammar
+that makes a required or named call always parse.
+
+Both APIs come through here (HTTP after its JSON became the proto), so a bad tool is refused with
+the same words on either. Field names are the proto's (``chat.tools[0].parameters``); the HTTP API
+names its own fields by passing ``names``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.errors import FieldViolation
+from gateway.tool_parsers import ToolParser, get_parser
+from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolOptions:
+    """The server's tool-calling settings (``llmserve serve`` flags, vLLM's names)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)  # ValueError with the list of names
+        if self.reasoning_parser is not None:
+            from gateway.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+@dataclass
+class Names:
+    """How violations name a field: the proto's paths, or the HTTP API's."""
+
+    tools: Callable[[int, str], str] = lambda i, f: f"chat.tools[{i}].{f}"
+    tool_list: str = "chat.tools"
+    tool_choice: str = "chat.tool_choice"
+    message: Callable[[int, str], str] = lambda i, f: f"chat.messages[{i}].{f}"
+
+
+HTTP_NAMES = Names(
+    tools=lambda i, f: f"tools[{i}].function.{f}",
+    tool_list="tools",
+    tool_choice="tool_choice",
+    message=lambda i, f: f"messages[{i}].{f}",
+)
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict] | None  # HF-style dicts for the template; None: no tools
+    parser: ToolParser | None  # None: the output is content only (no tools, or tool_choice none)
+    grammar: str | None = None  # required / named: the output is calls of these tools
+    forced: bool = False
+    violations: list[FieldViolation] = field(default_factory=list)
+
+
+def chat_messages(messages, names: Names, bad: Callable[[str, str], None]) -> list[dict]:
+    """The proto's messages as the template reads them (a call's arguments as a dict)."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict = {"role": m.role, "content": m.content if m.HasField("content") else None}
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(c.arguments) if c.arguments else {}
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    bad(
+                        names.message(i, f"tool_calls[{j}].function.arguments"),
+                        "must be a JSON object as text",
+                    )
+                    args = {}
+                if not c.name:
+                    bad(names.message(i, f"tool_calls[{j}].function.name"), "must not be empty")
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+                )
+            d["tool_calls"] = calls
+        elif not m.HasField("content"):
+            bad(names.message(i, "content"), "is required (it may be null only with tool_calls)")
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def plan_tools(
+    chat: pb.Chat, options: ToolOptions, has_constraint: bool, marker, names: Names | None = None
+) -> ToolPlan:
+    """Check the tools and the choice against each other and the server's settings; the plan's
+    ``violations`` say what is wrong (empty: nothing)."""
+    names = names or Names()
+    v: list[FieldViolation] = []
+
+    def bad(f: str, why: str) -> None:
+        v.append(FieldViolation(f, why))
+
+    tools: list[dict] = []
+    if len(chat.tools) > MAX_TOOLS:
+        bad(names.tool_list, f"at most {MAX_TOOLS} tools, got {len(chat.tools)}")
+    seen: set[str] = set()
+    for i, t in enumerate(chat.tools[:MAX_TOOLS]):
+        if not t.name or len(t.name) > 256 or not t.name.isprintable():
+            bad(names.tools(i, "name"), "must be 1 to 256 printable characters")
+        elif t.name in seen:
+            bad(names.tools(i, "name"), f"{t.name!r} is given twice")
+        seen.add(t.name)
+        fn: dict = {"name": t.name, "description": t.description}
+        if t.parameters:
+            schema = _schema(t.parameters)
+            if schema is None:
+                bad(names.tools(i, "parameters"), "must be a JSON Schema object")
+            else:
+                why = _schema_error(schema)
+                if why:
+                    bad(names.tools(i, "parameters"), why)
+                fn["parameters"] = schema
+        tools.append({"type": "function", "function": fn})
+
+    kind = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    mode = chat.tool_choice.mode if kind == "mode" else None
+    if kind is not None and not tools and not (kind == "mode" and mode == pb.ToolChoice.MODE_NONE):
+        bad(names.tool_choice, "needs tools")
+    plan = ToolPlan(tools or None, None, violations=v)
+    if not tools or v:
+        return plan
+    if kind is None:
+        mode = pb.ToolChoice.MODE_AUTO
+    if kind == "mode" and mode == pb.ToolChoice.MODE_NONE:
+        return plan
+    parser = get_parser(options.tool_call_parser) if options.tool_call_parser else None
+    if kind == "mode" or kind is None:
+        if mode == pb.ToolChoice.MODE_AUTO:
+            if not options.enable_auto_tool_choice or parser is None:
+                bad(
+                    names.tool_choice,
+                    '"auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                )
+                return plan
+            plan.parser = parser
+            if not has_constraint:  # free text or well-formed calls (where the format can say)
+                parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+                plan.grammar = parser.auto_grammar(tools, parallel, marker)
+            return plan
+        chosen = tools  # required
+    else:
+        chosen = [t for t in tools if t["function"]["name"] == chat.tool_choice.function]
+        if not chosen:
+            bad(
+                names.tool_choice,
+                f"names the function {chat.tool_choice.function!r}, which is not among the tools",
+            )
+            return plan
+    if parser is None:
+        bad(names.tool_choice, "a required or named call needs the server started with --tool-call-parser")
+        return plan
+    if has_constraint:
+        bad(names.tool_choice, "a required or named call cannot be combined with response_format")
+        return plan
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    plan.parser = parser
+    plan.forced = True
+    plan.grammar = parser.grammar(chosen, parallel and kind != "function", marker)
+    return plan
+
+
+def _schema(text: str) -> dict | None:
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return None
+    return schema if isinstance(schema, dict) else None
+
+
+def _schema_error(schema: dict) -> str | None:
+    """What llguidance (which the grammar is built with) finds wrong in a schema, if anything."""
+    import llguidance
+
+    if schema.get("type", "object") != "object":
+        return 'must be a schema of an object ("type": "object")'
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        return f"is not a usable JSON Schema: {str(e).strip()[:300]}"
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return f"is not a usable JSON Schema: {error.strip()[:300]}" if error else None
+
+
+def marker_for(tokenizer) -> Callable[[str], str]:
+    """A marker string in a grammar: its special token where the vocabulary has one (a control
+    token never matches text), else the string itself."""
+
+    def marker(s: str) -> str:
+        tid = tokenizer.token_to_id(s) if tokenizer is not None else None
+        if tid is not None and tid in tokenizer.all_special_ids:
+            return f"<[{tid}]>"
+        return json.dumps(s)
+
+    return marker
