@@ -16,7 +16,7 @@ from engine_svc.input_batch import InputBatch
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
-from engine_svc.scheduler import SchedulerOutput
+from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import Sequence, noise_key
 from engine_svc.step_inputs import StepInputs, to_device
 from kernels.backend import Kernels
@@ -62,8 +62,16 @@ class ModelForward:
 
 
 class ModelRunner:
-    def __init__(self, forward: ModelForward, block_size: int, max_blocks_per_seq: int, tp_broadcast=None):
+    def __init__(
+        self,
+        forward: ModelForward,
+        block_size: int,
+        max_blocks_per_seq: int,
+        tp_broadcast=None,
+        proposer=None,
+    ):
         self.forward = forward
+        self.proposer = proposer  # spec_decode.draft_model.DraftModelProposer, with a draft model
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
         self.sampler = Sampler()
@@ -73,14 +81,16 @@ class ModelRunner:
         self.lora_in_use = None  # () -> {(name, version)} of the adapters running requests use
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, copies: list[tuple[int, int]], changed_tables: dict[Sequence, int]
-    ) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
-        ``out.layout``, which is the only place that says what each logits row is for."""
-        self.batch.sync(changed_tables)
-        copy_array = np.array(copies, dtype=np.int64).reshape(len(copies), 2)
-        inputs = self.build_inputs(out, copy_array)
+        ``out.layout``, which is the only place that says what each logits row is for. The input
+        batch follows the KV changes ``out`` carries first, even when nothing is scheduled."""
+        self.batch.apply(out.updates, out.released)
+        if not out.seqs:
+            return StepResult([], [], [])
+        if self.proposer is not None:  # drafts before the target's forward, which verifies them
+            self.proposer.propose(out, self.batch)
+        inputs = self.build_inputs(out)
         logits = self._forward(inputs)
         layout = out.layout
         tokens, logprobs = [], []
@@ -97,11 +107,11 @@ class ModelRunner:
         ]
         return StepResult(tokens, logprobs, plps)
 
-    def build_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
+    def build_inputs(self, out: SchedulerOutput) -> StepInputs:
         if out.only_decodes:
-            inputs = self.decode_inputs(out.seqs, copies)
+            inputs = self.decode_inputs(out.seqs, out.copies)
         else:
-            inputs = self.general_inputs(out, copies)
+            inputs = self.general_inputs(out, out.copies)
         if self.lora is not None and self.lora.adapters:
             adapters = [s.request.lora for s in out.seqs]
             num_new = None if out.only_decodes else out.num_new

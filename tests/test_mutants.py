@@ -3,9 +3,9 @@ checks fail.
 
 A mutant is a one-line change to the source of one real function (applied in-process to a copy of
 that function, so nothing on disk changes). For each, the fast checks — the batch-invariance
-regressions and a few derandomized random mixes against their solo runs — run with the mutant in
-place and must fail (a wrong result or a crash); unmutated they pass (the rest of the suite). The
-mutants:
+regressions and a few derandomized random mixes against their solo runs, or for a mutant outside
+the engine's core the one fast test named with it — run with the mutant in place and must fail (a
+wrong result or a crash); unmutated they pass (the rest of the suite). The mutants:
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from engine_svc.scheduler import Scheduler
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
 
-# (name, owner, function, the original text, the mutant's text)
+
+# (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
 MUTANTS = [
     ("copy-on-write switched off", KVCacheManager, "allocate", "cow = (", "cow = False and ("),
     (
@@ -48,9 +49,23 @@ MUTANTS = [
     ),
     (
         "preemption keeps the counter of the blocks it released",
-        KVCacheManager,
-        "free",
+        Scheduler,
+        "_release",
         "seq.num_computed_tokens = 0",
+        "pass",
+    ),
+    (
+        "a new block id dropped from the scheduler output",
+        KVCacheManager,
+        "take_step_changes",
+        "updates.append(BlockUpdate(seq, first, table[first:]))",
+        "updates.append(BlockUpdate(seq, first, table[first:-1] if len(table) > 1 else table[first:]))",
+    ),
+    (
+        "a released table not carried to the input batch",
+        KVCacheManager,
+        "take_step_changes",
+        "released.append(seq.seq_id)",
         "pass",
     ),
     (
@@ -111,7 +126,7 @@ def fast_checks(model_dir) -> None:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
 def test_mutant_is_caught(tiny_llama, monkeypatch, mutant):
-    _, owner, name, old, new = mutant
+    _, owner, name, old, new, *check = mutant
     monkeypatch.setattr(owner, name, mutated(owner, name, old, new))
     with pytest.raises(Exception):  # noqa: B017 - a wrong result or a crash: either way it is caught
-        fast_checks(tiny_llama)
+        (check[0] if check else fast_checks)(tiny_llama)
