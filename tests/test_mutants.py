@@ -15,12 +15,34 @@ import textwrap
 
 import pytest
 
+from benchmarks import step_overhead
+from engine_svc import model_runner
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
 from engine_svc.scheduler import Scheduler
+from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
+from tests import test_bench_quick, test_logit_controls, test_openai_protocol, test_speculative
+
+
+def _module(module):
+    """A module-level function as a mutant's owner (``setattr`` on the module)."""
+    return module
+
+
+def _model_free(test):
+    """A fast check that takes no model (named at import, so a typo fails loudly, not as a catch)."""
+    return lambda model_dir: test()
+
+
+speculation_checks = _model_free(test_speculative.test_a_sequence_whose_drafts_fail_stops_drafting)
+bad_word_checks = test_logit_controls.test_a_bad_words_last_token_stays_allowed_after_any_other_token
+stop_string_checks = _model_free(
+    lambda: test_openai_protocol.test_stop_as_a_string_or_a_list_reaches_the_request("END", ["END"])
+)
+step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -95,6 +117,38 @@ MUTANTS = [
         "update_from_output",
         "request.prompt_logprobs_sent = True",
         "pass",
+    ),
+    (
+        "speculation keeps a rejected draft's lookahead blocks until the sequence ends",
+        Scheduler,
+        "update_from_output",
+        "kv.trim(seq)",
+        "pass",
+        speculation_checks,
+    ),
+    (
+        "a bad word's last token banned without its earlier tokens preceding it",
+        _module(model_runner),
+        "_banned_now",
+        "if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):",
+        "if True:",
+        bad_word_checks,
+    ),
+    (
+        "the OpenAI stop given as one string dropped",
+        _module(openai_protocol),
+        "common_request",
+        "req.stop.append(stop)",
+        "pass",
+        stop_string_checks,
+    ),
+    (
+        "the step-overhead benchmark keeps only the last sampler call's time",
+        step_overhead.TimedSampler,
+        "__call__",
+        "self.inside_s += time.perf_counter() - t0",
+        "self.inside_s = time.perf_counter() - t0",
+        step_overhead_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)
