@@ -97,6 +97,7 @@ class LLMEngine:
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
+        self.grammars = self._grammar_compiler()
         forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
         self.runner = ModelRunner(
             forward,
@@ -104,6 +105,7 @@ class LLMEngine:
             cdiv(self.max_model_len, config.block_size),
             self.tp_group.broadcast if self.tp_group else None,
             self._draft_proposer(num_blocks) if self.draft_spec is not None else None,
+            self.grammars.executor if self.grammars is not None else None,
         )
         self.lora = None
         if config.enable_lora:
@@ -122,9 +124,6 @@ class LLMEngine:
             self.runner.lora_in_use = self.scheduler.running_adapters
             for name, path in (config.lora_modules or {}).items():
                 self.lora.load(name, path)
-        self.grammars = self._grammar_compiler()
-        if self.grammars is not None:
-            self.runner.grammar_executor = self.grammars.executor
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0

@@ -14,6 +14,7 @@ import torch
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
 from engine_svc.logits_layout import LogitsLayout, StepResult
+from engine_svc.logits_processors.processors import default_processors
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler_output import SchedulerOutput
@@ -69,13 +70,15 @@ class ModelRunner:
         max_blocks_per_seq: int,
         tp_broadcast=None,
         proposer=None,
+        grammar_executor=None,
     ):
         self.forward = forward
         self.proposer = proposer  # spec_decode.draft_model.DraftModelProposer, with a draft model
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
         self.sampler = Sampler()
-        self.grammar_executor = None  # set by the engine when structured outputs are available
+        # The logit controls, applied by the sampler in this order (engine_svc/logits_processors/).
+        self.logits_processors = default_processors(grammar_executor)
         self.batch = InputBatch(max_blocks_per_seq)
         self.lora = None  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
         self.lora_in_use = None  # () -> {(name, version)} of the adapters running requests use
@@ -182,7 +185,7 @@ class ModelRunner:
 
     def _sampling_batch(self, layout: LogitsLayout, device) -> SamplingBatch:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for
-        the features some row uses (seeds, logprobs, penalties, min_tokens)."""
+        the features some row uses (seeds, logprobs, and each logit control's ``prepare``)."""
         rows = np.array(self.batch.rows(layout.sampled), dtype=np.int64)
         if len(rows) < layout.num_sample_rows:
             rows = np.repeat(rows, layout.fans)
@@ -202,21 +205,12 @@ class ModelRunner:
         num_logprobs = [None] * count
         if used[ib.LOGPROBS]:
             num_logprobs = [s.request.params.logprobs for s, *_ in row_seqs]
-        output_ids = prompt_ids = banned = [[]] * count
-        if used[ib.PENALTY]:
-            output_ids = [s.output_token_ids for s, *_ in row_seqs]
-            prompt_ids = [s.request.prompt_token_ids for s, *_ in row_seqs]
-        if used[ib.MIN_TOKENS] or used[ib.LOGIT_CONTROLS]:
-            banned = [_banned_now(s) for s, *_ in row_seqs]
-        controls = {}
-        if used[ib.LOGIT_CONTROLS]:
-            controls["logit_bias"] = [s.request.params.logit_bias for s, *_ in row_seqs]
-            controls["allowed_ids"] = [s.request.params.allowed_token_ids for s, *_ in row_seqs]
-        if used[ib.GRAMMAR]:
-            controls["matchers"] = [s.matcher for s, *_ in row_seqs]
-            controls["grammar_executor"] = self.grammar_executor
-            if layout.drafts is not None:
-                controls["grammar_drafts"] = _grammar_drafts(layout)
+        processors = []
+        for processor in self.logits_processors:
+            if used[processor.flag]:
+                state = processor.prepare(row_seqs, layout)
+                if state is not None:
+                    processors.append((processor, state))
         return SamplingBatch(
             temperature=cols[:, ib.TEMPERATURE],
             top_k=cols[:, ib.TOP_K].to(torch.int64),
@@ -226,13 +220,9 @@ class ModelRunner:
             presence_penalty=cols[:, ib.PRESENCE],
             frequency_penalty=cols[:, ib.FREQUENCY],
             noise_keys=noise_keys,
-            output_ids=output_ids,
-            prompt_ids=prompt_ids,
-            banned_ids=banned,
             num_logprobs=num_logprobs,
-            any_penalty=bool(used[ib.PENALTY]),
             all_greedy=not gathered[:, ib.TEMPERATURE].any(),
-            **controls,
+            processors=processors,
         )
 
 
@@ -250,29 +240,3 @@ def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int, int]]:
         else:
             rows += [(s, s.index if k == 1 else j, 0) for j in range(k)]
     return rows
-
-
-def _grammar_drafts(layout: LogitsLayout) -> dict[int, list[int]]:
-    """First sample row of each constrained sequence verifying drafts -> its drafts."""
-    out, r = {}, 0
-    for s, fan, draft in zip(layout.sampled, layout.fans, layout.drafts, strict=True):
-        if draft is not None and s.matcher is not None:
-            out[r] = draft
-        r += fan
-    return out
-
-
-def _banned_now(seq: Sequence) -> list[int]:
-    """Ids that may not be sampled now: stop tokens (and EOS) before ``min_tokens`` outputs, and the
-    last token of each bad word whose other tokens end the output."""
-    p = seq.request.params
-    banned = []
-    if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-        banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
-    if p.bad_words_token_ids:
-        output = seq.token_ids[seq.request.num_prompt_tokens :]
-        for word in p.bad_words_token_ids:
-            k = len(word) - 1
-            if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):
-                banned.append(word[-1])
-    return banned

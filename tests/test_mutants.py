@@ -16,10 +16,10 @@ import textwrap
 import pytest
 
 from benchmarks import step_overhead
-from engine_svc import model_runner
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
+from engine_svc.logits_processors import bad_words
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
@@ -128,8 +128,8 @@ MUTANTS = [
     ),
     (
         "a bad word's last token banned without its earlier tokens preceding it",
-        _module(model_runner),
-        "_banned_now",
+        _module(bad_words),
+        "last_tokens_banned_now",
         "if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):",
         "if True:",
         bad_word_checks,
