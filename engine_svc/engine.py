@@ -17,6 +17,7 @@ from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
+from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
@@ -98,16 +99,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.grammars = self._grammar_compiler()
-        forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
-        self.runner = ModelRunner(
-            forward,
-            config.block_size,
-            cdiv(self.max_model_len, config.block_size),
-            self.tp_group.broadcast if self.tp_group else None,
-            self._draft_proposer(num_blocks) if self.draft_spec is not None else None,
-            self.grammars.executor if self.grammars is not None else None,
-        )
         self.lora = None
+        lora_step = None
         if config.enable_lora:
             self.lora = LoRAManager(
                 self.spec,
@@ -120,10 +113,20 @@ class LLMEngine:
             )
             if self.tp_group is not None:  # workers load each adapter into the same slot, their part
                 self.lora.slots.on_load = self.tp_group.send_lora_load
-            self.runner.lora = self.lora
-            self.runner.lora_in_use = self.scheduler.running_adapters
-            for name, path in (config.lora_modules or {}).items():
-                self.lora.load(name, path)
+            lora_step = wrap_lora_layers(self.model)  # the model's projections carry the adapters
+        forward = ModelForward(self.model, self.kernels, kv_caches, self.device, lora_step)
+        self.runner = ModelRunner(
+            forward,
+            config.block_size,
+            cdiv(self.max_model_len, config.block_size),
+            self.tp_group.broadcast if self.tp_group else None,
+            proposer=self._draft_proposer(num_blocks) if self.draft_spec is not None else None,
+            grammar_executor=self.grammars.executor if self.grammars is not None else None,
+            lora=self.lora,
+            lora_in_use=self.scheduler.running_adapters if self.lora is not None else None,
+        )
+        for name, path in (config.lora_modules or {}).items():
+            self.lora.load(name, path)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0

@@ -27,9 +27,15 @@ class ModelForward:
     """The part every tensor-parallel rank runs: block copies, the forward, the logits."""
 
     def __init__(
-        self, model: DecoderForCausalLM, kernels: Kernels, kv_caches: list[torch.Tensor], device: torch.device
+        self,
+        model: DecoderForCausalLM,
+        kernels: Kernels,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        lora_step=None,
     ):
         self.model = model
+        self.lora_step = lora_step  # engine_svc.lora.layers.LoRAStep when the model's layers are wrapped
         self.kernels = kernels
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.device = device
@@ -38,14 +44,19 @@ class ModelForward:
     def __call__(self, inputs: StepInputs) -> torch.Tensor | None:
         self._copy_blocks(inputs.copies)
         dev = self.device
-        hidden = self.model(
-            self.kernels,
-            to_device(inputs.input_ids, dev),
-            to_device(inputs.positions, dev),
-            self.kv_caches,
-            inputs.attention(dev),
-            lora=inputs.lora,
-        )
+        if self.lora_step is not None:  # the wrapped projections read the step's adapter mapping
+            self.lora_step.batch = inputs.lora
+        try:
+            hidden = self.model(
+                self.kernels,
+                to_device(inputs.input_ids, dev),
+                to_device(inputs.positions, dev),
+                self.kv_caches,
+                inputs.attention(dev),
+            )
+        finally:
+            if self.lora_step is not None:
+                self.lora_step.batch = None
         rows = inputs.logit_rows
         if not len(rows):
             return None
@@ -71,6 +82,8 @@ class ModelRunner:
         tp_broadcast=None,
         proposer=None,
         grammar_executor=None,
+        lora=None,
+        lora_in_use=None,
     ):
         self.forward = forward
         self.proposer = proposer  # spec_decode.draft_model.DraftModelProposer, with a draft model
@@ -80,8 +93,8 @@ class ModelRunner:
         # The logit controls, applied by the sampler in this order (engine_svc/logits_processors/).
         self.logits_processors = default_processors(grammar_executor)
         self.batch = InputBatch(max_blocks_per_seq)
-        self.lora = None  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
-        self.lora_in_use = None  # () -> {(name, version)} of the adapters running requests use
+        self.lora = lora  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
+        self.lora_in_use = lora_in_use  # () -> {(name, version)} of the adapters running requests use
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
