@@ -11,7 +11,8 @@ from engine_svc.lora.adapter import LoRAAdapter
 from engine_svc.lora.geometry import Target
 from engine_svc.lora.slots import AdapterSlots, SlotsExhausted
 from kernels.lora_cases import LORA_CASES, lora_by_token, make_lora_case
-from kernels.reference.lora import lora_apply, plan_tokens
+from kernels.lora_plan import plan_tokens
+from kernels.reference.lora import lora_apply
 
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=[c[0] for c in LORA_CASES])

@@ -70,3 +70,45 @@ def test_the_scheduler_keeps_no_step_between_its_methods():
         if isinstance(t, ast.Attribute)
     }
     assert not fields & {"failed", "verified", "drafts", "pending"}, fields
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every ``import``/``from`` in a file, functions included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+    return out
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_no_import_circles_and_no_private_names_across_packages():
+    files = [p for d in ("engine_svc", "kernels", "benchmarks", "gateway") for p in (ROOT / d).rglob("*.py")]
+    # ``from a import b`` may import module a.b: count both.
+    graph = {
+        _module_of(p): {d for m, names in _imports(p) for d in (m, *(f"{m}.{n}" for n in names))}
+        for p in files
+    }
+    circles = sorted(
+        f"{a} <-> {b}" for a, deps in graph.items() for b in deps if a < b and a in graph.get(b, ())
+    )
+    assert not circles, circles
+    private = []
+    for p in files:
+        here = _module_of(p).rsplit(".", 1)[0]
+        for module, names in _imports(p):
+            if module.rsplit(".", 1)[0] != here and any(n.startswith("_") for n in names):
+                private.append(
+                    f"{_module_of(p)} imports {[n for n in names if n.startswith('_')]} from {module}"
+                )
+    assert not private, private
+
+
+def test_the_engine_does_not_run_the_kernels_twins_for_planning():
+    for p in (ROOT / "engine_svc").rglob("*.py"):
+        assert not [m for m, _ in _imports(p) if m.startswith("kernels.reference.lora")], p
