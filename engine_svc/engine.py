@@ -81,7 +81,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.spec = ModelSpec.from_dir(config.model)
+        self.spec = ModelSpec.from_path(config.model)
         self.max_model_len = resolve_max_model_len(self.spec, config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step's budget.
@@ -165,7 +165,7 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:
             raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only")
         try:
-            draft = ModelSpec.from_dir(spec_config.model)
+            draft = ModelSpec.from_path(spec_config.model)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{where}: not a loadable model directory: {e}") from None
         if draft.vocab_size != self.spec.vocab_size:

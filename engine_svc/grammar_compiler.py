@@ -80,6 +80,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def find_tokenizer_json(model_dir: str | Path) -> Path | None:
-    path = Path(model_dir) / "tokenizer.json"
-    return path if path.exists() else None
+def find_tokenizer_json(model: str | Path) -> Path | None:
+    from tokenizer_svc.tokenizer_files import find_tokenizer_dir
+
+    d = find_tokenizer_dir(model)
+    return None if d is None else d / "tokenizer.json"

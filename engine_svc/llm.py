@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -57,12 +56,11 @@ class LLM:
             **engine_options,
         )
         self.engine = LLMEngine(config)
-        tok_dir = Path(tokenizer or model)
-        self.tokenizer = None
-        if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tokenizer_config.json").exists():
-            from tokenizer_svc.tokenizer import load_tokenizer
+        from tokenizer_svc.tokenizer import load_tokenizer
+        from tokenizer_svc.tokenizer_files import find_tokenizer_dir
 
-            self.tokenizer = load_tokenizer(tok_dir)
+        tok_dir = find_tokenizer_dir(tokenizer or model)
+        self.tokenizer = None if tok_dir is None else load_tokenizer(tok_dir)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -118,6 +116,35 @@ class LLM:
             for rid in tracks:
                 self.engine.abort_request(rid)  # on an error mid-way, leave nothing behind
         return [t.result() for t in tracks.values()]
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
+        list of them; one output per conversation, in order. The prompt is the model's chat
+        template (or ``chat_template``, a Jinja string) applied the gateway's way: the template's
+        markers are special tokens, the messages' text never is."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none (a token-only model directory)")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation (a list of message dicts) or a list of them")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts, texts = [], []
+        for conversation in conversations:
+            prompts.append(
+                self.tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template)
+            )
+            texts.append(self.tokenizer.render_chat(conversation, add_generation_prompt, chat_template))
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def _ensure_lora(self, request: LoRARequest | None) -> str | None:
         """The adapter's name, loading it first if this engine does not hold that adapter (same

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.loader import init_dummy_weights, load_weights
+from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
@@ -26,12 +28,16 @@ def load_model(
     max_model_len: int,
     shard: Shard,
 ) -> DecoderForCausalLM:
+    start = time.perf_counter()
     with torch.device(device):  # build in place: no host copy of a large model
         model = DecoderForCausalLM(spec, dtype, max_model_len, shard)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.model)
+        where = resolve_model_path(config.model)
+        source = f"GGUF {where.gguf.name}, dequantized" if where.is_gguf else "safetensors"
+        log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
     _log_cpu_dtype(dtype, device)
     backend = resolve_linear_backend(config.linear_backend, device, dtype)
     model.prepare_linears(backend)

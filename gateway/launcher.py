@@ -26,12 +26,18 @@ from gateway.server import GatewayOptions, GatewayServer
 log = logging.getLogger("gateway")
 
 
-def client_hint(host: str, port: int) -> str:
+def client_hint(host: str, port: int, chat: bool = False) -> str:
+    """A command whose answer a person can check: a chat question for a model with a chat template."""
     python = sys.executable
     rel = os.path.relpath(python)
     if not rel.startswith(".."):
         python = rel if os.sep in rel else f"./{rel}"
     target = f"{host}:{port}"
+    if chat:
+        return (
+            f"echo 'What is the capital of France?' | {shlex.quote(python)} -m gateway chat "
+            f"--target {target} --temperature 0 --max-tokens 32"
+        )
     return (
         f"{shlex.quote(python)} -m gateway generate --target {target} --stream --max-tokens 32 "
         f'"Once upon a time"'
@@ -120,7 +126,9 @@ async def run_gateway(opts: GatewayOptions, supervisors: list[EngineSupervisor],
             print(f"llmserve: OpenAI-compatible HTTP API on {scheme}://{host}:{gw.http_port}/v1", flush=True)
         print(f"llmserve: serving {gw.state.model_name!r} on {opts.host}:{gw.port} ({where})", flush=True)
         if print_hint:
-            print(f"Try it:\n  {client_hint(opts.host, gw.port)}", flush=True)
+            tokenizer = gw.state.tokenizer
+            chat = tokenizer is not None and tokenizer.has_chat_template
+            print(f"Try it:\n  {client_hint(opts.host, gw.port, chat)}", flush=True)
 
     server.on_serving = announce
     await server.start()

@@ -131,7 +131,7 @@ def step_section(model_path: str, rounds: int, systems: dict | None = None) -> d
     from kernels.backend import select_kernels
 
     systems = systems or {"old": (OLD, torch.float32), "new": (NEW, torch.float32)}
-    spec = ModelSpec.from_dir(model_path)
+    spec = ModelSpec.from_path(model_path)
     models = {}
     for name, (opts, dtype) in systems.items():
         cfg = EngineConfig(model=model_path, linear_backend=opts["linear_backend"])
@@ -173,7 +173,7 @@ def threads_step_section(model_path: str, rounds: int, threads: dict[str, int]) 
     from engine_svc.parallel.shard import Shard
     from kernels.backend import select_kernels
 
-    spec = ModelSpec.from_dir(model_path)
+    spec = ModelSpec.from_path(model_path)
     model = load_model(
         EngineConfig(model=model_path), spec, torch.float32, torch.device("cpu"), 4096, Shard()
     )

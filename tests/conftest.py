@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GGUF tokenizer conversions of the files tests write go to a cache of this run's own.
+os.environ.setdefault("LLMSERVE_CACHE", tempfile.mkdtemp(prefix="llmserve-test-cache-"))
 
 # Shapes small enough for 2 cores, with initializer_range 0.2 so the top-2 logits are well apart
 # and greedy comparisons with HF are not decided by fp32 summation order.

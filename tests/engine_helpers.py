@@ -59,9 +59,12 @@ def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens. The attention mask is explicit: without one, generate masks every prompt
+    position whose id equals the pad token (a chat model's end-of-turn id, often)."""
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,

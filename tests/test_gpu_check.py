@@ -109,7 +109,7 @@ def test_decode_floor_on_h200():
 def test_config_only_model_is_what_the_engine_reads(tmp_path):
     from engine_svc.models.spec import ModelSpec
 
-    spec = ModelSpec.from_dir(gpu_check.write_config_only_model(tmp_path / "m", gpu_check.LLAMA3_8B))
+    spec = ModelSpec.from_path(gpu_check.write_config_only_model(tmp_path / "m", gpu_check.LLAMA3_8B))
     assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
         4096,
         32,

@@ -120,3 +120,58 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         LLM(model=str(tmp_path), load_format="dummy")
+
+
+# --- LLM.chat ---------------------------------------------------------------------------------
+
+
+def test_chat_one_conversation_or_many(llm):
+    tok = llm.get_tokenizer()
+    first = [{"role": "user", "content": "Hello there"}]
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 <|im_start|>"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    one = llm.chat(first, params, use_tqdm=False)
+    both = llm.chat([first, second], params, use_tqdm=False)
+    assert len(one) == 1 and len(both) == 2
+    # the gateway's chat encoding: a special token's string inside a message stays plain text
+    assert both[1].prompt_token_ids == tok.apply_chat_template(second)
+    # three turns opened by the template (system, user, the generation prompt); the user's is text
+    assert both[1].prompt_token_ids.count(tok.token_to_id("<|im_start|>")) == 3
+    assert one[0].prompt == tok.render_chat(first)
+    # a chat is exactly a generate over the template's ids
+    ids = llm.generate([tok.apply_chat_template(first)], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert one[0].outputs[0].token_ids == both[0].outputs[0].token_ids == ids
+    assert_pool_whole(llm.engine)
+
+
+def test_chat_with_a_template_of_its_own_and_without_generation_prompt(llm):
+    template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
+    assert out.prompt == "[user] hi\n[assistant] "
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(
+        "[user] hi\n[assistant] ", add_special_tokens=False
+    )
+    plain = llm.chat(messages, params, add_generation_prompt=False, use_tqdm=False)[0]
+    assert plain.prompt == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_chat_refuses_bad_messages_and_token_only_models(llm, tiny_llama, tmp_path):
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="a conversation"):
+        llm.chat([], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="has no 'content'"):
+        llm.chat([{"role": "user"}], params, use_tqdm=False)
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / f, bare / f)
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        LLM(model=str(bare), num_kv_blocks=16).chat([{"role": "user", "content": "x"}], params)
+    assert_pool_whole(llm.engine)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
+from tokenizer_svc.tokenizer_files import find_tokenizer_dir
 
 # transformers' placeholder for "no limit configured" (int(1e30)); anything this large means none.
 _NO_LENGTH_LIMIT = 10**18
@@ -98,23 +99,27 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of ``messages``."""
-        if not self.has_chat_template:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> str:
+        """The prompt text the model's chat template (or ``chat_template``) makes of ``messages``."""
+        if chat_template is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; send a text prompt instead")
         validate_messages(messages)
         return self._hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
         """The template's markers are special tokens; the messages' roles and contents are plain
         text (chat_encoding.py). The template writes BOS itself; adding special tokens again would
         double them (the convention of transformers' own tokenize=True path)."""
         validate_messages(messages)
         return encode_chat(
             messages,
-            lambda msgs: self.render_chat(msgs, add_generation_prompt),
+            lambda msgs: self.render_chat(msgs, add_generation_prompt, chat_template),
             self._specials,
             lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
             self._backend.token_to_id,
@@ -129,11 +134,12 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load the tokenizer of a model folder (tokenizer.json, tokenizer_config.json, chat template)."""
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """Load the tokenizer of a model folder (tokenizer.json, tokenizer_config.json, chat template)
+    or of a GGUF file (from its metadata)."""
     from transformers import AutoTokenizer
 
-    path = Path(model_dir)
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    path = find_tokenizer_dir(model)
+    if path is None:
+        raise FileNotFoundError(f"no tokenizer.json in {model}")
     return Tokenizer(AutoTokenizer.from_pretrained(str(path), use_fast=True))

@@ -24,7 +24,7 @@ def write_random_adapter(
     modules: tuple[str, ...] = TARGET_MODULES,
     std: float = 0.02,
 ) -> Path:
-    spec = ModelSpec.from_dir(model)
+    spec = ModelSpec.from_path(model)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):

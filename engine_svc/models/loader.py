@@ -1,5 +1,6 @@
-"""Weights into a ``DecoderForCausalLM``: from HF safetensors (one file or sharded), or random
-("dummy") from config.json alone for benchmarks. Each HF tensor is taken whole and the slice that
+"""Weights into a ``DecoderForCausalLM``: from HF safetensors (one file or sharded), from a GGUF
+file (dequantized here to the model's dtype), or random ("dummy") from the config alone for
+benchmarks. Each HF tensor is taken whole and the slice that
 this tensor-parallel rank holds is copied in, so every rank reads the same checkpoint."""
 
 from __future__ import annotations
@@ -13,17 +14,25 @@ import torch
 from safetensors import safe_open
 
 from engine_svc.models.decoder import DecoderForCausalLM
+from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
+from engine_svc.models.model_path import resolve_model_path
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
-    loaded = {name for name, tensor in _read_safetensors(Path(model_dir)) if assign(model, name, tensor)}
-    missing = expected_names(model) - loaded
+def load_weights(model: DecoderForCausalLM, model_path: str | Path) -> None:
+    where = resolve_model_path(model_path)
+    tensors = _read_gguf(where.gguf) if where.is_gguf else _read_safetensors(where.root)
+    shapes = full_shapes(model)
+    loaded = set()
+    for name, source, tensor in tensors:
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{source}: shape {tuple(tensor.shape)}, the config needs {shapes[name]}")
+        if assign(model, name, tensor):
+            loaded.add(name)
+    missing = set(shapes) - loaded
     if missing:
-        raise ValueError(
-            f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
-        )
+        raise ValueError(f"checkpoint {model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
@@ -42,7 +51,14 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         assign(model, name, tensor)
 
 
-def _read_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_gguf(path: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(HF name, where it came from, fp32 tensor): one tensor dequantized at a time, so the load
+    never holds a second float copy of the model."""
+    for t in GGUFCheckpoint(path).tensors():
+        yield t.hf_name, f"GGUF tensor {t.gguf_name} ({t.type_name})", t.dequantize()
+
+
+def _read_safetensors(d: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
     index = d / "model.safetensors.index.json"
     if index.exists():
         files = [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
@@ -55,7 +71,7 @@ def _read_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f"tensor {name} in {path.name}", f.get_tensor(name)
 
 
 def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:

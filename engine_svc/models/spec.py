@@ -1,10 +1,13 @@
-"""The shape of a checkpoint, read from its HF ``config.json`` (both the transformers 4 and 5 forms)."""
+"""The shape of a checkpoint, read from its HF ``config.json`` (both the transformers 4 and 5 forms)
+or from a GGUF file's metadata (turned into the same config first)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine_svc.models.model_path import resolve_model_path
 
 # architecture name in config.json -> the family flags our one decoder implementation needs
 SUPPORTED_ARCHITECTURES = {
@@ -38,13 +41,15 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelSpec:
-        d = Path(model_dir)
-        cfg_path = d / "config.json"
-        if not cfg_path.exists():
-            raise FileNotFoundError(f"no config.json in model directory {d}")
-        cfg = json.loads(cfg_path.read_text())
-        return cls.from_dict(cfg, _generation_eos(d))
+    def from_path(cls, model: str | Path) -> ModelSpec:
+        """An HF directory, a GGUF file, or a directory holding one GGUF file."""
+        where = resolve_model_path(model)
+        if where.is_gguf:
+            from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
+
+            return cls.from_dict(GGUFCheckpoint(where.gguf).config())
+        cfg = json.loads((where.root / "config.json").read_text())
+        return cls.from_dict(cfg, _generation_eos(where.root))
 
     @classmethod
     def from_dict(cls, cfg: dict, generation_eos: list[int] | None = None) -> ModelSpec:

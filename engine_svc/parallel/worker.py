@@ -52,7 +52,7 @@ def main() -> None:
     shard = Shard(args.rank, args.world_size)
     device = resolve_device(config.device, args.rank)
     dtype = resolve_dtype(config.dtype, device)
-    spec = ModelSpec.from_dir(config.model)
+    spec = ModelSpec.from_path(config.model)
     torch.manual_seed(config.seed)
     model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)
     kv_caches = allocate_kv_caches(spec, shard, args.num_blocks, config.block_size, dtype, device)

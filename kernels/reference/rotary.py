@@ -1,5 +1,5 @@
 """Rotary position embedding, neox layout (rotate the two halves of the head dim), with the
-frequency tables of plain, linear-scaled and llama3-scaled RoPE."""
+frequency tables of plain, linear-scaled and llama3-scaled RoPE (also as GGUF's per-frequency factors)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind == "freq_factors":  # GGUF's form of llama3 scaling: one divisor per frequency
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -1,0 +1,259 @@
+"""A GGUF file as a checkpoint: its metadata as an HF-style config, its tensors under HF names.
+
+Read with the ``gguf`` package (llama.cpp's own reader): the file is memory-mapped and every tensor
+is a view of its blocks, so a caller may dequantize it (``GGUFTensor.dequantize``) or, later, keep
+the blocks as they are for a quantized kernel. What llama.cpp's converter changed on the way in is
+undone here: its tensor names, its reversed dimension order, and, for the Llama family, the
+interleaved row order of the q/k projections that its rotary kernel wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
+
+# GGUF general.architecture -> the HF architecture our decoder serves it as
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Llama 2/3, SmolLM, and Mistral (llama.cpp converts it as llama)
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# The Llama family's q/k rows were permuted by the converter (for llama.cpp's rotary layout).
+_PERMUTED_QK = {"llama", "mistral"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors a converter writes that the forward pass derives itself or has no use for.
+_DERIVED = {"rope_freqs.weight"}
+
+
+SUPPORTED_TYPES = {
+    GGMLQuantizationType[name]: name
+    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    gguf_name: str
+    hf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # in torch order (rows first), as the HF tensor has it
+    _reader_tensor: object
+    _permute_heads: int | None  # q/k of the Llama family: rows to put back in HF order
+
+    def dequantize(self) -> torch.Tensor:
+        """The tensor in fp32, in HF layout."""
+        t = self._reader_tensor
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:  # a gguf quirk or a bad block: say which tensor
+            raise ValueError(
+                f"GGUF tensor {self.gguf_name} ({self.type_name}) cannot be dequantized: {e}"
+            ) from e
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # an F32 tensor comes back as a view of the read-only map
+            array = array.copy()
+        tensor = torch.from_numpy(array).reshape(self.shape)
+        if self._permute_heads is not None:
+            tensor = _unpermute_rows(tensor, self._permute_heads)
+        return tensor
+
+
+def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    # The converter stores, per head, the rotary pairs (i, i + d/2) next to each other; HF keeps the
+    # two halves apart. Rows [h, pair, 2] -> [h, 2, pair].
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """One GGUF file: ``config()`` for ModelSpec, ``tensors()`` for the loader."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.reader = _open_reader(self.path)
+        self.architecture = self.field("general.architecture")
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF file {self.path.name} has architecture {self.architecture!r}; supported: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        for t in self.reader.tensors:
+            if t.tensor_type not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"GGUF tensor {t.name} has type {GGMLQuantizationType(t.tensor_type).name}; supported "
+                    f"types: {', '.join(SUPPORTED_TYPES.values())}"
+                )
+        self._by_name = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.architecture}.{key}", default)
+
+    def config(self) -> dict:
+        """The hyper-parameters as an HF ``config.json`` would hold them."""
+        arch = self.architecture
+        heads = self._required(f"{arch}.attention.head_count")
+        hidden = self._required(f"{arch}.embedding_length")
+        embed = self._by_name.get("token_embd.weight")
+        if embed is None:
+            raise ValueError(f"GGUF file {self.path.name} has no token_embd.weight")
+        vocab = int(embed.shape[1])  # ne order: [hidden, vocab]
+        eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
+        head_dim = self.arch_field("attention.key_length") or hidden // heads
+        cfg = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": self._required(f"{arch}.feed_forward_length"),
+            "num_hidden_layers": self._required(f"{arch}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.arch_field("attention.head_count_kv") or heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(head_dim),
+            "max_position_embeddings": self.arch_field("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in self._by_name,
+            "attention_bias": "blk.0.attn_output.bias" in self._by_name,
+            "eos_token_id": eos_ids,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+        }
+        return cfg
+
+    def _required(self, key: str):
+        value = self.field(key)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path.name} lacks the metadata key {key}")
+        return value
+
+    def _rope_scaling(self, head_dim: int) -> dict | None:
+        factors = self._by_name.get("rope_freqs.weight")
+        if factors is not None:  # Llama 3.1-style scaling, stored as per-frequency divisors
+            values = np.asarray(factors.data, dtype=np.float32).reshape(-1)
+            if values.size != head_dim // 2:
+                raise ValueError(
+                    f"GGUF tensor rope_freqs.weight has {values.size} factors; head_dim {head_dim} needs "
+                    f"{head_dim // 2}"
+                )
+            return {"rope_type": "freq_factors", "factors": tuple(float(v) for v in values)}
+        kind = self.arch_field("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self.arch_field("rope.scaling.factor"))}
+        raise ValueError(f"GGUF file {self.path.name}: rope scaling {kind!r} is not supported (linear is)")
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Every weight under its HF name, in file order."""
+        heads = self._required(f"{self.architecture}.attention.head_count")
+        kv_heads = self.arch_field("attention.head_count_kv") or heads
+        permute = self.architecture in _PERMUTED_QK
+        for t in self.reader.tensors:
+            if t.name in _DERIVED:
+                continue
+            hf_name = hf_tensor_name(t.name)
+            if hf_name is None:
+                raise ValueError(f"GGUF tensor {t.name} is not a weight this model family has")
+            heads_to_undo = None
+            if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads_to_undo = heads if "q_proj" in hf_name else kv_heads
+            yield GGUFTensor(
+                t.name,
+                hf_name,
+                SUPPORTED_TYPES[t.tensor_type],
+                tuple(int(n) for n in reversed(t.shape.tolist())),
+                t,
+                heads_to_undo,
+            )
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+@functools.cache
+def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
+    return _ValidatingReader(path)
+
+
+def _open_reader(path: Path):
+    """One reader per file per process (spec, weights and tokenizer share it); parsing the metadata
+    of a large vocabulary takes seconds, so it is done once."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"GGUF file {path} does not exist") from None
+    try:
+        return _cached_reader(str(path), st.st_size, st.st_mtime_ns)
+    except ValueError as e:
+        raise ValueError(f"GGUF file {path.name} is not readable: {e}") from e
+    except (IndexError, TypeError, UnicodeDecodeError) as e:  # the reader's way of running off the end
+        raise ValueError(f"GGUF file {path.name} is not readable (truncated or corrupt header): {e}") from e
+
+
+class _ValidatingReader(GGUFReader):
+    """The gguf package's reader, with each tensor's type and byte range checked before it is
+    mapped, so that a bad file's error names the tensor (the reader alone fails with a bare enum or
+    reshape error)."""
+
+    def _build_tensors(self, start_offs, fields):
+        end = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise ValueError(f"tensor {name} has unknown GGML type code {int(raw_dtype[0])}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n = int(np.prod(dims.astype(np.int64)))
+            if n % block:
+                raise ValueError(f"tensor {name}: {n} elements is not a whole number of {qtype.name} blocks")
+            first = int(start_offs + offset[0])
+            last = first + n * type_size // block
+            if last > end:
+                raise ValueError(
+                    f"tensor {name} is truncated: needs bytes {first}..{last}, the file ends at {end}"
+                )
+        super()._build_tensors(start_offs, fields)

@@ -1,0 +1,150 @@
+"""GGUF files for tests, written with the ``gguf`` package's own writer the way llama.cpp's
+converter lays them out: its tensor names, dimensions in reverse, and the Llama family's q/k rows
+permuted for its rotary layout. The engine's reader undoes all of that; transformers' GGUF loader
+(an independent reader) undoes it too, so the two must agree on every file written here.
+
+``gguf.quants`` can quantize F16, BF16, Q8_0 and Q4/Q5 blocks; the K-quant types (Q2_K..Q6_K) have
+no quantizer there, so their blocks are random bytes with finite, small scale fields: any bit
+pattern of the packed quants is a valid block.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from safetensors.numpy import load_file
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ALL_TYPES = FLOAT_TYPES + BLOCK_TYPES + K_TYPES
+
+# byte offsets of the fp16 scale fields in one 256-value K-quant block (ggml-common.h layouts)
+_K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{_NAMES[rest]}"
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for q/k rows: per head, the two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_k_blocks(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray:
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in _K_SCALE_FIELDS[type_name]:
+        scale = rng.uniform(0.002, 0.01, size=(rows, cols // block)).astype(np.float16)
+        data[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, cols // block * size)
+
+
+def write_gguf(model_dir: Path, out: Path, type_name: str = "F32", arch: str | None = None) -> Path:
+    """The HF model in ``model_dir`` (random weights, its tokenizer.json) as one GGUF file whose 2-D
+    weights are of ``type_name`` (norms and biases stay F32, as llama.cpp keeps them)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = arch or cfg["model_type"]
+    g_arch = _GGUF_ARCH[arch]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = GGUFWriter(str(out), g_arch)
+    w.add_name(f"test {arch} {type_name}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(
+        float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+    )
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    _add_tokenizer(w, model_dir, cfg)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    permuted = g_arch == "llama"
+    for i, (name, tensor) in enumerate(sorted(weights.items())):
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        array = tensor.astype(np.float32)
+        if permuted and name.endswith("q_proj.weight"):
+            array = permute_rows(array, heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            array = permute_rows(array, kv_heads)
+        _add_tensor(w, gguf_name(name), array, type_name if array.ndim == 2 else "F32", seed=i)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tensor(w: GGUFWriter, name: str, array: np.ndarray, type_name: str, seed: int) -> None:
+    qtype = GGMLQuantizationType[type_name]
+    if type_name == "F32":
+        w.add_tensor(name, array)
+    elif type_name == "F16":
+        w.add_tensor(name, array.astype(np.float16))
+    elif type_name in K_TYPES:
+        w.add_tensor(name, random_k_blocks(*array.shape, type_name, seed), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    if [i for _, i in by_id] != list(range(len(by_id))):
+        raise ValueError("test tokenizer ids are not dense")
+    tokens = [t for t, _ in by_id]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    eos = cfg.get("eos_token_id")
+    w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
+    w.add_add_bos_token(False)
+    config = model_dir / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+    if template:
+        w.add_chat_template(template)

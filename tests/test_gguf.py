@@ -1,0 +1,343 @@
+"""GGUF as a model format: files written here with the gguf package's writer (each tensor type,
+each architecture) load, and the engine's greedy tokens equal those of transformers' own GGUF
+loader on the same file; the tokenizer and chat template come from the metadata; bad files get
+errors that name the problem."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, quants
+from transformers import AutoModelForCausalLM
+
+from engine_svc import LLM, SamplingParams
+from engine_svc.models.build import build_random_model
+from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
+from engine_svc.models.spec import ModelSpec
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_to_completion,
+)
+from tests.gguf_files import ALL_TYPES, K_TYPES, gguf_name, write_gguf
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2)
+# K-quant blocks hold 256 values: every weight's input dimension must be a multiple of 256.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_key_value_heads=2)
+ARCHS = {
+    "llama": dict(num_attention_heads=4),
+    "mistral": dict(num_attention_heads=8),
+    "qwen2": dict(num_attention_heads=4),
+    # transformers' GGUF config reader drops head_dim for qwen3 (it takes Qwen3Config's 128)
+    "qwen3": dict(num_attention_heads=4, head_dim=128),
+}
+
+
+def _model(root, arch, tokenizer_dir, shape=SMALL, **extra):
+    d = build_random_model(
+        root / f"hf-{arch}", arch, seed=77, vocab_size=1024, eos_token_id=2, **shape, **ARCHS[arch], **extra
+    )
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / f, d / f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp("gguf_src")
+    return {arch: _model(root, arch, trained_tokenizer_dir) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, trained_tokenizer_dir):
+    return _model(tmp_path_factory.mktemp("gguf_wide"), "llama", trained_tokenizer_dir, WIDE)
+
+
+def _hf_from_gguf(path):
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def _engine_tokens(path, prompts, n, **options):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    engine = make_engine(path, max_num_batched_tokens=24, dtype="float32", **options)
+    out = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    return [out[(str(i), 0)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_1"])
+def test_greedy_tokens_equal_transformers_gguf_loader(hf_dirs, tmp_path, arch, type_name):
+    path = write_gguf(hf_dirs[arch], tmp_path / f"{arch}-{type_name}.gguf", type_name)
+    hf = _hf_from_gguf(path)
+    prompts = random_prompts([5, 40], 1024, seed=3)  # 40 tokens: chunked at 24
+    for prompt, got in zip(prompts, _engine_tokens(path, prompts, 12), strict=True):
+        assert_greedy_matches(hf, prompt, got, hf_greedy(hf, prompt, 12))
+
+
+def test_f32_file_equals_the_source_checkpoint(hf_dirs, tmp_path):
+    """The permutation of q/k rows is undone exactly: an F32 GGUF gives the safetensors model's tokens."""
+    path = write_gguf(hf_dirs["llama"], tmp_path / "llama.gguf", "F32")
+    prompts = random_prompts([7, 33], 1024, seed=9)
+    assert _engine_tokens(path, prompts, 16) == _engine_tokens(hf_dirs["llama"], prompts, 16)
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_every_tensor_type_loads_as_gguf_dequantizes_it(wide_llama, tmp_path, type_name):
+    """Each weight in the engine equals the gguf package's own dequantization of the file's blocks
+    (an independent reader), in HF row order; and the engine agrees with transformers on tokens."""
+    path = write_gguf(wide_llama, tmp_path / f"wide-{type_name}.gguf", type_name)
+    llm = LLM(model=str(path), dtype="float32", linear_backend="dense", num_kv_blocks=64)
+    layer = llm.engine.model.layers[0]
+    reader = GGUFReader(str(path))
+    raw = {t.name: t for t in reader.tensors}
+
+    def dequant(hf_name):
+        t = raw[gguf_name(hf_name)]
+        return torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+    hf = _hf_from_gguf(path)
+    hf_layer = hf.model.layers[0]
+    # v and the MLP are not permuted: the engine's rows are the file's rows as they are
+    q, k, v = (layer.qkv_weight[: 4 * 64], layer.qkv_weight[4 * 64 : 6 * 64], layer.qkv_weight[6 * 64 :])
+    assert torch.equal(v, dequant("model.layers.0.self_attn.v_proj.weight"))
+    assert torch.equal(layer.down_weight, dequant("model.layers.0.mlp.down_proj.weight"))
+    assert torch.equal(llm.engine.model.embed, dequant("model.embed_tokens.weight"))
+    # q and k were permuted by the writer; transformers un-permutes them with its own code
+    assert torch.equal(q, hf_layer.self_attn.q_proj.weight)
+    assert torch.equal(k, hf_layer.self_attn.k_proj.weight)
+    assert torch.equal(layer.gate_up_weight[:512], hf_layer.mlp.gate_proj.weight)
+    if type_name not in K_TYPES:  # random K blocks make a flat model: near-ties everywhere
+        prompt = random_prompts([9], 1024, seed=4)[0]
+        got = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
+        assert_greedy_matches(hf, prompt, got[0].outputs[0].token_ids, hf_greedy(hf, prompt, 8))
+
+
+def test_spec_from_metadata(hf_dirs, tmp_path):
+    for arch in ARCHS:
+        path = write_gguf(hf_dirs[arch], tmp_path / f"{arch}.gguf", "F32")
+        from_gguf, from_hf = ModelSpec.from_path(path), ModelSpec.from_path(hf_dirs[arch])
+        # llama.cpp converts Mistral as llama: the same decoder, so the same flags
+        expected = "LlamaForCausalLM" if arch == "mistral" else from_hf.architecture
+        assert from_gguf.architecture == expected
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            assert getattr(from_gguf, field) == getattr(from_hf, field), (arch, field)
+        for field in ("num_heads", "num_kv_heads", "head_dim", "rope_theta", "qkv_bias", "qk_norm"):
+            assert getattr(from_gguf, field) == getattr(from_hf, field), (arch, field)
+        assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)
+        assert from_gguf.eos_token_ids == (2,)
+        # a directory holding one GGUF file is the same model
+        d = tmp_path / f"dir-{arch}"
+        d.mkdir()
+        shutil.copy(path, d / path.name)
+        assert ModelSpec.from_path(d) == from_gguf
+
+
+def test_tied_embeddings(tmp_path, trained_tokenizer_dir):
+    d = _model(tmp_path, "llama", trained_tokenizer_dir, tie_word_embeddings=True)
+    path = write_gguf(d, tmp_path / "tied.gguf", "Q8_0")
+    assert "output.weight" not in {t.name for t in GGUFReader(str(path)).tensors}
+    assert ModelSpec.from_path(path).tie_word_embeddings
+    hf = _hf_from_gguf(path)
+    prompt = random_prompts([11], 1024, seed=5)[0]
+    assert_greedy_matches(hf, prompt, _engine_tokens(path, [prompt], 10)[0], hf_greedy(hf, prompt, 10))
+
+
+def test_tokenizer_and_chat_template_from_metadata(hf_dirs, tmp_path, trained_tokenizer_dir):
+    """The tokenizer is transformers' conversion of the metadata, kept as converted (the cached copy
+    encodes exactly as transformers' own GGUF tokenizer), with the source's vocabulary and template."""
+    from transformers import AutoTokenizer
+
+    from tokenizer_svc.tokenizer import load_tokenizer
+
+    path = write_gguf(hf_dirs["qwen2"], tmp_path / "q.gguf", "F32")
+    source, converted = load_tokenizer(trained_tokenizer_dir), load_tokenizer(path)
+    again = load_tokenizer(path)  # from the cache this time
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert converted.backend.get_vocab() == source.backend.get_vocab()
+    for text in ["Hello, world!", "def f(x):\n    return x * 2  # héllo 你好 12345", "<|im_start|>user"]:
+        assert converted.encode(text) == reference(text)["input_ids"] == again.encode(text), text
+        assert converted.decode(converted.encode(text), skip_special_tokens=False) == text
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert converted.render_chat(messages) == source.render_chat(messages)
+    assert converted.eos_token_id == 2
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids == converted.apply_chat_template(messages)
+    assert out[0].prompt == source.render_chat(messages)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+
+def _wide_file(wide_llama, tmp_path, type_name="Q8_0"):
+    return write_gguf(wide_llama, tmp_path / f"bad-{type_name}.gguf", type_name)
+
+
+def test_truncated_file_names_the_tensor(wide_llama, tmp_path):
+    path = _wide_file(wide_llama, tmp_path)
+    last = GGUFReader(str(path)).tensors[-1]
+    data = path.read_bytes()
+    path.write_bytes(data[: last.data_offset + 10])
+    with pytest.raises(ValueError, match=rf"tensor {last.name} is truncated"):
+        ModelSpec.from_path(path)
+
+
+def test_file_cut_inside_the_header(wide_llama, tmp_path):
+    path = _wide_file(wide_llama, tmp_path)
+    path.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(ValueError, match="not readable"):
+        ModelSpec.from_path(path)
+
+
+def _patch_type(path, tensor_name: str, code: int) -> None:
+    """Overwrite the type code in ``tensor_name``'s info record (name, n_dims, dims, type, offset)."""
+    data = bytearray(path.read_bytes())
+    key = tensor_name.encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, code)
+    path.write_bytes(bytes(data))
+
+
+def test_unknown_tensor_type_names_the_tensor(wide_llama, tmp_path):
+    path = _wide_file(wide_llama, tmp_path)
+    _patch_type(path, "blk.0.ffn_up.weight", 250)
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.ffn_up\.weight has unknown GGML type code 250"):
+        ModelSpec.from_path(path)
+
+
+def test_unsupported_tensor_type_names_it_and_the_supported_ones(wide_llama, tmp_path):
+    from gguf import GGMLQuantizationType
+
+    path = _wide_file(wide_llama, tmp_path, "F32")
+    _patch_type(path, "blk.0.attn_norm.weight", int(GGMLQuantizationType.I32))  # same size, not a weight type
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_norm\.weight has type I32; supported types: F32"):
+        ModelSpec.from_path(path)
+
+
+def test_mismatched_shape_names_the_tensor(hf_dirs, tmp_path):
+    from gguf import GGUFWriter
+
+    src = write_gguf(hf_dirs["llama"], tmp_path / "ok.gguf", "F32")
+    reader = GGUFReader(str(src))
+    out = tmp_path / "wrong-shape.gguf"
+    w = GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        w.add_key_value(
+            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    for t in reader.tensors:
+        array = np.array(t.data)
+        if t.name == "blk.1.ffn_down.weight":
+            array = array[:, :-8]  # 8 columns short
+        w.add_tensor(t.name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        ValueError,
+        match=r"GGUF tensor blk\.1\.ffn_down\.weight \(F32\): shape \(64, 120\), "
+        r"the config needs \(64, 128\)",
+    ):
+        LLM(model=str(out), dtype="float32", num_kv_blocks=16)
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    from gguf import GGUFWriter
+
+    out = tmp_path / "phi.gguf"
+    w = GGUFWriter(str(out), "phi3")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"architecture 'phi3'; supported: llama, mistral, qwen2, qwen3"):
+        ModelSpec.from_path(out)
+
+
+def test_directory_paths(hf_dirs, tmp_path):
+    d = tmp_path / "two"
+    d.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(hf_dirs["llama"], d / name, "F32")
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files \(a\.gguf, b\.gguf\); name one"):
+        ModelSpec.from_path(d)
+    assert ModelSpec.from_path(d / "a.gguf").num_layers == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json or .gguf file"):
+        ModelSpec.from_path(empty)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        ModelSpec.from_path(tmp_path / "weights.bin")
+
+
+def test_rope_freq_factors_from_the_file(hf_dirs, tmp_path):
+    """Llama 3.1 scaling travels in GGUF as a rope_freqs tensor: the spec divides by it."""
+    from gguf import GGUFWriter
+
+    from kernels.reference.rotary import rope_inv_freq
+
+    src = write_gguf(hf_dirs["llama"], tmp_path / "ok.gguf", "F32")
+    reader = GGUFReader(str(src))
+    out = tmp_path / "rope.gguf"
+    w = GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        w.add_key_value(
+            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)  # head_dim 16 -> 8 frequencies
+    w.add_tensor("rope_freqs.weight", factors)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    spec = ModelSpec.from_path(out)
+    plain = rope_inv_freq(spec.head_dim, spec.rope_theta)
+    assert torch.allclose(
+        rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling), plain / torch.tensor(factors)
+    )
+    assert GGUFCheckpoint(out).config()["rope_scaling"]["rope_type"] == "freq_factors"
+
+
+def test_the_service_serves_a_gguf_file(hf_dirs, tmp_path):
+    """`llmserve serve --model x.gguf`: gateway, tokenizer worker and engine all read the one file;
+    a chat over gRPC gives the offline LLM.chat's tokens on the same file."""
+    from gateway.client import LLMServeClient
+    from gateway.service_process import ServiceProcess
+
+    path = write_gguf(hf_dirs["llama"], tmp_path / "served.gguf", "Q8_0")
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    offline = LLM(model=str(path), dtype="float32", num_kv_blocks=64).chat(messages, params, use_tqdm=False)[
+        0
+    ]
+    with ServiceProcess(path, "--num-kv-blocks", "64", "--tokenizer-workers", "1") as sp:
+        with LLMServeClient(sp.target, timeout=60) as client:
+            info = client.model_info()
+            assert info.has_chat_template
+            reply = client.generate(
+                messages=messages, max_tokens=12, temperature=0.0, ignore_eos=True, return_token_ids=True
+            )
+    assert list(reply.token_ids) == offline.outputs[0].token_ids
+    assert reply.text == offline.outputs[0].text
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)

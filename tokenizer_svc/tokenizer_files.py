@@ -1,0 +1,83 @@
+"""Where a model's tokenizer files are: its own ``tokenizer.json``, or, for a GGUF file, one
+converted from the file's metadata (vocabulary, merges, special tokens, chat template).
+
+The conversion (transformers' GGUF tokenizer converter) takes seconds for a large vocabulary, and
+every process that tokenizes (gateway, tokenizer workers, the engine's grammar compiler) needs it,
+so it is done once per file and kept in a cache keyed by the file's path, size and modification
+time; a changed file is converted again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from engine_svc.models.model_path import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def find_tokenizer_dir(model: str | Path) -> Path | None:
+    """The directory with ``tokenizer.json`` for ``model`` (a tokenizer or model directory, or a
+    GGUF file); None for a directory with neither (a token-only model)."""
+    path = Path(model)
+    if path.is_dir() and (path / "tokenizer.json").exists():
+        return path
+    if path.is_dir() and not any(path.glob("*.gguf")):
+        return None
+    where = resolve_model_path(path)
+    if where.is_gguf:
+        return gguf_tokenizer_dir(where.gguf)
+    return where.root if (where.root / "tokenizer.json").exists() else None
+
+
+def cache_root() -> Path:
+    root = os.environ.get("LLMSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve"
+    )
+    return Path(root) / "gguf-tokenizers"
+
+
+def gguf_tokenizer_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    out = cache_root() / key
+    if (out / "tokenizer.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start together (gateway, tokenizer workers, engine) wait for one conversion.
+    with open(out.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "tokenizer.json").exists():
+            _convert(gguf, out)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:
+        raise ValueError(f"GGUF file {gguf.name}: its tokenizer metadata cannot be converted: {e}") from e
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tok.save_pretrained(str(tmp))
+    # Reloaded under its model-specific class, transformers would rebuild the pre-tokenizer from that
+    # class's defaults; the generic backend takes tokenizer.json as converted.
+    config_path = tmp / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "TokenizersBackend"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process's conversion got there first (no lock on this file system)
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("tokenizer of %s converted in %.1fs (cached in %s)", gguf.name, time.perf_counter() - start, out)
