@@ -20,11 +20,18 @@ from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
 from engine_svc.logits_processors import bad_words
+from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
-from tests import test_bench_quick, test_logit_controls, test_openai_protocol, test_speculative
+from tests import (
+    test_bench_quick,
+    test_logit_controls,
+    test_openai_protocol,
+    test_speculative,
+    test_structured_outputs,
+)
 
 
 def _module(module):
@@ -43,6 +50,7 @@ stop_string_checks = _model_free(
     lambda: test_openai_protocol.test_stop_as_a_string_or_a_list_reaches_the_request("END", ["END"])
 )
 step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
+logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -149,6 +157,14 @@ MUTANTS = [
         "self.inside_s += time.perf_counter() - t0",
         "self.inside_s = time.perf_counter() - t0",
         step_overhead_checks,
+    ),
+    (
+        "the sampler skips the logits processors' constraints (bias, allowed ids, grammar)",
+        Sampler,
+        "__call__",
+        "if processor.constraint:",
+        "if processor.constraint and processor.flag < 0:",
+        logit_control_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)
