@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.load_clients import grpc_requests, mean_summary, openai_load
 from benchmarks.vllm_peer import find_vllm_python, run_vllm_workloads, server_command, tree_cpu_s, vllm_env
 
 # Prompt ids stay below the default tokenizer's vocabulary, so that our gateway can detokenize.
@@ -162,94 +163,6 @@ def run_ours(model: Path, workloads: dict, threads: int, work_dir: Path) -> dict
 
 
 # --- serving: an OpenAI streaming client (no HTTP library in the project's venv) --------------
-async def _read_chunked_lines(reader: asyncio.StreamReader):
-    """Lines of an HTTP/1.1 chunked body (SSE), as they arrive."""
-    buf = b""
-    while True:
-        size_line = await reader.readline()
-        if not size_line:
-            break
-        size = int(size_line.strip().split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        buf += await reader.readexactly(size)
-        await reader.readexactly(2)
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            yield line
-
-
-async def openai_stream_one(host: str, port: int, model: str, prompt: list[int], max_tokens: int):
-    from benchmarks.loadgen import RequestRecord
-
-    body = json.dumps(
-        dict(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            stream=True,
-            return_token_ids=True,
-        )
-    ).encode()
-    rec = RequestRecord(start=time.perf_counter())
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(body)) + body
-        )
-        await writer.drain()
-        status = await reader.readline()
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
-        if b" 200 " not in status:
-            rec.error = status.decode().strip() + " " + (await reader.read(2000)).decode(errors="replace")
-            return rec
-        lines = (
-            _read_chunked_lines(reader)
-            if "chunked" in headers.get("transfer-encoding", "")
-            else _plain_lines(reader)
-        )
-        async for line in lines:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            for choice in json.loads(line[6:]).get("choices", []):
-                n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
-                rec.token_times += [now] * n
-        rec.end = time.perf_counter()
-        if not rec.token_times:
-            rec.error = "no tokens streamed"
-    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-        rec.error = repr(e)
-    finally:
-        writer.close()
-    return rec
-
-
-async def _plain_lines(reader: asyncio.StreamReader):
-    while line := await reader.readline():
-        yield line
-
-
-async def openai_load(host, port, model, prompts, output_lens, concurrency) -> tuple[list, float]:
-    queue = list(reversed(list(zip(prompts, output_lens, strict=True))))
-    records = []
-
-    async def worker():
-        while queue:
-            p, n = queue.pop()
-            records.append(await openai_stream_one(host, port, model, p, n))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return records, time.perf_counter() - start
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -305,7 +218,6 @@ def serve_ours(model: Path, w: dict) -> tuple[dict, dict]:
     repeated (gRPC, HTTP, HTTP, gRPC; each API's figures the mean of its two passes): the first
     pass after a warm-up ran up to 2x slower than the next on this machine, whichever API had it."""
     from benchmarks.loadgen import run_load, summarize
-    from benchmarks.serving import grpc_requests, mean_summary
     from tests.service_process import ServiceProcess
 
     grpc_out, http_out = {}, {}

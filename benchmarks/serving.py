@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_json
+from benchmarks.load_clients import grpc_requests, mean_summary, openai_load
 from benchmarks.loadgen import RequestRecord, run_load, summarize
 from engine_svc.server.cpus import torch_threads
-from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from tests.service_process import ServiceProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -93,19 +93,6 @@ def dummy_llama_dir(scratch: Path, name: str, shape: dict, max_len: int) -> Path
 def workload(num_requests: int, prompt_len: int, output_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 8000) for _ in range(prompt_len)] for _ in range(num_requests)]
-
-
-def grpc_requests(prompts: list[list[int]], output_len: int) -> list[gen.GenerateRequest]:
-    return [
-        gen.GenerateRequest(
-            token_ids=gen.TokenIds(ids=p),
-            max_tokens=output_len,
-            ignore_eos=True,
-            temperature=0.0,
-            return_token_ids=True,
-        )
-        for p in prompts
-    ]
 
 
 def offline_load(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list, float]:
@@ -176,8 +163,6 @@ def run_client(args) -> int:
     c = args.concurrency[0]
     prompts = workload(args.num_requests, args.prompt_len, args.output_len, seed=c)
     if args.http_client:  # the same requests as OpenAI completions: benchmarks.peer's SSE client
-        from benchmarks.peer import openai_load
-
         host, _, port = args.http_client.rpartition(":")
         asyncio.run(openai_load(host, int(port), "", prompts[:c], [args.output_len] * c, c))
         outs = [args.output_len] * len(prompts)
@@ -285,15 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
-
-
-def mean_summary(runs: list[dict]) -> dict:
-    """Each figure's mean over the passes (counts summed)."""
-    out = {}
-    for k in runs[0]:
-        vals = [r[k] for r in runs]
-        out[k] = sum(vals) if k in ("requests", "errors") else sum(vals) / len(vals)
-    return out
 
 
 def print_table(results: dict) -> None:

@@ -20,7 +20,7 @@ import time
 
 from benchmarks import common
 from engine_svc import SamplingParams, StructuredOutputsParams
-from engine_svc import sampler as sampler_module
+from engine_svc.logits_processors import grammar as sampler_module
 
 FULL = dict(requests=64, prompt_len=(32, 128), max_tokens=64, vocab=8192, repeats=2)
 QUICK = dict(requests=8, prompt_len=(8, 24), max_tokens=12, vocab=1024, repeats=1)
@@ -67,9 +67,9 @@ class MaskTimer:
         self.rows: list[int] = []
         self._inner = sampler_module.apply_grammar_masks
 
-    def __call__(self, logits, matchers, executor):
+    def __call__(self, logits, matchers, executor, drafts=None):
         t0 = time.perf_counter()
-        self._inner(logits, matchers, executor)
+        self._inner(logits, matchers, executor, drafts)
         self.times.append(time.perf_counter() - t0)
         self.rows.append(sum(m is not None for m in matchers))
 

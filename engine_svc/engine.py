@@ -10,7 +10,6 @@ from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from engine_svc.config import EngineConfig, ModelInfo
@@ -18,6 +17,7 @@ from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
+from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
@@ -98,15 +98,9 @@ class LLMEngine:
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        forward = ModelForward(self.model, self.kernels, kv_caches, self.device)
-        self.runner = ModelRunner(
-            forward,
-            config.block_size,
-            cdiv(self.max_model_len, config.block_size),
-            self.tp_group.broadcast if self.tp_group else None,
-        )
-        self.proposer = self._draft_proposer(num_blocks) if self.draft_spec is not None else None
+        self.grammars = self._grammar_compiler()
         self.lora = None
+        lora_step = None
         if config.enable_lora:
             self.lora = LoRAManager(
                 self.spec,
@@ -119,13 +113,20 @@ class LLMEngine:
             )
             if self.tp_group is not None:  # workers load each adapter into the same slot, their part
                 self.lora.slots.on_load = self.tp_group.send_lora_load
-            self.runner.lora = self.lora
-            self.runner.lora_in_use = self.scheduler.running_adapters
-            for name, path in (config.lora_modules or {}).items():
-                self.lora.load(name, path)
-        self.grammars = self._grammar_compiler()
-        if self.grammars is not None:
-            self.runner.grammar_executor = self.grammars.executor
+            lora_step = wrap_lora_layers(self.model)  # the model's projections carry the adapters
+        forward = ModelForward(self.model, self.kernels, kv_caches, self.device, lora_step)
+        self.runner = ModelRunner(
+            forward,
+            config.block_size,
+            cdiv(self.max_model_len, config.block_size),
+            self.tp_group.broadcast if self.tp_group else None,
+            proposer=self._draft_proposer(num_blocks) if self.draft_spec is not None else None,
+            grammar_executor=self.grammars.executor if self.grammars is not None else None,
+            lora=self.lora,
+            lora_in_use=self.scheduler.running_adapters if self.lora is not None else None,
+        )
+        for name, path in (config.lora_modules or {}).items():
+            self.lora.load(name, path)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -347,34 +348,28 @@ class LLMEngine:
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """schedule -> forward and sample -> the scheduler applies the result; nothing else."""
+        """schedule -> forward and sample -> the scheduler applies the result; nothing else. The
+        scheduler's output carries everything the runner needs (the KV changes included)."""
         out = self.scheduler.schedule()
-        deltas = self.scheduler.take_failed()
-        if not out.seqs:
-            self.runner.batch.sync(self.kv.take_changed_tables())  # release the rows of what was aborted
-            compiling = self._compiling()
-            if compiling:  # nothing else can run: wait for a grammar rather than spin against it
-                futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
-        else:
-            if not out.only_decodes:  # prompt tokens this step computes (a decode is not one)
-                self.num_prompt_tokens_computed += sum(
-                    min(n, s.request.num_prompt_tokens - s.num_computed_tokens)
-                    for s, n in zip(out.seqs, out.num_new, strict=True)
-                    if s.num_computed_tokens < s.request.num_prompt_tokens
-                )
-            started = time.perf_counter()
-            copies, changed = self.kv.take_pending_copies(), self.kv.take_changed_tables()
-            if self.proposer is not None:  # drafts before the target's forward, which verifies them
-                self.runner.batch.sync(changed)
-                changed = {}
-                copy_array = np.array(copies, dtype=np.int64).reshape(len(copies), 2)
-                self.proposer.propose(out, self.runner.batch, copy_array)
-            result = self.runner.execute(out, copies, changed)
+        deltas = out.failed
+        if out.seqs and not out.only_decodes:  # prompt tokens this step computes (a decode is not one)
+            self.num_prompt_tokens_computed += sum(
+                min(n, s.request.num_prompt_tokens - s.num_computed_tokens)
+                for s, n in zip(out.seqs, out.num_new, strict=True)
+                if s.num_computed_tokens < s.request.num_prompt_tokens
+            )
+        started = time.perf_counter()
+        result = self.runner.execute(out)  # with nothing scheduled, it only follows the KV changes
+        if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)
             self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
             deltas += stepped
             self.num_generation_tokens += sum(len(d.new_token_ids) for d in stepped)
+        else:
+            compiling = self._compiling()
+            if compiling:  # nothing else can run: wait for a grammar rather than spin against it
+                futures.wait(compiling, timeout=0.01, return_when=futures.FIRST_COMPLETED)
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
@@ -423,30 +418,36 @@ class LLMEngine:
         return set(self.kv.pool.cached)
 
     def check_invariants(self) -> None:
-        """The pool is whole: every reference is held by a live sequence, and vice versa."""
-        holders: dict[int, int] = {}
+        """The pool is whole: every reference is held by a live sequence, and vice versa; a running
+        sequence holds no block past its tokens; the input batch mirrors the block tables, up to
+        the changes the next step carries. It only reads: nothing it checks is consumed."""
         for rid, request in self.requests.items():
             assert not request.finished, f"request {rid} has ended but is still held"
         live = [s for r in self.requests.values() for s in r.sequences if s.finish_reason is None]
-        for seq in live:
-            for block_id in seq.block_table:
-                holders[block_id] = holders.get(block_id, 0) + 1
-        self.kv.pool.check_invariants(holders)
+        self.scheduler.check_invariants()
         queued = set(map(id, self.scheduler.running)) | set(map(id, self.scheduler.waiting))
         assert queued == set(map(id, live)), (
             "a live sequence is missing from the queues, or a dead one is in them"
         )
-        # The input batch mirrors the live sequences that hold blocks, once the pending table
-        # changes are applied (as the next step, even an idle one, would apply them).
-        batch = self.runner.batch
-        batch.sync(self.kv.take_changed_tables())
-        holding = {s.seq_id: s for s in live if s.block_table}
-        assert set(batch.row_of) == set(holding), "an input-batch row outlives its sequence, or is missing"
-        for seq_id, seq in holding.items():
-            row, n = batch.row_of[seq_id], len(seq.block_table)
-            assert batch.num_blocks[row] == n and batch.block_tables[row, :n].tolist() == seq.block_table, (
-                f"the input batch's block table of sequence {seq_id} differs from the sequence's"
-            )
+        # The input batch as of the last step: a sequence with changes pending (the next step
+        # carries them) may differ from its entry ``first`` on, and every other one is exact.
+        batch, pending = self.runner.batch, self.kv.pending_changes()
+        tables = dict(self.kv.holders())
+        for seq in live:
+            row, table = batch.row_of.get(seq.seq_id), tables.get(seq)
+            first = pending.get(seq)
+            if first == 0:
+                continue  # new, released or rewritten since the last step
+            if first is None and table is None:
+                assert row is None, f"sequence {seq.seq_id} holds no block but keeps an input-batch row"
+                continue
+            assert table is not None and row is not None, f"sequence {seq.seq_id} lacks its input-batch row"
+            n = len(table) if first is None else first
+            assert (first is not None or batch.num_blocks[row] == n) and batch.block_tables[
+                row, :n
+            ].tolist() == table[:n], f"the input batch's block table of sequence {seq.seq_id} differs"
+        live_seq_ids = {s.seq_id for s in live} | {s.seq_id for s in pending}
+        assert set(batch.row_of) <= live_seq_ids, "an input-batch row outlives its sequence"
         assert len(batch.free_rows) + batch.num_rows == len(batch.num_blocks), "an input-batch row is lost"
 
     # --- sizing -------------------------------------------------------------------------------

@@ -34,24 +34,25 @@ class InputBatch:
     def num_rows(self) -> int:
         return len(self.row_of)
 
-    def sync(self, changed: dict[Sequence, int]) -> None:
-        """Follow the KV cache manager's changes: ``changed`` maps a sequence to the first index of
-        its block table that changed since the last sync. The table's present state is what counts,
-        so a sequence freed and re-admitted between two syncs simply gets its new table."""
-        for seq, first in changed.items():
-            table = seq.block_table
-            row = self.row_of.get(seq.seq_id)
-            if not table:
-                if row is not None:
-                    del self.row_of[seq.seq_id]
-                    self.free_rows.append(row)
-                continue
+    def apply(self, updates, released) -> None:
+        """Follow the KV cache's changes as the scheduler's output carries them: ``released`` seq ids
+        lose their rows, and each ``BlockUpdate`` rewrites its sequence's table from ``first`` on
+        (a sequence new to the batch takes a row, and its sampling parameters are written once)."""
+        row_of = self.row_of
+        for seq_id in released:
+            row = row_of.pop(seq_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+        for update in updates:
+            seq, first, ids = update.seq, update.first, update.block_ids
+            row = row_of.get(seq.seq_id)
             if row is None:
-                row, first = self._add(seq), 0
-            n = len(table)
+                assert first == 0, f"sequence {seq.seq_id} joins the batch with a partial table"
+                row = self._add(seq)
+            n = first + len(ids)
             if n > self.block_tables.shape[1]:
                 self._widen(n)
-            self.block_tables[row, first:n] = table[first:]
+            self.block_tables[row, first:n] = ids
             self.num_blocks[row] = n
 
     def rows(self, seqs) -> list[int]:

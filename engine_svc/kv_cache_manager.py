@@ -1,15 +1,46 @@
 """Block tables over the ``BlockPool``: allocation for the tokens a step will compute, prefix-cache
-lookups over chained block hashes, copy-on-write for shared partial blocks, and release."""
+lookups over chained block hashes, copy-on-write for shared partial blocks, and release.
+
+The manager owns request -> blocks: each sequence's block table and how many of its leading blocks
+it has published live here, and nowhere else. It reads a sequence's tokens and counter but never
+writes them (the scheduler owns ``num_computed_tokens``). What changed since the last step (table
+entries, copy-on-write copies, tables released) is handed out once, by ``take_step_changes``, for
+the scheduler to put into its ``SchedulerOutput``; ``pending_changes`` only looks."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 from engine_svc.block_hash import chain_hash, root_hash, salt_hash
 from engine_svc.block_pool import BlockPool
 from engine_svc.sequence import Sequence
 
+_NO_BLOCKS: tuple[int, ...] = ()
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class BlockUpdate:
+    """A sequence's block table from entry ``first`` on, as it is now: new blocks, and replaced ones
+    (copy-on-write, a prefix hit, a fork); entries before ``first`` are unchanged."""
+
+    seq: Sequence
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepChanges:
+    """Everything the KV manager changed since the last step, for the runner's input batch."""
+
+    updates: list[BlockUpdate]
+    released: list[int]  # seq ids that hold no block anymore (finished, aborted or preempted)
+    copies: np.ndarray  # [C, 2] int64 (src, dst) block copies to run before the forward
 
 
 class KVCacheManager:
@@ -17,19 +48,34 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[Sequence, list[int]] = {}  # only sequences that hold blocks
+        self.registered: dict[Sequence, int] = {}  # leading blocks published to the prefix cache
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
-        self.pending_copies: list[tuple[int, int]] = []
+        self._copies: list[tuple[int, int]] = []
         # Sequence -> first index of its block table changed since last taken: the input batch
         # rewrites only that much of its persistent copy.
-        self.changed_tables: dict[Sequence, int] = {}
+        self._changed: dict[Sequence, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
+
+    # --- reading -------------------------------------------------------------------------------
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks (empty when it holds none). Read it, never change it."""
+        return self.tables.get(seq, [])
+
+    def holders(self):
+        """(sequence, its block table) for every sequence that holds blocks."""
+        return self.tables.items()
+
+    def pending_changes(self) -> dict[Sequence, int]:
+        """What ``take_step_changes`` would hand out (a copy: checks read, they do not consume)."""
+        return dict(self._changed)
 
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Hashes of the first ``num_blocks`` full blocks, each chained to its parent; the root is
         salted with the cache salt and the LoRA adapter (deterministic: ``block_hash.py`` defines
-        them for routers)."""
+        them for routers). They are a pure function of the tokens, cached on the sequence."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
         parent = hashes[-1] if hashes else self.root_of(seq)
         for i in range(len(hashes), num_blocks):
@@ -62,58 +108,67 @@ class KVCacheManager:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix).
+        """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix,
+        which the scheduler then counts as computed).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         bs = self.block_size
         start = seq.num_computed_tokens
-        if not cached_blocks and start % bs and start + num_new_tokens <= len(seq.block_table) * bs:
+        table = self.tables.get(seq, _NO_BLOCKS)
+        if not cached_blocks and start % bs and start + num_new_tokens <= len(table) * bs:
             # The common decode case: the slots exist in the last block; only a shared one needs work.
-            if self.pool.blocks[seq.block_table[start // bs]].ref_count == 1:
+            if self.pool.blocks[table[start // bs]].ref_count == 1:
                 return True
         cached_blocks = cached_blocks or []
         start += len(cached_blocks) * bs
-        have = len(seq.block_table) + len(cached_blocks)
+        have = len(table) + len(cached_blocks)
         need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
         # The first block written to is shared (a fork's partial prompt block): it must be copied.
         write_block = start // bs
         cow = (
             start % bs != 0
-            and write_block < len(seq.block_table)
-            and self.pool.blocks[seq.block_table[write_block]].ref_count > 1
+            and write_block < len(table)
+            and self.pool.blocks[table[write_block]].ref_count > 1
         )
         revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if need_new + int(cow) > self.pool.num_free - revived:
             return False
-        first_changed = len(seq.block_table)
+        if not need_new and not cow and not cached_blocks:
+            return True
+        if table is _NO_BLOCKS:
+            table = self.tables[seq] = []
+            self.registered[seq] = 0
+        first_changed = len(table)
         if cached_blocks:
-            self._take_cached(seq, cached_blocks)
+            self._take_cached(seq, table, cached_blocks)
             first_changed = 0
         if cow:
             first_changed = min(first_changed, write_block)
             (copy,) = self.pool.allocate(1)
-            old = seq.block_table[write_block]
-            self.pending_copies.append((old, copy))
+            old = table[write_block]
+            self._copies.append((old, copy))
             self.pool.release([old])
-            seq.block_table[write_block] = copy
+            table[write_block] = copy
         if need_new:
-            seq.block_table.extend(self.pool.allocate(need_new))
-        if first_changed < len(seq.block_table):
+            table.extend(self.pool.allocate(need_new))
+        if first_changed < len(table):
             self._note_change(seq, first_changed)
         return True
 
-    def _take_cached(self, seq: Sequence, cached_blocks: list[int]) -> None:
-        assert not seq.block_table and seq.num_computed_tokens == 0
+    def _take_cached(self, seq: Sequence, table: list[int], cached_blocks: list[int]) -> None:
+        assert not table and seq.num_computed_tokens == 0
         for block_id in cached_blocks:
             self.pool.touch(block_id)
-        seq.block_table.extend(cached_blocks)
-        seq.num_computed_tokens = len(cached_blocks) * self.block_size
-        seq.num_registered_blocks = len(cached_blocks)
+        table.extend(cached_blocks)
+        self.registered[seq] = len(cached_blocks)
 
     def note_admission(self, seq: Sequence, num_hit_blocks: int) -> None:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += num_hit_blocks * self.block_size
+
+    def num_registered_blocks(self, seq: Sequence) -> int:
+        return self.registered.get(seq, 0)
 
     def register_computed_blocks(self, seq: Sequence, upto: int | None = None, scheduled: int = 0) -> None:
         """Publish the full blocks of the tokens computed, plus ``scheduled`` more that this step
@@ -127,52 +182,65 @@ class KVCacheManager:
         if upto is not None:
             computed = min(upto, computed)
         full = computed // self.block_size
-        if full <= seq.num_registered_blocks:
+        done = self.registered.get(seq, 0)
+        if full <= done:
             return
         bs = self.block_size
+        table = self.tables[seq]
         hashes = self.block_hashes(seq, full)
         salt_h = salt_hash(seq.request.cache_salt)
-        for i in range(seq.num_registered_blocks, full):
+        for i in range(done, full):
             parent = hashes[i - 1] if i else self.root_of(seq)
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            self.pool.register(seq.block_table[i], hashes[i], block_tokens, parent, salt_h)
-        seq.num_registered_blocks = full
+            self.pool.register(table[i], hashes[i], block_tokens, parent, salt_h)
+        self.registered[seq] = full
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past the next token's slot: lookahead slots of rejected drafts."""
         keep = cdiv(len(seq.token_ids), self.block_size)
-        if len(seq.block_table) > keep:
-            self.pool.release(list(reversed(seq.block_table[keep:])))
-            del seq.block_table[keep:]
+        table = self.tables.get(seq, _NO_BLOCKS)
+        if len(table) > keep:
+            self.pool.release(list(reversed(table[keep:])))
+            del table[keep:]
             self._note_change(seq, keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` by reference."""
-        for block_id in parent.block_table:
+        """``child`` shares every block of ``parent`` by reference (its counter is the scheduler's)."""
+        table = self.tables.get(parent, [])
+        for block_id in table:
             self.pool.touch(block_id)
-        child.block_table = list(parent.block_table)
+        self.tables[child] = list(table)
+        self.registered[child] = self.registered.get(parent, 0)
         child.block_hashes = list(parent.block_hashes)
-        child.num_registered_blocks = parent.num_registered_blocks
-        child.num_computed_tokens = parent.num_computed_tokens
         self._note_change(child, 0)
 
     def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; the scheduler resets its counter."""
+        table = self.tables.pop(seq, None)
+        self.registered.pop(seq, None)
+        if table is None:
+            return
         # Tail blocks first, so that they are evicted before the (more shareable) head of the prefix.
-        self.pool.release(list(reversed(seq.block_table)))
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        self.pool.release(list(reversed(table)))
         self._note_change(seq, 0)
 
     def _note_change(self, seq: Sequence, first: int) -> None:
-        changed = self.changed_tables
+        changed = self._changed
         if first < changed.get(seq, first + 1):
             changed[seq] = first
 
-    def take_changed_tables(self) -> dict[Sequence, int]:
-        changed, self.changed_tables = self.changed_tables, {}
-        return changed
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+    # --- handing the step's changes out ---------------------------------------------------------
+    def take_step_changes(self) -> StepChanges:
+        """The changes since the last take, as they stand now (a sequence freed and re-admitted in
+        between simply gets its new table); each is handed out once."""
+        updates, released = [], []
+        tables = self.tables
+        for seq, first in self._changed.items():
+            table = tables.get(seq)
+            if table is None:
+                released.append(seq.seq_id)
+            else:
+                updates.append(BlockUpdate(seq, first, table[first:]))
+        copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
+        self._changed, self._copies = {}, []
+        return StepChanges(updates, released, copies)

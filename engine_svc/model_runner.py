@@ -14,9 +14,10 @@ import torch
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
 from engine_svc.logits_layout import LogitsLayout, StepResult
+from engine_svc.logits_processors.processors import default_processors
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
-from engine_svc.scheduler import SchedulerOutput
+from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import Sequence, noise_key
 from engine_svc.step_inputs import StepInputs, to_device
 from kernels.backend import Kernels
@@ -26,9 +27,15 @@ class ModelForward:
     """The part every tensor-parallel rank runs: block copies, the forward, the logits."""
 
     def __init__(
-        self, model: DecoderForCausalLM, kernels: Kernels, kv_caches: list[torch.Tensor], device: torch.device
+        self,
+        model: DecoderForCausalLM,
+        kernels: Kernels,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        lora_step=None,
     ):
         self.model = model
+        self.lora_step = lora_step  # engine_svc.lora.layers.LoRAStep when the model's layers are wrapped
         self.kernels = kernels
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.device = device
@@ -37,14 +44,19 @@ class ModelForward:
     def __call__(self, inputs: StepInputs) -> torch.Tensor | None:
         self._copy_blocks(inputs.copies)
         dev = self.device
-        hidden = self.model(
-            self.kernels,
-            to_device(inputs.input_ids, dev),
-            to_device(inputs.positions, dev),
-            self.kv_caches,
-            inputs.attention(dev),
-            lora=inputs.lora,
-        )
+        if self.lora_step is not None:  # the wrapped projections read the step's adapter mapping
+            self.lora_step.batch = inputs.lora
+        try:
+            hidden = self.model(
+                self.kernels,
+                to_device(inputs.input_ids, dev),
+                to_device(inputs.positions, dev),
+                self.kv_caches,
+                inputs.attention(dev),
+            )
+        finally:
+            if self.lora_step is not None:
+                self.lora_step.batch = None
         rows = inputs.logit_rows
         if not len(rows):
             return None
@@ -62,25 +74,39 @@ class ModelForward:
 
 
 class ModelRunner:
-    def __init__(self, forward: ModelForward, block_size: int, max_blocks_per_seq: int, tp_broadcast=None):
+    def __init__(
+        self,
+        forward: ModelForward,
+        block_size: int,
+        max_blocks_per_seq: int,
+        tp_broadcast=None,
+        proposer=None,
+        grammar_executor=None,
+        lora=None,
+        lora_in_use=None,
+    ):
         self.forward = forward
+        self.proposer = proposer  # spec_decode.draft_model.DraftModelProposer, with a draft model
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
         self.sampler = Sampler()
-        self.grammar_executor = None  # set by the engine when structured outputs are available
+        # The logit controls, applied by the sampler in this order (engine_svc/logits_processors/).
+        self.logits_processors = default_processors(grammar_executor)
         self.batch = InputBatch(max_blocks_per_seq)
-        self.lora = None  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
-        self.lora_in_use = None  # () -> {(name, version)} of the adapters running requests use
+        self.lora = lora  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
+        self.lora_in_use = lora_in_use  # () -> {(name, version)} of the adapters running requests use
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, copies: list[tuple[int, int]], changed_tables: dict[Sequence, int]
-    ) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
-        ``out.layout``, which is the only place that says what each logits row is for."""
-        self.batch.sync(changed_tables)
-        copy_array = np.array(copies, dtype=np.int64).reshape(len(copies), 2)
-        inputs = self.build_inputs(out, copy_array)
+        ``out.layout``, which is the only place that says what each logits row is for. The input
+        batch follows the KV changes ``out`` carries first, even when nothing is scheduled."""
+        self.batch.apply(out.updates, out.released)
+        if not out.seqs:
+            return StepResult([], [], [])
+        if self.proposer is not None:  # drafts before the target's forward, which verifies them
+            self.proposer.propose(out, self.batch)
+        inputs = self.build_inputs(out)
         logits = self._forward(inputs)
         layout = out.layout
         tokens, logprobs = [], []
@@ -97,11 +123,11 @@ class ModelRunner:
         ]
         return StepResult(tokens, logprobs, plps)
 
-    def build_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
+    def build_inputs(self, out: SchedulerOutput) -> StepInputs:
         if out.only_decodes:
-            inputs = self.decode_inputs(out.seqs, copies)
+            inputs = self.decode_inputs(out.seqs, out.copies)
         else:
-            inputs = self.general_inputs(out, copies)
+            inputs = self.general_inputs(out, out.copies)
         if self.lora is not None and self.lora.adapters:
             adapters = [s.request.lora for s in out.seqs]
             num_new = None if out.only_decodes else out.num_new
@@ -172,7 +198,7 @@ class ModelRunner:
 
     def _sampling_batch(self, layout: LogitsLayout, device) -> SamplingBatch:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for
-        the features some row uses (seeds, logprobs, penalties, min_tokens)."""
+        the features some row uses (seeds, logprobs, and each logit control's ``prepare``)."""
         rows = np.array(self.batch.rows(layout.sampled), dtype=np.int64)
         if len(rows) < layout.num_sample_rows:
             rows = np.repeat(rows, layout.fans)
@@ -192,21 +218,12 @@ class ModelRunner:
         num_logprobs = [None] * count
         if used[ib.LOGPROBS]:
             num_logprobs = [s.request.params.logprobs for s, *_ in row_seqs]
-        output_ids = prompt_ids = banned = [[]] * count
-        if used[ib.PENALTY]:
-            output_ids = [s.output_token_ids for s, *_ in row_seqs]
-            prompt_ids = [s.request.prompt_token_ids for s, *_ in row_seqs]
-        if used[ib.MIN_TOKENS] or used[ib.LOGIT_CONTROLS]:
-            banned = [_banned_now(s) for s, *_ in row_seqs]
-        controls = {}
-        if used[ib.LOGIT_CONTROLS]:
-            controls["logit_bias"] = [s.request.params.logit_bias for s, *_ in row_seqs]
-            controls["allowed_ids"] = [s.request.params.allowed_token_ids for s, *_ in row_seqs]
-        if used[ib.GRAMMAR]:
-            controls["matchers"] = [s.matcher for s, *_ in row_seqs]
-            controls["grammar_executor"] = self.grammar_executor
-            if layout.drafts is not None:
-                controls["grammar_drafts"] = _grammar_drafts(layout)
+        processors = []
+        for processor in self.logits_processors:
+            if used[processor.flag]:
+                state = processor.prepare(row_seqs, layout)
+                if state is not None:
+                    processors.append((processor, state))
         return SamplingBatch(
             temperature=cols[:, ib.TEMPERATURE],
             top_k=cols[:, ib.TOP_K].to(torch.int64),
@@ -216,13 +233,9 @@ class ModelRunner:
             presence_penalty=cols[:, ib.PRESENCE],
             frequency_penalty=cols[:, ib.FREQUENCY],
             noise_keys=noise_keys,
-            output_ids=output_ids,
-            prompt_ids=prompt_ids,
-            banned_ids=banned,
             num_logprobs=num_logprobs,
-            any_penalty=bool(used[ib.PENALTY]),
             all_greedy=not gathered[:, ib.TEMPERATURE].any(),
-            **controls,
+            processors=processors,
         )
 
 
@@ -240,29 +253,3 @@ def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int, int]]:
         else:
             rows += [(s, s.index if k == 1 else j, 0) for j in range(k)]
     return rows
-
-
-def _grammar_drafts(layout: LogitsLayout) -> dict[int, list[int]]:
-    """First sample row of each constrained sequence verifying drafts -> its drafts."""
-    out, r = {}, 0
-    for s, fan, draft in zip(layout.sampled, layout.fans, layout.drafts, strict=True):
-        if draft is not None and s.matcher is not None:
-            out[r] = draft
-        r += fan
-    return out
-
-
-def _banned_now(seq: Sequence) -> list[int]:
-    """Ids that may not be sampled now: stop tokens (and EOS) before ``min_tokens`` outputs, and the
-    last token of each bad word whose other tokens end the output."""
-    p = seq.request.params
-    banned = []
-    if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-        banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
-    if p.bad_words_token_ids:
-        output = seq.token_ids[seq.request.num_prompt_tokens :]
-        for word in p.bad_words_token_ids:
-            k = len(word) - 1
-            if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):
-                banned.append(word[-1])
-    return banned

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
-from engine_svc.kv_cache_manager import KVCacheManager
+from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
 from engine_svc.sampler import DEAD_END_TOKEN
+from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.governor import SpeculationGovernor
@@ -37,35 +37,6 @@ DEAD_END = (
 )
 
 
-@dataclass
-class SchedulerOutput:
-    seqs: list[Sequence] = field(default_factory=list)  # scheduled, in batch order
-    num_new: list[int] = field(default_factory=list)  # tokens each computes this step
-    preempted: list[Sequence] = field(default_factory=list)
-    # Every scheduled sequence computes only its last token and has sampled before (so no prompt
-    # chunk, no fork due): the model runner builds its inputs on a short path.
-    only_decodes: bool = True
-    layout: LogitsLayout | None = None  # set once the schedule is final
-    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
-    published_early: set[Sequence] = field(default_factory=set)  # admitted; blocks published already
-    # Every scheduled sequence decodes (no prompt chunk, no admission, no preemption): the step's
-    # time per token is comparable with other such steps (speculation's governor measures these).
-    all_decoding: bool = True
-    num_running: int = 0  # running sequences when it was planned
-
-    def add(self, seq: Sequence, n: int) -> None:
-        self.seqs.append(seq)
-        self.num_new.append(n)
-
-    def unschedule(self, seq: Sequence) -> int:
-        self.drafts.pop(seq, None)
-        for j, s in enumerate(self.seqs):
-            if s is seq:
-                del self.seqs[j]
-                return self.num_new.pop(j)
-        return 0
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
@@ -74,12 +45,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
-        self.failed: list[RequestDelta] = []  # requests that could not start, for the next step to report
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.draft_model = self.spec is not None and self.spec.method == "draft_model"
         self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
         self.num_drafted = self.num_accepted = 0
-        self.verified: list[Sequence] = []  # sequences whose drafts this update verified
         # Distinct LoRA adapters the running sequences may use: one device slot each.
         self.max_loras = config.max_loras if config.enable_lora else 0
 
@@ -104,8 +73,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self._release(seq)
         seq.status = SeqStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """Its blocks go back to the pool; what it had computed is gone with them."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
 
     def abort(self, request: Request, indexes) -> None:
         """End outputs ``indexes`` of ``request`` (no delta). Before an ``n > 1`` request forks, its
@@ -174,6 +148,10 @@ class Scheduler:
             if out.only_decodes
             else LogitsLayout.build(out.seqs, out.num_new, out.drafts)
         )
+        # Every KV change since the last step (this schedule's, and the last update's and aborts'
+        # since) travels with the step: the runner's input batch follows them and nothing else.
+        changes = self.kv.take_step_changes()
+        out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         return out
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
@@ -218,7 +196,7 @@ class Scheduler:
                     seq.matcher = request.grammar.result()
                 except Exception as e:  # noqa: BLE001 - reported to the caller as the request's end
                     del waiting[j]
-                    self._fail(seq, f"structured output: {e}")
+                    self._fail(seq, f"structured output: {e}", out)
                     continue
             cached = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
@@ -234,6 +212,8 @@ class Scheduler:
                 adapters = self.running_adapters() if self.max_loras else None
                 j = 0
                 continue  # the pool and the queue changed: look again
+            if cached:
+                seq.num_computed_tokens = len(cached) * self.kv.block_size
             if lora is not None:
                 adapters.add(lora)
             del waiting[j]
@@ -256,15 +236,15 @@ class Scheduler:
         """(name, version) of the LoRA adapters running sequences use: their slots are pinned."""
         return {(s.request.lora.name, s.request.lora.version) for s in self.running if s.request.lora}
 
-    def _fail(self, seq: Sequence, why: str) -> None:
+    def _fail(self, seq: Sequence, why: str, out: SchedulerOutput) -> None:
         """End a request that cannot run (its grammar did not compile): an abort delta says why."""
         request = seq.request
         log.warning("request %s ends: %s", request.request_id, why)
-        self.kv.free(seq)
+        self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
         request.ended.update(range(request.params.n))
-        self.failed.append(
+        out.failed.append(
             RequestDelta(
                 request.request_id,
                 0,
@@ -277,10 +257,6 @@ class Scheduler:
                 request_finished=True,
             )
         )
-
-    def take_failed(self) -> list[RequestDelta]:
-        failed, self.failed = self.failed, []
-        return failed
 
     def _lower_priority_victim(self, seq: Sequence, keep: set[Sequence]) -> Sequence | None:
         """The running sequence that a waiting ``seq`` may evict, if any: a paused one, or under the
@@ -306,7 +282,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
+        self._release(seq)
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -314,6 +290,22 @@ class Scheduler:
             self._insert_by_priority(seq)
         else:
             self.waiting.appendleft(seq)
+
+    def check_invariants(self) -> None:
+        """Reads only. Every sequence holding blocks is queued; between steps none holds a block
+        past its tokens (a rejected draft's lookahead blocks are released once it is verified); the
+        pool's ref counts equal the tables' references."""
+        queued = {id(s) for s in self.running} | {id(s) for s in self.waiting}
+        bs = self.kv.block_size
+        holders: dict[int, int] = {}
+        for seq, table in self.kv.holders():
+            assert id(seq) in queued, f"sequence {seq.seq_id} holds blocks but is in no queue"
+            assert len(table) <= cdiv(len(seq.token_ids), bs), (
+                f"sequence {seq.seq_id} holds {len(table)} blocks for {len(seq.token_ids)} tokens"
+            )
+            for block_id in table:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        self.kv.pool.check_invariants(holders)
 
     def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:
         """The governor learns from decode steps: how long one took, for how many tokens."""
@@ -325,21 +317,23 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching
+        registered = kv.registered
         drafts = out.drafts
         for seq, n in zip(out.seqs, out.num_new, strict=True):
             if drafts and seq in drafts:
                 continue  # its counter moves by what verification accepts, below
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
-            if caching and computed // bs > seq.num_registered_blocks:
+            if caching and computed // bs > registered.get(seq, 0):
                 kv.register_computed_blocks(seq)
         layout = out.layout
         for chunk, entries in zip(layout.prompt_chunks, result.prompt_logprobs, strict=True):
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
+        verified: list[Sequence] = []  # sequences whose drafts this update verifies
         if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
             emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
         else:  # forks, or drafts to verify
-            emissions = self._expand(layout, tokens, logprobs)
+            emissions = self._expand(layout, tokens, logprobs, verified)
         deltas: list[RequestDelta] = []
         owners: list[Request] = []
         finished: list[Sequence] = []
@@ -401,14 +395,13 @@ class Scheduler:
         for seq in finished:
             seq.request.ended.add(seq.index)
             self.remove(seq)
-        if self.verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
-            for seq in self.verified:
+        if verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
+            for seq in verified:
                 if seq.finish_reason is None:
                     # A block is published once the draft model's cache holds it too: after all k
                     # drafts are accepted, the last one's draft K/V is computed next step.
                     kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
                     kv.trim(seq)
-            self.verified = []
         if finished:  # the last delta of a request that has nothing more to send says so
             done = {seq.request for seq in finished if seq.request.finished}
             for delta, request in zip(reversed(deltas), reversed(owners), strict=True):
@@ -417,7 +410,7 @@ class Scheduler:
                     done.discard(request)
         return deltas
 
-    def _expand(self, layout: LogitsLayout, tokens: list[int], logprobs: list):
+    def _expand(self, layout: LogitsLayout, tokens: list[int], logprobs: list, verified: list[Sequence]):
         """(sequence, its tokens, their logprobs) for each sampled sequence, when some rows are not
         simply one sequence's next token: a fork's n first tokens, or drafts under verification."""
         out = []
@@ -426,6 +419,7 @@ class Scheduler:
         for seq, fan, draft in zip(layout.sampled, layout.fans, drafts, strict=True):
             if draft is not None:
                 out.append(self._verify(seq, draft, tokens[r : r + fan], logprobs[r : r + fan]))
+                verified.append(seq)
             elif fan == 1:
                 out.append((seq, [tokens[r]], [logprobs[r]]))
             else:
@@ -452,7 +446,6 @@ class Scheduler:
         seq.num_computed_tokens += 1 + accepted
         if self.draft_model:  # the proposer wrote the draft model's K/V of all drafts but the last
             seq.num_draft_computed += min(accepted, len(draft) - 1)
-        self.verified.append(seq)
         return seq, sampled[: accepted + 1], lps[: accepted + 1]
 
     def _fork(self, seq: Sequence, tokens: list[int], logprobs: list):
@@ -474,6 +467,7 @@ class Scheduler:
                     child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                 child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
                 child.num_draft_computed = seq.num_draft_computed
+                child.num_computed_tokens = seq.num_computed_tokens
                 self.kv.fork(seq, child)
                 child.status = seq.status
                 request.sequences.append(child)

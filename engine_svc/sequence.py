@@ -121,9 +121,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, lazily extended
-    num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    # Of the full blocks of token_ids, lazily extended: a pure function of the tokens. The blocks
+    # themselves belong to the KV cache manager (``KVCacheManager.block_table``).
+    block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     admitted_before: bool = False
     finish_reason: FinishReason | None = None

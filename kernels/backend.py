@@ -7,29 +7,17 @@ The engine calls only ``Kernels`` methods; which implementation runs is decided 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kernels.cpu import native_attention as cpu_paged_attention
 from kernels.cpu import native_elementwise
-from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
+from kernels.interface import Kernels
+from kernels.reference import activation, kv_write, paged_attention, rmsnorm, rotary
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton", "reference")
-
-
-@dataclass(frozen=True)
-class Kernels:
-    name: str
-    rms_norm: Callable
-    silu_and_mul: Callable
-    apply_rotary: Callable
-    write_kv: Callable
-    paged_attention: Callable
-    lora_apply: Callable = lora.lora_apply  # batched mixed-adapter LoRA (kernels/reference/lora.py)
 
 
 # The plain-torch twins exactly as written: the definition of every kernel.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference.lora import plan_tokens
+from kernels.lora_plan import plan_tokens
 
 # (name, tokens, in_features, out_features, slots, padded rank, ranks per slot, token pattern)
 LORA_CASES = [

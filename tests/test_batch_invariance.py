@@ -178,7 +178,8 @@ class Coverage:
             counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
             counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
             counts["draft verifications"] += len(out.drafts)
-            counts["draft-model verifications"] += len(out.drafts) if engine.proposer is not None else 0
+            drafting_model = engine.runner.proposer is not None
+            counts["draft-model verifications"] += len(out.drafts) if drafting_model else 0
             return out
 
         engine.scheduler.schedule = observed

@@ -34,11 +34,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         cached = self.kv.find_cached_prefix(seq)
         need = seq.num_tokens - len(cached) * BLOCK
         if self.kv.allocate(seq, need, cached):
-            seq.num_computed_tokens += need
+            seq.num_computed_tokens = len(cached) * BLOCK + need  # the counter is the scheduler's
             self.kv.register_computed_blocks(seq)
             self.live.append(seq)
         else:
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert self.kv.block_table(seq) == [] and seq.num_computed_tokens == 0
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -51,7 +51,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.kv.register_computed_blocks(seq)
         else:
             seq.token_ids.pop()
-        self.kv.take_pending_copies()
+        self.kv.take_step_changes()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -60,6 +60,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.live))
         child = Sequence(parent.request, 1, list(parent.token_ids))
         self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
         self.live.append(child)
 
     @precondition(lambda self: self.live)
@@ -69,6 +70,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.live))
         self.live.remove(seq)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
 
     @rule(count=st.integers(1, NUM_BLOCKS))
     def evict_by_pressure(self, count):
@@ -82,11 +84,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def pool_is_whole(self):
         holders: dict[int, int] = {}
         for seq in self.live:
-            for b in seq.block_table:
+            for b in self.kv.block_table(seq):
                 holders[b] = holders.get(b, 0) + 1
         self.kv.pool.check_invariants(holders)
         for seq in self.live:
-            assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens
+            assert len(self.kv.block_table(seq)) * BLOCK >= seq.num_computed_tokens
+        assert {s.seq_id for s, _ in self.kv.holders()} <= {s.seq_id for s in self.live}
 
     def teardown(self):
         for seq in self.live:
@@ -106,9 +109,9 @@ def test_prefix_hit_requires_equal_tokens():
     machine_seq.num_computed_tokens = 5
     kv.register_computed_blocks(machine_seq)
     same = Sequence(Request("b", [1, 2, 3, 4, 9], SamplingParams(), 0, None, 1, 4), 0, [1, 2, 3, 4, 9])
-    assert kv.find_cached_prefix(same) == machine_seq.block_table[:1]
+    assert kv.find_cached_prefix(same) == kv.block_table(machine_seq)[:1]
     # A forged hash collision: the stored tokens differ, so the hit is refused.
-    block = kv.pool.blocks[machine_seq.block_table[0]]
+    block = kv.pool.blocks[kv.block_table(machine_seq)[0]]
     block.token_ids = (9, 9, 9, 9)
     assert kv.find_cached_prefix(same) == []
     # Another tenant's salt never reaches this tenant's blocks.

@@ -67,8 +67,8 @@ def test_parallel_sampling_shares_prompt_blocks(engine):
     seqs = engine.requests["n4"].sequences
     assert len(seqs) == 4
     # The 4 full prompt blocks are held once, by reference from each sequence.
-    shared = set(seqs[0].block_table[:4])
-    assert all(set(s.block_table[:4]) == shared for s in seqs)
+    shared = set(engine.kv.block_table(seqs[0])[:4])
+    assert all(set(engine.kv.block_table(s)[:4]) == shared for s in seqs)
     assert all(engine.kv.pool.blocks[b].ref_count == 4 for b in shared)
     used_after_fork = engine.stats().kv_blocks_used
     assert used_after_fork < 4 * 5  # 4 unshared copies would need 20 blocks

@@ -17,17 +17,20 @@ import pytest
 from engine_svc import SamplingParams
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
+from engine_svc.kv_cache_manager import BlockUpdate
 from engine_svc.sequence import Request, Sequence
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
 
 
-def rebuild_inputs(seqs: list[Sequence], num_new: list[int], block_size: int) -> dict[str, list]:
-    """The step's inputs computed from the sequences alone, one Python list per field."""
+def rebuild_inputs(seqs: list[Sequence], num_new: list[int], kv) -> dict[str, list]:
+    """The step's inputs computed from the sequences and the KV manager's tables alone, one Python
+    list per field."""
+    block_size = kv.block_size
     ids, positions, slots, seq_lens, query_start, tables = [], [], [], [], [0], []
     sample_rows, prompt_rows = [], []  # the contract: every sample row first, then prompt-logprob rows
     start = 0
     for seq, n in zip(seqs, num_new, strict=True):
-        c, table, request = seq.num_computed_tokens, seq.block_table, seq.request
+        c, table, request = seq.num_computed_tokens, kv.block_table(seq), seq.request
         ids += seq.token_ids[c : c + n]
         positions += range(c, c + n)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
@@ -76,13 +79,13 @@ class CheckedEngine:
         execute, forward = runner.execute, runner.forward
         self.current = None
 
-        def checked_execute(out, copies, changed):
+        def checked_execute(out):
             self.current = out
-            return execute(out, copies, changed)
+            return execute(out)
 
         def checked_forward(inputs):
             out = self.current
-            ref = rebuild_inputs(out.seqs, out.num_new, engine.config.block_size)
+            ref = rebuild_inputs(out.seqs, out.num_new, engine.kv)
             for name in ("input_ids", "positions", "slots", "seq_lens", "query_start", "logit_rows"):
                 assert getattr(inputs, name).tolist() == ref[name], name
             width = max(len(t) for t in ref["tables"])
@@ -110,15 +113,16 @@ def check_rows(engine) -> None:
     sequences without blocks hold none (rows of the ones that finished since are released at the
     next step's sync, when the KV cache manager's changes are taken)."""
     batch = engine.runner.batch
-    pending = engine.kv.changed_tables
-    live = [s for r in engine.requests.values() for s in r.sequences if s.block_table]
+    pending = engine.kv.pending_changes()
+    live = [s for r in engine.requests.values() for s in r.sequences if engine.kv.block_table(s)]
     for seq in live:
         if seq in pending:
-            continue  # changed by this step's emit (a fork): synced before the next forward
+            continue  # changed by this step's emit (a fork): carried by the next step
         row = batch.row_of[seq.seq_id]
-        n = len(seq.block_table)
+        table = engine.kv.block_table(seq)
+        n = len(table)
         assert batch.num_blocks[row] == n
-        assert batch.block_tables[row, :n].tolist() == seq.block_table
+        assert batch.block_tables[row, :n].tolist() == table
         assert batch.sampling[row].tolist() == pytest.approx(expected_sampling_row(seq.request.params))
         p = seq.request.params
         assert batch.flags[row, ib.SEEDED] == (p.seed is not None)
@@ -166,7 +170,7 @@ def test_rows_follow_arrivals_chunks_prefix_hits_and_aborts(tiny_llama):
     assert engine.kv.hit_tokens > 0, "the mix must include prefix-cache hits"
     assert checked.decode_only_forwards > 0 and checked.forwards > checked.decode_only_forwards
     batch = engine.runner.batch
-    batch.sync(engine.kv.take_changed_tables())  # what the next step would do first
+    engine.step()  # an idle step still carries the last releases to the batch
     assert batch.num_rows == 0, "every row was released"
     assert len(batch.num_blocks) == 64, "rows were reused, not grown"
 
@@ -218,32 +222,33 @@ def test_long_decodes_grow_tables_past_the_initial_width(tiny_llama):
     assert engine.runner.batch.block_tables.shape[1] >= 8
 
 
-def _seq(i: int, table: list[int]) -> Sequence:
+def _seq(i: int) -> Sequence:
     request = Request(f"u{i}", [1, 2, 3], SamplingParams(temperature=0.5 + i), 0, None, i, 4)
-    seq = Sequence(request, 0, [1, 2, 3])
-    seq.block_table = table
-    return seq
+    return Sequence(request, 0, [1, 2, 3])
 
 
-def test_sync_adds_grows_rewrites_releases_and_reuses_rows():
+def test_apply_adds_grows_rewrites_releases_and_reuses_rows():
     batch = InputBatch(max_blocks_per_seq=2, rows=2)
-    seqs = [_seq(i, [10 * i + 1]) for i in range(5)]
-    batch.sync({s: 0 for s in seqs})  # more sequences than rows: the arrays grow
+    seqs = [_seq(i) for i in range(5)]
+    tables = {s: [10 * i + 1] for i, s in enumerate(seqs)}
+    batch.apply([BlockUpdate(s, 0, list(t)) for s, t in tables.items()], [])  # more than rows: they grow
     assert batch.num_rows == 5 and len(batch.num_blocks) >= 5
-    seqs[1].block_table += [50, 51, 52]  # past the initial width: the tables widen
-    seqs[3].block_table[0] = 99  # a copy-on-write replaces an entry in place
-    batch.sync({seqs[1]: 1, seqs[3]: 0})
+    tables[seqs[1]] += [50, 51, 52]  # past the initial width: the tables widen
+    tables[seqs[3]][0] = 99  # a copy-on-write replaces an entry in place
+    batch.apply([BlockUpdate(seqs[1], 1, [50, 51, 52]), BlockUpdate(seqs[3], 0, [99])], [])
     released_row = batch.row_of[seqs[2].seq_id]
-    seqs[2].block_table = []  # freed
-    batch.sync({seqs[2]: 0})
-    newcomer = _seq(9, [7, 8])
-    batch.sync({newcomer: 0})
+    del tables[seqs[2]]
+    batch.apply([], [seqs[2].seq_id])  # freed
+    newcomer = _seq(9)
+    tables[newcomer] = [7, 8]
+    batch.apply([BlockUpdate(newcomer, 0, [7, 8])], [])
     assert batch.row_of[newcomer.seq_id] == released_row, "a released row is reused"
-    live = [s for s in seqs if s.block_table] + [newcomer]
-    for s in live:
+    for s, table in tables.items():
         row = batch.row_of[s.seq_id]
-        assert batch.block_tables[row, : len(s.block_table)].tolist() == s.block_table
+        assert batch.num_blocks[row] == len(table)
+        assert batch.block_tables[row, : len(table)].tolist() == table
         assert batch.sampling[row, ib.TEMPERATURE] == pytest.approx(s.request.params.temperature)
+    live = list(tables)
     rows = np.array(batch.rows(live))
     gathered = batch.gather_tables(rows)
     assert gathered.shape == (len(live), 4)

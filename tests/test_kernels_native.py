@@ -339,3 +339,38 @@ def test_fused_rotary_refuses_a_position_outside_the_table():
         native_elementwise.apply_rotary(torch.tensor([3, 8]), q, k, cos_sin)
     with pytest.raises(IndexError, match="rotary position -1"):
         native_elementwise.apply_rotary(torch.tensor([-1, 2]), q, k, cos_sin)
+
+
+def test_the_native_wrapper_refuses_what_the_kernel_would_read_out_of_bounds(isa):
+    """The kernel takes raw pointers: a block id outside the cache, a context longer than its table,
+    a value cache of another dtype or shape, or query offsets that do not add up are errors naming
+    the input before any pointer is passed."""
+    case = AttentionCase(((45, 1), (100, 20), (33, 33)), 8, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=5)
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    native_attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale, isa=isa)
+    bad_tables = tables.clone()
+    bad_tables[1, 0] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(IndexError, match="block table entry"):
+        native_attention.paged_attention(q, k_cache, v_cache, bad_tables, lens, qsl, scale, isa=isa)
+    bad_tables[1, 0] = -1
+    with pytest.raises(IndexError, match="block table entry -1"):
+        native_attention.paged_attention(q, k_cache, v_cache, bad_tables, lens, qsl, scale, isa=isa)
+    edited, kept = tables.clone(), int(tables[1, 0])
+    native_attention.paged_attention(q, k_cache, v_cache, edited, lens, qsl, scale, isa=isa)
+    edited[1, 0] = k_cache.shape[0]  # the same tensor changed in place is checked again
+    with pytest.raises(IndexError, match="block table entry"):
+        native_attention.paged_attention(q, k_cache, v_cache, edited, lens, qsl, scale, isa=isa)
+    assert int(tables[1, 0]) == kept
+    long = lens.clone()
+    long[0] = tables.shape[1] * case.block_size + 1
+    with pytest.raises(IndexError, match="overruns its block table"):
+        native_attention.paged_attention(q, k_cache, v_cache, batch.block_tables, long, qsl, scale, isa=isa)
+    with pytest.raises(ValueError, match="v_cache"):
+        native_attention.paged_attention(
+            q, k_cache, v_cache[:-1], batch.block_tables, lens, qsl, scale, isa=isa
+        )
+    with pytest.raises(ValueError, match="query_start_loc"):
+        native_attention.paged_attention(
+            q[:-1], k_cache, v_cache, batch.block_tables, lens, qsl, scale, isa=isa
+        )

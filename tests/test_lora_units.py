@@ -10,7 +10,8 @@ import torch
 from engine_svc.lora.adapter import LoRAAdapter
 from engine_svc.lora.geometry import Target
 from engine_svc.lora.slots import AdapterSlots, SlotsExhausted
-from kernels.reference.lora import lora_apply, plan_tokens
+from kernels.lora_plan import plan_tokens
+from kernels.reference.lora import lora_apply
 from tests.lora_cases import LORA_CASES, lora_by_token, make_lora_case
 
 

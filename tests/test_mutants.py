@@ -3,9 +3,9 @@ checks fail.
 
 A mutant is a one-line change to the source of one real function (applied in-process to a copy of
 that function, so nothing on disk changes). For each, the fast checks — the batch-invariance
-regressions and a few derandomized random mixes against their solo runs — run with the mutant in
-place and must fail (a wrong result or a crash); unmutated they pass (the rest of the suite). The
-mutants:
+regressions and a few derandomized random mixes against their solo runs, or for a mutant outside
+the engine's core the one fast test named with it — run with the mutant in place and must fail (a
+wrong result or a crash); unmutated they pass (the rest of the suite). The mutants:
 """
 
 from __future__ import annotations
@@ -15,14 +15,45 @@ import textwrap
 
 import pytest
 
+from benchmarks import step_overhead
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
+from engine_svc.logits_processors import bad_words
+from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
+from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
+from tests import (
+    test_bench_quick,
+    test_logit_controls,
+    test_openai_protocol,
+    test_speculative,
+    test_structured_outputs,
+)
 
-# (name, owner, function, the original text, the mutant's text)
+
+def _module(module):
+    """A module-level function as a mutant's owner (``setattr`` on the module)."""
+    return module
+
+
+def _model_free(test):
+    """A fast check that takes no model (named at import, so a typo fails loudly, not as a catch)."""
+    return lambda model_dir: test()
+
+
+speculation_checks = _model_free(test_speculative.test_a_sequence_whose_drafts_fail_stops_drafting)
+bad_word_checks = test_logit_controls.test_a_bad_words_last_token_stays_allowed_after_any_other_token
+stop_string_checks = _model_free(
+    lambda: test_openai_protocol.test_stop_as_a_string_or_a_list_reaches_the_request("END", ["END"])
+)
+step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
+logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+
+
+# (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
 MUTANTS = [
     ("copy-on-write switched off", KVCacheManager, "allocate", "cow = (", "cow = False and ("),
     (
@@ -48,9 +79,23 @@ MUTANTS = [
     ),
     (
         "preemption keeps the counter of the blocks it released",
-        KVCacheManager,
-        "free",
+        Scheduler,
+        "_release",
         "seq.num_computed_tokens = 0",
+        "pass",
+    ),
+    (
+        "a new block id dropped from the scheduler output",
+        KVCacheManager,
+        "take_step_changes",
+        "updates.append(BlockUpdate(seq, first, table[first:]))",
+        "updates.append(BlockUpdate(seq, first, table[first:-1] if len(table) > 1 else table[first:]))",
+    ),
+    (
+        "a released table not carried to the input batch",
+        KVCacheManager,
+        "take_step_changes",
+        "released.append(seq.seq_id)",
         "pass",
     ),
     (
@@ -80,6 +125,46 @@ MUTANTS = [
         "update_from_output",
         "request.prompt_logprobs_sent = True",
         "pass",
+    ),
+    (
+        "speculation keeps a rejected draft's lookahead blocks until the sequence ends",
+        Scheduler,
+        "update_from_output",
+        "kv.trim(seq)",
+        "pass",
+        speculation_checks,
+    ),
+    (
+        "a bad word's last token banned without its earlier tokens preceding it",
+        _module(bad_words),
+        "last_tokens_banned_now",
+        "if k == 0 or (len(output) >= k and output[len(output) - k :] == word[:-1]):",
+        "if True:",
+        bad_word_checks,
+    ),
+    (
+        "the OpenAI stop given as one string dropped",
+        _module(openai_protocol),
+        "common_request",
+        "req.stop.append(stop)",
+        "pass",
+        stop_string_checks,
+    ),
+    (
+        "the step-overhead benchmark keeps only the last sampler call's time",
+        step_overhead.TimedSampler,
+        "__call__",
+        "self.inside_s += time.perf_counter() - t0",
+        "self.inside_s = time.perf_counter() - t0",
+        step_overhead_checks,
+    ),
+    (
+        "the sampler skips the logits processors' constraints (bias, allowed ids, grammar)",
+        Sampler,
+        "__call__",
+        "if processor.constraint:",
+        "if processor.constraint and processor.flag < 0:",
+        logit_control_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)
@@ -111,7 +196,7 @@ def fast_checks(model_dir) -> None:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
 def test_mutant_is_caught(tiny_llama, monkeypatch, mutant):
-    _, owner, name, old, new = mutant
+    _, owner, name, old, new, *check = mutant
     monkeypatch.setattr(owner, name, mutated(owner, name, old, new))
     with pytest.raises(Exception):  # noqa: B017 - a wrong result or a crash: either way it is caught
-        fast_checks(tiny_llama)
+        (check[0] if check else fast_checks)(tiny_llama)

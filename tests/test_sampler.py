@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engine_svc import SamplingParams
-from engine_svc.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+from engine_svc.logits_processors.min_tokens import MinTokens
+from engine_svc.logits_processors.penalties import apply_penalties
+from engine_svc.sampler import Sampler, SamplingBatch, filter_logits
 from tests.engine_helpers import make_engine, random_prompts, run_to_completion
 
 
@@ -26,12 +28,9 @@ def _batch(rows: int, **cols) -> SamplingBatch:
         presence_penalty=t("presence_penalty", 0.0),
         frequency_penalty=t("frequency_penalty", 0.0),
         noise_keys=cols.get("noise_keys", [None] * rows),
-        output_ids=cols.get("output_ids", [[]] * rows),
-        prompt_ids=cols.get("prompt_ids", [[]] * rows),
-        banned_ids=cols.get("banned_ids", [[]] * rows),
         num_logprobs=cols.get("num_logprobs", [None] * rows),
-        any_penalty=cols.get("any_penalty", False),
         all_greedy=False,
+        processors=cols.get("processors", []),
     )
 
 
@@ -82,11 +81,8 @@ def test_penalties_match_reference():
         repetition_penalty=[1.5, 1.0],
         presence_penalty=[0.0, 0.5],
         frequency_penalty=[0.0, 0.25],
-        output_ids=[[0, 0, 1], [2, 2, 2, 4]],
-        prompt_ids=[[3], [0]],
-        any_penalty=True,
     )
-    got = apply_penalties(logits.clone(), b)
+    got = apply_penalties(logits.clone(), b, [[0, 0, 1], [2, 2, 2, 4]], [[3], [0]])
     expected = logits.clone()
     for tok in (0, 1, 3):  # row 0: repetition over prompt and output tokens
         v = expected[0, tok]
@@ -109,7 +105,8 @@ def test_sampling_follows_the_filtered_distribution():
 
 def test_banned_tokens_and_logprobs():
     logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 1.0, 5.0]])
-    b = _batch(2, temperature=[0.0, 0.0], banned_ids=[[0], []], num_logprobs=[2, 0])
+    # A ban is an adjustment: applied after the logprobs are read (they report what was possible).
+    b = _batch(2, temperature=[0.0, 0.0], processors=[(MinTokens(), [[0], []])], num_logprobs=[2, 0])
     tokens, lps = Sampler()(logits.clone(), b)
     assert tokens == [1, 2]
     ref = logits.log_softmax(-1)

@@ -96,14 +96,14 @@ def test_a_fork_shares_blocks_and_each_sequence_gets_its_own_first_token():
     out, deltas = step(sched, token=100)
     assert out.layout.fans == [3]
     assert [(d.index, d.new_token_ids) for d in deltas] == [(0, [100]), (1, [101]), (2, [102])]
-    tables = [s.block_table for s in request.sequences]
+    tables = [sched.kv.block_table(s) for s in request.sequences]
     assert tables[0] == tables[1] == tables[2], "the forks share every block by reference"
     for block_id in tables[0]:
         assert sched.kv.pool.blocks[block_id].ref_count == 3
     out, _ = step(sched)
     # The first write into the shared partial block copies it for all but its last holder.
-    assert len(sched.kv.take_pending_copies()) == 2
-    assert len({s.block_table[-1] for s in request.sequences}) == 3
+    assert len(out.copies) == 2  # the step that writes carries the copies
+    assert len({sched.kv.block_table(s)[-1] for s in request.sequences}) == 3
 
 
 def test_one_stop_rule_min_tokens_length_and_request_finished():
@@ -168,7 +168,7 @@ def test_preemption_releases_and_recompute_restarts_from_zero_or_the_cache():
         out, _ = step(sched)
         preempted += [s.request.request_id for s in out.preempted]
         for s in out.preempted:
-            assert s.num_computed_tokens == 0 and not s.block_table
+            assert s.num_computed_tokens == 0 and not sched.kv.block_table(s)
         sched.kv.pool.check_invariants()
     assert preempted and preempted[0] == "b", "the most recently admitted running sequence goes first"
     assert sched.kv.hit_tokens > 0, "the recompute took its own published blocks from the cache"
@@ -192,10 +192,10 @@ def test_decode_only_inputs_equal_the_general_path(tiny_llama):
     runner, compared = engine.runner, [0]
     build = runner.build_inputs
 
-    def both(out, copies):
-        inputs = build(out, copies)
+    def both(out):
+        inputs = build(out)
         if out.only_decodes:
-            general = runner.general_inputs(out, copies)
+            general = runner.general_inputs(out, out.copies)
             for name in (
                 "input_ids",
                 "positions",
@@ -247,7 +247,7 @@ def test_paused_requests_hold_no_seat_and_yield_their_blocks_to_newcomers():
     fresh = add(sched, "fresh", list(range(30, 46)), max_tokens=4)
     out, _ = step(sched)
     assert [s.request for s in out.seqs] == [fresh], "a paused request kept the newcomer out"
-    assert sched.num_preemptions >= 1 and not all(r.sequences[0].block_table for r in stalled)
+    assert sched.num_preemptions >= 1 and not all(sched.kv.block_table(r.sequences[0]) for r in stalled)
     while not fresh.finished:
         step(sched)
     for r in stalled:

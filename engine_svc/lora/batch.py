@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine_svc.lora.slots import AdapterSlots
-from kernels.reference.lora import plan_tokens
+from kernels.lora_plan import plan_tokens
 
 
 class LoRABatch:

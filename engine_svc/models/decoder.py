@@ -53,37 +53,28 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.eps = spec.rms_norm_eps
         self.scale = d**-0.5
-        self.index = 0  # this layer's place in the stack: which LoRA stacks it reads
+        self.index = 0  # this layer's place in the stack (LoRA wrappers read their stacks by it)
         self.prepare_linears("dense")
 
     def prepare_linears(self, backend: str) -> None:
         """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``); call
-        again after the weights change. The parameters stay: they are the weights' one source."""
+        again after the weights change (then wrap them for LoRA again: ``lora.layers``). The
+        parameters stay: they are the weights' one source."""
         self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
         self.o_proj = make_linear(backend, self.o_weight)
         self.gate_up_proj = make_linear(backend, self.gate_up_weight)
         self.down_proj = make_linear(backend, self.down_weight)
 
-    def forward(
-        self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs, lora=None
-    ):
+    def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
-        x = self._attention(k, x, positions, cos_sin, kv_cache, attn, lora)
+        x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        gate_up = self.gate_up_proj(x)
-        if lora is not None:
-            lora.apply(self.index, "gate_up", x, gate_up)
-        h = k.silu_and_mul(gate_up)
-        down = self.down_proj(h)
-        if lora is not None:
-            lora.apply(self.index, "down", h, down)
-        return self.shard.all_reduce(down), residual
+        h = k.silu_and_mul(self.gate_up_proj(x))
+        return self.shard.all_reduce(self.down_proj(h)), residual
 
-    def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs, lora=None):
+    def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if lora is not None:  # engine_svc/lora/batch.py: each token through its own adapter, per slice
-            lora.apply(self.index, "qkv", x, qkv)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         key = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -105,11 +96,7 @@ class DecoderLayer(nn.Module):
             max_query_len=attn.max_query_len,
             max_seq_len=attn.max_seq_len,
         )
-        attn_out = out.reshape(t, q_size)
-        out = self.o_proj(attn_out)
-        if lora is not None:
-            lora.apply(self.index, "o", attn_out, out)
-        out = self.shard.all_reduce(out)
+        out = self.shard.all_reduce(self.o_proj(out.reshape(t, q_size)))
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
 
@@ -154,14 +141,12 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn: AttentionInputs,
-        lora=None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm. ``lora``: the step's
-        ``engine_svc.lora.batch.LoRABatch``, or None when no token uses an adapter."""
+        """Hidden states ``[T, hidden]`` after the final norm."""
         x = self._embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn, lora)
+            x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn)
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
 

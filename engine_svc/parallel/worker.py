@@ -17,6 +17,7 @@ from engine_svc.engine import resolve_device, resolve_dtype, resolve_max_model_l
 from engine_svc.lora.adapter import LoRAAdapter
 from engine_svc.lora.batch import LoRABatch
 from engine_svc.lora.geometry import TARGET_MODULES, targets
+from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import make_slots
 from engine_svc.model_runner import ModelForward
 from engine_svc.model_setup import allocate_kv_caches, load_model
@@ -56,10 +57,11 @@ def main() -> None:
     model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)
     kv_caches = allocate_kv_caches(spec, shard, args.num_blocks, config.block_size, dtype, device)
     kernels = select_kernels(device, config.kernel_backend)
-    forward = ModelForward(model, kernels, kv_caches, device)
-    slots = None
+    slots = lora_step = None
     if config.enable_lora:
         slots = make_slots(spec, config.max_loras, config.max_lora_rank, dtype, device, shard)
+        lora_step = wrap_lora_layers(model)
+    forward = ModelForward(model, kernels, kv_caches, device, lora_step)
     dist.init_process_group(
         backend_for(device),
         init_method=args.init_method,

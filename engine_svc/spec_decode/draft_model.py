@@ -22,7 +22,7 @@ import torch
 
 from engine_svc.input_batch import InputBatch
 from engine_svc.model_runner import ModelForward
-from engine_svc.scheduler import SchedulerOutput
+from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.step_inputs import StepInputs
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
@@ -34,9 +34,9 @@ class DraftModelProposer:
         self.block_size = block_size
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, batch: InputBatch, copies: np.ndarray) -> None:
+    def propose(self, out: SchedulerOutput, batch: InputBatch) -> None:
         """Keep the draft cache level with the target's and fill ``out.drafts`` in place. ``batch``
-        must be synced with this step's block tables; ``copies`` are this step's copy-on-writes."""
+        must follow this step's block tables; ``out.copies`` are this step's copy-on-writes."""
         drafts = out.drafts
         bs = self.block_size
         ids: list[int] = []
@@ -68,7 +68,7 @@ class DraftModelProposer:
                 np.array(seq_lens, dtype=np.int32),
                 qs,
                 np.array(last_rows, dtype=np.int64),
-                copies,
+                out.copies,
                 max_query_len=int(np.diff(qs).max()),
                 max_seq_len=max(seq_lens),
             )

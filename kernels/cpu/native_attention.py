@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 
 import torch
 
@@ -77,6 +78,76 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
     )
 
 
+class _Checked:
+    """The step's metadata tensors already checked: every layer of a step passes the same ones, so
+    the bounds are read once per step, not once per layer (a weak reference: a new step's tensor is
+    never mistaken for the last one's)."""
+
+    def __init__(self) -> None:
+        self.refs: tuple = ()
+
+    def seen(self, *tensors: torch.Tensor) -> bool:
+        return len(self.refs) == len(tensors) and all(
+            r() is t and v == _version(t) for (r, v), t in zip(self.refs, tensors, strict=True)
+        )
+
+    def remember(self, *tensors: torch.Tensor) -> None:
+        self.refs = tuple((weakref.ref(t), _version(t)) for t in tensors)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """In-place changes bump it (checked again); inference tensors keep none (identity alone)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+_checked = _Checked()
+
+
+def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
+    """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
+    an error naming it, never a read outside a tensor): the value cache matches the key cache, the
+    metadata has one entry per sequence, every block id is inside the cache, every context fits its
+    table, and the queries are the tokens ``query_start_loc`` counts."""
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
+            f"k_cache {k_cache.dtype}{tuple(k_cache.shape)}"
+        )
+    if (
+        tables.dim() != 2
+        or lens.dim() != 1
+        or qsl.shape != (lens.shape[0] + 1,)
+        or tables.shape[0] < lens.shape[0]
+    ):
+        raise ValueError(
+            f"block_tables {tuple(tables.shape)}, seq_lens {tuple(lens.shape)} and query_start_loc "
+            f"{tuple(qsl.shape)} must describe the same sequences"
+        )
+    if _checked.seen(tables, lens, qsl):
+        return
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
+        raise IndexError(
+            f"a context of {int(lens.max())} tokens overruns its block table "
+            f"({tables.shape[1]} blocks of {block_size})"
+        )
+    # The entries the kernel reads (a row's padding past its context is never read, so not checked).
+    read = torch.arange(tables.shape[1]) < ((lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
+    used = tables[: lens.shape[0]][read]
+    if used.numel():
+        lo, hi = (int(v) for v in torch.aminmax(used))
+        if lo < 0 or hi >= num_blocks:
+            raise IndexError(
+                f"block table entry {lo if lo < 0 else hi} outside the cache's {num_blocks} blocks"
+            )
+    if int(qsl[-1]) != q.shape[0] or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
+        raise ValueError(f"query_start_loc must rise to the {q.shape[0]} query tokens, got {qsl.tolist()}")
+    _checked.remember(tables, lens, qsl)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -100,6 +171,7 @@ def paged_attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
+    check_inputs(q, k_cache, v_cache, tables, lens, qsl)
     rc = fn(
         q.data_ptr(),
         q.stride(0),

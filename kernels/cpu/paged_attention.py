@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference.paged_attention import _length_groups
+from kernels.length_groups import length_groups
 
 # Gathered K + V of one decode chunk: a few MiB stays in this core's L2 / the shared L3. Measured
 # at batch 64 x 512-token contexts: 4 MiB chunks ~1.4x faster than one 32 MiB gather.
@@ -59,7 +59,7 @@ def paged_attention(
     tables = block_tables.long()
     if len(decodes) >= CASCADE_MIN_ROWS:
         decodes = _cascade_decodes(q, out, k_cache, v_cache, tables, lens, starts, decodes, scale)
-    for group in _length_groups(decodes, lens):
+    for group in length_groups(decodes, lens):
         padded = lens[group[0]]  # the longest comes first; every chunk pads to it, as one call would
         step = max(1, DECODE_CHUNK_BYTES // (token_bytes * padded))
         for i in range(0, len(group), step):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.length_groups import length_groups
+
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one request's cache, contiguous: ``[length, Hk, D]``."""
@@ -41,7 +43,7 @@ def paged_attention(
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
-    for group in _length_groups(decodes, lens):
+    for group in length_groups(decodes, lens):
         _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale)
     for b in prefills:
         lo, hi, ctx = starts[b], starts[b + 1], lens[b]
@@ -52,21 +54,6 @@ def paged_attention(
         mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
         out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
     return out
-
-
-def _length_groups(rows: list[int], lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
-    """Decode rows in groups of similar context length: each group is padded to its longest
-    member, and a group grows only while padding keeps its work within ``max_waste`` of the real."""
-    groups: list[list[int]] = []
-    total = 0
-    for b in sorted(rows, key=lambda r: -lens[r]):
-        if groups and lens[groups[-1][0]] * (len(groups[-1]) + 1) <= max_waste * (total + lens[b]):
-            groups[-1].append(b)
-            total += lens[b]
-        else:
-            groups.append([b])
-            total = lens[b]
-    return groups
 
 
 def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale) -> None:

@@ -1,8 +1,8 @@
-"""The Triton kernels bundled for ``kernels.backend.select_kernels``."""
+"""The Triton kernels bundled for ``kernels.backend.select_kernels`` (which imports this lazily)."""
 
 from __future__ import annotations
 
-from kernels.backend import Kernels
+from kernels.interface import Kernels
 from kernels.triton import activation, kv_write, lora, paged_attention, rmsnorm, rotary
 
 TRITON_KERNELS = Kernels(

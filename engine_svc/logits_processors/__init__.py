@@ -1,0 +1,1 @@
+"""Logit controls as plug-ins: one module each, behind ``base.LogitsProcessor``."""

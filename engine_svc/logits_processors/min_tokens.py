@@ -1,0 +1,25 @@
+"""``min_tokens``: no stop token (nor EOS, unless ignored) before that many outputs."""
+
+from __future__ import annotations
+
+from engine_svc import input_batch as ib
+from engine_svc.logits_processors.base import LogitsProcessor, ban
+
+
+def stop_ids_banned_now(seq) -> list[int]:
+    p = seq.request.params
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+    return []
+
+
+class MinTokens(LogitsProcessor):
+    flag = ib.MIN_TOKENS
+    constraint = False
+
+    def prepare(self, rows, layout):
+        banned = [stop_ids_banned_now(s) for s, *_ in rows]
+        return banned if any(banned) else None
+
+    def apply(self, logits, banned, batch):
+        return ban(logits, banned)

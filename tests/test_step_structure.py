@@ -1,0 +1,114 @@
+"""The step's seams, read from the source (each assertion is one of issue 30's done-when checks, so
+a change that weaves a feature back into the core fails here, by name, in milliseconds)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from engine_svc.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(path: str) -> ast.Module:
+    return ast.parse((ROOT / path).read_text(), path)
+
+
+def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_kv_manager_writes_no_sequence_counter():
+    counters = {f.name for f in dataclasses.fields(Sequence) if f.type in ("int", int)}
+    assert "num_computed_tokens" in counters
+    written = []
+    for node in ast.walk(_tree("engine_svc/kv_cache_manager.py")):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in counters:
+                written.append(f"line {node.lineno}: {t.attr}")
+    assert not written, f"kv_cache_manager.py assigns Sequence counters: {written}"
+
+
+def test_the_engine_reaches_into_no_kv_manager_between_schedule_and_update():
+    step = _function(_tree("engine_svc/engine.py"), "step")
+    calls = [n for n in ast.walk(step) if isinstance(n, ast.Attribute)]
+    kv = [n.lineno for n in calls if isinstance(n.value, ast.Attribute) and n.value.attr == "kv"]
+    assert not kv, f"LLMEngine.step uses the KV manager directly at lines {kv}"
+    names = {n.attr for n in calls}
+    assert {"schedule", "execute", "update_from_output"} <= names
+
+
+def test_the_input_batch_is_updated_in_one_place():
+    callers = []
+    for path in sorted((ROOT / "engine_svc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "apply" and getattr(node.func.value, "attr", None) == "batch":
+                    callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(callers) == 1 and callers[0].startswith("engine_svc/model_runner.py"), callers
+
+
+def test_the_model_code_has_no_lora():
+    names = [
+        n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else n.arg
+        for n in ast.walk(_tree("engine_svc/models/decoder.py"))
+        if isinstance(n, ast.Name | ast.Attribute | ast.arg)
+    ]
+    assert not [n for n in names if "lora" in n.lower()]
+
+
+def test_the_scheduler_keeps_no_step_between_its_methods():
+    init = _function(_tree("engine_svc/scheduler.py"), "__init__")
+    fields = {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute)
+    }
+    assert not fields & {"failed", "verified", "drafts", "pending"}, fields
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every ``import``/``from`` in a file, functions included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+    return out
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_no_import_circles_and_no_private_names_across_packages():
+    files = [p for d in ("engine_svc", "kernels", "benchmarks", "gateway") for p in (ROOT / d).rglob("*.py")]
+    # ``from a import b`` may import module a.b: count both.
+    graph = {
+        _module_of(p): {d for m, names in _imports(p) for d in (m, *(f"{m}.{n}" for n in names))}
+        for p in files
+    }
+    circles = sorted(
+        f"{a} <-> {b}" for a, deps in graph.items() for b in deps if a < b and a in graph.get(b, ())
+    )
+    assert not circles, circles
+    private = []
+    for p in files:
+        here = _module_of(p).rsplit(".", 1)[0]
+        for module, names in _imports(p):
+            if module.rsplit(".", 1)[0] != here and any(n.startswith("_") for n in names):
+                private.append(
+                    f"{_module_of(p)} imports {[n for n in names if n.startswith('_')]} from {module}"
+                )
+    assert not private, private
+
+
+def test_the_engine_does_not_run_the_kernels_twins_for_planning():
+    for p in (ROOT / "engine_svc").rglob("*.py"):
+        assert not [m for m, _ in _imports(p) if m.startswith("kernels.reference.lora")], p
