@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, target, write_result
 from benchmarks.machine import REPO, describe, git_commit, machine_info
+from benchmarks.registry import REGISTRY
 
 README_BEGIN = "<!-- headline table: written by python -m benchmarks.report; do not edit -->"
 README_END = "<!-- end of headline table -->"
@@ -522,8 +523,6 @@ def stored_run(name: str, results_dir: Path) -> dict:
 
 def collect(results_dir: Path = RESULTS_DIR, threads: int = 1) -> dict:
     """``latest.json`` rebuilt from the result files (the machine is this one: the report's own)."""
-    from benchmarks.run_all import REGISTRY
-
     return dict(
         time=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         quick=False,

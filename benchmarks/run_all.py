@@ -18,27 +18,9 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.machine import git_commit, machine_info
+from benchmarks.registry import REGISTRY
 from benchmarks.report import stored_run, write_report
 
-# (module, how it is told where to write: "results-dir" for ours, "out" for the service helper's)
-REGISTRY: list[tuple[str, str]] = [
-    ("kv_memory", "results-dir"),
-    ("step_overhead", "results-dir"),
-    ("compute_efficiency", "results-dir"),
-    ("cpu_kernels", "results-dir"),
-    ("chunked_prefill", "results-dir"),
-    ("prefix_caching", "results-dir"),
-    ("block_hashing", "results-dir"),
-    ("continuous_batching", "results-dir"),
-    ("peer", "results-dir"),
-    ("serving", "out"),
-    ("transports", "out"),
-    ("tokenizer_workers", "out"),
-    ("routing", "results-dir"),
-    ("structured_output", "results-dir"),
-    ("speculative", "results-dir"),
-    ("lora", "results-dir"),
-]
 TIMEOUT_S = 3600  # routing and transports take 20+ minutes on a loaded 2-core machine
 
 
