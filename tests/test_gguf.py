@@ -341,3 +341,50 @@ def test_the_service_serves_a_gguf_file(hf_dirs, tmp_path):
     assert list(reply.token_ids) == offline.outputs[0].token_ids
     assert reply.text == offline.outputs[0].text
     assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+
+
+def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
+    """A `tokenizer.ggml.model = llama` vocabulary (pieces with scores, byte fallback tokens), as
+    Llama 2 / Mistral GGUFs carry it: whole words come out as their pieces, unknown characters as
+    bytes, and the text decodes back."""
+    from gguf import GGUFWriter
+
+    from tokenizer_svc.tokenizer import load_tokenizer
+
+    # every prefix of the two words is a piece, so each word has a path of merges to itself
+    prefixes = ["\u2581" + w[:i] for w in ("hello", "world") for i in range(1, 6)]
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", *prefixes]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [float(len(p)) for p in pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    src = write_gguf(hf_dirs["llama"], tmp_path / "bpe.gguf", "F32")
+    reader = GGUFReader(str(src))
+    out = tmp_path / "spm.gguf"
+    w = GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", "llama.vocab_size"):
+            continue
+        w.add_key_value(
+            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens + [f"<extra_{i}>" for i in range(1024 - len(tokens))])
+    w.add_token_scores(scores + [-1000.0] * (1024 - len(tokens)))
+    w.add_token_types(types + [4] * (1024 - len(tokens)))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = load_tokenizer(out)
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids) == ["\u2581hello", "\u2581world"]
+    assert tok.decode(ids) == "hello world"
+    odd = tok.encode("hello é", add_special_tokens=False)  # é is not a piece: its UTF-8 bytes
+    assert tok.convert_ids_to_tokens(odd)[-2:] == ["<0xC3>", "<0xA9>"]
+    assert tok.decode(odd) == "hello é"
+    assert tok.eos_token_id == 2 and ModelSpec.from_path(out).eos_token_ids == (2,)
