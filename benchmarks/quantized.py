@@ -130,6 +130,7 @@ def main(argv=None) -> dict:
             outs, times = s.run(prompts, args.tokens)
             rates[s.name].append(sum(len(o) for o in outs) / sum(times))
             tokens[s.name] = outs
+            print(f"{s.name}: {rates[s.name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     for s in systems:
         s.close()
     result = {"rates_tok_s": rates, "median_tok_s": {k: statistics.median(v) for k, v in rates.items()}}
