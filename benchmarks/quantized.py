@@ -33,7 +33,11 @@ def prompt_ids(tokenizer, count: int, length: int) -> list[list[int]]:
     ids = tokenizer.encode(CORPUS.read_text(encoding="utf-8"))
     if isinstance(ids, dict) or hasattr(ids, "ids"):
         ids = list(getattr(ids, "ids", ids))
-    return [list(ids[i * length : (i + 1) * length]) for i in range(count)]
+    if len(ids) < length + count:
+        raise ValueError(f"the corpus has {len(ids)} tokens: too few for {count} prompts of {length}")
+    # Windows at distinct offsets, wrapping around the corpus: distinct prompts, no prefix shared.
+    step = max(1, (len(ids) - length) // count)
+    return [list(ids[(i * step) % (len(ids) - length) :][:length]) for i in range(count)]
 
 
 class LlamaCpp:

@@ -17,6 +17,7 @@
  * Built per instruction set by native_build.py; OpenMP threads are torch's. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -208,6 +209,103 @@ INLINE void panel_rows(const int fmt, const float *restrict x, int64_t ldx, cons
     }
 }
 
+/* The whole panel dequantized into buf (k x NB floats), with the very operations panel_rows uses. */
+INLINE void dequantize_panel(const int fmt, const uint8_t *restrict panel, int64_t k, float *restrict buf) {
+    const int64_t sb = scale_bytes(fmt), stride = sb + quant_bytes(fmt), blocks = k / QK;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *blk = panel + b * stride;
+        const float *ds = (const float *)blk;
+        const uint8_t *qs = blk + sb;
+        float *out = buf + b * QK * NB;
+        vf dv[V], mv[V];
+        for (int v = 0; v < V; ++v) dv[v] = loadv(ds + v * W);
+        if (fmt == FMT_Q4_1)
+            for (int v = 0; v < V; ++v) mv[v] = loadv(ds + NB + v * W);
+        if (fmt == FMT_Q8_0) {
+            for (int t = 0; t < QK; ++t)
+                for (int v = 0; v < V; ++v) storev(out + t * NB + v * W, from_i8(qs + t * NB + v * W) * dv[v]);
+        } else {
+            for (int t = 0; t < QK / 2; ++t)
+                for (int v = 0; v < V; ++v) {
+                    vf lo, hi;
+                    from_nibbles(qs + t * NB + v * W, &lo, &hi);
+                    if (fmt == FMT_Q4_0) {
+                        lo = (lo - 8.0f) * dv[v];
+                        hi = (hi - 8.0f) * dv[v];
+                    } else {
+                        lo = rounded(lo * dv[v]) + mv[v];
+                        hi = rounded(hi * dv[v]) + mv[v];
+                    }
+                    storev(out + 2 * t * NB + v * W, lo);
+                    storev(out + (2 * t + 1) * NB + v * W, hi);
+                }
+        }
+    }
+}
+
+/* small_gemm.c's panel kernel on a dequantized panel (in cache): for many rows, the weights are
+ * dequantized once per panel instead of once per row block. Same chains, so the same bits. */
+INLINE void f32_rows(const float *restrict x, int64_t ldx, const float *restrict wbuf, int64_t k, const int m,
+                     const float *restrict bias, float *restrict out, int64_t ldo, int cols) {
+    vf acc[MR][V];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};
+    for (int64_t kk = 0; kk < k; ++kk) {
+        vf w[V];
+        for (int v = 0; v < V; ++v) w[v] = loadv(wbuf + kk * NB + v * W);
+        STEP(kk, w)
+    }
+    if (bias) {
+        vf bv[V];
+        for (int v = 0; v < V; ++v) bv[v] = loadv(bias + v * W);
+        for (int i = 0; i < m; ++i)
+            for (int v = 0; v < V; ++v) acc[i][v] += bv[v];
+    }
+    if (cols == NB) {
+        for (int i = 0; i < m; ++i)
+            for (int v = 0; v < V; ++v) storev(out + i * ldo + v * W, acc[i][v]);
+    } else {
+        for (int i = 0; i < m; ++i) {
+            float row[NB];
+            for (int v = 0; v < V; ++v) storev(row + v * W, acc[i][v]);
+            memcpy(out + i * ldo, row, sizeof(float) * cols);
+        }
+    }
+}
+
+static void f32_all_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wbuf, const float *bias,
+                         float *y, int64_t ldy, int cols) {
+    float bias_pad[NB];
+    if (bias && cols < NB) {
+        memset(bias_pad, 0, sizeof bias_pad);
+        memcpy(bias_pad, bias, sizeof(float) * cols);
+        bias = bias_pad;
+    }
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR) f32_rows(x + i * ldx, ldx, wbuf, k, MR, bias, y + i * ldy, ldy, cols);
+    const float *xr = x + i * ldx;
+    float *yr = y + i * ldy;
+    switch (m - i) {
+        case 1: f32_rows(xr, ldx, wbuf, k, 1, bias, yr, ldy, cols); break;
+        case 2: f32_rows(xr, ldx, wbuf, k, 2, bias, yr, ldy, cols); break;
+        case 3: f32_rows(xr, ldx, wbuf, k, 3, bias, yr, ldy, cols); break;
+        case 4: f32_rows(xr, ldx, wbuf, k, 4, bias, yr, ldy, cols); break;
+        case 5: f32_rows(xr, ldx, wbuf, k, 5, bias, yr, ldy, cols); break;
+        case 6: f32_rows(xr, ldx, wbuf, k, 6 % MR, bias, yr, ldy, cols); break;
+        case 7: f32_rows(xr, ldx, wbuf, k, 7 % MR, bias, yr, ldy, cols); break;
+        default: break;
+    }
+}
+
+static void dequantize_panel_fmt(int fmt, const uint8_t *panel, int64_t k, float *buf) {
+    if (fmt == FMT_Q8_0)
+        dequantize_panel(FMT_Q8_0, panel, k, buf);
+    else if (fmt == FMT_Q4_0)
+        dequantize_panel(FMT_Q4_0, panel, k, buf);
+    else
+        dequantize_panel(FMT_Q4_1, panel, k, buf);
+}
+
 /* The format is a constant in each instantiation, so that each inner loop is compiled for one. */
 #define PANEL_ALL_ROWS(NAME, FMT)                                                                           \
     static void NAME(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,              \
@@ -255,7 +353,12 @@ int32_t llmserve_qgemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_
         const uint8_t *panel = packed + p * panel_bytes;
         const float *bp = bias ? bias + p * NB : NULL;
         float *yr = y + r0 * ldy + p * NB;
-        if (fmt == FMT_Q8_0)
+        float *wbuf = rows > MR ? malloc(sizeof(float) * (size_t)(k * NB)) : NULL;
+        if (wbuf) { /* more than one row block: dequantize the panel once */
+            dequantize_panel_fmt(fmt, panel, k, wbuf);
+            f32_all_rows(xr, rows, k, ldx, wbuf, bp, yr, ldy, cols);
+            free(wbuf);
+        } else if (fmt == FMT_Q8_0)
             panels_q8_0(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
         else if (fmt == FMT_Q4_0)
             panels_q4_0(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
