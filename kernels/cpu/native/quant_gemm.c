@@ -337,6 +337,21 @@ PANEL_ALL_ROWS(panels_q8_0, FMT_Q8_0)
 PANEL_ALL_ROWS(panels_q4_0, FMT_Q4_0)
 PANEL_ALL_ROWS(panels_q4_1, FMT_Q4_1)
 
+/* A thread's dequantized-panel buffer, kept and grown, never freed: a fresh allocation per item
+ * (over glibc's mmap threshold for K >= 683) cost page faults on every panel. NULL when out of
+ * memory (the caller then dequantizes in registers: the same bits). */
+static float *panel_buffer(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, sizeof(float) * floats);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL); k % 32 == 0.
  * Returns 0, or -1 for an unknown format (nothing written). */
 int32_t llmserve_qgemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
@@ -353,11 +368,10 @@ int32_t llmserve_qgemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_
         const uint8_t *panel = packed + p * panel_bytes;
         const float *bp = bias ? bias + p * NB : NULL;
         float *yr = y + r0 * ldy + p * NB;
-        float *wbuf = rows > MR ? malloc(sizeof(float) * (size_t)(k * NB)) : NULL;
+        float *wbuf = rows > MR ? panel_buffer((size_t)(k * NB)) : NULL;
         if (wbuf) { /* more than one row block: dequantize the panel once */
             dequantize_panel_fmt(fmt, panel, k, wbuf);
             f32_all_rows(xr, rows, k, ldx, wbuf, bp, yr, ldy, cols);
-            free(wbuf);
         } else if (fmt == FMT_Q8_0)
             panels_q8_0(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
         else if (fmt == FMT_Q4_0)
