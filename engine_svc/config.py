@@ -26,6 +26,9 @@ class EngineConfig:
     seed: int = 0
     kernel_backend: str | None = None  # None/"auto": triton on CUDA, torch elsewhere
     linear_backend: str | None = None  # None/"auto": native GEMM or oneDNN on CPU, else F.linear
+    # None/"auto": a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept (CPU, no float dtype asked for), else as
+    # loaded; "none"; "gguf"; "int8" / "int4": blocks made at load (docs/quantization.md)
+    quantization: str | None = None
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -56,6 +59,18 @@ class EngineConfig:
             raise ValueError(
                 f"linear_backend must be 'auto', 'native', 'onednn' or 'dense', got {self.linear_backend!r}"
             )
+        if self.quantization is not None:
+            from engine_svc.models.quantized_weights import QUANTIZATIONS
+
+            if self.quantization not in ("auto", *QUANTIZATIONS):
+                raise ValueError(
+                    f"quantization must be one of {('auto', *QUANTIZATIONS)}, got {self.quantization!r}"
+                )
+            if self.quantization not in ("auto", "none") and self.dtype not in (None, "float32", "fp32"):
+                raise ValueError(
+                    f"quantization={self.quantization!r} runs fp32 activations: dtype must be unset or "
+                    f"float32, got {self.dtype!r}"
+                )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._validate_lora()

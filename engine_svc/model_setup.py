@@ -11,6 +11,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
+from engine_svc.models.quantized_weights import attach_gguf_blocks, quantize_linears, resolve_quantization
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
@@ -31,21 +32,36 @@ def load_model(
     start = time.perf_counter()
     with torch.device(device):  # build in place: no host copy of a large model
         model = DecoderForCausalLM(spec, dtype, max_model_len, shard)
+    is_gguf = False
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.model)
         where = resolve_model_path(config.model)
+        is_gguf = where.is_gguf
         source = f"GGUF {where.gguf.name}, dequantized" if where.is_gguf else "safetensors"
         log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
     _log_cpu_dtype(dtype, device)
+    quant = resolve_quantization(
+        config.quantization,
+        is_gguf=is_gguf,
+        dtype_given=config.dtype is not None,
+        device=device,
+        tp=shard.size,
+    )
+    blocks = None
+    if quant == "gguf":
+        blocks = f"GGUF blocks ({attach_gguf_blocks(model, where.gguf)})"
+    elif quant in ("int8", "int4"):
+        blocks = f"quantized blocks ({quantize_linears(model, quant)})"
     backend = resolve_linear_backend(config.linear_backend, device, dtype)
     model.prepare_linears(backend)
+    model.quantization = quant
+    isa = native_build.chosen_isa()
     log.info(
-        "linear layers: %s (%s on %s)",
-        {"native": f"native GEMM, packed ({native_build.chosen_isa()})", "onednn": "oneDNN, prepacked"}.get(
-            backend, "F.linear"
-        ),
+        "linear layers: %s%s (%s on %s)",
+        f"{blocks}, native quant_gemm ({isa}); the rest: " if blocks and backend != "dense" else "",
+        {"native": f"native GEMM, packed ({isa})", "onednn": "oneDNN, prepacked"}.get(backend, "F.linear"),
         dtype,
         device,
     )

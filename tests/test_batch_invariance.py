@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -236,10 +237,54 @@ def check_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage, no
 
 
 def test_random_mixes_equal_their_solo_runs(tiny_llama):
+    explore(tiny_llama, EXAMPLES, {}, ALL_CASES)
+
+
+# The quantized linears (kernels/cpu/quant_gemm.py): a GGUF file's own blocks, and blocks made at
+# load from the HF checkpoint. Fewer examples each (the paths share everything but the GEMM).
+QUANTIZED_PATHS = {
+    "gguf Q4_1": ("Q4_1", None),
+    "gguf Q8_0": ("Q8_0", None),
+    "int8": (None, "int8"),
+    "int4": (None, "int4"),
+}
+
+
+@pytest.mark.parametrize("path", list(QUANTIZED_PATHS))
+def test_random_mixes_equal_their_solo_runs_on_quantized_linears(tiny_llama, tmp_path_factory, path):
+    from tests.gguf_files import write_gguf
+
+    gguf_type, quantization = QUANTIZED_PATHS[path]
+    model = tiny_llama
+    if gguf_type is not None:
+        model = write_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / f"tiny-{gguf_type}.gguf", gguf_type)
+    extra = {} if quantization is None else {"quantization": quantization}
+    engine = make_engine(model, **extra)
+    kinds = {type(layer.qkv_proj).__name__ for layer in engine.model.layers}
+    assert kinds == {"QuantLinear"}, f"{path}: the linears run {kinds}"
+    explore(model, max(6, EXAMPLES // 3), extra, ("chunked prefills", "prefix-hit tokens", "general steps"))
+
+
+ALL_CASES = (
+    "chunked prefills",
+    "preemptions",
+    "prefix-hit tokens",
+    "forks",
+    "decode-only steps",
+    "general steps",
+    "prompt-logprob chunks",
+    "aborts",
+    "structured-output samples",
+    "draft verifications",
+    "draft-model verifications",
+)
+
+
+def explore(model, examples: int, extra: dict, required: tuple[str, ...]) -> None:
     coverage, notes = Coverage(), []
 
     @settings(
-        max_examples=EXAMPLES,
+        max_examples=examples,
         deadline=None,
         derandomize=DERANDOMIZE,
         database=None,
@@ -248,23 +293,11 @@ def test_random_mixes_equal_their_solo_runs(tiny_llama):
     @given(mix=mix_st())
     def check(mix):
         specs, config = mix
-        check_mix(tiny_llama, specs, config, coverage, notes)
+        check_mix(model, specs, {**config, **extra}, coverage, notes)
 
     check()
     print("coverage:", dict(coverage.counts), "near-ties:", notes)
-    for case in (
-        "chunked prefills",
-        "preemptions",
-        "prefix-hit tokens",
-        "forks",
-        "decode-only steps",
-        "general steps",
-        "prompt-logprob chunks",
-        "aborts",
-        "structured-output samples",
-        "draft verifications",
-        "draft-model verifications",
-    ):
+    for case in required:
         assert coverage.counts[case] > 0, (
-            f"no {case} happened in {EXAMPLES} examples: {dict(coverage.counts)}"
+            f"no {case} happened in {examples} examples: {dict(coverage.counts)}"
         )

@@ -15,6 +15,12 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ("--no-prefix-caching", None, "turn prefix caching off"),
     ("--dtype", str, "float32, float16 or bfloat16"),
     ("--device", str, "cpu or cuda"),
+    (
+        "--quantization",
+        str,
+        "weights of the linears: auto (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored, unless --dtype), "
+        "none, gguf, int8 or int4 (blocks made at load; docs/quantization.md)",
+    ),
     ("--seed", int, "engine seed"),
     ("--scheduling-policy", str, "fcfs or priority"),
     (

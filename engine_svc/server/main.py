@@ -95,6 +95,7 @@ def engine_config_kwargs(args) -> dict:
         "device",
         "seed",
         "scheduling_policy",
+        "quantization",
         "max_loras",
         "max_lora_rank",
     ):

@@ -117,6 +117,14 @@ _PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear}
 
 
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The projection's GEMM. A weight with quantized blocks attached (``weight.quantized``, see
+    ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM unless ``dense`` was
+    asked for (then ``F.linear`` on the float parameter)."""
+    blocks = getattr(weight, "quantized", None)
+    if blocks is not None and backend != "dense":
+        from kernels.cpu.quant_gemm import QuantLinear
+
+        return QuantLinear(blocks, bias)
     return _PACKED.get(backend, DenseLinear)(weight, bias)
 
 

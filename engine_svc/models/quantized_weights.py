@@ -1,0 +1,137 @@
+"""Quantized weights for the model's linears: a GGUF file's own blocks, kept (``attach_gguf_blocks``),
+or blocks made at load from the float weights (``quantize_linears``: ``int8`` -> Q8_0, ``int4`` ->
+Q4_1, 32 weights a block). Each block set is attached to the fused parameter it stands for
+(``param.quantized``), and ``kernels.cpu.linear.make_linear`` builds that projection on the quantized
+GEMM (``kernels/cpu/quant_gemm.py``). The float parameters stay: the embedding lookup reads them, and
+``linear_backend="dense"`` still runs on them.
+
+``quantization`` (EngineConfig): None = auto (a GGUF file's blocks where the kernel has their
+format and no float ``dtype`` was asked for, else as loaded), ``"none"``, ``"gguf"``, ``"int8"``,
+``"int4"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, _unpermute_rows
+from kernels.cpu import quant_gemm
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+_MADE = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
+def resolve_quantization(requested: str | None, *, is_gguf: bool, dtype_given: bool, device, tp: int) -> str:
+    """The quantization this load runs: ``none``, ``gguf``, ``int8`` or ``int4``. An explicit
+    choice that cannot run is an error naming why; auto falls back to ``none`` with a log line."""
+    if requested is not None and requested not in (*QUANTIZATIONS, "auto"):
+        raise ValueError(f"quantization must be one of {('auto', *QUANTIZATIONS)}, got {requested!r}")
+    if requested in (None, "auto"):
+        if not is_gguf:
+            return "none"
+        reason = _unusable(device, tp) or ("a float dtype was asked for" if dtype_given else None)
+        if reason:
+            log.info("GGUF blocks dequantized (%s)", reason)
+            return "none"
+        return "gguf"
+    if requested == "none":
+        return "none"
+    if requested == "gguf" and not is_gguf:
+        raise ValueError("quantization='gguf' needs a GGUF model file")
+    reason = _unusable(device, tp)
+    if reason:
+        raise ValueError(f"quantization={requested!r} is unavailable: {reason}")
+    return requested
+
+
+def _unusable(device, tp: int) -> str | None:
+    if tp != 1:
+        return f"tensor_parallel_size is {tp} (quantized weights are served unsharded only)"
+    return quant_gemm.unusable_reason(torch.device(device))
+
+
+def _targets(model) -> dict[str, torch.Tensor]:
+    """Fused parameter name -> parameter, for every linear (the LM head: the embedding when tied)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            out[f"layers.{i}.{name}"] = getattr(layer, name)
+    out["lm_head"] = model.embed if model.lm_head is None else model.lm_head
+    return out
+
+
+def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
+    """Attach the file's blocks to every fused linear whose parts all have one format the kernel
+    runs; the others stay float. Returns a summary for the log (formats and counts)."""
+    ckpt = GGUFCheckpoint(gguf_path)
+    parts: dict[str, quant_gemm.QuantizedWeight] = {}
+    skipped: Counter = Counter()
+    for t in ckpt.tensors():
+        if len(t.shape) != 2:
+            continue
+        if t.type_name not in quant_gemm.FORMATS:
+            skipped[t.type_name] += 1
+            continue
+        qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data, t.shape)
+        if t._permute_heads is not None:
+            order = _unpermute_rows(torch.arange(t.shape[0]), t._permute_heads)
+            qw = qw.rows(order)
+        parts[t.hf_name] = qw
+    tied = model.lm_head is None
+    made: Counter = Counter()
+    for key, param in _targets(model).items():
+        names = _sources(key, tied)
+        if not all(n in parts for n in names):
+            continue
+        try:
+            qw = quant_gemm.concat_rows([parts[n] for n in names])
+        except ValueError:  # q, k and v in different formats: this projection stays float
+            skipped["mixed"] += 1
+            continue
+        if qw.shape != tuple(param.shape):
+            raise ValueError(f"GGUF blocks for {key}: shape {qw.shape}, the model needs {tuple(param.shape)}")
+        param.quantized = qw
+        made[qw.fmt] += 1
+    summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
+    if skipped:
+        summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
+    return summary
+
+
+def _sources(key: str, tied: bool) -> list[str]:
+    if key == "lm_head":
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    _, i, name = key.split(".")
+    p = f"model.layers.{i}."
+    return {
+        "qkv_weight": [
+            p + "self_attn.q_proj.weight",
+            p + "self_attn.k_proj.weight",
+            p + "self_attn.v_proj.weight",
+        ],
+        "o_weight": [p + "self_attn.o_proj.weight"],
+        "gate_up_weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "down_weight": [p + "mlp.down_proj.weight"],
+    }[name]
+
+
+def quantize_linears(model, quantization: str) -> str:
+    """Blocks made from the loaded float weights (``int8``: Q8_0, ``int4``: Q4_1) for every linear."""
+    fmt = _MADE[quantization]
+    for key, param in _targets(model).items():
+        if param.shape[1] % quant_gemm.QK:
+            raise ValueError(
+                f"quantization={quantization!r}: {key} has rows of {param.shape[1]}, not a multiple of "
+                f"{quant_gemm.QK}"
+            )
+    count = 0
+    for param in _targets(model).values():
+        param.quantized = quant_gemm.quantize_rows(param.data, fmt)
+        count += 1
+    return f"{count} x {fmt} (made at load from {quantization})"
