@@ -148,3 +148,27 @@ def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
     template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
     if template:
         w.add_chat_template(template)
+
+
+def rewrite_gguf(src: Path, out: Path, drop_keys=(), add=None, tensor=None) -> Path:
+    """A copy of the F32 file ``src`` with changes: metadata keys starting with any of ``drop_keys``
+    left out, ``add(writer)`` writing more, and ``tensor(name, array)`` replacing each tensor's data."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(src))
+    w = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture", *drop_keys)):
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type)
+    if add is not None:
+        add(w)
+    for t in reader.tensors:
+        array = np.array(t.data)
+        w.add_tensor(t.name, tensor(t.name, array) if tensor is not None else array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

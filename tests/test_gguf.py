@@ -25,7 +25,7 @@ from tests.engine_helpers import (
     random_prompts,
     run_to_completion,
 )
-from tests.gguf_files import ALL_TYPES, K_TYPES, gguf_name, write_gguf
+from tests.gguf_files import ALL_TYPES, K_TYPES, gguf_name, rewrite_gguf, write_gguf
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2)
 # K-quant blocks hold 256 values: every weight's input dimension must be a multiple of 256.
@@ -227,27 +227,12 @@ def test_unsupported_tensor_type_names_it_and_the_supported_ones(wide_llama, tmp
 
 
 def test_mismatched_shape_names_the_tensor(hf_dirs, tmp_path):
-    from gguf import GGUFWriter
-
     src = write_gguf(hf_dirs["llama"], tmp_path / "ok.gguf", "F32")
-    reader = GGUFReader(str(src))
-    out = tmp_path / "wrong-shape.gguf"
-    w = GGUFWriter(str(out), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        w.add_key_value(
-            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-        )
-    for t in reader.tensors:
-        array = np.array(t.data)
-        if t.name == "blk.1.ffn_down.weight":
-            array = array[:, :-8]  # 8 columns short
-        w.add_tensor(t.name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    out = rewrite_gguf(  # one weight 8 columns short
+        src,
+        tmp_path / "wrong-shape.gguf",
+        tensor=lambda name, a: a[:, :-8] if name == "blk.1.ffn_down.weight" else a,
+    )
     with pytest.raises(
         ValueError,
         match=r"GGUF tensor blk\.1\.ffn_down\.weight \(F32\): shape \(64, 120\), "
@@ -289,28 +274,12 @@ def test_directory_paths(hf_dirs, tmp_path):
 
 def test_rope_freq_factors_from_the_file(hf_dirs, tmp_path):
     """Llama 3.1 scaling travels in GGUF as a rope_freqs tensor: the spec divides by it."""
-    from gguf import GGUFWriter
 
     from kernels.reference.rotary import rope_inv_freq
 
-    src = write_gguf(hf_dirs["llama"], tmp_path / "ok.gguf", "F32")
-    reader = GGUFReader(str(src))
-    out = tmp_path / "rope.gguf"
-    w = GGUFWriter(str(out), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        w.add_key_value(
-            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-        )
     factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)  # head_dim 16 -> 8 frequencies
-    w.add_tensor("rope_freqs.weight", factors)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    src = write_gguf(hf_dirs["llama"], tmp_path / "ok.gguf", "F32")
+    out = rewrite_gguf(src, tmp_path / "rope.gguf", add=lambda w: w.add_tensor("rope_freqs.weight", factors))
     spec = ModelSpec.from_path(out)
     plain = rope_inv_freq(spec.head_dim, spec.rope_theta)
     assert torch.allclose(
@@ -347,7 +316,6 @@ def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
     """A `tokenizer.ggml.model = llama` vocabulary (pieces with scores, byte fallback tokens), as
     Llama 2 / Mistral GGUFs carry it: whole words come out as their pieces, unknown characters as
     bytes, and the text decodes back."""
-    from gguf import GGUFWriter
 
     from tokenizer_svc.tokenizer import load_tokenizer
 
@@ -357,29 +325,21 @@ def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     scores = [0.0] * 259 + [float(len(p)) for p in pieces]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    extra = 1024 - len(tokens)
+
+    def vocabulary(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens + [f"<extra_{i}>" for i in range(extra)])
+        w.add_token_scores(scores + [-1000.0] * extra)
+        w.add_token_types(types + [4] * extra)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+
     src = write_gguf(hf_dirs["llama"], tmp_path / "bpe.gguf", "F32")
-    reader = GGUFReader(str(src))
-    out = tmp_path / "spm.gguf"
-    w = GGUFWriter(str(out), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", "llama.vocab_size"):
-            continue
-        w.add_key_value(
-            key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-        )
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens + [f"<extra_{i}>" for i in range(1024 - len(tokens))])
-    w.add_token_scores(scores + [-1000.0] * (1024 - len(tokens)))
-    w.add_token_types(types + [4] * (1024 - len(tokens)))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    out = rewrite_gguf(
+        src, tmp_path / "spm.gguf", drop_keys=("tokenizer.", "llama.vocab_size"), add=vocabulary
+    )
     tok = load_tokenizer(out)
     ids = tok.encode("hello world", add_special_tokens=False)
     assert tok.convert_ids_to_tokens(ids) == ["\u2581hello", "\u2581world"]
