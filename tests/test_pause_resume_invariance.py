@@ -86,7 +86,7 @@ def test_paused_and_preempted_requests_equal_their_solo_runs(tiny_llama, seed):
         engine.check_invariants()
         for rid in paused_until:
             request = engine.requests.get(rid)
-            if request is not None and not request.sequences[0].block_table:
+            if request is not None and not engine.kv.block_table(request.sequences[0]):
                 preempted_while_paused.add(rid)
         assert step < 5000, "the engine did not finish"
     assert preempted_while_paused, "no paused request gave up its blocks: the schedule tests nothing"
