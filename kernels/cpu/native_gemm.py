@@ -80,14 +80,8 @@ class NativeLinear:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"linear takes rows of {self.in_features}, got {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-            x2 = x2.float().contiguous()
+        lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
             self._gemm(
                 x2.data_ptr(),
@@ -102,3 +96,14 @@ class NativeLinear:
                 torch.get_num_threads(),
             )
         return y.view(*lead, self.out_features)
+
+
+def rows_in_and_out(x: torch.Tensor, in_features: int, out_features: int):
+    """A native linear's operands: the leading shape, the input as unit-stride fp32 rows, and the
+    fresh output rows (every native linear takes and gives these)."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"linear takes rows of {in_features}, got {tuple(x.shape)}")
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.float().contiguous()
+    return x.shape[:-1], x2, torch.empty(x2.shape[0], out_features, dtype=torch.float32)

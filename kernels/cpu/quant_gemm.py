@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
+from kernels.cpu.native_gemm import rows_in_and_out
 
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 QK = 32
@@ -178,14 +179,8 @@ class QuantLinear:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"linear takes rows of {self.in_features}, got {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-            x2 = x2.float().contiguous()
+        lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
             rc = self._gemm(
                 self._code,
