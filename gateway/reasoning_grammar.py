@@ -12,9 +12,8 @@ from gateway.reasoning import CLOSE, OPEN, ReasoningParser
 from gateway.tool_parsers.base import rust_regex_escape
 
 
-def answer_rule(so: StructuredOutputsParams) -> str | None:
-    """The constraint as Lark rules whose entry is ``answer``; None where it cannot be nested (a
-    whole Lark grammar of the client's: it is applied from the first token, as it stands)."""
+def answer_rule(so: StructuredOutputsParams) -> str:
+    """The constraint as Lark rules whose entry is ``answer``."""
     kind = so.kind()
     if kind in ("json", "json_object"):
         schema = {} if kind == "json_object" else so.json
@@ -27,16 +26,14 @@ def answer_rule(so: StructuredOutputsParams) -> str | None:
         return "answer: /" + so.regex.replace("/", "\\/") + "/\n"
     if kind == "choice":
         return "answer: " + " | ".join(json.dumps(c) for c in dict.fromkeys(so.choice)) + "\n"
-    if so.grammar is not None and so.grammar.startswith("start: ") and "\nanswer" not in so.grammar:
-        return "answer: " + so.grammar.removeprefix("start: ")  # ours (the tool grammars)
-    return None
+    # A whole Lark grammar (a client's, or a tool grammar), nested as a grammar of its own
+    # (llguidance's ``%lark {}``): its rule names and directives cannot clash with the thinking's.
+    return "answer: %lark {\n" + so.grammar.rstrip("\n") + "\n}\n"
 
 
 def after_reasoning(so: StructuredOutputsParams, parser: ReasoningParser, marker) -> StructuredOutputsParams:
-    """``so`` applied after the reasoning (unchanged where it cannot be nested)."""
+    """``so`` applied after the reasoning."""
     rule = answer_rule(so)
-    if rule is None:
-        return so
     close = marker(CLOSE)
     thought = f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{rust_regex_escape(CLOSE)}.*)/"
     if close.startswith("<["):  # a special token: a lexeme of its own

@@ -1,6 +1,6 @@
 """Reasoning output (``--reasoning-parser``): ``<think>...</think>`` split out of the text, streamed
 at every character boundary equal to the whole-text split, composed with tool-call parsing; and
-constraints (JSON schemas, tool grammars) applied only after the reasoning, checked with
+constraints (JSON schemas, choices, a client's Lark grammar, tool grammars) applied only after the reasoning, checked with
 llguidance's own matcher."""
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
 
 JSON_C = StructuredOutputsParams(json=SCHEMA)
 CHOICE_C = StructuredOutputsParams(choice=["yes", "no"])
+# A client's Lark grammar whose rule names are the thinking's own: nested, they cannot clash.
+LARK_C = StructuredOutputsParams(grammar='start: think ";"\nthink: answer+\nanswer: "a" | "b"\n%ignore " "\n')
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x":2}}\n</tool_call>'
 
 
@@ -84,6 +86,8 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"x":2}}\n</tool_call>'
         ("deepseek_r1", JSON_C, ['free {x </think>\n{"x":1}'], ['{"x":1}', "a</think>no"]),
         ("qwen3", JSON_C, ['<think>{{</think>{"x":1}', '{"x":1}'], ["no", "<think>a</think>b"]),
         ("qwen3", CHOICE_C, ["<think>maybe</think>\nyes", "no"], ["maybe"]),
+        ("qwen3", LARK_C, ["<think>a b?</think>\nab a;", "b;"], ["<think>x</think>c;", "ab", "ab;</think>"]),
+        ("deepseek_r1", LARK_C, ["hm</think>a b;"], ["a b;", "hm</think>a b"]),
         ("deepseek_r1", "hermes", ["hm</think>" + CALL], [CALL]),
     ],
 )
