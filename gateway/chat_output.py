@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import uuid
 
-from gateway.reasoning import ReasoningParser, ReasoningStream
-from gateway.tool_parsers import ToolCallStream, ToolParser
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tokenizer_svc.reasoning import ReasoningParser, ReasoningStream
+from tokenizer_svc.tool_parsers import ToolCallStream, ToolParser
 
 
 class ChatOutput:

@@ -27,16 +27,17 @@ from gateway.gateway_state import GatewayState, ServerAborting
 from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
-from gateway.reasoning import get_reasoning_parser
-from gateway.reasoning_grammar import after_reasoning
 from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import check_generate, refuse_text_call
-from gateway.tool_request import Names, ToolPlan, chat_messages, marker_for, plan_tools
+from gateway.tool_request import Names, ToolPlan, chat_messages, plan_tools
 from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
 from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
+from tokenizer_svc.reasoning import get_reasoning_parser
+from tokenizer_svc.reasoning_grammar import after_reasoning
+from tokenizer_svc.tool_parsers.markers import marker_for
 
 log = logging.getLogger("gateway.requests")
 FINISH_OUTCOMES = {

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import FieldViolation
-from gateway.tool_parsers import ToolParser, get_parser
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tokenizer_svc.tool_parsers import ToolParser, get_parser
+from tokenizer_svc.tool_parsers.schemas import schema_error
 
 MAX_TOOLS = 128
 
@@ -32,7 +33,7 @@ class ToolOptions:
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)  # ValueError with the list of names
         if self.reasoning_parser is not None:
-            from gateway.reasoning import get_reasoning_parser
+            from tokenizer_svc.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -127,7 +128,7 @@ def plan_tools(
             if schema is None:
                 bad(names.tools(i, "parameters"), "must be a JSON Schema object")
             else:
-                why = _schema_error(schema)
+                why = schema_error(schema)
                 if why:
                     bad(names.tools(i, "parameters"), why)
                 fn["parameters"] = schema
@@ -186,30 +187,3 @@ def _schema(text: str) -> dict | None:
     except ValueError:
         return None
     return schema if isinstance(schema, dict) else None
-
-
-def _schema_error(schema: dict) -> str | None:
-    """What llguidance (which the grammar is built with) finds wrong in a schema, if anything."""
-    import llguidance
-
-    if schema.get("type", "object") != "object":
-        return 'must be a schema of an object ("type": "object")'
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as e:
-        return f"is not a usable JSON Schema: {str(e).strip()[:300]}"
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    return f"is not a usable JSON Schema: {error.strip()[:300]}" if error else None
-
-
-def marker_for(tokenizer) -> Callable[[str], str]:
-    """A marker string in a grammar: its special token where the vocabulary has one (a control
-    token never matches text), else the string itself."""
-
-    def marker(s: str) -> str:
-        tid = tokenizer.token_to_id(s) if tokenizer is not None else None
-        if tid is not None and tid in tokenizer.all_special_ids:
-            return f"<[{tid}]>"
-        return json.dumps(s)
-
-    return marker

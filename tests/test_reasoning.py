@@ -1,7 +1,7 @@
 """Reasoning output (``--reasoning-parser``): ``<think>...</think>`` split out of the text, streamed
 at every character boundary equal to the whole-text split, composed with tool-call parsing; and
-constraints (JSON schemas, choices, a client's Lark grammar, tool grammars) applied only after the reasoning, checked with
-llguidance's own matcher."""
+constraints (JSON schemas, choices, a client's Lark grammar, tool grammars) applied only after the
+reasoning, checked with llguidance's own matcher."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 
 from engine_svc.structured_outputs import StructuredOutputsParams
 from gateway.chat_output import ChatOutput
-from gateway.reasoning import REASONING_PARSERS, ReasoningStream, get_reasoning_parser
-from gateway.reasoning_grammar import after_reasoning
-from gateway.tool_parsers import get_parser
-from gateway.tool_request import marker_for
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tokenizer_svc.reasoning import REASONING_PARSERS, ReasoningStream, get_reasoning_parser
+from tokenizer_svc.reasoning_grammar import after_reasoning
 from tokenizer_svc.tokenizer import load_tokenizer
+from tokenizer_svc.tool_parsers import get_parser
+from tokenizer_svc.tool_parsers.markers import marker_for
 
 CASES = [  # (parser, output, reasoning, content)
     ("deepseek_r1", "I should add.\n</think>\n\n4", "I should add.\n", "4"),

@@ -12,10 +12,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from gateway.tool_parsers import PARSERS, get_parser
-from gateway.tool_request import marker_for
 from tests.conftest import shared_tokenizer
 from tokenizer_svc.tokenizer import load_tokenizer
+from tokenizer_svc.tool_parsers import PARSERS, get_parser
+from tokenizer_svc.tool_parsers.markers import marker_for
 
 SCHEMA_A = {
     "type": "object",

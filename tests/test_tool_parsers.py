@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gateway.tool_parsers import PARSERS, ToolCallStream, get_parser
+from tokenizer_svc.tool_parsers import PARSERS, ToolCallStream, get_parser
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 NESTED = '{"q": "a \\"quoted\\" }{ ] string", "opts": {"n": [1, 2, {"x": null}]}, "ok": true}'

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 from engine_svc.structured_outputs import JSON_DEFAULTS, StructuredOutputsParams
-from gateway.reasoning import CLOSE, OPEN, ReasoningParser
-from gateway.tool_parsers.base import rust_regex_escape
+from tokenizer_svc.reasoning import CLOSE, OPEN, ReasoningParser
+from tokenizer_svc.tool_parsers.base import rust_regex_escape
 
 
 def answer_rule(so: StructuredOutputsParams) -> str:

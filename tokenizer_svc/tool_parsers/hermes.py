@@ -3,7 +3,7 @@ as the model writes, content before, between and after them."""
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import (
+from tokenizer_svc.tool_parsers.base import (
     PartialCall,
     ToolParser,
     held_prefix,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.tool_parsers.base import (
+from tokenizer_svc.tool_parsers.base import (
     PartialCall,
     ToolParser,
     held_prefix,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import (
+from tokenizer_svc.tool_parsers.base import (
     PartialCall,
     ToolParser,
     json_call,

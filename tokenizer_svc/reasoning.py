@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tool_parsers.base import held_prefix
+from tokenizer_svc.tool_parsers.base import held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 

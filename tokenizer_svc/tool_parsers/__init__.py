@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import (
+from tokenizer_svc.tool_parsers.base import (
     CallDelta,
     OutputDelta,
     ParsedOutput,
@@ -11,10 +11,10 @@ from gateway.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from gateway.tool_parsers.hermes import HermesToolParser
-from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
-from gateway.tool_parsers.mistral import MistralToolParser
-from gateway.tool_parsers.pythonic import PythonicToolParser
+from tokenizer_svc.tool_parsers.hermes import HermesToolParser
+from tokenizer_svc.tool_parsers.llama3_json import Llama3JsonToolParser
+from tokenizer_svc.tool_parsers.mistral import MistralToolParser
+from tokenizer_svc.tool_parsers.pythonic import PythonicToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)

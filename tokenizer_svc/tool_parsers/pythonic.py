@@ -9,7 +9,7 @@ import ast
 import json
 import re
 
-from gateway.tool_parsers.base import (
+from tokenizer_svc.tool_parsers.base import (
     PartialCall,
     ToolParser,
     json_rule,
