@@ -37,8 +37,19 @@ class LLM:
         load_format: str = "auto",
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
         **engine_options,
     ):
+        """``tool_call_parser`` (hermes, llama3_json, mistral, pythonic) and ``reasoning_parser``
+        (deepseek_r1, qwen3): what ``chat`` reads calls and thinking out of the reply with, as
+        ``llmserve serve --tool-call-parser / --reasoning-parser`` do."""
+        from tokenizer_svc.reasoning import get_reasoning_parser
+        from tokenizer_svc.tool_parsers import get_parser
+
+        # Checked before the model loads: a wrong name fails fast, with the list of names.
+        self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         config = EngineConfig(
             model=str(model),
             block_size=block_size,
@@ -126,6 +137,8 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
         list of them; one output per conversation, in order. The prompt is the model's chat
@@ -133,13 +146,43 @@ class LLM:
         markers are special tokens, the messages' text never is. ``tools``: functions in HF's
         convention (``{"type": "function", "function": {"name", "description", "parameters"}}``),
         rendered by the template as its ``tools`` variable; history messages may hold
-        ``tool_calls`` (arguments as dicts) and ``role: "tool"`` results. The output is the raw
-        text (the gateway's ``--tool-call-parser`` reads calls out of it when served)."""
+        ``tool_calls`` (arguments as dicts) and ``role: "tool"`` results.
+
+        With a ``tool_call_parser`` (see ``LLM``), calls are read out of the reply as the server
+        reads them: each output's ``tool_calls`` (id, name, arguments as JSON text), ``text`` the
+        content left, finish reason "tool_calls". ``tool_choice``: "auto" (the default: free text
+        or well-formed calls), "required", ``{"type": "function", "function": {"name": ...}}``
+        (decoded under a grammar of the tools' schemas, so the calls always parse), or "none";
+        ``parallel_tool_calls=False``: at most one call. With a ``reasoning_parser``, the thinking
+        goes to ``reasoning_content`` and any constraint applies after it. Bad tools or choices
+        raise ``ValueError`` naming the argument."""
+        from engine_svc.offline_chat import check_tools, plan_chat, split_output
+
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none (a token-only model directory)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a conversation (a list of message dicts) or a list of them")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        tools = check_tools(tools)
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(conversations)
+        )
+        if len(params_list) != len(conversations):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(conversations)} conversations")
+        plans = [
+            plan_chat(
+                p,
+                tools,
+                tool_choice,
+                parallel_tool_calls,
+                self.tool_parser,
+                self.reasoning_parser,
+                self.tokenizer,
+            )
+            for p in params_list
+        ]
         prompts, texts = [], []
         for conversation in conversations:
             prompts.append(
@@ -150,9 +193,14 @@ class LLM:
             texts.append(
                 self.tokenizer.render_chat(conversation, add_generation_prompt, chat_template, tools=tools)
             )
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        for out, text in zip(outputs, texts, strict=True):
+        outputs = self.generate(
+            prompts, [p.params for p in plans], use_tqdm=use_tqdm, lora_request=lora_request
+        )
+        for out, text, plan in zip(outputs, texts, plans, strict=True):
             out.prompt = text
+            if plan.tool_parser is not None or plan.reasoning_parser is not None:
+                for seq in out.outputs:
+                    split_output(seq, plan)
         return outputs
 
     def _ensure_lora(self, request: LoRARequest | None) -> str | None:
@@ -239,7 +287,8 @@ class _Track:
                 seq.logprobs = []
             seq.logprobs.extend(delta.logprobs)
         if seq.text_stream is not None:
-            step = seq.text_stream.push(delta.new_token_ids, last=delta.finished)
+            stopped = delta.finished and delta.stop_token_id is not None
+            step = seq.text_stream.push(delta.new_token_ids, last=delta.finished, stop_token=stopped)
             seq.text += step.text
             if step.stop_string is not None:
                 seq.finish_reason, seq.stop_reason = "stop", step.stop_string

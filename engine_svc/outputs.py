@@ -45,6 +45,16 @@ class RequestDelta:
 
 
 @dataclass
+class ToolCallOutput:
+    """A call ``LLM.chat`` read out of a reply (OpenAI's shape, flattened)."""
+
+    id: str
+    name: str
+    arguments: str  # the arguments object as JSON text
+    type: str = "function"
+
+
+@dataclass
 class CompletionOutput:
     index: int
     token_ids: list[int]
@@ -54,6 +64,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this output
     num_accepted_draft_tokens: int = 0  # ... and accepted by the target model
+    # LLM.chat with a tool-call parser / a reasoning parser: what was taken out of ``text``.
+    tool_calls: list[ToolCallOutput] | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass

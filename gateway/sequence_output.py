@@ -70,7 +70,8 @@ class SequenceOutput:
         if self._text is None:
             text, matched = "", None
         else:
-            step = self._text.push(d.token_ids, last=engine_finished)
+            stopped = engine_finished and d.stop_token_id is not None
+            step = self._text.push(d.token_ids, last=engine_finished, stop_token=stopped)
             text, matched = step.text, step.stop_string
         msg = pb.GenerateResponse(request_id=self.request_id, index=self.index, text=text)
         if self._return_ids:

@@ -28,13 +28,19 @@ class TextStream:
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids=prompt_ids)
         self._stop = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
+        self._include_stop = include_stop_str_in_output
         self.done = False  # a stop string matched, or the last tokens came: nothing more is sent
 
-    def push(self, token_ids: Sequence[int], last: bool = False) -> TextStep:
+    def push(self, token_ids: Sequence[int], last: bool = False, stop_token: bool = False) -> TextStep:
         """The text that ``token_ids`` make final; ``last`` when the engine finished the sequence
-        (an incomplete last character is then released as the tokenizer decodes it)."""
+        (an incomplete last character is then released as the tokenizer decodes it).
+        ``stop_token``: the last id is the EOS or stop token that ended it; as vLLM does, its text
+        is not output (unless ``include_stop_str_in_output``). With special tokens kept in the text
+        (a tool format whose markers are special), an ``<|eot_id|>`` would otherwise end the reply."""
         if self.done:
             return TextStep("", None)
+        if stop_token and token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]
         text = self._detok.push(token_ids)
         if last:
             text += self._detok.flush()
