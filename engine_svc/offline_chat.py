@@ -10,7 +10,6 @@ reasoning parser is set. After, ``split_output`` takes the reasoning and the cal
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from dataclasses import dataclass
 
 from engine_svc.outputs import CompletionOutput, ToolCallOutput
@@ -135,7 +134,7 @@ def split_output(out: CompletionOutput, plan: ChatPlan) -> None:
         parsed = plan.tool_parser.parse(text)
         text = parsed.content
         out.tool_calls = [
-            ToolCallOutput(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in parsed.calls
+            ToolCallOutput(plan.tool_parser.call_id(), c.name, c.arguments) for c in parsed.calls
         ]
         if out.tool_calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"

@@ -9,8 +9,6 @@ the request's tools are parsed); ``text`` keeps only the content, ``reasoning_co
 
 from __future__ import annotations
 
-import uuid
-
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from tokenizer_svc.reasoning import ReasoningParser, ReasoningStream
 from tokenizer_svc.tool_parsers import ToolCallStream, ToolParser
@@ -42,7 +40,7 @@ class ChatOutput:
             for c in _merged(delta.calls):
                 out = msg.tool_calls.add(index=c.index, arguments=c.arguments)
                 if c.name is not None:
-                    self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                    self.ids.append(self.tools.parser.call_id())
                     out.id, out.name = self.ids[c.index], c.name
             self.num_calls = len(self.ids)
             if last and self.num_calls and msg.finish_reason == pb.FINISH_REASON_STOP:

@@ -6,6 +6,7 @@ call grammar applied after it; bad tools and choices are ``ValueError``s naming 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -74,7 +75,7 @@ def _check_calls(out, names=None, may_run_out=False):
     else:
         assert out.finish_reason == "tool_calls", out
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}|[0-9a-f]{9}", call.id)
         assert call.name in (names or SCHEMAS)
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     assert len({c.id for c in out.tool_calls}) == len(out.tool_calls)
@@ -187,3 +188,47 @@ def test_unknown_parser_names_are_refused_with_the_list(default_model_dir):
         LLM(model=str(default_model_dir), tool_call_parser="nope")
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         LLM(model=str(default_model_dir), reasoning_parser="nope")
+
+
+# As Mistral's own templates do: a history's call ids must be 9 letters or digits.
+MISTRAL_LIKE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' or m.tool_calls %}"
+    "{%- set ids = [m.tool_call_id] if m.role == 'tool' else (m.tool_calls | map(attribute='id') | list) %}"
+    "{%- for id in ids %}"
+    "{%- if id | length != 9 or not id.isalnum() %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{ '[INST]' if m.role == 'user' else '' }}{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}{% endfor %}"
+    "{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_call_ids_come_back_through_the_template(llms, parser):
+    """A reply's call ids, sent back as the history's ``tool_calls`` and ``tool_call_id``, render:
+    mistral's ids are the 9 letters or digits its templates insist on; the others are OpenAI's."""
+    llm = llms(parser)
+    out = llm.chat(
+        MESSAGES, SamplingParams(temperature=1.0, seed=1, max_tokens=160), chat_template=HERMES_TEMPLATE,
+        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, use_tqdm=False,
+    )[0].outputs[0]  # fmt: skip
+    call = out.tool_calls[0]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.name,
+                                                             "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]  # fmt: skip
+    if parser == "mistral":
+        text = llm.tokenizer.render_chat(history, True, MISTRAL_LIKE, tools=TOOLS)
+        assert f"[CALL_ID]{call.id}" in text
+    else:
+        assert call.id.startswith("call_")
+        with pytest.raises(Exception, match="length 9"):  # the check is real
+            llm.tokenizer.render_chat(history, True, MISTRAL_LIKE, tools=TOOLS)
+    follow = llm.chat(history, SamplingParams(temperature=0, max_tokens=2), chat_template=HERMES_TEMPLATE,
+                      tools=TOOLS, tool_choice="none", use_tqdm=False)[0]  # fmt: skip
+    assert '"name": "get_time"' in follow.prompt and "12:00" in follow.prompt

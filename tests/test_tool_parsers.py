@@ -103,3 +103,27 @@ def test_unknown_parser_is_refused_with_the_list():
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         get_parser("nope")
     assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_served_call_ids_have_the_formats_shape(name):
+    """The gateway's ids for a reply's calls: 9 letters or digits for mistral (its templates refuse
+    a history with other ids), OpenAI's ``call_...`` otherwise; unique per call."""
+    import re
+
+    from gateway.chat_output import ChatOutput
+    from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+
+    text = {
+        "hermes": '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+        "llama3_json": '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
+        "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]',
+        "pythonic": "[f(), g()]",
+    }[name]
+    msg = ChatOutput(get_parser(name), None).apply(
+        pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)
+    )
+    ids = [c.id for c in msg.tool_calls]
+    shape = r"[0-9a-zA-Z]{9}" if name == "mistral" else r"call_[0-9a-f]{24}"
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(re.fullmatch(shape, i) for i in ids), ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -78,6 +79,11 @@ class ToolParser(ABC):
         """A Lark grammar of "free text, or well-formed calls" (``tool_choice: auto``): text that
         could begin a call must be one. None: the format cannot say (the output is unconstrained)."""
         return None
+
+    def call_id(self) -> str:
+        """A new call's id, in OpenAI's shape unless the format's chat templates check another
+        (the id comes back as a history's ``tool_call_id``)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
         return assemble(self.pieces(text, final), final)

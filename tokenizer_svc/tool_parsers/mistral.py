@@ -4,6 +4,7 @@ tokenizers), or ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+). Content before 
 from __future__ import annotations
 
 import re
+import uuid
 
 from tokenizer_svc.tool_parsers.base import (
     PartialCall,
@@ -25,6 +26,10 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True  # [TOOL_CALLS] is a control token of Mistral's vocabularies
+
+    def call_id(self) -> str:
+        # Mistral's chat templates refuse a history whose tool_call_id is not 9 letters or digits.
+        return uuid.uuid4().hex[:9]
 
     def pieces(self, text: str, final: bool) -> list[str | PartialCall]:
         i = text.find(MARK)
