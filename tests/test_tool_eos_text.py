@@ -130,3 +130,34 @@ def test_offline_chat_never_outputs_the_end_token_text(llama3_model, parser_name
             if out.finish_reason == "tool_calls":
                 assert json.loads(out.tool_calls[0].arguments)["city"] is not None
     assert ended_on_a_token == 3, "the auto replies ended on <|eot_id|>: what the test is about"
+
+
+def test_service_never_sends_the_end_token_text(llama3_model):
+    """Through the real service and the openai client, streamed and not: replies that end on
+    <|eot_id|> (biased so they do) under llama3_json, whose server turns skip_special_tokens off."""
+    import openai
+
+    from tests.service_process import ServiceProcess
+
+    template = Path(__file__).resolve().parent / "chat_templates" / "tool_chat_template_llama3_json.jinja"
+    tok = load_tokenizer(llama3_model)
+    eot = tok.token_to_id("<|eot_id|>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+    args = ["--num-kv-blocks", "128", "--http-port", "0", "--served-model-name", "m", "--chat-template",
+            str(template), "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]  # fmt: skip
+    with ServiceProcess(llama3_model, *args) as sp:
+        client = openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for seed in range(2):
+            options = dict(
+                model="m", messages=[{"role": "user", "content": "Weather?"}], tools=tools, seed=seed,
+                temperature=1.0, max_tokens=24, extra_body={"min_tokens": 3}, logit_bias={str(eot): 100},
+            )  # fmt: skip
+            whole = client.chat.completions.create(**options).choices[0]
+            assert whole.finish_reason == "stop" and whole.message.content
+            streamed = "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(**options, stream=True)
+            )
+            assert streamed == whole.message.content
+            assert not any(e in whole.message.content for e in END_TEXTS), whole.message.content
