@@ -109,11 +109,14 @@ def test_named_call_is_that_function(llms, parser):
         assert len(seq.tool_calls) == 1
 
 
-def test_required_call_after_the_reasoning(llms):
-    """qwen3 reasoning: the call grammar applies after ``</think>`` (a random model may think until
-    max_tokens; what it does answer is a valid call, and the thinking is not in the text)."""
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
+def test_required_call_after_the_reasoning(llms, reasoning):
+    """The call grammar applies after ``</think>`` (a random model may think until max_tokens; what
+    it does answer is a valid call, and the thinking is not in the text). deepseek_r1 starts in the
+    thinking: a grammar applied from the first token would make a call that ends the reply inside
+    the thinking (finish "stop", no call)."""
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120) for seed in range(4)]
-    outs = llms("hermes", "qwen3").chat(
+    outs = llms("hermes", reasoning).chat(
         [MESSAGES] * 4, params, chat_template=HERMES_TEMPLATE, tools=TOOLS, tool_choice="required",
         use_tqdm=False,
     )  # fmt: skip
