@@ -96,3 +96,23 @@ def test_bf16_engine_greedy_equals_hf_fp32_on_the_rounded_weights(tiny_llama, ca
     outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
         assert_greedy_matches(hf, p, outputs[(str(i), 0)], ref)
+
+
+def test_lora_on_the_bf16_path_equals_peft_on_the_rounded_base(tiny_llama, tmp_path):
+    """The adapters' slots hold what flows between the ops (fp32 here), added to the bf16-weight
+    projections' outputs: PEFT's fp32 model on the bf16-rounded base weights is the reference."""
+    from peft import PeftModel
+
+    from engine_svc import LLM, LoRARequest
+    from tests.lora_helpers import make_adapter
+
+    adapter = make_adapter(tiny_llama, tmp_path / "qv4", 4, ["q_proj", "v_proj"], seed=3)
+    prompts = random_prompts([6, 19], 1024, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_llama), dtype="bfloat16", enable_lora=True, max_lora_rank=8, num_kv_blocks=64) as llm:
+        assert llm.engine.model.linear_backend == cpu_linear.NATIVE_BF16
+        got = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="bfloat16").float()
+    hf = PeftModel.from_pretrained(base, adapter).eval()
+    for p, out in zip(prompts, got, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 6)
