@@ -89,11 +89,12 @@ class LLMEngine:
         shard = Shard(0, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
+        self.act_dtype = self.model.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
         self.kernels = select_kernels(self.device, config.kernel_backend)
         self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)
         kv_caches = allocate_kv_caches(
-            self.spec, shard, num_blocks, config.block_size, self.dtype, self.device
+            self.spec, shard, num_blocks, config.block_size, self.act_dtype, self.device
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -106,7 +107,7 @@ class LLMEngine:
                 self.spec,
                 config.max_loras,
                 config.max_lora_rank,
-                self.dtype,
+                self.act_dtype,
                 self.device,
                 self.kernels.lora_apply,
                 shard,
@@ -186,7 +187,9 @@ class LLMEngine:
         draft_config = replace(c, model=self.speculative.model, speculative_config=None)
         shard = Shard(0, 1)
         model = load_model(draft_config, self.draft_spec, self.dtype, self.device, self.max_model_len, shard)
-        caches = allocate_kv_caches(self.draft_spec, shard, num_blocks, c.block_size, self.dtype, self.device)
+        caches = allocate_kv_caches(
+            self.draft_spec, shard, num_blocks, c.block_size, model.activation_dtype, self.device
+        )
         log.info("draft model %s: %d layers", self.speculative.model, self.draft_spec.num_layers)
         return DraftModelProposer(ModelForward(model, self.kernels, caches, self.device), c.block_size)
 
@@ -453,12 +456,11 @@ class LLMEngine:
     # --- sizing -------------------------------------------------------------------------------
     def _num_kv_blocks(self, shard: Shard) -> int:
         c = self.config
-        per_token = (
-            2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * self.dtype.itemsize
-        )
+        itemsize = self.act_dtype.itemsize
+        per_token = 2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * itemsize
         if self.draft_spec is not None:  # the draft model's cache has the same blocks
             d = self.draft_spec
-            per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * self.dtype.itemsize
+            per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * itemsize
         per_block = per_token * c.block_size
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks

@@ -16,7 +16,7 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
-from kernels.cpu.linear import resolve_linear_backend
+from kernels.cpu.linear import NATIVE_BF16, resolve_linear_backend
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ def load_model(
         is_gguf = where.is_gguf
         source = f"GGUF {where.gguf.name}, dequantized" if where.is_gguf else "safetensors"
         log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
-    _log_cpu_dtype(dtype, device)
     quant = resolve_quantization(
         config.quantization,
         is_gguf=is_gguf,
@@ -55,26 +54,41 @@ def load_model(
     elif quant in ("int8", "int4"):
         blocks = f"quantized blocks ({quantize_linears(model, quant)})"
     backend = resolve_linear_backend(config.linear_backend, device, dtype)
+    _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
     model.quantization = quant
+    # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
+    # on the native bf16 path, whose linears are packed from the bf16 weights above and whose
+    # activations are fp32; the other parameters (norms, embedding) go to fp32 exactly.
+    model.activation_dtype = dtype
+    if backend == NATIVE_BF16:
+        model.float()
+        model.activation_dtype = torch.float32
     isa = native_build.chosen_isa()
     log.info(
         "linear layers: %s%s (%s on %s)",
         f"{blocks}, native quant_gemm ({isa}); the rest: " if blocks and backend != "dense" else "",
-        {"native": f"native GEMM, packed ({isa})", "onednn": "oneDNN, prepacked"}.get(backend, "F.linear"),
+        {
+            "native": f"native GEMM, packed ({isa})",
+            NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa})",
+            "onednn": "oneDNN, prepacked",
+        }.get(backend, "F.linear"),
         dtype,
         device,
     )
     return model
 
 
-def _log_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    """One line saying what a CPU dtype runs on: bf16 is fast only with AVX-512 BF16 or AMX."""
+def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> None:
+    """One line saying what a CPU dtype runs on: bf16 activations are fast only with AVX-512 BF16
+    or AMX; bf16 weights on the native GEMM (fp32 activations) need neither."""
     if device.type != "cpu":
         return
     f = cpu_features()
     isa = f"{f['capability']}, avx512_bf16={f['avx512_bf16']}, amx={f['amx']}"
-    if dtype == torch.bfloat16:
+    if backend == NATIVE_BF16:
+        log.info("dtype bfloat16 on CPU: bf16 weights, fp32 activations on the native GEMM (%s)", isa)
+    elif dtype == torch.bfloat16:
         if native_bf16():
             log.info("dtype bfloat16 on CPU: native bf16 matmuls (%s)", isa)
         else:

@@ -265,6 +265,17 @@ def test_random_mixes_equal_their_solo_runs_on_quantized_linears(tiny_llama, tmp
     explore(model, max(6, EXAMPLES // 3), extra, ("chunked prefills", "prefix-hit tokens", "general steps"))
 
 
+def test_random_mixes_equal_their_solo_runs_in_bf16(tiny_llama):
+    """dtype bfloat16 on the CPU: bf16 weights on the native GEMM, fp32 activations (the norms,
+    rotary and attention are then the fp32 path's native kernels)."""
+    from kernels.cpu.linear import NATIVE_BF16
+
+    extra = {"dtype": "bfloat16", "linear_backend": "native"}  # what auto takes on AVX2 and AVX-512
+    assert make_engine(tiny_llama, **extra).model.linear_backend == NATIVE_BF16
+    required = ("chunked prefills", "prefix-hit tokens", "general steps")
+    explore(tiny_llama, max(6, EXAMPLES // 3), extra, required)
+
+
 ALL_CASES = (
     "chunked prefills",
     "preemptions",

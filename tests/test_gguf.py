@@ -348,3 +348,21 @@ def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
     assert tok.convert_ids_to_tokens(odd)[-2:] == ["<0xC3>", "<0xA9>"]
     assert tok.decode(odd) == "hello é"
     assert tok.eos_token_id == 2 and ModelSpec.from_path(out).eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama, tmp_path, type_name):
+    """A K-quant file's blocks run on the quantized GEMM (auto), bit-equal to the fp32 GEMM on the
+    gguf package's dequantization of them (``quantization="none"``: the loader dequantizes with it)."""
+    path = write_gguf(wide_llama, tmp_path / f"wide-{type_name}.gguf", type_name)
+    blocks = make_engine(path, num_kv_blocks=64)
+    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    for layer in blocks.model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert getattr(layer, name).fmt == type_name, name
+    for a, b in zip(blocks.model.layers, floats.model.layers, strict=True):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            inp = torch.randn(9, getattr(a, name).in_features)
+            assert torch.equal(getattr(a, name)(inp), getattr(b, name)(inp)), name
+    x = torch.randn(5, blocks.spec.hidden_size)
+    assert torch.equal(blocks.model.compute_logits(x), floats.model.compute_logits(x))

@@ -144,10 +144,13 @@ def test_linear_backend_choice_and_fallbacks(monkeypatch, caplog):
         cpu_linear.resolve_linear_backend("onednn", cpu, torch.float32)
 
 
-def test_bf16_without_native_instructions_stays_on_f_linear(monkeypatch):
+def test_bf16_without_native_instructions_skips_onednn(monkeypatch):
+    """oneDNN's bf16 needs AVX-512 BF16 / AMX; the native GEMM's bf16 weights (widened to fp32) do not."""
     monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
     assert "BF16" in cpu_linear.onednn_unusable_reason(torch.device("cpu"), torch.bfloat16)
-    assert cpu_linear.resolve_linear_backend("auto", torch.device("cpu"), torch.bfloat16) == "dense"
+    native = native_gemm.unusable_reason(torch.bfloat16) is None
+    want = cpu_linear.NATIVE_BF16 if native else "dense"
+    assert cpu_linear.resolve_linear_backend("auto", torch.device("cpu"), torch.bfloat16) == want
 
 
 def test_probe_passes_where_onednn_runs():
@@ -213,10 +216,13 @@ def test_decodes_equal_the_reference_within_rounding():
 def test_bf16_engine_on_cpu_says_what_it_runs_on(tiny_llama, caplog, linear_backend):
     with caplog.at_level(logging.INFO, logger="engine_svc.model_setup"):
         engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu", linear_backend=linear_backend)
-    line = "native bf16 matmuls" if native_bf16() else "emulated, slower than float32"
-    assert line in caplog.text
-    packed = linear_backend == "auto" and native_bf16()
-    assert engine.model.linear_backend == ("onednn" if packed else "dense")
+    if linear_backend == "auto" and engine.model.linear_backend == cpu_linear.NATIVE_BF16:
+        assert "bf16 weights, fp32 activations on the native GEMM" in caplog.text
+    else:
+        line = "native bf16 matmuls" if native_bf16() else "emulated, slower than float32"
+        assert line in caplog.text
+        packed = linear_backend == "auto" and native_bf16()
+        assert engine.model.linear_backend == ("onednn" if packed else "dense")
     prompts = random_prompts([5, 40], 1024, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})

@@ -55,6 +55,7 @@ def main() -> None:
     spec = ModelSpec.from_path(config.model)
     torch.manual_seed(config.seed)
     model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)
+    dtype = model.activation_dtype  # the KV cache and LoRA hold what flows between the ops
     kv_caches = allocate_kv_caches(spec, shard, args.num_blocks, config.block_size, dtype, device)
     kernels = select_kernels(device, config.kernel_backend)
     slots = lora_step = None

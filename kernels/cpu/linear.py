@@ -5,6 +5,13 @@ into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear
 path inductor uses for CPU linears; also bf16); plain ``F.linear`` on CUDA, where neither runs, or
 when asked.
 
+In bf16 on a CPU, ``auto`` (and ``native``) resolve to ``native_bf16``: the native GEMM with the
+weights packed as bf16 and fp32 activations, so that the model runs fp32 between its linears (the
+loader converts the other parameters: ``engine_svc/model_setup.py``). That keeps every op on the
+batch-invariant native kernels, reads half of fp32's weight bytes, and makes the result HF's fp32
+forward on the bf16-rounded weights (docs/quantization.md, "bf16 weights"). ``onednn`` keeps bf16
+activations end to end (its kernels change with the row count, so it is not batch invariant).
+
 On a CPU the prepacked GEMM skips the per-call packing of the weight that the default dense path
 does, which is most of the gap at the engine's shapes (M = 1..512 tokens, K = 512..1408): see
 docs/design/native-cpu-kernels.md ("The CPU path's pieces"). Results equal ``F.linear`` within fp32
@@ -38,6 +45,7 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE_ENTRIES)
 
 LINEAR_BACKENDS = ("auto", "native", "onednn", "dense")
+NATIVE_BF16 = "native_bf16"  # what "native" resolves to for bf16 weights (fp32 activations)
 
 
 class DenseLinear:
@@ -84,9 +92,10 @@ def onednn_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | No
 
 
 def resolve_linear_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """``"native"``, ``"onednn"`` or ``"dense"``. ``auto`` (None) takes the native GEMM where it
-    runs and measured faster, else oneDNN where it can run; asking for one by name where it cannot
-    run is an error, not a silent fallback."""
+    """``"native"``, ``"native_bf16"`` (bf16: the native GEMM on bf16 weights, fp32 activations),
+    ``"onednn"`` or ``"dense"``. ``auto`` (None) takes the native GEMM where it runs and measured
+    faster, else oneDNN where it can run; asking for one by name where it cannot run is an error,
+    not a silent fallback."""
     requested = requested or "auto"
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
@@ -97,7 +106,7 @@ def resolve_linear_backend(requested: str | None, device: torch.device, dtype: t
         if reason is None and not _probe_ok(dtype, _PACKED[name]):
             reason = "the load-time probe did not match F.linear"
         if reason is None:
-            return name
+            return NATIVE_BF16 if name == "native" and dtype == torch.bfloat16 else name
         if requested == name:
             raise ValueError(f"linear_backend {name!r} is unavailable: {reason}")
         log.info("linear layers: not %s (%s)", name, reason)
@@ -113,13 +122,18 @@ def _unusable_reason(name: str, device: torch.device, dtype: torch.dtype, *, for
     return native_gemm.unusable_reason(dtype, forced=forced)
 
 
-_PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear}
+def _native_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return native_gemm.NativeLinear(weight, bias, weight_dtype=torch.bfloat16)
+
+
+_PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear, NATIVE_BF16: _native_bf16}
 
 
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The projection's GEMM. A weight with quantized blocks attached (``weight.quantized``, see
     ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM unless ``dense`` was
-    asked for (then ``F.linear`` on the float parameter)."""
+    asked for (then ``F.linear`` on the float parameter). ``native_bf16`` packs the weight rounded to
+    bf16 (exact when it was loaded as bf16, whatever its dtype now)."""
     blocks = getattr(weight, "quantized", None)
     if blocks is not None and backend != "dense":
         from kernels.cpu.quant_gemm import QuantLinear

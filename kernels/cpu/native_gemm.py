@@ -1,6 +1,8 @@
-"""The model's fp32 linears through the native GEMM (``kernels/cpu/native/small_gemm.c``): the weight
+"""The model's linears through the native GEMM (``kernels/cpu/native/small_gemm.c``): the weight
 is packed once into column panels, and each output is one chain of multiply-adds over K in order,
-so a row's result is the same bit for bit whatever else is in the batch.
+so a row's result is the same bit for bit whatever else is in the batch. The weight is kept as fp32,
+or as bf16 (``dtype="bfloat16"``: half the bytes to stream, widened to fp32 in registers, so the
+result is bit-equal to the fp32 GEMM on the bf16 values); activations and outputs are fp32.
 
 Measured (``python -m benchmarks.cpu_kernels``, weights streamed from memory as in a real step) it
 beats oneDNN's prepacked GEMM at decode sizes (M = 1..64) and matches it on prefills, on AVX-512
@@ -21,8 +23,11 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
     "llmserve_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
     "llmserve_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
+    "llmserve_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
+    "llmserve_gemm_bf16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_panel_width": ([], _I32),
 }
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 FASTER_THAN_ONEDNN = ("avx512", "avx2")
 
 
@@ -45,8 +50,8 @@ def _library(isa: str):
 def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
     """Why the native GEMM would not serve ``dtype`` here (None: it would). ``forced``: asked for by
     name, so a build slower than oneDNN still serves."""
-    if dtype != torch.float32:
-        return f"{dtype} (the native GEMM is fp32)"
+    if dtype not in WEIGHT_DTYPES:
+        return f"{dtype} (the native GEMM keeps fp32 or bf16 weights)"
     if library() is None:
         return "no native build (see the log)"
     isa = native_build.chosen_isa()
@@ -56,26 +61,39 @@ def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
 
 
 class NativeLinear:
-    """``F.linear(x, weight, bias)`` for fp32 on the CPU, on a weight packed at construction."""
+    """``F.linear(x, weight, bias)`` on the CPU in fp32, on a weight packed at construction: as fp32,
+    or as bf16 when ``weight`` is bf16 (or ``weight_dtype=torch.bfloat16``: the weight rounded to
+    bf16 first). The output is fp32 either way."""
 
     kind = "native"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, isa: str | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        isa: str | None = None,
+        weight_dtype: torch.dtype | None = None,
+    ):
         lib = library(isa)
         if lib is None:
             raise RuntimeError("the native GEMM has no build here")
-        if weight.dtype != torch.float32 or weight.dim() != 2:
+        self.weight_dtype = weight_dtype or weight.dtype
+        if self.weight_dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise ValueError(
-                f"the native GEMM takes a 2-D fp32 weight, got {weight.dtype} {tuple(weight.shape)}"
+                "the native GEMM takes a 2-D fp32 or bf16 weight, "
+                f"got {self.weight_dtype} {tuple(weight.shape)}"
             )
-        w = weight.detach().contiguous()
+        w = weight.detach().to(self.weight_dtype).contiguous()
         self.out_features, self.in_features = w.shape
         nb = lib.llmserve_gemm_panel_width()
-        panels = -(-self.out_features // nb)
-        self.packed = torch.empty(panels * nb * self.in_features, dtype=torch.float32)
-        lib.llmserve_gemm_pack_f32(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        size = -(-self.out_features // nb) * nb * self.in_features
+        self.packed = torch.empty(size, dtype=self.weight_dtype)
+        fp32 = self.weight_dtype == torch.float32
+        pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
+        pack(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._gemm = lib.llmserve_gemm_f32
+        self._gemm = lib.llmserve_gemm_f32 if fp32 else lib.llmserve_gemm_bf16w
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 

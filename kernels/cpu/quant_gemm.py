@@ -1,11 +1,20 @@
 """Linears on quantized weights (``kernels/cpu/native/quant_gemm.c``): 32-weight blocks of Q8_0,
 Q4_0 or Q4_1, as a GGUF file stores them or as made at load from a float checkpoint
-(``quantize_rows``), repacked once into the kernel's panels and dequantized in registers.
+(``quantize_rows``), and GGUF's 256-weight K-quant super-blocks Q4_K, Q5_K and Q6_K, repacked once
+into the kernel's panels and dequantized in registers.
 
 A ``QuantizedWeight`` is the format-neutral form the loader builds: one byte per quant (``q``,
-``[n, k]``), fp32 scales ``d`` and (Q4_1) minimums ``m`` per row and block (``[n, k / 32]``). Rows
-of several tensors concatenate (the fused q/k/v and gate/up projections) and permute (the GGUF
-q/k row order) in that form before packing.
+``[n, k]``), fp32 scales ``d`` and (Q4_1, Q4_K, Q5_K) minimums ``m`` per row and block
+(``[n, k / BK]``). Rows of several tensors concatenate (the fused q/k/v and gate/up projections)
+and permute (the GGUF q/k row order) in that form before packing.
+
+A K-quant super-block's sub-block scales are products of its fp16 scale and 6-bit (Q6_K: 8-bit)
+integers; the gguf package rounds each product to fp32 once, so they are made here once, at load,
+and the super-block becomes plain blocks: Q4_K is Q4_1's form (32 weights, ``d * q + m`` with
+``m = -dmin * min``), Q5_K the byte form U8_1 (quants 0..31), Q6_K Q8_16 (int8 quants -32..31, a
+scale per 16). So the kernel's weights are the gguf dequantization bit for bit. The price: the
+expanded scales and byte quants take more memory than the file's blocks (Q4_K 0.75 bytes a
+weight against 0.5625, Q5_K and Q6_K 1.25 against 0.69 and 0.82).
 """
 
 from __future__ import annotations
@@ -20,11 +29,18 @@ import torch
 from kernels.cpu import native_build
 from kernels.cpu.native_gemm import rows_in_and_out
 
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
-QK = 32
+# GGUF type -> the kernel's format (quant_gemm.c's FMT_*): the K-quants run as the block form above.
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+QK = 32  # the weights per block of the formats made at load (quantize_rows)
+BLOCK_K = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+SIGNED = ("Q8_0", "Q6_K")  # quants stored as int8 bits
+QK_K = 256  # weights per K-quant super-block
 # GGUF block layouts (bytes): Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 nibble pairs; Q4_1 = f16 d,
 # f16 m + 16 nibble pairs. A pair's byte t holds element t (low nibble) and t + 16 (high).
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# K-quants (ggml-common.h): Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 nibble
+# bytes; Q5_K = the same + 32 bytes of fifth bits before the nibbles; Q6_K = 128 bytes of low
+# nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d.
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -60,10 +76,10 @@ def unusable_reason(device: torch.device) -> str | None:
 
 @dataclass
 class QuantizedWeight:
-    fmt: str  # Q8_0, Q4_0 or Q4_1
-    q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0; 0..15 for Q4)
-    d: torch.Tensor  # [n, k / 32] fp32
-    m: torch.Tensor | None  # [n, k / 32] fp32, Q4_1 only
+    fmt: str  # a key of FORMATS
+    q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0 / Q6_K; 0..15 for Q4*; 0..31 for Q5_K)
+    d: torch.Tensor  # [n, k / BLOCK_K] fp32
+    m: torch.Tensor | None  # [n, k / BLOCK_K] fp32 (Q4_1, Q4_K, Q5_K)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,8 +93,9 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """fp32, rounded as the gguf package rounds (``d * q``, ``d * (q - 8)``, ``d * q + m``)."""
         n, k = self.shape
-        q = self.q.view(torch.int8) if self.fmt == "Q8_0" else self.q
-        qf = q.float().view(n, k // QK, QK)
+        bk = BLOCK_K[self.fmt]
+        q = self.q.view(torch.int8) if self.fmt in SIGNED else self.q
+        qf = q.float().view(n, k // bk, bk)
         if self.fmt == "Q4_0":
             qf = qf - 8
         w = self.d[..., None] * qf
@@ -100,9 +117,18 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
     if fmt not in _BLOCK_BYTES:
         raise ValueError(f"no quantized kernel for GGUF type {fmt}")
     n, k = shape
-    if k % QK:
+    per_block = QK_K if fmt.endswith("_K") else QK
+    if k % per_block:
         raise ValueError(f"rows of {k} are not whole {fmt} blocks")
-    blocks = np.ascontiguousarray(raw).reshape(n, k // QK, _BLOCK_BYTES[fmt])
+    blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, _BLOCK_BYTES[fmt])
+    if fmt.endswith("_K"):
+        q, d, m = _K_READERS[fmt](blocks)
+        return QuantizedWeight(
+            fmt,
+            torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // BLOCK_K[fmt])),
+            None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // BLOCK_K[fmt])),
+        )
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = None
     if fmt == "Q8_0":
@@ -119,6 +145,59 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
         torch.from_numpy(np.ascontiguousarray(d)),
         None if m is None else torch.from_numpy(np.ascontiguousarray(m)),
     )
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block, as fp32 ``[..., 1]``."""
+    return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes. Sub-blocks 0-3
+    have theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 have their low 4 bits
+    in the nibbles of bytes 8-11 and their top 2 bits in the top bits of bytes 0-3 / 4-7."""
+    lo, hi, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([lo & 63, (extra & 15) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([hi & 63, (extra >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _low_nibbles_by_pair(qs: np.ndarray) -> np.ndarray:
+    """128 bytes -> 256 values 0..15: sub-blocks 2p and 2p + 1 are the low and high nibbles of
+    bytes 32p .. 32p + 31."""
+    pairs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([pairs & 15, pairs >> 4], axis=-2).reshape(*qs.shape[:-1], QK_K)
+
+
+def _read_q4_k(blocks):
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _scales_and_mins(blocks[..., 4:16])
+    return _low_nibbles_by_pair(blocks[..., 16:144]), d * sc, -(dmin * mn)
+
+
+def _read_q5_k(blocks):
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _scales_and_mins(blocks[..., 4:16])
+    high = blocks[..., 16:48]  # bit j of byte i: the fifth bit of sub-block j's element i
+    bits = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    q = _low_nibbles_by_pair(blocks[..., 48:176]) | (bits.reshape(*blocks.shape[:-1], QK_K) << 4)
+    return q, d * sc, -(dmin * mn)
+
+
+def _read_q6_k(blocks):
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    lead = blocks.shape[:-1]
+    # each half of 128 values: values 32c + i take the low (c < 2) or high nibble of ql byte
+    # 32 (c % 2) + i and bits 2c, 2c + 1 of qh byte i
+    low = ql.reshape(*lead, 2, 1, 64)
+    low = np.concatenate([low & 15, low >> 4], axis=-2).reshape(*lead, 2, 4, 32)
+    high = (qh.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    return q.reshape(*lead, QK_K), _f16(blocks, 208) * scales, None
+
+
+_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
 
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> QuantizedWeight:

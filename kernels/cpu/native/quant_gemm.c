@@ -1,65 +1,39 @@
-/* y = x . W^T (+ bias) with W held in 32-weight quantized blocks (GGUF Q8_0 / Q4_0 / Q4_1, or the
- * same blocks made at load from an HF checkpoint), dequantized in registers; fp32 activations.
+/* y = x . W^T (+ bias) with W held in quantized blocks, dequantized in registers; fp32 activations.
+ * The blocks are GGUF's (Q8_0 / Q4_0 / Q4_1, and the K-quants Q4_K / Q5_K / Q6_K brought to the
+ * forms below at load by kernels/cpu/quant_gemm.py), or made at load from an HF checkpoint.
  *
  * A decode step reads every weight once, so its time is the weight bytes over memory bandwidth:
- * Q4_1 is 0.75 bytes a weight here against fp32's 4. The kernel is small_gemm.c's, with the panel's
- * fp32 values made on the fly: panel p holds columns [p * NB, (p + 1) * NB); per block of 32 k
- * steps it stores the NB columns' scales (fp32, and Q4_1's minimums), then the quants k-major, NB
- * a row (one byte each for Q8_0; Q4_0 / Q4_1 pack the k steps 2t and 2t + 1 of a column into the
- * low and high nibble of one byte). Columns past N are zero.
+ * Q4_1 is 0.75 bytes a weight here against fp32's 4. The kernel is panel_gemm.h's (shared with
+ * small_gemm.c), with the panel's fp32 values made on the fly: panel p holds columns
+ * [p * NB, (p + 1) * NB); per block of BK k steps (32; 16 for Q8_16) it stores the NB columns'
+ * scales (fp32, then the minimums where the format has them), then the quants k-major, NB a row:
  *
- * Each weight is dequantized exactly as the gguf package does it (Q8_0: d * q; Q4_0: d * (q - 8);
- * Q4_1: d * q, rounded, + m: no fused multiply-add there), and each output y[i][j] is one chain of
- * multiply-adds over k = 0..K-1 in order from zero, then + bias[j]: the very arithmetic of
- * small_gemm.c on the dequantized weight. So a row's result is bit-equal alone, in any batch and at
- * any thread count, and bit-equal to the fp32 native GEMM on the gguf-dequantized weight.
+ *   Q8_0   int8 quants, one byte each               w = d * q
+ *   Q4_0   nibbles 0..15                            w = d * (q - 8)
+ *   Q4_1   nibbles 0..15, minimums                  w = d * q (rounded) + m      (also Q4_K)
+ *   U8_1   bytes 0..255, minimums                   w = d * q (rounded) + m      (Q5_K: 0..31)
+ *   Q8_16  int8 quants, a scale per 16 k steps      w = d * q                    (Q6_K: -32..31)
+ *
+ * Nibble formats pack the k steps 2t and 2t + 1 of a column into the low and high nibble of one
+ * byte. Columns past N are zero. Each weight is dequantized exactly as the gguf package does it
+ * (no fused multiply-add where it rounds a product before adding), and the sums are the fp32
+ * kernel's, so a row's result is bit-equal alone, in any batch and at any thread count, and
+ * bit-equal to the fp32 native GEMM on the gguf-dequantized weight.
  *
  * Built per instruction set by native_build.py; OpenMP threads are torch's. */
 
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
-#if defined(__AVX512F__)
-#define W 16
-#ifndef MR
-#define MR 8
-#define V 3
-#endif
-#else
-#if defined(__AVX2__) && defined(__FMA__)
-#define W 8
-#else
-#define W 4
-#endif
-#ifndef MR
-#define MR 6
-#define V 2
-#endif
-#endif
-#define NB (V * W)
-#define QK 32
-#ifndef MC
-#define MC 256
-#endif
+#include "panel_gemm.h"
+
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2
 #endif
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_Q8_16 = 4, FMT_COUNT = 5 };
 
-#define INLINE static inline __attribute__((always_inline))
-
-typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
-typedef float vf_at __attribute__((vector_size(4 * W), aligned(4), may_alias));
 typedef int8_t vi8 __attribute__((vector_size(W), aligned(1), may_alias));
 typedef uint8_t vu8 __attribute__((vector_size(W), aligned(1), may_alias));
-
-INLINE vf loadv(const float *p) { return *(const vf_at *)p; }
-INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
 
 /* A product that must be rounded on its own (the gguf package rounds d * q before adding m): the
  * empty asm hides it from -ffp-contract=fast, which would fuse it into the add. */
@@ -70,11 +44,14 @@ INLINE vf rounded(vf p) {
     return p;
 }
 
-/* W quants as floats: Q8_0's signed bytes; a Q4 byte's low and high nibbles. (The compiler's own
- * byte-to-float vector conversion went through general registers one lane at a time.) */
+/* W quants as floats: signed bytes, unsigned bytes, a byte's low and high nibbles. (The
+ * compiler's own byte-to-float vector conversion went through general registers one lane at a time.) */
 #if defined(__AVX512F__)
 INLINE vf from_i8(const uint8_t *p) {
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+INLINE vf from_u8(const uint8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -85,6 +62,9 @@ INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
 INLINE vf from_i8(const uint8_t *p) {
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+INLINE vf from_u8(const uint8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     *lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
@@ -92,6 +72,7 @@ INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
 }
 #else
 INLINE vf from_i8(const uint8_t *p) { return __builtin_convertvector(*(const vi8 *)p, vf); }
+INLINE vf from_u8(const uint8_t *p) { return __builtin_convertvector(*(const vu8 *)p, vf); }
 INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
     const vu8 q = *(const vu8 *)p;
     *lo = __builtin_convertvector(q & 15, vf);
@@ -101,17 +82,25 @@ INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
 
 int32_t llmserve_qgemm_panel_width(void) { return NB; }
 
-INLINE int64_t scale_bytes(int fmt) { return (int64_t)NB * 4 * (fmt == FMT_Q4_1 ? 2 : 1); }
-INLINE int64_t quant_bytes(int fmt) { return (int64_t)NB * (fmt == FMT_Q8_0 ? QK : QK / 2); }
+INLINE int block_k(int fmt) { return fmt == FMT_Q8_16 ? 16 : 32; }
+INLINE int has_min(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_U8_1; }
+INLINE int nibbles(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1; }
+INLINE int64_t scale_bytes(int fmt) { return (int64_t)NB * 4 * (has_min(fmt) ? 2 : 1); }
+INLINE int64_t quant_bytes(int fmt) { return (int64_t)NB * (nibbles(fmt) ? block_k(fmt) / 2 : block_k(fmt)); }
+INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
+
+int32_t llmserve_qgemm_block_k(int32_t fmt) { return fmt >= 0 && fmt < FMT_COUNT ? block_k(fmt) : -1; }
 
 int64_t llmserve_qgemm_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
-    return ((n + NB - 1) / NB) * (k / QK) * (scale_bytes(fmt) + quant_bytes(fmt));
+    return ((n + NB - 1) / NB) * (k / block_k(fmt)) * block_stride(fmt);
 }
 
-/* q: n x k quants, one byte each (int8 for Q8_0, 0..15 for Q4); d, m: n x k/32 fp32 (m only Q4_1). */
+/* q: n x k quants, one byte each (int8 bits for Q8_0 / Q8_16, 0..15 for Q4, 0..255 for U8_1);
+ * d, m: n x k/BK fp32 (m only where the format has minimums). */
 void llmserve_qgemm_pack(int32_t fmt, const uint8_t *q, const float *d, const float *m, int64_t n, int64_t k,
                          uint8_t *packed) {
-    const int64_t panels = (n + NB - 1) / NB, blocks = k / QK;
+    const int bk = block_k(fmt);
+    const int64_t panels = (n + NB - 1) / NB, blocks = k / bk;
     const int64_t sb = scale_bytes(fmt), qb = quant_bytes(fmt);
     uint8_t *out = packed;
     for (int64_t p = 0; p < panels; ++p)
@@ -121,221 +110,69 @@ void llmserve_qgemm_pack(int32_t fmt, const uint8_t *q, const float *d, const fl
             for (int c = 0; c < NB; ++c) {
                 const int64_t j = p * NB + c;
                 ds[c] = j < n ? d[j * blocks + b] : 0.0f;
-                if (fmt == FMT_Q4_1) ms[c] = j < n ? m[j * blocks + b] : 0.0f;
+                if (has_min(fmt)) ms[c] = j < n ? m[j * blocks + b] : 0.0f;
             }
-            for (int t = 0; t < (fmt == FMT_Q8_0 ? QK : QK / 2); ++t)
+            for (int t = 0; t < (nibbles(fmt) ? bk / 2 : bk); ++t)
                 for (int c = 0; c < NB; ++c) {
                     const int64_t j = p * NB + c;
-                    const uint8_t *src = q + j * k + b * QK;
+                    const uint8_t *src = q + j * k + b * bk;
                     uint8_t v = 0;
-                    if (j < n)
-                        v = fmt == FMT_Q8_0 ? src[t] : (uint8_t)((src[2 * t] & 15) | (src[2 * t + 1] << 4));
+                    if (j < n) v = nibbles(fmt) ? (uint8_t)((src[2 * t] & 15) | (src[2 * t + 1] << 4)) : src[t];
                     qs[t * NB + c] = v;
                 }
             out += sb + qb;
         }
 }
 
-/* One k step of m rows: acc[i][v] += x[i][kk] * w[v], the fp32 GEMM's multiply-add. */
-#define STEP(kk, w)                                                     \
-    for (int i = 0; i < m; ++i) {                                       \
-        const float xv = x[i * ldx + (kk)];                            \
-        for (int v = 0; v < V; ++v) acc[i][v] += xv * (w)[v];          \
-    }
+/* One block's decoder state: where its quants are, its scales (and minimums) in registers. */
+typedef struct {
+    const uint8_t *qs;
+    vf d[V], m[V];
+} qblock;
 
-INLINE void panel_rows(const int fmt, const float *restrict x, int64_t ldx, const uint8_t *restrict panel,
-                       int64_t k, const int m, const float *restrict bias, float *restrict out, int64_t ldo,
-                       int cols) {
-    const int64_t sb = scale_bytes(fmt), stride = sb + quant_bytes(fmt), blocks = k / QK;
-    vf acc[MR][V];
-    for (int i = 0; i < m; ++i)
-        for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *blk = panel + b * stride;
-        for (int64_t off = 0; off < stride; off += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + off, 0, 3);
-        const float *ds = (const float *)blk;
-        const uint8_t *qs = blk + sb;
-        const int64_t k0 = b * QK;
-        vf dv[V];
-        for (int v = 0; v < V; ++v) dv[v] = loadv(ds + v * W);
-        if (fmt == FMT_Q8_0) {
-            for (int t = 0; t < QK; ++t) {
-                vf w[V];
-                for (int v = 0; v < V; ++v)
-                    w[v] = from_i8(qs + t * NB + v * W) * dv[v];
-                STEP(k0 + t, w)
-            }
-        } else if (fmt == FMT_Q4_0) {
-            for (int t = 0; t < QK / 2; ++t) {
-                vf lo[V], hi[V];
-                for (int v = 0; v < V; ++v) {
-                    from_nibbles(qs + t * NB + v * W, &lo[v], &hi[v]);
-                    lo[v] = (lo[v] - 8.0f) * dv[v];
-                    hi[v] = (hi[v] - 8.0f) * dv[v];
-                }
-                STEP(k0 + 2 * t, lo)
-                STEP(k0 + 2 * t + 1, hi)
-            }
-        } else {
-            vf mv[V];
-            for (int v = 0; v < V; ++v) mv[v] = loadv(ds + NB + v * W);
-            for (int t = 0; t < QK / 2; ++t) {
-                vf lo[V], hi[V];
-                for (int v = 0; v < V; ++v) {
-                    from_nibbles(qs + t * NB + v * W, &lo[v], &hi[v]);
-                    lo[v] = rounded(lo[v] * dv[v]) + mv[v];
-                    hi[v] = rounded(hi[v] * dv[v]) + mv[v];
-                }
-                STEP(k0 + 2 * t, lo)
-                STEP(k0 + 2 * t + 1, hi)
-            }
-        }
-    }
-    if (bias) {
-        vf bv[V];
-        for (int v = 0; v < V; ++v) bv[v] = loadv(bias + v * W);
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) acc[i][v] += bv[v];
-    }
-    if (cols == NB) {
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) storev(out + i * ldo + v * W, acc[i][v]);
-    } else {
-        for (int i = 0; i < m; ++i) {
-            float row[NB];
-            for (int v = 0; v < V; ++v) storev(row + v * W, acc[i][v]);
-            memcpy(out + i * ldo, row, sizeof(float) * cols);
-        }
-    }
+INLINE qblock qblock_begin(const int fmt, const uint8_t *panel, int64_t g) {
+    const int64_t stride = block_stride(fmt);
+    const uint8_t *blk = panel + g * stride;
+    for (int64_t off = 0; off < stride; off += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + off, 0, 3);
+    const float *ds = (const float *)blk;
+    qblock s;
+    s.qs = blk + scale_bytes(fmt);
+    for (int v = 0; v < V; ++v) s.d[v] = loadv(ds + v * W);
+    if (has_min(fmt))
+        for (int v = 0; v < V; ++v) s.m[v] = loadv(ds + NB + v * W);
+    return s;
 }
 
-/* The whole panel dequantized into buf (k x NB floats), with the very operations panel_rows uses. */
-INLINE void dequantize_panel(const int fmt, const uint8_t *restrict panel, int64_t k, float *restrict buf) {
-    const int64_t sb = scale_bytes(fmt), stride = sb + quant_bytes(fmt), blocks = k / QK;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *blk = panel + b * stride;
-        const float *ds = (const float *)blk;
-        const uint8_t *qs = blk + sb;
-        float *out = buf + b * QK * NB;
-        vf dv[V], mv[V];
-        for (int v = 0; v < V; ++v) dv[v] = loadv(ds + v * W);
-        if (fmt == FMT_Q4_1)
-            for (int v = 0; v < V; ++v) mv[v] = loadv(ds + NB + v * W);
-        if (fmt == FMT_Q8_0) {
-            for (int t = 0; t < QK; ++t)
-                for (int v = 0; v < V; ++v) storev(out + t * NB + v * W, from_i8(qs + t * NB + v * W) * dv[v]);
-        } else {
-            for (int t = 0; t < QK / 2; ++t)
-                for (int v = 0; v < V; ++v) {
-                    vf lo, hi;
-                    from_nibbles(qs + t * NB + v * W, &lo, &hi);
-                    if (fmt == FMT_Q4_0) {
-                        lo = (lo - 8.0f) * dv[v];
-                        hi = (hi - 8.0f) * dv[v];
-                    } else {
-                        lo = rounded(lo * dv[v]) + mv[v];
-                        hi = rounded(hi * dv[v]) + mv[v];
-                    }
-                    storev(out + 2 * t * NB + v * W, lo);
-                    storev(out + (2 * t + 1) * NB + v * W, hi);
-                }
-        }
+typedef qblock q8_0_group, q4_0_group, q4_1_group, u8_1_group, q8_16_group;
+INLINE qblock q8_0_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q8_0, panel, g); }
+INLINE qblock q4_0_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q4_0, panel, g); }
+INLINE qblock q4_1_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q4_1, panel, g); }
+INLINE qblock u8_1_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_U8_1, panel, g); }
+INLINE qblock q8_16_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q8_16, panel, g); }
+
+INLINE void q8_0_weights(const qblock *s, int t, vf w[1][V]) {
+    for (int v = 0; v < V; ++v) w[0][v] = from_i8(s->qs + t * NB + v * W) * s->d[v];
+}
+INLINE void q8_16_weights(const qblock *s, int t, vf w[1][V]) { q8_0_weights(s, t, w); }
+INLINE void u8_1_weights(const qblock *s, int t, vf w[1][V]) {
+    for (int v = 0; v < V; ++v) w[0][v] = rounded(from_u8(s->qs + t * NB + v * W) * s->d[v]) + s->m[v];
+}
+INLINE void q4_0_weights(const qblock *s, int t, vf w[2][V]) {
+    for (int v = 0; v < V; ++v) {
+        vf lo, hi;
+        from_nibbles(s->qs + t * NB + v * W, &lo, &hi);
+        w[0][v] = (lo - 8.0f) * s->d[v];
+        w[1][v] = (hi - 8.0f) * s->d[v];
     }
 }
-
-/* small_gemm.c's panel kernel on a dequantized panel (in cache): for many rows, the weights are
- * dequantized once per panel instead of once per row block. Same chains, so the same bits. */
-INLINE void f32_rows(const float *restrict x, int64_t ldx, const float *restrict wbuf, int64_t k, const int m,
-                     const float *restrict bias, float *restrict out, int64_t ldo, int cols) {
-    vf acc[MR][V];
-    for (int i = 0; i < m; ++i)
-        for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};
-    for (int64_t kk = 0; kk < k; ++kk) {
-        vf w[V];
-        for (int v = 0; v < V; ++v) w[v] = loadv(wbuf + kk * NB + v * W);
-        STEP(kk, w)
-    }
-    if (bias) {
-        vf bv[V];
-        for (int v = 0; v < V; ++v) bv[v] = loadv(bias + v * W);
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) acc[i][v] += bv[v];
-    }
-    if (cols == NB) {
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) storev(out + i * ldo + v * W, acc[i][v]);
-    } else {
-        for (int i = 0; i < m; ++i) {
-            float row[NB];
-            for (int v = 0; v < V; ++v) storev(row + v * W, acc[i][v]);
-            memcpy(out + i * ldo, row, sizeof(float) * cols);
-        }
+INLINE void q4_1_weights(const qblock *s, int t, vf w[2][V]) {
+    for (int v = 0; v < V; ++v) {
+        vf lo, hi;
+        from_nibbles(s->qs + t * NB + v * W, &lo, &hi);
+        w[0][v] = rounded(lo * s->d[v]) + s->m[v];
+        w[1][v] = rounded(hi * s->d[v]) + s->m[v];
     }
 }
-
-static void f32_all_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wbuf, const float *bias,
-                         float *y, int64_t ldy, int cols) {
-    float bias_pad[NB];
-    if (bias && cols < NB) {
-        memset(bias_pad, 0, sizeof bias_pad);
-        memcpy(bias_pad, bias, sizeof(float) * cols);
-        bias = bias_pad;
-    }
-    int64_t i = 0;
-    for (; i + MR <= m; i += MR) f32_rows(x + i * ldx, ldx, wbuf, k, MR, bias, y + i * ldy, ldy, cols);
-    const float *xr = x + i * ldx;
-    float *yr = y + i * ldy;
-    switch (m - i) {
-        case 1: f32_rows(xr, ldx, wbuf, k, 1, bias, yr, ldy, cols); break;
-        case 2: f32_rows(xr, ldx, wbuf, k, 2, bias, yr, ldy, cols); break;
-        case 3: f32_rows(xr, ldx, wbuf, k, 3, bias, yr, ldy, cols); break;
-        case 4: f32_rows(xr, ldx, wbuf, k, 4, bias, yr, ldy, cols); break;
-        case 5: f32_rows(xr, ldx, wbuf, k, 5, bias, yr, ldy, cols); break;
-        case 6: f32_rows(xr, ldx, wbuf, k, 6 % MR, bias, yr, ldy, cols); break;
-        case 7: f32_rows(xr, ldx, wbuf, k, 7 % MR, bias, yr, ldy, cols); break;
-        default: break;
-    }
-}
-
-static void dequantize_panel_fmt(int fmt, const uint8_t *panel, int64_t k, float *buf) {
-    if (fmt == FMT_Q8_0)
-        dequantize_panel(FMT_Q8_0, panel, k, buf);
-    else if (fmt == FMT_Q4_0)
-        dequantize_panel(FMT_Q4_0, panel, k, buf);
-    else
-        dequantize_panel(FMT_Q4_1, panel, k, buf);
-}
-
-/* The format is a constant in each instantiation, so that each inner loop is compiled for one. */
-#define PANEL_ALL_ROWS(NAME, FMT)                                                                           \
-    static void NAME(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,              \
-                     const float *bias, float *y, int64_t ldy, int cols) {                                 \
-        float bias_pad[NB];                                                                                \
-        if (bias && cols < NB) {                                                                           \
-            memset(bias_pad, 0, sizeof bias_pad);                                                          \
-            memcpy(bias_pad, bias, sizeof(float) * cols);                                                  \
-            bias = bias_pad;                                                                               \
-        }                                                                                                  \
-        int64_t i = 0;                                                                                     \
-        for (; i + MR <= m; i += MR)                                                                       \
-            panel_rows(FMT, x + i * ldx, ldx, panel, k, MR, bias, y + i * ldy, ldy, cols);                \
-        const float *xr = x + i * ldx;                                                                     \
-        float *yr = y + i * ldy;                                                                           \
-        switch (m - i) {                                                                                   \
-            case 1: panel_rows(FMT, xr, ldx, panel, k, 1, bias, yr, ldy, cols); break;                    \
-            case 2: panel_rows(FMT, xr, ldx, panel, k, 2, bias, yr, ldy, cols); break;                    \
-            case 3: panel_rows(FMT, xr, ldx, panel, k, 3, bias, yr, ldy, cols); break;                    \
-            case 4: panel_rows(FMT, xr, ldx, panel, k, 4, bias, yr, ldy, cols); break;                    \
-            case 5: panel_rows(FMT, xr, ldx, panel, k, 5, bias, yr, ldy, cols); break;                    \
-            case 6: panel_rows(FMT, xr, ldx, panel, k, 6 % MR, bias, yr, ldy, cols); break;               \
-            case 7: panel_rows(FMT, xr, ldx, panel, k, 7 % MR, bias, yr, ldy, cols); break;               \
-            default: break;                                                                                \
-        }                                                                                                  \
-    }
-
-PANEL_ALL_ROWS(panels_q8_0, FMT_Q8_0)
-PANEL_ALL_ROWS(panels_q4_0, FMT_Q4_0)
-PANEL_ALL_ROWS(panels_q4_1, FMT_Q4_1)
 
 /* A thread's dequantized-panel buffer, kept and grown, never freed: a fresh allocation per item
  * (over glibc's mmap threshold for K >= 683) cost page faults on every panel. NULL when out of
@@ -352,32 +189,45 @@ static float *panel_buffer(size_t floats) {
     return buf;
 }
 
-/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL); k % 32 == 0.
- * Returns 0, or -1 for an unknown format (nothing written). */
+/* A format's kernel, and its work item: for more than one row block the panel is dequantized once
+ * (with the very decoder the kernel uses) into a buffer in cache that the fp32 kernel then reads,
+ * instead of once per row block. Same values, same chains, so the same bits. */
+#define DEFINE_QUANT_FORMAT(NAME, GROUP, UNROLL)                                                         \
+    DEFINE_PANEL_KERNEL(NAME, GROUP, UNROLL)                                                             \
+    static void NAME##_item(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,    \
+                            const float *bias, float *y, int64_t ldy, int cols) {                        \
+        float *wbuf = m > MR ? panel_buffer((size_t)(k * NB)) : NULL;                                     \
+        if (!wbuf) {                                                                                     \
+            NAME##_all_rows(x, m, k, ldx, panel, bias, y, ldy, cols);                                    \
+            return;                                                                                      \
+        }                                                                                                \
+        for (int64_t g = 0; g < k / (GROUP); ++g) {                                                      \
+            const NAME##_group s = NAME##_begin(panel, k, g);                                            \
+            for (int t = 0; t < (GROUP) / (UNROLL); ++t) {                                               \
+                vf w[UNROLL][V];                                                                         \
+                NAME##_weights(&s, t, w);                                                                \
+                for (int u = 0; u < (UNROLL); ++u)                                                       \
+                    for (int v = 0; v < V; ++v)                                                          \
+                        storev(wbuf + (g * (GROUP) + t * (UNROLL) + u) * NB + v * W, w[u][v]);           \
+            }                                                                                            \
+        }                                                                                                \
+        f32_all_rows(x, m, k, ldx, (const uint8_t *)wbuf, bias, y, ldy, cols);                           \
+    }
+
+DEFINE_QUANT_FORMAT(q8_0, 32, 1)
+DEFINE_QUANT_FORMAT(q4_0, 32, 2)
+DEFINE_QUANT_FORMAT(q4_1, 32, 2)
+DEFINE_QUANT_FORMAT(u8_1, 32, 1)
+DEFINE_QUANT_FORMAT(q8_16, 16, 1)
+
+static const panel_all_rows_fn ITEMS[FMT_COUNT] = {q8_0_item, q4_0_item, q4_1_item, u8_1_item, q8_16_item};
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL); k a whole number
+ * of the format's blocks. Returns 0, or -1 for an unknown format or a partial block (nothing written). */
 int32_t llmserve_qgemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                        int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (fmt < FMT_Q8_0 || fmt > FMT_Q4_1 || k % QK) return -1;
-    const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
-    const int64_t panel_bytes = (k / QK) * (scale_bytes(fmt) + quant_bytes(fmt));
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > 262144)
-    for (int64_t item = 0; item < chunks * panels; ++item) {
-        const int64_t c = item / panels, p = item % panels, r0 = c * MC;
-        const int64_t rows = m - r0 < MC ? m - r0 : MC;
-        const int cols = (int)(n - p * NB < NB ? n - p * NB : NB);
-        const float *xr = x + r0 * ldx;
-        const uint8_t *panel = packed + p * panel_bytes;
-        const float *bp = bias ? bias + p * NB : NULL;
-        float *yr = y + r0 * ldy + p * NB;
-        float *wbuf = rows > MR ? panel_buffer((size_t)(k * NB)) : NULL;
-        if (wbuf) { /* more than one row block: dequantize the panel once */
-            dequantize_panel_fmt(fmt, panel, k, wbuf);
-            f32_all_rows(xr, rows, k, ldx, wbuf, bp, yr, ldy, cols);
-        } else if (fmt == FMT_Q8_0)
-            panels_q8_0(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
-        else if (fmt == FMT_Q4_0)
-            panels_q4_0(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
-        else
-            panels_q4_1(xr, rows, k, ldx, panel, bp, yr, ldy, cols);
-    }
+    if (fmt < 0 || fmt >= FMT_COUNT || k % block_k(fmt)) return -1;
+    const int64_t panel_bytes = (k / block_k(fmt)) * block_stride(fmt);
+    panel_gemm(ITEMS[fmt], x, m, k, ldx, packed, panel_bytes, n, bias, y, ldy, num_threads);
     return 0;
 }

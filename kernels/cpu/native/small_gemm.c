@@ -1,4 +1,5 @@
-/* y = x . W^T (+ bias) in fp32, on a weight packed once at load: the model's linears on the CPU.
+/* y = x . W^T (+ bias) in fp32, on a weight packed once at load: the model's linears on the CPU,
+ * with the weight kept as fp32 or as bf16 (half the bytes; widened to fp32 in registers).
  *
  * A decode step's linears have M = 1..64 rows against a weight of N x K that comes from memory
  * (a step streams every layer, more than the L3 holds); there oneDNN's prepacked kernels reached
@@ -6,56 +7,17 @@
  * columns and holds MR rows x NB columns of sums in registers, so that each weight vector loaded
  * feeds MR multiply-adds and each row value broadcast feeds V; on prefills (M in the hundreds or
  * thousands) it measured level with oneDNN. docs/architecture.md, "The CPU path"; docs/design/native-gemm.md.
+ * The kernel itself is panel_gemm.h's (shared with quant_gemm.c).
  *
  * The packed weight is panel-major: panel p holds columns [p * NB, (p + 1) * NB) as K rows of NB
- * floats (columns past N are zero), so a panel is one sequential stream.
+ * values (columns past N are zero), so a panel is one sequential stream.
  *
- * Every output y[i][j] is one chain of multiply-adds over k = 0..K-1 in order, started at zero,
- * then + bias[j]: the same code and order whatever the other rows, their number, the thread or
- * the panel split. So a row's result is bit-equal alone and in any batch.
+ * A bf16 weight is widened exactly (its bits are an fp32's top half), so its result is bit-equal
+ * to the fp32 GEMM on the bf16 values, with the same row independence.
  *
  * Built per instruction set like paged_attention.c (native_build.py); OpenMP threads are torch's. */
 
-#include <stdint.h>
-#include <string.h>
-
-#if defined(__AVX512F__)
-#define W 16
-#ifndef MR
-#define MR 8 /* 8 rows x 3 vectors: 24 of the 32 registers hold sums */
-#define V 3
-#endif
-#else
-#if defined(__AVX2__) && defined(__FMA__)
-#define W 8
-#else
-#define W 4
-#endif
-#ifndef MR
-#define MR 6 /* 6 x 2: 12 of 16 (4 x 3 measured a little slower with AVX2) */
-#define V 2
-#endif
-#endif
-#define NB (V * W)
-/* The panel is prefetched this many k steps ahead (12 KB on AVX-512): the hardware prefetcher
- * alone left a 16-row GEMM on a weight from memory at 60-70% of the rate with it. (A prefetch
- * past the end of the buffer is harmless: prefetches never fault.) */
-#ifndef PREFETCH_K
-#define PREFETCH_K 64
-#endif
-/* Rows per work item: an item is (rows, panel), so that two threads split a narrow weight's rows
- * when its panels are few. */
-#ifndef MC
-#define MC 256
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
-
-typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
-typedef float vf_at __attribute__((vector_size(4 * W), aligned(4), may_alias));
-
-INLINE vf loadv(const float *p) { return *(const vf_at *)p; }
-INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
+#include "panel_gemm.h"
 
 int32_t llmserve_gemm_panel_width(void) { return NB; }
 
@@ -72,79 +34,63 @@ void llmserve_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *packed)
         }
 }
 
-/* rows [0, m) of x (m <= MR, a constant at each call site) against one panel; sums to out
- * (ld floats apart), cols of them. */
-INLINE void panel_rows(const float *restrict x, int64_t ldx, const float *restrict panel, int64_t k,
-                       const int m, const float *restrict bias, float *restrict out, int64_t ldo,
-                       int cols) {
-    vf acc[MR][V];
-    for (int i = 0; i < m; ++i)
-        for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};
-    for (int64_t kk = 0; kk < k; ++kk) {
-        const float *wp = panel + kk * NB;
-        for (int c = 0; c < NB; c += 16) __builtin_prefetch(wp + PREFETCH_K * NB + c, 0, 3);
-        vf wv[V];
-        for (int v = 0; v < V; ++v) wv[v] = loadv(wp + v * W);
-        for (int i = 0; i < m; ++i) {
-            const float b = x[i * ldx + kk];
-            for (int v = 0; v < V; ++v) acc[i][v] += b * wv[v];
-        }
-    }
-    if (bias) {
-        vf bv[V];
-        for (int v = 0; v < V; ++v) bv[v] = loadv(bias + v * W);
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) acc[i][v] += bv[v];
-    }
-    if (cols == NB) {
-        for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) storev(out + i * ldo + v * W, acc[i][v]);
-    } else {
-        for (int i = 0; i < m; ++i) {
-            float row[NB];
-            for (int v = 0; v < V; ++v) storev(row + v * W, acc[i][v]);
-            memcpy(out + i * ldo, row, sizeof(float) * cols);
-        }
-    }
-}
-
-static void panel_all_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const float *panel,
-                           const float *bias, float *y, int64_t ldy, int cols) {
-    float bias_pad[NB];
-    if (bias && cols < NB) { /* the last panel's bias, zero past N */
-        memset(bias_pad, 0, sizeof bias_pad);
-        memcpy(bias_pad, bias, sizeof(float) * cols);
-        bias = bias_pad;
-    }
-    int64_t i = 0;
-    for (; i + MR <= m; i += MR) panel_rows(x + i * ldx, ldx, panel, k, MR, bias, y + i * ldy, ldy, cols);
-    const float *xr = x + i * ldx;
-    float *yr = y + i * ldy;
-    switch (m - i) {
-#define ROWS(r) \
-    case r: panel_rows(xr, ldx, panel, k, r, bias, yr, ldy, cols); break;
-        ROWS(1) ROWS(2) ROWS(3)
-#if MR > 4
-        ROWS(4) ROWS(5)
-#endif
-#if MR > 6
-        ROWS(6) ROWS(7)
-#endif
-#undef ROWS
-        default: break;
-    }
-}
-
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). */
 void llmserve_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                        const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > 262144)
-    for (int64_t item = 0; item < chunks * panels; ++item) {
-        const int64_t c = item / panels, p = item % panels, r0 = c * MC;
-        const int64_t rows = m - r0 < MC ? m - r0 : MC;
-        const int cols = (int)(n - p * NB < NB ? n - p * NB : NB);
-        panel_all_rows(x + r0 * ldx, rows, k, ldx, packed + p * k * NB, bias ? bias + p * NB : NULL,
-                       y + r0 * ldy + p * NB, ldy, cols);
-    }
+    panel_gemm(f32_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 4, n, bias, y, ldy, num_threads);
+}
+
+/* bf16 weights: w holds the bits (n x k); packed: ceil(n / NB) panels of k x NB of them. */
+void llmserve_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t panels = (n + NB - 1) / NB;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t kk = 0; kk < k; ++kk) {
+            uint16_t *dst = packed + (p * k + kk) * NB;
+            for (int c = 0; c < NB; ++c) {
+                const int64_t j = p * NB + c;
+                dst[c] = j < n ? w[j * k + kk] : 0;
+            }
+        }
+}
+
+/* W bf16 values as fp32: the 16 bits shifted into the top of each lane. */
+#if defined(__AVX512F__)
+INLINE vf widen_bf16(const uint16_t *p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+#elif defined(__AVX2__)
+INLINE vf widen_bf16(const uint16_t *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+#else
+typedef uint16_t vu16 __attribute__((vector_size(2 * W), aligned(2), may_alias));
+typedef uint32_t vu32 __attribute__((vector_size(4 * W)));
+INLINE vf widen_bf16(const uint16_t *p) {
+    const vu32 bits = __builtin_convertvector(*(const vu16 *)p, vu32) << 16;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#endif
+
+/* The same distance ahead in bytes as the fp32 panel's prefetch: twice the k steps. */
+typedef const uint16_t *bf16_group;
+INLINE bf16_group bf16_begin(const uint8_t *panel, int64_t k, int64_t g) {
+    (void)k;
+    const uint16_t *wp = (const uint16_t *)panel + g * NB;
+    for (int c = 0; c < NB; c += 32) __builtin_prefetch(wp + 2 * PREFETCH_K * NB + c, 0, 3);
+    return wp;
+}
+INLINE void bf16_weights(const bf16_group *s, int t, vf w[1][V]) {
+    (void)t;
+    for (int v = 0; v < V; ++v) w[0][v] = widen_bf16(*s + v * W);
+}
+DEFINE_PANEL_KERNEL(bf16, 1, 1)
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed bf16. */
+void llmserve_gemm_bf16w(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                         const float *bias, float *y, int64_t ldy, int32_t num_threads) {
+    panel_gemm(bf16_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
