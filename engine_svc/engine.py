@@ -333,7 +333,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        request.paused = paused
+        self.scheduler.set_paused(request, paused)
         return True
 
     def has_unfinished_requests(self) -> bool:
