@@ -21,6 +21,7 @@ from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
 from engine_svc.logits_processors import bad_words
 from engine_svc.sampler import Sampler
+from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
@@ -29,6 +30,7 @@ from tests import (
     test_bench_quick,
     test_logit_controls,
     test_openai_protocol,
+    test_request_limits,
     test_speculative,
     test_structured_outputs,
 )
@@ -51,6 +53,7 @@ stop_string_checks = _model_free(
 )
 step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
 logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+request_rule_checks = _model_free(test_request_limits.test_every_rule_at_its_boundaries)
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -165,6 +168,14 @@ MUTANTS = [
         "if processor.constraint:",
         "if processor.constraint and processor.flag < 0:",
         logit_control_checks,
+    ),
+    (
+        "the shared request rules let top_p = 0 through (a range check dropped)",
+        SamplingParams,
+        "violations",
+        'lambda x: 0 < x <= 1, "in (0, 1]"',
+        'lambda x: x <= 1, "in (0, 1]"',
+        request_rule_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)
