@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from benchmarks import step_overhead
+from benchmarks import compute_efficiency, step_overhead
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
@@ -51,8 +51,14 @@ bad_word_checks = test_logit_controls.test_a_bad_words_last_token_stays_allowed_
 stop_string_checks = _model_free(
     lambda: test_openai_protocol.test_stop_as_a_string_or_a_list_reaches_the_request("END", ["END"])
 )
-step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
+step_overhead_checks = test_bench_quick.test_step_overhead_recovers_each_known_cost
 logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+efficiency_timing_checks = (
+    test_bench_quick.test_compute_efficiency_counts_known_flops_and_times_a_model_of_known_cost
+)
+efficiency_judging_checks = _model_free(
+    test_bench_quick.test_compute_efficiency_judges_known_figures_against_the_fastest_gemm
+)
 request_rule_checks = _model_free(test_request_limits.test_every_rule_at_its_boundaries)
 
 
@@ -160,6 +166,30 @@ MUTANTS = [
         "self.inside_s += time.perf_counter() - t0",
         "self.inside_s = time.perf_counter() - t0",
         step_overhead_checks,
+    ),
+    (
+        "the step-overhead benchmark counts the stub model's time as overhead",
+        _module(step_overhead),
+        "measure",
+        "overhead = wall - stub.inside_s - sampler.inside_s",
+        "overhead = wall - sampler.inside_s",
+        step_overhead_checks,
+    ),
+    (
+        "the compute-efficiency benchmark keeps only the LM head's last time",
+        compute_efficiency.TimedModel,
+        "compute_logits",
+        "self.inside_s += time.perf_counter() - t0",
+        "self.inside_s = time.perf_counter() - t0",
+        efficiency_timing_checks,
+    ),
+    (
+        "the compute-efficiency benchmark judges against the slowest GEMM",
+        _module(compute_efficiency),
+        "judge",
+        "max(rates, key=rates.get)",
+        "min(rates, key=rates.get)",
+        efficiency_judging_checks,
     ),
     (
         "the sampler skips the logits processors' constraints (bias, allowed ids, grammar)",
