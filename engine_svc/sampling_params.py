@@ -109,7 +109,7 @@ class SamplingParams:
             if value is not None and _integer(bad, name, value):
                 _in_range(bad, name, value, 0, limits.max_logprobs)
         if not isinstance(self.speculative, bool):
-            bad("speculative", f"must be true or false, got {self.speculative!r}")
+            bad("speculative", f"must be True or False, got {self.speculative!r}")
         _logit_control_violations(self, vocab, bad)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
