@@ -78,8 +78,9 @@ def projection_shapes(model) -> list[tuple[int, int]]:
     return [(w.shape[1], w.shape[0]) for w in model_weights(model)[0]]
 
 
-def step_flops(model, spec, new_tokens: int, sampled_rows: int, attended_positions: int) -> float:
-    proj = sum(2 * i * o for i, o in projection_shapes(model)) * new_tokens
+def step_flops(shapes, spec, new_tokens: int, sampled_rows: int, attended_positions: int) -> float:
+    """``shapes``: ``projection_shapes`` of the model (read once: the stub in tests has none)."""
+    proj = sum(2 * i * o for i, o in shapes) * new_tokens
     head = 2 * spec.hidden_size * spec.vocab_size * sampled_rows
     attention = 4 * spec.num_heads * spec.head_dim * attended_positions * spec.num_layers
     return float(proj + head + attention)
@@ -195,12 +196,38 @@ def attended(pairs: list[tuple[int, int]]) -> int:
     return sum(n * c + n * (n + 1) // 2 for c, n in pairs)
 
 
-def measure_decode(engine, timed: TimedModel, w: dict) -> dict:
+def rates_from(flops: float, steps: int, wall_s: float, inside_s: float) -> dict:
+    """A phase's figures from what was counted (FLOPs) and clocked (the step's wall time, the model's
+    time inside it), over ``steps`` steps."""
+    return dict(
+        flops=flops / steps,
+        step_s=wall_s / steps,
+        forward_s=inside_s / steps,
+        step_flop_s=flops / wall_s,
+        forward_flop_s=flops / inside_s,
+    )
+
+
+def judge(m: dict) -> None:
+    """Against the fastest GEMM measured (judging against the slow default path would flatter)."""
+    rates = {
+        "plain matmul": m["matmul_flop_s"],
+        "prepacked oneDNN": m["prepacked_flop_s"] or 0.0,
+        "native GEMM": m["native_flop_s"] or 0.0,
+    }
+    m["baseline"] = max(rates, key=rates.get)
+    m["baseline_flop_s"] = rates[m["baseline"]]
+    m["step_efficiency"] = m["step_flop_s"] / m["baseline_flop_s"]
+    m["forward_efficiency"] = m["forward_flop_s"] / m["baseline_flop_s"]
+    m["step_efficiency_vs_plain_matmul"] = m["step_flop_s"] / m["matmul_flop_s"]
+
+
+def measure_decode(engine, timed: TimedModel, w: dict, shapes) -> dict:
     reqs = common.random_requests(
         w["decode_batch"], (w["decode_prompt"],) * 2, (1, 1), engine.spec.vocab_size, seed=31, prefix="d"
     )
-    for r in reqs:
-        engine.add_request(r.rid, r.prompt, common.greedy(2048))
+    for r in reqs:  # long enough to decode through every timed step
+        engine.add_request(r.rid, r.prompt, common.greedy(w["decode_steps"] + 8))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()
     engine.step()
@@ -209,21 +236,15 @@ def measure_decode(engine, timed: TimedModel, w: dict) -> dict:
     t0 = time.perf_counter()
     for _ in range(w["decode_steps"]):
         pairs = [(s.num_computed_tokens, 1) for s in engine.scheduler.running]
-        flops += step_flops(timed.model, engine.spec, len(pairs), len(pairs), attended(pairs))
+        flops += step_flops(shapes, engine.spec, len(pairs), len(pairs), attended(pairs))
         engine.step()
     wall = time.perf_counter() - t0
     for r in reqs:
         engine.abort_request(r.rid)
-    return dict(
-        flops=flops,
-        step_s=wall / w["decode_steps"],
-        forward_s=timed.inside_s / w["decode_steps"],
-        step_flop_s=flops / wall,
-        forward_flop_s=flops / timed.inside_s,
-    )
+    return rates_from(flops, w["decode_steps"], wall, timed.inside_s)
 
 
-def measure_prefill(engine, timed: TimedModel, w: dict) -> dict:
+def measure_prefill(engine, timed: TimedModel, w: dict, shapes) -> dict:
     flops = wall = inside = 0.0
     for rep in range(w["repeats"]):
         reqs = common.random_requests(
@@ -243,14 +264,8 @@ def measure_prefill(engine, timed: TimedModel, w: dict) -> dict:
         inside += timed.inside_s
         assert len(deltas) == len(reqs), "the prompts did not fit one step"
         pairs = [(0, len(r.prompt)) for r in reqs]
-        flops += step_flops(timed.model, engine.spec, sum(n for _, n in pairs), len(reqs), attended(pairs))
-    return dict(
-        flops=flops / w["repeats"],
-        step_s=wall / w["repeats"],
-        forward_s=inside / w["repeats"],
-        step_flop_s=flops / wall,
-        forward_flop_s=flops / inside,
-    )
+        flops += step_flops(shapes, engine.spec, sum(n for _, n in pairs), len(reqs), attended(pairs))
+    return rates_from(flops, w["repeats"], wall, inside)
 
 
 def main() -> dict:
@@ -263,8 +278,9 @@ def main() -> dict:
     common.warm_up(engine)
     timed = TimedModel(engine.runner.forward.model)
     engine.runner.forward.model = timed
-    decode = measure_decode(engine, timed, w)
-    prefill = measure_prefill(engine, timed, w)
+    shapes = projection_shapes(timed.model)
+    decode = measure_decode(engine, timed, w, shapes)
+    prefill = measure_prefill(engine, timed, w, shapes)
     step_shapes = {
         "decode": (w["decode_batch"], w["decode_batch"]),
         "prefill": (w["prefill_prompts"] * w["prefill_len"], w["prefill_prompts"]),
@@ -273,17 +289,7 @@ def main() -> dict:
         for key, rate in (("matmul", matmul_rate), ("prepacked", prepacked_rate), ("native", native_rate)):
             m[f"{key}_flop_s"] = rate(timed.model, tokens, sampled, w["matmul_repeats"])
     for name, m in (("decode", decode), ("prefill", prefill)):
-        # The baseline is the fastest GEMM: judging against the slow default path would flatter.
-        rates = {
-            "plain matmul": m["matmul_flop_s"],
-            "prepacked oneDNN": m["prepacked_flop_s"] or 0.0,
-            "native GEMM": m["native_flop_s"] or 0.0,
-        }
-        m["baseline"] = max(rates, key=rates.get)
-        m["baseline_flop_s"] = rates[m["baseline"]]
-        m["step_efficiency"] = m["step_flop_s"] / m["baseline_flop_s"]
-        m["forward_efficiency"] = m["forward_flop_s"] / m["baseline_flop_s"]
-        m["step_efficiency_vs_plain_matmul"] = m["step_flop_s"] / m["matmul_flop_s"]
+        judge(m)
         pre, nat = m["prepacked_flop_s"], m["native_flop_s"]
         print(
             f"{name}: step {1e3 * m['step_s']:.1f} ms ({m['step_flop_s'] / 1e9:.1f} GFLOP/s), forward "

@@ -25,6 +25,13 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
+from engine_svc.request_limits import (
+    RequestLimits,
+    Violation,
+    prompt_violations,
+    raise_if_any,
+    token_id_violations,
+)
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
@@ -226,35 +233,21 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         adapter = self._adapter(lora) if lora else None
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.spec.vocab_size
-        bad = next(
-            (t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
+        # The rules every door shares (engine_svc/request_limits.py): the gateway has checked them
+        # already; a caller of this API (the offline LLM, a test) meets them here.
+        limits = RequestLimits(
+            self.spec.vocab_size,
+            self.max_model_len,
+            self.config.max_logprobs,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.kv.pool.num_blocks,
         )
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
-        params.validate(vocab, self.config.max_logprobs)
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
-            )
-        room = self.max_model_len - len(prompt)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})"
-            )
-        blocks_needed = cdiv(len(prompt) + max_tokens, self.config.block_size)
-        if blocks_needed > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {blocks_needed} KV blocks; the whole cache has "
-                f"{self.kv.pool.num_blocks} (of {self.config.block_size} tokens)"
-            )
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        v = token_id_violations(prompt, "prompt_token_ids", limits.vocab_size, first_only=True)
+        v += params.violations(limits)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            v.append(Violation("priority", f"must be an integer, got {priority!r}"))
+        raise_if_any(v or prompt_violations(len(prompt), params.max_tokens, limits, "prompt_token_ids"))
+        max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
         grammar = None
         if params.structured_outputs is not None:
             if self.grammars is None:
@@ -336,7 +329,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        request.paused = paused
+        self.scheduler.set_paused(request, paused)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_svc.request_limits import RequestLimits, Violation, raise_if_any, token_id_violations
 from engine_svc.structured_outputs import StructuredOutputsParams
 
 # Sampling below this temperature is greedy (a zero temperature cannot divide logits).
@@ -57,95 +58,140 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
-        """Raise ``ValueError`` naming the field and its limit; change nothing."""
-        _check_int(self.n, "n", lo=1)
-        _check_float(self.temperature, "temperature", lo=0.0, hint=">= 0")
-        _check_float(self.top_p, "top_p", hint="in (0, 1]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int(self.top_k, "top_k", lo=-1)
-        _check_float(self.min_p, "min_p", hint="in [0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_float(self.repetition_penalty, "repetition_penalty", hint="> 0")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        """Raise ``InvalidRequest`` (a ``ValueError``) naming every field at fault; change nothing."""
+        raise_if_any(self.violations(RequestLimits(vocab_size, 0, max_logprobs)))
+
+    def violations(self, limits: RequestLimits) -> list[Violation]:
+        """Every field that breaks a rule, in field order, each named as the client names it. The
+        gateway answers with these before anything is queued; the engine refuses on the same list."""
+        v: list[Violation] = []
+
+        def bad(field: str, message: str) -> None:
+            v.append(Violation(field, message))
+
+        vocab = limits.vocab_size
+        _real(bad, "temperature", self.temperature, lambda x: x >= 0, ">= 0")
+        _real(bad, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+        _real(bad, "min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1]")
+        _real(bad, "repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check_float(value, name, hint="in [-2, 2]")
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None:
-            _check_int(self.seed, "seed", lo=-(2**63), hi=2**63 - 1)
-        if self.max_tokens is not None:
-            _check_int(self.max_tokens, "max_tokens", lo=1)
-        _check_int(self.min_tokens, "min_tokens", lo=0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        for tid in self.stop_token_ids:
-            _check_int(tid, "stop_token_ids", lo=0, hi=vocab_size - 1)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            _real(bad, name, getattr(self, name), lambda x: -2 <= x <= 2, "in [-2, 2]")
+        if _integer(bad, "top_k", self.top_k):
+            if self.top_k < -1:
+                bad("top_k", f"must be >= -1 (-1 and 0 are off), got {self.top_k}")
+            elif self.top_k > vocab:
+                bad("top_k", f"must be <= the vocabulary size {vocab}, got {self.top_k}")
+        if _integer(bad, "n", self.n):
+            _in_range(bad, "n", self.n, 1, limits.max_n)
+        if self.seed is not None and _integer(bad, "seed", self.seed):
+            _in_range(bad, "seed", self.seed, -(2**63), 2**63 - 1)
+        max_tokens_ok = self.max_tokens is None
+        if not max_tokens_ok and _integer(bad, "max_tokens", self.max_tokens):
+            cap = limits.max_tokens
+            if cap is None:
+                max_tokens_ok = _in_range(bad, "max_tokens", self.max_tokens, 1, None)
+            elif not 1 <= self.max_tokens <= cap:
+                bad(
+                    "max_tokens",
+                    f"must be in [1, {cap}] (the server's limit; the model's context is "
+                    f"{limits.max_model_len}), got {self.max_tokens}",
+                )
+            else:
+                max_tokens_ok = True
+        if _integer(bad, "min_tokens", self.min_tokens) and _in_range(
+            bad, "min_tokens", self.min_tokens, 0, None
+        ):
+            if max_tokens_ok and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+                bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _stop_violations(self, limits, bad)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                _check_int(value, name, lo=0, hi=max_logprobs)
+            if value is not None and _integer(bad, name, value):
+                _in_range(bad, name, value, 0, limits.max_logprobs)
         if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
-        self._validate_logit_controls(vocab_size)
+            bad("speculative", f"must be True or False, got {self.speculative!r}")
+        _logit_control_violations(self, vocab, bad)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError("structured_outputs must be a StructuredOutputsParams")
-            self.structured_outputs.kind()
-
-    def _validate_logit_controls(self, vocab_size: int) -> None:
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_CONTROL_IDS:
-                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_CONTROL_IDS} token ids")
-            for tid, bias in self.logit_bias.items():
-                _check_int(tid, "logit_bias token id", lo=0, hi=vocab_size - 1)
-                _check_float(bias, f"logit_bias[{tid}]", hint=f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                    raise ValueError(
-                        f"logit_bias[{tid}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
-                    )
-        if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if not ids or len(ids) > MAX_LOGIT_CONTROL_IDS:
-                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_LOGIT_CONTROL_IDS} token ids")
-            for tid in ids:
-                _check_int(tid, "allowed_token_ids", lo=0, hi=vocab_size - 1)
-        if self.bad_words_token_ids is not None:
-            words = self.bad_words_token_ids
-            if sum(len(w) for w in words) > MAX_LOGIT_CONTROL_IDS:
-                raise ValueError(f"bad words may hold at most {MAX_LOGIT_CONTROL_IDS} tokens in all")
-            for word in words:
-                if not word:
-                    raise ValueError("a bad word must be at least one token")
-                for tid in word:
-                    _check_int(tid, "bad_words token id", lo=0, hi=vocab_size - 1)
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            else:
+                try:
+                    self.structured_outputs.kind()
+                except ValueError as e:
+                    bad("structured_outputs", str(e).removeprefix("structured_outputs: "))
+        return v
 
     @property
     def has_logit_controls(self) -> bool:
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
 
-def _check_int(value, name: str, lo: int | None = None, hi: int | None = None) -> None:
+def _stop_violations(p: SamplingParams, limits: RequestLimits, bad) -> None:
+    cap, chars = limits.max_stop_strings, limits.max_stop_string_chars
+    if cap is not None and len(p.stop) > cap:
+        bad("stop", f"at most {cap} stop strings, got {len(p.stop)}")
+    for i, s in enumerate(p.stop):
+        if not isinstance(s, str) or not s:
+            bad(f"stop[{i}]", "must be a non-empty string")
+        elif chars is not None and len(s) > chars:
+            bad(f"stop[{i}]", f"at most {chars} characters, got {len(s)}")
+    ids, cap = p.stop_token_ids, limits.max_stop_token_ids
+    if cap is not None and len(ids) > cap:
+        bad("stop_token_ids", f"at most {cap} ids, got {len(ids)}")
+    for v in token_id_violations(ids, "stop_token_ids", limits.vocab_size):
+        bad(v.field, v.message)
+
+
+def _logit_control_violations(p: SamplingParams, vocab: int, bad) -> None:
+    lo, hi = -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            bad("logit_bias", "must map token ids to biases")
+        else:
+            if len(p.logit_bias) > MAX_LOGIT_CONTROL_IDS:
+                bad("logit_bias", f"at most {MAX_LOGIT_CONTROL_IDS} entries, got {len(p.logit_bias)}")
+            for tid, bias in p.logit_bias.items():
+                if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+                    bad(f"logit_bias[{tid}]", f"names a token id outside the vocabulary [0, {vocab})")
+                else:
+                    _real(bad, f"logit_bias[{tid}]", bias, lambda x: lo <= x <= hi, f"in [{lo:g}, {hi:g}]")
+    if p.allowed_token_ids is not None:
+        ids = p.allowed_token_ids
+        if not ids or len(ids) > MAX_LOGIT_CONTROL_IDS:
+            bad("allowed_token_ids", f"must hold 1 to {MAX_LOGIT_CONTROL_IDS} ids, got {len(ids)}")
+        for v in token_id_violations(ids[:MAX_LOGIT_CONTROL_IDS], "allowed_token_ids", vocab):
+            bad(v.field, v.message)
+    if p.bad_words_token_ids is not None:
+        words = p.bad_words_token_ids
+        if sum(len(w) for w in words) > MAX_LOGIT_CONTROL_IDS:
+            bad("bad_words_token_ids", f"at most {MAX_LOGIT_CONTROL_IDS} tokens in all")
+        for i, word in enumerate(words):
+            if not word:
+                bad(f"bad_words_token_ids[{i}]", "must be at least one token (a bad word)")
+            for v in token_id_violations(word, f"bad_words_token_ids[{i}]", vocab):
+                bad(v.field, v.message)
+
+
+def _integer(bad, name: str, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+        bad(name, f"must be an integer, got {value!r}")
+        return False
+    return True
 
 
-def _check_float(value, name: str, lo: float | None = None, hint: str = "") -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or math.isnan(value)
-        or math.isinf(value)
-    ):
-        raise ValueError(f"{name} must be a finite number {hint}, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be {hint}, got {value}")
+def _in_range(bad, name: str, value: int, lo: int, hi: int | None) -> bool:
+    if value < lo:
+        bad(name, f"must be >= {lo}, got {value}")
+    elif hi is not None and value > hi:
+        bad(name, f"must be <= {hi}, got {value}")
+    else:
+        return True
+    return False
+
+
+def _real(bad, name: str, value, ok, rule: str) -> None:
+    """A finite number that satisfies ``ok`` (NaN and infinities never do)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        bad(name, f"must be a finite number {rule}, got {value!r}")
+    elif not ok(value):
+        bad(name, f"must be {rule}, got {value}")

@@ -16,12 +16,13 @@ the queues, so the scheduler can be driven by fake step results in tests, with n
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.outputs import RequestDelta
+from engine_svc.request_queue import make_queue
+from engine_svc.request_queue import priority_key as _priority_key
 from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
@@ -41,7 +42,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
@@ -54,25 +55,22 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        if self.priority:
-            self._insert_by_priority(seq)
-        else:
-            self.waiting.append(seq)
+        self.waiting.push(seq)
 
-    def _insert_by_priority(self, seq: Sequence) -> None:
-        key = _priority_key(seq)
-        for i, other in enumerate(self.waiting):
-            if key < _priority_key(other):
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+    def set_paused(self, request: Request, paused: bool) -> None:
+        """A paused request takes no steps: the queue holds its waiting sequences, and its running
+        ones are skipped (their blocks are the first to go when the pool runs dry)."""
+        request.paused = paused
+        (self.waiting.pause if paused else self.waiting.resume)(request)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of whichever queue holds it and release its blocks."""
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.discard(seq)
+        if seq.request.finished:
+            self.waiting.forget(seq.request)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -174,7 +172,7 @@ class Scheduler:
         return draft
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        waiting, j = self.waiting, 0
+        waiting, j = self.waiting.ready, 0  # paused requests' sequences are not in it
         if not waiting:
             return budget
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
@@ -184,7 +182,7 @@ class Scheduler:
         while j < len(waiting) and budget > 0 and seats > 0:
             seq = waiting[j]
             request = seq.request
-            if request.paused or request.waiting_for_grammar:
+            if request.waiting_for_grammar:
                 j += 1
                 continue
             lora = None if request.lora is None else (request.lora.name, request.lora.version)
@@ -195,7 +193,7 @@ class Scheduler:
                 try:
                     seq.matcher = request.grammar.result()
                 except Exception as e:  # noqa: BLE001 - reported to the caller as the request's end
-                    del waiting[j]
+                    self.waiting.take(j)
                     self._fail(seq, f"structured output: {e}", out)
                     continue
             cached = self.kv.find_cached_prefix(seq)
@@ -216,7 +214,7 @@ class Scheduler:
                 seq.num_computed_tokens = len(cached) * self.kv.block_size
             if lora is not None:
                 adapters.add(lora)
-            del waiting[j]
+            self.waiting.take(j)
             if publish:  # its prompt's blocks, to the requests admitted after it in this very step
                 self.kv.register_computed_blocks(seq, scheduled=num_new)
                 out.published_early.add(seq)
@@ -286,10 +284,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
         out.preempted.append(seq)
-        if self.priority:
-            self._insert_by_priority(seq)
-        else:
-            self.waiting.appendleft(seq)
+        self.waiting.requeue(seq)
 
     def check_invariants(self) -> None:
         """Reads only. Every sequence holding blocks is queued; between steps none holds a block
@@ -478,8 +473,3 @@ class Scheduler:
             seq.finish_reason = FinishReason.ABORT
             self.remove(seq)
         return out
-
-
-def _priority_key(seq: Sequence) -> tuple[int, int, int]:
-    # Lower value = served first (vLLM's convention); ties by arrival, then by sequence index.
-    return (seq.request.priority, seq.request.arrival, seq.index)

@@ -1,13 +1,14 @@
-"""Structured-output constraints and logit controls of a GenerateRequest: bounded and checked before
-any work (ids in the vocabulary, biases in range, sizes), the grammar's syntax checked off the event
-loop, and bad words tokenized by the tokenizer workers. The engine compiles the grammar against its
-vocabulary; it never sees the words, only their token ids."""
+"""Structured-output constraints and logit controls of a GenerateRequest: read into SamplingParams
+fields (whose ids and biases ``SamplingParams.violations`` checks), the spec's size bounded before
+any work, the grammar's syntax checked off the event loop, and bad words tokenized by the tokenizer
+workers. The engine compiles the grammar against its vocabulary; it never sees the words, only
+their token ids."""
 
 from __future__ import annotations
 
 import asyncio
 
-from engine_svc.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_CONTROL_IDS, SamplingParams
+from engine_svc.sampling_params import SamplingParams
 from engine_svc.structured_outputs import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutputsParams
 from gateway.errors import FieldViolation, invalid
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
@@ -16,8 +17,9 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_BYTES = 256
 
 
-def read_constraints(req: pb.GenerateRequest, vocab_size: int, bad) -> dict:
-    """The SamplingParams fields, with every violation reported through ``bad(field, why)``."""
+def read_constraints(req: pb.GenerateRequest, bad) -> dict:
+    """The SamplingParams fields of the constraint oneof and the logit controls; the spec's and the bad
+    words' sizes (bounds on the work that follows) are reported through ``bad(field, why)``."""
     out: dict = {}
     kind = req.WhichOneof("constraint")
     if kind is not None:
@@ -37,23 +39,11 @@ def read_constraints(req: pb.GenerateRequest, vocab_size: int, bad) -> dict:
                 bad(kind, f"must be 1 to {MAX_SPEC_BYTES} bytes, got {len(spec.encode())}")
             field = {"json_schema": "json"}.get(kind, kind)
             out["structured_outputs"] = StructuredOutputsParams(**{field: spec})
+    # Ids and biases are checked with the other sampling fields (SamplingParams.violations).
     if req.logit_bias:
-        if len(req.logit_bias) > MAX_LOGIT_CONTROL_IDS:
-            bad("logit_bias", f"at most {MAX_LOGIT_CONTROL_IDS} entries, got {len(req.logit_bias)}")
-        for tid, bias in req.logit_bias.items():
-            if not 0 <= tid < vocab_size:
-                bad(f"logit_bias[{tid}]", f"the token id is outside the vocabulary [0, {vocab_size})")
-            elif not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails this too
-                bad(f"logit_bias[{tid}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         out["logit_bias"] = dict(req.logit_bias)
     if req.allowed_token_ids:
-        ids = list(req.allowed_token_ids)
-        if len(ids) > MAX_LOGIT_CONTROL_IDS:
-            bad("allowed_token_ids", f"at most {MAX_LOGIT_CONTROL_IDS} ids, got {len(ids)}")
-        for i, tid in enumerate(ids[:MAX_LOGIT_CONTROL_IDS]):
-            if not 0 <= tid < vocab_size:
-                bad(f"allowed_token_ids[{i}]", f"{tid} is outside the vocabulary [0, {vocab_size})")
-        out["allowed_token_ids"] = ids
+        out["allowed_token_ids"] = list(req.allowed_token_ids)
     words = list(req.bad_words)
     if len(words) > MAX_BAD_WORDS:
         bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")

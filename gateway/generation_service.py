@@ -31,7 +31,7 @@ from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import check_generate, refuse_text_call
 from gateway.tool_request import Names, ToolPlan, chat_messages, plan_tools
-from gateway.validation import check_fits_kv_pool, check_prompt_length, validate_generate
+from gateway.validation import check_prompt_length, validate_generate
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
 from tokenizer_svc.pool import TokenizerWorkerDied, TokenizerWorkerError
@@ -394,9 +394,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if fill:
                     v.params.max_tokens = _rest_of_context(len(prompt), v.params, s.max_model_len, info)
                 check_prompt_length(
-                    len(prompt), v.params.max_tokens, s.max_model_len, v.prompt_kind, max_prompt
+                    len(prompt),
+                    v.params.max_tokens,
+                    s.max_model_len,
+                    v.prompt_kind,
+                    max_prompt,
+                    info.block_size,
+                    info.num_kv_blocks,
                 )
-                check_fits_kv_pool(len(prompt), v.params.max_tokens, info.block_size, info.num_kv_blocks)
                 s.check_serving()  # tokenizing took time: the engine may have gone, or a drain begun
                 rm.prompt(len(prompt))
                 if on_prompt is not None:

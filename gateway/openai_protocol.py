@@ -1,8 +1,10 @@
 """OpenAI's JSON bodies to ``llmserve.v1.GenerateRequest`` and the stream's messages back.
 
 Nothing here generates: a body becomes the same proto a gRPC client would send, and it runs through
-the one generation path (``GenerationService.run``). Types are checked here (a string where a number
-belongs is a 400 naming the field); ranges and limits are checked by the gRPC path's validation,
+the one generation path (``GenerationService.run``). Only what the proto cannot carry is refused
+here (a string where a number belongs, a negative count for a uint32 field, an id past int32, a
+field we do not support): a 400 naming the field. Ranges and limits are not checked here: the
+gRPC path's validation (``SamplingParams.violations``, engine_svc/request_limits.py) checks them,
 so both APIs refuse the same requests with the same words. Unknown fields are ignored, as vLLM's
 OpenAI server does by default (their names, never their values, are logged).
 """
@@ -77,6 +79,7 @@ class BodyReader:
         return value
 
     def int(self, name: str, minimum: int | None = 0):
+        """An integer; ``minimum`` 0 for the proto's unsigned fields, which cannot hold less."""
         value = self.get(name, _is_int, "an integer")
         if value is not None and minimum is not None and value < minimum:
             self.bad(name, f"must be >= {minimum}, got {value}")
@@ -136,7 +139,7 @@ def common_request(r: BodyReader, req: pb.GenerateRequest, limits: Limits) -> No
         value = _uint32(r, name, r.int(name))
         if value is not None:
             setattr(req, name, value)
-    best_of = r.int("best_of", 1)
+    best_of = r.int("best_of", 1)  # the proto has no best_of: only the value that means n can go
     if best_of is not None and best_of != (req.n if req.HasField("n") else 1):
         r.bad("best_of", "is not supported (only best_of == n)")
     top_k = r.int("top_k", None)
@@ -158,10 +161,7 @@ def common_request(r: BodyReader, req: pb.GenerateRequest, limits: Limits) -> No
     if isinstance(stop, str):
         req.stop.append(stop)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > limits.max_stop_strings:
-            r.bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
-        else:
-            req.stop.extend(stop)
+        req.stop.extend(stop)  # their count and lengths: the shared validation's
     elif stop is not None:
         r.bad("stop", "must be a string or a list of strings")
     for name in ("stop_token_ids", "allowed_token_ids"):

@@ -6,9 +6,9 @@ the proto field, so a client can fix them all in one round.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from engine_svc.request_limits import RequestLimits, Violation, prompt_violations, token_id_violations
 from engine_svc.sampling_params import SamplingParams
 from gateway.constraints import read_constraints
 from gateway.errors import FieldViolation, invalid
@@ -48,6 +48,8 @@ def validate_generate(
     elif any(not c.isprintable() for c in req.request_id):
         bad("request_id", "must be printable text")
 
+    # The rules themselves are the engine's (engine_svc/request_limits.py), with this server's limits.
+    rules = request_limits(vocab_size, max_model_len, limits)
     kind = req.WhichOneof("prompt")
     text = token_ids = chat = None
     if kind is None:
@@ -57,112 +59,46 @@ def validate_generate(
         v.extend(check_text(text, "text", limits))
     elif kind == "token_ids":
         # The count first: a list of millions of ids is refused before it is copied.
-        count, cap = len(req.token_ids.ids), limits.prompt_token_limit(max_model_len)
-        if not count:
-            bad("token_ids.ids", "must not be empty")
-        elif count > cap:
-            bad(
-                "token_ids.ids",
-                f"has {count} tokens; the limit is {cap} (max_model_len {max_model_len})",
-            )
-        else:
+        count_violations = prompt_violations(len(req.token_ids.ids), 0, rules, "token_ids.ids")
+        v.extend(_named(count_violations))
+        if not count_violations:
             token_ids = list(req.token_ids.ids)
-            for i, t in enumerate(token_ids):
-                if not 0 <= t < vocab_size:
-                    bad(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
-                    break
+            ids_violations = token_id_violations(token_ids, "token_ids.ids", vocab_size, first_only=True)
+            v.extend(_named(ids_violations))
     else:
         chat_violations = check_chat(req.chat.messages, "chat.messages", limits)
         v.extend(chat_violations)
         if not chat_violations:
             chat = chat_messages(req.chat.messages, Names(), bad)
 
-    def fnum(name: str, default: float, ok, rule: str) -> float:
-        if not req.HasField(name):
-            return default
-        value = getattr(req, name)
-        if math.isnan(value) or math.isinf(value) or not ok(value):
-            bad(name, f"must be {rule}, got {value}")
-            return default
-        return value
-
-    temperature = fnum("temperature", 1.0, lambda x: x >= 0, "a finite number >= 0")
-    top_p = fnum("top_p", 1.0, lambda x: 0 < x <= 1, "in (0, 1]")
-    min_p = fnum("min_p", 0.0, lambda x: 0 <= x <= 1, "in [0, 1]")
-    repetition_penalty = fnum("repetition_penalty", 1.0, lambda x: x > 0, "> 0")
-    presence_penalty = fnum("presence_penalty", 0.0, lambda x: -2 <= x <= 2, "in [-2, 2]")
-    frequency_penalty = fnum("frequency_penalty", 0.0, lambda x: -2 <= x <= 2, "in [-2, 2]")
-    top_k = req.top_k if req.HasField("top_k") else 0
-    if top_k < -1:
-        bad("top_k", f"must be >= -1 (-1 and 0 are off), got {top_k}")
-        top_k = 0
-    if top_k > vocab_size:
-        bad("top_k", f"must be <= the vocabulary size {vocab_size}, got {top_k}")
-    n = req.n if req.HasField("n") else 1
-    if not 1 <= n <= limits.max_n:
-        bad("n", f"must be in [1, {limits.max_n}], got {n}")
-        n = 1
-
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens
-    cap = limits.max_tokens_limit(max_model_len)
-    if not 1 <= max_tokens <= cap:
-        bad(
-            "max_tokens",
-            f"must be in [1, {cap}] (the server's limit; the model's context is {max_model_len}), "
-            f"got {max_tokens}",
-        )
-        max_tokens = 1
-    min_tokens = req.min_tokens if req.HasField("min_tokens") else 0
-    if min_tokens > max_tokens:
-        bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
-        min_tokens = 0
-
-    stop = list(req.stop)
-    if len(stop) > limits.max_stop_strings:
-        bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
-    for i, s in enumerate(stop):
-        if not s:
-            bad(f"stop[{i}]", "must not be empty")
-        elif len(s) > limits.max_stop_string_chars:
-            bad(f"stop[{i}]", f"at most {limits.max_stop_string_chars} characters, got {len(s)}")
-    stop_token_ids = list(req.stop_token_ids)
-    if len(stop_token_ids) > limits.max_stop_token_ids:
-        bad("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(stop_token_ids)}")
-    for i, t in enumerate(stop_token_ids):
-        if not 0 <= t < vocab_size:
-            bad(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
-
-    logprobs = req.logprobs if req.HasField("logprobs") else None
-    prompt_logprobs = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and value > limits.max_logprobs:
-            bad(name, f"must be <= {limits.max_logprobs}, got {value}")
-    constraints = read_constraints(req, vocab_size, bad)
-
-    if v:
-        raise invalid(v)
+    constraint_violations: list[FieldViolation] = []  # reported after the sampling fields'
+    constraints = read_constraints(req, lambda f, why: constraint_violations.append(FieldViolation(f, why)))
     params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
+        n=req.n if req.HasField("n") else 1,
+        temperature=req.temperature if req.HasField("temperature") else 1.0,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,
+        top_k=req.top_k if req.HasField("top_k") else 0,
+        min_p=req.min_p if req.HasField("min_p") else 0.0,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else 0.0,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else 0.0,
         seed=req.seed if req.HasField("seed") else None,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens,
+        min_tokens=req.min_tokens if req.HasField("min_tokens") else 0,
+        stop=list(req.stop),
+        stop_token_ids=list(req.stop_token_ids),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         speculative=req.speculative if req.HasField("speculative") else True,
         **constraints,
     )
+    v.extend(_named(params.violations(rules)))
+    v.extend(constraint_violations)
+    if v:
+        raise invalid(v)
     add_gen = (
         req.chat.add_generation_prompt
         if kind == "chat" and req.chat.HasField("add_generation_prompt")
@@ -181,50 +117,47 @@ def validate_generate(
     )
 
 
+def request_limits(
+    vocab_size: int, max_model_len: int, limits: Limits, block_size: int = 0, num_kv_blocks: int = 0
+) -> RequestLimits:
+    """The shared rules' limits as this server sets them."""
+    return RequestLimits(
+        vocab_size,
+        max_model_len,
+        max_logprobs=limits.max_logprobs,
+        max_n=limits.max_n,
+        max_tokens=limits.max_tokens_limit(max_model_len),
+        max_prompt_tokens=limits.max_prompt_tokens,
+        max_stop_strings=limits.max_stop_strings,
+        max_stop_string_chars=limits.max_stop_string_chars,
+        max_stop_token_ids=limits.max_stop_token_ids,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+    )
+
+
 def check_prompt_length(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str, max_prompt_tokens: int = 0
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    field: str,
+    max_prompt_tokens: int = 0,
+    block_size: int = 0,
+    num_kv_blocks: int = 0,
 ) -> None:
-    """After tokenizing: the prompt and the tokens asked for must fit the model's context."""
-    limit = min(max_prompt_tokens, max_model_len - 1) if max_prompt_tokens > 0 else max_model_len - 1
-    if num_prompt_tokens == 0:
-        raise invalid([FieldViolation(field, "the prompt encodes to no tokens")])
-    if num_prompt_tokens > limit:
-        raise invalid(
-            [
-                FieldViolation(
-                    field,
-                    f"the prompt has {num_prompt_tokens} tokens; the limit is "
-                    f"{limit} (max_model_len {max_model_len})",
-                )
-            ]
-        )
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise invalid(
-            [
-                FieldViolation(
-                    "max_tokens",
-                    f"the prompt has {num_prompt_tokens} tokens and max_tokens "
-                    f"is {max_tokens}: together more than the model's "
-                    f"context of {max_model_len} tokens",
-                )
-            ]
-        )
+    """After tokenizing: the prompt and the tokens asked for must fit the model's context, and the
+    engine's whole KV cache (a request that never could would be queued forever)."""
+    rules = RequestLimits(
+        0,
+        max_model_len,
+        max_prompt_tokens=max_prompt_tokens,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+    )
+    v = prompt_violations(num_prompt_tokens, max_tokens, rules, field)
+    if v:
+        raise invalid(_named(v))
 
 
-def check_fits_kv_pool(num_prompt_tokens: int, max_tokens: int, block_size: int, num_kv_blocks: int) -> None:
-    """A request that could never fit the engine's whole KV cache is refused here, not queued forever
-    (the engine would refuse it too; the gateway answers first so the engine never sees it)."""
-    if not block_size or not num_kv_blocks:
-        return
-    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
-    if needed > num_kv_blocks:
-        raise invalid(
-            [
-                FieldViolation(
-                    "max_tokens" if num_prompt_tokens < num_kv_blocks * block_size else "prompt",
-                    f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
-                    f"{needed} KV blocks; the server's whole cache has {num_kv_blocks} blocks of "
-                    f"{block_size} tokens",
-                )
-            ]
-        )
+def _named(violations: list[Violation]) -> list[FieldViolation]:
+    return [FieldViolation(x.field, x.message) for x in violations]

@@ -180,7 +180,7 @@ BAD_INPUTS = [
     (dict(max_tokens=2000), "exceeds max_model_len (1024)"),
     (dict(top_k=-2), "top_k must be >= -1"),
     (dict(logprobs=50), "logprobs must be <= 20"),
-    (dict(stop_token_ids=[99999]), "stop_token_ids must be <= 1023"),
+    (dict(stop_token_ids=[99999]), "stop_token_ids[0] is 99999, outside the vocabulary [0, 1024)"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens must be <= max_tokens (10)"),
 ]
 

@@ -15,12 +15,13 @@ import textwrap
 
 import pytest
 
-from benchmarks import step_overhead
+from benchmarks import compute_efficiency, step_overhead
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import LogitsLayout
 from engine_svc.logits_processors import bad_words
 from engine_svc.sampler import Sampler
+from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
 from tests import test_batch_invariance as mixes
@@ -29,6 +30,7 @@ from tests import (
     test_bench_quick,
     test_logit_controls,
     test_openai_protocol,
+    test_request_limits,
     test_speculative,
     test_structured_outputs,
 )
@@ -49,8 +51,15 @@ bad_word_checks = test_logit_controls.test_a_bad_words_last_token_stays_allowed_
 stop_string_checks = _model_free(
     lambda: test_openai_protocol.test_stop_as_a_string_or_a_list_reaches_the_request("END", ["END"])
 )
-step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
+step_overhead_checks = test_bench_quick.test_step_overhead_recovers_each_known_cost
 logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+efficiency_timing_checks = (
+    test_bench_quick.test_compute_efficiency_counts_known_flops_and_times_a_model_of_known_cost
+)
+efficiency_judging_checks = _model_free(
+    test_bench_quick.test_compute_efficiency_judges_known_figures_against_the_fastest_gemm
+)
+request_rule_checks = _model_free(test_request_limits.test_every_rule_at_its_boundaries)
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -159,12 +168,44 @@ MUTANTS = [
         step_overhead_checks,
     ),
     (
+        "the step-overhead benchmark counts the stub model's time as overhead",
+        _module(step_overhead),
+        "measure",
+        "overhead = wall - stub.inside_s - sampler.inside_s",
+        "overhead = wall - sampler.inside_s",
+        step_overhead_checks,
+    ),
+    (
+        "the compute-efficiency benchmark keeps only the LM head's last time",
+        compute_efficiency.TimedModel,
+        "compute_logits",
+        "self.inside_s += time.perf_counter() - t0",
+        "self.inside_s = time.perf_counter() - t0",
+        efficiency_timing_checks,
+    ),
+    (
+        "the compute-efficiency benchmark judges against the slowest GEMM",
+        _module(compute_efficiency),
+        "judge",
+        "max(rates, key=rates.get)",
+        "min(rates, key=rates.get)",
+        efficiency_judging_checks,
+    ),
+    (
         "the sampler skips the logits processors' constraints (bias, allowed ids, grammar)",
         Sampler,
         "__call__",
         "if processor.constraint:",
         "if processor.constraint and processor.flag < 0:",
         logit_control_checks,
+    ),
+    (
+        "the shared request rules let top_p = 0 through (a range check dropped)",
+        SamplingParams,
+        "violations",
+        'lambda x: 0 < x <= 1, "in (0, 1]"',
+        'lambda x: x <= 1, "in (0, 1]"',
+        request_rule_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)

@@ -147,13 +147,13 @@ def test_a_paused_request_takes_no_steps_and_gives_up_its_blocks_first():
     sched = make_scheduler(num_blocks=6, budget=64)
     slow = add(sched, "slow", list(range(3, 19)), max_tokens=20)  # 2 blocks
     step(sched)
-    slow.paused = True
+    sched.set_paused(slow, True)
     fast = add(sched, "fast", list(range(30, 54)), max_tokens=20)  # 3 blocks, then a 4th
     for _ in range(10):
         out, _ = step(sched)
         assert all(s.request is fast for s in out.seqs), "a paused request was stepped"
     assert sched.num_preemptions == 1 and slow.sequences[0].num_computed_tokens == 0
-    slow.paused = False
+    sched.set_paused(slow, False)
     while not slow.finished:
         step(sched)
 
@@ -243,7 +243,7 @@ def test_paused_requests_hold_no_seat_and_yield_their_blocks_to_newcomers():
     stalled = [add(sched, f"s{i}", list(range(3, 19)), max_tokens=8) for i in range(2)]  # 2 blocks each
     step(sched)
     for r in stalled:
-        r.paused = True
+        sched.set_paused(r, True)
     fresh = add(sched, "fresh", list(range(30, 46)), max_tokens=4)
     out, _ = step(sched)
     assert [s.request for s in out.seqs] == [fresh], "a paused request kept the newcomer out"
@@ -251,7 +251,7 @@ def test_paused_requests_hold_no_seat_and_yield_their_blocks_to_newcomers():
     while not fresh.finished:
         step(sched)
     for r in stalled:
-        r.paused = False
+        sched.set_paused(r, False)
     for _ in range(100):
         if all(r.finished for r in stalled):
             break

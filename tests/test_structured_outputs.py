@@ -211,13 +211,13 @@ def test_bad_specs_are_refused_naming_the_field(tiny_llama, spec, field):
 @pytest.mark.parametrize(
     "params, field",
     [
-        (dict(logit_bias={5000: 1.0}), "logit_bias token id"),
+        (dict(logit_bias={5000: 1.0}), "logit_bias[5000]"),
         (dict(logit_bias={5: 101.0}), "logit_bias[5]"),
         (dict(logit_bias={5: float("nan")}), "logit_bias[5]"),
         (dict(allowed_token_ids=[]), "allowed_token_ids"),
         (dict(allowed_token_ids=[1, -1]), "allowed_token_ids"),
         (dict(bad_words_token_ids=[[]]), "bad word"),
-        (dict(bad_words_token_ids=[[1, 99999]]), "bad_words token id"),
+        (dict(bad_words_token_ids=[[1, 99999]]), "bad_words_token_ids[0][1]"),
     ],
 )
 def test_bad_logit_controls_are_refused(tiny_llama, params, field):
