@@ -70,10 +70,11 @@ def _one_sequence(batch, b, rows=None, isa=None):
 # AVX-512's groups of four), straddle two tiles (12) and need several tiles per row (32).
 @pytest.mark.parametrize("hq,hk", [(8, 2), (6, 1), (12, 1), (32, 1), (3, 3)])
 def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa, hq, hk):
-    """Each row is computed by the same code in the same order whatever shares its call, so its
-    output is the same bits alone, beside others, and however its chunk is split (which moves it
-    to another lane of another tile). A decode (dot products) and a chunk's row (lanes) sum the
-    same terms in another order: equal within rounding."""
+    """Each row is computed in the same order whatever shares its call, so its output is the same
+    bits alone, beside others, however its chunk is split (which moves it to another lane of another
+    tile), and as the decode of its own position (dot products, where a chunk's row is a lane: the
+    tile sums in the decode's order). That last is what a recompute after preemption meets: tokens
+    decoded one by one come back as rows of a chunk."""
     case = AttentionCase(((300, 1), (200, 37), (64, 64), (513, 1), (100, 9)), hq, hk, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=5)
     whole = native_attention.paged_attention(*batch.args(), isa=isa)
@@ -93,7 +94,7 @@ def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa, 
             assert torch.equal(torch.cat(parts), whole[lo:hi]), f"sequence {b} split at {cut} changed"
         for i in range(q_len):  # query i of the chunk, as the decode of its own position
             decode = _one_sequence(batch, b, range(i, i + 1), isa)
-            torch.testing.assert_close(decode[0], whole[lo + i], rtol=1e-6, atol=1e-6)
+            assert torch.equal(decode[0], whole[lo + i]), f"sequence {b} row {i} differs as a decode"
 
 
 def test_native_attention_never_reads_outside_a_rows_context(isa):

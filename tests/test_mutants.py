@@ -23,6 +23,7 @@ from engine_svc.logits_processors import bad_words
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
+from kernels.cpu import native_attention
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
 from tests import (
@@ -51,6 +52,7 @@ stop_string_checks = _model_free(
 )
 step_overhead_checks = test_bench_quick.test_step_overhead_recovers_parts_of_known_cost
 logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+recompute_checks = regressions.test_logprobs_are_bitwise_after_a_preemption_mid_decode
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -165,6 +167,16 @@ MUTANTS = [
         "if processor.constraint:",
         "if processor.constraint and processor.flag < 0:",
         logit_control_checks,
+    ),
+    (
+        # What a recompute after preemption met before decodes and chunk rows attended in one order:
+        # logprobs ~1e-6 off the solo run's, inside any tolerance, caught only bit for bit.
+        "steps of more than one token attend in another summation order than decodes (the torch path)",
+        _module(native_attention),
+        "takes",
+        "and q.shape[1] % k_cache.shape[2] == 0",
+        "and q.shape[1] % k_cache.shape[2] == 0 and q.shape[0] == 1",
+        recompute_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)

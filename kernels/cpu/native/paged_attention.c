@@ -281,6 +281,68 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
     for (; v < rep; ++v) decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, 1, D);
 }
 
+/* Positions whose scores one pass over the tile's queries computes: each query vector loaded
+ * feeds all of them (2 measured faster than 1 and 4). */
+#define TILE_POSITIONS 2
+
+/* A tile's T vectors of query lanes at TILE_POSITIONS positions. */
+typedef struct {
+    vf v[TILE_POSITIONS][T];
+} tile_part;
+
+INLINE tile_part tile_add(tile_part x, tile_part y) {
+    for (int p = 0; p < TILE_POSITIONS; ++p)
+        for (int t = 0; t < T; ++t) x.v[p][t] += y.v[p][t];
+    return x;
+}
+
+/* For lanes l and l + W/2 of d: dot_lanes' two chains over d's vectors (even and odd), added,
+ * then the two lanes added: the first level of hsum4's tree, for the K rows k + p * ps. */
+INLINE tile_part tile_first_level(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, int l,
+                                  const int D) {
+    const int nv = D / W;
+    tile_part out;
+    for (int p = 0; p < TILE_POSITIONS; ++p) {
+        const float *kp = k + p * ps;
+        vf lane[2][T];
+        for (int u = 0; u < 2; ++u) {
+            const int d = l + u * (W / 2);
+            for (int t = 0; t < T; ++t) {
+                vf even = qt[d][t] * kp[d], odd = (vf){0};
+                for (int c = 1; c < nv; c += 2) {
+                    odd += qt[c * W + d][t] * kp[c * W + d];
+                    if (c + 1 < nv) even += qt[(c + 1) * W + d][t] * kp[(c + 1) * W + d];
+                }
+                lane[u][t] = even + odd;
+            }
+        }
+        for (int t = 0; t < T; ++t) out.v[p][t] = lane[0][t] + lane[1][t];
+    }
+    return out;
+}
+
+/* The scores of a tile's query lanes at TILE_POSITIONS K rows from k (ps apart): each lane's
+ * q . k summed in the order a decode of that query sums it (dot_lanes, then hsum4's tree: lane l
+ * with l + W/2, then l + W/4, ...), so that a query's scores are the same bits whether its token
+ * is a decode or a row of a chunk. The tree's levels are written out (not a loop over an array of
+ * partial sums) so that few partial sums are alive at once and they stay in registers. */
+INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, const int D) {
+#define L1(l) tile_first_level(qt, k, ps, (l), D)
+#if W == 16
+#define L2(i) tile_add(L1(i), L1((i) + 4))
+#define L3(i) tile_add(L2(i), L2((i) + 2))
+    return tile_add(L3(0), L3(1));
+#elif W == 8
+#define L2(i) tile_add(L1(i), L1((i) + 2))
+    return tile_add(L2(0), L2(1));
+#else
+    return tile_add(L1(0), L1(1));
+#endif
+#undef L1
+#undef L2
+#undef L3
+}
+
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -315,50 +377,45 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         const int p0 = blk * bs;
         const int n = longest - p0 < bs ? longest - p0 : bs;
         int p = 0;
-        for (; p + 4 <= n; p += 4) {
-            const float *k0 = kb + p * ps, *k1 = k0 + ps, *k2 = k1 + ps, *k3 = k2 + ps;
-            vf s[4][T];
-            for (int j = 0; j < 4; ++j)
-                for (int t = 0; t < T; ++t) s[j][t] = (vf){0};
-            for (int d = 0; d < D; ++d)
+        for (; p + TILE_POSITIONS <= n; p += TILE_POSITIONS) {
+            const tile_part s = tile_scores_at(qt, kb + p * ps, ps, D);
+            for (int j = 0; j < TILE_POSITIONS; ++j)
                 for (int t = 0; t < T; ++t) {
-                    const vf qd = qt[d][t];
-                    s[0][t] += qd * k0[d];
-                    s[1][t] += qd * k1[d];
-                    s[2][t] += qd * k2[d];
-                    s[3][t] += qd * k3[d];
-                }
-            for (int j = 0; j < 4; ++j)
-                for (int t = 0; t < T; ++t) {
-                    const vf x = select_v(p0 + p + j < limit[t], s[j][t] * a->scale, neg_inf);
+                    const vf x = select_v(p0 + p + j < limit[t], s.v[j][t] * a->scale, neg_inf);
                     st[(p0 + p + j) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
         }
-        for (; p < n; ++p) {
-            const float *k0 = kb + p * ps;
-            vf s0[T];
-            for (int t = 0; t < T; ++t) s0[t] = (vf){0};
-            for (int d = 0; d < D; ++d)
-                for (int t = 0; t < T; ++t) s0[t] += qt[d][t] * k0[d];
+        for (; p < n; ++p) { /* the block's last positions: each one pass (ps 0: the same row again) */
+            const tile_part s = tile_scores_at(qt, kb + p * ps, 0, D);
             for (int t = 0; t < T; ++t) {
-                const vf x = select_v(p0 + p < limit[t], s0[t] * a->scale, neg_inf);
+                const vf x = select_v(p0 + p < limit[t], s.v[0][t] * a->scale, neg_inf);
                 st[(p0 + p) * T + t] = x;
                 m[t] = select_v(x > m[t], x, m[t]);
             }
         }
     }
-    /* softmax numerators, lane by lane; a masked position's is exactly 0 */
-    vf sum[T];
-    for (int t = 0; t < T; ++t) sum[t] = (vf){0};
-    for (int p = 0; p < longest; ++p)
-        for (int t = 0; t < T; ++t) {
-            float e[W];
-            for (int l = 0; l < W; ++l) e[l] = exp_nonpositive(st[p * T + t][l] - m[t][l]);
-            const vf x = select_v(p < limit[t], loadv(e), (vf){0});
-            st[p * T + t] = x;
-            sum[t] += x;
+    /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
+     * softmax_numerators' order: W partial sums, position p into the (p % W)-th, then halved. */
+    vf part[W][T];
+    for (int l = 0; l < W; ++l)
+        for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
+    for (int p0 = 0; p0 < longest; p0 += W)
+        for (int l = 0; l < W && p0 + l < longest; ++l) {
+            const int p = p0 + l;
+            for (int t = 0; t < T; ++t) {
+                float e[W];
+                for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(st[p * T + t][j] - m[t][j]);
+                const vf x = select_v(p < limit[t], loadv(e), (vf){0});
+                st[p * T + t] = x;
+                part[l][t] += x;
+            }
         }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    vf sum[T];
+    for (int t = 0; t < T; ++t) sum[t] = part[0][t];
     /* the output, PV_ELEMS elements of every vector at a time (accumulators in half the registers) */
     for (int dc = 0; dc < D; dc += PV_ELEMS) {
         vf acc[PV_ELEMS][T];
