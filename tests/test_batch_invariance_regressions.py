@@ -238,7 +238,10 @@ def test_logprobs_are_bitwise_after_a_preemption_mid_decode(tiny_llama):
         engine_opts = dict(
             block_size=8, num_kv_blocks=14, max_num_batched_tokens=32, enable_prefix_caching=caching
         )
-        requests = {"a": (p1, greedy(max_tokens=40, logprobs=2)), "b": (p2, greedy(max_tokens=40, logprobs=2))}
+        requests = {
+            "a": (p1, greedy(max_tokens=40, logprobs=2)),
+            "b": (p2, greedy(max_tokens=40, logprobs=2)),
+        }
         engine = make_engine(tiny_llama, **engine_opts)
         mid_decode = []
         preempt = engine.scheduler._preempt

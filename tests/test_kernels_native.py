@@ -201,6 +201,12 @@ def test_instruction_set_choice(monkeypatch):
         native_build.chosen_isa()
 
 
+def _forget_libraries() -> None:
+    native_build.forget_loads()
+    native_attention.library.cache_clear()
+    native_elementwise.library.cache_clear()
+
+
 def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -210,15 +216,65 @@ def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch
     with pytest.raises(RuntimeError, match="failed on paged_attention.c"):
         native_build.build("paged_attention", "generic")
     assert list(tmp_path.iterdir()) == []  # no half-written library left for another process
-    native_build.load_or_none.cache_clear()
-    native_build.load.cache_clear()
+    _forget_libraries()
     try:
         with caplog.at_level(logging.WARNING, logger="kernels.cpu.native_build"):
             assert native_build.load_or_none("paged_attention", "generic") is None
-        assert "using the torch path" in caplog.text
+        assert "the torch path runs instead" in caplog.text
     finally:
-        native_build.load_or_none.cache_clear()
-        native_build.load.cache_clear()
+        _forget_libraries()
+
+
+def _build_failure_warnings(caplog) -> list[str]:
+    """Every layer of a 4-layer model's forward, twice: attention, RMSNorm, SiLU-and-mul, each checked
+    against its reference; what the build logged as warnings."""
+    case = AttentionCase(((40, 1), (30, 30)), 4, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=3)
+    x, w = torch.randn(5, 64), torch.rand(64)
+    with caplog.at_level(logging.DEBUG, logger="kernels.cpu.native_build"):
+        for _ in range(2 * 4):
+            got = native_attention.paged_attention(*batch.args())
+            torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                native_elementwise.rms_norm(x, w, 1e-6)[0], rmsnorm.rms_norm(x, w, 1e-6)[0]
+            )
+            gate_up = torch.randn(5, 128)
+            torch.testing.assert_close(
+                native_elementwise.silu_and_mul(gate_up), activation.silu_and_mul(gate_up)
+            )
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_failing_compiler_is_reported_once_then_the_torch_path_runs(monkeypatch, tmp_path, caplog):
+    """``CC=false``: one warning naming the compiler, for all kernels, layers and calls."""
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    _forget_libraries()
+    try:
+        warnings = _build_failure_warnings(caplog)
+    finally:
+        _forget_libraries()
+    assert len(warnings) == 1, warnings
+    assert "compiler false" in warnings[0] and "torch path" in warnings[0], warnings[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compile_error_is_reported_once_with_the_compilers_message(monkeypatch, tmp_path, caplog):
+    """A broken flag (an unknown -f option): the compiler's own error, once."""
+    import shutil
+
+    src = tmp_path / "native"
+    shutil.copytree(native_build.SOURCE_DIR, src)
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    monkeypatch.setattr(native_build, "_COMMON", [*native_build._COMMON, "-fno-such-flag-at-all"])
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    _forget_libraries()
+    try:
+        warnings = _build_failure_warnings(caplog)
+    finally:
+        _forget_libraries()
+    assert len(warnings) == 1, warnings
+    assert f"compiler {native_build.compiler()}" in warnings[0] and "no-such-flag" in warnings[0], warnings[0]
 
 
 def test_a_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
