@@ -441,32 +441,24 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
     }
 }
 
-/* Attention for every sequence of the batch (one with no queries this step has no work).
- * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
- * when memory ran out. */
-int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
-                                 const float *k_cache, const float *v_cache,
-                                 const int32_t *block_tables, int64_t block_table_stride,
-                                 const int32_t *seq_lens, const int32_t *query_start_loc,
-                                 int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
-                                 int32_t head_dim, int32_t block_size, float scale, float *out,
-                                 int32_t num_threads) {
-    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
-    const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
-                    block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, out};
+/* The step's work items, in a fixed order: (sequence, KV head, first query vector of its tile),
+ * three int32 each, into items[0, 3 * capacity) when they fit; *longest = the longest context
+ * (at least 1). Returns how many there are (more than capacity: nothing written, call again with
+ * room). Every layer of a step has the same items: the caller builds them once per step. */
+int64_t llmserve_paged_attention_work_items(const int32_t *seq_lens, const int32_t *query_start_loc,
+                                            int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
+                                            int32_t *items, int64_t capacity, int32_t *longest) {
     const int rep = num_heads / num_kv_heads;
-    /* Work items, in a fixed order: (sequence, KV head, first query vector of its tile). */
     int64_t num_items = 0;
-    int32_t longest = 1;
+    int32_t most = 1;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         const int tiles = q_len == 1 ? 1 : (q_len * rep + TILE - 1) / TILE;
         num_items += (int64_t)num_kv_heads * tiles;
-        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+        most = seq_lens[b] > most ? seq_lens[b] : most;
     }
-    int32_t *items = malloc(sizeof(int32_t) * 3 * (num_items ? num_items : 1));
-    if (!items) return -2;
+    *longest = most;
+    if (num_items > capacity) return num_items;
     int64_t n = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
@@ -479,6 +471,26 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                 ++n;
             }
     }
+    return num_items;
+}
+
+/* Attention for every sequence of the batch, over the step's work items (from
+ * llmserve_paged_attention_work_items with the same metadata and heads; a sequence with no queries
+ * this step has none). head_dim must be a multiple of W. Returns 0, -1 for a shape this library
+ * does not take, or -2 when memory ran out. */
+int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
+                                 const float *k_cache, const float *v_cache,
+                                 const int32_t *block_tables, int64_t block_table_stride,
+                                 const int32_t *seq_lens, const int32_t *query_start_loc,
+                                 int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
+                                 int32_t head_dim, int32_t block_size, float scale, float *out,
+                                 int32_t num_threads, const int32_t *items, int64_t num_items,
+                                 int32_t longest) {
+    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
+    const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
+                    block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                    block_size, scale, out};
+    const int rep = num_heads / num_kv_heads;
     int failed = 0;
     const size_t scratch = sizeof(float) * (size_t)(rep > TILE ? rep : TILE) * (size_t)longest;
 #pragma omp parallel num_threads(num_threads)
@@ -509,6 +521,5 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
         }
         free(scores);
     }
-    free(items);
     return failed ? -2 : 0;
 }
