@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 import weakref
 
 import torch
@@ -52,18 +51,17 @@ def library(isa: str | None = None):
     fn = lib.llmserve_paged_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _P, _I32]
-    fn.argtypes += [_P, _I64, _I32]  # the step's work items, their count, the longest context
-    items = lib.llmserve_paged_attention_work_items
-    items.restype = ctypes.c_int64
-    items.argtypes = [_P, _P, _I32, _I32, _I32, _P, _I64, _P]
-    return _Library(fn, items)
+    return fn
 
 
-class _Library:
-    """The kernel's two entry points: attention over work items, and the items of a step."""
-
-    def __init__(self, attend, work_items) -> None:
-        self.attend, self.work_items = attend, work_items
+def work_list_builds(isa: str | None = None) -> int:
+    """How many times the calling thread's kernel built a step's work list. The kernel keeps it,
+    with the metadata it was built from, in buffers reused across steps: a step's first layer builds
+    it, the others (the same metadata) reuse it (``kernels/cpu/native/paged_attention.c``)."""
+    lib = native_build.load_or_none("paged_attention", isa)
+    builds = lib.llmserve_paged_attention_work_list_builds
+    builds.restype, builds.argtypes = ctypes.c_int64, []
+    return int(builds())
 
 
 def prepare() -> str:
@@ -113,61 +111,6 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 _checked = _Checked()
-
-
-class WorkList:
-    """The step's work items (sequence, KV head, tile), built once per step: every layer passes the
-    same metadata tensors, so the items are built for the first and reused by the others (the same
-    identity check as ``_Checked``, written out: it runs for every layer). Kept in one int32 buffer
-    reused across steps, grown (doubled) when a step needs more. One per thread: a thread's kernel
-    never reads a buffer another thread grows."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.int32)
-        self.key: tuple = ()  # (library, heads, KV heads, lens, its version, qsl, its version)
-        self.num_items = 0
-        self.longest = 1
-        self.builds = 0  # how many times items were built (tests count them)
-
-    def items_for(self, lib: _Library, lens, qsl, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-        """(number of items, longest context) of this step, the items in ``self.buffer``."""
-        key = self.key
-        if (
-            key
-            and key[0] is lib.work_items
-            and key[3]() is lens
-            and key[5]() is qsl
-            and key[1:3] == (num_heads, num_kv_heads)
-            and key[4] == _version(lens)
-            and key[6] == _version(qsl)
-        ):
-            return self.num_items, self.longest
-        longest = ctypes.c_int32(1)
-        while True:
-            capacity = self.buffer.numel() // 3
-            n = lib.work_items(
-                lens.data_ptr(), qsl.data_ptr(), lens.shape[0], num_heads, num_kv_heads,
-                self.buffer.data_ptr(), capacity, ctypes.byref(longest),
-            )  # fmt: skip
-            if n <= capacity:
-                break
-            self.buffer = torch.empty(3 * max(n, 2 * capacity), dtype=torch.int32)
-        self.builds += 1
-        self.num_items, self.longest = n, longest.value
-        refs = (weakref.ref(lens), _version(lens), weakref.ref(qsl), _version(qsl))
-        self.key = (lib.work_items, num_heads, num_kv_heads, *refs)
-        return n, self.longest
-
-
-_work_lists = threading.local()
-
-
-def work_list() -> WorkList:
-    """This thread's work list."""
-    wl = getattr(_work_lists, "value", None)
-    if wl is None:
-        wl = _work_lists.value = WorkList()
-    return wl
 
 
 def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
@@ -226,8 +169,8 @@ def paged_attention(
     isa: str | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
-    lib = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
-    if lib is None:
+    fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
+    if fn is None:
         return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # .to / .contiguous are no-ops for the engine's int32 metadata; the kernel skips sequences with
@@ -236,9 +179,7 @@ def paged_attention(
     lens = seq_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
     check_inputs(q, k_cache, v_cache, tables, lens, qsl)
-    items = work_list()
-    num_items, longest = items.items_for(lib, lens, qsl, q.shape[1], k_cache.shape[2])
-    rc = lib.attend(
+    rc = fn(
         q.data_ptr(),
         q.stride(0),
         q.stride(1),
@@ -256,9 +197,6 @@ def paged_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
-        items.buffer.data_ptr(),
-        num_items,
-        longest,
     )
     if rc != 0:
         raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")

@@ -25,6 +25,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "fast_exp.h"
 
@@ -441,56 +442,98 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
     }
 }
 
-/* The step's work items, in a fixed order: (sequence, KV head, first query vector of its tile),
- * three int32 each, into items[0, 3 * capacity) when they fit; *longest = the longest context
- * (at least 1). Returns how many there are (more than capacity: nothing written, call again with
- * room). Every layer of a step has the same items: the caller builds them once per step. */
-int64_t llmserve_paged_attention_work_items(const int32_t *seq_lens, const int32_t *query_start_loc,
-                                            int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
-                                            int32_t *items, int64_t capacity, int32_t *longest) {
+/* The step's work list: items (sequence, KV head, first query vector of its tile), three int32
+ * each, in a fixed order, and the longest context. Every layer of a step passes the same metadata,
+ * so the list is built for the first layer's call and reused by the others: it is kept per thread
+ * with a copy of the metadata it was built from (query_start_loc and seq_lens, compared by content:
+ * a new step's arrays may sit at the old addresses), in buffers reused across steps and grown when
+ * a step needs more. The calling thread's: two threads calling at once never share one. */
+typedef struct {
+    int32_t *items, *meta;
+    int64_t items_cap, meta_cap, num_items, builds;
+    int32_t num_seqs, num_heads, num_kv_heads, longest;
+} WorkList;
+
+static _Thread_local WorkList work_list = {.num_seqs = -1};
+
+/* This thread's work list for the metadata, built if it differs from the last call's; NULL when
+ * memory ran out. */
+static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *query_start_loc,
+                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads) {
+    WorkList *w = &work_list;
+    const size_t meta_bytes = sizeof(int32_t) * (2 * (size_t)num_seqs + 1);
+    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads &&
+        !memcmp(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1)) &&
+        !memcmp(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs))
+        return w;
     const int rep = num_heads / num_kv_heads;
     int64_t num_items = 0;
-    int32_t most = 1;
+    int32_t longest = 1;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         const int tiles = q_len == 1 ? 1 : (q_len * rep + TILE - 1) / TILE;
         num_items += (int64_t)num_kv_heads * tiles;
-        most = seq_lens[b] > most ? seq_lens[b] : most;
+        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
-    *longest = most;
-    if (num_items > capacity) return num_items;
+    w->num_seqs = -1; /* not valid until built */
+    if (num_items > w->items_cap) {
+        const int64_t cap = num_items > 2 * w->items_cap ? num_items : 2 * w->items_cap;
+        int32_t *grown = realloc(w->items, sizeof(int32_t) * 3 * (size_t)cap);
+        if (!grown) return NULL;
+        w->items = grown;
+        w->items_cap = cap;
+    }
+    if ((int64_t)meta_bytes > w->meta_cap) {
+        int32_t *grown = realloc(w->meta, 2 * meta_bytes);
+        if (!grown) return NULL;
+        w->meta = grown;
+        w->meta_cap = (int64_t)(2 * meta_bytes);
+    }
     int64_t n = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         const int step = q_len == 1 ? rep : TILE;
         for (int h = 0; h < num_kv_heads; ++h)
             for (int v0 = 0; v0 < q_len * rep; v0 += step) {
-                items[3 * n] = b;
-                items[3 * n + 1] = h;
-                items[3 * n + 2] = v0;
+                w->items[3 * n] = b;
+                w->items[3 * n + 1] = h;
+                w->items[3 * n + 2] = v0;
                 ++n;
             }
     }
-    return num_items;
+    memcpy(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1));
+    memcpy(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs);
+    w->num_items = num_items;
+    w->longest = longest;
+    w->builds += 1;
+    w->num_heads = num_heads;
+    w->num_kv_heads = num_kv_heads;
+    w->num_seqs = num_seqs;
+    return w;
 }
 
-/* Attention for every sequence of the batch, over the step's work items (from
- * llmserve_paged_attention_work_items with the same metadata and heads; a sequence with no queries
- * this step has none). head_dim must be a multiple of W. Returns 0, -1 for a shape this library
- * does not take, or -2 when memory ran out. */
+/* How many times this thread built a work list (tests count them). */
+int64_t llmserve_paged_attention_work_list_builds(void) { return work_list.builds; }
+
+/* Attention for every sequence of the batch (one with no queries this step has no work).
+ * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
+ * when memory ran out. */
 int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
                                  const float *k_cache, const float *v_cache,
                                  const int32_t *block_tables, int64_t block_table_stride,
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
                                  int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
                                  int32_t head_dim, int32_t block_size, float scale, float *out,
-                                 int32_t num_threads, const int32_t *items, int64_t num_items,
-                                 int32_t longest) {
+                                 int32_t num_threads) {
     if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
                     block_size, scale, out};
     const int rep = num_heads / num_kv_heads;
+    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
+    if (!w) return -2;
+    const int32_t *items = w->items, longest = w->longest;
+    const int64_t num_items = w->num_items;
     int failed = 0;
     const size_t scratch = sizeof(float) * (size_t)(rep > TILE ? rep : TILE) * (size_t)longest;
 #pragma omp parallel num_threads(num_threads)
