@@ -14,10 +14,11 @@
  * chunk's tile holds 2W query vectors (its rows times those heads, in order) in the lanes of two
  * vectors: q . k at a position is head_dim multiply-adds of the transposed queries by the K row's
  * broadcast values, with no horizontal sums, and the same for the output over V.
- * Every vector's result is computed by the same code in the same order whatever else is in its
- * group, tile, step or thread, so a row's output depends only on its query and its context: the
- * same alone or in a batch, and in any split of its chunk into chunks of two rows or more (a
- * decode and a chunk's row sum the same terms in another order: equal within rounding).
+ * Every vector's result is computed in the same order whatever else is in its group, tile, step
+ * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums), so a
+ * row's output depends only on its query and its context: the same bits alone or in a batch, in
+ * any split of its chunk, and as the decode of its position (what a recompute after preemption
+ * meets: tokens decoded one by one come back as rows of one chunk).
  *
  * OpenMP threads are torch's own: torch's wheel loads libgomp.so.1 first, and this library's
  * reference to that soname binds to it, so there is one thread pool. */
