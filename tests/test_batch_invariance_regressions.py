@@ -227,3 +227,41 @@ def test_requests_admitted_in_one_step_share_the_prefix_its_first_one_computes(t
     fresh = partial(make_engine, tiny_llama, **engine_opts)
     for i, p in enumerate(prompts):
         assert_same_as_solo(str(i), results[str(i)], solo(fresh, p, params), params)
+
+
+def test_logprobs_are_bitwise_after_a_preemption_mid_decode(tiny_llama):
+    """A greedy request preempted after it has decoded tokens recomputes them as rows of a prefill
+    chunk (the solo run computed them one by one as decodes): its logprobs must still be the solo
+    run's bits, with prefix caching on (the recompute starts from a cache hit) and off."""
+    p1, p2 = random_prompts([40, 50], 1024, seed=5)
+    for caching in (True, False):
+        engine_opts = dict(
+            block_size=8, num_kv_blocks=14, max_num_batched_tokens=32, enable_prefix_caching=caching
+        )
+        requests = {
+            "a": (p1, greedy(max_tokens=40, logprobs=2)),
+            "b": (p2, greedy(max_tokens=40, logprobs=2)),
+        }
+        engine = make_engine(tiny_llama, **engine_opts)
+        mid_decode = []
+        preempt = engine.scheduler._preempt
+
+        def observe(seq, out, preempt=preempt, mid_decode=mid_decode):
+            if seq.num_computed_tokens > seq.request.num_prompt_tokens:
+                mid_decode.append(seq.request.request_id)
+            preempt(seq, out)
+
+        engine.scheduler._preempt = observe
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        results: dict[str, Result] = {}
+        drive(engine, results)
+        assert mid_decode, f"caching={caching}: no request was preempted after decoding"
+        assert_pool_whole(engine)
+        fresh = partial(make_engine, tiny_llama, **engine_opts)
+        for rid in set(mid_decode):
+            prompt, params = requests[rid]
+            ref = solo(fresh, prompt, params)
+            assert_same_as_solo(rid, results[rid], ref, params)
+            got = [lp.logprob for lp in results[rid].outputs[0].logprobs]
+            assert got == [lp.logprob for lp in ref.outputs[0].logprobs], f"caching={caching}: {rid}"

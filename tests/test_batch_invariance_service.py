@@ -5,7 +5,7 @@ budget and a small KV pool, so that prompts are chunked and sequences preempted.
 options (greedy, seeded n > 1, logprobs, prompt logprobs, stop strings and ids, penalties,
 min_tokens, priorities) are first sent one at a time, then all at once from concurrent clients
 beside a neighbour that cancels mid-stream; every result must equal its solo one: text, token ids,
-finish and stop reasons, completion tokens, logprobs and prompt logprobs (within 1e-3). The offline
+finish and stop reasons, completion tokens, logprobs and prompt logprobs (bit for bit). The offline
 ``LLM`` must return the same text for the same request: both use one text pipeline.
 """
 
@@ -22,7 +22,7 @@ from tests.engine_helpers import NEAR_TIE
 from tests.fault_helpers import assert_engine_clean
 from tests.service_process import ServiceProcess
 
-TOL = 1e-3
+TOL = 0.0  # bitwise: the service runs the CPU fp32 kernels, whose rows never depend on the batch
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs".split()
 
 

@@ -70,10 +70,11 @@ def _one_sequence(batch, b, rows=None, isa=None):
 # AVX-512's groups of four), straddle two tiles (12) and need several tiles per row (32).
 @pytest.mark.parametrize("hq,hk", [(8, 2), (6, 1), (12, 1), (32, 1), (3, 3)])
 def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa, hq, hk):
-    """Each row is computed by the same code in the same order whatever shares its call, so its
-    output is the same bits alone, beside others, and however its chunk is split (which moves it
-    to another lane of another tile). A decode (dot products) and a chunk's row (lanes) sum the
-    same terms in another order: equal within rounding."""
+    """Each row is computed in the same order whatever shares its call, so its output is the same
+    bits alone, beside others, however its chunk is split (which moves it to another lane of another
+    tile), and as the decode of its own position (dot products, where a chunk's row is a lane: the
+    tile sums in the decode's order). That last is what a recompute after preemption meets: tokens
+    decoded one by one come back as rows of a chunk."""
     case = AttentionCase(((300, 1), (200, 37), (64, 64), (513, 1), (100, 9)), hq, hk, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=5)
     whole = native_attention.paged_attention(*batch.args(), isa=isa)
@@ -93,7 +94,7 @@ def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa, 
             assert torch.equal(torch.cat(parts), whole[lo:hi]), f"sequence {b} split at {cut} changed"
         for i in range(q_len):  # query i of the chunk, as the decode of its own position
             decode = _one_sequence(batch, b, range(i, i + 1), isa)
-            torch.testing.assert_close(decode[0], whole[lo + i], rtol=1e-6, atol=1e-6)
+            assert torch.equal(decode[0], whole[lo + i]), f"sequence {b} row {i} differs as a decode"
 
 
 def test_native_attention_never_reads_outside_a_rows_context(isa):
@@ -200,6 +201,12 @@ def test_instruction_set_choice(monkeypatch):
         native_build.chosen_isa()
 
 
+def _forget_libraries() -> None:
+    native_build.forget_loads()
+    native_attention.library.cache_clear()
+    native_elementwise.library.cache_clear()
+
+
 def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -209,15 +216,65 @@ def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch
     with pytest.raises(RuntimeError, match="failed on paged_attention.c"):
         native_build.build("paged_attention", "generic")
     assert list(tmp_path.iterdir()) == []  # no half-written library left for another process
-    native_build.load_or_none.cache_clear()
-    native_build.load.cache_clear()
+    _forget_libraries()
     try:
         with caplog.at_level(logging.WARNING, logger="kernels.cpu.native_build"):
             assert native_build.load_or_none("paged_attention", "generic") is None
-        assert "using the torch path" in caplog.text
+        assert "the torch path runs instead" in caplog.text
     finally:
-        native_build.load_or_none.cache_clear()
-        native_build.load.cache_clear()
+        _forget_libraries()
+
+
+def _build_failure_warnings(caplog) -> list[str]:
+    """Every layer of a 4-layer model's forward, twice: attention, RMSNorm, SiLU-and-mul, each checked
+    against its reference; what the build logged as warnings."""
+    case = AttentionCase(((40, 1), (30, 30)), 4, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=3)
+    x, w = torch.randn(5, 64), torch.rand(64)
+    with caplog.at_level(logging.DEBUG, logger="kernels.cpu.native_build"):
+        for _ in range(2 * 4):
+            got = native_attention.paged_attention(*batch.args())
+            torch.testing.assert_close(got, reference_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                native_elementwise.rms_norm(x, w, 1e-6)[0], rmsnorm.rms_norm(x, w, 1e-6)[0]
+            )
+            gate_up = torch.randn(5, 128)
+            torch.testing.assert_close(
+                native_elementwise.silu_and_mul(gate_up), activation.silu_and_mul(gate_up)
+            )
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_failing_compiler_is_reported_once_then_the_torch_path_runs(monkeypatch, tmp_path, caplog):
+    """``CC=false``: one warning naming the compiler, for all kernels, layers and calls."""
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    _forget_libraries()
+    try:
+        warnings = _build_failure_warnings(caplog)
+    finally:
+        _forget_libraries()
+    assert len(warnings) == 1, warnings
+    assert "compiler false" in warnings[0] and "torch path" in warnings[0], warnings[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compile_error_is_reported_once_with_the_compilers_message(monkeypatch, tmp_path, caplog):
+    """A broken flag (an unknown -f option): the compiler's own error, once."""
+    import shutil
+
+    src = tmp_path / "native"
+    shutil.copytree(native_build.SOURCE_DIR, src)
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    monkeypatch.setattr(native_build, "_COMMON", [*native_build._COMMON, "-fno-such-flag-at-all"])
+    monkeypatch.setenv("LLMSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    _forget_libraries()
+    try:
+        warnings = _build_failure_warnings(caplog)
+    finally:
+        _forget_libraries()
+    assert len(warnings) == 1, warnings
+    assert f"compiler {native_build.compiler()}" in warnings[0] and "no-such-flag" in warnings[0], warnings[0]
 
 
 def test_a_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
@@ -374,3 +431,37 @@ def test_the_native_wrapper_refuses_what_the_kernel_would_read_out_of_bounds(isa
         native_attention.paged_attention(
             q[:-1], k_cache, v_cache, batch.block_tables, lens, qsl, scale, isa=isa
         )
+
+
+# --- the step's work list ------------------------------------------------------------------------
+
+
+def test_a_steps_work_list_is_built_once_for_all_its_layers_and_grows_when_needed(isa):
+    """Every layer of a step passes the same metadata: the work items are built for the first layer
+    only, into buffers the next steps reuse (grown for a bigger step), and each layer's output is
+    the same bits as with items built for that call alone (and the reference within rounding)."""
+    small = make_paged_batch(AttentionCase(((40, 1), (30, 30)), 8, 2, 64, 16), torch.float32, seed=1)
+    big = make_paged_batch(
+        AttentionCase(((300, 1), (200, 37), (64, 64), (513, 1), (100, 9)), 8, 2, 64, 16),
+        torch.float32,
+        seed=2,
+    )
+    other = make_paged_batch(AttentionCase(((41, 1), (30, 30)), 8, 2, 64, 16), torch.float32, seed=1)
+    for batch in (small, big, small, other):
+        q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+        layers = [(k_cache, v_cache)] + [
+            (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(7)
+        ]
+        before = native_attention.work_list_builds(isa)
+        outs = [
+            native_attention.paged_attention(q, k, v, tables, lens, qsl, scale, isa=isa) for k, v in layers
+        ]
+        assert native_attention.work_list_builds(isa) == before + 1, "not built exactly once for 8 layers"
+        for (k, v), got in zip(layers, outs, strict=True):
+            # A decode of 1 context position first: the list is built again for the next call alone.
+            one = (torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+            native_attention.paged_attention(q[:1].contiguous(), k, v, tables[:1], *one, scale, isa=isa)
+            alone = native_attention.paged_attention(q, k, v, tables, lens, qsl, scale, isa=isa)
+            assert torch.equal(got, alone)
+            ref = reference_attention(q, k, v, tables, lens, qsl, scale)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ from engine_svc.sampler import Sampler
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
+from kernels.cpu import native_attention
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
 from tests import (
@@ -60,6 +61,7 @@ efficiency_judging_checks = _model_free(
     test_bench_quick.test_compute_efficiency_judges_known_figures_against_the_fastest_gemm
 )
 request_rule_checks = _model_free(test_request_limits.test_every_rule_at_its_boundaries)
+recompute_checks = regressions.test_logprobs_are_bitwise_after_a_preemption_mid_decode
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -206,6 +208,16 @@ MUTANTS = [
         'lambda x: 0 < x <= 1, "in (0, 1]"',
         'lambda x: x <= 1, "in (0, 1]"',
         request_rule_checks,
+    ),
+    (
+        # What a recompute after preemption met before decodes and chunk rows attended in one order:
+        # logprobs ~1e-6 off the solo run's, inside any tolerance, caught only bit for bit.
+        "steps of more than one token attend in another summation order than decodes (the torch path)",
+        _module(native_attention),
+        "takes",
+        "and q.shape[1] % k_cache.shape[2] == 0",
+        "and q.shape[1] % k_cache.shape[2] == 0 and q.shape[0] == 1",
+        recompute_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)

@@ -3,15 +3,14 @@
 While paused it takes no steps and, when the pool runs dry, it is the first preempted: its blocks go
 back to the pool and its full blocks stay in the prefix cache, so the resume recomputes from a
 cache hit. Whatever happened meanwhile, its tokens must equal those of the same request alone on a
-fresh engine (DESIGN.md, "a request's output is its own"), and its logprobs too within the
-differential harness's tolerance. Each schedule below pauses the compared requests while neighbours
-fill a small pool, so the pause is also a preemption, some of it while the request was still in its
-prompt.
+fresh engine (DESIGN.md, "a request's output is its own"), and its logprobs bit for bit. Each
+schedule below pauses the compared requests while neighbours fill a small pool, so the pause is also
+a preemption, some of it while the request was still in its prompt.
 
-Measured: without preemption (a pool that holds everyone) a paused and resumed request's logprobs are
-bit-equal to the solo run's; after a preemption they are about 1e-6 off (the same with prefix caching
-off): the output tokens computed one by one as decodes in the solo run are recomputed as one prefill
-chunk, whose arithmetic order differs. That is recompute's, not the pause's."""
+The resume recomputes the output tokens that the solo run computed one by one as decodes as rows of
+one prefill chunk: bitwise equality needs the attention kernel to sum a decode and a chunk's row in
+the same order (kernels/cpu/native/paged_attention.c). Before it did, the logprobs were about 1e-6
+off after a preemption (also with prefix caching off)."""
 
 from __future__ import annotations
 
@@ -95,6 +94,6 @@ def test_paused_and_preempted_requests_equal_their_solo_runs(tiny_llama, seed):
     for rid, (prompt, params) in compared.items():
         ref = solo(factory, prompt, params)
         assert assert_same_as_solo(rid, results[rid], ref, params) is None
-        # Tokens exactly; logprobs within the differential harness's tolerance: a recompute after
-        # preemption gives logprobs about 1e-6 off the solo run's (also without any pause).
         assert results[rid].outputs[0].tokens == ref.outputs[0].tokens, rid
+        got_lp = [lp.logprob for lp in results[rid].outputs[0].logprobs]
+        assert got_lp == [lp.logprob for lp in ref.outputs[0].logprobs], f"{rid}: logprobs not bitwise"

@@ -54,6 +54,16 @@ def library(isa: str | None = None):
     return fn
 
 
+def work_list_builds(isa: str | None = None) -> int:
+    """How many times the calling thread's kernel built a step's work list. The kernel keeps it,
+    with the metadata it was built from, in buffers reused across steps: a step's first layer builds
+    it, the others (the same metadata) reuse it (``kernels/cpu/native/paged_attention.c``)."""
+    lib = native_build.load_or_none("paged_attention", isa)
+    builds = lib.llmserve_paged_attention_work_list_builds
+    builds.restype, builds.argtypes = ctypes.c_int64, []
+    return int(builds())
+
+
 def prepare() -> str:
     """Build and load the kernel now (not in the first forward pass); says which path runs."""
     if os.environ.get("LLMSERVE_NATIVE_ATTENTION") == "0":
@@ -97,10 +107,7 @@ class _Checked:
 
 def _version(t: torch.Tensor) -> int | None:
     """In-place changes bump it (checked again); inference tensors keep none (identity alone)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
+    return None if t.is_inference() else t._version
 
 
 _checked = _Checked()

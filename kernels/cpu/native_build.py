@@ -5,7 +5,13 @@ The instruction set is chosen at run time from what this CPU reports: ``avx512``
 ``avx2`` (x86-64-v3: AVX2 + FMA) or ``generic`` (the compiler's baseline, any architecture).
 ``LLMSERVE_CPU_ISA`` forces one (for tests and comparisons); one the CPU lacks is refused.
 No compiler, or a failed build, is not an error: callers fall back to the torch path, and the
-reason is logged once.
+reason is logged once per process (one warning naming the compiler and its error; a further kernel
+failing with the same compiler and instruction set only at debug level), whatever the number of
+layers and calls: each library is looked up once, then remembered, failure included.
+
+An installed (non-editable) package carries the sources (``*.c`` and ``*.h``, pyproject's
+package-data): the first use builds them into the cache exactly as ``make install``'s
+``python -m kernels.cpu.native_build`` does, under the same name (the key hashes source and flags).
 """
 
 from __future__ import annotations
@@ -130,17 +136,42 @@ def load(name: str, isa: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(name, isa)))
 
 
-@functools.cache
 def load_or_none(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     """The library for ``isa`` (default: the chosen one), or None with the reason logged once."""
-    isa = isa or chosen_isa()
+    return _load_or_none(name, isa or chosen_isa())
+
+
+# (compiler, isa) whose failure was already reported as a warning.
+_reported: set[tuple[str, str]] = set()
+
+
+@functools.cache
+def _load_or_none(name: str, isa: str) -> ctypes.CDLL | None:
     try:
         lib = load(name, isa)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        log.warning("native kernel %s (%s) unavailable, using the torch path: %s", name, isa, e)
+        cc = compiler() or "none found"
+        if (cc, isa) in _reported:
+            log.debug("native kernel %s (%s) not built either, torch path: %s", name, isa, e)
+        else:
+            _reported.add((cc, isa))
+            log.warning(
+                "native kernels (%s) not built with compiler %s: %s; the torch path runs instead "
+                "(further kernels failing with this compiler are logged at debug level)",
+                isa,
+                cc,
+                e,
+            )
         return None
     log.info("native kernel %s: %s", name, isa)
     return lib
+
+
+def forget_loads() -> None:
+    """Look every library up again (tests that change the compiler or the cache)."""
+    _load_or_none.cache_clear()
+    load.cache_clear()
+    _reported.clear()
 
 
 if __name__ == "__main__":  # make install: build for every instruction set this CPU runs

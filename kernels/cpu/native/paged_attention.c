@@ -14,10 +14,11 @@
  * chunk's tile holds 2W query vectors (its rows times those heads, in order) in the lanes of two
  * vectors: q . k at a position is head_dim multiply-adds of the transposed queries by the K row's
  * broadcast values, with no horizontal sums, and the same for the output over V.
- * Every vector's result is computed by the same code in the same order whatever else is in its
- * group, tile, step or thread, so a row's output depends only on its query and its context: the
- * same alone or in a batch, and in any split of its chunk into chunks of two rows or more (a
- * decode and a chunk's row sum the same terms in another order: equal within rounding).
+ * Every vector's result is computed in the same order whatever else is in its group, tile, step
+ * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums), so a
+ * row's output depends only on its query and its context: the same bits alone or in a batch, in
+ * any split of its chunk, and as the decode of its position (what a recompute after preemption
+ * meets: tokens decoded one by one come back as rows of one chunk).
  *
  * OpenMP threads are torch's own: torch's wheel loads libgomp.so.1 first, and this library's
  * reference to that soname binds to it, so there is one thread pool. */
@@ -25,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "fast_exp.h"
 
@@ -281,6 +283,68 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
     for (; v < rep; ++v) decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, 1, D);
 }
 
+/* Positions whose scores one pass over the tile's queries computes: each query vector loaded
+ * feeds all of them (2 measured faster than 1 and 4). */
+#define TILE_POSITIONS 2
+
+/* A tile's T vectors of query lanes at TILE_POSITIONS positions. */
+typedef struct {
+    vf v[TILE_POSITIONS][T];
+} tile_part;
+
+INLINE tile_part tile_add(tile_part x, tile_part y) {
+    for (int p = 0; p < TILE_POSITIONS; ++p)
+        for (int t = 0; t < T; ++t) x.v[p][t] += y.v[p][t];
+    return x;
+}
+
+/* For lanes l and l + W/2 of d: dot_lanes' two chains over d's vectors (even and odd), added,
+ * then the two lanes added: the first level of hsum4's tree, for the K rows k + p * ps. */
+INLINE tile_part tile_first_level(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, int l,
+                                  const int D) {
+    const int nv = D / W;
+    tile_part out;
+    for (int p = 0; p < TILE_POSITIONS; ++p) {
+        const float *kp = k + p * ps;
+        vf lane[2][T];
+        for (int u = 0; u < 2; ++u) {
+            const int d = l + u * (W / 2);
+            for (int t = 0; t < T; ++t) {
+                vf even = qt[d][t] * kp[d], odd = (vf){0};
+                for (int c = 1; c < nv; c += 2) {
+                    odd += qt[c * W + d][t] * kp[c * W + d];
+                    if (c + 1 < nv) even += qt[(c + 1) * W + d][t] * kp[(c + 1) * W + d];
+                }
+                lane[u][t] = even + odd;
+            }
+        }
+        for (int t = 0; t < T; ++t) out.v[p][t] = lane[0][t] + lane[1][t];
+    }
+    return out;
+}
+
+/* The scores of a tile's query lanes at TILE_POSITIONS K rows from k (ps apart): each lane's
+ * q . k summed in the order a decode of that query sums it (dot_lanes, then hsum4's tree: lane l
+ * with l + W/2, then l + W/4, ...), so that a query's scores are the same bits whether its token
+ * is a decode or a row of a chunk. The tree's levels are written out (not a loop over an array of
+ * partial sums) so that few partial sums are alive at once and they stay in registers. */
+INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, const int D) {
+#define L1(l) tile_first_level(qt, k, ps, (l), D)
+#if W == 16
+#define L2(i) tile_add(L1(i), L1((i) + 4))
+#define L3(i) tile_add(L2(i), L2((i) + 2))
+    return tile_add(L3(0), L3(1));
+#elif W == 8
+#define L2(i) tile_add(L1(i), L1((i) + 2))
+    return tile_add(L2(0), L2(1));
+#else
+    return tile_add(L1(0), L1(1));
+#endif
+#undef L1
+#undef L2
+#undef L3
+}
+
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -315,50 +379,45 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         const int p0 = blk * bs;
         const int n = longest - p0 < bs ? longest - p0 : bs;
         int p = 0;
-        for (; p + 4 <= n; p += 4) {
-            const float *k0 = kb + p * ps, *k1 = k0 + ps, *k2 = k1 + ps, *k3 = k2 + ps;
-            vf s[4][T];
-            for (int j = 0; j < 4; ++j)
-                for (int t = 0; t < T; ++t) s[j][t] = (vf){0};
-            for (int d = 0; d < D; ++d)
+        for (; p + TILE_POSITIONS <= n; p += TILE_POSITIONS) {
+            const tile_part s = tile_scores_at(qt, kb + p * ps, ps, D);
+            for (int j = 0; j < TILE_POSITIONS; ++j)
                 for (int t = 0; t < T; ++t) {
-                    const vf qd = qt[d][t];
-                    s[0][t] += qd * k0[d];
-                    s[1][t] += qd * k1[d];
-                    s[2][t] += qd * k2[d];
-                    s[3][t] += qd * k3[d];
-                }
-            for (int j = 0; j < 4; ++j)
-                for (int t = 0; t < T; ++t) {
-                    const vf x = select_v(p0 + p + j < limit[t], s[j][t] * a->scale, neg_inf);
+                    const vf x = select_v(p0 + p + j < limit[t], s.v[j][t] * a->scale, neg_inf);
                     st[(p0 + p + j) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
         }
-        for (; p < n; ++p) {
-            const float *k0 = kb + p * ps;
-            vf s0[T];
-            for (int t = 0; t < T; ++t) s0[t] = (vf){0};
-            for (int d = 0; d < D; ++d)
-                for (int t = 0; t < T; ++t) s0[t] += qt[d][t] * k0[d];
+        for (; p < n; ++p) { /* the block's last positions: each one pass (ps 0: the same row again) */
+            const tile_part s = tile_scores_at(qt, kb + p * ps, 0, D);
             for (int t = 0; t < T; ++t) {
-                const vf x = select_v(p0 + p < limit[t], s0[t] * a->scale, neg_inf);
+                const vf x = select_v(p0 + p < limit[t], s.v[0][t] * a->scale, neg_inf);
                 st[(p0 + p) * T + t] = x;
                 m[t] = select_v(x > m[t], x, m[t]);
             }
         }
     }
-    /* softmax numerators, lane by lane; a masked position's is exactly 0 */
-    vf sum[T];
-    for (int t = 0; t < T; ++t) sum[t] = (vf){0};
-    for (int p = 0; p < longest; ++p)
-        for (int t = 0; t < T; ++t) {
-            float e[W];
-            for (int l = 0; l < W; ++l) e[l] = exp_nonpositive(st[p * T + t][l] - m[t][l]);
-            const vf x = select_v(p < limit[t], loadv(e), (vf){0});
-            st[p * T + t] = x;
-            sum[t] += x;
+    /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
+     * softmax_numerators' order: W partial sums, position p into the (p % W)-th, then halved. */
+    vf part[W][T];
+    for (int l = 0; l < W; ++l)
+        for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
+    for (int p0 = 0; p0 < longest; p0 += W)
+        for (int l = 0; l < W && p0 + l < longest; ++l) {
+            const int p = p0 + l;
+            for (int t = 0; t < T; ++t) {
+                float e[W];
+                for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(st[p * T + t][j] - m[t][j]);
+                const vf x = select_v(p < limit[t], loadv(e), (vf){0});
+                st[p * T + t] = x;
+                part[l][t] += x;
+            }
         }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    vf sum[T];
+    for (int t = 0; t < T; ++t) sum[t] = part[0][t];
     /* the output, PV_ELEMS elements of every vector at a time (accumulators in half the registers) */
     for (int dc = 0; dc < D; dc += PV_ELEMS) {
         vf acc[PV_ELEMS][T];
@@ -384,6 +443,79 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
     }
 }
 
+/* The step's work list: items (sequence, KV head, first query vector of its tile), three int32
+ * each, in a fixed order, and the longest context. Every layer of a step passes the same metadata,
+ * so the list is built for the first layer's call and reused by the others: it is kept per thread
+ * with a copy of the metadata it was built from (query_start_loc and seq_lens, compared by content:
+ * a new step's arrays may sit at the old addresses), in buffers reused across steps and grown when
+ * a step needs more. The calling thread's: two threads calling at once never share one. */
+typedef struct {
+    int32_t *items, *meta;
+    int64_t items_cap, meta_cap, num_items, builds;
+    int32_t num_seqs, num_heads, num_kv_heads, longest;
+} WorkList;
+
+static _Thread_local WorkList work_list = {.num_seqs = -1};
+
+/* This thread's work list for the metadata, built if it differs from the last call's; NULL when
+ * memory ran out. */
+static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *query_start_loc,
+                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads) {
+    WorkList *w = &work_list;
+    const size_t meta_bytes = sizeof(int32_t) * (2 * (size_t)num_seqs + 1);
+    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads &&
+        !memcmp(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1)) &&
+        !memcmp(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs))
+        return w;
+    const int rep = num_heads / num_kv_heads;
+    int64_t num_items = 0;
+    int32_t longest = 1;
+    for (int b = 0; b < num_seqs; ++b) {
+        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+        const int tiles = q_len == 1 ? 1 : (q_len * rep + TILE - 1) / TILE;
+        num_items += (int64_t)num_kv_heads * tiles;
+        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    }
+    w->num_seqs = -1; /* not valid until built */
+    if (num_items > w->items_cap) {
+        const int64_t cap = num_items > 2 * w->items_cap ? num_items : 2 * w->items_cap;
+        int32_t *grown = realloc(w->items, sizeof(int32_t) * 3 * (size_t)cap);
+        if (!grown) return NULL;
+        w->items = grown;
+        w->items_cap = cap;
+    }
+    if ((int64_t)meta_bytes > w->meta_cap) {
+        int32_t *grown = realloc(w->meta, 2 * meta_bytes);
+        if (!grown) return NULL;
+        w->meta = grown;
+        w->meta_cap = (int64_t)(2 * meta_bytes);
+    }
+    int64_t n = 0;
+    for (int b = 0; b < num_seqs; ++b) {
+        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+        const int step = q_len == 1 ? rep : TILE;
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int v0 = 0; v0 < q_len * rep; v0 += step) {
+                w->items[3 * n] = b;
+                w->items[3 * n + 1] = h;
+                w->items[3 * n + 2] = v0;
+                ++n;
+            }
+    }
+    memcpy(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1));
+    memcpy(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs);
+    w->num_items = num_items;
+    w->longest = longest;
+    w->builds += 1;
+    w->num_heads = num_heads;
+    w->num_kv_heads = num_kv_heads;
+    w->num_seqs = num_seqs;
+    return w;
+}
+
+/* How many times this thread built a work list (tests count them). */
+int64_t llmserve_paged_attention_work_list_builds(void) { return work_list.builds; }
+
 /* Attention for every sequence of the batch (one with no queries this step has no work).
  * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
  * when memory ran out. */
@@ -399,29 +531,10 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
                     block_size, scale, out};
     const int rep = num_heads / num_kv_heads;
-    /* Work items, in a fixed order: (sequence, KV head, first query vector of its tile). */
-    int64_t num_items = 0;
-    int32_t longest = 1;
-    for (int b = 0; b < num_seqs; ++b) {
-        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        const int tiles = q_len == 1 ? 1 : (q_len * rep + TILE - 1) / TILE;
-        num_items += (int64_t)num_kv_heads * tiles;
-        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    }
-    int32_t *items = malloc(sizeof(int32_t) * 3 * (num_items ? num_items : 1));
-    if (!items) return -2;
-    int64_t n = 0;
-    for (int b = 0; b < num_seqs; ++b) {
-        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        const int step = q_len == 1 ? rep : TILE;
-        for (int h = 0; h < num_kv_heads; ++h)
-            for (int v0 = 0; v0 < q_len * rep; v0 += step) {
-                items[3 * n] = b;
-                items[3 * n + 1] = h;
-                items[3 * n + 2] = v0;
-                ++n;
-            }
-    }
+    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
+    if (!w) return -2;
+    const int32_t *items = w->items, longest = w->longest;
+    const int64_t num_items = w->num_items;
     int failed = 0;
     const size_t scratch = sizeof(float) * (size_t)(rep > TILE ? rep : TILE) * (size_t)longest;
 #pragma omp parallel num_threads(num_threads)
@@ -452,6 +565,5 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
         }
         free(scores);
     }
-    free(items);
     return failed ? -2 : 0;
 }
