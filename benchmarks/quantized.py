@@ -9,6 +9,12 @@ wall time of the whole request (prefill + decode). llama.cpp runs in its own ven
 
     python -m benchmarks.quantized [--model models/default] [--rounds 2] [--tokens 128]
         [--systems ours:auto,ours:float32,ours:bfloat16,llamacpp]
+
+``--batched`` runs every prompt at once instead: ours in one ``generate`` call, llama.cpp through
+its C API with all sequences in one unified KV cache (``llamacpp_peer.py``); ``--tokens-range
+32,256`` spreads the output lengths evenly over the prompts. ``--llamacpp-flash-attn`` and
+``--llamacpp-n-batch`` set llama.cpp's batched step. The Q8_0 file of the same weights comes from
+``python -m benchmarks.requantize_gguf models/default --type Q8_0`` (pass it as ``--model``).
 """
 
 from __future__ import annotations
@@ -40,21 +46,29 @@ def prompt_ids(tokenizer, count: int, length: int) -> list[list[int]]:
     return [list(ids[(i * step) % (len(ids) - length) :][:length]) for i in range(count)]
 
 
+def _has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 class LlamaCpp:
     """llama.cpp's Python binding in its own venv, one model held across rounds."""
 
-    name = "llama.cpp"
-
-    def __init__(self, model: Path, threads: int):
+    def __init__(self, model: Path, threads: int, repack: bool, batched: bool = False, **batch_options):
         if not LLAMACPP_PYTHON.exists():
             raise FileNotFoundError(f"{LLAMACPP_PYTHON} missing: run `make bench-peer`")
+        self.batched, self.batch_options = batched, batch_options
         self.proc = subprocess.Popen(
             [str(LLAMACPP_PYTHON), str(ROOT / "benchmarks" / "llamacpp_peer.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        self._send({"model": str(model), "threads": threads, "n_ctx": 1024})
+        self.repack = repack
+        self._send({"model": str(model), "threads": threads, "n_ctx": 1024, "repack": repack})
+        self.name = "llama.cpp" + (" batched" if batched else "")
         self.version = self._recv(timeout_s=600)["version"]
 
     def _send(self, obj) -> None:
@@ -68,7 +82,10 @@ class LlamaCpp:
         return json.loads(line)
 
     def run(self, prompts, max_tokens):
-        self._send({"prompts": prompts, "max_tokens": max_tokens})
+        job = {"prompts": prompts, "max_tokens": max_tokens}
+        if self.batched:
+            job.update(batched=True, **self.batch_options)
+        self._send(job)
         r = self._recv(timeout_s=1800)
         return r["outputs"], r["total_s"]
 
@@ -88,13 +105,14 @@ class Ours:
     def run(self, prompts, max_tokens):
         from engine_svc.sampling_params import SamplingParams
 
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+        sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in limits]
         if self.batched:  # every prompt in one generate call: the engine batches them
             start = time.perf_counter()
-            rs = self.llm.generate(prompts, sp, use_tqdm=False)
+            rs = self.llm.generate(prompts, sps, use_tqdm=False)
             return [list(r.outputs[0].token_ids) for r in rs], [time.perf_counter() - start]
         outs, times = [], []
-        for p in prompts:
+        for p, sp in zip(prompts, sps, strict=True):
             start = time.perf_counter()
             (r,) = self.llm.generate([p], sp, use_tqdm=False)
             times.append(time.perf_counter() - start)
@@ -114,7 +132,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batched", action="store_true", help="our systems only: all prompts in one batch")
+    ap.add_argument(
+        "--batched", action="store_true", help="all prompts at once (llama.cpp: one unified KV cache)"
+    )
+    ap.add_argument(
+        "--tokens-range", default=None, help="A,B: output lengths spread from A to B over the prompts"
+    )
+    ap.add_argument("--llamacpp-n-batch", type=int, default=512)
+    ap.add_argument("--llamacpp-flash-attn", action="store_true")
+    ap.add_argument(
+        "--llamacpp-repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama.cpp's weight repacking; auto: off on a CPU with AMX, where 0.3.36 crashes with it",
+    )
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     import torch
@@ -124,28 +155,36 @@ def main(argv=None) -> dict:
     systems = []
     for s in args.systems.split(","):
         if s == "llamacpp":
-            systems.append(LlamaCpp(where.gguf, args.threads))
+            options = dict(n_batch=args.llamacpp_n_batch, flash_attn=args.llamacpp_flash_attn)
+            repack = {"on": True, "off": False}.get(args.llamacpp_repack, not _has_amx())
+            systems.append(LlamaCpp(where.gguf, args.threads, repack, batched=args.batched, **options))
         else:
             dtype = s.split(":", 1)[1]
             model = where.gguf if where.is_gguf else where.root
             systems.append(Ours(model, None if dtype == "auto" else dtype, batched=args.batched))
     tok = next(s for s in systems if isinstance(s, Ours)).llm.get_tokenizer()
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
+    limits = args.tokens
+    if args.tokens_range:
+        lo, hi = (int(x) for x in args.tokens_range.split(","))
+        n = len(prompts)
+        limits = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
     for s in systems:  # warm-up: builds, caches, first-shape costs
         s.run(prompts[:1], 8)
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):  # A B C A B C: every system sees the same machine load
         for s in systems:
-            outs, times = s.run(prompts, args.tokens)
+            outs, times = s.run(prompts, limits)
             rates[s.name].append(sum(len(o) for o in outs) / sum(times))
             tokens[s.name] = outs
             print(f"{s.name}: {rates[s.name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     for s in systems:
         s.close()
     result = {"rates_tok_s": rates, "median_tok_s": {k: statistics.median(v) for k, v in rates.items()}}
+    result["llamacpp_repack"] = next((s.repack for s in systems if isinstance(s, LlamaCpp)), None)
     names = list(rates)
-    base = "llama.cpp" if "llama.cpp" in rates else names[-1]
+    base = next((n for n in names if n.startswith("llama.cpp")), names[-1])
     result["ratio_vs_" + base] = {k: result["median_tok_s"][k] / result["median_tok_s"][base] for k in names}
     # Per round ratios (the same round's load for both): the honest spread.
     result["round_ratios_vs_" + base] = {
