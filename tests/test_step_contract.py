@@ -41,7 +41,8 @@ def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Request:
 
 
 def fake_result(out, token=7) -> StepResult:
-    """``token`` for every sample row (row r gets token + r when sampling n at a fork)."""
+    """``token`` for every sample row (row r gets token + r when sampling n at a fork); no drafts
+    (``with_drafts`` adds a real proposer's)."""
     layout = out.layout
     tokens = []
     for fan in layout.fans:
@@ -51,6 +52,12 @@ def fake_result(out, token=7) -> StepResult:
         for c in layout.prompt_chunks
     ]
     return StepResult(tokens, [None] * len(tokens), plps)
+
+
+def with_drafts(result: StepResult, out, proposer) -> StepResult:
+    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them."""
+    result.drafts = proposer.propose(out, result.token_ids, None)
+    return result
 
 
 def step(sched, token=7):
