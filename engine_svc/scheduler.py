@@ -321,7 +321,8 @@ class Scheduler:
         holders: dict[int, int] = {}
         for seq, table in self.kv.holders():
             assert id(seq) in queued, f"sequence {seq.seq_id} holds blocks but is in no queue"
-            need = len(seq.token_ids) + len(seq.spec_token_ids)
+            # Only a draft model's drafts keep slots past the next token (their K/V is written).
+            need = len(seq.token_ids) + (len(seq.spec_token_ids) if self.num_lookahead else 0)
             assert len(table) <= cdiv(need, bs), (
                 f"sequence {seq.seq_id} holds {len(table)} blocks for {need} tokens and drafts"
             )

@@ -140,9 +140,25 @@ MUTANTS = [
     (
         "speculation keeps a rejected draft's lookahead blocks until the sequence ends",
         Scheduler,
-        "update_from_output",
-        "kv.trim(seq)",
+        "_keep_drafts",
+        "kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)",
         "pass",
+        speculation_checks,
+    ),
+    (
+        "the drafts the runner returns in the step result are dropped by the update",
+        Scheduler,
+        "_keep_drafts",
+        "seq.spec_token_ids = proposed.get(seq.seq_id) or []",
+        "seq.spec_token_ids = []",
+        speculation_checks,
+    ),
+    (
+        "the drafts a sequence holds are never scheduled for verification",
+        Scheduler,
+        "_speculate",
+        "draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None",
+        "draft = None",
         speculation_checks,
     ),
     (

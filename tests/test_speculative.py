@@ -27,9 +27,9 @@ from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.scheduler import Scheduler
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.ngram import NgramIndex
+from engine_svc.spec_decode.proposer import NgramProposer
 from tests.differential import Result, assert_same_as_solo, drive, solo_params
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
-from engine_svc.spec_decode.proposer import NgramProposer
 from tests.test_step_contract import add, fake_result, with_drafts
 
 # Not adaptive: these tests count drafts, which must not depend on the machine's timing.
