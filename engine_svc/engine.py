@@ -37,6 +37,7 @@ from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.draft_model import DraftModelProposer
+from engine_svc.spec_decode.proposer import NgramProposer, Proposer
 from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class LLMEngine:
             config.block_size,
             cdiv(self.max_model_len, config.block_size),
             self.tp_group.broadcast if self.tp_group else None,
-            proposer=self._draft_proposer(num_blocks) if self.draft_spec is not None else None,
+            proposer=self._proposer(num_blocks),
             grammar_executor=self.grammars.executor if self.grammars is not None else None,
             lora=self.lora,
             lora_in_use=self.scheduler.running_adapters if self.lora is not None else None,
@@ -188,8 +189,13 @@ class LLMEngine:
             )
         return draft
 
-    def _draft_proposer(self, num_blocks: int) -> DraftModelProposer:
-        """The draft model, and its KV cache: the target's blocks, in tensors of its own shape."""
+    def _proposer(self, num_blocks: int) -> Proposer | None:
+        """What drafts after each step: n-gram lookup, or the draft model and its KV cache (the
+        target's blocks, in tensors of its own shape)."""
+        if self.speculative is None:
+            return None
+        if self.draft_spec is None:
+            return NgramProposer(self.speculative)
         c = self.config
         draft_config = replace(c, model=self.speculative.model, speculative_config=None)
         shard = Shard(0, 1)

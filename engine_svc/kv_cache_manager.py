@@ -195,9 +195,10 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i], block_tokens, parent, salt_h)
         self.registered[seq] = full
 
-    def trim(self, seq: Sequence) -> None:
-        """Release the blocks past the next token's slot: lookahead slots of rejected drafts."""
-        keep = cdiv(len(seq.token_ids), self.block_size)
+    def trim(self, seq: Sequence, extra: int = 0) -> None:
+        """Release the blocks past the next token's slot (and ``extra`` slots after it): lookahead
+        slots of rejected drafts, and those that no proposal still needs."""
+        keep = cdiv(len(seq.token_ids) + extra, self.block_size)
         table = self.tables.get(seq, _NO_BLOCKS)
         if len(table) > keep:
             self.pool.release(list(reversed(table[keep:])))

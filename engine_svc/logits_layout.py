@@ -11,7 +11,7 @@ nobody re-derives it: all sample rows come first, then the prompt-logprob rows, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -94,3 +94,6 @@ class StepResult:
     token_ids: list[int]  # one per sample row
     logprobs: list[TokenLogprob | None]  # one per sample row
     prompt_logprobs: list[list[TokenLogprob]]  # one list per ``layout.prompt_chunks`` entry
+    # seq_id -> the proposer's drafts of what follows this step's tokens (``out.propose``'s
+    # sequences): the scheduler keeps them on the sequence, and the next step may verify them.
+    drafts: dict[int, list[int]] = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """Turns a scheduler decision into one forward pass: flattened input ids, positions, slot mapping
 and block tables; runs the model; samples, and computes the prompt logprobs asked for, in the rows
-of the step's ``LogitsLayout``.
+of the step's ``LogitsLayout``; then, with speculative decoding, the proposer drafts what follows
+the sampled tokens, and the drafts go back in the step's result for the next step to verify.
 
 Block tables and sampling parameters come from the persistent ``InputBatch`` (gathered by row);
 only what changes every step (token ids, positions) is read from the sequences. A step where every
@@ -19,7 +20,7 @@ from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import Sequence, noise_key
-from engine_svc.step_inputs import StepInputs, to_device
+from engine_svc.step_inputs import StepInputs, decode_inputs, paged_inputs, to_device
 from kernels.backend import Kernels
 
 
@@ -42,7 +43,7 @@ class ModelForward:
 
     @torch.inference_mode()
     def __call__(self, inputs: StepInputs) -> torch.Tensor | None:
-        self._copy_blocks(inputs.copies)
+        self.copy_blocks(inputs.copies)
         dev = self.device
         if self.lora_step is not None:  # the wrapped projections read the step's adapter mapping
             self.lora_step.batch = inputs.lora
@@ -64,7 +65,7 @@ class ModelForward:
             return self.model.compute_logits(hidden)  # every token in order (all decodes): no gather
         return self.model.compute_logits(hidden[to_device(rows, dev)])
 
-    def _copy_blocks(self, copies: np.ndarray) -> None:
+    def copy_blocks(self, copies: np.ndarray) -> None:
         if not len(copies):
             return
         src = to_device(np.ascontiguousarray(copies[:, 0]), self.device)
@@ -86,7 +87,7 @@ class ModelRunner:
         lora_in_use=None,
     ):
         self.forward = forward
-        self.proposer = proposer  # spec_decode.draft_model.DraftModelProposer, with a draft model
+        self.proposer = proposer  # spec_decode.proposer.Proposer, with speculative decoding
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
         self.sampler = Sampler()
@@ -99,13 +100,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
-        ``out.layout``, which is the only place that says what each logits row is for. The input
-        batch follows the KV changes ``out`` carries first, even when nothing is scheduled."""
+        ``out.layout``, which is the only place that says what each logits row is for; then draft
+        (``out.propose``). The input batch follows the KV changes ``out`` carries first, even when
+        nothing is scheduled."""
         self.batch.apply(out.updates, out.released)
         if not out.seqs:
             return StepResult([], [], [])
-        if self.proposer is not None:  # drafts before the target's forward, which verifies them
-            self.proposer.propose(out, self.batch)
         inputs = self.build_inputs(out)
         logits = self._forward(inputs)
         layout = out.layout
@@ -121,7 +121,10 @@ class ModelRunner:
             )
             for c in layout.prompt_chunks
         ]
-        return StepResult(tokens, logprobs, plps)
+        result = StepResult(tokens, logprobs, plps)
+        if self.proposer is not None:  # after sampling: what follows the tokens just sampled
+            result.drafts = self.proposer.propose(out, tokens, self.batch)
+        return result
 
     def build_inputs(self, out: SchedulerOutput) -> StepInputs:
         if out.only_decodes:
@@ -137,58 +140,29 @@ class ModelRunner:
     def decode_inputs(self, seqs: list[Sequence], copies: np.ndarray) -> StepInputs:
         """The short path, for a step where every sequence computes its last token and samples its
         next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
-        bs, count = self.block_size, len(seqs)
-        rows = np.array(self.batch.rows(seqs), dtype=np.int64)
         positions = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
         input_ids = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
-        tables = self.batch.gather_tables(rows)
-        slots = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (positions + 1).astype(np.int32)
-        return StepInputs(
-            input_ids,
-            positions,
-            slots,
-            tables,
-            seq_lens,
-            np.arange(count + 1, dtype=np.int32),
-            np.arange(count, dtype=np.int64),
-            copies,
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-        )
+        return decode_inputs(self.batch, self.block_size, seqs, input_ids, positions, copies)
 
     def general_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
-        bs = self.block_size
         ids: list[int] = []
-        positions: list[int] = []
-        query_start, seq_lens = [0], []
+        starts = []
         drafts = out.drafts
         for seq, n in zip(out.seqs, out.num_new, strict=True):
             c = seq.num_computed_tokens
-            end = c + n
-            ids.extend(seq.token_ids[c:end])
+            ids.extend(seq.token_ids[c : c + n])
             if drafts and seq in drafts:
                 ids.extend(drafts[seq])  # verified in this step: positions after the last token
-            positions.extend(range(c, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-        rows = np.array(self.batch.rows(out.seqs), dtype=np.int64)
-        num_new = np.array(out.num_new, dtype=np.int64)
-        pos = np.array(positions, dtype=np.int64)
-        tables = self.batch.gather_tables(rows)
-        token_rows = np.repeat(np.arange(len(rows)), num_new)
-        slots = tables[token_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        return StepInputs(
+            starts.append(c)
+        return paged_inputs(
+            self.batch,
+            self.block_size,
+            out.seqs,
             np.array(ids, dtype=np.int64),
-            pos,
-            slots,
-            tables,
-            np.array(seq_lens, dtype=np.int32),
-            np.array(query_start, dtype=np.int32),
+            np.array(starts, dtype=np.int64),
+            np.array(out.num_new, dtype=np.int64),
             out.layout.token_rows,
             copies,
-            max_query_len=int(num_new.max()),
-            max_seq_len=max(seq_lens),
         )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:

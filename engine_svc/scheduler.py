@@ -9,8 +9,9 @@ the front of the waiting queue, to be recomputed later (cheaply, from the prefix
 
 ``update_from_output()``: everything that follows a forward pass — advance the counters, publish
 full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``
-requests, apply the one stop rule, free what finished — and the deltas to send. Nothing else touches
-the queues, so the scheduler can be driven by fake step results in tests, with no model at all.
+requests, apply the one stop rule, free what finished, keep the proposer's drafts on their sequences
+for the next ``schedule()`` to verify — and the deltas to send. Nothing else touches the queues, so
+the scheduler can be driven by fake step results in tests, with no model at all.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from engine_svc.request_queue import priority_key as _priority_key
 from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
+from engine_svc.spec_decode.acceptance import num_accepted
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.governor import SpeculationGovernor
-from engine_svc.spec_decode.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class Scheduler:
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.draft_model = self.spec is not None and self.spec.method == "draft_model"
         self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
+        # Slots past a step's tokens that its proposer writes K/V into (a draft model drafts there,
+        # n-gram lookup writes nothing): allocated with the step, like vLLM's lookahead tokens.
+        self.num_lookahead = self.spec.num_speculative_tokens if self.draft_model else 0
         self.num_drafted = self.num_accepted = 0
         # Distinct LoRA adapters the running sequences may use: one device slot each.
         self.max_loras = config.max_loras if config.enable_lora else 0
@@ -75,9 +79,11 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        """Its blocks go back to the pool; what it had computed is gone with them."""
+        """Its blocks go back to the pool; what it had computed is gone with them (and its drafts,
+        whose K/V a draft model wrote in those blocks)."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
 
     def abort(self, request: Request, indexes) -> None:
         """End outputs ``indexes`` of ``request`` (no delta). Before an ``n > 1`` request forks, its
@@ -105,9 +111,11 @@ class Scheduler:
         running, allocate = self.running, self.kv.allocate
         add_seq, add_num = out.seqs.append, out.num_new.append
         out.num_running = len(running)
-        speculate = self.spec is not None and len(running) <= self.spec.max_batch
-        if speculate and self.governor is not None:
-            speculate = self.governor.allow(len(running))
+        # Drafts proposed after the last step are verified while the batch is small enough; whether
+        # to draft after this one is the governor's call (so that its exploring steps draft, and
+        # the next verifies).
+        verify = self.spec is not None and len(running) <= self.spec.max_batch
+        propose = verify and (self.governor is None or self.governor.allow(len(running)))
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.request.paused:
@@ -116,14 +124,11 @@ class Scheduler:
             num_tokens = len(seq.token_ids)
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
-            if remaining != 1 or num_tokens == seq.request.num_prompt_tokens:
+            decoding = remaining == 1 and num_tokens != seq.request.num_prompt_tokens
+            if not decoding:
                 out.only_decodes = out.all_decoding = False
-            elif speculate and budget > 1 and seq.request.can_speculate:
-                draft = self._draft(seq, budget - 1)
-                if draft and allocate(seq, 1 + len(draft)):
-                    out.drafts[seq] = draft
-                    num_new = 1 + len(draft)
-                    out.only_decodes = False
+            if verify and num_new == remaining and self._drafting(seq):
+                num_new = self._speculate(seq, out, num_new, budget if decoding else 0, propose)
             while not allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
@@ -138,7 +143,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget = self._admit(out, budget)
+            budget = self._admit(out, budget, propose)
         if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
             out.all_decoding = False
         out.layout = (
@@ -152,26 +157,36 @@ class Scheduler:
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         return out
 
-    def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Up to k proposed next tokens for a decoding sequence; none once its drafts stop paying.
-        With a draft model, k places that the engine's proposer fills before the forward."""
+    def _drafting(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still speculates: it may, and its drafts have not stopped paying."""
         spec = self.spec
-        if seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted:
-            return []
-        # Never past max_tokens: the last draft's successor is the bonus token.
-        k = min(spec.num_speculative_tokens, room, seq.request.length_limit - len(seq.token_ids) - 1)
-        if k <= 0:
-            return []
-        if self.draft_model:
-            return [0] * k
-        if seq.ngram is None:
-            seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        draft = seq.ngram.propose(seq.token_ids, k)
-        if draft and seq.matcher is not None:  # only what the grammar accepts is worth verifying
-            draft = draft[: seq.matcher.validate_tokens(draft)]
-        return draft
+        return seq.request.can_speculate and not (
+            seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted
+        )
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _speculate(
+        self, seq: Sequence, out: SchedulerOutput, num_new: int, budget: int, propose: bool
+    ) -> int:
+        """For a running sequence that samples this step: verify the drafts it holds (a decode with
+        ``budget`` to spare), and let the proposer draft after it (with a draft model's lookahead
+        slots). Returns the tokens it computes; on a dry pool it just computes ``num_new``."""
+        # Never past max_tokens: the last draft's successor is the bonus token.
+        k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
+        draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
+        drafts_after = propose and (seq.request.forked or seq.request.params.n == 1)
+        ahead = self.num_lookahead if drafts_after else 0
+        if draft or ahead:
+            if not self.kv.allocate(seq, (1 + len(draft) if draft else num_new) + ahead):
+                return num_new
+        if drafts_after:
+            out.propose[seq] = self.spec.num_speculative_tokens
+        if not draft:
+            return num_new
+        out.drafts[seq] = draft
+        out.only_decodes = False
+        return 1 + len(draft)
+
+    def _admit(self, out: SchedulerOutput, budget: int, propose: bool) -> int:
         waiting, j = self.waiting.ready, 0  # paused requests' sequences are not in it
         if not waiting:
             return budget
@@ -201,7 +216,16 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            if not self.kv.allocate(seq, num_new, cached):
+            # A prompt this step completes may draft after it (the first decode verifies them).
+            drafts_after = (
+                propose
+                and num_new == remaining
+                and (request.forked or request.params.n == 1)
+                and self._drafting(seq)
+            )
+            if drafts_after and not self.kv.allocate(seq, num_new + self.num_lookahead, cached):
+                drafts_after = False
+            if not drafts_after and not self.kv.allocate(seq, num_new, cached):
                 victim = self._lower_priority_victim(seq, out.published_early)
                 if victim is None:
                     break
@@ -225,6 +249,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
+            if drafts_after:
+                out.propose[seq] = self.spec.num_speculative_tokens
             out.only_decodes = out.all_decoding = False
             budget -= num_new
             seats -= 1
@@ -288,15 +314,17 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Reads only. Every sequence holding blocks is queued; between steps none holds a block
-        past its tokens (a rejected draft's lookahead blocks are released once it is verified); the
-        pool's ref counts equal the tables' references."""
+        past its tokens and its drafts (a rejected draft's lookahead blocks are released once it is
+        verified); the pool's ref counts equal the tables' references."""
         queued = {id(s) for s in self.running} | {id(s) for s in self.waiting}
         bs = self.kv.block_size
         holders: dict[int, int] = {}
         for seq, table in self.kv.holders():
             assert id(seq) in queued, f"sequence {seq.seq_id} holds blocks but is in no queue"
-            assert len(table) <= cdiv(len(seq.token_ids), bs), (
-                f"sequence {seq.seq_id} holds {len(table)} blocks for {len(seq.token_ids)} tokens"
+            # Only a draft model's drafts keep slots past the next token (their K/V is written).
+            need = len(seq.token_ids) + (len(seq.spec_token_ids) if self.num_lookahead else 0)
+            assert len(table) <= cdiv(need, bs), (
+                f"sequence {seq.seq_id} holds {len(table)} blocks for {need} tokens and drafts"
             )
             for block_id in table:
                 holders[block_id] = holders.get(block_id, 0) + 1
@@ -324,11 +352,10 @@ class Scheduler:
         for chunk, entries in zip(layout.prompt_chunks, result.prompt_logprobs, strict=True):
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
-        verified: list[Sequence] = []  # sequences whose drafts this update verifies
         if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
             emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
         else:  # forks, or drafts to verify
-            emissions = self._expand(layout, tokens, logprobs, verified)
+            emissions = self._expand(layout, tokens, logprobs)
         deltas: list[RequestDelta] = []
         owners: list[Request] = []
         finished: list[Sequence] = []
@@ -390,13 +417,8 @@ class Scheduler:
         for seq in finished:
             seq.request.ended.add(seq.index)
             self.remove(seq)
-        if verified:  # now that their tokens are in: publish verified blocks, drop lookahead ones
-            for seq in verified:
-                if seq.finish_reason is None:
-                    # A block is published once the draft model's cache holds it too: after all k
-                    # drafts are accepted, the last one's draft K/V is computed next step.
-                    kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
-                    kv.trim(seq)
+        if self.spec is not None:
+            self._keep_drafts(out, result.drafts)
         if finished:  # the last delta of a request that has nothing more to send says so
             done = {seq.request for seq in finished if seq.request.finished}
             for delta, request in zip(reversed(deltas), reversed(owners), strict=True):
@@ -405,7 +427,22 @@ class Scheduler:
                     done.discard(request)
         return deltas
 
-    def _expand(self, layout: LogitsLayout, tokens: list[int], logprobs: list, verified: list[Sequence]):
+    def _keep_drafts(self, out: SchedulerOutput, proposed: dict[int, list[int]]) -> None:
+        """Now that their tokens are in: each sequence that sampled keeps the drafts proposed after
+        them (or none), a verified one publishes its blocks, and the blocks past the next token's
+        slot go back, but for those a draft model's drafts have their K/V in (verified next)."""
+        kv, drafts, lookahead = self.kv, out.drafts, self.num_lookahead
+        for seq in out.layout.sampled:
+            if seq.finish_reason is not None:
+                continue
+            seq.spec_token_ids = proposed.get(seq.seq_id) or []
+            if seq in drafts:
+                # A block is published once the draft model's cache holds it too.
+                kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
+            if lookahead or seq in drafts:
+                kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)
+
+    def _expand(self, layout: LogitsLayout, tokens: list[int], logprobs: list):
         """(sequence, its tokens, their logprobs) for each sampled sequence, when some rows are not
         simply one sequence's next token: a fork's n first tokens, or drafts under verification."""
         out = []
@@ -414,7 +451,6 @@ class Scheduler:
         for seq, fan, draft in zip(layout.sampled, layout.fans, drafts, strict=True):
             if draft is not None:
                 out.append(self._verify(seq, draft, tokens[r : r + fan], logprobs[r : r + fan]))
-                verified.append(seq)
             elif fan == 1:
                 out.append((seq, [tokens[r]], [logprobs[r]]))
             else:
@@ -423,15 +459,9 @@ class Scheduler:
         return out
 
     def _verify(self, seq: Sequence, draft: list[int], sampled: list[int], lps: list):
-        """Row j sampled the token that follows draft[:j]. Drafts are accepted while they equal what
-        the target sampled at their position; the first sample that differs (or the one after the
-        last draft) is the bonus token. For a draft that is a single proposal (q one-hot), taking
-        the target's own sample is exactly the rule "accept with p(x), else resample from
-        (p - q)+"; greedy rows make it argmax equality, and seeded rows draw their noise by position,
-        so greedy and seeded requests get the very tokens they would get without speculation."""
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == sampled[accepted]:
-            accepted += 1
+        """The accepted drafts and the bonus token (spec_decode/acceptance.py: greedy and seeded
+        requests get the very tokens they would get without speculation)."""
+        accepted = num_accepted(draft, sampled)
         seq.num_drafted += len(draft)
         seq.num_accepted += accepted
         self.num_drafted += len(draft)
@@ -439,8 +469,6 @@ class Scheduler:
         # The last token and the accepted drafts have their K/V; rejected positions lie past the
         # counter (overwritten later) and their lookahead blocks are released once tokens are added.
         seq.num_computed_tokens += 1 + accepted
-        if self.draft_model:  # the proposer wrote the draft model's K/V of all drafts but the last
-            seq.num_draft_computed += min(accepted, len(draft) - 1)
         return seq, sampled[: accepted + 1], lps[: accepted + 1]
 
     def _fork(self, seq: Sequence, tokens: list[int], logprobs: list):

@@ -1,9 +1,10 @@
 """What one step computes: the scheduler's output, the only thing the model runner reads.
 
-Data flows one way. Per scheduled sequence: how many tokens it computes (and the drafts it
-verifies); per sequence whose KV blocks changed since the last step: its new and replaced block ids
-(``updates``); the sequences that hold no block anymore (``released``); the copy-on-write copies to
-run before the forward; and the logits layout. The runner's input batch is updated from this alone.
+Data flows one way. Per scheduled sequence: how many tokens it computes, the drafts it verifies,
+and whether the proposer drafts for it after sampling; per sequence whose KV blocks changed since
+the last step: its new and replaced block ids (``updates``); the sequences that hold no block
+anymore (``released``); the copy-on-write copies to run before the forward; and the logits layout.
+The runner's input batch is updated from this alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class SchedulerOutput:
     only_decodes: bool = True
     layout: LogitsLayout | None = None  # set once the schedule is final
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative tokens to verify
+    # Sequences the runner's proposer drafts for after this step samples, and at most how many
+    # drafts each (a draft model writes their K/V into lookahead slots allocated with this step).
+    propose: dict[Sequence, int] = field(default_factory=dict)
     published_early: set[Sequence] = field(default_factory=set)  # admitted; blocks published already
     # Every scheduled sequence decodes (no prompt chunk, no admission, no preemption): the step's
     # time per token is comparable with other such steps (speculation's governor measures these).
@@ -49,6 +53,7 @@ class SchedulerOutput:
 
     def unschedule(self, seq: Sequence) -> int:
         self.drafts.pop(seq, None)
+        self.propose.pop(seq, None)
         for j, s in enumerate(self.seqs):
             if s is seq:
                 del self.seqs[j]

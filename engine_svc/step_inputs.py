@@ -3,7 +3,11 @@ tensor-parallel workers receive each step with two broadcasts and no pickle.
 
 Arrays rather than lists: a tensor made with ``torch.from_numpy`` shares the array's memory, where
 ``torch.tensor(list)`` walks a Python list element by element (tens of microseconds per call at a
-few hundred rows, several calls per step)."""
+few hundred rows, several calls per step).
+
+``paged_inputs`` and ``decode_inputs`` are the one place that turns "these sequences compute these
+tokens at these positions" into positions, slot mapping and block tables: the model runner builds
+the target's step with them, and the draft-model proposer its own forwards (same blocks, same slots)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_svc.input_batch import InputBatch
 from engine_svc.models.decoder import AttentionInputs
 
 HEADER_LEN = 8
@@ -89,6 +94,68 @@ class StepInputs:
             max_seq_len=int(seq_lens.max()),
             lora_slots=lora_slots if n_lora else None,
         )
+
+
+def paged_inputs(
+    batch: InputBatch,
+    block_size: int,
+    seqs: list,
+    input_ids: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    logit_rows: np.ndarray,
+    copies: np.ndarray,
+) -> StepInputs:
+    """Sequence i computes ``counts[i]`` tokens from position ``starts[i]`` on (``input_ids`` holds
+    them, sequence after sequence); each writes its K/V into its own blocks (``batch``'s tables)."""
+    rows = np.array(batch.rows(seqs), dtype=np.int64)
+    tables = batch.gather_tables(rows)
+    query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start[1:])
+    token_rows = np.repeat(np.arange(len(seqs)), counts)
+    # Position of each token: its sequence's start plus its offset within the sequence's span.
+    positions = np.arange(int(query_start[-1]), dtype=np.int64) + np.repeat(starts - query_start[:-1], counts)
+    seq_lens = (starts + counts).astype(np.int32)
+    return StepInputs(
+        input_ids,
+        positions,
+        _slots(tables, token_rows, positions, block_size),
+        tables,
+        seq_lens,
+        query_start,
+        logit_rows,
+        copies,
+        max_query_len=int(counts.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def decode_inputs(
+    batch: InputBatch, block_size: int, seqs: list, input_ids: np.ndarray, positions: np.ndarray, copies
+) -> StepInputs:
+    """The one-token case of ``paged_inputs`` (every sequence computes one token and needs its
+    logits), with no ragged arrays: the steady decode step takes this path."""
+    count = len(seqs)
+    rows = np.array(batch.rows(seqs), dtype=np.int64)
+    tables = batch.gather_tables(rows)
+    seq_lens = (positions + 1).astype(np.int32)
+    return StepInputs(
+        input_ids,
+        positions,
+        _slots(tables, np.arange(count), positions, block_size),
+        tables,
+        seq_lens,
+        np.arange(count + 1, dtype=np.int32),
+        np.arange(count, dtype=np.int64),
+        copies,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def _slots(tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token: its block (from its sequence's table) and its offset in it."""
+    return tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

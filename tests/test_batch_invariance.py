@@ -179,7 +179,7 @@ class Coverage:
             counts["prompt-logprob chunks"] += len(out.layout.prompt_chunks)
             counts["structured-output samples"] += sum(1 for s in out.layout.sampled if s.matcher is not None)
             counts["draft verifications"] += len(out.drafts)
-            drafting_model = engine.runner.proposer is not None
+            drafting_model = engine.scheduler.draft_model
             counts["draft-model verifications"] += len(out.drafts) if drafting_model else 0
             return out
 

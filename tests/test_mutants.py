@@ -33,6 +33,7 @@ from tests import (
     test_openai_protocol,
     test_request_limits,
     test_speculative,
+    test_step_contract,
     test_structured_outputs,
 )
 
@@ -62,6 +63,9 @@ efficiency_judging_checks = _model_free(
 )
 request_rule_checks = _model_free(test_request_limits.test_every_rule_at_its_boundaries)
 recompute_checks = regressions.test_logprobs_are_bitwise_after_a_preemption_mid_decode
+lookahead_checks = _model_free(
+    test_step_contract.test_a_draft_models_lookahead_is_allocated_with_the_step_and_released_when_rejected
+)
 
 
 # (name, owner, function, the original text, the mutant's text[, the fast check that must fail])
@@ -140,9 +144,33 @@ MUTANTS = [
     (
         "speculation keeps a rejected draft's lookahead blocks until the sequence ends",
         Scheduler,
-        "update_from_output",
-        "kv.trim(seq)",
+        "_keep_drafts",
+        "kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)",
         "pass",
+        speculation_checks,
+    ),
+    (
+        "the drafts the runner returns in the step result are dropped by the update",
+        Scheduler,
+        "_keep_drafts",
+        "seq.spec_token_ids = proposed.get(seq.seq_id) or []",
+        "seq.spec_token_ids = []",
+        speculation_checks,
+    ),
+    (
+        "a draft model's lookahead kept after its drafts were rejected",
+        Scheduler,
+        "_keep_drafts",
+        "kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)",
+        "kv.trim(seq, lookahead)",
+        lookahead_checks,
+    ),
+    (
+        "the drafts a sequence holds are never scheduled for verification",
+        Scheduler,
+        "_speculate",
+        "draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None",
+        "draft = None",
         speculation_checks,
     ),
     (

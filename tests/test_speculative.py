@@ -27,9 +27,10 @@ from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.scheduler import Scheduler
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.ngram import NgramIndex
+from engine_svc.spec_decode.proposer import NgramProposer
 from tests.differential import Result, assert_same_as_solo, drive, solo_params
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
-from tests.test_step_contract import add, fake_result
+from tests.test_step_contract import add, fake_result, with_drafts
 
 # Not adaptive: these tests count drafts, which must not depend on the machine's timing.
 NGRAM = {
@@ -212,7 +213,7 @@ def test_a_sequence_whose_drafts_fail_stops_drafting():
             result.token_ids = [11 - draft[0]] * out.layout.num_sample_rows
         else:
             result.token_ids = [5] * out.layout.num_sample_rows
-        sched.update_from_output(out, result)
+        sched.update_from_output(out, with_drafts(result, out, NgramProposer(config)))
         sched.check_invariants()  # rejected drafts' lookahead blocks are released at once
         if request.finished:
             break
@@ -237,7 +238,7 @@ def test_drafts_are_bounded_by_max_tokens_and_the_budget():
         if draft:
             result.token_ids = tokens[: layout.num_sample_rows]
             result.logprobs = [None] * layout.num_sample_rows
-        sched.update_from_output(out, result)
+        sched.update_from_output(out, with_drafts(result, out, NgramProposer(config)))
     assert max(seen) <= 3, seen
     assert len(request.sequences[0].output_token_ids) == 4
     assert sched.kv.pool.num_used == 0
@@ -520,7 +521,7 @@ def test_the_scheduler_stops_drafting_where_the_governor_measured_it_slower():
         draft = next(iter(out.drafts.values()), [])
         tokens = (draft + [7])[: out.layout.num_sample_rows] if draft else result.token_ids
         result.token_ids, result.logprobs = tokens, [None] * len(tokens)
-        deltas = sched.update_from_output(out, result)
+        deltas = sched.update_from_output(out, with_drafts(result, out, NgramProposer(config)))
         # Drafted steps: 4 tokens in 40 ms (10 ms each); plain steps: 1 token in 5 ms.
         sched.note_step_time(out, 0.040 if out.drafts else 0.005, deltas)
         if request.finished:

@@ -41,7 +41,8 @@ def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Request:
 
 
 def fake_result(out, token=7) -> StepResult:
-    """``token`` for every sample row (row r gets token + r when sampling n at a fork)."""
+    """``token`` for every sample row (row r gets token + r when sampling n at a fork); no drafts
+    (``with_drafts`` adds a real proposer's)."""
     layout = out.layout
     tokens = []
     for fan in layout.fans:
@@ -51,6 +52,12 @@ def fake_result(out, token=7) -> StepResult:
         for c in layout.prompt_chunks
     ]
     return StepResult(tokens, [None] * len(tokens), plps)
+
+
+def with_drafts(result: StepResult, out, proposer) -> StepResult:
+    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them."""
+    result.drafts = proposer.propose(out, result.token_ids, None)
+    return result
 
 
 def step(sched, token=7):
@@ -257,3 +264,71 @@ def test_paused_requests_hold_no_seat_and_yield_their_blocks_to_newcomers():
             break
         step(sched)
     assert all(r.finished for r in stalled) and sched.kv.pool.num_used == 0
+
+
+def test_drafts_in_the_result_are_verified_by_the_next_step():
+    """The runner's drafts (``StepResult.drafts``) wait on the sequence and the next schedule
+    verifies them: its last token plus the drafts, one sample row each; the update accepts the
+    drafts that equal the samples, then the bonus token, and keeps the new drafts."""
+    from engine_svc.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
+    sched = make_scheduler(budget=32, speculative_config=spec)
+    request = add(sched, "d", [3, 4, 5, 6, 3, 4], max_tokens=20)
+    seq = request.sequences[0]
+    out = sched.schedule()
+    assert out.propose == {seq: 4}, "a prompt the step completes drafts after it"
+    result = fake_result(out, token=7)
+    result.drafts = {seq.seq_id: [8, 9, 10]}
+    sched.update_from_output(out, result)
+    assert seq.spec_token_ids == [8, 9, 10]
+    out = sched.schedule()
+    assert out.drafts == {seq: [8, 9, 10]} and out.num_new == [4] and out.layout.fans == [4]
+    assert out.layout.token_rows.tolist() == [0, 1, 2, 3]
+    result = StepResult([8, 9, 11, 12], [None] * 4, [], {seq.seq_id: [13]})
+    (delta,) = sched.update_from_output(out, result)
+    assert delta.new_token_ids == [8, 9, 11]  # two drafts accepted, then the bonus token
+    assert seq.num_computed_tokens == 6 + 1 + 2 and seq.token_ids[6:] == [7, 8, 9, 11]
+    assert (seq.num_drafted, seq.num_accepted) == (3, 2) and seq.spec_token_ids == [13]
+    assert len(sched.kv.block_table(seq)) == -(-len(seq.token_ids) // 8), "n-gram keeps no lookahead"
+    sched.check_invariants()
+    out = sched.schedule()
+    result = fake_result(out, token=40)  # rejects the draft; the proposer has nothing this time
+    result.logprobs = [None] * len(result.token_ids)
+    sched.update_from_output(out, result)
+    assert out.drafts == {seq: [13]} and seq.token_ids[-1] == 40 and seq.spec_token_ids == []
+
+
+def test_a_draft_models_lookahead_is_allocated_with_the_step_and_released_when_rejected():
+    """A draft model writes its drafts' K/V in slots past the step's tokens: the scheduler
+    allocates them with the step, the update keeps the blocks the held drafts lie in, and releases
+    them once the drafts are rejected. The verification is cut to the step's budget."""
+    from engine_svc.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=3, adaptive=False)
+    sched = make_scheduler(budget=32, speculative_config=spec)
+    request = add(sched, "m", [3, 4, 5, 6, 3, 4], max_tokens=20)
+    seq = request.sequences[0]
+    out = sched.schedule()
+    assert out.num_new == [6] and out.propose == {seq: 3}
+    assert len(sched.kv.block_table(seq)) == 2, "6 tokens + 3 lookahead slots: two blocks of 8"
+    result = fake_result(out, token=7)
+    result.drafts = {seq.seq_id: [20, 21, 22]}
+    sched.update_from_output(out, result)
+    assert len(sched.kv.block_table(seq)) == 2, "the drafts' K/V lie in the second block"
+    sched.check_invariants()
+    out = sched.schedule()
+    assert out.drafts == {seq: [20, 21, 22]} and out.num_new == [4]
+    result = StepResult([30, 31, 32, 33], [None] * 4, [], {})  # the first draft is wrong: all rejected
+    (delta,) = sched.update_from_output(out, result)
+    assert delta.new_token_ids == [30] and seq.spec_token_ids == []
+    assert len(sched.kv.block_table(seq)) == 1, "8 tokens, no drafts: the lookahead block is released"
+    sched.check_invariants()
+    small = make_scheduler(budget=3, speculative_config=spec)
+    request = add(small, "s", [3, 4, 5], max_tokens=20)
+    out = small.schedule()
+    result = fake_result(out)
+    result.drafts = {request.sequences[0].seq_id: [1, 2, 3]}
+    small.update_from_output(out, result)
+    out = small.schedule()
+    assert out.drafts == {request.sequences[0]: [1, 2]}, "verification is cut to the budget"

@@ -69,7 +69,67 @@ def test_the_scheduler_keeps_no_step_between_its_methods():
         for t in n.targets
         if isinstance(t, ast.Attribute)
     }
-    assert not fields & {"failed", "verified", "drafts", "pending"}, fields
+    assert not fields & {"failed", "verified", "drafts", "propose", "pending"}, fields
+
+
+def test_the_scheduler_hands_out_no_draft_placeholders_and_makes_no_proposals():
+    """Drafts flow one way: the runner's proposer makes them after sampling and the step result
+    carries them back; the scheduler neither proposes nor hands out places to fill."""
+    tree = _tree("engine_svc/scheduler.py")
+    placeholders = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Mult)
+        and any(
+            isinstance(side, ast.List)
+            and side.elts
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, int) for e in side.elts)
+            for side in (n.left, n.right)
+        )
+    ]
+    assert not placeholders, f"token placeholders ([0] * k) in scheduler.py at lines {placeholders}"
+    calls = [
+        n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    ]
+    assert "propose" not in calls, "the scheduler proposes drafts"
+    modules = [m for m, _ in _imports(ROOT / "engine_svc/scheduler.py")]
+    assert not [m for m in modules if m.split(".")[-1] in ("ngram", "proposer", "draft_model")], modules
+    update = _function(tree, "update_from_output")
+    reads = [n for n in ast.walk(update) if isinstance(n, ast.Attribute) and n.attr == "drafts"]
+    assert [n for n in reads if getattr(n.value, "id", None) == "result"], "the update ignores result.drafts"
+
+
+def test_the_runner_proposes_after_sampling_and_returns_the_drafts():
+    execute = _function(_tree("engine_svc/model_runner.py"), "execute")
+    calls = {
+        n.func.attr: n.lineno
+        for n in ast.walk(execute)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
+    assert calls["sampler"] < calls["propose"], "the proposer runs before the sampler"
+    stored = [
+        t.attr
+        for n in ast.walk(execute)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute)
+    ]
+    assert "drafts" in stored, "the drafts do not go into the step result"
+
+
+def test_paged_inputs_are_built_in_one_place():
+    """Positions, slot mapping and block tables of a forward (the target's and the draft model's)
+    come from step_inputs.py: nobody else gathers block tables or computes a slot."""
+    gathering = []
+    for path in sorted((ROOT / "engine_svc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "gather_tables":
+                gathering.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert gathering and all(g.startswith("engine_svc/step_inputs.py") for g in gathering), gathering
+    for path in ("engine_svc/model_runner.py", "engine_svc/spec_decode/draft_model.py"):
+        mods = [n for n in ast.walk(_tree(path)) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)]
+        assert not mods, f"{path} computes slots itself (a % at line {mods[0].lineno})"
 
 
 def _imports(path: Path) -> list[tuple[str, list[str]]]:

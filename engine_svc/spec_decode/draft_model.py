@@ -1,19 +1,22 @@
 """Draft-model proposer: a smaller model with the target's vocabulary drafts k tokens greedily.
 
 The draft model has its own KV cache tensors (sized for its layers and heads) but uses the target's
-block tables and slot mapping, so it needs no allocator of its own: every slot the target writes,
-the draft writes too, in its own tensors. Each step, before the target's forward:
+block tables and slot mapping, and builds its forwards with the runner's own input builder
+(``step_inputs.paged_inputs``), so it needs no allocator and no slot arithmetic of its own: every
+slot the target writes, the draft writes too, in its own tensors. Each step, after the target
+sampled:
 
-1. one batched forward computes, for every scheduled sequence, the tokens the target computes this
-   step that are real (a prefill chunk, or a decode's last token), plus any the draft cache lacks
-   (``Sequence.num_draft_computed`` lags behind after a step that accepted all k drafts). A block
-   the target completes thus holds the draft's K/V as well, and a prefix-cache hit serves both;
-2. for the sequences that draft, the last row's argmax is the first draft, and k - 1 single-token
-   forwards (in the lookahead slots the scheduler allocated) propose the rest.
+1. one batched forward computes, for every scheduled sequence, the tokens the target computed this
+   step that are real (a prefill chunk, a decode's last token, a verification's accepted drafts),
+   plus any the draft cache lacks (``Sequence.num_draft_computed``), and, for a sequence that drafts,
+   the tokens just sampled: the last row's argmax is its first draft. A block the target completes
+   thus holds the draft's K/V as well, and a prefix-cache hit serves both;
+2. k - 1 single-token forwards propose the rest, in the lookahead slots that the scheduler allocated
+   with the step (it keeps the blocks they lie in until the drafts are verified).
 
-The drafts are written into the scheduler's placeholders; verification is unchanged (a draft is
-accepted while it equals the target's own sample), so the output is exactly the target's. Drafted
-positions past what the target accepts are overwritten later, as the target's are."""
+The drafts go back in the step's result; verification takes the target's own samples, so the
+output is exactly the target's. Drafted positions past what the target accepts are overwritten
+later, as the target's are."""
 
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import torch
 
 from engine_svc.input_batch import InputBatch
 from engine_svc.model_runner import ModelForward
+from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import SchedulerOutput
-from engine_svc.step_inputs import StepInputs
+from engine_svc.spec_decode.acceptance import new_tokens
+from engine_svc.spec_decode.proposer import room
+from engine_svc.step_inputs import decode_inputs, paged_inputs
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 
@@ -34,78 +40,77 @@ class DraftModelProposer:
         self.block_size = block_size
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, batch: InputBatch) -> None:
-        """Keep the draft cache level with the target's and fill ``out.drafts`` in place. ``batch``
-        must follow this step's block tables; ``out.copies`` are this step's copy-on-writes."""
-        drafts = out.drafts
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        query_start, seq_lens, last_rows = [0], [], []
+    def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
+        """Keep the draft cache level with the target's and draft for ``out.propose``. ``out.copies``
+        are this step's copy-on-writes: the draft's cache takes them too."""
+        added = new_tokens(out.layout, out.drafts, token_ids) if out.layout.sampled else {}
+        seqs, ids, starts, counts = [], [], [], []
+        drafting: list[tuple] = []  # (sequence, drafts it may take, tokens it has after this step)
         for seq, n in zip(out.seqs, out.num_new, strict=True):
-            c = seq.num_computed_tokens
-            start = min(seq.num_draft_computed, c)
-            end = c + 1 if seq in drafts else c + n  # a drafting sequence's real token is its last
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start.append(query_start[-1] + end - start)
-            seq_lens.append(end)
+            c, length = seq.num_computed_tokens, len(seq.token_ids)
+            new = added.get(seq, [])
+            verified = out.drafts.get(seq)
+            if verified is not None and seq.num_draft_computed == c + 1:
+                # The draft cache holds the last token and, from the drafting, the accepted drafts
+                # but the last one proposed (its successor was never drafted from).
+                accepted = len(new) - 1
+                start = c + 1 + min(accepted, len(seq.spec_token_ids) - 1)
+                end = c + 1 + accepted
+            else:
+                start = min(seq.num_draft_computed, c)
+                end = c + n if verified is None else c + len(new)
+            k = out.propose.get(seq, 0)
+            if k and new and new[-1] != DEAD_END_TOKEN:
+                k = room(seq, length + len(new), k)
+                if k > 0:
+                    end = length + len(new)  # and the sampled tokens, to draft from the last one
+                    drafting.append((seq, k, end))
             seq.num_draft_computed = end
-            if seq in drafts:
-                last_rows.append(query_start[-1] - 1)
-        rows = np.array(batch.rows(out.seqs), dtype=np.int64)
-        tables = batch.gather_tables(rows)
-        pos = np.array(positions, dtype=np.int64)
-        token_rows = np.repeat(np.arange(len(rows)), np.diff(query_start))
-        slots = tables[token_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        qs = np.array(query_start, dtype=np.int32)
-        logits = self.forward(
-            StepInputs(
-                np.array(ids, dtype=np.int64),
-                pos,
-                slots,
-                tables,
-                np.array(seq_lens, dtype=np.int32),
-                qs,
-                np.array(last_rows, dtype=np.int64),
-                out.copies,
-                max_query_len=int(np.diff(qs).max()),
-                max_seq_len=max(seq_lens),
-            )
+            if end > start:
+                seqs.append(seq)
+                ids += _span(seq.token_ids, new, start, end)
+                starts.append(start)
+                counts.append(end - start)
+        if not seqs:
+            self.forward.copy_blocks(out.copies)
+            return {}
+        counts = np.array(counts, dtype=np.int64)
+        last_rows = np.cumsum(counts) - 1
+        row_of = {s: i for i, s in enumerate(seqs)}
+        inputs = paged_inputs(
+            batch,
+            self.block_size,
+            seqs,
+            np.array(ids, dtype=np.int64),
+            np.array(starts, dtype=np.int64),
+            counts,
+            np.array([last_rows[row_of[s]] for s, _, _ in drafting], dtype=np.int64),
+            out.copies,
         )
-        if not drafts:
-            return
-        drafting = [s for s in out.seqs if s in drafts]
-        tokens = logits.argmax(dim=-1).tolist()
-        for seq, token in zip(drafting, tokens, strict=True):
-            drafts[seq][0] = token
+        logits = self.forward(inputs)
+        if not drafting:
+            return {}
+        firsts = logits.argmax(dim=-1).tolist()
+        drafts = {s.seq_id: [t] for (s, _, _), t in zip(drafting, firsts, strict=True)}
         self._continue(drafting, drafts, batch)
+        return drafts
 
     def _continue(self, drafting: list, drafts: dict, batch: InputBatch) -> None:
         """Drafts 2..k: one single-token forward per position, over the sequences still drafting."""
-        bs = self.block_size
-        for j in range(1, max(len(drafts[s]) for s in drafting)):
-            live = [s for s in drafting if len(drafts[s]) > j]
-            count = len(live)
-            # Draft j - 1 sits just after the last real token (position len - 1 + j).
-            positions = np.array([len(s.token_ids) - 1 + j for s in live], dtype=np.int64)
-            rows = np.array(batch.rows(live), dtype=np.int64)
-            tables = batch.gather_tables(rows)
-            slots = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
-            seq_lens = (positions + 1).astype(np.int32)
-            logits = self.forward(
-                StepInputs(
-                    np.array([drafts[s][j - 1] for s in live], dtype=np.int64),
-                    positions,
-                    slots,
-                    tables,
-                    seq_lens,
-                    np.arange(count + 1, dtype=np.int32),
-                    np.arange(count, dtype=np.int64),
-                    _NO_COPIES,
-                    max_query_len=1,
-                    max_seq_len=int(seq_lens.max()),
-                )
-            )
-            for seq, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
-                drafts[seq][j] = token
+        for j in range(1, max(k for _, k, _ in drafting)):
+            live = [(s, end) for s, k, end in drafting if k > j]
+            seqs = [s for s, _ in live]
+            # Draft j (0-based) is computed from draft j - 1, which sits at position end - 1 + j.
+            positions = np.array([end - 1 + j for _, end in live], dtype=np.int64)
+            ids = np.array([drafts[s.seq_id][j - 1] for s in seqs], dtype=np.int64)
+            logits = self.forward(decode_inputs(batch, self.block_size, seqs, ids, positions, _NO_COPIES))
+            for seq, token in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
+                drafts[seq.seq_id].append(token)
+
+
+def _span(tokens: list[int], new: list[int], start: int, end: int) -> list[int]:
+    """Positions [start, end) of ``tokens + new`` without copying the whole sequence."""
+    length = len(tokens)
+    if start >= length:
+        return new[start - length : end - length]
+    return tokens[start : min(end, length)] + new[: max(0, end - length)]
