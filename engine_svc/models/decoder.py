@@ -14,6 +14,7 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
 from kernels.cpu.linear import make_linear
+from kernels.reference.kv_write import split_qkv
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
 
@@ -75,16 +76,17 @@ class DecoderLayer(nn.Module):
     def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        key = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-        value = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if self.q_norm is None:  # rotary and the cache write in one call on the fused rows
+            heads = (self.num_heads, self.num_kv_heads)
+            q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
+        else:
+            q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
             key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
-        q, key = k.apply_rotary(positions, q, key, cos_sin)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+            q, key = k.apply_rotary(positions, q, key, cos_sin)
+            k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        q_size = self.num_heads * self.head_dim
         out = k.paged_attention(
             q,
             k_cache,
