@@ -25,7 +25,7 @@ class Kernels:
 
     def rotate_and_store(
         self, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
-    ):  # noqa: E501
+    ):
         """The rotated queries ``[T, Hq, D]``; the rotated keys and the values stored in the caches."""
         if self.rotary_store_kv is not None:
             return self.rotary_store_kv(
