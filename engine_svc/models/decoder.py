@@ -55,6 +55,7 @@ class DecoderLayer(nn.Module):
         self.eps = spec.rms_norm_eps
         self.scale = d**-0.5
         self.index = 0  # this layer's place in the stack (LoRA wrappers read their stacks by it)
+        self._kv_of, self._kv_views = None, ()
         self.prepare_linears("dense")
 
     def prepare_linears(self, backend: str) -> None:
@@ -73,10 +74,17 @@ class DecoderLayer(nn.Module):
         h = k.silu_and_mul(self.gate_up_proj(x))
         return self.shard.all_reduce(self.down_proj(h)), residual
 
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value halves of this layer's cache, made once per cache tensor rather than
+        twice a step (each index of a tensor is a dispatch)."""
+        if self._kv_of is not kv_cache:
+            self._kv_of, self._kv_views = kv_cache, (kv_cache[0], kv_cache[1])
+        return self._kv_views
+
     def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = self._cache_views(kv_cache)
         if self.q_norm is None:  # rotary and the cache write in one call on the fused rows
             heads = (self.num_heads, self.num_kv_heads)
             q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
@@ -148,7 +156,9 @@ class DecoderForCausalLM(nn.Module):
         x = self._embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+            # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
+            # nothing hooks a layer (LoRA wraps its projections).
+            x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
 

@@ -22,6 +22,7 @@ import torch
 from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
 from kernels.cpu.checked_once import CheckedOnce
+from kernels.cpu.isa_choice import chosen_isa_in
 
 # Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
 # The generic build (SSE2 on x86, no fused multiply-add) ran at 0.4-1.4x of the torch path: machines
@@ -35,7 +36,7 @@ def enabled(isa: str | None = None) -> bool:
     mode = os.environ.get("LLMSERVE_NATIVE_ATTENTION", "auto")
     if mode == "0":
         return False
-    return mode == "1" or isa is not None or native_build.chosen_isa() in FASTER_THAN_TORCH
+    return mode == "1" or isa is not None or chosen_isa_in(FASTER_THAN_TORCH)
 
 
 _P = ctypes.c_void_p

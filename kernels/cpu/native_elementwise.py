@@ -17,6 +17,7 @@ import torch
 
 from kernels.cpu import native_build
 from kernels.cpu.checked_once import CheckedOnce
+from kernels.cpu.isa_choice import chosen_isa_in
 from kernels.reference import activation, kv_write, rmsnorm, rotary
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -222,7 +223,7 @@ def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
     lib = _lib(x, isa=isa)
     if (
         lib is None
-        or (isa is None and native_build.chosen_isa() not in SILU_FASTER_THAN_TORCH)
+        or (isa is None and not chosen_isa_in(SILU_FASTER_THAN_TORCH))
         or not x.is_contiguous()
         or x.shape[-1] % 2
     ):
