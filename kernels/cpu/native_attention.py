@@ -93,11 +93,12 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
 _checked = CheckedOnce()
 
 
-def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
+def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
     """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
     an error naming it, never a read outside a tensor): the value cache matches the key cache, the
     metadata has one entry per sequence, every block id is inside the cache, every context fits its
-    table, and the queries are the tokens ``query_start_loc`` counts."""
+    table, and the queries are the tokens ``query_start_loc`` counts. Returns the kernel's metadata
+    arguments (made once a step, with the check)."""
     if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
@@ -116,7 +117,7 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     bounds = (num_blocks, block_size, q.shape[0])
     if _checked.seen(tables, lens, qsl, bounds=bounds):
-        return
+        return _checked.payload
     if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
         raise IndexError(
             f"a context of {int(lens.max())} tokens overruns its block table "
@@ -133,7 +134,9 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
             )
     if int(qsl[-1]) != q.shape[0] or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
         raise ValueError(f"query_start_loc must rise to the {q.shape[0]} query tokens, got {qsl.tolist()}")
-    _checked.remember(tables, lens, qsl, bounds=bounds)
+    meta = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), qsl.data_ptr(), lens.shape[0])
+    _checked.remember(tables, lens, qsl, bounds=bounds, payload=meta)
+    return meta
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -161,18 +164,14 @@ def paged_attention(
     # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a
     # layer); the kernel skips sequences with no queries this step itself.
     tables, lens, qsl = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
-    check_inputs(q, k_cache, v_cache, tables, lens, qsl)
+    meta = check_inputs(q, k_cache, v_cache, tables, lens, qsl)
     rc = fn(
         q.data_ptr(),
         q.stride(0),
         q.stride(1),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        qsl.data_ptr(),
-        lens.shape[0],
+        *meta,  # block tables and their stride, seq_lens, query_start_loc, the number of sequences
         q.shape[1],
         k_cache.shape[2],
         q.shape[2],
