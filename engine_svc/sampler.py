@@ -55,6 +55,22 @@ def filter_logits(
     return logits.masked_fill(mask, float("-inf"))
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``. On the CPU numpy's: torch's walks a row in a scalar loop (110 us
+    for a 49k vocabulary, measured; numpy's 2.4 us), and greedy decoding asks once a token. The
+    same index either way: the first maximum, a NaN counting as the maximum
+    (tests/test_sampler_argmax.py)."""
+    if (
+        logits.is_cpu
+        and logits.dim() == 2
+        and logits.dtype is torch.float32
+        and logits.shape[1]
+        and not logits.requires_grad
+    ):
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of ``logits [R, V]`` (fp32). Returns token ids and logprobs."""
@@ -72,7 +88,7 @@ class Sampler:
         for processor, state in b.processors:  # bans and penalties, after the logprobs are read
             if not processor.constraint:
                 logits = processor.apply(logits, state, b)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if b.all_greedy:
             tokens = greedy
         else:
@@ -98,7 +114,7 @@ class Sampler:
         # A float32 exponential can be exactly 0 (numpy's, about once per 10**7 draws): 0 / 0 would
         # make a masked-out token win the race.
         noise.clamp_(min=1e-30)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], wanted: list[int | None]):

@@ -42,6 +42,7 @@ TORCH_KERNELS = Kernels(
     apply_rotary=native_elementwise.apply_rotary,
     write_kv=kv_write.write_kv,
     paged_attention=cpu_paged_attention.paged_attention,
+    rotary_store_kv=native_elementwise.rotary_store_kv,
 )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels.reference import lora
+from kernels.reference import kv_write, lora
 
 
 @dataclass(frozen=True)
@@ -19,3 +19,27 @@ class Kernels:
     write_kv: Callable
     paged_attention: Callable
     lora_apply: Callable = lora.lora_apply  # batched mixed-adapter LoRA (kernels/reference/lora.py)
+    # Rotary and the cache write in one call on the fused QKV rows (kernels/reference/kv_write.py);
+    # a bundle without one composes its own apply_rotary and write_kv (``rotate_and_store``).
+    rotary_store_kv: Callable | None = None
+
+    def rotate_and_store(
+        self, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+    ):
+        """The rotated queries ``[T, Hq, D]``; the rotated keys and the values stored in the caches."""
+        if self.rotary_store_kv is not None:
+            return self.rotary_store_kv(
+                qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+            )
+        return kv_write.rotary_store_kv(
+            qkv,
+            positions,
+            cos_sin,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_heads,
+            num_kv_heads,
+            apply_rotary=self.apply_rotary,
+            write_kv=self.write_kv,
+        )

@@ -14,6 +14,7 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
 from kernels.cpu.linear import make_linear
+from kernels.reference.kv_write import split_qkv
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
 
@@ -54,6 +55,7 @@ class DecoderLayer(nn.Module):
         self.eps = spec.rms_norm_eps
         self.scale = d**-0.5
         self.index = 0  # this layer's place in the stack (LoRA wrappers read their stacks by it)
+        self._kv_of, self._kv_views = None, ()
         self.prepare_linears("dense")
 
     def prepare_linears(self, backend: str) -> None:
@@ -72,19 +74,27 @@ class DecoderLayer(nn.Module):
         h = k.silu_and_mul(self.gate_up_proj(x))
         return self.shard.all_reduce(self.down_proj(h)), residual
 
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value halves of this layer's cache, made once per cache tensor rather than
+        twice a step (each index of a tensor is a dispatch)."""
+        if self._kv_of is not kv_cache:
+            self._kv_of, self._kv_views = kv_cache, (kv_cache[0], kv_cache[1])
+        return self._kv_views
+
     def _attention(self, k: Kernels, x, positions, cos_sin, kv_cache, attn: AttentionInputs):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        key = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-        value = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        k_cache, v_cache = self._cache_views(kv_cache)
+        if self.q_norm is None:  # rotary and the cache write in one call on the fused rows
+            heads = (self.num_heads, self.num_kv_heads)
+            q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
+        else:
+            q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
             key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
-        q, key = k.apply_rotary(positions, q, key, cos_sin)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+            q, key = k.apply_rotary(positions, q, key, cos_sin)
+            k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        q_size = self.num_heads * self.head_dim
         out = k.paged_attention(
             q,
             k_cache,
@@ -146,7 +156,9 @@ class DecoderForCausalLM(nn.Module):
         x = self._embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+            # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
+            # nothing hooks a layer (LoRA wraps its projections).
+            x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import weakref
 
 import torch
 
 from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
+from kernels.cpu.checked_once import CheckedOnce
+from kernels.cpu.isa_choice import chosen_isa_in
 
 # Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
 # The generic build (SSE2 on x86, no fused multiply-add) ran at 0.4-1.4x of the torch path: machines
@@ -35,7 +36,7 @@ def enabled(isa: str | None = None) -> bool:
     mode = os.environ.get("LLMSERVE_NATIVE_ATTENTION", "auto")
     if mode == "0":
         return False
-    return mode == "1" or isa is not None or native_build.chosen_isa() in FASTER_THAN_TORCH
+    return mode == "1" or isa is not None or chosen_isa_in(FASTER_THAN_TORCH)
 
 
 _P = ctypes.c_void_p
@@ -77,9 +78,9 @@ def prepare() -> str:
 def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the native kernel takes this layer's shapes and dtypes."""
     return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        q.is_cpu  # a flag; device.type builds a device object (this runs once a layer)
+        and q.dtype is torch.float32
+        and k_cache.dtype is torch.float32
         and q.shape[-1] % 16 == 0
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
@@ -88,36 +89,16 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
     )
 
 
-class _Checked:
-    """The step's metadata tensors already checked: every layer of a step passes the same ones, so
-    the bounds are read once per step, not once per layer (a weak reference: a new step's tensor is
-    never mistaken for the last one's)."""
-
-    def __init__(self) -> None:
-        self.refs: tuple = ()
-
-    def seen(self, *tensors: torch.Tensor) -> bool:
-        return len(self.refs) == len(tensors) and all(
-            r() is t and v == _version(t) for (r, v), t in zip(self.refs, tensors, strict=True)
-        )
-
-    def remember(self, *tensors: torch.Tensor) -> None:
-        self.refs = tuple((weakref.ref(t), _version(t)) for t in tensors)
+# The step's metadata tensors already checked (every layer of a step passes the same ones).
+_checked = CheckedOnce()
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """In-place changes bump it (checked again); inference tensors keep none (identity alone)."""
-    return None if t.is_inference() else t._version
-
-
-_checked = _Checked()
-
-
-def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
+def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
     """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
     an error naming it, never a read outside a tensor): the value cache matches the key cache, the
     metadata has one entry per sequence, every block id is inside the cache, every context fits its
-    table, and the queries are the tokens ``query_start_loc`` counts."""
+    table, and the queries are the tokens ``query_start_loc`` counts. Returns the kernel's metadata
+    arguments (made once a step, with the check)."""
     if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
@@ -133,9 +114,10 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
             f"block_tables {tuple(tables.shape)}, seq_lens {tuple(lens.shape)} and query_start_loc "
             f"{tuple(qsl.shape)} must describe the same sequences"
         )
-    if _checked.seen(tables, lens, qsl):
-        return
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    bounds = (num_blocks, block_size, q.shape[0])
+    if _checked.seen(tables, lens, qsl, bounds=bounds):
+        return _checked.payload
     if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
         raise IndexError(
             f"a context of {int(lens.max())} tokens overruns its block table "
@@ -152,7 +134,13 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> None:
             )
     if int(qsl[-1]) != q.shape[0] or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
         raise ValueError(f"query_start_loc must rise to the {q.shape[0]} query tokens, got {qsl.tolist()}")
-    _checked.remember(tables, lens, qsl)
+    meta = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), qsl.data_ptr(), lens.shape[0])
+    _checked.remember(tables, lens, qsl, bounds=bounds, payload=meta)
+    return meta
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def paged_attention(
@@ -172,24 +160,18 @@ def paged_attention(
     fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # .to / .contiguous are no-ops for the engine's int32 metadata; the kernel skips sequences with
-    # no queries this step itself.
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    check_inputs(q, k_cache, v_cache, tables, lens, qsl)
+    out = torch.empty(q.shape, dtype=torch.float32)  # takes(): fp32 on the CPU
+    # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a
+    # layer); the kernel skips sequences with no queries this step itself.
+    tables, lens, qsl = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
+    meta = check_inputs(q, k_cache, v_cache, tables, lens, qsl)
     rc = fn(
         q.data_ptr(),
         q.stride(0),
         q.stride(1),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        qsl.data_ptr(),
-        lens.shape[0],
+        *meta,  # block tables and their stride, seq_lens, query_start_loc, the number of sequences
         q.shape[1],
         k_cache.shape[2],
         q.shape[2],

@@ -16,13 +16,16 @@ import os
 import torch
 
 from kernels.cpu import native_build
-from kernels.reference import activation, rmsnorm, rotary
+from kernels.cpu.checked_once import CheckedOnce
+from kernels.cpu.isa_choice import chosen_isa_in
+from kernels.reference import activation, kv_write, rmsnorm, rotary
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _SIGNATURES = {
     "llmserve_rms_norm_f32": [_P, _P, _P, _F32, _I64, _I64, _P, _P, _I32],
     "llmserve_rotary_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
     "llmserve_silu_and_mul_f32": [_P, _I64, _I64, _P, _I32],
+    "llmserve_rotary_store_kv_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
 }
 # Where the fused SiLU-and-multiply measured faster than torch's two vectorized passes
 # (benchmarks/cpu_kernels.py): 1.2-1.9x with AVX-512; 0.8-1.0x with AVX2 (its 8-lane divide), and
@@ -46,8 +49,13 @@ def library(isa: str | None = None):
 
 
 def _lib(*tensors: torch.Tensor, isa: str | None = None):
-    if not enabled() or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+    # Written for speed: at batch 1 these wrappers run 150 times a token around kernels of a
+    # microsecond or two (``is_cpu`` is a flag; ``device.type`` builds a device object).
+    if not enabled():
         return None
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return None
     return library(isa)
 
 
@@ -58,23 +66,29 @@ def rms_norm(
     lib = _lib(*parts, isa=isa)
     if (
         lib is None
-        or not all(t.is_contiguous() for t in parts)
-        or (residual is not None and residual.shape != x.shape)
+        or not (x.is_contiguous() and weight.is_contiguous())
+        or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
     ):
         return rmsnorm.rms_norm(x, weight, eps, residual)
     dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
     out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
+    if residual is None:
+        threads = torch.get_num_threads()
+        lib.llmserve_rms_norm_f32(
+            x.data_ptr(), None, weight.data_ptr(), eps, rows, dim, out.data_ptr(), None, threads
+        )
+        return out, x
+    res_out = torch.empty_like(x)
     lib.llmserve_rms_norm_f32(
         x.data_ptr(),
-        residual.data_ptr() if residual is not None else None,
+        residual.data_ptr(),
         weight.data_ptr(),
         eps,
         rows,
         dim,
         out.data_ptr(),
-        res_out.data_ptr() if residual is not None else None,
+        res_out.data_ptr(),
         torch.get_num_threads(),
     )
     return out, res_out
@@ -124,11 +138,92 @@ def apply_rotary(
     return outs[0], outs[1]
 
 
+# The step's positions and slots already checked against the tables (every layer passes the same).
+_store_checked = CheckedOnce()
+
+
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    isa=None,
+) -> torch.Tensor:
+    """``kernels.reference.kv_write.rotary_store_kv`` in one native pass: a layer's rotary and
+    cache write, where the composition costs eight torch ops and their temporaries (at batch 1 a
+    few microseconds of work under some 40 of dispatch)."""
+    lib = _lib(qkv, cos_sin_cache, k_cache, v_cache, isa=isa)
+    cache_shape = k_cache.shape
+    d = cache_shape[-1]
+    t, width = qkv.shape if qkv.dim() == 2 else (0, -1)
+    ok = (
+        lib is not None
+        and width == (num_heads + 2 * num_kv_heads) * d
+        and qkv.stride(1) == 1
+        and d % 2 == 0
+        and cache_shape[-2] == num_kv_heads
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.shape == cache_shape
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[-1] == d
+        and positions.dtype is torch.int64
+        and slot_mapping.dtype is torch.int64
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+        and positions.shape == slot_mapping.shape == (t,)
+    )
+    if not ok:
+        return kv_write.rotary_store_kv(
+            qkv,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_heads,
+            num_kv_heads,
+            apply_rotary=functools.partial(apply_rotary, isa=isa),
+        )
+    capacity = k_cache.numel() // (num_kv_heads * d)  # slots
+    bounds = (cos_sin_cache.shape[0], capacity)
+    if t and not _store_checked.seen(positions, slot_mapping, bounds=bounds):
+        # The kernel indexes both tables unchecked: a bad entry is an error here, not a crash.
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise IndexError(f"rotary position {lo if lo < 0 else hi} outside [0, {cos_sin_cache.shape[0]})")
+        if int(slot_mapping.max()) >= capacity:
+            raise IndexError(f"cache slot {int(slot_mapping.max())} outside the cache's {capacity} slots")
+        _store_checked.remember(positions, slot_mapping, bounds=bounds)
+    q = torch.empty((t, num_heads, d), dtype=torch.float32)
+    lib.llmserve_rotary_store_kv_f32(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        t,
+        num_heads,
+        num_kv_heads,
+        d,
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q
+
+
 def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
     lib = _lib(x, isa=isa)
     if (
         lib is None
-        or (isa is None and native_build.chosen_isa() not in SILU_FASTER_THAN_TORCH)
+        or (isa is None and not chosen_isa_in(SILU_FASTER_THAN_TORCH))
         or not x.is_contiguous()
         or x.shape[-1] % 2
     ):

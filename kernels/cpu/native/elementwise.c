@@ -1,6 +1,7 @@
 /* The decoder's elementwise chains, fused (fp32): RMSNorm with its residual add, rotary
- * embedding, and SiLU-and-multiply. Each is one pass over its rows where torch's twins
- * (kernels/reference/{rmsnorm,rotary,activation}.py, which define the arithmetic) make one pass
+ * embedding (alone, or with the layer's KV-cache write), and SiLU-and-multiply. Each is one pass
+ * over its rows where torch's twins (kernels/reference/{rmsnorm,rotary,kv_write,activation}.py,
+ * which define the arithmetic) make one pass
  * per operation and a temporary between each: these chains are memory-bound, so the passes are
  * the cost.
  *
@@ -49,6 +50,16 @@ void llmserve_rms_norm_f32(const float *x, const float *residual, const float *w
  * x1 * cos - x2 * sin and x2 * cos + x1 * sin, with cos, sin the two halves of
  * cos_sin[positions[t]]. x is read at its strides (a view of the fused QKV projection); out is
  * contiguous [tokens, heads, D]. */
+INLINE void rotate_head(const float *x1, const float *c, const float *s, int64_t half, float *o1) {
+    const float *x2 = x1 + half;
+    float *o2 = o1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        o1[i] = a * c[i] - b * s[i];
+        o2[i] = b * c[i] + a * s[i];
+    }
+}
+
 void llmserve_rotary_f32(const float *x, int64_t stride_token, int64_t stride_head, int64_t tokens,
                          int64_t heads, int64_t dim, const int64_t *positions, const float *cos_sin,
                          float *out, int32_t num_threads) {
@@ -56,15 +67,35 @@ void llmserve_rotary_f32(const float *x, int64_t stride_token, int64_t stride_he
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim > 16384)
     for (int64_t t = 0; t < tokens; ++t) {
         const float *c = cos_sin + positions[t] * dim, *s = c + half;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float *x1 = x + t * stride_token + h * stride_head, *x2 = x1 + half;
-            float *o1 = out + (t * heads + h) * dim, *o2 = o1 + half;
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                o1[i] = a * c[i] - b * s[i];
-                o2[i] = b * c[i] + a * s[i];
-            }
-        }
+        for (int64_t h = 0; h < heads; ++h)
+            rotate_head(x + t * stride_token + h * stride_head, c, s, half, out + (t * heads + h) * dim);
+    }
+}
+
+/* Attention's elementwise part of a layer in one call, on the fused QKV projection's rows (row t
+ * at qkv + t * stride_token: q_heads query heads, then kv_heads keys, then kv_heads values, dim
+ * floats each): the rotated queries to q_out [tokens, q_heads, dim], the rotated keys and the
+ * values into slot slots[t] of the caches ([slots, kv_heads, dim] each; a negative slot stores
+ * nothing). The rotation is rotate_head, as above: the cache holds the bits that rotary then a
+ * cache write would leave. What torch would do in eight ops (slices, the rotation, the masked
+ * scatter) with their temporaries is one pass over the row. */
+void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_t tokens,
+                                  int64_t q_heads, int64_t kv_heads, int64_t dim,
+                                  const int64_t *positions, const float *cos_sin,
+                                  const int64_t *slots, float *q_out, float *k_cache,
+                                  float *v_cache, int32_t num_threads) {
+    const int64_t half = dim / 2, kv_row = kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * (q_heads + kv_heads) * dim > 16384)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *row = qkv + t * stride_token;
+        const float *c = cos_sin + positions[t] * dim, *s = c + half;
+        for (int64_t h = 0; h < q_heads; ++h)
+            rotate_head(row + h * dim, c, s, half, q_out + (t * q_heads + h) * dim);
+        if (slots[t] < 0) continue;
+        const float *keys = row + q_heads * dim, *values = keys + kv_row;
+        float *k_slot = k_cache + slots[t] * kv_row, *v_slot = v_cache + slots[t] * kv_row;
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_head(keys + h * dim, c, s, half, k_slot + h * dim);
+        for (int64_t e = 0; e < kv_row; ++e) v_slot[e] = values[e];
     }
 }
 

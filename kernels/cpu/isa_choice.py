@@ -1,0 +1,20 @@
+"""Whether the chosen instruction set (``native_build.chosen_isa``) is one of a kernel's, memoized:
+the wrappers ask once a layer (150 times a token at batch 1), and the answer reads the CPU's flags
+and the platform each time (microseconds). The key holds what the answer depends on: the
+``LLMSERVE_CPU_ISA`` value, and the functions that decide (tests replace them)."""
+
+from __future__ import annotations
+
+import os
+
+from kernels.cpu import native_build
+
+_memo: dict[tuple, bool] = {}
+
+
+def chosen_isa_in(names: tuple[str, ...]) -> bool:
+    key = (native_build.chosen_isa, native_build.supported_isas, os.environ.get("LLMSERVE_CPU_ISA"), names)
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _memo[key] = native_build.chosen_isa() in names
+    return hit
