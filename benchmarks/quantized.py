@@ -9,6 +9,10 @@ wall time of the whole request (prefill + decode). llama.cpp runs in its own ven
 
     python -m benchmarks.quantized [--model models/default] [--rounds 2] [--tokens 128]
         [--systems ours:auto,ours:float32,ours:bfloat16,llamacpp]
+
+A system ``ours:DTYPE[:ACTIVATIONS]`` is llmserve with that dtype (``auto``: the file's blocks) and
+``quantized_activations`` (``int8`` or ``none``; unset: the engine's default), e.g.
+``ours:auto:int8,ours:auto:none,llamacpp``.
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, model: Path, dtype: str | None, batched: bool = False, **options):
+    def __init__(self, model: Path, dtype: str | None, batched: bool = False, activations=None, **options):
         from engine_svc.llm import LLM
 
-        self.name = f"llmserve {dtype or 'auto'}"
+        self.name = f"llmserve {dtype or 'auto'}" + (f" {activations}-act" if activations else "")
+        if activations:
+            options["quantized_activations"] = activations
         self.batched = batched
         self.llm = LLM(model=str(model), dtype=dtype, max_num_seqs=256 if batched else 1, **options)
 
@@ -126,9 +132,16 @@ def main(argv=None) -> dict:
         if s == "llamacpp":
             systems.append(LlamaCpp(where.gguf, args.threads))
         else:
-            dtype = s.split(":", 1)[1]
+            _, dtype, *act = s.split(":")
             model = where.gguf if where.is_gguf else where.root
-            systems.append(Ours(model, None if dtype == "auto" else dtype, batched=args.batched))
+            systems.append(
+                Ours(
+                    model,
+                    None if dtype == "auto" else dtype,
+                    batched=args.batched,
+                    activations=act[0] if act else None,
+                )
+            )
     tok = next(s for s in systems if isinstance(s, Ours)).llm.get_tokenizer()
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     for s in systems:  # warm-up: builds, caches, first-shape costs
