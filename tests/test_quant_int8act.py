@@ -133,6 +133,22 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1"))
+def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
+    """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""
+    qw = weight(fmt, 45, 96, seed=4)
+    half = quant_int8act.Int8ActLinear(qw, isa=isa)
+    full = quant_int8act.Int8ActLinear(qw, isa=isa, half_scales=False)
+    assert half.half_scales and not full.half_scales
+    assert half.packed.numel() < full.packed.numel()
+    x = activations(11, 96, seed=5)
+    assert torch.equal(half(x), full(x))
+    k_quant = weight("Q4_K", 8, 256, seed=1)  # d = d_super * scale6: not fp16 values
+    assert not quant_int8act.Int8ActLinear(k_quant, isa=isa).half_scales
+    with pytest.raises(ValueError, match="not all fp16 values"):
+        quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True)
+
+
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1"))
 def test_only_its_own_outputs_are_written(isa, fmt):
     n, k, m = 37, 64, 5
@@ -142,7 +158,7 @@ def test_only_its_own_outputs_are_written(isa, fmt):
     buf = torch.full((m, n + 11), 12345.0)
     lib = quant_int8act.library(isa)
     rc = lib.llmserve_qi8_gemm(
-        quant_int8act.FORMATS[fmt], x.data_ptr(), m, k, k, lin.packed.data_ptr(), n, None,
+        lin.code, x.data_ptr(), m, k, k, lin.packed.data_ptr(), n, None,
         buf.data_ptr(), n + 11, 2,
     )  # fmt: skip
     assert rc == 0
