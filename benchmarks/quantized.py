@@ -95,9 +95,11 @@ class Ours:
         from engine_svc.sampling_params import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        cpu = time.process_time()
         if self.batched:  # every prompt in one generate call: the engine batches them
             start = time.perf_counter()
             rs = self.llm.generate(prompts, sp, use_tqdm=False)
+            self.cpu_s = time.process_time() - cpu
             return [list(r.outputs[0].token_ids) for r in rs], [time.perf_counter() - start]
         outs, times = [], []
         for p in prompts:
@@ -105,6 +107,7 @@ class Ours:
             (r,) = self.llm.generate([p], sp, use_tqdm=False)
             times.append(time.perf_counter() - start)
             outs.append(list(r.outputs[0].token_ids))
+        self.cpu_s = time.process_time() - cpu
         return outs, times
 
     def close(self) -> None:
@@ -147,11 +150,16 @@ def main(argv=None) -> dict:
     for s in systems:  # warm-up: builds, caches, first-shape costs
         s.run(prompts[:1], 8)
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
+    # Our systems also per CPU-second of this process (on a machine shared with other work, less
+    # sensitive than wall time to the share of the cores we got; llama.cpp runs in another process)
+    cpu_rates: dict[str, list[float]] = {s.name: [] for s in systems if isinstance(s, Ours)}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):  # A B C A B C: every system sees the same machine load
         for s in systems:
             outs, times = s.run(prompts, args.tokens)
             rates[s.name].append(sum(len(o) for o in outs) / sum(times))
+            if s.name in cpu_rates:
+                cpu_rates[s.name].append(sum(len(o) for o in outs) / s.cpu_s)
             tokens[s.name] = outs
             print(f"{s.name}: {rates[s.name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     for s in systems:
@@ -164,6 +172,8 @@ def main(argv=None) -> dict:
     result["round_ratios_vs_" + base] = {
         k: [a / b for a, b in zip(rates[k], rates[base], strict=True)] for k in names
     }
+    result["tok_per_cpu_s"] = cpu_rates
+    result["median_tok_per_cpu_s"] = {k: statistics.median(v) for k, v in cpu_rates.items()}
     ref = tokens.get("llmserve float32")
     if ref is not None:
         result["greedy_equal_to_fp32"] = {
