@@ -171,7 +171,8 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None):
 
 def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> np.ndarray:
     """The kernel's math in numpy, written from the documented steps, not from the C: activations
-    quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even),
+    quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
+    zeros where ``dx`` is below the smallest normal float),
     integer block dot products in int64, then per output over the blocks in order
     ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32,
     and ``+ bias``. Returns fp32 ``[m, n]``."""
@@ -180,9 +181,9 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     m, k = xs.shape
     nb = k // QK
     xb = xs.reshape(m, nb, QK)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
-        inv = np.where(dx != 0, f32(1) / dx, f32(0)).astype(f32)
+        inv = np.where(dx >= np.finfo(f32).tiny, f32(1) / dx, f32(0)).astype(f32)
     qx = np.clip(np.rint((xb * inv[..., None]).astype(f32)), -127, 127).astype(np.int64)
     sx = qx.sum(-1)
     dxs = (dx * sx.astype(f32)).astype(f32)

@@ -4,7 +4,8 @@
  *
  * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
  *
- *   dx[b] = max|x| / 127      q = rint(x * (dx ? 1 / dx : 0))   (ties to even, within -127..127)
+ *   dx[b] = max|x| / 127      q = rint(x * (1 / dx))   (ties to even, within -127..127; all 0
+ *                                                       where dx is below the smallest normal)
  *   sx[b] = sum of the block's q (an integer)                   dxs[b] = dx * sx
  *
  * An output is then, over the blocks in order from 0.0f (each step rounded on its own, no fused
@@ -145,11 +146,14 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32
             const float a = __builtin_fabsf(xb[e]);
             amax = a > amax ? a : amax;
         }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* A scale below the smallest normal float (a block of zeros or subnormals) quantizes the
+         * block to zeros: its reciprocal would overflow. */
+        const float d = amax / 127.0f, id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
         int32_t s = 0;
         for (int e = 0; e < QK; ++e) {
             float v = __builtin_rintf(xb[e] * id);
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            if (v != v) v = 0.0f; /* NaN in, defined out */
             xq[b * QK + e] = (int8_t)v;
             s += (int8_t)v;
         }
