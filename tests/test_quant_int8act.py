@@ -1,6 +1,7 @@
 """The int8-activation quantized GEMM (``kernels/cpu/native/quant_int8act.c`` through
-``kernels/cpu/quant_int8act.py``) on every instruction set this CPU runs, AVX-512 with and without
-VNNI. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected result is
+``kernels/cpu/quant_int8act.py``) on every instruction set this CPU runs, AVX-512 and AVX2 each
+with and without VNNI. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected
+result is
 ``quant_int8act.reference``, the documented math in numpy (activations quantized in fp32, integer
 block sums in int64, the float steps in the documented order), bit for bit, and a float64 matmul of
 the same quantized activations and dequantized weights within fp32 rounding. A row is bit-equal
@@ -17,9 +18,11 @@ from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
-# (isa, VNNI on): AVX-512 runs both the vpdpbusd and the maddubs dot products.
+# (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
+# dot products.
+VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 PATHS = [
-    (isa, vnni) for isa in native_build.supported_isas() for vnni in ((1, 0) if isa == "avx512" else (0,))
+    (isa, vnni) for isa in native_build.supported_isas() for vnni in ((1, 0) if isa in VNNI_FLAG else (0,))
 ]
 
 
@@ -29,13 +32,13 @@ def isa(request):
     lib = quant_int8act.library(name)
     if lib is None:
         pytest.fail(f"quant_int8act did not build for {name} (a C compiler is on this machine)")
-    if name == "avx512":
-        has_vnni = "avx512_vnni" in native_build.cpu_flags()
+    if name in VNNI_FLAG:
+        has_vnni = VNNI_FLAG[name] in native_build.cpu_flags()
         assert lib.llmserve_qi8_vnni(vnni) == (vnni and has_vnni)
         if vnni and not has_vnni:
-            pytest.skip("this CPU has no AVX-512 VNNI")
+            pytest.skip(f"this CPU has no {VNNI_FLAG[name]}")
     yield name
-    if name == "avx512":
+    if name in VNNI_FLAG:
         lib.llmserve_qi8_vnni(1)
 
 
@@ -121,7 +124,7 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     try:
         for name, vnni in PATHS:
             lib = quant_int8act.library(name)
-            if name == "avx512":
+            if name in VNNI_FLAG:
                 lib.llmserve_qi8_vnni(vnni)
             lin = quant_int8act.Int8ActLinear(qw, isa=name)
             for t in (1, 2, 3):
@@ -130,7 +133,7 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
                 alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 70, 9)])
                 assert torch.equal(alone, results[-1][0:70:9])
                 assert torch.equal(lin(x[3:20]), results[-1][3:20])
-            if name == "avx512":
+            if name in VNNI_FLAG:
                 lib.llmserve_qi8_vnni(1)
     finally:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 /* y = x . W^T (+ bias) with W in quantized blocks and x quantized per call to int8: integer block
- * dot products (AVX-512 VNNI vpdpbusd where the CPU has it, else maddubs), as llama.cpp does. The
+ * dot products (vpdpbusd where the CPU has AVX-512 VNNI or AVX-VNNI, else maddubs), as llama.cpp does. The
  * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1 and the U8_1 form of Q5_K; Q4_K runs as Q4_1).
  *
  * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
@@ -16,7 +16,7 @@
  *
  * and y = acc + bias. Integer sums are exact in any order, and every ISA path does the same float
  * operations in the same order, so a row's result is bit-equal alone, in any batch, at any thread
- * count and across the avx512 (VNNI or not), avx2 and generic builds.
+ * count and across the avx512 and avx2 builds (VNNI or not) and the generic one.
  *
  * Weights are packed at load, the same bytes for every ISA: panels of NC = 32 output columns; per
  * block the panel's scales dw[32] (fp32, or fp16 where every one is an fp16 value, as a GGUF file's
@@ -304,7 +304,11 @@ INLINE vi dot_bw_signed(vi acc, vi stored, vi x) {
     const vi ws = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
     return dot_bw(acc, _mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
 }
-INLINE vi dot_vnni(vi acc, vi w, vi x) { return dot_bw(acc, w, x); } /* not used on AVX2 */
+/* AVX-VNNI (the VEX form, on CPUs with AVX2 and no AVX-512 as well): the caller checks the CPU. */
+INLINE vi dot_vnni(vi acc, vi w, vi x) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+}
 INLINE vi loadi(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vi bcast4(const int8_t *p) {
     int32_t v;
@@ -436,15 +440,19 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
                                                      PREFIX##u8_1,   PREFIX##q8_0_h, PREFIX##q4_0_h,        \
                                                      PREFIX##q4_1_h, PREFIX##u8_1_h};
 DEFINE_ITEMS(plain_, 0)
-#if defined(__AVX512F__)
+#ifdef VW
 DEFINE_ITEMS(vnni_, 1)
 #endif
 
-/* VNNI where the CPU has it (avx512 build only); tests may turn it off to check the other path. */
+/* VNNI where the CPU has it (AVX-512 VNNI for the avx512 build, AVX-VNNI for avx2); tests may turn
+ * it off to check the other path. */
 static int use_vnni = -1;
 static int vnni_active(void) {
-#if defined(__AVX512F__) && defined(__x86_64__)
-    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avx512vnni") != 0;
+    return use_vnni;
+#elif defined(__x86_64__) && defined(__AVX2__)
+    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avxvnni") != 0;
     return use_vnni;
 #else
     return 0;
@@ -483,7 +491,7 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
     const qrows xs = {q, dx, dxs, sx, k, nb};
     item_fn item = plain_items[fmt];
-#if defined(__AVX512F__)
+#ifdef VW
     if (vnni_active()) item = vnni_items[fmt];
 #endif
     const int64_t panels = (n + NC - 1) / NC, chunks = (m + MC - 1) / MC, pb = nb * block_stride(fmt);
