@@ -157,26 +157,16 @@ class Int8ActLinear:
 
 def quantize_activations(x: torch.Tensor, isa: str | None = None):
     """The kernel's own int8 form of ``x`` ``[m, k]`` fp32: (q int8 ``[m, k]``, dx fp32, sx int32,
-    xs fp32, each ``[m, k / 32]``), for tests."""
+    dxs fp32, each ``[m, k / 32]``), for tests."""
     x = x.float().contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
-    dx, xs = torch.empty(m, k // QK), torch.empty(m, k // QK)
+    dx, dxs = torch.empty(m, k // QK), torch.empty(m, k // QK)
     sx = torch.empty(m, k // QK, dtype=torch.int32)
     library(isa).llmserve_qi8_quantize(
-        x.data_ptr(), m, k, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), xs.data_ptr()
+        x.data_ptr(), m, k, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), dxs.data_ptr()
     )
-    return q, dx, sx, xs
-
-
-def block_sums(xb: np.ndarray) -> np.ndarray:
-    """fp32 sums of the last axis (32 values) by the documented tree: pairs ``e`` and ``e + 16``,
-    then halves again down to one."""
-    t = xb.astype(np.float32)
-    while t.shape[-1] > 1:
-        h = t.shape[-1] // 2
-        t = (t[..., :h] + t[..., h:]).astype(np.float32)
-    return t[..., 0]
+    return q, dx, sx, dxs
 
 
 def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> np.ndarray:
@@ -184,19 +174,19 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
     zeros where ``dx`` is below the smallest normal float),
     integer block dot products in int64, then per output over the blocks in order
-    ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * xs)]`` each step rounded to fp32 (``xs``: the
-    block's sum of x by ``block_sums``' tree),
+    ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32,
     and ``+ bias``. Returns fp32 ``[m, n]``."""
     f32 = np.float32
-    xf = x.detach().float().numpy()
-    m, k = xf.shape
+    xs = x.detach().float().numpy()
+    m, k = xs.shape
     nb = k // QK
-    xb = xf.reshape(m, nb, QK)
+    xb = xs.reshape(m, nb, QK)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
         inv = np.where(dx >= np.finfo(f32).tiny, f32(1) / dx, f32(0)).astype(f32)
     qx = np.clip(np.rint((xb * inv[..., None]).astype(f32)), -127, 127).astype(np.int64)
-    xs = block_sums(xb)
+    sx = qx.sum(-1)
+    dxs = (dx * sx.astype(f32)).astype(f32)
     q = weight.q.view(torch.int8) if weight.fmt in SIGNED else weight.q
     qw = q.numpy().astype(np.int64).reshape(-1, nb, QK)
     if weight.fmt == "Q4_0":
@@ -209,7 +199,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         t = (dw[None, :, b] * dx[:, None, b]).astype(f32) * isum[:, :, b].astype(f32)
         t = t.astype(f32)
         if mw is not None:
-            t = (t + (mw[None, :, b] * xs[:, None, b]).astype(f32)).astype(f32)
+            t = (t + (mw[None, :, b] * dxs[:, None, b]).astype(f32)).astype(f32)
         acc = (acc + t).astype(f32)
     if bias is not None:
         acc = (acc + bias.detach().float().numpy()[None, :]).astype(f32)

@@ -6,17 +6,13 @@
  *
  *   dx[b] = max|x| / 127      q = rint(x * (1 / dx))   (ties to even, within -127..127; all 0
  *                                                       where dx is below the smallest normal)
- *   sx[b] = sum of the block's q (an integer)
- *   xs[b] = sum of the block's x, by a fixed tree: pairs e and e + 16, then + 8, + 4, + 2, + 1
+ *   sx[b] = sum of the block's q (an integer)                   dxs[b] = dx * sx
  *
  * An output is then, over the blocks in order from 0.0f (each step rounded on its own, no fused
  * multiply-add anywhere), with isum = sum of q_w * q_x over the block, exact in int32:
  *
  *   Q8_0, Q4_0:  acc += (dw * dx) * isum                 (Q4_0: isum of (q_w - 8) * q_x)
- *   Q4_1, U8_1:  acc += (dw * dx) * isum + mw * xs
-
- * (the minimums' term takes the exact block sum of x, not llama.cpp's dx * sx: it is most of a
- * Q4_1 weight's value, and the activations' rounding errors would be multiplied by it)
+ *   Q4_1, U8_1:  acc += (dw * dx) * isum + mw * dxs
  *
  * and y = acc + bias. Integer sums are exact in any order, and every ISA path does the same float
  * operations in the same order, so a row's result is bit-equal alone, in any batch, at any thread
@@ -141,8 +137,8 @@ int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const vo
     return 0;
 }
 
-/* Row r of x (k floats) to int8 quants xq, per block dx, sx and xs (the documented rounding). */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *xs) {
+/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs (the documented rounding). */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs) {
     for (int64_t b = 0; b < k / QK; ++b) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -163,18 +159,16 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32
         }
         dx[b] = d;
         sx[b] = s;
-        float t[QK / 2]; /* element-wise adds: the same tree whether or not the compiler vectorizes */
-        for (int e = 0; e < 16; ++e) t[e] = xb[e] + xb[e + 16];
-        for (int w = 8; w >= 1; w /= 2)
-            for (int e = 0; e < w; ++e) t[e] = t[e] + t[e + w];
-        xs[b] = t[0];
+        float ds = d * (float)s;
+        KEEP(ds);
+        dxs[b] = ds;
     }
 }
 
-/* The quantized rows of one call: quants m x k, then per row and block dx, sx, xs (m x k/32 each). */
+/* The quantized rows of one call: quants m x k, then per row and block dx, sx, dxs (m x k/32 each). */
 typedef struct {
     const int8_t *q;
-    const float *dx, *xs;
+    const float *dx, *dxs;
     const int32_t *sx;
     int64_t k, nb;
 } qrows;
@@ -193,13 +187,13 @@ static void *scratch(size_t bytes) {
 }
 
 /* The block's fp32 contribution to one output (the generic path, and the reference order). */
-INLINE float block_term(float dw, float mw, float dx, float xs, int32_t isum, int min) {
+INLINE float block_term(float dw, float mw, float dx, float dxs, int32_t isum, int min) {
     float a = dw * dx;
     KEEP(a);
     float t = a * (float)isum;
     KEEP(t);
     if (min) {
-        float u = mw * xs;
+        float u = mw * dxs;
         KEEP(u);
         t = t + u;
         KEEP(t);
@@ -242,11 +236,11 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                         }
                         isum[c] += w * xq[4 * g + e];
                     }
-            const float dx = x->dx[r * x->nb + b], xs = x->xs[r * x->nb + b];
+            const float dx = x->dx[r * x->nb + b], dxs = x->dxs[r * x->nb + b];
             const int32_t corr = off * x->sx[r * x->nb + b];
             for (int c = 0; c < NC; ++c) {
                 const float dw = scale_at(fmt, blk, c), mw = min ? scale_at(fmt, blk + scale_row(fmt), c) : 0.0f;
-                const float t = block_term(dw, mw, dx, xs, isum[c] - corr, min);
+                const float t = block_term(dw, mw, dx, dxs, isum[c] - corr, min);
                 acc[i][c] = acc[i][c] + t;
             }
         }
@@ -395,12 +389,12 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         for (int i = 0; i < m; ++i) {
             const int64_t at = (r0 + i) * x->nb + b;
             const vfl dx = setf(x->dx[at]);
-            const vfl xs = setf(x->xs[at]);
+            const vfl dxs = setf(x->dxs[at]);
             const int32_t corr = off * x->sx[at];
             for (int v = 0; v < V; ++v) {
                 const vi s = off ? subi(isum[i][v], corr) : isum[i][v];
                 vfl t = keepv(keepv(dw[v] * dx) * cvt(s));
-                if (min) t = keepv(t + keepv(mw[v] * xs));
+                if (min) t = keepv(t + keepv(mw[v] * dxs));
                 acc[i][v] = acc[i][v] + t;
             }
         }
@@ -472,12 +466,12 @@ int32_t llmserve_qi8_vnni(int32_t on) {
     return vnni_active();
 }
 
-/* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, xs [m, k/32] (for tests and
+/* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, dxs [m, k/32] (for tests and
  * the kernel alike). */
 void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
-                           float *xs) {
+                           float *dxs) {
     const int64_t nb = k / QK;
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, xs + r * nb);
+    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
 }
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
@@ -490,12 +484,12 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * 12);
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
-    float *dx = (float *)(buf + qbytes), *xs = dx + m * nb;
-    int32_t *sx = (int32_t *)(xs + m * nb);
+    float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
+    int32_t *sx = (int32_t *)(dxs + m * nb);
     const int big = m * n * k > 262144;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (big && m > 1)
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, xs + r * nb);
-    const qrows xq = {q, dx, xs, sx, k, nb};
+    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
+    const qrows xs = {q, dx, dxs, sx, k, nb};
     item_fn item = plain_items[fmt];
 #ifdef VW
     if (vnni_active()) item = vnni_items[fmt];
@@ -513,7 +507,7 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
             memcpy(pad, bp, sizeof(float) * cols);
             bp = pad;
         }
-        item(&xq, r0, rows, packed + p * pb, bp, y + r0 * ldy + p * NC, ldy, cols);
+        item(&xs, r0, rows, packed + p * pb, bp, y + r0 * ldy + p * NC, ldy, cols);
     }
     return 0;
 }
