@@ -1,6 +1,7 @@
 """How much each quantized path changes the model, measured like llama.cpp's ``perplexity
 --kl-divergence``: on the same text (windows of the repository's corpus), against the fp32 model
-(here the GGUF file dequantized to fp32, ``quantization="none"``), per path: mean KL(fp32 || quant)
+(here the GGUF file dequantized to fp32, ``quantization="none"``), per path (weights, and fp32 or
+int8 activations on the quantized linears: ``quantized_activations``): mean KL(fp32 || quant)
 over every position's full next-token distribution, top-1 agreement, and perplexity; and whether
 greedy continuations equal fp32's.
 
@@ -25,11 +26,14 @@ from engine_svc.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tokenizer_svc" / "corpus" / "multilingual.txt"
-PATHS = {
-    "fp32": "none",
-    "gguf blocks": "gguf",
-    "int8 (Q8_0 made at load)": "int8",
-    "int4 (Q4_1 made at load)": "int4",
+PATHS = {  # name: (quantization, quantized_activations)
+    "fp32": ("none", "none"),
+    "gguf blocks, fp32 activations": ("gguf", "none"),
+    "gguf blocks, int8 activations": ("gguf", "int8"),
+    "int8 (Q8_0 made at load)": ("int8", "none"),
+    "int8 (Q8_0 made at load), int8 activations": ("int8", "int8"),
+    "int4 (Q4_1 made at load)": ("int4", "none"),
+    "int4 (Q4_1 made at load), int8 activations": ("int4", "int8"),
 }
 
 
@@ -66,8 +70,14 @@ def main(argv=None) -> dict:
     result: dict = {}
     ref = ref_greedy = targets = None
     vocab = model_vocab(args.model)
-    for name, quant in PATHS.items():
-        llm = LLM(model=args.model, quantization=quant, max_logprobs=vocab, max_num_seqs=4)
+    for name, (quant, activations) in PATHS.items():
+        llm = LLM(
+            model=args.model,
+            quantization=quant,
+            quantized_activations=activations,
+            max_logprobs=vocab,
+            max_num_seqs=4,
+        )
         if targets is None:
             ids = llm.get_tokenizer().encode(CORPUS.read_text(encoding="utf-8"))
             ids = list(getattr(ids, "ids", ids))

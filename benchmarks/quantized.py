@@ -15,6 +15,10 @@ its C API with all sequences in one unified KV cache (``llamacpp_peer.py``); ``-
 32,256`` spreads the output lengths evenly over the prompts. ``--llamacpp-flash-attn`` and
 ``--llamacpp-n-batch`` set llama.cpp's batched step. The Q8_0 file of the same weights comes from
 ``python -m benchmarks.requantize_gguf models/default --type Q8_0`` (pass it as ``--model``).
+
+A system ``ours:DTYPE[:ACTIVATIONS]`` is llmserve with that dtype (``auto``: the file's blocks) and
+``quantized_activations`` (``int8`` or ``none``; unset: the engine's default), e.g.
+``ours:auto:int8,ours:auto:none,llamacpp``.
 """
 
 from __future__ import annotations
@@ -95,10 +99,12 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, model: Path, dtype: str | None, batched: bool = False, **options):
+    def __init__(self, model: Path, dtype: str | None, batched: bool = False, activations=None, **options):
         from engine_svc.llm import LLM
 
-        self.name = f"llmserve {dtype or 'auto'}"
+        self.name = f"llmserve {dtype or 'auto'}" + (f" {activations}-act" if activations else "")
+        if activations:
+            options["quantized_activations"] = activations
         self.batched = batched
         self.llm = LLM(model=str(model), dtype=dtype, max_num_seqs=256 if batched else 1, **options)
 
@@ -107,9 +113,11 @@ class Ours:
 
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
         sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in limits]
+        cpu = time.process_time()
         if self.batched:  # every prompt in one generate call: the engine batches them
             start = time.perf_counter()
             rs = self.llm.generate(prompts, sps, use_tqdm=False)
+            self.cpu_s = time.process_time() - cpu
             return [list(r.outputs[0].token_ids) for r in rs], [time.perf_counter() - start]
         outs, times = [], []
         for p, sp in zip(prompts, sps, strict=True):
@@ -117,6 +125,7 @@ class Ours:
             (r,) = self.llm.generate([p], sp, use_tqdm=False)
             times.append(time.perf_counter() - start)
             outs.append(list(r.outputs[0].token_ids))
+        self.cpu_s = time.process_time() - cpu
         return outs, times
 
     def close(self) -> None:
@@ -159,9 +168,16 @@ def main(argv=None) -> dict:
             repack = {"on": True, "off": False}.get(args.llamacpp_repack, not _has_amx())
             systems.append(LlamaCpp(where.gguf, args.threads, repack, batched=args.batched, **options))
         else:
-            dtype = s.split(":", 1)[1]
+            _, dtype, *act = s.split(":")
             model = where.gguf if where.is_gguf else where.root
-            systems.append(Ours(model, None if dtype == "auto" else dtype, batched=args.batched))
+            systems.append(
+                Ours(
+                    model,
+                    None if dtype == "auto" else dtype,
+                    batched=args.batched,
+                    activations=act[0] if act else None,
+                )
+            )
     tok = next(s for s in systems if isinstance(s, Ours)).llm.get_tokenizer()
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     limits = args.tokens
@@ -172,11 +188,16 @@ def main(argv=None) -> dict:
     for s in systems:  # warm-up: builds, caches, first-shape costs
         s.run(prompts[:1], 8)
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
+    # Our systems also per CPU-second of this process (on a machine shared with other work, less
+    # sensitive than wall time to the share of the cores we got; llama.cpp runs in another process)
+    cpu_rates: dict[str, list[float]] = {s.name: [] for s in systems if isinstance(s, Ours)}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):  # A B C A B C: every system sees the same machine load
         for s in systems:
             outs, times = s.run(prompts, limits)
             rates[s.name].append(sum(len(o) for o in outs) / sum(times))
+            if s.name in cpu_rates:
+                cpu_rates[s.name].append(sum(len(o) for o in outs) / s.cpu_s)
             tokens[s.name] = outs
             print(f"{s.name}: {rates[s.name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     for s in systems:
@@ -190,6 +211,8 @@ def main(argv=None) -> dict:
     result["round_ratios_vs_" + base] = {
         k: [a / b for a, b in zip(rates[k], rates[base], strict=True)] for k in names
     }
+    result["tok_per_cpu_s"] = cpu_rates
+    result["median_tok_per_cpu_s"] = {k: statistics.median(v) for k, v in cpu_rates.items()}
     ref = tokens.get("llmserve float32")
     if ref is not None:
         result["greedy_equal_to_fp32"] = {

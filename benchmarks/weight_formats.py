@@ -4,7 +4,8 @@ in one run with the sides alternating:
     python -m benchmarks.weight_formats [--quick] [--threads N] [--model models/default]
 
 - GEMM: one panel kernel (``kernels/cpu/native/panel_gemm.h``) on fp32, bf16 (``native_gemm.py``)
-  and the quantized blocks Q8_0, Q4_1, Q4_K, Q6_K (``quant_gemm.py``), at M = 1, 16 and 64 rows,
+  and the quantized blocks Q8_0, Q4_1, Q4_K, Q6_K (``quant_gemm.py``), and Q8_0, Q4_1, Q4_K with
+  int8 activations (``+i8``: ``quant_int8act.py``), at M = 1, 16 and 64 rows,
   on weight shapes whose K is a whole number of K-quant super-blocks (256), each format cycling
   over enough copies of the weight (96 MB of fp32) that it comes from memory as in a decode step.
   Figures: microseconds per call, GFLOP/s, speed against fp32 (the weight bytes over bandwidth set
@@ -24,7 +25,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.cpu_kernels import median_time
-from kernels.cpu import native_gemm, quant_gemm
+from kernels.cpu import native_gemm, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 FULL = dict(
@@ -45,7 +46,8 @@ QUICK = dict(
     decode_tokens=0,
     decode_rounds=0,
 )
-FORMATS = ("fp32", "bf16", "Q8_0", "Q4_1", "Q4_K", "Q6_K")
+# "+i8": the same blocks with int8 activations (kernels/cpu/quant_int8act.py)
+FORMATS = ("fp32", "bf16", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0+i8", "Q4_1+i8", "Q4_K+i8")
 
 
 def make_linear(fmt: str, w: torch.Tensor, seed: int):
@@ -54,11 +56,12 @@ def make_linear(fmt: str, w: torch.Tensor, seed: int):
     if fmt == "bf16":
         return native_gemm.NativeLinear(w, weight_dtype=torch.bfloat16)
     n, k = w.shape
+    fmt, int8_act = fmt.removesuffix("+i8"), fmt.endswith("+i8")
     if fmt in ("Q4_K", "Q6_K"):  # no K-quant quantizer in gguf: random blocks, sane scales
         qw = quant_gemm.from_gguf_blocks(fmt, random_k_blocks(n, k, fmt, seed), (n, k))
     else:
         qw = quant_gemm.quantize_rows(w, fmt)
-    return quant_gemm.QuantLinear(qw)
+    return quant_int8act.Int8ActLinear(qw) if int8_act else quant_gemm.QuantLinear(qw)
 
 
 def gemm_rows(w: dict) -> list[dict]:

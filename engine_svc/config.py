@@ -29,6 +29,10 @@ class EngineConfig:
     # None/"auto": a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept (CPU, no float dtype asked for), else as
     # loaded; "none"; "gguf"; "int8" / "int4": blocks made at load (docs/quantization.md)
     quantization: str | None = None
+    # Activations of the quantized linears: "int8" (quantized per call in blocks of 32, integer dot
+    # products as llama.cpp), "none" (fp32, bit-equal to the dequantized fp32 model); None/"auto":
+    # the measured default (docs/quantization.md). Fixed per engine, never per batch.
+    quantized_activations: str | None = None
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -71,6 +75,10 @@ class EngineConfig:
                     f"quantization={self.quantization!r} runs fp32 activations: dtype must be unset or "
                     f"float32, got {self.dtype!r}"
                 )
+        if self.quantized_activations not in (None, "auto", "int8", "none"):
+            raise ValueError(
+                f"quantized_activations must be 'auto', 'int8' or 'none', got {self.quantized_activations!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._validate_lora()

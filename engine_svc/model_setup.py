@@ -11,7 +11,13 @@ from engine_svc.config import EngineConfig
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
-from engine_svc.models.quantized_weights import attach_gguf_blocks, quantize_linears, resolve_quantization
+from engine_svc.models.quantized_weights import (
+    attach_gguf_blocks,
+    quantize_linears,
+    resolve_activations,
+    resolve_quantization,
+    use_int8_activations,
+)
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
@@ -53,10 +59,16 @@ def load_model(
         blocks = f"GGUF blocks ({attach_gguf_blocks(model, where.gguf)})"
     elif quant in ("int8", "int4"):
         blocks = f"quantized blocks ({quantize_linears(model, quant)})"
+    activations = resolve_activations(config.quantized_activations, quant, device)
+    if blocks and activations == "int8":
+        blocks += f", {use_int8_activations(model)}"
+    elif blocks:
+        blocks += ", fp32 activations"
     backend = resolve_linear_backend(config.linear_backend, device, dtype)
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
     model.quantization = quant
+    model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
     # on the native bf16 path, whose linears are packed from the bf16 weights above and whose
     # activations are fp32; the other parameters (norms, embedding) go to fp32 exactly.
@@ -67,7 +79,9 @@ def load_model(
     isa = native_build.chosen_isa()
     log.info(
         "linear layers: %s%s (%s on %s)",
-        f"{blocks}, native quant_gemm ({isa}); the rest: " if blocks and backend != "dense" else "",
+        f"{blocks}, native {'quant_int8act' if activations == 'int8' else 'quant_gemm'} ({isa}); the rest: "
+        if blocks and backend != "dense"
+        else "",
         {
             "native": f"native GEMM, packed ({isa})",
             NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa})",

@@ -240,13 +240,17 @@ def test_random_mixes_equal_their_solo_runs(tiny_llama):
     explore(tiny_llama, EXAMPLES, {}, ALL_CASES)
 
 
-# The quantized linears (kernels/cpu/quant_gemm.py): a GGUF file's own blocks, and blocks made at
-# load from the HF checkpoint. Fewer examples each (the paths share everything but the GEMM).
-QUANTIZED_PATHS = {
-    "gguf Q4_1": ("Q4_1", None),
-    "gguf Q8_0": ("Q8_0", None),
-    "int8": (None, "int8"),
-    "int4": (None, "int4"),
+# The quantized linears: a GGUF file's own blocks, and blocks made at load from the HF checkpoint,
+# with fp32 activations (kernels/cpu/quant_gemm.py) and int8 ones (quant_int8act.py: activations
+# quantized per row, so a row's result must not depend on its batch either). Fewer examples each
+# (the paths share everything but the GEMM).
+QUANTIZED_PATHS = {  # (GGUF type, quantization, quantized_activations, the linears' class)
+    "gguf Q4_1": ("Q4_1", None, "none", "QuantLinear"),
+    "gguf Q8_0": ("Q8_0", None, "none", "QuantLinear"),
+    "int8": (None, "int8", "none", "QuantLinear"),
+    "int4": (None, "int4", "none", "QuantLinear"),
+    "gguf Q4_1, int8 activations": ("Q4_1", None, "int8", "Int8ActLinear"),
+    "gguf Q8_0, int8 activations": ("Q8_0", None, "int8", "Int8ActLinear"),
 }
 
 
@@ -254,14 +258,16 @@ QUANTIZED_PATHS = {
 def test_random_mixes_equal_their_solo_runs_on_quantized_linears(tiny_llama, tmp_path_factory, path):
     from tests.gguf_files import write_gguf
 
-    gguf_type, quantization = QUANTIZED_PATHS[path]
+    gguf_type, quantization, activations, kind = QUANTIZED_PATHS[path]
     model = tiny_llama
     if gguf_type is not None:
         model = write_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / f"tiny-{gguf_type}.gguf", gguf_type)
-    extra = {} if quantization is None else {"quantization": quantization}
+    extra = {"quantized_activations": activations}
+    if quantization is not None:
+        extra["quantization"] = quantization
     engine = make_engine(model, **extra)
     kinds = {type(layer.qkv_proj).__name__ for layer in engine.model.layers}
-    assert kinds == {"QuantLinear"}, f"{path}: the linears run {kinds}"
+    assert kinds == {kind}, f"{path}: the linears run {kinds}"
     explore(model, max(6, EXAMPLES // 3), extra, ("chunked prefills", "prefix-hit tokens", "general steps"))
 
 

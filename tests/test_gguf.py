@@ -355,7 +355,7 @@ def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama,
     """A K-quant file's blocks run on the quantized GEMM (auto), bit-equal to the fp32 GEMM on the
     gguf package's dequantization of them (``quantization="none"``: the loader dequantizes with it)."""
     path = write_gguf(wide_llama, tmp_path / f"wide-{type_name}.gguf", type_name)
-    blocks = make_engine(path, num_kv_blocks=64)
+    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")  # the exact path
     floats = make_engine(path, num_kv_blocks=64, quantization="none")
     for layer in blocks.model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

@@ -9,6 +9,12 @@ GEMM (``kernels/cpu/quant_gemm.py``). The float parameters stay: the embedding l
 ``quantization`` (EngineConfig): None = auto (a GGUF file's blocks where the kernel has their
 format and no float ``dtype`` was asked for, else as loaded), ``"none"``, ``"gguf"``, ``"int8"``,
 ``"int4"``.
+
+``quantized_activations`` (EngineConfig): what those blocks multiply. ``"int8"``: the activations
+quantized per call to int8 (``kernels/cpu/quant_int8act.py``, integer dot products, as llama.cpp);
+``"none"``: fp32 (``quant_gemm.py``, bit-equal to the fp32 model on the dequantized weights). None
+= auto = ``DEFAULT_ACTIVATIONS``, chosen by measurement (docs/quantization.md). It is one choice
+per engine, never per batch size: a row's result must not depend on what shares its step.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from pathlib import Path
 import torch
 
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, _unpermute_rows
-from kernels.cpu import quant_gemm
+from kernels.cpu import quant_gemm, quant_int8act
 
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 _MADE = {"int8": "Q8_0", "int4": "Q4_1"}
+ACTIVATIONS = ("auto", "int8", "none")
+DEFAULT_ACTIVATIONS = "int8"
 
 
 def resolve_quantization(requested: str | None, *, is_gguf: bool, dtype_given: bool, device, tp: int) -> str:
@@ -136,3 +144,42 @@ def quantize_linears(model, quantization: str) -> str:
         param.quantized = quant_gemm.quantize_rows(param.data, fmt)
         count += 1
     return f"{count} x {fmt} (made at load from {quantization})"
+
+
+def resolve_activations(requested: str | None, quantization: str, device) -> str:
+    """``int8`` or ``none``: what the quantized linears multiply (``none`` when nothing is quantized).
+    An explicit ``int8`` that cannot run is an error naming why; auto falls back with a log line."""
+    requested = requested or "auto"
+    if requested not in ACTIVATIONS:
+        raise ValueError(f"quantized_activations must be one of {ACTIVATIONS}, got {requested!r}")
+    if quantization == "none" or requested == "none":
+        return "none"
+    if requested == "auto" and DEFAULT_ACTIVATIONS == "none":
+        return "none"
+    reason = quant_int8act.unusable_reason(torch.device(device))
+    if reason:
+        if requested == "int8":
+            raise ValueError(f"quantized_activations='int8' is unavailable: {reason}")
+        log.info("quantized linears: fp32 activations (%s)", reason)
+        return "none"
+    return "int8"
+
+
+def use_int8_activations(model) -> str:
+    """Mark every attached block set whose format has an int8-activation kernel; the others (Q6_K)
+    keep fp32 activations. Returns a summary for the log."""
+    made: Counter = Counter()
+    kept: Counter = Counter()
+    for param in _targets(model).values():
+        qw = getattr(param, "quantized", None)
+        if qw is None:
+            continue
+        if quant_int8act.supports(qw.fmt):
+            qw.activations = "int8"
+            made[qw.fmt] += 1
+        else:
+            kept[qw.fmt] += 1
+    summary = f"int8 activations ({quant_int8act.variant()})"
+    if kept:
+        summary += "; fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(kept.items()))
+    return summary

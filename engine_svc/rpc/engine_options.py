@@ -21,6 +21,13 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
         "weights of the linears: auto (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored, unless --dtype), "
         "none, gguf, int8 or int4 (blocks made at load; docs/quantization.md)",
     ),
+    (
+        "--quantized-activations",
+        str,
+        "activations of the quantized linears: auto (the default, int8), int8 (quantized per call in "
+        "blocks of 32, integer dot products, as llama.cpp) or none (fp32: the dequantized model's "
+        "math bit for bit)",
+    ),
     ("--seed", int, "engine seed"),
     ("--scheduling-policy", str, "fcfs or priority"),
     (

@@ -96,6 +96,7 @@ def engine_config_kwargs(args) -> dict:
         "seed",
         "scheduling_policy",
         "quantization",
+        "quantized_activations",
         "max_loras",
         "max_lora_rank",
     ):

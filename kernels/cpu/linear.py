@@ -131,11 +131,16 @@ _PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear, NATIVE_BF
 
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The projection's GEMM. A weight with quantized blocks attached (``weight.quantized``, see
-    ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM unless ``dense`` was
-    asked for (then ``F.linear`` on the float parameter). ``native_bf16`` packs the weight rounded to
-    bf16 (exact when it was loaded as bf16, whatever its dtype now)."""
+    ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM (with int8 activations
+    where the blocks say ``activations="int8"``) unless ``dense`` was asked for (then ``F.linear``
+    on the float parameter). ``native_bf16`` packs the weight rounded to bf16 (exact when it was
+    loaded as bf16, whatever its dtype now)."""
     blocks = getattr(weight, "quantized", None)
     if blocks is not None and backend != "dense":
+        if blocks.activations == "int8":
+            from kernels.cpu.quant_int8act import Int8ActLinear
+
+            return Int8ActLinear(blocks, bias)
         from kernels.cpu.quant_gemm import QuantLinear
 
         return QuantLinear(blocks, bias)

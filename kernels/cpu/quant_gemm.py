@@ -80,6 +80,8 @@ class QuantizedWeight:
     q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0 / Q6_K; 0..15 for Q4*; 0..31 for Q5_K)
     d: torch.Tensor  # [n, k / BLOCK_K] fp32
     m: torch.Tensor | None  # [n, k / BLOCK_K] fp32 (Q4_1, Q4_K, Q5_K)
+    # what the linear multiplies the blocks by: "fp32" (QuantLinear) or "int8" (quant_int8act.py)
+    activations: str = "fp32"
 
     @property
     def shape(self) -> tuple[int, int]:

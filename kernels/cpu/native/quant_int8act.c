@@ -1,0 +1,513 @@
+/* y = x . W^T (+ bias) with W in quantized blocks and x quantized per call to int8: integer block
+ * dot products (vpdpbusd where the CPU has AVX-512 VNNI or AVX-VNNI, else maddubs), as llama.cpp does. The
+ * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1 and the U8_1 form of Q5_K; Q4_K runs as Q4_1).
+ *
+ * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
+ *
+ *   dx[b] = max|x| / 127      q = rint(x * (1 / dx))   (ties to even, within -127..127; all 0
+ *                                                       where dx is below the smallest normal)
+ *   sx[b] = sum of the block's q (an integer)                   dxs[b] = dx * sx
+ *
+ * An output is then, over the blocks in order from 0.0f (each step rounded on its own, no fused
+ * multiply-add anywhere), with isum = sum of q_w * q_x over the block, exact in int32:
+ *
+ *   Q8_0, Q4_0:  acc += (dw * dx) * isum                 (Q4_0: isum of (q_w - 8) * q_x)
+ *   Q4_1, U8_1:  acc += (dw * dx) * isum + mw * dxs
+ *
+ * and y = acc + bias. Integer sums are exact in any order, and every ISA path does the same float
+ * operations in the same order, so a row's result is bit-equal alone, in any batch, at any thread
+ * count and across the avx512 and avx2 builds (VNNI or not) and the generic one.
+ *
+ * Weights are packed at load, the same bytes for every ISA: panels of NC = 32 output columns; per
+ * block the panel's scales dw[32] (fp32, or fp16 where every one is an fp16 value, as a GGUF file's
+ * Q8_0 / Q4_0 / Q4_1 scales are: 12-17% fewer bytes to stream), minimums mw[32] where the format
+ * has them, then the quants
+ * in 4-byte k groups, a group's 32 columns side by side (an int32 lane of a vector is one column's
+ * 4 k steps, as vpdpbusd wants them):
+ *
+ *   byte forms (Q8_0, U8_1): [group g 0..7][column][4]            Q8_0 stored as q + 128 (unsigned)
+ *   nibble forms (Q4_0, Q4_1): [g 0..3][column][4], group g in the low nibbles, g + 4 in the high
+ *
+ * vpdpbusd multiplies unsigned by signed bytes: the stored weight (0..255) by q_x (-127..127); the
+ * offset (128 for Q8_0, 8 for Q4_0) comes back out as offset * sx. maddubs (AVX2, AVX-512 without
+ * VNNI) adds two such products in int16 with saturation, so Q8_0 there takes the signed weight's
+ * magnitude times q_x with its sign (at most 2 * 128 * 127, no saturation), the same integer.
+ *
+ * Built per instruction set by native_build.py; OpenMP threads are torch's. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define QK 32
+#define NC 32
+#ifndef MC
+#define MC 256 /* rows per work item: an item is (rows, panel) */
+#endif
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 4
+#endif
+#if defined(__AVX512F__)
+#define MR 4 /* 4 rows x 2 vectors of int32 sums and of fp32 sums: 16 of the 32 registers */
+#elif defined(__AVX2__)
+#define MR 2
+#else
+#define MR 4
+#endif
+
+/* A format code is the weight form, + FMT_HALF where its scales (and minimums) are fp16 values
+ * (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks): stored as fp16, read back exactly, fewer bytes to stream. */
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_HALF = 4, FMT_COUNT = 8 };
+
+INLINE int form(int fmt) { return fmt & 3; }
+INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
+INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1; }
+INLINE int nibbles(int fmt) { return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1; }
+INLINE int offset(int fmt) { return form(fmt) == FMT_Q8_0 ? 128 : form(fmt) == FMT_Q4_0 ? 8 : 0; }
+INLINE int64_t scale_row(int fmt) { return (int64_t)NC * (half_scales(fmt) ? 2 : 4); } /* dw (or mw) bytes */
+INLINE int64_t scale_bytes(int fmt) { return scale_row(fmt) * (has_min(fmt) ? 2 : 1); }
+/* Scale c of a block's row of NC (fp32, or fp16 bits). */
+INLINE float scale_at(int fmt, const uint8_t *p, int c) {
+    if (half_scales(fmt)) {
+        _Float16 h;
+        memcpy(&h, p + 2 * c, 2);
+        return (float)h;
+    }
+    float f;
+    memcpy(&f, p + 4 * c, 4);
+    return f;
+}
+INLINE int64_t quant_bytes(int fmt) { return (int64_t)NC * (nibbles(fmt) ? QK / 2 : QK); }
+INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
+
+/* A float that must be rounded on its own: the empty asm hides it from -ffp-contract=fast. */
+#if defined(__x86_64__) || defined(__i386__)
+#define KEEP(x) __asm__("" : "+x"(x))
+#elif defined(__aarch64__)
+#define KEEP(x) __asm__("" : "+w"(x))
+#else
+#define KEEP(x) ((void)0)
+#endif
+
+int32_t llmserve_qi8_panel_width(void) { return NC; }
+
+int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
+    if (fmt < 0 || fmt >= FMT_COUNT) return -1;
+    return ((n + NC - 1) / NC) * (k / QK) * block_stride(fmt);
+}
+
+/* q: n x k quants, one byte each (int8 bits for Q8_0, 0..15 for Q4, 0..31 for U8_1); d, m: n x k/32
+ * fp32, or fp16 bits with FMT_HALF (m only where the format has minimums). Returns 0, or -1
+ * (unknown format, partial block). */
+int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const void *m, int64_t n, int64_t k,
+                          uint8_t *packed) {
+    if (fmt < 0 || fmt >= FMT_COUNT || k % QK) return -1;
+    const int64_t panels = (n + NC - 1) / NC, blocks = k / QK, sb = scale_bytes(fmt);
+    uint8_t *out = packed;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t *ds = out, *ms = out + scale_row(fmt), *qs = out + sb;
+            const int64_t es = half_scales(fmt) ? 2 : 4; /* bytes a scale */
+            for (int c = 0; c < NC; ++c) {
+                const int64_t j = p * NC + c;
+                memset(ds + es * c, 0, es);
+                if (j < n) memcpy(ds + es * c, (const uint8_t *)d + es * (j * blocks + b), es);
+                if (has_min(fmt)) {
+                    memset(ms + es * c, 0, es);
+                    if (j < n) memcpy(ms + es * c, (const uint8_t *)m + es * (j * blocks + b), es);
+                }
+                const uint8_t *src = j < n ? q + j * k + b * QK : NULL;
+                for (int e = 0; e < 4; ++e) {
+                    if (nibbles(fmt))
+                        for (int g = 0; g < 4; ++g)
+                            qs[(g * NC + c) * 4 + e] =
+                                src ? (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4)) : 0;
+                    else
+                        for (int g = 0; g < 8; ++g)
+                            qs[(g * NC + c) * 4 + e] =
+                                src ? (uint8_t)(form(fmt) == FMT_Q8_0 ? src[4 * g + e] ^ 0x80 : src[4 * g + e]) : 0;
+                }
+            }
+            out += block_stride(fmt);
+        }
+    return 0;
+}
+
+/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs (the documented rounding). */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs) {
+    for (int64_t b = 0; b < k / QK; ++b) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int e = 0; e < QK; ++e) {
+            const float a = __builtin_fabsf(xb[e]);
+            amax = a > amax ? a : amax;
+        }
+        /* A scale below the smallest normal float (a block of zeros or subnormals) quantizes the
+         * block to zeros: its reciprocal would overflow. */
+        const float d = amax / 127.0f, id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int e = 0; e < QK; ++e) {
+            float v = __builtin_rintf(xb[e] * id);
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            if (v != v) v = 0.0f; /* NaN in, defined out */
+            xq[b * QK + e] = (int8_t)v;
+            s += (int8_t)v;
+        }
+        dx[b] = d;
+        sx[b] = s;
+        float ds = d * (float)s;
+        KEEP(ds);
+        dxs[b] = ds;
+    }
+}
+
+/* The quantized rows of one call: quants m x k, then per row and block dx, sx, dxs (m x k/32 each). */
+typedef struct {
+    const int8_t *q;
+    const float *dx, *dxs;
+    const int32_t *sx;
+    int64_t k, nb;
+} qrows;
+
+/* A thread's scratch for the quantized activations, kept and grown, never freed. */
+static void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        void *grown = realloc(buf, bytes);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = bytes;
+    }
+    return buf;
+}
+
+/* The block's fp32 contribution to one output (the generic path, and the reference order). */
+INLINE float block_term(float dw, float mw, float dx, float dxs, int32_t isum, int min) {
+    float a = dw * dx;
+    KEEP(a);
+    float t = a * (float)isum;
+    KEEP(t);
+    if (min) {
+        float u = mw * dxs;
+        KEEP(u);
+        t = t + u;
+        KEEP(t);
+    }
+    return t;
+}
+
+INLINE void store_rows(float acc[][NC], int m, const float *bias, float *y, int64_t ldy, int cols) {
+    for (int i = 0; i < m; ++i)
+        for (int c = 0; c < cols; ++c) {
+            float v = acc[i][c];
+            if (bias) v = v + bias[c];
+            y[i * ldy + c] = v;
+        }
+}
+
+/* Generic C: rows [0, m) against one panel. */
+static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const uint8_t *panel,
+                         const float *bias, float *y, int64_t ldy, int cols) {
+    float acc[MR][NC];
+    for (int i = 0; i < m; ++i)
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.0f;
+    const int off = offset(fmt), min = has_min(fmt);
+    for (int64_t b = 0; b < x->nb; ++b) {
+        const uint8_t *blk = panel + b * block_stride(fmt), *qs = blk + scale_bytes(fmt);
+        for (int i = 0; i < m; ++i) {
+            const int64_t r = r0 + i;
+            const int8_t *xq = x->q + r * x->k + b * QK;
+            int32_t isum[NC];
+            for (int c = 0; c < NC; ++c) isum[c] = 0;
+            for (int g = 0; g < 8; ++g)
+                for (int c = 0; c < NC; ++c)
+                    for (int e = 0; e < 4; ++e) {
+                        int w;
+                        if (nibbles(fmt)) {
+                            const uint8_t v = qs[((g & 3) * NC + c) * 4 + e];
+                            w = g < 4 ? v & 15 : v >> 4;
+                        } else {
+                            w = qs[(g * NC + c) * 4 + e];
+                        }
+                        isum[c] += w * xq[4 * g + e];
+                    }
+            const float dx = x->dx[r * x->nb + b], dxs = x->dxs[r * x->nb + b];
+            const int32_t corr = off * x->sx[r * x->nb + b];
+            for (int c = 0; c < NC; ++c) {
+                const float dw = scale_at(fmt, blk, c), mw = min ? scale_at(fmt, blk + scale_row(fmt), c) : 0.0f;
+                const float t = block_term(dw, mw, dx, dxs, isum[c] - corr, min);
+                acc[i][c] = acc[i][c] + t;
+            }
+        }
+    }
+    store_rows(acc, m, bias, y, ldy, cols);
+}
+
+#if defined(__AVX512F__)
+#define V 2 /* vectors of 16 int32 lanes per panel */
+typedef __m512i vi;
+typedef __m512 vfl;
+INLINE vfl keepv(vfl v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+/* acc + the 4-byte dot products of unsigned w and signed x, per int32 lane. VNNI: one instruction
+ * (assembled directly: the avx512 build's -march does not include VNNI; the caller checks the CPU). */
+INLINE vi dot_vnni(vi acc, vi w, vi x) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+    return acc;
+}
+INLINE vi dot_bw(vi acc, vi w, vi x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+/* Q8_0 without VNNI: the signed weight (stored ^ 0x80) as magnitude and sign. */
+INLINE vi dot_bw_signed(vi acc, vi stored, vi x) {
+    const vi ws = _mm512_xor_si512(stored, _mm512_set1_epi8((char)0x80));
+    const __mmask64 neg = _mm512_movepi8_mask(ws);
+    const vi sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    return dot_bw(acc, _mm512_abs_epi8(ws), sx);
+}
+INLINE vi loadi(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE vi bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+INLINE vi lo_nib(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+INLINE vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+INLINE vfl loadf(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vfl loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
+INLINE vfl cvt(vi v) { return _mm512_cvtepi32_ps(v); }
+INLINE vi subi(vi a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
+INLINE vi zeroi(void) { return _mm512_setzero_si512(); }
+INLINE vfl zerof(void) { return _mm512_setzero_ps(); }
+INLINE void storef(float *p, vfl v) { _mm512_storeu_ps(p, v); }
+#define VW 16
+#elif defined(__AVX2__)
+#define V 4
+typedef __m256i vi;
+typedef __m256 vfl;
+INLINE vfl keepv(vfl v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+INLINE vi dot_bw(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+INLINE vi dot_bw_signed(vi acc, vi stored, vi x) {
+    const vi ws = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
+    return dot_bw(acc, _mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
+}
+/* AVX-VNNI (the VEX form, on CPUs with AVX2 and no AVX-512 as well): the caller checks the CPU. */
+INLINE vi dot_vnni(vi acc, vi w, vi x) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+}
+INLINE vi loadi(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vi bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+INLINE vi lo_nib(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+INLINE vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+INLINE vfl loadf(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vfl loadh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
+INLINE vfl cvt(vi v) { return _mm256_cvtepi32_ps(v); }
+INLINE vi subi(vi a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
+INLINE vi zeroi(void) { return _mm256_setzero_si256(); }
+INLINE vfl zerof(void) { return _mm256_setzero_ps(); }
+INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
+#define VW 8
+#endif
+
+#ifdef VW
+/* Rows [0, m) (m <= MR, a constant at each call site) against one panel, SIMD. vnni: the dot is
+ * vpdpbusd (unsigned stored weights, offset corrected after); else maddubs (Q8_0 signed). */
+INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m,
+                      const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
+    vfl acc[MR][V];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = zerof();
+    const int min = has_min(fmt);
+    const int signed_dot = !vnni && form(fmt) == FMT_Q8_0;
+    const int off = signed_dot ? 0 : offset(fmt);
+    const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
+    const int8_t *xr[MR];
+    for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
+    for (int64_t b = 0; b < x->nb; ++b) {
+        const uint8_t *blk = panel + b * stride;
+        for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, 3);
+        const uint8_t *qs = blk + sb;
+        vi isum[MR][V];
+        for (int i = 0; i < m; ++i)
+            for (int v = 0; v < V; ++v) isum[i][v] = zeroi();
+        if (nibbles(fmt)) {
+            for (int g = 0; g < 4; ++g) {
+                vi lo[V], hi[V];
+                for (int v = 0; v < V; ++v) {
+                    const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+                    lo[v] = lo_nib(raw);
+                    hi[v] = hi_nib(raw);
+                }
+                for (int i = 0; i < m; ++i) {
+                    const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
+                    for (int v = 0; v < V; ++v) {
+                        isum[i][v] = vnni ? dot_vnni(isum[i][v], lo[v], xl) : dot_bw(isum[i][v], lo[v], xl);
+                        isum[i][v] = vnni ? dot_vnni(isum[i][v], hi[v], xh) : dot_bw(isum[i][v], hi[v], xh);
+                    }
+                }
+            }
+        } else {
+            for (int g = 0; g < 8; ++g) {
+                vi w[V];
+                for (int v = 0; v < V; ++v) w[v] = loadi(qs + (g * NC + v * VW) * 4);
+                for (int i = 0; i < m; ++i) {
+                    const vi xb = bcast4(xr[i] + b * QK + 4 * g);
+                    for (int v = 0; v < V; ++v)
+                        isum[i][v] = vnni         ? dot_vnni(isum[i][v], w[v], xb)
+                                     : signed_dot ? dot_bw_signed(isum[i][v], w[v], xb)
+                                                  : dot_bw(isum[i][v], w[v], xb);
+                }
+            }
+        }
+        vfl dw[V], mw[V];
+        for (int v = 0; v < V; ++v) {
+            const int64_t at = half_scales(fmt) ? 2 * v * VW : 4 * v * VW;
+            dw[v] = half_scales(fmt) ? loadh(blk + at) : loadf((const float *)(blk + at));
+            if (min)
+                mw[v] = half_scales(fmt) ? loadh(blk + scale_row(fmt) + at)
+                                         : loadf((const float *)(blk + scale_row(fmt) + at));
+        }
+        for (int i = 0; i < m; ++i) {
+            const int64_t at = (r0 + i) * x->nb + b;
+            const vfl dx = setf(x->dx[at]);
+            const vfl dxs = setf(x->dxs[at]);
+            const int32_t corr = off * x->sx[at];
+            for (int v = 0; v < V; ++v) {
+                const vi s = off ? subi(isum[i][v], corr) : isum[i][v];
+                vfl t = keepv(keepv(dw[v] * dx) * cvt(s));
+                if (min) t = keepv(t + keepv(mw[v] * dxs));
+                acc[i][v] = acc[i][v] + t;
+            }
+        }
+    }
+    float out[MR][NC];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) storef(out[i] + v * VW, acc[i][v]);
+    store_rows(out, m, bias, y, ldy, cols);
+}
+#endif
+
+typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias,
+                        float *y, int64_t ldy, int cols);
+
+/* A format's work item: its rows MR at a time, then the rest (each count its own loop). */
+#ifdef VW
+#define ROWS(FMT, VNNI, M) rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
+#else
+#define ROWS(FMT, VNNI, M) rows_generic(FMT, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
+#endif
+#define DEFINE_ITEM(NAME, FMT, VNNI)                                                                     \
+    static void NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
+                     float *y, int64_t ldy, int cols) {                                                  \
+        int64_t i = 0;                                                                                   \
+        for (; i + MR <= rows; i += MR) ROWS(FMT, VNNI, MR);                                             \
+        switch (rows - i) {                                                                              \
+            case 1: ROWS(FMT, VNNI, 1); break;                                                           \
+            case 2: ROWS(FMT, VNNI, 2 % MR); break;                                                      \
+            case 3: ROWS(FMT, VNNI, 3 % MR); break;                                                      \
+            default: break;                                                                              \
+        }                                                                                                \
+    }
+#define DEFINE_ITEMS(PREFIX, VNNI)                                                                       \
+    DEFINE_ITEM(PREFIX##q8_0, FMT_Q8_0, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##q4_0, FMT_Q4_0, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##q4_1, FMT_Q4_1, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##u8_1, FMT_U8_1, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##q8_0_h, FMT_Q8_0 | FMT_HALF, VNNI)                                               \
+    DEFINE_ITEM(PREFIX##q4_0_h, FMT_Q4_0 | FMT_HALF, VNNI)                                               \
+    DEFINE_ITEM(PREFIX##q4_1_h, FMT_Q4_1 | FMT_HALF, VNNI)                                               \
+    DEFINE_ITEM(PREFIX##u8_1_h, FMT_U8_1 | FMT_HALF, VNNI)                                               \
+    static const item_fn PREFIX##items[FMT_COUNT] = {PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,          \
+                                                     PREFIX##u8_1,   PREFIX##q8_0_h, PREFIX##q4_0_h,        \
+                                                     PREFIX##q4_1_h, PREFIX##u8_1_h};
+DEFINE_ITEMS(plain_, 0)
+#ifdef VW
+DEFINE_ITEMS(vnni_, 1)
+#endif
+
+/* VNNI where the CPU has it (AVX-512 VNNI for the avx512 build, AVX-VNNI for avx2); tests may turn
+ * it off to check the other path. */
+static int use_vnni = -1;
+static int vnni_active(void) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avx512vnni") != 0;
+    return use_vnni;
+#elif defined(__x86_64__) && defined(__AVX2__)
+    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avxvnni") != 0;
+    return use_vnni;
+#else
+    return 0;
+#endif
+}
+
+/* on: 1 use VNNI where available, 0 never, -1 leave. Returns whether VNNI runs now. */
+int32_t llmserve_qi8_vnni(int32_t on) {
+    if (on == 0) use_vnni = 0;
+    if (on == 1) use_vnni = -1;
+    return vnni_active();
+}
+
+/* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, dxs [m, k/32] (for tests and
+ * the kernel alike). */
+void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
+                           float *dxs) {
+    const int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
+}
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
+ * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). */
+int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
+                          int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
+    if (fmt < 0 || fmt >= FMT_COUNT || k % QK || k <= 0) return -1;
+    const int64_t nb = k / QK;
+    const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
+    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * 12);
+    if (!buf) return -2;
+    int8_t *q = (int8_t *)buf;
+    float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
+    int32_t *sx = (int32_t *)(dxs + m * nb);
+    const int big = m * n * k > 262144;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (big && m > 1)
+    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
+    const qrows xs = {q, dx, dxs, sx, k, nb};
+    item_fn item = plain_items[fmt];
+#ifdef VW
+    if (vnni_active()) item = vnni_items[fmt];
+#endif
+    const int64_t panels = (n + NC - 1) / NC, chunks = (m + MC - 1) / MC, pb = nb * block_stride(fmt);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (big)
+    for (int64_t it = 0; it < chunks * panels; ++it) {
+        const int64_t c = it / panels, p = it % panels, r0 = c * MC;
+        const int64_t rows = m - r0 < MC ? m - r0 : MC;
+        const int cols = (int)(n - p * NC < NC ? n - p * NC : NC);
+        float pad[NC];
+        const float *bp = bias ? bias + p * NC : NULL;
+        if (bp && cols < NC) {
+            memset(pad, 0, sizeof pad);
+            memcpy(pad, bp, sizeof(float) * cols);
+            bp = pad;
+        }
+        item(&xs, r0, rows, packed + p * pb, bp, y + r0 * ldy + p * NC, ldy, cols);
+    }
+    return 0;
+}

@@ -1,0 +1,206 @@
+"""Linears on quantized weights with int8 activations (``kernels/cpu/native/quant_int8act.c``):
+each call quantizes its rows of ``x`` to int8 in blocks of 32 (one fp32 scale a block, the block's
+quant sum for the formats with minimums) and multiplies the weights' integer quants by them in
+integer block dot products, as llama.cpp does; AVX-512 VNNI where the CPU has it.
+
+The result is not the fp32-activation GEMM's (``quant_gemm.QuantLinear``: bit-equal to fp32 on the
+dequantized weight) but the documented quantized math, the same bits on every instruction set, for
+a row alone or in any batch, at any thread count. ``reference`` is an independent float64 statement
+of it for tests.
+
+Formats: Q8_0, Q4_0, Q4_1 and the K-quants brought to their forms at load (Q4_K as Q4_1, Q5_K as
+U8_1); Q6_K (a scale per 16 weights) has no int8 form here (``supports`` says so) and stays on the
+fp32-activation kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+from kernels.cpu import native_build
+from kernels.cpu.native_gemm import rows_in_and_out
+from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight
+
+# quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3}
+HALF = 4  # + to a format code: its scales (and minimums) packed as fp16
+QK = 32
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_SIGNATURES = {
+    "llmserve_qi8_pack": ([_I32, _P, _P, _P, _I64, _I64, _P], _I32),
+    "llmserve_qi8_packed_bytes": ([_I32, _I64, _I64], _I64),
+    "llmserve_qi8_gemm": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
+    "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
+    "llmserve_qi8_vnni": ([_I32], _I32),
+    "llmserve_qi8_panel_width": ([], _I32),
+}
+
+
+def library(isa: str | None = None):
+    return _library(isa or native_build.chosen_isa())
+
+
+@functools.cache
+def _library(isa: str):
+    lib = native_build.load_or_none("quant_int8act", isa)
+    if lib is None:
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def supports(fmt: str) -> bool:
+    return fmt in FORMATS
+
+
+def unusable_reason(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"device is {device.type}"
+    if library() is None:
+        return "no native build of quant_int8act (see the log)"
+    return None
+
+
+def variant(isa: str | None = None) -> str:
+    """What the dot products run on: ``avx512 VNNI``, ``avx512``, ``avx2`` or ``generic``."""
+    isa = isa or native_build.chosen_isa()
+    lib = library(isa)
+    return f"{isa} VNNI" if lib is not None and lib.llmserve_qi8_vnni(-1) else isa
+
+
+class Int8ActLinear:
+    """``F.linear(x, W, bias)`` with ``W`` a ``QuantizedWeight`` and ``x`` quantized to int8 per
+    call (the module docstring's math), packed at construction."""
+
+    kind = "quantized_int8act"
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        isa: str | None = None,
+        half_scales: bool | None = None,
+    ):
+        """``half_scales``: pack the scales as fp16 (None: where they all are fp16 values)."""
+        if not supports(weight.fmt):
+            raise ValueError(f"no int8-activation kernel for {weight.fmt}")
+        lib = library(isa)
+        if lib is None:
+            raise RuntimeError("the int8-activation GEMM has no build here")
+        self.isa = isa or native_build.chosen_isa()
+        self.fmt = weight.fmt
+        self.code = FORMATS[weight.fmt]
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % QK:
+            raise ValueError(f"rows of {self.in_features} are not whole blocks of {QK}")
+        q = weight.q.contiguous()
+        d = weight.d.float().contiguous()
+        m = None if weight.m is None else weight.m.float().contiguous()
+        # Scales that are all fp16 values (a GGUF file's Q8_0 / Q4_* blocks) are packed as fp16:
+        # read back exactly, fewer bytes per weight (Q4_1: 0.625 against 0.75).
+        exact = all(t is None or torch.equal(t.half().float(), t) for t in (d, m))
+        if half_scales and not exact:
+            raise ValueError("half_scales: the scales are not all fp16 values")
+        self.half_scales = exact if half_scales is None else half_scales
+        if self.half_scales:
+            self.code |= HALF
+            d = d.half()
+            m = None if m is None else m.half()
+        self.packed = torch.empty(
+            lib.llmserve_qi8_packed_bytes(self.code, self.out_features, self.in_features), dtype=torch.uint8
+        )
+        rc = lib.llmserve_qi8_pack(
+            self.code,
+            q.data_ptr(),
+            d.data_ptr(),
+            None if m is None else m.data_ptr(),
+            self.out_features,
+            self.in_features,
+            self.packed.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"quant_int8act refused to pack {self.fmt} {weight.shape}")
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._gemm = lib.llmserve_qi8_gemm
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
+        m = x2.shape[0]
+        if m:
+            rc = self._gemm(
+                self.code,
+                x2.data_ptr(),
+                m,
+                self.in_features,
+                x2.stride(0),
+                self._packed_ptr,
+                self.out_features,
+                self._bias_ptr,
+                y.data_ptr(),
+                self.out_features,
+                torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"quant_int8act failed ({rc}) on {self.fmt} with k={self.in_features}")
+        return y.view(*lead, self.out_features)
+
+
+def quantize_activations(x: torch.Tensor, isa: str | None = None):
+    """The kernel's own int8 form of ``x`` ``[m, k]`` fp32: (q int8 ``[m, k]``, dx fp32, sx int32,
+    dxs fp32, each ``[m, k / 32]``), for tests."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    dx, dxs = torch.empty(m, k // QK), torch.empty(m, k // QK)
+    sx = torch.empty(m, k // QK, dtype=torch.int32)
+    library(isa).llmserve_qi8_quantize(
+        x.data_ptr(), m, k, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), dxs.data_ptr()
+    )
+    return q, dx, sx, dxs
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> np.ndarray:
+    """The kernel's math in numpy, written from the documented steps, not from the C: activations
+    quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
+    zeros where ``dx`` is below the smallest normal float),
+    integer block dot products in int64, then per output over the blocks in order
+    ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32,
+    and ``+ bias``. Returns fp32 ``[m, n]``."""
+    f32 = np.float32
+    xs = x.detach().float().numpy()
+    m, k = xs.shape
+    nb = k // QK
+    xb = xs.reshape(m, nb, QK)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
+        inv = np.where(dx >= np.finfo(f32).tiny, f32(1) / dx, f32(0)).astype(f32)
+    qx = np.clip(np.rint((xb * inv[..., None]).astype(f32)), -127, 127).astype(np.int64)
+    sx = qx.sum(-1)
+    dxs = (dx * sx.astype(f32)).astype(f32)
+    q = weight.q.view(torch.int8) if weight.fmt in SIGNED else weight.q
+    qw = q.numpy().astype(np.int64).reshape(-1, nb, QK)
+    if weight.fmt == "Q4_0":
+        qw = qw - 8
+    dw = weight.d.float().numpy()
+    mw = None if weight.m is None else weight.m.float().numpy()
+    isum = np.einsum("mbk,nbk->mnb", qx, qw)  # exact in int64
+    acc = np.zeros((m, qw.shape[0]), f32)
+    for b in range(nb):
+        t = (dw[None, :, b] * dx[:, None, b]).astype(f32) * isum[:, :, b].astype(f32)
+        t = t.astype(f32)
+        if mw is not None:
+            t = (t + (mw[None, :, b] * dxs[:, None, b]).astype(f32)).astype(f32)
+        acc = (acc + t).astype(f32)
+    if bias is not None:
+        acc = (acc + bias.detach().float().numpy()[None, :]).astype(f32)
+    return acc

@@ -1,0 +1,200 @@
+"""The int8-activation quantized GEMM (``kernels/cpu/native/quant_int8act.c`` through
+``kernels/cpu/quant_int8act.py``) on every instruction set this CPU runs, AVX-512 and AVX2 each
+with and without VNNI. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected
+result is
+``quant_int8act.reference``, the documented math in numpy (activations quantized in fp32, integer
+block sums in int64, the float steps in the documented order), bit for bit, and a float64 matmul of
+the same quantized activations and dequantized weights within fp32 rounding. A row is bit-equal
+alone, in any batch, at any thread count and on every ISA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from kernels.cpu import native_build, quant_gemm, quant_int8act
+from tests.gguf_files import random_k_blocks
+
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
+# (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
+# dot products.
+VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
+PATHS = [
+    (isa, vnni) for isa in native_build.supported_isas() for vnni in ((1, 0) if isa in VNNI_FLAG else (0,))
+]
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: f"{p[0]}{'-vnni' if p[1] else ''}")
+def isa(request):
+    name, vnni = request.param
+    lib = quant_int8act.library(name)
+    if lib is None:
+        pytest.fail(f"quant_int8act did not build for {name} (a C compiler is on this machine)")
+    if name in VNNI_FLAG:
+        has_vnni = VNNI_FLAG[name] in native_build.cpu_flags()
+        assert lib.llmserve_qi8_vnni(vnni) == (vnni and has_vnni)
+        if vnni and not has_vnni:
+            pytest.skip(f"this CPU has no {VNNI_FLAG[name]}")
+    yield name
+    if name in VNNI_FLAG:
+        lib.llmserve_qi8_vnni(1)
+
+
+def weight(fmt: str, n: int, k: int, seed: int) -> quant_gemm.QuantizedWeight:
+    if fmt in ("Q4_K", "Q5_K"):
+        raw = random_k_blocks(n, k, fmt, seed)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(n, k, generator=g) * k**-0.5).numpy()
+        raw = quants.quantize(w, getattr(GGMLQuantizationType, fmt))
+    return quant_gemm.from_gguf_blocks(fmt, raw, (n, k))
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, :32] *= 50  # blocks of very different scales
+    if m > 2:
+        x[1, 32:64] = 0  # an all-zero block: scale 0
+        x[2, 5] = 1e-30  # a tiny value beside normal ones
+        x[2, 32:64] = 1e-39  # a block of subnormals: its scale is too, the block quantizes to 0
+    return x
+
+
+def float64_product(x: torch.Tensor, qw: quant_gemm.QuantizedWeight, bias) -> np.ndarray:
+    """The same quantized activations (from the numpy quantizer below) times the dequantized weight
+    in float64: the math without the fp32 roundings of the combination."""
+    xs = x.double().numpy()
+    m, k = xs.shape
+    xb = xs.reshape(m, k // 32, 32).astype(np.float32)
+    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    inv = np.where(dx >= tiny, np.float32(1) / np.where(dx >= tiny, dx, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127)
+    xq = (q * dx[..., None].astype(np.float64)).reshape(m, k)
+    w = qw.dequantize().double().numpy()
+    out = xq @ w.T
+    return out if bias is None else out + bias.double().numpy()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64, 300])
+@pytest.mark.parametrize("k,n,bias", [(576, 200, False), (64, 47, True), (256, 33, False), (32, 1, True)])
+def test_int8_activation_gemm_is_the_documented_math(isa, fmt, m, k, n, bias):
+    if fmt in ("Q4_K", "Q5_K") and k % 256:
+        k = 256 * (k // 256 + 1)
+    qw = weight(fmt, n, k, seed=m * 1000 + k + n)
+    g = torch.Generator().manual_seed(m)
+    b = torch.randn(n, generator=g) if bias else None
+    x = activations(m, k, seed=m + k)
+    got = quant_int8act.Int8ActLinear(qw, b, isa=isa)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw, b))
+    want = float64_product(x, qw, b)
+    scale = np.abs(x.double().numpy()).sum(1, keepdims=True) * float(qw.dequantize().abs().max())
+    assert np.all(np.abs(got.numpy() - want) <= 1e-6 * scale + 1e-6 * np.abs(want))
+
+
+def test_the_activation_quantization_is_the_documented_one(isa):
+    x = activations(7, 96, seed=3)
+    x[3, 0] = 127 * 0.5 / 127  # values that land on .5 after scaling: ties go to even
+    q, dx, sx, dxs = quant_int8act.quantize_activations(x, isa)
+    xb = x.numpy().reshape(7, 3, 32)
+    want_dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    np.testing.assert_array_equal(dx.numpy(), want_dx)
+    ok = want_dx >= np.finfo(np.float32).tiny
+    inv = np.where(ok, np.float32(1) / np.where(ok, want_dx, 1), 0).astype(np.float32)
+    want_q = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int8)
+    np.testing.assert_array_equal(q.numpy(), want_q.reshape(7, 96))
+    np.testing.assert_array_equal(sx.numpy(), want_q.astype(np.int32).sum(-1))
+    np.testing.assert_array_equal(dxs.numpy(), (want_dx * want_q.astype(np.int32).sum(-1)).astype(np.float32))
+    assert np.all(q.numpy()[1, 32:64] == 0) and dx[1, 1] == 0
+    assert np.all(q.numpy()[2, 32:64] == 0) and 0 < dx[2, 1] < np.finfo(np.float32).tiny
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
+    k = 512
+    qw = weight(fmt, 300, k, seed=7)
+    x = activations(70, k, seed=1)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for name, vnni in PATHS:
+            lib = quant_int8act.library(name)
+            if name in VNNI_FLAG:
+                lib.llmserve_qi8_vnni(vnni)
+            lin = quant_int8act.Int8ActLinear(qw, isa=name)
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                results.append(lin(x))
+                alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 70, 9)])
+                assert torch.equal(alone, results[-1][0:70:9])
+                assert torch.equal(lin(x[3:20]), results[-1][3:20])
+            if name in VNNI_FLAG:
+                lib.llmserve_qi8_vnni(1)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1"))
+def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
+    """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""
+    qw = weight(fmt, 45, 96, seed=4)
+    half = quant_int8act.Int8ActLinear(qw, isa=isa)
+    full = quant_int8act.Int8ActLinear(qw, isa=isa, half_scales=False)
+    assert half.half_scales and not full.half_scales
+    assert half.packed.numel() < full.packed.numel()
+    x = activations(11, 96, seed=5)
+    assert torch.equal(half(x), full(x))
+    k_quant = weight("Q4_K", 8, 256, seed=1)  # d = d_super * scale6: not fp16 values
+    assert not quant_int8act.Int8ActLinear(k_quant, isa=isa).half_scales
+    with pytest.raises(ValueError, match="not all fp16 values"):
+        quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True)
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1"))
+def test_only_its_own_outputs_are_written(isa, fmt):
+    n, k, m = 37, 64, 5
+    qw = weight(fmt, n, k, seed=3)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    x = activations(m, k, seed=2)
+    buf = torch.full((m, n + 11), 12345.0)
+    lib = quant_int8act.library(isa)
+    rc = lib.llmserve_qi8_gemm(
+        lin.code, x.data_ptr(), m, k, k, lin.packed.data_ptr(), n, None,
+        buf.data_ptr(), n + 11, 2,
+    )  # fmt: skip
+    assert rc == 0
+    assert torch.all(buf[:, n:] == 12345.0)
+    np.testing.assert_array_equal(buf[:, :n].numpy(), quant_int8act.reference(x, qw))
+
+
+def test_bad_input_is_refused(isa):
+    qw = weight("Q8_0", 8, 64, seed=1)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    with pytest.raises(ValueError, match="rows of 64"):
+        lin(torch.randn(2, 32))
+    x64 = torch.randn(3, 64, dtype=torch.float64)  # other dtypes and strides: as their fp32 rows
+    assert torch.equal(lin(x64), lin(x64.float()))
+    wide = torch.randn(3, 128)
+    assert torch.equal(lin(wide[:, ::2]), lin(wide[:, ::2].contiguous()))
+    assert lin(torch.randn(0, 64)).shape == (0, 8)
+    lib = quant_int8act.library(isa)
+    y = torch.full((1, 8), 7.0)
+    x = torch.randn(1, 64)
+    for fmt, k in ((9, 64), (-1, 64), (0, 48)):
+        assert (
+            lib.llmserve_qi8_gemm(
+                fmt, x.data_ptr(), 1, k, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1
+            )
+            == -1
+        )
+    assert torch.all(y == 7.0)  # a refused call writes nothing
+    q6 = quant_gemm.from_gguf_blocks("Q6_K", random_k_blocks(4, 256, "Q6_K", 0), (4, 256))
+    assert not quant_int8act.supports("Q6_K")
+    with pytest.raises(ValueError, match="no int8-activation kernel for Q6_K"):
+        quant_int8act.Int8ActLinear(q6, isa=isa)
