@@ -77,7 +77,7 @@ def test_engine_tokens_on_the_copy_equal_transformers(tmp_path, trained_tokenize
     out = requantize(_source(tmp_path, trained_tokenizer_dir), "Q8_0", tmp_path / "q8" / "model.Q8_0.gguf")
     hf = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
     prompts = random_prompts([6, 30], 1024, seed=11)
-    engine = make_engine(out, max_num_batched_tokens=24, dtype="float32")
+    engine = make_engine(out, max_num_batched_tokens=24, dtype="float32", quantized_activations="none")
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
