@@ -141,6 +141,17 @@ def load_or_none(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     return _load_or_none(name, isa or chosen_isa())
 
 
+def load_with_signatures(name: str, isa: str, signatures: dict) -> ctypes.CDLL | None:
+    """``load_or_none`` with each function's ctypes signature set: ``signatures`` maps a function's
+    name to ``(argtypes, restype)``."""
+    lib = load_or_none(name, isa)
+    if lib is not None:
+        for fn_name, (argtypes, restype) in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
 # (compiler, isa) whose failure was already reported as a warning.
 _reported: set[tuple[str, str]] = set()
 

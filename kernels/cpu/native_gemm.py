@@ -38,13 +38,7 @@ def library(isa: str | None = None):
 
 @functools.cache
 def _library(isa: str):
-    lib = native_build.load_or_none("small_gemm", isa)
-    if lib is None:
-        return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return native_build.load_with_signatures("small_gemm", isa, _SIGNATURES)
 
 
 def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:

@@ -57,13 +57,7 @@ def library(isa: str | None = None):
 
 @functools.cache
 def _library(isa: str):
-    lib = native_build.load_or_none("quant_gemm", isa)
-    if lib is None:
-        return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return native_build.load_with_signatures("quant_gemm", isa, _SIGNATURES)
 
 
 def unusable_reason(device: torch.device) -> str | None:
@@ -227,6 +221,30 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     raise ValueError(f"quantize_rows makes Q8_0 or Q4_1, got {fmt}")
 
 
+def call_packed(linear, code: int, x: torch.Tensor, refusal: str) -> torch.Tensor:
+    """``linear``'s packed GEMM on ``x``: quant_gemm.c and quant_int8act.c take the same arguments
+    (format code, rows, packed weight, bias, output, threads) and return nonzero to refuse."""
+    lead, x2, y = rows_in_and_out(x, linear.in_features, linear.out_features)
+    m = x2.shape[0]
+    if m:
+        rc = linear._gemm(
+            code,
+            x2.data_ptr(),
+            m,
+            linear.in_features,
+            x2.stride(0),
+            linear._packed_ptr,
+            linear.out_features,
+            linear._bias_ptr,
+            y.data_ptr(),
+            linear.out_features,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"{refusal} {linear.fmt} with k={linear.in_features} ({rc})")
+    return y.view(*lead, linear.out_features)
+
+
 class QuantLinear:
     """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight``, packed at construction."""
 
@@ -260,22 +278,4 @@ class QuantLinear:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
-        m = x2.shape[0]
-        if m:
-            rc = self._gemm(
-                self._code,
-                x2.data_ptr(),
-                m,
-                self.in_features,
-                x2.stride(0),
-                self._packed_ptr,
-                self.out_features,
-                self._bias_ptr,
-                y.data_ptr(),
-                self.out_features,
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"quant_gemm refused format {self.fmt} with k={self.in_features}")
-        return y.view(*lead, self.out_features)
+        return call_packed(self, self._code, x, "quant_gemm refused format")

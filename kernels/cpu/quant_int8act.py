@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
-from kernels.cpu.native_gemm import rows_in_and_out
-from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight
+from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3}
@@ -47,13 +46,7 @@ def library(isa: str | None = None):
 
 @functools.cache
 def _library(isa: str):
-    lib = native_build.load_or_none("quant_int8act", isa)
-    if lib is None:
-        return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return native_build.load_with_signatures("quant_int8act", isa, _SIGNATURES)
 
 
 def supports(fmt: str) -> bool:
@@ -134,25 +127,7 @@ class Int8ActLinear:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
-        m = x2.shape[0]
-        if m:
-            rc = self._gemm(
-                self.code,
-                x2.data_ptr(),
-                m,
-                self.in_features,
-                x2.stride(0),
-                self._packed_ptr,
-                self.out_features,
-                self._bias_ptr,
-                y.data_ptr(),
-                self.out_features,
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"quant_int8act failed ({rc}) on {self.fmt} with k={self.in_features}")
-        return y.view(*lead, self.out_features)
+        return call_packed(self, self.code, x, "quant_int8act failed on")
 
 
 def quantize_activations(x: torch.Tensor, isa: str | None = None):
