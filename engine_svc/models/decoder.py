@@ -1,6 +1,11 @@
 """One decoder-only transformer for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias) and
 Qwen3 (per-head q/k RMSNorm). Tokens of every request in a step are flattened into one batch;
-attention reads and writes the paged KV cache through the ``kernels`` interface."""
+attention reads and writes the paged KV cache through the ``kernels`` interface.
+
+On the CPU, where every op of the layer loop is a native kernel, the loop runs in one native call
+(``kernels/cpu/native_decoder.py``: the same kernels in the same order, the same bits); anything
+else (wrapped projections, q/k norms, tensor parallelism, other kernels or devices) runs the
+Python loop below."""
 
 from __future__ import annotations
 
@@ -13,9 +18,26 @@ from torch import nn
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
+from kernels.cpu import native_decoder
 from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
+
+# Bumped by any change to a layer's or the model's attributes (new projections, parameters
+# replaced, ``.to()``): the native loop's descriptors, which hold raw pointers, are then rebuilt.
+_LAYOUT = [0]
+_NOT_LAYOUT = frozenset(("_kv_of", "_kv_views", "_native_loop", "_native_loop_layout", "native_loop_reason"))
+
+
+class _TracksLayout:
+    def __setattr__(self, name, value):
+        if name not in _NOT_LAYOUT:
+            _LAYOUT[0] += 1
+        super().__setattr__(name, value)
+
+    def _apply(self, *args, **kwargs):
+        _LAYOUT[0] += 1
+        return super()._apply(*args, **kwargs)
 
 
 @dataclass
@@ -30,7 +52,7 @@ class AttentionInputs:
     max_seq_len: int
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_TracksLayout, nn.Module):
     """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded)."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard):
@@ -110,7 +132,7 @@ class DecoderLayer(nn.Module):
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(_TracksLayout, nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_positions: int, shard: Shard | None = None):
         super().__init__()
         self.spec = spec
@@ -134,6 +156,9 @@ class DecoderForCausalLM(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
         self.linear_backend = "dense"
         self.prepare_linears("dense")
+        self._native_loop = None  # NativeDecoderLoop, or None (then native_loop_reason says why)
+        self._native_loop_layout = -1  # the _LAYOUT it was built at
+        self.native_loop_reason: str | None = "not built yet"
 
     def prepare_linears(self, backend: str) -> None:
         """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
@@ -154,6 +179,12 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self._embed(input_ids)
+        if self._native_loop_layout != _LAYOUT[0]:
+            self._build_native_loop()
+        if self._native_loop is not None:
+            out = self._native_loop.run(k, x, positions, kv_caches, attn)
+            if out is not None:
+                return out
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
@@ -161,6 +192,48 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
+
+    def _build_native_loop(self) -> None:
+        """The native layer loop over the layers as they are now, or the reason it cannot run them."""
+        self._native_loop, reason = None, None
+        first = self.layers[0] if len(self.layers) else None
+        if self.shard.size != 1:
+            reason = "tensor parallel"
+        elif first is None:
+            reason = "no layers"
+        elif any(layer.q_norm is not None for layer in self.layers):
+            reason = "q/k norms"
+        elif any(layer.eps != self.spec.rms_norm_eps or layer.scale != first.scale for layer in self.layers):
+            reason = "layers differ in eps or scale"
+        else:
+            shape = native_decoder.Shape(
+                hidden=self.spec.hidden_size,
+                q_heads=first.num_heads,
+                kv_heads=first.num_kv_heads,
+                head_dim=first.head_dim,
+                inter=first.down_weight.shape[1],
+                eps=self.spec.rms_norm_eps,
+                scale=first.scale,
+            )
+            parts = [
+                native_decoder.LayerParts(
+                    layer.qkv_proj,
+                    layer.o_proj,
+                    layer.gate_up_proj,
+                    layer.down_proj,
+                    layer.input_norm,
+                    layer.post_attn_norm,
+                    layer.o_bias,
+                )
+                for layer in self.layers
+            ]
+            built = native_decoder.build(shape, parts, self.final_norm, self.cos_sin)
+            if isinstance(built, str):
+                reason = built
+            else:
+                self._native_loop = built
+        self.native_loop_reason = reason
+        self._native_loop_layout = _LAYOUT[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:

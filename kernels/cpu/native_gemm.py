@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -91,6 +92,16 @@ class NativeLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
+    def native_entry(self) -> NativeEntry:
+        return NativeEntry(
+            fn_address(self._gemm),
+            None,
+            self._packed_ptr,
+            self._bias_ptr,
+            self.out_features,
+            self.in_features,
+        )
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
         m = x2.shape[0]
@@ -108,6 +119,26 @@ class NativeLinear:
                 torch.get_num_threads(),
             )
         return y.view(*lead, self.out_features)
+
+
+class NativeEntry(NamedTuple):
+    """How native code runs a linear itself (``kernels/cpu/native_decoder.py``), with the arguments
+    its ``__call__`` passes: the GEMM's entry point, the weight's format code (None: the entry
+    takes none, small_gemm.c's; else quant_gemm.c's or quant_int8act.c's, which return nonzero to
+    refuse), the packed weight, the bias (None: none), and the output and input widths. The
+    pointers stay valid while the linear lives."""
+
+    fn: int
+    code: int | None
+    packed: int
+    bias: int | None
+    out_features: int
+    in_features: int
+
+
+def fn_address(fn) -> int:
+    """The address of a ctypes library function (for native code to call it directly)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def rows_in_and_out(x: torch.Tensor, in_features: int, out_features: int):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
-from kernels.cpu.native_gemm import rows_in_and_out
+from kernels.cpu.native_gemm import NativeEntry, fn_address, rows_in_and_out
 
 # GGUF type -> the kernel's format (quant_gemm.c's FMT_*): the K-quants run as the block form above.
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
@@ -245,6 +245,12 @@ def call_packed(linear, code: int, x: torch.Tensor, refusal: str) -> torch.Tenso
     return y.view(*lead, linear.out_features)
 
 
+def native_entry(linear, code: int) -> NativeEntry:
+    """``linear``'s GEMM as ``call_packed`` runs it, for native callers (``NativeEntry``)."""
+    ptrs = (linear._packed_ptr, linear._bias_ptr)
+    return NativeEntry(fn_address(linear._gemm), code, *ptrs, linear.out_features, linear.in_features)
+
+
 class QuantLinear:
     """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight``, packed at construction."""
 
@@ -276,6 +282,9 @@ class QuantLinear:
         self._gemm = lib.llmserve_qgemm
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def native_entry(self) -> NativeEntry:
+        return native_entry(self, self._code)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return call_packed(self, self._code, x, "quant_gemm refused format")

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
-from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed
+from kernels.cpu.native_gemm import NativeEntry
+from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed, native_entry
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3}
@@ -125,6 +126,9 @@ class Int8ActLinear:
         self._gemm = lib.llmserve_qi8_gemm
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def native_entry(self) -> NativeEntry:
+        return native_entry(self, self.code)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return call_packed(self, self.code, x, "quant_int8act failed on")

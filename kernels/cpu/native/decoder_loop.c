@@ -1,0 +1,132 @@
+/* The decoder's layer loop for the native CPU path, in one call per forward pass.
+ *
+ * At batch 1 the kernels of a layer take microseconds each, and the Python around them (one ctypes
+ * call, its argument conversions, the output tensors) cost as much again: this loop calls the same
+ * kernels, in the same order, with the same arguments, through function pointers taken from their
+ * already-loaded libraries (each keeps its own per-instruction-set build), so its result is the
+ * Python loop's bit for bit (engine_svc/models/decoder.py; kernels/cpu/native_decoder.py builds
+ * the descriptors below and checks, once per step, every index the kernels read unchecked).
+ *
+ * Per layer: RMSNorm (+ residual) -> QKV GEMM -> rotary + KV-cache store -> paged attention ->
+ * O GEMM (+ O bias) -> RMSNorm (+ residual) -> gate/up GEMM -> SiLU-and-multiply -> down GEMM;
+ * then the final RMSNorm. Intermediate rows live in the caller's scratch buffers; the residual
+ * is updated in place (each element of a row is read before its own slot is written, so this is
+ * the kernel's arithmetic on separate buffers). No OpenMP here: each kernel opens its own
+ * parallel region with the thread count it is given, as from Python. */
+
+#include <stdint.h>
+
+typedef void (*gemm_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const void *packed, int64_t n,
+                        const float *bias, float *y, int64_t ldy, int32_t num_threads);
+typedef int32_t (*coded_gemm_fn)(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                                 const void *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                                 int32_t num_threads);
+typedef void (*rms_norm_fn)(const float *x, const float *residual, const float *weight, float eps, int64_t rows,
+                            int64_t dim, float *out, float *residual_out, int32_t num_threads);
+typedef void (*rotary_store_fn)(const float *qkv, int64_t stride_token, int64_t tokens, int64_t q_heads,
+                                int64_t kv_heads, int64_t dim, const int64_t *positions, const float *cos_sin,
+                                const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
+                                int32_t num_threads);
+typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_stride_head, const float *k_cache,
+                            const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                            const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
+                            int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                            float scale, float *out, int32_t num_threads);
+typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
+
+/* One linear: y[m, n] = x[m, k] . W^T + bias through its own GEMM. `coded`: the entry takes the
+ * weight's format code first and returns nonzero to refuse (quant_gemm.c, quant_int8act.c);
+ * otherwise it is small_gemm.c's fp32 or bf16-weight entry. */
+typedef struct {
+    void *fn;
+    const void *packed;
+    const float *bias; /* NULL: none */
+    int64_t n, k;
+    int32_t code, coded;
+} Linear;
+
+typedef struct {
+    Linear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm, *o_bias; /* o_bias NULL: none */
+    float *k_cache, *v_cache;                    /* [slots, kv_heads, head_dim] each */
+} Layer;
+
+typedef struct {
+    void *rms_norm, *rotary_store_kv, *attention, *silu_and_mul;
+    const float *cos_sin, *final_norm;
+    int64_t hidden, q_heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+} Model;
+
+/* One forward pass: its tokens' metadata (checked by the caller) and the buffers, each rows of
+ * tokens x its width: residual, normed (hidden), qkv, q and attn (q_heads * head_dim), hidden,
+ * gate_up (2 * inter), act (inter); x (the embedded tokens) is read only, out gets the final norm. */
+typedef struct {
+    int64_t tokens;
+    const int64_t *positions, *slots;
+    const int32_t *block_tables, *seq_lens, *query_start_loc;
+    int64_t block_table_stride;
+    int32_t num_seqs, num_threads;
+    const float *x;
+    float *out, *residual, *normed, *qkv, *q, *attn, *hidden, *gate_up, *act;
+} Step;
+
+/* Where a kernel refused (the caller raises with these). */
+enum { STAGE_QKV = 1, STAGE_ATTENTION = 2, STAGE_O = 3, STAGE_GATE_UP = 4, STAGE_DOWN = 5 };
+
+static int32_t linear(const Linear *l, const float *x, int64_t m, float *y, int32_t threads) {
+    if (l->coded)
+        return ((coded_gemm_fn)l->fn)(l->code, x, m, l->k, l->k, l->packed, l->n, l->bias, y, l->n, threads);
+    ((gemm_fn)l->fn)(x, m, l->k, l->k, l->packed, l->n, l->bias, y, l->n, threads);
+    return 0;
+}
+
+/* Returns 0, or the refusing kernel's code with failure[] = {layer, stage, code}. */
+int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_layers, const Step *s,
+                              int32_t *failure) {
+    const rms_norm_fn norm = (rms_norm_fn)md->rms_norm;
+    const int64_t t = s->tokens, h = md->hidden, d = md->head_dim, hq = md->q_heads, hk = md->kv_heads;
+    const int32_t threads = s->num_threads;
+    /* The first layer's norm has no residual: its input becomes the residual (the Python loop's
+     * `rms_norm(x, w, eps)` returns x itself). */
+    const float *residual = 0, *x = s->x;
+    int32_t rc = 0, stage = 0;
+    int64_t i = 0;
+    for (; i < num_layers; ++i) {
+        const Layer *L = &layers[i];
+        norm(x, residual, L->input_norm, md->eps, t, h, s->normed, residual ? s->residual : 0, threads);
+        residual = residual ? s->residual : x;
+        stage = STAGE_QKV;
+        if ((rc = linear(&L->qkv, s->normed, t, s->qkv, threads))) break;
+        ((rotary_store_fn)md->rotary_store_kv)(s->qkv, L->qkv.n, t, hq, hk, d, s->positions, md->cos_sin, s->slots,
+                                               s->q, L->k_cache, L->v_cache, threads);
+        stage = STAGE_ATTENTION;
+        rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, s->block_tables,
+                                           s->block_table_stride, s->seq_lens, s->query_start_loc, s->num_seqs,
+                                           (int32_t)hq, (int32_t)hk, (int32_t)d, (int32_t)md->block_size,
+                                           md->scale, s->attn, threads);
+        if (rc) break;
+        stage = STAGE_O;
+        if ((rc = linear(&L->o, s->attn, t, s->hidden, threads))) break;
+        if (L->o_bias) /* the Python loop's `out + o_bias`: one rounding per element either way */
+            for (int64_t r = 0; r < t; ++r)
+                for (int64_t e = 0; e < h; ++e) s->hidden[r * h + e] += L->o_bias[e];
+        norm(s->hidden, residual, L->post_norm, md->eps, t, h, s->normed, s->residual, threads);
+        residual = s->residual;
+        stage = STAGE_GATE_UP;
+        if ((rc = linear(&L->gate_up, s->normed, t, s->gate_up, threads))) break;
+        ((silu_fn)md->silu_and_mul)(s->gate_up, t, md->inter, s->act, threads);
+        stage = STAGE_DOWN;
+        if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        x = s->hidden;
+    }
+    if (rc) {
+        failure[0] = (int32_t)i;
+        failure[1] = stage;
+        failure[2] = rc;
+        return rc;
+    }
+    /* The final norm's residual sum is not kept (the Python loop drops it too). */
+    norm(x, residual, md->final_norm, md->eps, t, h, s->out, residual ? s->residual : 0, threads);
+    return 0;
+}

@@ -1,0 +1,386 @@
+"""The decoder's layer loop in one native call per forward pass (``kernels/cpu/native/decoder_loop.c``).
+
+At batch 1 a layer's nine kernels take a few microseconds each, and the Python around each call
+(the wrapper's checks, ctypes' argument conversions, a fresh output tensor) costs as much again:
+some 300 calls a token on a 30-layer model. The loop calls the very kernels the Python loop calls
+(function pointers from their loaded libraries, each its own per-instruction-set build), in the
+same order, with the same arguments and thread count, so the hidden states are the Python loop's
+bit for bit, for any batch.
+
+``build`` makes the per-layer descriptors once (from the prepared linears' ``native_entry``);
+``NativeDecoderLoop.run`` checks, once a step, everything the kernels read unchecked (positions,
+slots, block tables, the query layout: the wrappers' own checks) and returns None for whatever
+the loop does not take (the caller then runs the Python loop): kernels other than the native CPU
+bundle, one of those switched off or falling back to torch, non-fp32 activations, caches that
+are not fp32 and contiguous, an empty step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu import native_attention, native_build, native_elementwise
+from kernels.cpu.isa_choice import chosen_isa_in
+from kernels.cpu.native_gemm import NativeEntry, fn_address
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("fn", _P),
+        ("packed", _P),
+        ("bias", _P),
+        ("n", _I64),
+        ("k", _I64),
+        ("code", _I32),
+        ("coded", _I32),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("o_bias", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("rms_norm", _P),
+        ("rotary_store_kv", _P),
+        ("attention", _P),
+        ("silu_and_mul", _P),
+        ("cos_sin", _P),
+        ("final_norm", _P),
+        ("hidden", _I64),
+        ("q_heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("inter", _I64),
+        ("block_size", _I64),
+        ("eps", _F32),
+        ("scale", _F32),
+    ]
+
+
+_BUFFERS = ("residual", "normed", "qkv", "q", "attn", "hidden", "gate_up", "act")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _I64),
+        ("positions", _P),
+        ("slots", _P),
+        ("block_tables", _P),
+        ("seq_lens", _P),
+        ("query_start_loc", _P),
+        ("block_table_stride", _I64),
+        ("num_seqs", _I32),
+        ("num_threads", _I32),
+        ("x", _P),
+        ("out", _P),
+        *((name, _P) for name in _BUFFERS),
+    ]
+
+
+_STAGES = {
+    1: "the QKV GEMM",
+    2: "paged attention",
+    3: "the O GEMM",
+    4: "the gate/up GEMM",
+    5: "the down GEMM",
+}
+# Scratch rows kept between forwards up to this many tokens (a decode step's few, a chunk's
+# hundreds); a longer prefill allocates its own, as the Python loop's temporaries would.
+KEEP_SCRATCH_TOKENS = 512
+_ALIGN = 16  # floats: each scratch buffer starts on a 64-byte line
+
+
+def enabled() -> bool:
+    """``LLMSERVE_NATIVE_DECODER_LOOP=0`` keeps the Python loop (comparisons, benchmarks)."""
+    return os.environ.get("LLMSERVE_NATIVE_DECODER_LOOP", "1") != "0"
+
+
+@functools.cache
+def _library(isa: str):
+    lib = native_build.load_or_none("decoder_loop", isa)
+    if lib is not None:
+        fn = lib.llmserve_decoder_loop
+        fn.argtypes, fn.restype = [_P, _P, _I64, _P, _P], _I32
+    return lib
+
+
+def library():
+    return _library(native_build.chosen_isa())
+
+
+# Forwards run by the native loop, in this process (tests read it to see that the loop ran).
+forwards = 0
+
+
+@dataclass
+class LayerParts:
+    """What one decoder layer's loop iteration reads: the prepared projections (anything with a
+    ``native_entry``; others, e.g. wrapped ones, keep the layer in Python) and its fp32 tensors."""
+
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    o_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+
+def _fp32_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is not None and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and t.shape == (n,)
+
+
+def _entry(proj, n: int, k: int) -> NativeEntry | None:
+    method = getattr(type(proj), "native_entry", None)  # the class's: a wrapper's __getattr__ is no entry
+    if method is None:
+        return None
+    e = method(proj)
+    return e if (e.out_features, e.in_features) == (n, k) else None
+
+
+def build(shape: Shape, layers: list[LayerParts], final_norm: torch.Tensor, cos_sin: torch.Tensor):
+    """The loop for these layers, or the reason (a string) it cannot run them."""
+    if library() is None:
+        return "no native build of decoder_loop"
+    h, d, inter = shape.hidden, shape.head_dim, shape.inter
+    q_width = shape.q_heads * d
+    if d % 16 or shape.kv_heads < 1 or shape.q_heads % shape.kv_heads:
+        return f"head layout {shape.q_heads}/{shape.kv_heads} x {d} is not the native attention's"
+    if not (cos_sin.dtype is torch.float32 and cos_sin.is_contiguous() and cos_sin.dim() == 2):
+        return "the rotary table is not contiguous fp32"
+    if cos_sin.shape[-1] != d or not _fp32_vector(final_norm, h):
+        return "the rotary table or the final norm does not fit the model"
+    descs = (_Layer * len(layers))()
+    for i, (parts, desc) in enumerate(zip(layers, descs, strict=True)):
+        widths = {
+            "qkv": ((shape.q_heads + 2 * shape.kv_heads) * d, h),
+            "o": (h, q_width),
+            "gate_up": (2 * inter, h),
+            "down": (h, inter),
+        }
+        for name, (n, k) in widths.items():
+            e = _entry(getattr(parts, name), n, k)
+            if e is None:
+                return f"layer {i}'s {name} projection is not a native linear of [{n}, {k}]"
+            bias = 0 if e.bias is None else e.bias
+            coded = e.code is not None
+            setattr(desc, name, _Linear(e.fn, e.packed, bias, n, k, e.code if coded else 0, int(coded)))
+        if not (_fp32_vector(parts.input_norm, h) and _fp32_vector(parts.post_norm, h)):
+            return f"layer {i}'s norms are not contiguous fp32 of {h}"
+        if parts.o_bias is not None and not _fp32_vector(parts.o_bias, h):
+            return f"layer {i}'s O bias is not contiguous fp32 of {h}"
+        desc.input_norm, desc.post_norm = parts.input_norm.data_ptr(), parts.post_norm.data_ptr()
+        desc.o_bias = None if parts.o_bias is None else parts.o_bias.data_ptr()
+    return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin)
+
+
+def _kernel_pointers() -> tuple | None:
+    """The kernels the Python loop would run natively right now (None where one of them would not
+    be native: switched off, no build, or measured slower here)."""
+    if not native_elementwise.enabled() or not chosen_isa_in(native_elementwise.SILU_FASTER_THAN_TORCH):
+        return None
+    if not native_attention.enabled():
+        return None
+    elementwise, attention = native_elementwise.library(), native_attention.library()
+    if elementwise is None or attention is None:
+        return None
+    seen = _pointers_seen
+    if seen[0] is not elementwise or seen[1] is not attention:
+        names = ("llmserve_rms_norm_f32", "llmserve_rotary_store_kv_f32", "llmserve_silu_and_mul_f32")
+        norm, store, silu = (fn_address(getattr(elementwise, n)) for n in names)
+        seen[:] = [elementwise, attention, (norm, store, fn_address(attention), silu)]
+    return seen[2]
+
+
+_pointers_seen: list = [None, None, None]  # the libraries last asked, and their entry points
+
+
+def _runs_native_kernels(k) -> bool:
+    """Whether ``k`` is the bundle whose kernels this loop calls (not the references, Triton, or
+    a bundle with one replaced)."""
+    return (
+        k.rms_norm is native_elementwise.rms_norm
+        and k.rotary_store_kv is native_elementwise.rotary_store_kv
+        and k.paged_attention is native_attention.paged_attention
+        and k.silu_and_mul is native_elementwise.silu_and_mul
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+class NativeDecoderLoop:
+    def __init__(self, shape: Shape, layers: list[LayerParts], descs, final_norm, cos_sin):
+        self.shape = shape
+        self._parts = layers  # kept alive: the descriptors point into them
+        self._descs = descs
+        self._final_norm, self._cos_sin = final_norm, cos_sin
+        self._model = _Model(
+            hidden=shape.hidden,
+            q_heads=shape.q_heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            inter=shape.inter,
+            eps=shape.eps,
+            scale=shape.scale,
+            cos_sin=cos_sin.data_ptr(),
+            final_norm=final_norm.data_ptr(),
+        )
+        self._kernels: tuple | None = None
+        self._caches: tuple = ()  # the cache tensors the descriptors point into
+        self._cache_shape: tuple = ()
+        self._step = _Step()
+        self._failure = (ctypes.c_int32 * 3)()
+        self._scratch_tokens = 0
+        self._scratch: torch.Tensor | None = None
+        s = shape
+        d = s.head_dim
+        self._widths = (
+            s.hidden,
+            s.hidden,
+            (s.q_heads + 2 * s.kv_heads) * d,
+            s.q_heads * d,
+            s.q_heads * d,
+            s.hidden,
+            2 * s.inter,
+            s.inter,
+        )
+        self._call = library().llmserve_decoder_loop
+        self._args = (ctypes.byref(self._model), descs, len(layers), ctypes.byref(self._step), self._failure)
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Point the descriptors at this list's caches (each ``[2, blocks, block_size, kv_heads,
+        head_dim]``, fp32, contiguous, all one shape); False where they are not that."""
+        if len(kv_caches) == len(self._caches) and all(map(operator.is_, kv_caches, self._caches)):
+            return True
+        if len(kv_caches) != len(self._descs):
+            return False
+        first = kv_caches[0] if kv_caches else None
+        shape = None if first is None else tuple(first.shape)
+        s = self.shape
+        if shape is None or len(shape) != 5 or shape[0] != 2 or shape[3:] != (s.kv_heads, s.head_dim):
+            return False
+        for cache, desc in zip(kv_caches, self._descs, strict=True):
+            ok = cache.dtype is torch.float32 and cache.is_cpu and cache.is_contiguous()
+            if not ok or tuple(cache.shape) != shape:
+                self._caches = ()
+                return False
+            half = cache[0].numel() * cache.element_size()
+            desc.k_cache, desc.v_cache = cache.data_ptr(), cache.data_ptr() + half
+        self._caches, self._cache_shape = tuple(kv_caches), shape
+        self._first_views = (first[0], first[1])  # what the attention check reads
+        self._model.block_size = shape[2]
+        return True
+
+    def _buffers(self, tokens: int) -> list[int]:
+        """Addresses of the step's scratch rows (``_BUFFERS`` order) for ``tokens`` tokens."""
+        if tokens <= self._scratch_tokens:
+            scratch, cap = self._scratch, self._scratch_tokens
+        else:
+            cap = tokens
+            per_token = sum(-(-w // _ALIGN) * _ALIGN for w in self._widths)
+            scratch = torch.empty(cap * per_token + _ALIGN, dtype=torch.float32)
+            if tokens <= KEEP_SCRATCH_TOKENS:
+                self._scratch, self._scratch_tokens = scratch, cap
+        base = scratch.data_ptr()
+        base += -base % (4 * _ALIGN)
+        out = []
+        for w in self._widths:
+            out.append(base)
+            base += 4 * cap * (-(-w // _ALIGN) * _ALIGN)
+        self._live_scratch = scratch  # alive for the call even when not kept
+        return out
+
+    def run(self, k, x: torch.Tensor, positions: torch.Tensor, kv_caches, attn) -> torch.Tensor | None:
+        """The final norm's output ``[T, hidden]`` for the embedded tokens ``x``, or None where the
+        loop does not take this forward (then nothing was written)."""
+        if not (_runs_native_kernels(k) and enabled()):
+            return None
+        kernels = _kernel_pointers()
+        t = x.shape[0]
+        slots = attn.slot_mapping
+        h = self.shape.hidden
+        if (
+            kernels is None
+            or t == 0
+            or x.dtype is not torch.float32
+            or not x.is_cpu
+            or not x.is_contiguous()
+            or x.shape != (t, h)
+            or positions.dtype is not torch.int64
+            or slots.dtype is not torch.int64
+            or not positions.is_contiguous()
+            or not slots.is_contiguous()
+            or positions.shape != (t,)
+            or slots.shape != (t,)
+            or not self._bind_caches(kv_caches)
+        ):
+            return None
+        if kernels is not self._kernels:
+            m = self._model
+            m.rms_norm, m.rotary_store_kv, m.attention, m.silu_and_mul = kernels
+            self._kernels = kernels
+        # The checks the wrappers make once a step, for every layer's call (one cache shape).
+        capacity = self._cache_shape[1] * self._cache_shape[2]  # blocks x block size: slots
+        native_elementwise.check_positions_and_slots(positions, slots, self._cos_sin.shape[0], capacity)
+        tables, lens, qsl = _int32(attn.block_tables), _int32(attn.seq_lens), _int32(attn.query_start_loc)
+        meta = native_attention.check_metadata(t, *self._first_views, tables, lens, qsl)
+        out = torch.empty(t, h, dtype=torch.float32)
+        st = self._step
+        st.tokens = t
+        st.positions, st.slots = positions.data_ptr(), slots.data_ptr()
+        st.block_tables, st.block_table_stride, st.seq_lens, st.query_start_loc, st.num_seqs = meta
+        st.num_threads = torch.get_num_threads()
+        st.x, st.out = x.data_ptr(), out.data_ptr()
+        (
+            st.residual,
+            st.normed,
+            st.qkv,
+            st.q,
+            st.attn,
+            st.hidden,
+            st.gate_up,
+            st.act,
+        ) = self._buffers(t)
+        rc = self._call(*self._args)
+        self._live_scratch = None
+        if rc != 0:
+            layer, stage, code = self._failure
+            raise RuntimeError(
+                f"native decoder loop: {_STAGES.get(stage, stage)} refused in layer {layer} ({code})"
+            )
+        global forwards
+        forwards += 1
+        return out

@@ -1,0 +1,299 @@
+"""The native layer loop (``kernels/cpu/native/decoder_loop.c``, ``kernels/cpu/native_decoder.py``):
+the hidden states and the KV caches it leaves are the Python loop's bit for bit
+(``LLMSERVE_NATIVE_DECODER_LOOP=0`` runs that loop on the same model) on every weight path (fp32
+and bf16 packed panels, quantized blocks with fp32 activations, quantized blocks with int8
+activations, and a mix of them), for a first token, decodes, a chunked prefill and a mixed step, at
+one and two threads; the loop runs where it should (a counter), falls back where it must (wrapped
+projections, q/k norms, reference kernels) with the same results, and refuses bad metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_svc.lora.layers import wrap_lora_layers
+from engine_svc.models.decoder import AttentionInputs, DecoderForCausalLM
+from engine_svc.models.loader import init_dummy_weights
+from engine_svc.models.spec import ModelSpec
+from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS
+from kernels.cpu import native_decoder, native_elementwise, quant_int8act
+from kernels.cpu.isa_choice import chosen_isa_in
+from kernels.cpu.quant_gemm import BLOCK_K, QuantizedWeight, quantize_rows
+
+BLOCK_SIZE, NUM_BLOCKS = 8, 24
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 128, 192, 4, 2, 32
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+pytestmark = pytest.mark.skipif(
+    not chosen_isa_in(native_elementwise.SILU_FASTER_THAN_TORCH),
+    reason="the Python loop runs torch's SiLU off AVX-512, so the native loop stays off there",
+)
+
+
+def _spec(arch="LlamaForCausalLM", layers=3, **extra) -> ModelSpec:
+    cfg = dict(
+        architectures=[arch],
+        vocab_size=200,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        **extra,
+    )
+    return ModelSpec.from_dict(cfg)
+
+
+def _random_blocks(shape, fmt: str, g: torch.Generator, half: bool) -> QuantizedWeight:
+    """Blocks of ``fmt`` with random quants and scales (``half``: scales that are fp16 values)."""
+    n, k = shape
+    hi = {"Q8_0": 256, "Q4_0": 16, "Q4_1": 16, "Q5_K": 32, "Q6_K": 64}[fmt]
+    q = torch.randint(0, hi, (n, k), generator=g, dtype=torch.int32)
+    if fmt == "Q6_K":  # int8 bits of -32..31
+        q = q - 32
+    q = q.to(torch.int8 if fmt in ("Q8_0", "Q6_K") else torch.uint8).view(torch.uint8)
+    nb = k // BLOCK_K[fmt]
+    d = torch.rand(n, nb, generator=g) * 0.02 + 0.002
+    m = -torch.rand(n, nb, generator=g) * 0.1 if fmt in ("Q4_1", "Q5_K") else None
+    if half:
+        d, m = d.half().float(), None if m is None else m.half().float()
+    return QuantizedWeight(fmt, q.contiguous(), d, m)
+
+
+def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
+    """A random model on one weight path, with norms and biases random too (a loop that skipped
+    one would change the result)."""
+    spec = spec or _spec()
+    if o_bias:
+        spec = dataclasses.replace(spec, o_bias=True)
+    model = DecoderForCausalLM(spec, torch.float32, 256)
+    init_dummy_weights(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        elif name.endswith("bias"):
+            p.data.copy_(0.2 * torch.randn(p.shape, generator=g))
+    backend = "native"
+    formats = {
+        "gguf_fp32act": ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K"),
+        "gguf_int8act": ("Q4_1", "Q8_0", "Q4_0", "Q5_K"),
+        "mixed": ("Q4_1", None, "Q6_K", "Q8_0"),  # int8 act, a float projection, Q6_K on fp32 act
+    }.get(path)
+    if path == "bf16":
+        backend = "native_bf16"
+    elif path in ("int8", "int4"):
+        for layer in model.layers:
+            for name in PROJECTIONS:
+                w = getattr(layer, name)
+                w.quantized = quantize_rows(w.data, "Q8_0" if path == "int8" else "Q4_1")
+                w.quantized.activations = "int8"
+    elif formats:
+        for i, layer in enumerate(model.layers):
+            for j, name in enumerate(PROJECTIONS):
+                fmt = formats[(i + j) % len(formats)]
+                if fmt is None:
+                    continue
+                w = getattr(layer, name)
+                w.quantized = _random_blocks(tuple(w.shape), fmt, g, half=(i + j) % 2 == 0)
+                if path != "gguf_fp32act" and quant_int8act.supports(fmt):
+                    w.quantized.activations = "int8"
+    else:
+        assert path == "fp32"
+    model.prepare_linears(backend)
+    return model
+
+
+def _caches(model) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return [torch.zeros(shape) for _ in model.layers]
+
+
+class Sequences:
+    """Block tables and context lengths of a few sequences, and the step inputs of any mix of their
+    next tokens (what the scheduler would make)."""
+
+    def __init__(self, lengths_cap: list[int], seed=0):
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+        self.tables, self.ctx = [], [0] * len(lengths_cap)
+        for cap in lengths_cap:
+            n = -(-cap // BLOCK_SIZE)
+            self.tables.append(order[:n])
+            order = order[n:]
+        self.ids = torch.Generator().manual_seed(seed + 7)
+
+    def step(self, new: dict[int, int]):
+        """Inputs for ``new[seq]`` tokens of each named sequence, in order; advances them."""
+        positions, slots, lens, starts = [], [], [], [0]
+        seqs = sorted(new)
+        for s in seqs:
+            for p in range(self.ctx[s], self.ctx[s] + new[s]):
+                positions.append(p)
+                slots.append(self.tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            self.ctx[s] += new[s]
+            lens.append(self.ctx[s])
+            starts.append(starts[-1] + new[s])
+        width = max(len(self.tables[s]) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for r, s in enumerate(seqs):
+            tables[r, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        t = len(positions)
+        attn = AttentionInputs(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(new.values()),
+            max_seq_len=max(lens),
+        )
+        ids = torch.randint(3, 200, (t,), generator=self.ids)
+        return ids, torch.tensor(positions, dtype=torch.int64), attn
+
+
+# A first token, a chunked prefill (two chunks), decodes of three sequences, a mixed step (decodes
+# with a prefill chunk), then more decodes.
+SCHEDULE = [
+    {0: 1},
+    {1: 13},
+    {1: 9, 0: 1},
+    {0: 1, 1: 1},
+    {2: 20, 0: 1, 1: 1},
+    {0: 1, 1: 1, 2: 1},
+    {0: 1, 1: 1, 2: 1},
+    {2: 1},
+]
+
+
+def _run_both(model, monkeypatch, schedule=SCHEDULE, kernels=TORCH_KERNELS):
+    """(native outputs, Python outputs, native caches, Python caches, loop forwards) over the
+    schedule, the two loops on their own caches, step by step."""
+    native_caches, python_caches = _caches(model), _caches(model)
+    seqs = Sequences([40, 40, 40])
+    got, want = [], []
+    before = native_decoder.forwards
+    for new in schedule:
+        ids, positions, attn = seqs.step(new)
+        monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", "1")
+        got.append(model(kernels, ids, positions, native_caches, attn))
+        monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", "0")
+        forwards = native_decoder.forwards
+        want.append(model(kernels, ids, positions, python_caches, attn))
+        assert native_decoder.forwards == forwards, "LLMSERVE_NATIVE_DECODER_LOOP=0 still ran the loop"
+    return got, want, native_caches, python_caches, native_decoder.forwards - before
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+WEIGHT_PATHS = ["fp32", "bf16", "gguf_fp32act", "gguf_int8act", "int8", "int4", "mixed"]
+
+
+@pytest.mark.parametrize("path", WEIGHT_PATHS)
+def test_the_loop_equals_the_python_loop_bit_for_bit(path, threads, monkeypatch):
+    model = _model(path, o_bias=path in ("fp32", "gguf_int8act"))
+    got, want, native_caches, python_caches, forwards = _run_both(model, monkeypatch)
+    assert model.native_loop_reason is None
+    assert forwards == len(SCHEDULE), "the native loop did not run every step"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape == (sum(SCHEDULE[i].values()), HIDDEN)
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max()}"
+    for a, b in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(a, b)
+    assert bool(got[-1].abs().sum() > 0)
+
+
+def test_qkv_bias_models_take_the_loop_too(monkeypatch):
+    model = _model("fp32", spec=_spec("Qwen2ForCausalLM"))
+    assert model.layers[0].qkv_bias is not None
+    got, want, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:3])
+    assert forwards == 3 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_wrapped_projections_run_the_python_loop_with_the_same_results(monkeypatch):
+    model = _model("gguf_int8act")
+    plain, *_ = _run_both(model, monkeypatch, SCHEDULE[:4])
+    step = wrap_lora_layers(model)  # no adapter in the step: the wrappers only call through
+    assert step.batch is None
+    wrapped, python, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:4])
+    assert forwards == 0, "the loop ran over wrapped projections"
+    assert "projection is not a native linear" in model.native_loop_reason
+    for a, b, c in zip(plain, wrapped, python, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_q_k_norm_models_run_the_python_loop(monkeypatch):
+    model = _model("fp32", spec=_spec("Qwen3ForCausalLM"))
+    got, want, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:3])
+    assert forwards == 0 and model.native_loop_reason == "q/k norms"
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_other_kernels_run_the_python_loop(monkeypatch):
+    model = _model("fp32")
+    native, *_ = _run_both(model, monkeypatch, SCHEDULE[:3])
+    reference, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:3], kernels=REFERENCE_KERNELS)
+    assert forwards == 0
+    for a, b in zip(native, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_replaced_projections_rebuild_the_loop(monkeypatch):
+    """The descriptors hold raw pointers: new linears (weights changed, then prepared again) are
+    seen at the next forward."""
+    model = _model("fp32")
+    first, *_ = _run_both(model, monkeypatch, SCHEDULE[:2])
+    for layer in model.layers:
+        layer.down_weight.data.mul_(0.5)
+    model.prepare_linears("native")
+    second, python, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:2])
+    assert forwards == 2
+    assert not torch.equal(first[1], second[1])
+    assert all(torch.equal(a, b) for a, b in zip(second, python, strict=True))
+
+
+def _one_step(model, caches, **change):
+    seqs = Sequences([40, 40, 40])
+    ids, positions, attn = seqs.step({0: 3, 1: 1})
+    attn.__dict__.update(change)
+    return model(TORCH_KERNELS, ids, positions, caches, attn)
+
+
+@pytest.mark.parametrize(
+    "change,error",
+    [
+        (dict(slot_mapping=torch.tensor([0, 1, 2, NUM_BLOCKS * BLOCK_SIZE])), IndexError),
+        (dict(block_tables=torch.tensor([[NUM_BLOCKS], [0]], dtype=torch.int32)), IndexError),
+        (dict(seq_lens=torch.tensor([3, 41], dtype=torch.int32)), IndexError),  # overruns its table
+        (dict(query_start_loc=torch.tensor([-1, 3, 4], dtype=torch.int32)), ValueError),
+        (dict(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32)), ValueError),
+    ],
+)
+def test_bad_metadata_is_an_error_before_the_loop_runs(change, error):
+    model = _model("fp32")
+    caches = _caches(model)
+    before = native_decoder.forwards
+    with pytest.raises(error):
+        _one_step(model, caches, **change)
+    assert native_decoder.forwards == before
+    assert all(not c.any() for c in caches), "the loop wrote the cache before refusing"
+
+
+def test_bad_positions_are_an_error():
+    model = _model("fp32")
+    seqs = Sequences([40])
+    ids, positions, attn = seqs.step({0: 2})
+    with pytest.raises(IndexError):
+        model(TORCH_KERNELS, ids, torch.tensor([0, 256]), _caches(model), attn)
