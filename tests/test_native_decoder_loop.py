@@ -281,7 +281,7 @@ def _one_step(model, caches, **change):
         (dict(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32)), ValueError),
     ],
 )
-def test_bad_metadata_is_an_error_before_the_loop_runs(change, error):
+def test_bad_metadata_is_an_error_before_the_loop_runs(change, error, monkeypatch):
     model = _model("fp32")
     caches = _caches(model)
     before = native_decoder.forwards
@@ -289,11 +289,17 @@ def test_bad_metadata_is_an_error_before_the_loop_runs(change, error):
         _one_step(model, caches, **change)
     assert native_decoder.forwards == before
     assert all(not c.any() for c in caches), "the loop wrote the cache before refusing"
+    monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", "0")  # the Python loop's wrappers agree
+    with pytest.raises(error):
+        _one_step(model, _caches(model), **change)
 
 
-def test_bad_positions_are_an_error():
+@pytest.mark.parametrize("bad", [256, -1])
+def test_bad_positions_are_an_error(bad):
     model = _model("fp32")
     seqs = Sequences([40])
     ids, positions, attn = seqs.step({0: 2})
-    with pytest.raises(IndexError):
-        model(TORCH_KERNELS, ids, torch.tensor([0, 256]), _caches(model), attn)
+    before = native_decoder.forwards
+    with pytest.raises(IndexError, match="rotary position"):
+        model(TORCH_KERNELS, ids, torch.tensor([0, bad]), _caches(model), attn)
+    assert native_decoder.forwards == before

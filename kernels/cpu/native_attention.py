@@ -93,23 +93,10 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
 _checked = CheckedOnce()
 
 
-def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
-    """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
-    an error naming it, never a read outside a tensor): the value cache matches the key cache, the
-    metadata has one entry per sequence, every block id is inside the cache, every context fits its
-    table, and the queries are the tokens ``query_start_loc`` counts. Returns the kernel's metadata
-    arguments (made once a step, with the check)."""
-    return check_metadata(q.shape[0], k_cache, v_cache, tables, lens, qsl)
-
-
-def check_metadata(tokens: int, k_cache, v_cache, tables, lens, qsl) -> tuple:
-    """``check_inputs`` for ``tokens`` query rows (the native layer loop checks a step's metadata
-    with this once, for every layer's call: ``kernels/cpu/native_decoder.py``)."""
-    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
-            f"k_cache {k_cache.dtype}{tuple(k_cache.shape)}"
-        )
+def check_layout(tables, lens, qsl) -> None:
+    """The metadata's shapes: a seq_lens entry and a block table row per sequence, and its query
+    starts plus the end (the native layer loop checks the values in C:
+    ``kernels/cpu/native/decoder_loop.c``)."""
     if (
         tables.dim() != 2
         or lens.dim() != 1
@@ -120,8 +107,22 @@ def check_metadata(tokens: int, k_cache, v_cache, tables, lens, qsl) -> tuple:
             f"block_tables {tuple(tables.shape)}, seq_lens {tuple(lens.shape)} and query_start_loc "
             f"{tuple(qsl.shape)} must describe the same sequences"
         )
+
+
+def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
+    """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
+    an error naming it, never a read outside a tensor): the value cache matches the key cache, the
+    metadata has one entry per sequence, every block id is inside the cache, every context fits its
+    table, and the queries are the tokens ``query_start_loc`` counts. Returns the kernel's metadata
+    arguments (made once a step, with the check)."""
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
+            f"k_cache {k_cache.dtype}{tuple(k_cache.shape)}"
+        )
+    check_layout(tables, lens, qsl)
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    bounds = (num_blocks, block_size, tokens)
+    bounds = (num_blocks, block_size, q.shape[0])
     if _checked.seen(tables, lens, qsl, bounds=bounds):
         return _checked.payload
     if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
@@ -138,8 +139,10 @@ def check_metadata(tokens: int, k_cache, v_cache, tables, lens, qsl) -> tuple:
             raise IndexError(
                 f"block table entry {lo if lo < 0 else hi} outside the cache's {num_blocks} blocks"
             )
-    if int(qsl[0]) != 0 or int(qsl[-1]) != tokens or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
-        raise ValueError(f"query_start_loc must rise from 0 to the {tokens} query tokens, got {qsl.tolist()}")
+    if int(qsl[0]) != 0 or int(qsl[-1]) != q.shape[0] or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
+        raise ValueError(
+            f"query_start_loc must rise from 0 to the {q.shape[0]} query tokens, got {qsl.tolist()}"
+        )
     meta = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), qsl.data_ptr(), lens.shape[0])
     _checked.remember(tables, lens, qsl, bounds=bounds, payload=meta)
     return meta

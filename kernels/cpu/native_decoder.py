@@ -8,11 +8,14 @@ same order, with the same arguments and thread count, so the hidden states are t
 bit for bit, for any batch.
 
 ``build`` makes the per-layer descriptors once (from the prepared linears' ``native_entry``);
-``NativeDecoderLoop.run`` checks, once a step, everything the kernels read unchecked (positions,
-slots, block tables, the query layout: the wrappers' own checks) and returns None for whatever
-the loop does not take (the caller then runs the Python loop): kernels other than the native CPU
-bundle, one of those switched off or falling back to torch, non-fp32 activations, caches that
-are not fp32 and contiguous, an empty step.
+``NativeDecoderLoop.run`` passes a step's metadata, and returns None for whatever the loop does not
+take (the caller then runs the Python loop): kernels other than the native CPU bundle, one of those
+switched off or falling back to torch, non-fp32 activations, caches that are not fp32 and
+contiguous, an empty step. Everything the kernels index unchecked (positions, slots, block tables,
+the query layout) is checked before any kernel runs, as the wrappers check it, and a bad entry
+raises the wrappers' error: the shapes here, the values in C (a few integer compares at batch 1,
+where the wrappers' torch reductions cost some 0.3 ms a step with the weights streaming through
+the caches).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class _Model(ctypes.Structure):
         ("head_dim", _I64),
         ("inter", _I64),
         ("block_size", _I64),
+        ("rotary_rows", _I64),
+        ("num_blocks", _I64),
         ("eps", _F32),
         ("scale", _F32),
     ]
@@ -89,6 +94,7 @@ class _Step(ctypes.Structure):
         ("seq_lens", _P),
         ("query_start_loc", _P),
         ("block_table_stride", _I64),
+        ("block_table_width", _I64),
         ("num_seqs", _I32),
         ("num_threads", _I32),
         ("x", _P),
@@ -113,6 +119,23 @@ _ALIGN = 16  # floats: each scratch buffer starts on a 64-byte line
 def enabled() -> bool:
     """``LLMSERVE_NATIVE_DECODER_LOOP=0`` keeps the Python loop (comparisons, benchmarks)."""
     return os.environ.get("LLMSERVE_NATIVE_DECODER_LOOP", "1") != "0"
+
+
+_CHECK_FAILED = -100  # decoder_loop.c: the step's metadata failed its check, nothing ran
+
+
+def _raise_bad_metadata(what: int, value: int, model: _Model, qsl: torch.Tensor):
+    """The error the kernel wrappers raise for the same input (decoder_loop.c's BAD_*)."""
+    if what == -1:
+        raise IndexError(f"rotary position {value} outside [0, {model.rotary_rows})")
+    if what == -2:
+        slots = model.num_blocks * model.block_size
+        raise IndexError(f"cache slot {value} outside the cache's {slots} slots")
+    if what == -3:
+        raise IndexError(f"a context of {value} tokens overruns its block table")
+    if what == -4:
+        raise IndexError(f"block table entry {value} outside the cache's {model.num_blocks} blocks")
+    raise ValueError(f"query_start_loc must rise from 0 to the step's query tokens, got {qsl.tolist()}")
 
 
 @functools.cache
@@ -257,12 +280,13 @@ class NativeDecoderLoop:
             scale=shape.scale,
             cos_sin=cos_sin.data_ptr(),
             final_norm=final_norm.data_ptr(),
+            rotary_rows=cos_sin.shape[0],
         )
         self._kernels: tuple | None = None
         self._caches: tuple = ()  # the cache tensors the descriptors point into
         self._cache_shape: tuple = ()
         self._step = _Step()
-        self._failure = (ctypes.c_int32 * 3)()
+        self._failure = (ctypes.c_int64 * 3)()
         self._scratch_tokens = 0
         self._scratch: torch.Tensor | None = None
         s = shape
@@ -300,8 +324,7 @@ class NativeDecoderLoop:
             half = cache[0].numel() * cache.element_size()
             desc.k_cache, desc.v_cache = cache.data_ptr(), cache.data_ptr() + half
         self._caches, self._cache_shape = tuple(kv_caches), shape
-        self._first_views = (first[0], first[1])  # what the attention check reads
-        self._model.block_size = shape[2]
+        self._model.num_blocks, self._model.block_size = shape[1], shape[2]
         return True
 
     def _buffers(self, tokens: int) -> list[int]:
@@ -352,16 +375,16 @@ class NativeDecoderLoop:
             m = self._model
             m.rms_norm, m.rotary_store_kv, m.attention, m.silu_and_mul = kernels
             self._kernels = kernels
-        # The checks the wrappers make once a step, for every layer's call (one cache shape).
-        capacity = self._cache_shape[1] * self._cache_shape[2]  # blocks x block size: slots
-        native_elementwise.check_positions_and_slots(positions, slots, self._cos_sin.shape[0], capacity)
+        # The metadata's shapes here; its values (what the kernels index) in C, before any kernel.
         tables, lens, qsl = _int32(attn.block_tables), _int32(attn.seq_lens), _int32(attn.query_start_loc)
-        meta = native_attention.check_metadata(t, *self._first_views, tables, lens, qsl)
+        native_attention.check_layout(tables, lens, qsl)
         out = torch.empty(t, h, dtype=torch.float32)
         st = self._step
         st.tokens = t
         st.positions, st.slots = positions.data_ptr(), slots.data_ptr()
-        st.block_tables, st.block_table_stride, st.seq_lens, st.query_start_loc, st.num_seqs = meta
+        st.block_tables, st.seq_lens, st.query_start_loc = tables.data_ptr(), lens.data_ptr(), qsl.data_ptr()
+        st.block_table_stride, st.block_table_width = tables.stride(0), tables.shape[1]
+        st.num_seqs = lens.shape[0]
         st.num_threads = torch.get_num_threads()
         st.x, st.out = x.data_ptr(), out.data_ptr()
         (
@@ -376,6 +399,8 @@ class NativeDecoderLoop:
         ) = self._buffers(t)
         rc = self._call(*self._args)
         self._live_scratch = None
+        if rc == _CHECK_FAILED:
+            _raise_bad_metadata(self._failure[1], self._failure[2], self._model, qsl)
         if rc != 0:
             layer, stage, code = self._failure
             raise RuntimeError(

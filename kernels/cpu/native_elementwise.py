@@ -190,10 +190,16 @@ def rotary_store_kv(
             num_kv_heads,
             apply_rotary=functools.partial(apply_rotary, isa=isa),
         )
-    if t:
-        check_positions_and_slots(
-            positions, slot_mapping, cos_sin_cache.shape[0], k_cache.numel() // (num_kv_heads * d)
-        )
+    capacity = k_cache.numel() // (num_kv_heads * d)  # slots
+    bounds = (cos_sin_cache.shape[0], capacity)
+    if t and not _store_checked.seen(positions, slot_mapping, bounds=bounds):
+        # The kernel indexes both tables unchecked: a bad entry is an error here, not a crash.
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise IndexError(f"rotary position {lo if lo < 0 else hi} outside [0, {cos_sin_cache.shape[0]})")
+        if int(slot_mapping.max()) >= capacity:
+            raise IndexError(f"cache slot {int(slot_mapping.max())} outside the cache's {capacity} slots")
+        _store_checked.remember(positions, slot_mapping, bounds=bounds)
     q = torch.empty((t, num_heads, d), dtype=torch.float32)
     lib.llmserve_rotary_store_kv_f32(
         qkv.data_ptr(),
@@ -211,24 +217,6 @@ def rotary_store_kv(
         torch.get_num_threads(),
     )
     return q
-
-
-def check_positions_and_slots(
-    positions: torch.Tensor, slot_mapping: torch.Tensor, rows: int, capacity: int
-) -> None:
-    """What ``llmserve_rotary_store_kv_f32`` indexes unchecked, checked once a step (every layer
-    passes the same tensors): each position a row of the ``rows``-row cos/sin table, each slot
-    below the cache's ``capacity`` (a negative slot stores nothing). A bad entry is an error here,
-    not a crash. Also called by the native layer loop (``kernels/cpu/native_decoder.py``)."""
-    bounds = (rows, capacity)
-    if _store_checked.seen(positions, slot_mapping, bounds=bounds):
-        return
-    lo, hi = (int(v) for v in torch.aminmax(positions))
-    if lo < 0 or hi >= rows:
-        raise IndexError(f"rotary position {lo if lo < 0 else hi} outside [0, {rows})")
-    if int(slot_mapping.max()) >= capacity:
-        raise IndexError(f"cache slot {int(slot_mapping.max())} outside the cache's {capacity} slots")
-    _store_checked.remember(positions, slot_mapping, bounds=bounds)
 
 
 def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:

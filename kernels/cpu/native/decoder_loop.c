@@ -55,6 +55,7 @@ typedef struct {
     void *rms_norm, *rotary_store_kv, *attention, *silu_and_mul;
     const float *cos_sin, *final_norm;
     int64_t hidden, q_heads, kv_heads, head_dim, inter, block_size;
+    int64_t rotary_rows, num_blocks; /* rows of cos_sin; blocks of each cache */
     float eps, scale;
 } Model;
 
@@ -65,7 +66,7 @@ typedef struct {
     int64_t tokens;
     const int64_t *positions, *slots;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
-    int64_t block_table_stride;
+    int64_t block_table_stride, block_table_width;
     int32_t num_seqs, num_threads;
     const float *x;
     float *out, *residual, *normed, *qkv, *q, *attn, *hidden, *gate_up, *act;
@@ -73,6 +74,57 @@ typedef struct {
 
 /* Where a kernel refused (the caller raises with these). */
 enum { STAGE_QKV = 1, STAGE_ATTENTION = 2, STAGE_O = 3, STAGE_GATE_UP = 4, STAGE_DOWN = 5 };
+/* What the step check found (failure[1]; failure[2]: the offending value). */
+enum {
+    BAD_POSITION = -1,
+    BAD_SLOT = -2,
+    BAD_CONTEXT = -3,     /* a context longer than its block table */
+    BAD_BLOCK = -4,       /* a block table entry outside the cache */
+    BAD_QUERY_START = -5, /* query_start_loc not rising from 0 to the step's tokens */
+};
+#define CHECK_FAILED (-100)
+
+/* Everything the kernels index unchecked, checked before any runs (the Python wrappers' checks,
+ * kernels/cpu/native_elementwise.py and native_attention.py, once a step): each position a row of
+ * the rotary table, each slot inside the cache (a negative one stores nothing), query_start_loc
+ * rising from 0 to the tokens, each context inside its block table, and each block entry a
+ * context reads inside the cache. Integer compares over a step's metadata: a decode's are a
+ * handful, where torch's reductions cost tens of microseconds each. */
+static int32_t check_step(const Model *md, const Step *s, int64_t *failure) {
+    const int64_t capacity = md->num_blocks * md->block_size, bs = md->block_size;
+    for (int64_t t = 0; t < s->tokens; ++t) {
+        if (s->positions[t] < 0 || s->positions[t] >= md->rotary_rows) {
+            failure[1] = BAD_POSITION, failure[2] = s->positions[t];
+            return CHECK_FAILED;
+        }
+        if (s->slots[t] >= capacity) {
+            failure[1] = BAD_SLOT, failure[2] = s->slots[t];
+            return CHECK_FAILED;
+        }
+    }
+    const int32_t *qsl = s->query_start_loc;
+    for (int32_t b = 0; b <= s->num_seqs; ++b) {
+        const int rises = b == 0 ? qsl[0] == 0 : qsl[b] >= qsl[b - 1];
+        if (!rises || (b == s->num_seqs && qsl[b] != s->tokens)) {
+            failure[1] = BAD_QUERY_START, failure[2] = b;
+            return CHECK_FAILED;
+        }
+    }
+    for (int32_t b = 0; b < s->num_seqs; ++b) {
+        const int64_t ctx = s->seq_lens[b];
+        if (ctx > s->block_table_width * bs) {
+            failure[1] = BAD_CONTEXT, failure[2] = ctx;
+            return CHECK_FAILED;
+        }
+        const int32_t *row = s->block_tables + b * s->block_table_stride;
+        for (int64_t j = 0; j * bs < ctx; ++j)
+            if (row[j] < 0 || row[j] >= md->num_blocks) {
+                failure[1] = BAD_BLOCK, failure[2] = row[j];
+                return CHECK_FAILED;
+            }
+    }
+    return 0;
+}
 
 static int32_t linear(const Linear *l, const float *x, int64_t m, float *y, int32_t threads) {
     if (l->coded)
@@ -81,9 +133,11 @@ static int32_t linear(const Linear *l, const float *x, int64_t m, float *y, int3
     return 0;
 }
 
-/* Returns 0, or the refusing kernel's code with failure[] = {layer, stage, code}. */
+/* Returns 0; CHECK_FAILED with failure[] = {0, what, value} for bad metadata (nothing run); or
+ * the refusing kernel's code with failure[] = {layer, stage, code}. */
 int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_layers, const Step *s,
-                              int32_t *failure) {
+                              int64_t *failure) {
+    if (check_step(md, s, failure)) return CHECK_FAILED;
     const rms_norm_fn norm = (rms_norm_fn)md->rms_norm;
     const int64_t t = s->tokens, h = md->hidden, d = md->head_dim, hq = md->q_heads, hk = md->kv_heads;
     const int32_t threads = s->num_threads;
@@ -121,7 +175,7 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         x = s->hidden;
     }
     if (rc) {
-        failure[0] = (int32_t)i;
+        failure[0] = i;
         failure[1] = stage;
         failure[2] = rc;
         return rc;
