@@ -303,3 +303,15 @@ def test_bad_positions_are_an_error(bad):
     with pytest.raises(IndexError, match="rotary position"):
         model(TORCH_KERNELS, ids, torch.tensor([0, bad]), _caches(model), attn)
     assert native_decoder.forwards == before
+
+
+def test_steps_past_the_kept_scratch_take_their_own(monkeypatch):
+    """Steps longer than the kept scratch run on rows of their own, and the next short step goes
+    back to the kept rows (the schedule's token counts go 1, 13, 10, 2, 22, 3, ...)."""
+    monkeypatch.setattr(native_decoder, "KEEP_SCRATCH_TOKENS", 4)
+    model = _model("int4")
+    got, want, native_caches, python_caches, forwards = _run_both(model, monkeypatch)
+    assert forwards == len(SCHEDULE)
+    assert model._native_loop._scratch_tokens == 3  # grown to the longest step of at most 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches, strict=True))

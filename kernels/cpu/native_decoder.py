@@ -289,6 +289,7 @@ class NativeDecoderLoop:
         self._failure = (ctypes.c_int64 * 3)()
         self._scratch_tokens = 0
         self._scratch: torch.Tensor | None = None
+        self._points_at_kept = False  # the step's buffer fields point into self._scratch
         s = shape
         d = s.head_dim
         self._widths = (
@@ -327,24 +328,28 @@ class NativeDecoderLoop:
         self._model.num_blocks, self._model.block_size = shape[1], shape[2]
         return True
 
-    def _buffers(self, tokens: int) -> list[int]:
-        """Addresses of the step's scratch rows (``_BUFFERS`` order) for ``tokens`` tokens."""
+    def _point_at_scratch(self, tokens: int) -> torch.Tensor:
+        """Point the step's buffers (``_BUFFERS``) at scratch rows for ``tokens`` tokens: the kept
+        scratch (grown to at most ``KEEP_SCRATCH_TOKENS``) or, past that, rows of this call's own.
+        Returns the scratch, to hold for the call."""
+        if self._points_at_kept and tokens <= self._scratch_tokens:
+            return self._scratch
+        keep = tokens <= max(self._scratch_tokens, KEEP_SCRATCH_TOKENS)
         if tokens <= self._scratch_tokens:
             scratch, cap = self._scratch, self._scratch_tokens
         else:
             cap = tokens
             per_token = sum(-(-w // _ALIGN) * _ALIGN for w in self._widths)
             scratch = torch.empty(cap * per_token + _ALIGN, dtype=torch.float32)
-            if tokens <= KEEP_SCRATCH_TOKENS:
+            if keep:
                 self._scratch, self._scratch_tokens = scratch, cap
         base = scratch.data_ptr()
         base += -base % (4 * _ALIGN)
-        out = []
-        for w in self._widths:
-            out.append(base)
+        for name, w in zip(_BUFFERS, self._widths, strict=True):
+            setattr(self._step, name, base)
             base += 4 * cap * (-(-w // _ALIGN) * _ALIGN)
-        self._live_scratch = scratch  # alive for the call even when not kept
-        return out
+        self._points_at_kept = keep
+        return scratch
 
     def run(self, k, x: torch.Tensor, positions: torch.Tensor, kv_caches, attn) -> torch.Tensor | None:
         """The final norm's output ``[T, hidden]`` for the embedded tokens ``x``, or None where the
@@ -387,18 +392,9 @@ class NativeDecoderLoop:
         st.num_seqs = lens.shape[0]
         st.num_threads = torch.get_num_threads()
         st.x, st.out = x.data_ptr(), out.data_ptr()
-        (
-            st.residual,
-            st.normed,
-            st.qkv,
-            st.q,
-            st.attn,
-            st.hidden,
-            st.gate_up,
-            st.act,
-        ) = self._buffers(t)
+        scratch = self._point_at_scratch(t)
         rc = self._call(*self._args)
-        self._live_scratch = None
+        del scratch
         if rc == _CHECK_FAILED:
             _raise_bad_metadata(self._failure[1], self._failure[2], self._model, qsl)
         if rc != 0:
