@@ -25,6 +25,9 @@ from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
 # Bumped by any change to a layer's or the model's attributes (new projections, parameters
 # replaced, ``.to()``): the native loop's descriptors, which hold raw pointers, are then rebuilt.
+# In-place writes to a parameter keep its pointer (the loop reads the new values); swapping a
+# parameter's storage (``param.data = t``) is not seen: ``prepare_linears`` after it, as after
+# any weight change, rebuilds the loop.
 _LAYOUT = [0]
 _NOT_LAYOUT = frozenset(("_kv_of", "_kv_views", "_native_loop", "_native_loop_layout", "native_loop_reason"))
 
