@@ -1,6 +1,6 @@
 """The engine's differential mixes (tests/test_batch_invariance.py) on linears that run on GGUF
 K-quant blocks: a 256-wide model (a K-quant super-block is 256 weights) whose q/k/v are Q4_K, o
-and down Q6_K, gate/up Q5_K and the tied embedding (the LM head) Q4_K, on fp32 activations
+and down Q6_K, gate/up Q5_K and the LM head (and the embedding) Q4_K, on fp32 activations
 (quant_gemm.c) and on the int8 default (quant_int8act.c). Every request's result must equal its
 solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix hits and forks."""
 
