@@ -102,7 +102,7 @@ def gemm_flop_rate(calls, repeats: int) -> float:
 
 
 def matmul_rate(model, tokens: int, sampled_rows: int, repeats: int) -> float:
-    """FLOP/s of plain matmuls with the model's own weights, at this step's token count."""
+    """FLOP/s of plain matmuls on weights of the model's own shapes, at this step's token count."""
     weights, head = model_weights(model)
     calls = [
         (functools.partial(torch.matmul, other=w.t()), torch.randn(tokens, w.shape[1]), w.shape[0])
