@@ -20,6 +20,7 @@ import time
 import torch
 
 from benchmarks import common
+from engine_svc.models.float_weights import linear_shapes
 
 FULL = dict(
     decode_batch=64,
@@ -64,18 +65,18 @@ class TimedModel:
 
 
 def model_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Every projection's weight of the layers, in order, and the LM head's."""
-    weights = [
-        w
-        for layer in model.layers
-        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
-    ]
-    return weights, model.embed if model.lm_head is None else model.lm_head
+    """A weight of each projection's shape, of the layers in order, and the LM head's: random
+    (a float GEMM's speed does not depend on the values, and the engine frees the parameters that
+    its packed linears copied)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = linear_shapes(model)
+    head = shapes.pop("lm_head")
+    return [torch.randn(s, generator=g) for s in shapes.values()], torch.randn(head, generator=g)
 
 
 def projection_shapes(model) -> list[tuple[int, int]]:
     """(in, out) of every projection matmul of one token's trip through the layers."""
-    return [(w.shape[1], w.shape[0]) for w in model_weights(model)[0]]
+    return [(i, o) for name, (o, i) in linear_shapes(model).items() if name != "lm_head"]
 
 
 def step_flops(shapes, spec, new_tokens: int, sampled_rows: int, attended_positions: int) -> float:
@@ -101,7 +102,7 @@ def gemm_flop_rate(calls, repeats: int) -> float:
 
 
 def matmul_rate(model, tokens: int, sampled_rows: int, repeats: int) -> float:
-    """FLOP/s of plain matmuls with the model's own weights, at this step's token count."""
+    """FLOP/s of plain matmuls on weights of the model's own shapes, at this step's token count."""
     weights, head = model_weights(model)
     calls = [
         (functools.partial(torch.matmul, other=w.t()), torch.randn(tokens, w.shape[1]), w.shape[0])
@@ -165,12 +166,12 @@ def gemm_table(model, rows_list, repeats: int) -> list[dict]:
     from kernels.cpu import native_gemm
 
     native = native_gemm.unusable_reason(torch.float32, forced=True) is None
-    layer = model.layers[0]
     out = []
     linear = torch.ops.mkldnn._linear_pointwise
     with torch.inference_mode():
+        shapes = linear_shapes(model)
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            w = getattr(layer, name)
+            w = torch.randn(shapes[f"layers.0.{name}"])
             for m in rows_list:
                 x = torch.randn(m, w.shape[1])
                 fns = dict(f_linear=lambda x=x, w=w: torch.nn.functional.linear(x, w))

@@ -4,7 +4,7 @@ in one run with the sides alternating:
     python -m benchmarks.weight_formats [--quick] [--threads N] [--model models/default]
 
 - GEMM: one panel kernel (``kernels/cpu/native/panel_gemm.h``) on fp32, bf16 (``native_gemm.py``)
-  and the quantized blocks Q8_0, Q4_1, Q4_K, Q6_K (``quant_gemm.py``), and Q8_0, Q4_1, Q4_K with
+  and the quantized blocks Q8_0, Q4_1, Q4_K, Q6_K (``quant_gemm.py``), and Q8_0, Q4_1, Q4_K, Q6_K with
   int8 activations (``+i8``: ``quant_int8act.py``), at M = 1, 16 and 64 rows,
   on weight shapes whose K is a whole number of K-quant super-blocks (256), each format cycling
   over enough copies of the weight (96 MB of fp32) that it comes from memory as in a decode step.
@@ -47,7 +47,7 @@ QUICK = dict(
     decode_rounds=0,
 )
 # "+i8": the same blocks with int8 activations (kernels/cpu/quant_int8act.py)
-FORMATS = ("fp32", "bf16", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0+i8", "Q4_1+i8", "Q4_K+i8")
+FORMATS = ("fp32", "bf16", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0+i8", "Q4_1+i8", "Q4_K+i8", "Q6_K+i8")
 
 
 def make_linear(fmt: str, w: torch.Tensor, seed: int):

@@ -9,6 +9,7 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.models.decoder import DecoderForCausalLM
+from engine_svc.models.float_weights import free_packed_float_weights
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
@@ -67,6 +68,7 @@ def load_model(
     backend = resolve_linear_backend(config.linear_backend, device, dtype)
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
+    freed = free_packed_float_weights(model)
     model.quantization = quant
     model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
@@ -78,7 +80,7 @@ def load_model(
         model.activation_dtype = torch.float32
     isa = native_build.chosen_isa()
     log.info(
-        "linear layers: %s%s (%s on %s)",
+        "linear layers: %s%s (%s on %s); %s",
         f"{blocks}, native {'quant_int8act' if activations == 'int8' else 'quant_gemm'} ({isa}); the rest: "
         if blocks and backend != "dense"
         else "",
@@ -89,6 +91,7 @@ def load_model(
         }.get(backend, "F.linear"),
         dtype,
         device,
+        freed,
     )
     return model
 

@@ -70,9 +70,12 @@ def random_k_blocks(rows: int, cols: int, type_name: str, seed: int) -> np.ndarr
     return data.reshape(rows, cols // block * size)
 
 
-def write_gguf(model_dir: Path, out: Path, type_name: str = "F32", arch: str | None = None) -> Path:
+def write_gguf(
+    model_dir: Path, out: Path, type_name: str = "F32", arch: str | None = None, types: dict | None = None
+) -> Path:
     """The HF model in ``model_dir`` (random weights, its tokenizer.json) as one GGUF file whose 2-D
-    weights are of ``type_name`` (norms and biases stay F32, as llama.cpp keeps them)."""
+    weights are of ``type_name`` (norms and biases stay F32, as llama.cpp keeps them); ``types``:
+    GGUF tensor name (``blk.0.attn_q.weight``) -> its own type, for a file of mixed formats."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = arch or cfg["model_type"]
     g_arch = _GGUF_ARCH[arch]
@@ -105,7 +108,9 @@ def write_gguf(model_dir: Path, out: Path, type_name: str = "F32", arch: str | N
             array = permute_rows(array, heads)
         elif permuted and name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
-        _add_tensor(w, gguf_name(name), array, type_name if array.ndim == 2 else "F32", seed=i)
+        g_name = gguf_name(name)
+        kind = (types or {}).get(g_name, type_name) if array.ndim == 2 else "F32"
+        _add_tensor(w, g_name, array, kind, seed=i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType, quants
 from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
 VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
@@ -43,7 +44,7 @@ def isa(request):
 
 
 def weight(fmt: str, n: int, k: int, seed: int) -> quant_gemm.QuantizedWeight:
-    if fmt in ("Q4_K", "Q5_K"):
+    if fmt in K_QUANTS:
         raw = random_k_blocks(n, k, fmt, seed)
     else:
         g = torch.Generator().manual_seed(seed)
@@ -83,7 +84,7 @@ def float64_product(x: torch.Tensor, qw: quant_gemm.QuantizedWeight, bias) -> np
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64, 300])
 @pytest.mark.parametrize("k,n,bias", [(576, 200, False), (64, 47, True), (256, 33, False), (32, 1, True)])
 def test_int8_activation_gemm_is_the_documented_math(isa, fmt, m, k, n, bias):
-    if fmt in ("Q4_K", "Q5_K") and k % 256:
+    if fmt in K_QUANTS and k % 256:
         k = 256 * (k // 256 + 1)
     qw = weight(fmt, n, k, seed=m * 1000 + k + n)
     g = torch.Generator().manual_seed(m)
@@ -186,7 +187,7 @@ def test_bad_input_is_refused(isa):
     lib = quant_int8act.library(isa)
     y = torch.full((1, 8), 7.0)
     x = torch.randn(1, 64)
-    for fmt, k in ((9, 64), (-1, 64), (0, 48)):
+    for fmt, k in ((5, 64), (13, 64), (16, 64), (-1, 64), (0, 48)):  # 5, 13: no such form
         assert (
             lib.llmserve_qi8_gemm(
                 fmt, x.data_ptr(), 1, k, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1
@@ -195,6 +196,7 @@ def test_bad_input_is_refused(isa):
         )
     assert torch.all(y == 7.0)  # a refused call writes nothing
     q6 = quant_gemm.from_gguf_blocks("Q6_K", random_k_blocks(4, 256, "Q6_K", 0), (4, 256))
-    assert not quant_int8act.supports("Q6_K")
-    with pytest.raises(ValueError, match="no int8-activation kernel for Q6_K"):
-        quant_int8act.Int8ActLinear(q6, isa=isa)
+    q3 = quant_gemm.QuantizedWeight("Q3_K", q6.q, q6.d, None)  # a format with no int8 form
+    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q3_K")
+    with pytest.raises(ValueError, match="no int8-activation kernel for Q3_K"):
+        quant_int8act.Int8ActLinear(q3, isa=isa)

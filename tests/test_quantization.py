@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from engine_svc.config import EngineConfig
-from engine_svc.models.quantized_weights import DEFAULT_ACTIVATIONS, resolve_activations, resolve_quantization
+from engine_svc.models.quantized_weights import (
+    DEFAULT_ACTIVATIONS,
+    gguf_blocks,
+    resolve_activations,
+    resolve_quantization,
+)
 from engine_svc.sampling_params import SamplingParams
 from tests.engine_helpers import make_engine
 from tests.gguf_files import write_gguf
@@ -108,14 +113,15 @@ def test_int8_activations_are_the_default_and_close_to_the_exact_path(tiny_llama
     layers = default.model.layers
     assert {type(layer.gate_up_proj).__name__ for layer in layers} == {"Int8ActLinear"}
     assert type(default.model.lm_head_proj).__name__ == "Int8ActLinear"
-    for a, b, c in zip(layers, exact.model.layers, explicit.model.layers, strict=True):
+    blocks, _ = gguf_blocks(default.model, path)  # the file's, read again: the engine freed its own
+    for i, (a, b, c) in enumerate(zip(layers, exact.model.layers, explicit.model.layers, strict=True)):
         inp = torch.randn(3, a.qkv_proj.in_features)
         got = a.qkv_proj(inp)
         assert torch.equal(got, c.qkv_proj(inp))
         # the weights are the file's: the int8 kernel's own math on them (its reference), and near
         # the fp32-activation result within the activations' 8-bit rounding
         assert torch.equal(
-            got, torch.from_numpy(quant_int8act.reference(inp, a.qkv_weight.quantized, a.qkv_bias))
+            got, torch.from_numpy(quant_int8act.reference(inp, blocks[f"layers.{i}.qkv_weight"], a.qkv_bias))
         )
         want = b.qkv_proj(inp)
         assert (got - want).abs().max() <= 0.05 * want.abs().max()

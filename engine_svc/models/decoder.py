@@ -85,8 +85,8 @@ class DecoderLayer(_TracksLayout, nn.Module):
 
     def prepare_linears(self, backend: str) -> None:
         """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``); call
-        again after the weights change (then wrap them for LoRA again: ``lora.layers``). The
-        parameters stay: they are the weights' one source."""
+        again after the weights change (then wrap them for LoRA again: ``lora.layers``). The loader
+        then frees the parameters that a packed linear copied (``models/float_weights.py``)."""
         self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
         self.o_proj = make_linear(backend, self.o_weight)
         self.gate_up_proj = make_linear(backend, self.gate_up_weight)

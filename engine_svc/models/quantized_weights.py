@@ -3,8 +3,9 @@ K-quants Q4_K, Q5_K, Q6_K), kept (``attach_gguf_blocks``),
 or blocks made at load from the float weights (``quantize_linears``: ``int8`` -> Q8_0, ``int4`` ->
 Q4_1, 32 weights a block). Each block set is attached to the fused parameter it stands for
 (``param.quantized``), and ``kernels.cpu.linear.make_linear`` builds that projection on the quantized
-GEMM (``kernels/cpu/quant_gemm.py``). The float parameters stay: the embedding lookup reads them, and
-``linear_backend="dense"`` still runs on them.
+GEMM (``kernels/cpu/quant_gemm.py``). Once built, the linear holds the only copy: the loader frees the
+float parameter and the attached blocks (``engine_svc/models/float_weights.py``; kept with
+``linear_backend="dense"``, and a tied embedding, which the lookup reads).
 
 ``quantization`` (EngineConfig): None = auto (a GGUF file's blocks where the kernel has their
 format and no float ``dtype`` was asked for, else as loaded), ``"none"``, ``"gguf"``, ``"int8"``,
@@ -78,6 +79,25 @@ def _targets(model) -> dict[str, torch.Tensor]:
 def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
     """Attach the file's blocks to every fused linear whose parts all have one format the kernel
     runs; the others stay float. Returns a summary for the log (formats and counts)."""
+    blocks, skipped = gguf_blocks(model, gguf_path)
+    targets = _targets(model)
+    made: Counter = Counter()
+    for key, qw in blocks.items():
+        param = targets[key]
+        if qw.shape != tuple(param.shape):
+            raise ValueError(f"GGUF blocks for {key}: shape {qw.shape}, the model needs {tuple(param.shape)}")
+        param.quantized = qw
+        made[qw.fmt] += 1
+    summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
+    if skipped:
+        summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
+    return summary
+
+
+def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.QuantizedWeight], Counter]:
+    """The file's blocks for each of ``model``'s fused linears (keys as ``_targets``) that has
+    them all in one format the kernel runs, in the model's row order; and the count of tensors
+    left float, by reason. Reads only the model's layout, never its weights (they may be freed)."""
     ckpt = GGUFCheckpoint(gguf_path)
     parts: dict[str, quant_gemm.QuantizedWeight] = {}
     skipped: Counter = Counter()
@@ -93,24 +113,16 @@ def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
             qw = qw.rows(order)
         parts[t.hf_name] = qw
     tied = model.lm_head is None
-    made: Counter = Counter()
-    for key, param in _targets(model).items():
+    out = {}
+    for key in _targets(model):
         names = _sources(key, tied)
         if not all(n in parts for n in names):
             continue
         try:
-            qw = quant_gemm.concat_rows([parts[n] for n in names])
+            out[key] = quant_gemm.concat_rows([parts[n] for n in names])
         except ValueError:  # q, k and v in different formats: this projection stays float
             skipped["mixed"] += 1
-            continue
-        if qw.shape != tuple(param.shape):
-            raise ValueError(f"GGUF blocks for {key}: shape {qw.shape}, the model needs {tuple(param.shape)}")
-        param.quantized = qw
-        made[qw.fmt] += 1
-    summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
-    if skipped:
-        summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
-    return summary
+    return out, skipped
 
 
 def _sources(key: str, tied: bool) -> list[str]:

@@ -9,8 +9,8 @@ a row alone or in any batch, at any thread count. ``reference`` is an independen
 of it for tests.
 
 Formats: Q8_0, Q4_0, Q4_1 and the K-quants brought to their forms at load (Q4_K as Q4_1, Q5_K as
-U8_1); Q6_K (a scale per 16 weights) has no int8 form here (``supports`` says so) and stays on the
-fp32-activation kernel.
+U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step block of
+activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from kernels.cpu.native_gemm import NativeEntry
 from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed, native_entry
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3}
-HALF = 4  # + to a format code: its scales (and minimums) packed as fp16
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
+SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -153,8 +154,9 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
     zeros where ``dx`` is below the smallest normal float),
     integer block dot products in int64, then per output over the blocks in order
-    ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32,
-    and ``+ bias``. Returns fp32 ``[m, n]``."""
+    ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32
+    (Q6_K, a scale per 16: ``acc += fp32(t0 + t1)``, ``t_h = fp32(fp32(dw_h * dx) * isum_h)`` over
+    the block's two halves), and ``+ bias``. Returns fp32 ``[m, n]``."""
     f32 = np.float32
     xs = x.detach().float().numpy()
     m, k = xs.shape
@@ -172,8 +174,21 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         qw = qw - 8
     dw = weight.d.float().numpy()
     mw = None if weight.m is None else weight.m.float().numpy()
-    isum = np.einsum("mbk,nbk->mnb", qx, qw)  # exact in int64
     acc = np.zeros((m, qw.shape[0]), f32)
+    if weight.fmt in SUB_BLOCK:  # two scales a block: one integer sum and one term per half
+        halves = np.einsum("mbhk,nbhk->mnbh", qx.reshape(m, nb, 2, QK // 2), qw.reshape(-1, nb, 2, QK // 2))
+        for b in range(nb):
+            t0, t1 = (
+                (
+                    (dw[None, :, 2 * b + h] * dx[:, None, b]).astype(f32) * halves[:, :, b, h].astype(f32)
+                ).astype(f32)
+                for h in (0, 1)
+            )
+            acc = (acc + (t0 + t1).astype(f32)).astype(f32)
+        if bias is not None:
+            acc = (acc + bias.detach().float().numpy()[None, :]).astype(f32)
+        return acc
+    isum = np.einsum("mbk,nbk->mnb", qx, qw)  # exact in int64
     for b in range(nb):
         t = (dw[None, :, b] * dx[:, None, b]).astype(f32) * isum[:, :, b].astype(f32)
         t = t.astype(f32)

@@ -1,6 +1,7 @@
 /* y = x . W^T (+ bias) with W in quantized blocks and x quantized per call to int8: integer block
  * dot products (vpdpbusd where the CPU has AVX-512 VNNI or AVX-VNNI, else maddubs), as llama.cpp does. The
- * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1 and the U8_1 form of Q5_K; Q4_K runs as Q4_1).
+ * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1, the U8_1 form of Q5_K and the I8_16 form of Q6_K:
+ * int8 quants -32..31 with a scale per 16 weights; Q4_K runs as Q4_1).
  *
  * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
  *
@@ -13,7 +14,10 @@
  *
  *   Q8_0, Q4_0:  acc += (dw * dx) * isum                 (Q4_0: isum of (q_w - 8) * q_x)
  *   Q4_1, U8_1:  acc += (dw * dx) * isum + mw * dxs
+ *   I8_16:       acc += (dw0 * dx) * isum0 + (dw1 * dx) * isum1
  *
+ * where I8_16's isum0, isum1 are the sums over the block's first and second 16 k steps and dw0, dw1
+ * their scales (a 32-step block of activations meets two weight sub-blocks);
  * and y = acc + bias. Integer sums are exact in any order, and every ISA path does the same float
  * operations in the same order, so a row's result is bit-equal alone, in any batch, at any thread
  * count and across the avx512 and avx2 builds (VNNI or not) and the generic one.
@@ -25,11 +29,13 @@
  * in 4-byte k groups, a group's 32 columns side by side (an int32 lane of a vector is one column's
  * 4 k steps, as vpdpbusd wants them):
  *
- *   byte forms (Q8_0, U8_1): [group g 0..7][column][4]            Q8_0 stored as q + 128 (unsigned)
+ *   byte forms (Q8_0, U8_1, I8_16): [group g 0..7][column][4]     Q8_0 stored as q + 128 (unsigned),
+ *                                                                 I8_16 as q + 32 (0..63)
  *   nibble forms (Q4_0, Q4_1): [g 0..3][column][4], group g in the low nibbles, g + 4 in the high
  *
  * vpdpbusd multiplies unsigned by signed bytes: the stored weight (0..255) by q_x (-127..127); the
- * offset (128 for Q8_0, 8 for Q4_0) comes back out as offset * sx. maddubs (AVX2, AVX-512 without
+ * offset (128 for Q8_0, 8 for Q4_0) comes back out as offset * sx (I8_16: 32 times each half's sum of
+ * q_x, made once per call). I8_16's two scale rows sit where the minimums do. maddubs (AVX2, AVX-512 without
  * VNNI) adds two such products in int16 with saturation, so Q8_0 there takes the signed weight's
  * magnitude times q_x with its sign (at most 2 * 128 * 127, no saturation), the same integer.
  *
@@ -61,15 +67,19 @@
 
 /* A format code is the weight form, + FMT_HALF where its scales (and minimums) are fp16 values
  * (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks): stored as fp16, read back exactly, fewer bytes to stream. */
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_HALF = 4, FMT_COUNT = 8 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FMT_HALF = 8, FMT_COUNT = 16 };
 
-INLINE int form(int fmt) { return fmt & 3; }
+INLINE int form(int fmt) { return fmt & 7; }
+INLINE int known(int fmt) { return fmt >= 0 && fmt < FMT_COUNT && form(fmt) <= FMT_I8_16; }
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
 INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1; }
+INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
 INLINE int nibbles(int fmt) { return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1; }
-INLINE int offset(int fmt) { return form(fmt) == FMT_Q8_0 ? 128 : form(fmt) == FMT_Q4_0 ? 8 : 0; }
+INLINE int offset(int fmt) {
+    return form(fmt) == FMT_Q8_0 ? 128 : form(fmt) == FMT_Q4_0 ? 8 : form(fmt) == FMT_I8_16 ? 32 : 0;
+}
 INLINE int64_t scale_row(int fmt) { return (int64_t)NC * (half_scales(fmt) ? 2 : 4); } /* dw (or mw) bytes */
-INLINE int64_t scale_bytes(int fmt) { return scale_row(fmt) * (has_min(fmt) ? 2 : 1); }
+INLINE int64_t scale_bytes(int fmt) { return scale_row(fmt) * (has_min(fmt) || two_scales(fmt) ? 2 : 1); }
 /* Scale c of a block's row of NC (fp32, or fp16 bits). */
 INLINE float scale_at(int fmt, const uint8_t *p, int c) {
     if (half_scales(fmt)) {
@@ -96,16 +106,16 @@ INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt
 int32_t llmserve_qi8_panel_width(void) { return NC; }
 
 int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
-    if (fmt < 0 || fmt >= FMT_COUNT) return -1;
+    if (!known(fmt)) return -1;
     return ((n + NC - 1) / NC) * (k / QK) * block_stride(fmt);
 }
 
-/* q: n x k quants, one byte each (int8 bits for Q8_0, 0..15 for Q4, 0..31 for U8_1); d, m: n x k/32
- * fp32, or fp16 bits with FMT_HALF (m only where the format has minimums). Returns 0, or -1
- * (unknown format, partial block). */
+/* q: n x k quants, one byte each (int8 bits for Q8_0 and I8_16, 0..15 for Q4, 0..31 for U8_1); d, m:
+ * n x k/32 fp32, or fp16 bits with FMT_HALF (m only where the format has minimums; I8_16: d is
+ * n x k/16, m unused). Returns 0, or -1 (unknown format, partial block). */
 int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const void *m, int64_t n, int64_t k,
                           uint8_t *packed) {
-    if (fmt < 0 || fmt >= FMT_COUNT || k % QK) return -1;
+    if (!known(fmt) || k % QK) return -1;
     const int64_t panels = (n + NC - 1) / NC, blocks = k / QK, sb = scale_bytes(fmt);
     uint8_t *out = packed;
     for (int64_t p = 0; p < panels; ++p)
@@ -115,7 +125,15 @@ int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const vo
             for (int c = 0; c < NC; ++c) {
                 const int64_t j = p * NC + c;
                 memset(ds + es * c, 0, es);
-                if (j < n) memcpy(ds + es * c, (const uint8_t *)d + es * (j * blocks + b), es);
+                if (two_scales(fmt)) { /* the block's two sub-block scales: rows 0 and 1 */
+                    memset(ms + es * c, 0, es);
+                    if (j < n) {
+                        memcpy(ds + es * c, (const uint8_t *)d + es * (2 * (j * blocks + b)), es);
+                        memcpy(ms + es * c, (const uint8_t *)d + es * (2 * (j * blocks + b) + 1), es);
+                    }
+                } else if (j < n) {
+                    memcpy(ds + es * c, (const uint8_t *)d + es * (j * blocks + b), es);
+                }
                 if (has_min(fmt)) {
                     memset(ms + es * c, 0, es);
                     if (j < n) memcpy(ms + es * c, (const uint8_t *)m + es * (j * blocks + b), es);
@@ -129,7 +147,10 @@ int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const vo
                     else
                         for (int g = 0; g < 8; ++g)
                             qs[(g * NC + c) * 4 + e] =
-                                src ? (uint8_t)(form(fmt) == FMT_Q8_0 ? src[4 * g + e] ^ 0x80 : src[4 * g + e]) : 0;
+                                src ? (uint8_t)(form(fmt) == FMT_Q8_0    ? src[4 * g + e] ^ 0x80
+                                                : form(fmt) == FMT_I8_16 ? (int8_t)src[4 * g + e] + 32
+                                                                         : src[4 * g + e])
+                                    : 0;
                 }
             }
             out += block_stride(fmt);
@@ -165,11 +186,12 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32
     }
 }
 
-/* The quantized rows of one call: quants m x k, then per row and block dx, sx, dxs (m x k/32 each). */
+/* The quantized rows of one call: quants m x k, then per row and block dx, sx, dxs (m x k/32 each);
+ * for I8_16 also sh, each block's two 16-step sums of q (m x k/16), else NULL. */
 typedef struct {
     const int8_t *q;
     const float *dx, *dxs;
-    const int32_t *sx;
+    const int32_t *sx, *sh;
     int64_t k, nb;
 } qrows;
 
@@ -201,6 +223,21 @@ INLINE float block_term(float dw, float mw, float dx, float dxs, int32_t isum, i
     return t;
 }
 
+/* I8_16's: the two sub-blocks' terms, each rounded, then their sum (the reference order). */
+INLINE float block_term2(float dw0, float dw1, float dx, int32_t isum0, int32_t isum1) {
+    float a = dw0 * dx;
+    KEEP(a);
+    float t = a * (float)isum0;
+    KEEP(t);
+    float b = dw1 * dx;
+    KEEP(b);
+    float u = b * (float)isum1;
+    KEEP(u);
+    t = t + u;
+    KEEP(t);
+    return t;
+}
+
 INLINE void store_rows(float acc[][NC], int m, const float *bias, float *y, int64_t ldy, int cols) {
     for (int i = 0; i < m; ++i)
         for (int c = 0; c < cols; ++c) {
@@ -222,8 +259,8 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
         for (int i = 0; i < m; ++i) {
             const int64_t r = r0 + i;
             const int8_t *xq = x->q + r * x->k + b * QK;
-            int32_t isum[NC];
-            for (int c = 0; c < NC; ++c) isum[c] = 0;
+            int32_t isum[2][NC]; /* [half of the block: I8_16's sub-blocks; the others sum both] */
+            for (int c = 0; c < NC; ++c) isum[0][c] = isum[1][c] = 0;
             for (int g = 0; g < 8; ++g)
                 for (int c = 0; c < NC; ++c)
                     for (int e = 0; e < 4; ++e) {
@@ -234,13 +271,21 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                         } else {
                             w = qs[(g * NC + c) * 4 + e];
                         }
-                        isum[c] += w * xq[4 * g + e];
+                        isum[g >= 4][c] += w * xq[4 * g + e];
                     }
             const float dx = x->dx[r * x->nb + b], dxs = x->dxs[r * x->nb + b];
+            if (two_scales(fmt)) {
+                const int32_t c0 = off * x->sh[2 * (r * x->nb + b)], c1 = off * x->sh[2 * (r * x->nb + b) + 1];
+                for (int c = 0; c < NC; ++c) {
+                    const float dw0 = scale_at(fmt, blk, c), dw1 = scale_at(fmt, blk + scale_row(fmt), c);
+                    acc[i][c] = acc[i][c] + block_term2(dw0, dw1, dx, isum[0][c] - c0, isum[1][c] - c1);
+                }
+                continue;
+            }
             const int32_t corr = off * x->sx[r * x->nb + b];
             for (int c = 0; c < NC; ++c) {
                 const float dw = scale_at(fmt, blk, c), mw = min ? scale_at(fmt, blk + scale_row(fmt), c) : 0.0f;
-                const float t = block_term(dw, mw, dx, dxs, isum[c] - corr, min);
+                const float t = block_term(dw, mw, dx, dxs, isum[0][c] + isum[1][c] - corr, min);
                 acc[i][c] = acc[i][c] + t;
             }
         }
@@ -346,9 +391,9 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         const uint8_t *blk = panel + b * stride;
         for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, 3);
         const uint8_t *qs = blk + sb;
-        vi isum[MR][V];
+        vi isum[MR][V], isum1[MR][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
         for (int i = 0; i < m; ++i)
-            for (int v = 0; v < V; ++v) isum[i][v] = zeroi();
+            for (int v = 0; v < V; ++v) isum[i][v] = isum1[i][v] = zeroi();
         if (nibbles(fmt)) {
             for (int g = 0; g < 4; ++g) {
                 vi lo[V], hi[V];
@@ -363,6 +408,19 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
                         isum[i][v] = vnni ? dot_vnni(isum[i][v], lo[v], xl) : dot_bw(isum[i][v], lo[v], xl);
                         isum[i][v] = vnni ? dot_vnni(isum[i][v], hi[v], xh) : dot_bw(isum[i][v], hi[v], xh);
                     }
+                }
+            }
+        } else if (two_scales(fmt)) {
+            for (int g = 0; g < 8; ++g) {
+                vi w[V];
+                for (int v = 0; v < V; ++v) w[v] = loadi(qs + (g * NC + v * VW) * 4);
+                for (int i = 0; i < m; ++i) {
+                    const vi xb = bcast4(xr[i] + b * QK + 4 * g);
+                    for (int v = 0; v < V; ++v)
+                        if (g < 4)
+                            isum[i][v] = vnni ? dot_vnni(isum[i][v], w[v], xb) : dot_bw(isum[i][v], w[v], xb);
+                        else
+                            isum1[i][v] = vnni ? dot_vnni(isum1[i][v], w[v], xb) : dot_bw(isum1[i][v], w[v], xb);
                 }
             }
         } else {
@@ -382,7 +440,7 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         for (int v = 0; v < V; ++v) {
             const int64_t at = half_scales(fmt) ? 2 * v * VW : 4 * v * VW;
             dw[v] = half_scales(fmt) ? loadh(blk + at) : loadf((const float *)(blk + at));
-            if (min)
+            if (min || two_scales(fmt)) /* the second row: minimums, or I8_16's second scales */
                 mw[v] = half_scales(fmt) ? loadh(blk + scale_row(fmt) + at)
                                          : loadf((const float *)(blk + scale_row(fmt) + at));
         }
@@ -390,6 +448,16 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
             const int64_t at = (r0 + i) * x->nb + b;
             const vfl dx = setf(x->dx[at]);
             const vfl dxs = setf(x->dxs[at]);
+            if (two_scales(fmt)) {
+                const int32_t c0 = off * x->sh[2 * at], c1 = off * x->sh[2 * at + 1];
+                for (int v = 0; v < V; ++v) {
+                    vfl t = keepv(keepv(dw[v] * dx) * cvt(subi(isum[i][v], c0)));
+                    const vfl u = keepv(keepv(mw[v] * dx) * cvt(subi(isum1[i][v], c1)));
+                    t = keepv(t + u);
+                    acc[i][v] = acc[i][v] + t;
+                }
+                continue;
+            }
             const int32_t corr = off * x->sx[at];
             for (int v = 0; v < V; ++v) {
                 const vi s = off ? subi(isum[i][v], corr) : isum[i][v];
@@ -436,9 +504,11 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     DEFINE_ITEM(PREFIX##q4_0_h, FMT_Q4_0 | FMT_HALF, VNNI)                                               \
     DEFINE_ITEM(PREFIX##q4_1_h, FMT_Q4_1 | FMT_HALF, VNNI)                                               \
     DEFINE_ITEM(PREFIX##u8_1_h, FMT_U8_1 | FMT_HALF, VNNI)                                               \
-    static const item_fn PREFIX##items[FMT_COUNT] = {PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,          \
-                                                     PREFIX##u8_1,   PREFIX##q8_0_h, PREFIX##q4_0_h,        \
-                                                     PREFIX##q4_1_h, PREFIX##u8_1_h};
+    DEFINE_ITEM(PREFIX##i8_16, FMT_I8_16, VNNI)                                                          \
+    DEFINE_ITEM(PREFIX##i8_16_h, FMT_I8_16 | FMT_HALF, VNNI)                                             \
+    static const item_fn PREFIX##items[FMT_COUNT] = {                                                    \
+        PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,   PREFIX##u8_1,   PREFIX##i8_16,   NULL, NULL, NULL,  \
+        PREFIX##q8_0_h, PREFIX##q4_0_h, PREFIX##q4_1_h, PREFIX##u8_1_h, PREFIX##i8_16_h, NULL, NULL, NULL};
 DEFINE_ITEMS(plain_, 0)
 #ifdef VW
 DEFINE_ITEMS(vnni_, 1)
@@ -478,18 +548,26 @@ void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, in
  * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). */
 int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                           int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (fmt < 0 || fmt >= FMT_COUNT || k % QK || k <= 0) return -1;
+    if (!known(fmt) || k % QK || k <= 0) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * 12);
+    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12));
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
-    int32_t *sx = (int32_t *)(dxs + m * nb);
+    int32_t *sx = (int32_t *)(dxs + m * nb), *sh = two_scales(fmt) ? sx + m * nb : NULL;
     const int big = m * n * k > 262144;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (big && m > 1)
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
-    const qrows xs = {q, dx, dxs, sx, k, nb};
+    for (int64_t r = 0; r < m; ++r) {
+        quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
+        if (sh) /* I8_16's offset correction: each 16 steps' sum of q */
+            for (int64_t h = 0; h < 2 * nb; ++h) {
+                int32_t s = 0;
+                for (int e = 0; e < QK / 2; ++e) s += q[r * k + h * (QK / 2) + e];
+                sh[r * 2 * nb + h] = s;
+            }
+    }
+    const qrows xs = {q, dx, dxs, sx, sh, k, nb};
     item_fn item = plain_items[fmt];
 #ifdef VW
     if (vnni_active()) item = vnni_items[fmt];

@@ -1,0 +1,90 @@
+"""After the linears are built: free each projection's float parameter where its GEMM holds its own
+copy of the weight (a packed fp32 or bf16 panel, oneDNN's reordered weight, or quantized blocks),
+so that the model holds one copy of every weight instead of two.
+
+What still reads the parameters once the linears are built, and what is kept for it:
+
+- ``linear_backend="dense"`` (``F.linear`` on the parameter, and the only path off the CPU): kept;
+- the embedding lookup (``F.embedding`` on ``model.embed``): a tied model's embedding is kept in
+  float even where the LM head runs on its blocks or panels;
+- building the linears again (``prepare_linears``): refused once a parameter is freed
+  (``kernels.cpu.linear.make_linear`` names it); load the model again instead.
+
+Nothing else does: LoRA adds its delta to a projection's output, a draft model is a model of its
+own, tensor-parallel ranks each load their shard, and the quantized blocks attached at load
+(``param.quantized``) were only the linears' input (the packed GEMM holds its own form), so they
+go too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import torch
+
+# The linears whose object holds its own copy of the weight (kernels.cpu.linear's kinds).
+PACKED_KINDS = ("native", "onednn", "quantized", "quantized_int8act")
+
+
+def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
+    """(name, float parameter, the linear built from it) for every projection and the LM head."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        for weight, proj in (
+            ("qkv_weight", "qkv_proj"),
+            ("o_weight", "o_proj"),
+            ("gate_up_weight", "gate_up_proj"),
+            ("down_weight", "down_proj"),
+        ):
+            out.append((f"layers.{i}.{weight}", getattr(layer, weight), getattr(layer, proj)))
+    head = model.embed if model.lm_head is None else model.lm_head
+    out.append(("embed" if model.lm_head is None else "lm_head", head, model.lm_head_proj))
+    return out
+
+
+def free_packed_float_weights(model) -> str:
+    """Free the float parameters that a packed linear made redundant; returns the log's summary."""
+    freed, kept, nbytes = 0, set(), 0
+    for name, param, linear in projections(model):
+        param.quantized = None  # the linear's packed form is the one the GEMM reads
+        kind = getattr(linear, "kind", "dense")
+        if name == "embed":
+            kept.add("the tied embedding (the lookup reads it)")
+        elif kind not in PACKED_KINDS:
+            kept.add(f"{kind} linears (they read them)")
+        else:
+            nbytes += param.numel() * param.element_size()
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            param.released = f"freed at load: {name} runs on its {kind} linear's own copy"
+            freed += 1
+    _return_freed_memory()
+    summary = f"float parameters freed: {freed} projections ({nbytes / 2**20:.0f} MiB)"
+    return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else "")
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; the weights freed here are not coming back, so
+    hand the pages to the system (RSS would otherwise still count them)."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to do
+
+
+def linear_shapes(model) -> dict[str, tuple[int, int]]:
+    """(out, in) of every projection and the LM head, from the model's geometry (the parameters
+    may be freed)."""
+    spec = model.spec
+    h, d = spec.hidden_size, spec.head_dim
+    out = {}
+    for i, layer in enumerate(model.layers):
+        q, kv = layer.num_heads * d, layer.num_kv_heads * d
+        inter = layer.shard.intermediate(spec)
+        out[f"layers.{i}.qkv_weight"] = (q + 2 * kv, h)
+        out[f"layers.{i}.o_weight"] = (h, q)
+        out[f"layers.{i}.gate_up_weight"] = (2 * inter, h)
+        out[f"layers.{i}.down_weight"] = (h, inter)
+    out["lm_head"] = (model.embed.shape[0], h)  # this rank's vocabulary rows
+    return out

@@ -1,0 +1,81 @@
+"""The model holds one copy of each projection's weight: where a linear packed its own (quantized
+blocks, bf16 or fp32 panels, oneDNN's reordered weight), the loader frees the float parameter and
+the blocks it was built from (engine_svc/models/float_weights.py); ``linear_backend="dense"``
+reads the parameters, so there they stay, and so does a tied embedding (the lookup reads it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_svc.models.float_weights import linear_shapes, projections
+from engine_svc.sampling_params import SamplingParams
+from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+from tests.gguf_files import write_gguf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _serves(engine):
+    """The linears still serve: a greedy request runs to its end."""
+    out = run_to_completion(engine, {"r": (random_prompts([7], 1000)[0], GREEDY)})
+    assert len(out["r", 0]) == GREEDY.max_tokens
+
+
+def _projection_bytes(model) -> int:
+    """Bytes the float parameters of the projections and a non-tied LM head still hold."""
+    return sum(p.numel() * p.element_size() for name, p, _ in projections(model) if name != "embed")
+
+
+def _assert_freed(model):
+    assert _projection_bytes(model) == 0, "a packed linear's float weight was kept beside it"
+    for name, param, _ in projections(model):
+        assert getattr(param, "quantized", None) is None, f"{name}: the load-time blocks were kept"
+        if name == "embed":  # tied: the lookup reads it
+            assert param.numel() == model.spec.vocab_size * model.spec.hidden_size
+    # the geometry survives for whoever needs the shapes (benchmarks.compute_efficiency)
+    shapes = linear_shapes(model)
+    for name, _, linear in projections(model):
+        want = shapes["lm_head" if name == "embed" else name]
+        assert (linear.out_features, linear.in_features) == want
+    with pytest.raises(RuntimeError, match="freed weight"):
+        model.prepare_linears("native")
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tiny_llama, tmp_path_factory):
+    return write_gguf(tiny_llama, tmp_path_factory.mktemp("freed") / "tiny-Q4_1.gguf", "Q4_1")
+
+
+@pytest.mark.parametrize("options", [{}, {"quantized_activations": "none"}], ids=["int8act", "fp32act"])
+def test_gguf_blocks_leave_no_float_copy_and_still_serve(q4_1_file, options):
+    engine = make_engine(q4_1_file, **options)
+    _assert_freed(engine.model)
+    _serves(engine)  # the linears serve without them
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"quantization": "int8"}, {"quantization": "int4"}, {"dtype": "bfloat16"}, {"dtype": "float32"}],
+    ids=lambda o: next(iter(o.values())),
+)
+def test_packed_linears_from_a_float_checkpoint_leave_no_float_copy(tiny_llama, options):
+    engine = make_engine(tiny_llama, **options)
+    if options.get("dtype") == "float32" and engine.model.layers[0].qkv_proj.kind == "dense":
+        pytest.fail("the fp32 model did not get a packed linear here: nothing to free")
+    _assert_freed(engine.model)
+    _serves(engine)
+
+
+def test_dense_linears_keep_the_parameters_they_read(q4_1_file, tiny_llama):
+    for engine in (
+        make_engine(q4_1_file, linear_backend="dense"),
+        make_engine(tiny_llama, linear_backend="dense"),
+    ):
+        model = engine.model
+        assert all(
+            p.numel() == torch.Size(s).numel()
+            for (_, p, _), s in zip(projections(model), linear_shapes(model).values(), strict=True)
+        )
+        assert all(getattr(p, "quantized", None) is None for _, p, _ in projections(model))
+        model.prepare_linears("dense")  # still possible: nothing was freed
