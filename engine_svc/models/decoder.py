@@ -214,7 +214,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                 q_heads=first.num_heads,
                 kv_heads=first.num_kv_heads,
                 head_dim=first.head_dim,
-                inter=first.down_weight.shape[1],
+                inter=first.shard.intermediate(self.spec),  # the weights may be freed (float_weights)
                 eps=self.spec.rms_norm_eps,
                 scale=first.scale,
             )
