@@ -11,7 +11,9 @@ measured path, and at every scored position the full next-token distributions co
 - Reference: ``--reference`` (default ``models/default``) dequantized to fp32
   (``quantization="none"``). Measured: each ``--model`` file (default: that file and its Q8_0
   copy, ``benchmarks/requantize_gguf.py``) on each ``--paths`` entry (the file's own blocks with
-  int8 or fp32 activations, or blocks made at load).
+  int8 or fp32 activations, int8 but the LM head on fp32, or blocks made at load);
+  ``--fp32-kinds`` puts more linear kinds back on fp32 activations, to find where the KL comes
+  from.
 - Per text and path: mean KL(reference || measured) with its standard error, the 99.9th percentile
   and max of the per-position KL, top-1 agreement, perplexity (and the reference's), and the number
   of scored positions.
@@ -46,13 +48,14 @@ from engine_svc.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tokenizer_svc" / "corpus" / "multilingual.txt"
 LLAMACPP_PYTHON = ROOT / "benchmarks" / ".llamacpp-venv" / "bin" / "python"
-PATHS = {  # name: (quantization, quantized_activations)
-    "gguf-int8": ("gguf", "int8"),
-    "gguf-fp32": ("gguf", "none"),
-    "int8-at-load": ("int8", "none"),
-    "int8-at-load-int8": ("int8", "int8"),
-    "int4-at-load": ("int4", "none"),
-    "int4-at-load-int8": ("int4", "int8"),
+PATHS = {  # name: (quantization, quantized_activations, linear kinds kept on fp32 activations)
+    "gguf-int8": ("gguf", "int8", ()),
+    "gguf-int8-fp32-head": ("gguf", "int8", ("lm_head",)),
+    "gguf-fp32": ("gguf", "none", ()),
+    "int8-at-load": ("int8", "none", ()),
+    "int8-at-load-int8": ("int8", "int8", ()),
+    "int4-at-load": ("int4", "none", ()),
+    "int4-at-load-int8": ("int4", "int8", ()),
 }
 TEXTS = ("english", "multilingual")
 
@@ -173,10 +176,15 @@ def default_models(reference: str) -> list[str]:
     return [reference, str(requantize(gguf_file(reference), "Q8_0"))]
 
 
-def engine(model: str, quantization: str, activations: str, vocab: int, threads: int | None) -> LLM:
+def engine(
+    model: str, quantization: str, activations: str, vocab: int, threads: int | None, fp32_kinds=()
+) -> LLM:
+    """An engine for one path. ``fp32_kinds``: linear kinds (``qkv``, ``o``, ``gate_up``, ``down``,
+    ``lm_head``) put back on fp32 activations after an int8 load, for the ablations that find where
+    the int8 path's KL comes from (the engine itself has no such option)."""
     if threads:
         torch.set_num_threads(threads)
-    return LLM(
+    llm = LLM(
         model=model,
         quantization=quantization,
         quantized_activations=activations,
@@ -184,6 +192,15 @@ def engine(model: str, quantization: str, activations: str, vocab: int, threads:
         max_num_seqs=1,
         max_model_len=1024,
     )
+    if fp32_kinds:
+        from engine_svc.models.quantized_weights import use_int8_activations
+
+        m = llm.engine.model
+        if m.quantized_activations != "int8":
+            raise ValueError("fp32_kinds needs a path on int8 activations")
+        use_int8_activations(m, tuple(fp32_kinds))
+        m.prepare_linears(m.linear_backend)
+    return llm
 
 
 def table(result: dict) -> str:
@@ -209,11 +226,19 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference", default=str(ROOT / "models" / "default"))
     ap.add_argument("--model", action="append", default=None, help="a measured file (repeat for more)")
-    ap.add_argument("--paths", default="gguf-int8,gguf-fp32", help=f"comma list of {list(PATHS)}")
+    ap.add_argument(
+        "--paths", default="gguf-int8,gguf-int8-fp32-head,gguf-fp32", help=f"comma list of {list(PATHS)}"
+    )
     ap.add_argument("--texts", default=",".join(TEXTS))
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=6, help="windows of each text, at most")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--fp32-kinds",
+        default="",
+        help="comma list of linear kinds (qkv, o, gate_up, down, lm_head) kept on fp32 activations on "
+        "every int8-activation path: an ablation",
+    )
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same windows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -227,6 +252,7 @@ def main(argv=None) -> dict:
             ap.error(f"--texts: unknown {name!r} (one of {list(TEXTS)})")
     if args.n_ctx < 4:
         ap.error("--n-ctx must be at least 4")
+    extra_fp32 = tuple(k for k in args.fp32_kinds.split(",") if k)
     models = args.model or default_models(args.reference)
     vocab = model_vocab(args.reference)
 
@@ -244,12 +270,16 @@ def main(argv=None) -> dict:
 
     for model in models:
         for name in paths:
-            quant, activations = PATHS[name]
+            quant, activations, kinds = PATHS[name]
+            kinds = tuple(dict.fromkeys(kinds + extra_fp32)) if activations == "int8" else ()
             if quant != "gguf" and model != models[0]:
                 continue  # blocks made at load come from the same float weights whatever the file
-            llm = engine(model, quant, activations, vocab, args.threads)
+            llm = engine(model, quant, activations, vocab, args.threads, kinds)
+            label = f"ours {gguf_file(model).name} {name}" + (
+                f" (fp32: {','.join(kinds)})" if extra_fp32 else ""
+            )
             for t, w in windows.items():
-                add(t, ref_name, f"ours {gguf_file(model).name} {name}", compare(ref[t], our_logprobs(llm, w, vocab), w))
+                add(t, ref_name, label, compare(ref[t], our_logprobs(llm, w, vocab), w))
             llm.shutdown()
 
     if args.llamacpp:
@@ -262,14 +292,17 @@ def main(argv=None) -> dict:
             add(t, ref_name, f"llama.cpp {f32.name}", compare(ref[t], peer_ref, w))
             for model in models:
                 got = llamacpp_logprobs(gguf_file(model), w, args.n_ctx, threads)
-                add(t, f"llama.cpp {f32.name}", f"llama.cpp {gguf_file(model).name}", compare(peer_ref, got, w))
+                add(
+                    t,
+                    f"llama.cpp {f32.name}",
+                    f"llama.cpp {gguf_file(model).name}",
+                    compare(peer_ref, got, w),
+                )
                 add(t, ref_name, f"llama.cpp {gguf_file(model).name}", compare(ref[t], got, w))
 
     result = {
         "python": sys.version.split()[0],
-        "texts": {
-            t: {"windows": len(w), "n_ctx": args.n_ctx, "rows": rows[t]} for t, w in windows.items()
-        },
+        "texts": {t: {"windows": len(w), "n_ctx": args.n_ctx, "rows": rows[t]} for t, w in windows.items()},
     }
     print(table(result), file=sys.stderr)
     print(json.dumps(result, indent=1))

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM
 from benchmarks import quantization_quality as qq
 from benchmarks.requantize_gguf import requantize
 from engine_svc.llm import LLM
-from engine_svc.models.build import build_random_model
 from tests.gguf_files import write_gguf
 
 
@@ -43,7 +42,9 @@ def test_compare_on_known_distributions():
     assert got["max_kl"] == pytest.approx(kl0, rel=1e-6)
     assert got["top1_agreement"] == 0.5  # row 0: argmax 0 against 1; row 1 equal
     assert got["perplexity"] == pytest.approx(math.exp(-(math.log(0.75) + math.log(0.7)) / 2), rel=1e-6)
-    assert got["reference_perplexity"] == pytest.approx(math.exp(-(math.log(0.5) + math.log(0.7)) / 2), rel=1e-6)
+    assert got["reference_perplexity"] == pytest.approx(
+        math.exp(-(math.log(0.5) + math.log(0.7)) / 2), rel=1e-6
+    )
 
 
 def test_english_windows_are_the_stdlib_docs(trained_tokenizer_dir):
@@ -93,3 +94,24 @@ def test_unknown_paths_and_texts_are_refused():
         qq.main(["--paths", "gguf-int4"])
     with pytest.raises(SystemExit):
         qq.main(["--texts", "french"])
+
+
+def test_fp32_kinds_put_those_linears_back_on_fp32_activations(tiny_llama, tmp_path):
+    from engine_svc.models.quantized_weights import use_int8_activations
+    from tests.engine_helpers import make_engine
+
+    path = write_gguf(tiny_llama, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
+    e = make_engine(path, quantized_activations="int8")
+    exact = make_engine(path, quantized_activations="none")
+    m = e.model
+    assert "fp32 activations: 1 x Q8_0 lm_head" in use_int8_activations(m, ("lm_head",))
+    m.prepare_linears(m.linear_backend)
+    assert type(m.lm_head_proj).__name__ == "QuantLinear"
+    assert {type(layer.qkv_proj).__name__ for layer in m.layers} == {"Int8ActLinear"}
+    x = torch.randn(3, e.spec.hidden_size)
+    assert torch.equal(m.compute_logits(x), exact.model.compute_logits(x))  # the exact head
+    use_int8_activations(m)  # again with none: every linear back on int8
+    m.prepare_linears(m.linear_backend)
+    assert type(m.lm_head_proj).__name__ == "Int8ActLinear"
+    with pytest.raises(ValueError, match="unknown"):
+        use_int8_activations(m, ("mlp",))
