@@ -1,14 +1,32 @@
-"""How much each quantized path changes the model, measured like llama.cpp's ``perplexity
---kl-divergence``: on the same text (windows of the repository's corpus), against the fp32 model
-(here the GGUF file dequantized to fp32, ``quantization="none"``), per path (weights, and fp32 or
-int8 activations on the quantized linears: ``quantized_activations``): mean KL(fp32 || quant)
-over every position's full next-token distribution, top-1 agreement, and perplexity; and whether
-greedy continuations equal fp32's.
+"""How much each quantized path changes the model, measured the way llama.cpp's ``perplexity
+--kl-divergence`` does: the same token windows run through a reference model and through each
+measured path, and at every scored position the full next-token distributions compared.
 
-    python -m benchmarks.quantization_quality [--model models/default] [--windows 2] [--window 128]
+- Windows: ``n_ctx`` tokens each (default 512), each from an empty KV cache; only the second half
+  of a window is scored (positions ``n_ctx/2`` .. ``n_ctx-2``, each predicting the next token), as
+  llama.cpp does, so every scored token has at least ``n_ctx/2`` tokens of context.
+- Texts: ``english``, Python's own documentation (``pydoc_data.topics``, read at run time from the
+  interpreter's stdlib, never copied here: its figures depend on the Python version, which the
+  report names), and ``multilingual``, the repository's corpus (``tokenizer_svc/corpus``).
+- Reference: ``--reference`` (default ``models/default``) dequantized to fp32
+  (``quantization="none"``). Measured: each ``--model`` file (default: that file and its Q8_0
+  copy, ``benchmarks/requantize_gguf.py``) on each ``--paths`` entry (the file's own blocks with
+  int8 or fp32 activations, int8 but the LM head on fp32, or blocks made at load);
+  ``--fp32-kinds`` puts more linear kinds back on fp32 activations, to find where the KL comes
+  from.
+- Per text and path: mean KL(reference || measured) with its standard error, the 99.9th percentile
+  and max of the per-position KL, top-1 agreement, perplexity (and the reference's), and the number
+  of scored positions.
+- ``--llamacpp``: the same windows through llama.cpp (``benchmarks/llamacpp_logprobs.py`` in
+  ``benchmarks/.llamacpp-venv``) on each ``--model`` file and on an F32 file of the reference's
+  weights; each compared with llama.cpp's own F32 run and with ours.
 
-The full distributions come from the engine's prompt logprobs with ``max_logprobs`` = the vocabulary,
-so nothing here re-implements the model.
+    python -m benchmarks.quantization_quality [--model FILE ...] [--reference FILE] [--windows 6]
+        [--n-ctx 512] [--texts english,multilingual] [--paths gguf-int8,gguf-fp32] [--llamacpp]
+
+Our full distributions come from the engine's prompt logprobs with ``max_logprobs`` = the
+vocabulary, so nothing here re-implements the model. At 512 tokens a window costs about 6 s a path
+on two cores (the engine lists every probability of every position).
 """
 
 from __future__ import annotations
@@ -16,9 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine_svc.llm import LLM
@@ -26,27 +47,108 @@ from engine_svc.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tokenizer_svc" / "corpus" / "multilingual.txt"
-PATHS = {  # name: (quantization, quantized_activations)
-    "fp32": ("none", "none"),
-    "gguf blocks, fp32 activations": ("gguf", "none"),
-    "gguf blocks, int8 activations": ("gguf", "int8"),
-    "int8 (Q8_0 made at load)": ("int8", "none"),
-    "int8 (Q8_0 made at load), int8 activations": ("int8", "int8"),
-    "int4 (Q4_1 made at load)": ("int4", "none"),
-    "int4 (Q4_1 made at load), int8 activations": ("int4", "int8"),
+LLAMACPP_PYTHON = ROOT / "benchmarks" / ".llamacpp-venv" / "bin" / "python"
+PATHS = {  # name: (quantization, quantized_activations, linear kinds kept on fp32 activations)
+    "gguf-int8": ("gguf", "int8", ()),
+    "gguf-int8-fp32-head": ("gguf", "int8", ("lm_head",)),
+    "gguf-fp32": ("gguf", "none", ()),
+    "int8-at-load": ("int8", "none", ()),
+    "int8-at-load-int8": ("int8", "int8", ()),
+    "int4-at-load": ("int4", "none", ()),
+    "int4-at-load-int8": ("int4", "int8", ()),
 }
+TEXTS = ("english", "multilingual")
 
 
-def distributions(llm: LLM, windows: list[list[int]], vocab: int) -> torch.Tensor:
-    """[positions, vocab] log-probabilities of the next token at each position after the first."""
+def english_text(chars: int) -> str:
+    """The first ``chars`` characters of the interpreter's own documentation topics."""
+    import pydoc_data.topics
+
+    return "\n\n".join(pydoc_data.topics.topics.values())[:chars]
+
+
+def text_windows(tokenizer, name: str, n_ctx: int, count: int) -> list[list[int]]:
+    """Up to ``count`` consecutive, non-overlapping windows of ``n_ctx`` tokens of the text (at
+    least one: a text shorter than one window is one shorter window)."""
+    # ~4 characters a token in English; ask for twice that so ``count`` windows fit
+    text = english_text(8 * n_ctx * count) if name == "english" else CORPUS.read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    ids = list(getattr(ids, "ids", ids))
+    n = max(1, min(count, len(ids) // n_ctx))
+    return [ids[i * n_ctx : (i + 1) * n_ctx] for i in range(n)]
+
+
+def first_scored(window: list[int]) -> int:
+    """The first scored position: the second half of the window, as llama.cpp's perplexity."""
+    return len(window) // 2
+
+
+def targets(window: list[int]) -> torch.Tensor:
+    """The tokens the scored positions predict."""
+    return torch.tensor(window[first_scored(window) + 1 :])
+
+
+def our_logprobs(llm: LLM, windows: list[list[int]], vocab: int) -> list[torch.Tensor]:
+    """Per window, ``[scored positions, vocab]`` fp32 log-probabilities of the next token. Each
+    window is its own request (an empty KV cache: no prefix cache under prompt logprobs)."""
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab)
-    rows = []
-    for r in llm.generate(windows, sp, use_tqdm=False):
-        for entry in r.prompt_logprobs[1:]:
-            row = torch.full((vocab,), -math.inf, dtype=torch.float64)
-            row[torch.tensor(entry.top_ids)] = torch.tensor(entry.top_logprobs, dtype=torch.float64)
-            rows.append(row)
-    return torch.stack(rows)
+    out = []
+    for window in windows:
+        (r,) = llm.generate([window], sp, use_tqdm=False)
+        # entry i is token i given the tokens before it: the distribution at position i - 1
+        entries = r.prompt_logprobs[first_scored(window) + 1 :]
+        ids = torch.tensor([e.top_ids for e in entries])
+        lps = torch.tensor([e.top_logprobs for e in entries], dtype=torch.float32)
+        out.append(torch.empty(len(entries), vocab).scatter_(1, ids, lps))
+    return out
+
+
+def llamacpp_logprobs(model: Path, windows: list[list[int]], n_ctx: int, threads: int) -> list[torch.Tensor]:
+    """The same as ``our_logprobs`` from llama.cpp (``benchmarks/llamacpp_logprobs.py``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = {
+            "model": str(model),
+            "threads": threads,
+            "n_ctx": n_ctx,
+            "first": first_scored(windows[0]),
+            "windows": windows,
+            "out": tmp,
+        }
+        if len({len(w) for w in windows}) != 1:
+            raise ValueError("llama.cpp's windows must all have one length")
+        done = subprocess.run(
+            [str(LLAMACPP_PYTHON), str(ROOT / "benchmarks" / "llamacpp_logprobs.py")],
+            input=json.dumps(job) + "\n",
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        files = json.loads(done.stdout.strip().splitlines()[-1])["files"]
+        return [torch.from_numpy(np.load(f, allow_pickle=False)) for f in files]
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor], windows: list[list[int]]) -> dict:
+    """KL(ref || got) per scored position, over all windows, and the figures llama.cpp reports."""
+    kls, same, nll, nll_ref = [], [], [], []
+    for r, g, w in zip(ref, got, windows, strict=True):
+        r, g = r.double(), g.double()
+        p = r.exp()
+        kls.append(torch.where(p > 0, p * (r - g), torch.zeros_like(p)).sum(1))
+        same.append(r.argmax(1) == g.argmax(1))
+        t = targets(w)[:, None]
+        nll.append(-g.gather(1, t).squeeze(1))
+        nll_ref.append(-r.gather(1, t).squeeze(1))
+    kl, nll, nll_ref = torch.cat(kls), torch.cat(nll), torch.cat(nll_ref)
+    return {
+        "positions": len(kl),
+        "mean_kl": kl.mean().item(),
+        "mean_kl_stderr": (kl.std() / math.sqrt(len(kl))).item() if len(kl) > 1 else 0.0,
+        "kl_99_9": torch.quantile(kl, 0.999).item(),
+        "max_kl": kl.max().item(),
+        "top1_agreement": torch.cat(same).double().mean().item(),
+        "perplexity": math.exp(nll.mean().item()),
+        "reference_perplexity": math.exp(nll_ref.mean().item()),
+    }
 
 
 def model_vocab(model: str) -> int:
@@ -59,53 +161,150 @@ def model_vocab(model: str) -> int:
     return json.loads((where.root / "config.json").read_text())["vocab_size"]
 
 
+def gguf_file(model: str) -> Path:
+    from engine_svc.models.model_path import resolve_model_path
+
+    where = resolve_model_path(model)
+    if where.gguf is None:
+        raise SystemExit(f"{model}: no .gguf file there")
+    return where.gguf
+
+
+def default_models(reference: str) -> list[str]:
+    from benchmarks.requantize_gguf import requantize
+
+    return [reference, str(requantize(gguf_file(reference), "Q8_0"))]
+
+
+def engine(
+    model: str, quantization: str, activations: str, vocab: int, threads: int | None, fp32_kinds=()
+) -> LLM:
+    """An engine for one path. ``fp32_kinds``: linear kinds (``qkv``, ``o``, ``gate_up``, ``down``,
+    ``lm_head``) put back on fp32 activations after an int8 load, for the ablations that find where
+    the int8 path's KL comes from (the engine itself has no such option)."""
+    if threads:
+        torch.set_num_threads(threads)
+    llm = LLM(
+        model=model,
+        quantization=quantization,
+        quantized_activations=activations,
+        max_logprobs=vocab,
+        max_num_seqs=1,
+        max_model_len=1024,
+    )
+    if fp32_kinds:
+        from engine_svc.models.quantized_weights import use_int8_activations
+
+        m = llm.engine.model
+        if m.quantized_activations != "int8":
+            raise ValueError("fp32_kinds needs a path on int8 activations")
+        use_int8_activations(m, tuple(fp32_kinds))
+        m.prepare_linears(m.linear_backend)
+    return llm
+
+
+def table(result: dict) -> str:
+    """The report as one markdown table per text."""
+    lines = []
+    for text, rows in result["texts"].items():
+        lines += [
+            f"\n{text} ({rows['windows']} x {rows['n_ctx']} tokens, second halves scored)",
+            "| reference | measured | positions | mean KL | KL 99.9% | max KL | top-1 | PPL (ref) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in rows["rows"]:
+            lines.append(
+                f"| {e['reference']} | {e['measured']} | {e['positions']} | "
+                f"{e['mean_kl']:.5f} ± {e['mean_kl_stderr']:.5f} | {e['kl_99_9']:.4f} | "
+                f"{e['max_kl']:.4f} | {e['top1_agreement']:.4f} | "
+                f"{e['perplexity']:.3f} ({e['reference_perplexity']:.3f}) |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(ROOT / "models" / "default"))
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--greedy-tokens", type=int, default=64)
+    ap.add_argument("--reference", default=str(ROOT / "models" / "default"))
+    ap.add_argument("--model", action="append", default=None, help="a measured file (repeat for more)")
+    ap.add_argument(
+        "--paths", default="gguf-int8,gguf-int8-fp32-head,gguf-fp32", help=f"comma list of {list(PATHS)}"
+    )
+    ap.add_argument("--texts", default=",".join(TEXTS))
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=6, help="windows of each text, at most")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--fp32-kinds",
+        default="",
+        help="comma list of linear kinds (qkv, o, gate_up, down, lm_head) kept on fp32 activations on "
+        "every int8-activation path: an ablation",
+    )
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same windows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    result: dict = {}
-    ref = ref_greedy = targets = None
-    vocab = model_vocab(args.model)
-    for name, (quant, activations) in PATHS.items():
-        llm = LLM(
-            model=args.model,
-            quantization=quant,
-            quantized_activations=activations,
-            max_logprobs=vocab,
-            max_num_seqs=4,
-        )
-        if targets is None:
-            ids = llm.get_tokenizer().encode(CORPUS.read_text(encoding="utf-8"))
-            ids = list(getattr(ids, "ids", ids))
-            windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
-            targets = torch.tensor([t for w in windows for t in w[1:]])
-        logp = distributions(llm, windows, vocab)
-        sp = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True)
-        greedy = [
-            list(r.outputs[0].token_ids) for r in llm.generate([w[:32] for w in windows], sp, use_tqdm=False)
-        ]
-        llm.shutdown()
-        nll = -logp.gather(1, targets[:, None]).squeeze(1)
-        entry = {"perplexity": math.exp(nll.mean().item())}
-        if ref is None:
-            ref, ref_greedy = logp, greedy
-        else:
-            p = ref.exp()
-            kl = torch.where(p > 0, p * (ref - logp), torch.zeros_like(p)).sum(1)
-            entry.update(
-                mean_kl=kl.mean().item(),
-                max_kl=kl.max().item(),
-                top1_agreement=(ref.argmax(1) == logp.argmax(1)).double().mean().item(),
-                logprobs_bit_equal=bool(torch.equal(ref, logp)),
-                greedy_equal=sum(a == b for a, b in zip(greedy, ref_greedy, strict=True)),
-                greedy_of=len(greedy),
+    paths = args.paths.split(",")
+    texts = args.texts.split(",")
+    for name in paths:
+        if name not in PATHS:
+            ap.error(f"--paths: unknown {name!r} (one of {list(PATHS)})")
+    for name in texts:
+        if name not in TEXTS:
+            ap.error(f"--texts: unknown {name!r} (one of {list(TEXTS)})")
+    if args.n_ctx < 4:
+        ap.error("--n-ctx must be at least 4")
+    extra_fp32 = tuple(k for k in args.fp32_kinds.split(",") if k)
+    models = args.model or default_models(args.reference)
+    vocab = model_vocab(args.reference)
+
+    llm = engine(args.reference, "none", "none", vocab, args.threads)
+    tokenizer = llm.get_tokenizer()
+    windows = {t: text_windows(tokenizer, t, args.n_ctx, args.windows) for t in texts}
+    ref = {t: our_logprobs(llm, w, vocab) for t, w in windows.items()}
+    llm.shutdown()
+    ref_name = f"{gguf_file(args.reference).name} as fp32"
+    rows: dict[str, list] = {t: [] for t in texts}
+
+    def add(text: str, reference: str, measured: str, figures: dict) -> None:
+        rows[text].append({"reference": reference, "measured": measured, **figures})
+        print(text, reference, "|", measured, json.dumps(figures), file=sys.stderr, flush=True)
+
+    for model in models:
+        for name in paths:
+            quant, activations, kinds = PATHS[name]
+            kinds = tuple(dict.fromkeys(kinds + extra_fp32)) if activations == "int8" else ()
+            if quant != "gguf" and model != models[0]:
+                continue  # blocks made at load come from the same float weights whatever the file
+            llm = engine(model, quant, activations, vocab, args.threads, kinds)
+            label = f"ours {gguf_file(model).name} {name}" + (
+                f" (fp32: {','.join(kinds)})" if extra_fp32 else ""
             )
-        result[name] = entry
-        print(name, json.dumps(entry), file=sys.stderr, flush=True)
+            for t, w in windows.items():
+                add(t, ref_name, label, compare(ref[t], our_logprobs(llm, w, vocab), w))
+            llm.shutdown()
+
+    if args.llamacpp:
+        from benchmarks.requantize_gguf import requantize
+
+        threads = args.threads or torch.get_num_threads()
+        f32 = requantize(gguf_file(args.reference), "F32")
+        for t, w in windows.items():
+            peer_ref = llamacpp_logprobs(f32, w, args.n_ctx, threads)
+            add(t, ref_name, f"llama.cpp {f32.name}", compare(ref[t], peer_ref, w))
+            for model in models:
+                got = llamacpp_logprobs(gguf_file(model), w, args.n_ctx, threads)
+                add(
+                    t,
+                    f"llama.cpp {f32.name}",
+                    f"llama.cpp {gguf_file(model).name}",
+                    compare(peer_ref, got, w),
+                )
+                add(t, ref_name, f"llama.cpp {gguf_file(model).name}", compare(ref[t], got, w))
+
+    result = {
+        "python": sys.version.split()[0],
+        "texts": {t: {"windows": len(w), "n_ctx": args.n_ctx, "rows": rows[t]} for t, w in windows.items()},
+    }
+    print(table(result), file=sys.stderr)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -3,8 +3,10 @@ formats on the same weights (issue: "a Q8_0 file made from the same weights with
 package's quantizer").
 
 Each quantized tensor is dequantized and quantized again with ``gguf.quants``, the reference
-quantizer llama.cpp's own Python tools use; float tensors (norms) are kept as they are, and so is
-the metadata (tokenizer, chat template, hyperparameters). The result is cached beside the source,
+quantizer llama.cpp's own Python tools use (``--type F32``: the dequantized values themselves, the
+fp32 model the quality benchmark's peer reference runs on; ``F16``: them rounded to fp16); float
+tensors (norms) are kept as they are, and so is the metadata (tokenizer, chat template,
+hyperparameters). The result is cached beside the source,
 keyed by its name, so that benchmark runs reuse it.
 
     python -m benchmarks.requantize_gguf models/default --type Q8_0 [--out FILE]
@@ -51,7 +53,10 @@ def requantize(src: Path, qtype: str, out: Path | None = None) -> Path:
             writer.add_tensor(t.name, np.array(t.data))
             continue
         weights = dequantize(np.array(t.data), t.tensor_type)
-        writer.add_tensor(t.name, quantize(weights, target), raw_dtype=target)
+        if target in floats:  # written as a float array: the dequantized values, exactly in F32
+            writer.add_tensor(t.name, quantize(weights, target))
+        else:
+            writer.add_tensor(t.name, quantize(weights, target), raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -66,7 +71,7 @@ def main() -> None:
     ap.add_argument(
         "--type",
         default="Q8_0",
-        help="a type gguf.quants writes: Q8_0, Q4_0, Q4_1, ...",
+        help="a type gguf.quants writes: Q8_0, Q4_0, Q4_1, ..., or F32 / F16",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

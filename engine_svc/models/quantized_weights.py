@@ -177,20 +177,29 @@ def resolve_activations(requested: str | None, quantization: str, device) -> str
     return "int8"
 
 
-def use_int8_activations(model) -> str:
+def use_int8_activations(model, fp32_kinds: tuple[str, ...] = ()) -> str:
     """Mark every attached block set whose format has an int8-activation kernel; the others (Q6_K)
-    keep fp32 activations. Returns a summary for the log."""
+    keep fp32 activations, and so do the linears of ``fp32_kinds`` (``qkv``, ``o``, ``gate_up``,
+    ``down``, ``lm_head``: for the quality benchmark's ablations; the engine passes none). Safe to
+    call again on a loaded model (then ``model.prepare_linears`` rebuilds the GEMMs). Returns a
+    summary for the log."""
+    kinds = ("qkv", "o", "gate_up", "down", "lm_head")
+    unknown = [k for k in fp32_kinds if k not in kinds]
+    if unknown:
+        raise ValueError(f"fp32_kinds: unknown {unknown} (one of {kinds})")
     made: Counter = Counter()
     kept: Counter = Counter()
-    for param in _targets(model).values():
+    for key, param in _targets(model).items():
         qw = getattr(param, "quantized", None)
         if qw is None:
             continue
-        if quant_int8act.supports(qw.fmt):
+        kind = key.rsplit(".", 1)[-1].removesuffix("_weight")
+        if quant_int8act.supports(qw.fmt) and kind not in fp32_kinds:
             qw.activations = "int8"
             made[qw.fmt] += 1
         else:
-            kept[qw.fmt] += 1
+            qw.activations = "fp32"
+            kept[qw.fmt if kind not in fp32_kinds else f"{qw.fmt} {kind}"] += 1
     summary = f"int8 activations ({quant_int8act.variant()})"
     if kept:
         summary += "; fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(kept.items()))
