@@ -193,13 +193,13 @@ def engine(
         max_model_len=1024,
     )
     if fp32_kinds:
-        from engine_svc.models.quantized_weights import use_int8_activations
+        from engine_svc.models.model_path import resolve_model_path
+        from engine_svc.models.quantized_weights import put_on_fp32_activations
 
         m = llm.engine.model
-        if m.quantized_activations != "int8":
-            raise ValueError("fp32_kinds needs a path on int8 activations")
-        use_int8_activations(m, tuple(fp32_kinds))
-        m.prepare_linears(m.linear_backend)
+        if m.quantized_activations != "int8" or m.quantization != "gguf":
+            raise ValueError("fp32_kinds needs a GGUF file's blocks on int8 activations")
+        put_on_fp32_activations(m, resolve_model_path(model).gguf, tuple(fp32_kinds))
     return llm
 
 

@@ -97,21 +97,22 @@ def test_unknown_paths_and_texts_are_refused():
 
 
 def test_fp32_kinds_put_those_linears_back_on_fp32_activations(tiny_llama, tmp_path):
-    from engine_svc.models.quantized_weights import use_int8_activations
+    from engine_svc.models.quantized_weights import put_on_fp32_activations
     from tests.engine_helpers import make_engine
 
     path = write_gguf(tiny_llama, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     e = make_engine(path, quantized_activations="int8")
     exact = make_engine(path, quantized_activations="none")
     m = e.model
-    assert "fp32 activations: 1 x Q8_0 lm_head" in use_int8_activations(m, ("lm_head",))
-    m.prepare_linears(m.linear_backend)
+    x = torch.randn(3, e.spec.hidden_size)
+    int8_logits = m.compute_logits(x)
+    assert not torch.equal(int8_logits, exact.model.compute_logits(x))  # int8 activations differ
+    # The load freed the float weights and the packed blocks: the blocks are read from the file again.
+    assert put_on_fp32_activations(m, path, ("lm_head",)) == "fp32 activations: 1 x Q8_0 lm_head"
     assert type(m.lm_head_proj).__name__ == "QuantLinear"
     assert {type(layer.qkv_proj).__name__ for layer in m.layers} == {"Int8ActLinear"}
-    x = torch.randn(3, e.spec.hidden_size)
     assert torch.equal(m.compute_logits(x), exact.model.compute_logits(x))  # the exact head
-    use_int8_activations(m)  # again with none: every linear back on int8
-    m.prepare_linears(m.linear_backend)
-    assert type(m.lm_head_proj).__name__ == "Int8ActLinear"
+    assert "2 x Q8_0 down" in put_on_fp32_activations(m, path, ("down",))
+    assert {type(layer.down_proj).__name__ for layer in m.layers} == {"QuantLinear"}
     with pytest.raises(ValueError, match="unknown"):
-        use_int8_activations(m, ("mlp",))
+        put_on_fp32_activations(m, path, ("attention",))
