@@ -148,7 +148,8 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
     return meta
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's int32 contiguous metadata (the engine's already is: then no op at all)."""
     return t if t.dtype is torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
@@ -172,7 +173,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=torch.float32)  # takes(): fp32 on the CPU
     # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a
     # layer); the kernel skips sequences with no queries this step itself.
-    tables, lens, qsl = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
+    tables, lens, qsl = as_int32(block_tables), as_int32(seq_lens), as_int32(query_start_loc)
     meta = check_inputs(q, k_cache, v_cache, tables, lens, qsl)
     rc = fn(
         q.data_ptr(),

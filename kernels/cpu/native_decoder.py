@@ -260,10 +260,6 @@ def _runs_native_kernels(k) -> bool:
     )
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype is torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
 class NativeDecoderLoop:
     def __init__(self, shape: Shape, layers: list[LayerParts], descs, final_norm, cos_sin):
         self.shape = shape
@@ -381,7 +377,8 @@ class NativeDecoderLoop:
             m.rms_norm, m.rotary_store_kv, m.attention, m.silu_and_mul = kernels
             self._kernels = kernels
         # The metadata's shapes here; its values (what the kernels index) in C, before any kernel.
-        tables, lens, qsl = _int32(attn.block_tables), _int32(attn.seq_lens), _int32(attn.query_start_loc)
+        i32 = native_attention.as_int32
+        tables, lens, qsl = i32(attn.block_tables), i32(attn.seq_lens), i32(attn.query_start_loc)
         native_attention.check_layout(tables, lens, qsl)
         out = torch.empty(t, h, dtype=torch.float32)
         st = self._step
