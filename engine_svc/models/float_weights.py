@@ -23,23 +23,22 @@ import ctypes.util
 
 import torch
 
+from engine_svc.models.quantized_weights import linear_weights
+
 # The linears whose object holds its own copy of the weight (kernels.cpu.linear's kinds).
 PACKED_KINDS = ("native", "onednn", "quantized", "quantized_int8act")
 
 
 def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
-    """(name, float parameter, the linear built from it) for every projection and the LM head."""
+    """(name, float parameter, the linear built from it) for every projection and the LM head
+    (named ``embed`` when it is the tied embedding)."""
     out = []
-    for i, layer in enumerate(model.layers):
-        for weight, proj in (
-            ("qkv_weight", "qkv_proj"),
-            ("o_weight", "o_proj"),
-            ("gate_up_weight", "gate_up_proj"),
-            ("down_weight", "down_proj"),
-        ):
-            out.append((f"layers.{i}.{weight}", getattr(layer, weight), getattr(layer, proj)))
-    head = model.embed if model.lm_head is None else model.lm_head
-    out.append(("embed" if model.lm_head is None else "lm_head", head, model.lm_head_proj))
+    for key, param in linear_weights(model).items():
+        if key == "lm_head":
+            out.append(("embed" if model.lm_head is None else "lm_head", param, model.lm_head_proj))
+        else:
+            _, i, weight = key.split(".")
+            out.append((key, param, getattr(model.layers[int(i)], weight.replace("_weight", "_proj"))))
     return out
 
 

@@ -66,7 +66,7 @@ def _unusable(device, tp: int) -> str | None:
     return quant_gemm.unusable_reason(torch.device(device))
 
 
-def _targets(model) -> dict[str, torch.Tensor]:
+def linear_weights(model) -> dict[str, torch.Tensor]:
     """Fused parameter name -> parameter, for every linear (the LM head: the embedding when tied)."""
     out = {}
     for i, layer in enumerate(model.layers):
@@ -80,7 +80,7 @@ def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
     """Attach the file's blocks to every fused linear whose parts all have one format the kernel
     runs; the others stay float. Returns a summary for the log (formats and counts)."""
     blocks, skipped = gguf_blocks(model, gguf_path)
-    targets = _targets(model)
+    targets = linear_weights(model)
     made: Counter = Counter()
     for key, qw in blocks.items():
         param = targets[key]
@@ -95,7 +95,7 @@ def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
 
 
 def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.QuantizedWeight], Counter]:
-    """The file's blocks for each of ``model``'s fused linears (keys as ``_targets``) that has
+    """The file's blocks for each of ``model``'s fused linears (keys as ``linear_weights``) that has
     them all in one format the kernel runs, in the model's row order; and the count of tensors
     left float, by reason. Reads only the model's layout, never its weights (they may be freed)."""
     ckpt = GGUFCheckpoint(gguf_path)
@@ -114,7 +114,7 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         parts[t.hf_name] = qw
     tied = model.lm_head is None
     out = {}
-    for key in _targets(model):
+    for key in linear_weights(model):
         names = _sources(key, tied)
         if not all(n in parts for n in names):
             continue
@@ -145,14 +145,14 @@ def _sources(key: str, tied: bool) -> list[str]:
 def quantize_linears(model, quantization: str) -> str:
     """Blocks made from the loaded float weights (``int8``: Q8_0, ``int4``: Q4_1) for every linear."""
     fmt = _MADE[quantization]
-    for key, param in _targets(model).items():
+    for key, param in linear_weights(model).items():
         if param.shape[1] % quant_gemm.QK:
             raise ValueError(
                 f"quantization={quantization!r}: {key} has rows of {param.shape[1]}, not a multiple of "
                 f"{quant_gemm.QK}"
             )
     count = 0
-    for param in _targets(model).values():
+    for param in linear_weights(model).values():
         param.quantized = quant_gemm.quantize_rows(param.data, fmt)
         count += 1
     return f"{count} x {fmt} (made at load from {quantization})"
@@ -185,7 +185,7 @@ def use_int8_activations(model) -> str:
     fp32 activations. Called at load, before ``prepare_linears``. Returns a summary for the log."""
     made: Counter = Counter()
     kept: Counter = Counter()
-    for param in _targets(model).values():
+    for param in linear_weights(model).values():
         qw = getattr(param, "quantized", None)
         if qw is None:
             continue
