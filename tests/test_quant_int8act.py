@@ -115,6 +115,35 @@ def test_the_activation_quantization_is_the_documented_one(isa):
     assert np.all(q.numpy()[2, 32:64] == 0) and 0 < dx[2, 1] < np.finfo(np.float32).tiny
 
 
+def test_nan_and_infinity_quantize_as_documented(isa):
+    """The SIMD quantizers (AVX-512, AVX2) against the documented rule in numpy, on the values the
+    random activations never hold: a NaN is ignored by the block's max and quantizes to 0, an
+    infinity makes the scale infinite (the block's finite values go to 0, the infinity itself to
+    0 as inf * 0 is NaN), and a huge finite value saturates nothing (it sets the scale)."""
+    x = activations(4, 128, seed=5)
+    x[0, 3] = float("nan")  # a NaN among normal values
+    x[0, 40] = float("inf")
+    x[1, 64:96] = float("nan")  # a block of NaNs: scale 0, all quants 0
+    x[2, 7] = -float("inf")
+    x[2, 100] = float("nan")
+    x[3, 0] = 3e38  # a finite value near the top: its block's scale is finite
+    q, dx, sx, dxs = quant_int8act.quantize_activations(x, isa)
+    xb = x.numpy().reshape(4, 4, 32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.abs(xb)
+        amax = np.where(np.isnan(a), 0, a).max(-1).astype(np.float32)
+        want_dx = (amax / np.float32(127)).astype(np.float32)
+        ok = want_dx >= np.finfo(np.float32).tiny
+        inv = np.where(ok, np.float32(1) / np.where(ok, want_dx, 1), 0).astype(np.float32)
+        r = np.rint((xb * inv[..., None]).astype(np.float32))
+        want_q = np.where(np.isnan(r), 0, np.clip(r, -127, 127)).astype(np.int8)
+    np.testing.assert_array_equal(dx.numpy(), want_dx)
+    np.testing.assert_array_equal(q.numpy(), want_q.reshape(4, 128))
+    np.testing.assert_array_equal(sx.numpy(), want_q.astype(np.int32).sum(-1))
+    assert np.isinf(dx[0, 1]) and np.all(q.numpy()[1, 64:96] == 0) and dx[1, 2] == 0
+    assert q[0, 0] != 0 and q[0, 3] == 0 and q[3, 0] == 127
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     k = 512
