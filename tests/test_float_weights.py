@@ -1,14 +1,17 @@
 """The model holds one copy of each projection's weight: where a linear packed its own (quantized
 blocks, bf16 or fp32 panels, oneDNN's reordered weight), the loader frees the float parameter and
 the blocks it was built from (engine_svc/models/float_weights.py); ``linear_backend="dense"``
-reads the parameters, so there they stay, and so does a tied embedding (the lookup reads it)."""
+reads the parameters, so there they stay, and so does a tied embedding (the lookup reads it),
+except a GGUF file's: its lookup reads the file's blocks (engine_svc/models/block_embedding.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine_svc.models.build import build_random_model
 from engine_svc.models.float_weights import linear_shapes, projections
+from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
 from engine_svc.sampling_params import SamplingParams
 from tests.engine_helpers import make_engine, random_prompts, run_to_completion
 from tests.gguf_files import write_gguf
@@ -31,8 +34,9 @@ def _assert_freed(model):
     assert _projection_bytes(model) == 0, "a packed linear's float weight was kept beside it"
     for name, param, _ in projections(model):
         assert getattr(param, "quantized", None) is None, f"{name}: the load-time blocks were kept"
-        if name == "embed":  # tied: the lookup reads it
-            assert param.numel() == model.spec.vocab_size * model.spec.hidden_size
+        if name == "embed":  # tied: the lookup reads it, or the blocks it was dequantized from
+            whole = model.spec.vocab_size * model.spec.hidden_size
+            assert param.numel() == (0 if model.embed_blocks is not None else whole)
     # the geometry survives for whoever needs the shapes (benchmarks.compute_efficiency)
     shapes = linear_shapes(model)
     for name, _, linear in projections(model):
@@ -79,3 +83,63 @@ def test_dense_linears_keep_the_parameters_they_read(q4_1_file, tiny_llama):
         )
         assert all(getattr(p, "quantized", None) is None for _, p, _ in projections(model))
         model.prepare_linears("dense")  # still possible: nothing was freed
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tiny_llama, tmp_path_factory):
+    import shutil
+
+    d = build_random_model(
+        tmp_path_factory.mktemp("tied") / "hf",
+        "llama",
+        seed=9,
+        vocab_size=1024,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_llama / f, d / f)
+    return d
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_a_tied_gguf_embedding_is_looked_up_in_its_blocks(tied_llama, tmp_path, fmt):
+    path = write_gguf(tied_llama, tmp_path / f"tied-{fmt}.gguf", fmt)
+    engine = make_engine(path)
+    model = engine.model
+    assert model.lm_head is None and model.embed_blocks is not None and model.embed.numel() == 0
+    _assert_freed(model)
+    # Every row, bit for bit, against the gguf package's dequantization of the file's table.
+    table = next(t for t in GGUFCheckpoint(path).tensors() if t.hf_name == "model.embed_tokens.weight")
+    want = table.dequantize()
+    ids = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(0))
+    got = model._embed(ids)
+    assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32))
+    shaped = model._embed(ids.view(4, -1))
+    assert torch.equal(shaped.view(torch.int32), want[ids].view(4, -1, 64).view(torch.int32))
+    for bad in (-1, want.shape[0]):
+        with pytest.raises(IndexError, match=f"token id {bad} is outside"):
+            model._embed(torch.tensor([3, bad]))
+    # The whole exact path (fp32 activations on the blocks) gives the float model's tokens.
+    prompts = random_prompts([9, 30], 1024, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for options in ({"quantized_activations": "none"}, {"dtype": "float32"}):
+        e = make_engine(path, **options)
+        assert (e.model.embed_blocks is not None) == ("dtype" not in options)
+        out = run_to_completion(e, {str(i): (p, params) for i, p in enumerate(prompts)})
+        runs.append([out[str(i), 0] for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_tied_embedding_quantized_at_load_stays_float(tied_llama, quantization):
+    """Blocks made at load from float weights are not the table: the lookup keeps the float one."""
+    model = make_engine(tied_llama, quantization=quantization).model
+    assert model.embed_blocks is None
+    _assert_freed(model)

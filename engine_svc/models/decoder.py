@@ -150,6 +150,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         for i, layer in enumerate(self.layers):
             layer.index = i
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed_blocks = None  # a BlockEmbedding once the load frees a tied GGUF table (float_weights.py)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
@@ -239,6 +240,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self._native_loop_layout = _LAYOUT[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_blocks is not None:  # unsharded only
+            return self.embed_blocks(input_ids)
         if self.shard.size == 1:
             return F.embedding(input_ids, self.embed)
         # Vocabulary-parallel: each rank looks up the ids it holds, zeros elsewhere, then a sum.

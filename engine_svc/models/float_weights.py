@@ -6,7 +6,8 @@ What still reads the parameters once the linears are built, and what is kept for
 
 - ``linear_backend="dense"`` (``F.linear`` on the parameter, and the only path off the CPU): kept;
 - the embedding lookup (``F.embedding`` on ``model.embed``): a tied model's embedding is kept in
-  float even where the LM head runs on its blocks or panels;
+  float, except where it is a GGUF file's blocks dequantized and the LM head runs packed: then the
+  lookup reads those blocks (``block_embedding.py``) and the float table goes too;
 - building the linears again (``prepare_linears``): refused once a parameter is freed
   (``kernels.cpu.linear.make_linear`` names it); load the model again instead.
 
@@ -23,6 +24,7 @@ import ctypes.util
 
 import torch
 
+from engine_svc.models.block_embedding import from_table
 from engine_svc.models.quantized_weights import linear_weights
 
 # The linears whose object holds its own copy of the weight (kernels.cpu.linear's kinds).
@@ -44,12 +46,22 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
 
 def free_packed_float_weights(model) -> str:
     """Free the float parameters that a packed linear made redundant; returns the log's summary."""
-    freed, kept, nbytes = 0, set(), 0
+    freed, kept, nbytes, notes = 0, set(), 0, []
     for name, param, linear in projections(model):
-        param.quantized = None  # the linear's packed form is the one the GEMM reads
+        blocks, param.quantized = getattr(param, "quantized", None), None  # the GEMM reads its own form
         kind = getattr(linear, "kind", "dense")
         if name == "embed":
-            kept.add("the tied embedding (the lookup reads it)")
+            packed = kind in PACKED_KINDS and model.shard.size == 1
+            lookup = from_table(param.data, blocks) if packed else None
+            if lookup is None:
+                kept.add("the tied embedding (the lookup reads it)")
+                continue
+            model.embed_blocks = lookup
+            nbytes += param.numel() * param.element_size()
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            param.released = f"freed at load: the lookup reads the file's {blocks.fmt} blocks"
+            mib = lookup.nbytes / 2**20
+            notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({mib:.0f} MiB)")
         elif kind not in PACKED_KINDS:
             kept.add(f"{kind} linears (they read them)")
         else:
@@ -58,7 +70,8 @@ def free_packed_float_weights(model) -> str:
             param.released = f"freed at load: {name} runs on its {kind} linear's own copy"
             freed += 1
     _return_freed_memory()
-    summary = f"float parameters freed: {freed} projections ({nbytes / 2**20:.0f} MiB)"
+    summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
+    summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
     return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else "")
 
 
@@ -85,5 +98,6 @@ def linear_shapes(model) -> dict[str, tuple[int, int]]:
         out[f"layers.{i}.o_weight"] = (h, q)
         out[f"layers.{i}.gate_up_weight"] = (2 * inter, h)
         out[f"layers.{i}.down_weight"] = (h, inter)
-    out["lm_head"] = (model.embed.shape[0], h)  # this rank's vocabulary rows
+    start, end = model.shard.vocab_range(spec)
+    out["lm_head"] = (end - start, h)  # this rank's vocabulary rows
     return out

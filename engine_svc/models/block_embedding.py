@@ -1,0 +1,57 @@
+"""The token-embedding lookup on a GGUF file's own blocks: a tied model whose LM head runs on packed
+blocks would otherwise keep the whole table dequantized to fp32 for the lookup alone (SmolLM2-135M:
+108 MiB, against 30 MiB of Q8_0 blocks). A lookup dequantizes only the rows it reads, with
+``QuantizedWeight.dequantize``, so its rows are the float table's bit for bit where the table was
+that dequantization (``from_table`` checks it; a table quantized at load from float weights is not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu.quant_gemm import QuantizedWeight
+
+_CHECK_ROWS = 4096  # rows dequantized at a time by the check (bounds its extra memory)
+
+
+class BlockEmbedding:
+    """``F.embedding(ids, table)`` where ``table`` is ``blocks.dequantize()``."""
+
+    def __init__(self, blocks: QuantizedWeight):
+        # fp16 scales where they are fp16 values (a GGUF file's are): read back exactly.
+        d, m = blocks.d, blocks.m
+        half = all(t is None or torch.equal(t.half().float(), t) for t in (d, m))
+        self._fmt, self._q = blocks.fmt, blocks.q.contiguous()
+        self._d = d.half() if half else d
+        self._m = None if m is None else (m.half() if half else m)
+        self.num_embeddings, self.embedding_dim = blocks.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._q, self._d, self._m) if t is not None)
+
+    def rows(self, index) -> torch.Tensor:
+        """fp32 rows ``index`` (a slice or a 1-D index tensor)."""
+        m = None if self._m is None else self._m[index].float()
+        return QuantizedWeight(self._fmt, self._q[index], self._d[index].float(), m).dequantize()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            bad = flat[(flat < 0) | (flat >= self.num_embeddings)][0]
+            # F.embedding's error type; a negative id would otherwise index from the end
+            raise IndexError(f"token id {int(bad)} is outside the embedding's {self.num_embeddings} rows")
+        return self.rows(flat).view(*ids.shape, self.embedding_dim)
+
+
+def from_table(table: torch.Tensor, blocks: QuantizedWeight | None) -> BlockEmbedding | None:
+    """A lookup on ``blocks`` if they reproduce ``table`` bit for bit (fp32), else None."""
+    if blocks is None or table.dtype != torch.float32 or tuple(table.shape) != blocks.shape:
+        return None
+    lookup = BlockEmbedding(blocks)
+    bits = table.view(torch.int32)
+    for start in range(0, table.shape[0], _CHECK_ROWS):
+        part = slice(start, start + _CHECK_ROWS)
+        if not torch.equal(lookup.rows(part).view(torch.int32), bits[part]):
+            return None
+    return lookup
