@@ -14,9 +14,13 @@ from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
     attach_gguf_blocks,
+    gguf_blocks,
+    linear_weights,
     quantize_linears,
     resolve_activations,
     resolve_quantization,
+    served_by_blocks,
+    sources,
     use_int8_activations,
 )
 from engine_svc.models.spec import ModelSpec
@@ -39,15 +43,8 @@ def load_model(
     start = time.perf_counter()
     with torch.device(device):  # build in place: no host copy of a large model
         model = DecoderForCausalLM(spec, dtype, max_model_len, shard)
-    is_gguf = False
-    if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)
-    else:
-        load_weights(model, config.model)
-        where = resolve_model_path(config.model)
-        is_gguf = where.is_gguf
-        source = f"GGUF {where.gguf.name}, dequantized" if where.is_gguf else "safetensors"
-        log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
+    where = None if config.load_format == "dummy" else resolve_model_path(config.model)
+    is_gguf = where is not None and where.is_gguf
     quant = resolve_quantization(
         config.quantization,
         is_gguf=is_gguf,
@@ -55,9 +52,23 @@ def load_model(
         device=device,
         tp=shard.size,
     )
+    backend = resolve_linear_backend(config.linear_backend, device, dtype)
+    # A GGUF file's blocks are read first: the float tensors of the linears they serve packed are
+    # then never dequantized (the load's peak memory would otherwise hold the model in fp32).
+    found = gguf_blocks(model, where.gguf) if quant == "gguf" else None
+    unread = served_by_blocks(model, found[0]) if found and backend != "dense" else frozenset()
+    if where is None:
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, config.model, unread)
+        source = f"GGUF {where.gguf.name}, dequantized" if is_gguf else "safetensors"
+        if unread:
+            source += f" except the {len(unread)} tensors its blocks serve"
+        log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
     blocks = None
-    if quant == "gguf":
-        blocks = f"GGUF blocks ({attach_gguf_blocks(model, where.gguf)})"
+    if found:
+        blocks = f"GGUF blocks ({attach_gguf_blocks(model, found)})"
+        found = None  # the parameters hold them now: the load frees them, then trims the heap
     elif quant in ("int8", "int4"):
         blocks = f"quantized blocks ({quantize_linears(model, quant)})"
     activations = resolve_activations(config.quantized_activations, quant, device)
@@ -65,10 +76,10 @@ def load_model(
         blocks += f", {use_int8_activations(model)}"
     elif blocks:
         blocks += ", fp32 activations"
-    backend = resolve_linear_backend(config.linear_backend, device, dtype)
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
     freed = free_packed_float_weights(model)
+    _check_unread_freed(model, unread)
     model.quantization = quant
     model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
@@ -94,6 +105,16 @@ def load_model(
         freed,
     )
     return model
+
+
+def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> None:
+    """A parameter the load left unread holds garbage: it must be one that a packed linear made
+    redundant and the load freed, never one that something still reads."""
+    if not unread:
+        return
+    for key, param in linear_weights(model).items():
+        if param.numel() and unread.intersection(sources(key, model.lm_head is None)):
+            raise RuntimeError(f"{key}: its float weight was left unread for its blocks, yet is still kept")
 
 
 def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> None:

@@ -143,3 +143,40 @@ def test_a_tied_embedding_quantized_at_load_stays_float(tied_llama, quantization
     model = make_engine(tied_llama, quantization=quantization).model
     assert model.embed_blocks is None
     _assert_freed(model)
+
+
+def _dequantized_names(monkeypatch) -> list[str]:
+    from engine_svc.models import gguf_checkpoint
+
+    names, original = [], gguf_checkpoint.GGUFTensor.dequantize
+
+    def recording(self):
+        names.append(self.hf_name)
+        return original(self)
+
+    monkeypatch.setattr(gguf_checkpoint.GGUFTensor, "dequantize", recording)
+    return names
+
+
+def test_the_load_never_dequantizes_what_blocks_serve(tied_llama, tmp_path, monkeypatch):
+    """Peak memory: the projections' float tensors are not read at all (only the norms and the
+    tied embedding, which the lookup's check compares), unless a dense linear reads them."""
+    path = write_gguf(tied_llama, tmp_path / "tied-Q4_1.gguf", "Q4_1")
+    names = _dequantized_names(monkeypatch)
+    model = make_engine(path).model
+    assert names and all("norm" in n or n == "model.embed_tokens.weight" for n in names), names
+    _assert_freed(model)
+    _serves(make_engine(path))
+    names.clear()
+    make_engine(path, linear_backend="dense")
+    assert any("q_proj" in n for n in names)  # dense reads the float weights: they are loaded
+
+
+def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch):
+    """The guard: were an unread (garbage) parameter kept for something to read, the load fails."""
+    from engine_svc import model_setup
+
+    path = write_gguf(tied_llama, tmp_path / "tied-Q8_0.gguf", "Q8_0")
+    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: "nothing freed")
+    with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
+        make_engine(path)

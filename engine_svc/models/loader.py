@@ -20,11 +20,15 @@ from engine_svc.models.model_path import resolve_model_path
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def load_weights(model: DecoderForCausalLM, model_path: str | Path) -> None:
+def load_weights(
+    model: DecoderForCausalLM, model_path: str | Path, unread: frozenset[str] = frozenset()
+) -> None:
+    """``unread``: GGUF tensor names (HF spelling) not to read, because their blocks serve them: their
+    parameters stay unwritten (so never resident) until the load frees them."""
     where = resolve_model_path(model_path)
-    tensors = _read_gguf(where.gguf) if where.is_gguf else _read_safetensors(where.root)
+    tensors = _read_gguf(where.gguf, unread) if where.is_gguf else _read_safetensors(where.root)
     shapes = full_shapes(model)
-    loaded = set()
+    loaded = set(unread)
     for name, source, tensor in tensors:
         if name in shapes and tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{source}: shape {tuple(tensor.shape)}, the config needs {shapes[name]}")
@@ -51,11 +55,12 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         assign(model, name, tensor)
 
 
-def _read_gguf(path: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _read_gguf(path: Path, unread: frozenset[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(HF name, where it came from, fp32 tensor): one tensor dequantized at a time, so the load
     never holds a second float copy of the model."""
     for t in GGUFCheckpoint(path).tensors():
-        yield t.hf_name, f"GGUF tensor {t.gguf_name} ({t.type_name})", t.dequantize()
+        if t.hf_name not in unread:
+            yield t.hf_name, f"GGUF tensor {t.gguf_name} ({t.type_name})", t.dequantize()
 
 
 def _read_safetensors(d: Path) -> Iterator[tuple[str, str, torch.Tensor]]:

@@ -76,10 +76,10 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def attach_gguf_blocks(model, gguf_path: str | Path) -> str:
-    """Attach the file's blocks to every fused linear whose parts all have one format the kernel
-    runs; the others stay float. Returns a summary for the log (formats and counts)."""
-    blocks, skipped = gguf_blocks(model, gguf_path)
+def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight], Counter]) -> str:
+    """Attach the file's blocks (``gguf_blocks``) to every fused linear whose parts all have one
+    format the kernel runs; the others stay float. Returns a summary for the log (formats and counts)."""
+    blocks, skipped = found
     targets = linear_weights(model)
     made: Counter = Counter()
     for key, qw in blocks.items():
@@ -115,7 +115,7 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
     tied = model.lm_head is None
     out = {}
     for key in linear_weights(model):
-        names = _sources(key, tied)
+        names = sources(key, tied)
         if not all(n in parts for n in names):
             continue
         try:
@@ -125,7 +125,15 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
     return out, skipped
 
 
-def _sources(key: str, tied: bool) -> list[str]:
+def served_by_blocks(model, blocks: dict[str, quant_gemm.QuantizedWeight]) -> frozenset[str]:
+    """The checkpoint names whose float tensors the load need not read when ``blocks`` will serve
+    their linears (packed, so that the float parameter is freed unread): every part of those
+    linears, except a tied embedding, which the lookup reads (float_weights.py decides it)."""
+    tied = model.lm_head is None
+    return frozenset(n for key in blocks if not (tied and key == "lm_head") for n in sources(key, tied))
+
+
+def sources(key: str, tied: bool) -> list[str]:
     if key == "lm_head":
         return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
     _, i, name = key.split(".")
