@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from engine_svc.models.model_path import resolve_model_path
+from tokenizer_svc.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ROOT / "benchmarks" / ".llamacpp-venv" / "bin" / "python"
@@ -178,7 +179,7 @@ def main(argv=None) -> dict:
                     activations=act[0] if act else None,
                 )
             )
-    tok = next(s for s in systems if isinstance(s, Ours)).llm.get_tokenizer()
+    tok = load_tokenizer(where.gguf if where.is_gguf else where.root)  # llama.cpp alone needs one too
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     limits = args.tokens
     if args.tokens_range:
