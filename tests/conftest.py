@@ -70,20 +70,15 @@ def trained_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, trained_tokenizer_dir) -> dict[str, Path]:
     """``{arch: model_dir}`` for Llama, Qwen2, Qwen3 and Mistral, each with the trained tokenizer."""
-    import shutil
-
-    from engine_svc.models.build import build_random_model
+    from tests.engine_helpers import random_model
 
     root = tmp_path_factory.mktemp("tiny_models")
-    out: dict[str, Path] = {}
-    for arch, shape in TINY_ARCHS.items():
-        d = build_random_model(
-            root / arch, arch, seed=1234, vocab_size=1024, eos_token_id=2, generation_eos=[2, 0], **shape
+    return {
+        arch: random_model(
+            root / arch, trained_tokenizer_dir, arch, seed=1234, generation_eos=[2, 0], **shape
         )
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(trained_tokenizer_dir / f, d / f)
-        out[arch] = d
-    return out
+        for arch, shape in TINY_ARCHS.items()
+    }
 
 
 @pytest.fixture(scope="session")

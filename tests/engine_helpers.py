@@ -4,6 +4,8 @@ and compare greedy tokens with HF transformers."""
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,23 @@ from engine_svc.engine import LLMEngine
 
 # Below this top-2 logit gap (in HF's own fp32 run) a different summation order may flip the argmax.
 NEAR_TIE = 1e-4
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def random_model(
+    out, tokenizer_dir, arch: str = "llama", *, seed: int, vocab_size: int = 1024, **config
+) -> Path:
+    """A random-weight HF model of ``arch`` in ``out`` (eos 2 unless ``config`` says otherwise), with
+    the tokenizer files of ``tokenizer_dir``."""
+    from engine_svc.models.build import build_random_model
+
+    config.setdefault("eos_token_id", 2)
+    d = build_random_model(out, arch, seed=seed, vocab_size=vocab_size, **config)
+    for f in TOKENIZER_FILES:
+        shutil.copy(Path(tokenizer_dir) / f, d / f)
+    return d
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:

@@ -6,13 +6,10 @@ solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix hits 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from engine_svc.models.build import build_random_model
 from kernels.cpu import quant_int8act
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import make_engine, random_model
 from tests.gguf_files import write_gguf
 from tests.test_batch_invariance import EXAMPLES, VOCAB, explore
 
@@ -32,11 +29,9 @@ REQUIRED = ("chunked prefills", "preemptions", "prefix-hit tokens", "forks", "ge
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory, trained_tokenizer_dir):
     root = tmp_path_factory.mktemp("k_quants")
-    d = build_random_model(
-        root / "hf", "llama", seed=5, vocab_size=VOCAB, eos_token_id=2, num_key_value_heads=2, **WIDE
+    d = random_model(
+        root / "hf", trained_tokenizer_dir, seed=5, vocab_size=VOCAB, num_key_value_heads=2, **WIDE
     )
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(trained_tokenizer_dir / f, d / f)
     types = {f"blk.0.{name}.weight": t for name, t in LAYER_TYPES.items()}
     return write_gguf(d, root / "wide-k-quants.gguf", "Q4_K", types=types)
 

@@ -231,20 +231,12 @@ def offline_snippet() -> str:
 def snippet_model(tmp_path_factory, trained_tokenizer_dir) -> Path:
     """A tiny random Llama with the project's tokenizer and chat template (the real default model
     may not be on this machine)."""
-    from engine_svc.models.build import build_random_model
     from tests.conftest import TINY_ARCHS
+    from tests.engine_helpers import random_model
 
-    d = build_random_model(
-        tmp_path_factory.mktemp("snippet") / "model",
-        "llama",
-        seed=7,
-        vocab_size=1024,
-        eos_token_id=2,
-        **TINY_ARCHS["llama"],
+    return random_model(
+        tmp_path_factory.mktemp("snippet") / "model", trained_tokenizer_dir, seed=7, **TINY_ARCHS["llama"]
     )
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(trained_tokenizer_dir / f, d / f)
-    return d
 
 
 def test_quick_start_offline_snippet_runs(snippet_model):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_svc.models.build import build_random_model
 from engine_svc.models.float_weights import linear_shapes, projections
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
 from engine_svc.sampling_params import SamplingParams
-from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+from tests.engine_helpers import make_engine, random_model, random_prompts, run_to_completion
 from tests.gguf_files import write_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -86,15 +85,11 @@ def test_dense_linears_keep_the_parameters_they_read(q4_1_file, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def tied_llama(tiny_llama, tmp_path_factory):
-    import shutil
-
-    d = build_random_model(
+def tied_llama(trained_tokenizer_dir, tmp_path_factory):
+    return random_model(
         tmp_path_factory.mktemp("tied") / "hf",
-        "llama",
+        trained_tokenizer_dir,
         seed=9,
-        vocab_size=1024,
-        eos_token_id=2,
         tie_word_embeddings=True,
         hidden_size=64,
         intermediate_size=128,
@@ -102,9 +97,6 @@ def tied_llama(tiny_llama, tmp_path_factory):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tiny_llama / f, d / f)
-    return d
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])

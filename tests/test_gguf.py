@@ -15,13 +15,13 @@ from gguf import GGUFReader, quants
 from transformers import AutoModelForCausalLM
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.models.build import build_random_model
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
     assert_greedy_matches,
     hf_greedy,
     make_engine,
+    random_model,
     random_prompts,
     run_to_completion,
 )
@@ -40,12 +40,7 @@ ARCHS = {
 
 
 def _model(root, arch, tokenizer_dir, shape=SMALL, **extra):
-    d = build_random_model(
-        root / f"hf-{arch}", arch, seed=77, vocab_size=1024, eos_token_id=2, **shape, **ARCHS[arch], **extra
-    )
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tokenizer_dir / f, d / f)
-    return d
+    return random_model(root / f"hf-{arch}", tokenizer_dir, arch, seed=77, **shape, **ARCHS[arch], **extra)
 
 
 @pytest.fixture(scope="module")

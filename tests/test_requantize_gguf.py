@@ -5,8 +5,6 @@ half a Q8_0 step of the source's values, and the engine's greedy tokens equal tr
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
@@ -15,11 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.requantize_gguf import requantize
 from engine_svc import SamplingParams
-from engine_svc.models.build import build_random_model
 from tests.engine_helpers import (
     assert_greedy_matches,
     hf_greedy,
     make_engine,
+    random_model,
     random_prompts,
     run_to_completion,
 )
@@ -27,20 +25,16 @@ from tests.gguf_files import write_gguf
 
 
 def _source(tmp_path, tokenizer_dir):
-    d = build_random_model(
+    d = random_model(
         tmp_path / "hf",
-        "llama",
+        tokenizer_dir,
         seed=5,
-        vocab_size=1024,
-        eos_token_id=2,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_key_value_heads=2,
         num_attention_heads=4,
     )
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tokenizer_dir / f, d / f)
     (tmp_path / "src").mkdir()
     return write_gguf(d, tmp_path / "src" / "model.Q4_1.gguf", "Q4_1")
 
