@@ -231,7 +231,7 @@ def build(shape: Shape, layers: list[LayerParts], final_norm: torch.Tensor, cos_
 def _kernel_pointers() -> tuple | None:
     """The kernels the Python loop would run natively right now (None where one of them would not
     be native: switched off, no build, or measured slower here)."""
-    if not native_elementwise.enabled() or not chosen_isa_in(native_elementwise.SILU_FASTER_THAN_TORCH):
+    if not native_elementwise.enabled() or not chosen_isa_in(native_elementwise.NATIVE_SILU):
         return None
     if not native_attention.enabled():
         return None
