@@ -271,6 +271,23 @@ def test_random_mixes_equal_their_solo_runs_on_quantized_linears(tiny_llama, tmp
     explore(model, max(6, EXAMPLES // 3), extra, ("chunked prefills", "prefix-hit tokens", "general steps"))
 
 
+def test_random_mixes_equal_their_solo_runs_on_a_tied_gguf_embedding(trained_tokenizer_dir, tmp_path_factory):
+    """A tied GGUF model: the LM head on the file's blocks (int8 activations) and the embedding
+    looked up in those blocks (engine_svc/models/block_embedding.py), not in a float table."""
+    from tests.conftest import TINY_ARCHS
+    from tests.engine_helpers import random_model
+    from tests.gguf_files import write_gguf
+
+    root = tmp_path_factory.mktemp("tied_gguf")
+    hf = random_model(
+        root / "hf", trained_tokenizer_dir, seed=21, tie_word_embeddings=True, **TINY_ARCHS["llama"]
+    )
+    model = write_gguf(hf, root / "tied-Q8_0.gguf", "Q8_0")
+    engine = make_engine(model)
+    assert engine.model.embed_blocks is not None and engine.model.embed.numel() == 0
+    explore(model, max(6, EXAMPLES // 3), {}, ("chunked prefills", "prefix-hit tokens", "general steps"))
+
+
 def test_random_mixes_equal_their_solo_runs_in_bf16(tiny_llama):
     """dtype bfloat16 on the CPU: bf16 weights on the native GEMM, fp32 activations (the norms,
     rotary and attention are then the fp32 path's native kernels)."""
