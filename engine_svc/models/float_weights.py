@@ -57,22 +57,26 @@ def free_packed_float_weights(model) -> str:
                 kept.add("the tied embedding (the lookup reads it)")
                 continue
             model.embed_blocks = lookup
-            nbytes += param.numel() * param.element_size()
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            param.released = f"freed at load: the lookup reads the file's {blocks.fmt} blocks"
+            nbytes += _release(param, f"the lookup reads the file's {blocks.fmt} blocks")
             mib = lookup.nbytes / 2**20
             notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({mib:.0f} MiB)")
         elif kind not in PACKED_KINDS:
             kept.add(f"{kind} linears (they read them)")
         else:
-            nbytes += param.numel() * param.element_size()
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            param.released = f"freed at load: {name} runs on its {kind} linear's own copy"
+            nbytes += _release(param, f"{name} runs on its {kind} linear's own copy")
             freed += 1
     _return_freed_memory()
     summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
     summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
     return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else "")
+
+
+def _release(param: torch.nn.Parameter, why: str) -> int:
+    """Drop ``param``'s storage (a later read finds ``released``, the reason); returns its bytes."""
+    nbytes = param.numel() * param.element_size()
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    param.released = f"freed at load: {why}"
+    return nbytes
 
 
 def _return_freed_memory() -> None:
