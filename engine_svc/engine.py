@@ -86,14 +86,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
-        self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = ModelSpec.from_path(config.model)
         self.max_model_len = resolve_max_model_len(self.spec, config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            # Without chunking a whole prompt must fit one step's budget.
-            config.max_num_batched_tokens = self.max_model_len
+            # Without chunking a whole prompt must fit one step's budget (in the engine's own copy:
+            # the caller's config is left as it was given).
+            config = replace(config, max_num_batched_tokens=self.max_model_len)
+        self.config = config
         shard = Shard(0, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
@@ -247,6 +248,7 @@ class LLMEngine:
             self.config.max_logprobs,
             block_size=self.config.block_size,
             num_kv_blocks=self.kv.pool.num_blocks,
+            eos_token_ids=tuple(self.spec.eos_token_ids),
         )
         v = token_id_violations(prompt, "prompt_token_ids", limits.vocab_size, first_only=True)
         v += params.violations(limits)
@@ -259,7 +261,7 @@ class LLMEngine:
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model directory's tokenizer.json (none here)")
             grammar = params.structured_outputs.to_grammar()  # ValueError naming the field
-        params.eos_token_ids = tuple(self.spec.eos_token_ids)
+        params = replace(params, eos_token_ids=tuple(self.spec.eos_token_ids))  # the caller's stays as it was
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
         request.lora = adapter
         if grammar is not None:

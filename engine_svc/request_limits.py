@@ -46,6 +46,9 @@ class RequestLimits:
     max_stop_token_ids: int | None = None
     block_size: int = 0  # with num_kv_blocks: the whole KV pool a request must fit (0: unchecked)
     num_kv_blocks: int = 0
+    # The model's end-of-sequence ids (banned with the stop ids until min_tokens): a request whose
+    # allowed_token_ids are all among them could never start. Empty: the check uses stop ids alone.
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def prompt_token_limit(self) -> int:

@@ -13,8 +13,9 @@ import torch
 from engine_svc.outputs import TokenLogprob
 from engine_svc.sequence import draw_noise
 
-# The token of a row whose constraints (grammar mask, allowed ids, bias) leave it nothing to sample:
-# the scheduler ends that sequence instead of emitting anything.
+# The token of a row whose controls together (grammar mask, allowed ids, bias, min_tokens' and bad
+# words' bans) leave it nothing to sample: the scheduler ends that sequence with an error naming
+# them instead of emitting anything.
 DEAD_END_TOKEN = -1
 
 
@@ -74,20 +75,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of ``logits [R, V]`` (fp32). Returns token ids and logprobs."""
-        dead = None
-        constrained = False
         for processor, state in b.processors:  # what the request may sample at all
             if processor.constraint:
                 logits = processor.apply(logits, state, b)
-                constrained = True
-        if constrained:
-            dead = torch.isneginf(logits).all(dim=-1)  # rows whose constraints leave no token
-            if not dead.any():
-                dead = None
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in b.num_logprobs) else None
         for processor, state in b.processors:  # bans and penalties, after the logprobs are read
             if not processor.constraint:
                 logits = processor.apply(logits, state, b)
+        dead = None
+        if b.processors:  # rows that every control together leaves without a token
+            dead = torch.isneginf(logits).all(dim=-1)
+            if not dead.any():
+                dead = None
         greedy = argmax_rows(logits)
         if b.all_greedy:
             tokens = greedy

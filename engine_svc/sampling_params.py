@@ -111,6 +111,8 @@ class SamplingParams:
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be True or False, got {self.speculative!r}")
         _logit_control_violations(self, vocab, bad)
+        if not v:
+            _dead_start_violations(self, limits.eos_token_ids, bad)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
@@ -170,6 +172,34 @@ def _logit_control_violations(p: SamplingParams, vocab: int, bad) -> None:
                 bad(f"bad_words_token_ids[{i}]", "must be at least one token (a bad word)")
             for v in token_id_violations(word, f"bad_words_token_ids[{i}]", vocab):
                 bad(v.field, v.message)
+
+
+def first_token_bans(p: SamplingParams, eos_token_ids) -> dict[str, set[int]]:
+    """The ids each control bans at the request's first token, by the field that bans them: its
+    one-token bad words always, and while ``min_tokens`` is unmet its stop ids and (unless ignored)
+    EOS (``logits_processors/bad_words.py``, ``min_tokens.py``)."""
+    bans = {"bad_words": {w[0] for w in p.bad_words_token_ids or () if len(w) == 1}}
+    if p.min_tokens:
+        bans["min_tokens"] = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+    return bans
+
+
+def _dead_start_violations(p: SamplingParams, eos_token_ids, bad) -> None:
+    """allowed_token_ids that the request's other controls ban all of at its first token: it could
+    only end without a token, so it is refused up front (a dead end that shows only later, after a
+    multi-token bad word's prefix, ends the request at that step with an error naming it)."""
+    if not p.allowed_token_ids:
+        return
+    allowed = set(p.allowed_token_ids)
+    bans = first_token_bans(p, eos_token_ids)
+    if not allowed <= set().union(*bans.values()):
+        return
+    why = [
+        "bad_words" if name == "bad_words" else f"min_tokens={p.min_tokens} (stop and EOS ids wait for it)"
+        for name, ids in bans.items()
+        if allowed & ids
+    ]
+    bad("allowed_token_ids", f"leaves no token to sample: every allowed id is banned by {' and '.join(why)}")
 
 
 def _integer(bad, name: str, value) -> bool:

@@ -33,10 +33,24 @@ from engine_svc.spec_decode.governor import SpeculationGovernor
 
 log = logging.getLogger(__name__)
 
-DEAD_END = (
-    "no token the request may sample satisfies its constraint"
-    " (check allowed_token_ids, logit_bias and bad_words against it)"
-)
+DEAD_END = "no token the request may sample satisfies its constraints"
+
+
+def dead_end_error(params) -> str:
+    """Why a request ended without a token: ``DEAD_END``, naming the controls it uses (together
+    they left its next token nothing)."""
+    used = [
+        name
+        for name, on in (
+            ("structured_outputs", params.structured_outputs is not None),
+            ("allowed_token_ids", params.allowed_token_ids is not None),
+            ("logit_bias", bool(params.logit_bias)),
+            ("bad_words", bool(params.bad_words_token_ids)),
+            (f"min_tokens={params.min_tokens}", params.min_tokens > 0),
+        )
+        if on
+    ]
+    return f"{DEAD_END} ({', '.join(used)} left its next token none)" if used else DEAD_END
 
 
 class Scheduler:
@@ -363,14 +377,15 @@ class Scheduler:
         for seq, toks, lps in emissions:
             request = seq.request
             matcher = seq.matcher
-            dead_end = False
+            dead_end = None
             for k, token in enumerate(toks):
                 if token == DEAD_END_TOKEN:
-                    # Nothing the request may sample satisfies its constraints (a grammar's mask met
-                    # allowed ids or a bias that exclude it all): end it, emit nothing, never loop.
-                    log.warning("request %s: %s", request.request_id, DEAD_END)
+                    # Nothing the request may sample satisfies its controls (a grammar's mask met
+                    # allowed ids that exclude it all, or bans took the rest): end it, emit
+                    # nothing, never loop.
+                    dead_end = dead_end_error(request.params)
+                    log.warning("request %s: %s", request.request_id, dead_end)
                     seq.finish_reason = FinishReason.ABORT
-                    dead_end = True
                     toks, lps = toks[:k], lps[:k]
                     finished.append(seq)
                     break
@@ -405,7 +420,7 @@ class Scheduler:
                 seq.stop_token_id,
                 request.num_prompt_tokens,
                 seq.num_cached_tokens,
-                error=DEAD_END if dead_end else None,
+                error=dead_end,
                 num_draft_tokens=seq.num_drafted,
                 num_accepted_draft_tokens=seq.num_accepted,
             )

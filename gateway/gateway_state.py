@@ -56,6 +56,10 @@ class GatewayState:
     def max_model_len(self) -> int:
         return self.engine.info.max_model_len
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.engine.info.eos_token_ids)
+
     def check_serving(self) -> None:
         if self.draining:
             raise unavailable("the server is shutting down")

@@ -373,7 +373,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         bad_lora = check_lora_name(request.lora)
         if bad_lora:
             raise invalid(bad_lora)
-        v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits)
+        v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits, s.eos_token_ids)
         if s.token_only:
             v.return_token_ids = True  # token ids are the only output there is
         plan = self._plan_tools(request, v, tool_names)

@@ -36,7 +36,11 @@ class ValidatedRequest:
 
 
 def validate_generate(
-    req: pb.GenerateRequest, vocab_size: int, max_model_len: int, limits: Limits
+    req: pb.GenerateRequest,
+    vocab_size: int,
+    max_model_len: int,
+    limits: Limits,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> ValidatedRequest:
     v: list[FieldViolation] = []
 
@@ -49,7 +53,7 @@ def validate_generate(
         bad("request_id", "must be printable text")
 
     # The rules themselves are the engine's (engine_svc/request_limits.py), with this server's limits.
-    rules = request_limits(vocab_size, max_model_len, limits)
+    rules = request_limits(vocab_size, max_model_len, limits, eos_token_ids=eos_token_ids)
     kind = req.WhichOneof("prompt")
     text = token_ids = chat = None
     if kind is None:
@@ -118,7 +122,12 @@ def validate_generate(
 
 
 def request_limits(
-    vocab_size: int, max_model_len: int, limits: Limits, block_size: int = 0, num_kv_blocks: int = 0
+    vocab_size: int,
+    max_model_len: int,
+    limits: Limits,
+    block_size: int = 0,
+    num_kv_blocks: int = 0,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> RequestLimits:
     """The shared rules' limits as this server sets them."""
     return RequestLimits(
@@ -133,6 +142,7 @@ def request_limits(
         max_stop_token_ids=limits.max_stop_token_ids,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
+        eos_token_ids=tuple(eos_token_ids),
     )
 
 

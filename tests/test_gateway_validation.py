@@ -87,3 +87,20 @@ def test_speculative_opt_out_reaches_the_engine_params():
         wire = engine_pb2.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
         assert wire.HasField("speculative") == (not want)
         assert sampling_params_from_proto(wire).speculative is want
+
+
+def test_allowed_ids_that_min_tokens_bans_all_of_are_refused_before_queueing():
+    """allowed_token_ids [EOS] with min_tokens 2: EOS is banned until then, so the request has no
+    first token; the gateway knows the engine's EOS ids and answers INVALID_ARGUMENT at once."""
+    req = build_request("hi", allowed_token_ids=[5], min_tokens=2)
+    with pytest.raises(RequestError) as e:
+        validate_generate(req, VOCAB, CTX, Limits(), eos_token_ids=(5,))
+    assert [v.field for v in e.value.violations] == ["allowed_token_ids"]
+    assert "min_tokens=2" in e.value.violations[0].description
+    validate_generate(
+        build_request("hi", allowed_token_ids=[5], min_tokens=2, ignore_eos=True),
+        VOCAB,
+        CTX,
+        Limits(),
+        eos_token_ids=(5,),
+    )

@@ -137,3 +137,26 @@ def test_seeded_sampling_is_independent_of_batch_mix(tiny_llama):
         },
     )
     assert other_seed[("s", 0)] != alone[("s", 0)]
+
+
+def test_a_row_that_bans_take_the_last_allowed_token_from_is_a_dead_end_not_token_0():
+    """Row 0 may sample only token 2 (allowed ids), and min_tokens bans 2 now; row 1 may sample only
+    2 and 1, and a bad word bans both. Neither has a token left once every control is applied: both
+    are dead ends (never token 0, which argmax over all -inf would give), and their logprobs are
+    not reported; row 2, banned only one of its tokens, samples as before."""
+    from engine_svc.logits_processors.allowed_ids import AllowedIds
+    from engine_svc.logits_processors.bad_words import BadWords
+    from engine_svc.sampler import DEAD_END_TOKEN
+
+    logits = torch.tensor([[5.0, 1.0, 0.0, 2.0], [0.0, 1.0, 5.0, 2.0], [0.0, 1.0, 5.0, 2.0]])
+    processors = [
+        (AllowedIds(), [[2], [1, 2], None]),
+        (MinTokens(), [[2], [], []]),
+        (BadWords(), [[], [1, 2], [2]]),
+    ]
+    for temperature in (0.0, 1.0):
+        b = _batch(3, temperature=[temperature] * 3, processors=processors, num_logprobs=[1, 1, 1])
+        tokens, lps = Sampler()(logits.clone(), b)
+        assert tokens[:2] == [DEAD_END_TOKEN, DEAD_END_TOKEN]
+        assert lps[:2] == [None, None]
+        assert tokens[2] != 2 and (temperature or tokens[2] == 3)

@@ -296,7 +296,7 @@ def test_a_constraint_that_leaves_no_token_ends_the_request_and_says_why(tiny_ll
     """The grammar wants "red"/"green..." while allowed_token_ids permit only digits: the mask leaves
     the row nothing. The request ends at once with the reason, emits no token outside its grammar,
     and its neighbour runs on as it would alone."""
-    from engine_svc.scheduler import DEAD_END
+    from engine_svc.scheduler import dead_end_error
 
     tok = tokenizer_of(tiny_llama)
     digits = sorted({i for d in "0123456789" for i in tok.encode(d, add_special_tokens=False)})
@@ -325,7 +325,8 @@ def test_a_constraint_that_leaves_no_token_ends_the_request_and_says_why(tiny_ll
         assert steps < 200, "the engine looped on a dead end"
     for out in results["stuck"].outputs.values():
         assert out.finish_reason == "abort" and out.tokens == []
-    assert errors == [DEAD_END, DEAD_END]
+    assert errors == [dead_end_error(stuck)] * 2
+    assert "structured_outputs, allowed_token_ids" in errors[0]
     fresh = partial(make_engine, tiny_llama)
     assert_same_as_solo("plain", results["plain"], solo(fresh, prompt, plain), plain)
     assert_pool_whole(engine)
