@@ -435,6 +435,26 @@ def test_the_native_wrapper_refuses_what_the_kernel_would_read_out_of_bounds(isa
         )
 
 
+def test_the_native_wrapper_refuses_a_head_size_or_context_the_kernel_would_overrun(isa):
+    """A cache whose head size is not the queries' (the kernel walks the queries' head size through
+    each cache row), or a seq_lens entry shorter than its sequence's queries (they would sit before
+    position 0): errors naming the input, whichever metadata was checked before."""
+    case = AttentionCase(((45, 1), (100, 20), (33, 33)), 8, 2, 64, 16)
+    q, k_cache, v_cache, tables, lens, qsl, scale = make_paged_batch(case, torch.float32, seed=6).args()
+    native_attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale, isa=isa)
+    narrow_k, narrow_v = k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous()
+    with pytest.raises(ValueError, match="head size"):
+        native_attention.paged_attention(q, narrow_k, narrow_v, tables, lens, qsl, scale, isa=isa)
+    short = lens.clone()
+    short[1] = 19  # 20 queries this step
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] is 19, fewer than its 20 query tokens"):
+        native_attention.paged_attention(q, k_cache, v_cache, tables, short, qsl, scale, isa=isa)
+    short[1] = 100
+    short[2] = -1
+    with pytest.raises(ValueError, match=r"seq_lens\[2\] is -1"):
+        native_attention.paged_attention(q, k_cache, v_cache, tables, short, qsl, scale, isa=isa)
+
+
 # --- the step's work list ------------------------------------------------------------------------
 
 

@@ -111,14 +111,20 @@ def check_layout(tables, lens, qsl) -> None:
 
 def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
     """What the kernel reads unchecked through raw pointers, checked before it runs (a bad input is
-    an error naming it, never a read outside a tensor): the value cache matches the key cache, the
-    metadata has one entry per sequence, every block id is inside the cache, every context fits its
-    table, and the queries are the tokens ``query_start_loc`` counts. Returns the kernel's metadata
-    arguments (made once a step, with the check)."""
+    an error naming it, never a read outside a tensor): the value cache matches the key cache and both
+    the queries' head size, the metadata has one entry per sequence, every block id is inside the
+    cache, every context fits its table and holds its queries, and the queries are the tokens
+    ``query_start_loc`` counts. Returns the kernel's metadata arguments (made once a step, with the
+    check)."""
     if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache {v_cache.dtype}{tuple(v_cache.shape)} differs from "
             f"k_cache {k_cache.dtype}{tuple(k_cache.shape)}"
+        )
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(
+            f"the caches {tuple(k_cache.shape)} must be [blocks, block_size, kv_heads, head_size] with "
+            f"the head size of the queries {tuple(q.shape)} [tokens, heads, head_size]"
         )
     check_layout(tables, lens, qsl)
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
@@ -142,6 +148,15 @@ def check_inputs(q, k_cache, v_cache, tables, lens, qsl) -> tuple:
     if int(qsl[0]) != 0 or int(qsl[-1]) != q.shape[0] or (lens.numel() and bool((qsl[1:] < qsl[:-1]).any())):
         raise ValueError(
             f"query_start_loc must rise from 0 to the {q.shape[0]} query tokens, got {qsl.tolist()}"
+        )
+    # A sequence's queries are the last of its context: a shorter context would put them before
+    # position 0 (the kernel would read before its first block).
+    short = (lens < qsl[1:] - qsl[:-1]).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(
+            f"seq_lens[{b}] is {int(lens[b])}, fewer than its {int(qsl[b + 1] - qsl[b])} query tokens "
+            "(a context holds its queries)"
         )
     meta = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), qsl.data_ptr(), lens.shape[0])
     _checked.remember(tables, lens, qsl, bounds=bounds, payload=meta)
