@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import grpc
 import pytest
@@ -28,22 +27,30 @@ def _service(model, *args) -> ServiceProcess:
     return ServiceProcess(model, "--tokenizer-workers", "1", "--metrics-port", "0", *args).start()
 
 
-async def _cancel_storm(target: str, requests: list, delays: list[float]) -> list:
-    """Start every stream at once; cancel each after its delay. Returns how each ended."""
+async def _cancel_storm(target: str, requests: list, delays: list[float | None]) -> list:
+    """Start every stream at once; cancel each after its delay (None: once its first message came,
+    so surely while it decodes). Returns how each ended."""
     async with grpc.aio.insecure_channel(target) as ch:
         stub = gen_grpc.GenerationStub(ch)
 
         async def one(req, delay):
             call = stub.GenerateStream(req, timeout=60)
             got = 0
+            first = asyncio.Event()
 
             async def read():
                 nonlocal got
                 async for _ in call:
                     got += 1
+                    first.set()
 
             reader = asyncio.ensure_future(read())
-            await asyncio.sleep(delay)
+            if delay is None:
+                waiter = asyncio.ensure_future(first.wait())
+                await asyncio.wait([reader, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            else:
+                await asyncio.sleep(delay)
             call.cancel()
             try:
                 await reader
@@ -81,12 +88,12 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
             if i % 5 == 0:
                 delays.append(rng.uniform(0.005, 0.05))
             elif i % 5 == 1:
-                delays.append(rng.uniform(0.8, 1.5))  # surely decoding by then
+                delays.append(None)  # after its first token: decoding
             else:
                 delays.append(rng.uniform(0.0, 0.6))
         results = asyncio.run(_cancel_storm(sp.target, requests, delays))
         assert all(done for _, done in results)
-        assert_engine_clean(sp, within_s=2.0)
+        assert_engine_clean(sp, within_s=60.0)  # the aborts land (the bound: a hang)
         s = scrape(metrics_port(sp))
         outcomes = {k: v for k, v in s.items() if k.startswith("llmserve_requests_total")}
         # A stream cancelled before its call reached the server leaves no trace there at all; one
@@ -96,9 +103,9 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
         cancelled = outcomes["llmserve_requests_total{outcome=cancelled}"]
         assert cancelled >= 50
         # The gateway's view: many were cancelled before their first token (queued, tokenizing or
-        # prefilling), many after it (decoding).
+        # prefilling), and the 20 cancelled once their first token came, after it (decoding).
         started = s["llmserve_time_to_first_token_seconds_count"]
-        assert 8 <= started <= cancelled - 15, (started, cancelled)
+        assert 20 <= started <= cancelled - 15, (started, cancelled)
         assert s["llmserve_gateway_requests_in_flight"] == 0
         with LLMServeClient(sp.target, timeout=30) as client:  # and it still serves
             assert (
@@ -115,9 +122,7 @@ def test_overload_burst_of_200_against_8_running_and_16_queued(tiny_llama):
     sp = _service(tiny_llama, "--num-kv-blocks", "256", "--max-concurrent", "8", "--max-queue", "16")
     try:
         requests = [build_request(f"burst {i}", max_tokens=128, ignore_eos=True) for i in range(200)]
-        t0 = time.monotonic()
-        results = asyncio.run(stream_all(sp.target, requests))
-        took = time.monotonic() - t0
+        results = asyncio.run(stream_all(sp.target, requests))  # a hang ends DEADLINE_EXCEEDED
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         done = [r for r in results if not isinstance(r, grpc.aio.AioRpcError)]
         assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -129,7 +134,6 @@ def test_overload_burst_of_200_against_8_running_and_16_queued(tiny_llama):
         s = scrape(metrics_port(sp))
         assert s["llmserve_requests_total{outcome=resource_exhausted}"] == len(refused)
         assert s["llmserve_requests_total{outcome=length}"] == len(done)
-        assert took < 60
         assert_engine_clean(sp)
         assert_segments_only_of_live_sessions(sp)
         stop_and_check(sp)

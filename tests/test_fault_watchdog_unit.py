@@ -66,7 +66,7 @@ def test_watchdog_thread_sees_a_stuck_step_in_real_time():
         time.sleep(0.4)
         assert not tripped.is_set()
         w.step_started()  # and never finishes
-        assert tripped.wait(2.0)
+        assert tripped.wait(60)
     finally:
         w.stop()
 
@@ -88,3 +88,31 @@ def test_forward_faults_count_forward_passes_after_install():
     t0 = time.monotonic()
     assert engine.runner.execute() == "ran"
     assert time.monotonic() - t0 >= 0.2
+
+
+def test_an_armed_fault_counts_only_after_its_file_exists_and_a_stall_ends_when_told(tmp_path):
+    """ARMED_BY: forward passes before the file exists are not counted (a test's streams open first);
+    STALL_UNTIL: the stalled pass runs on once that file exists, not after its hour."""
+    armed, over = tmp_path / "armed", tmp_path / "over"
+    calls = []
+    engine = SimpleNamespace(runner=SimpleNamespace(execute=lambda *a: calls.append(a) or "ran"))
+    env = {"LLMSERVE_FAULT_FORWARD_RAISE_AT_STEP": "2", "LLMSERVE_FAULT_ARMED_BY": str(armed)}
+    assert install_from_env(engine, env=env)
+    for i in range(5):
+        assert engine.runner.execute(i) == "ran"
+    armed.touch()
+    assert engine.runner.execute(5) == "ran"  # the first pass counted
+    with pytest.raises(InjectedFault, match="forward pass 2"):
+        engine.runner.execute(6)
+    assert calls == [(i,) for i in range(6)]
+
+    ran = threading.Event()
+    engine = SimpleNamespace(runner=SimpleNamespace(execute=lambda: ran.set()))
+    stall = {"LLMSERVE_FAULT_FORWARD_STALL_AT_STEP": "1", "LLMSERVE_FAULT_STALL_UNTIL": str(over)}
+    install_from_env(engine, env=stall)  # for the default hour, unless told
+    t = threading.Thread(target=engine.runner.execute, daemon=True)
+    t.start()
+    assert not ran.wait(0.3)  # stalled
+    over.touch()
+    assert ran.wait(60), "the stall did not end when its file appeared"
+    t.join(60)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from gateway.client import LLMServeClient
-from tests.fault_helpers import assert_engine_clean
+from tests.fault_helpers import assert_engine_clean, wait_for
 from tests.service_process import ServiceProcess
 
 KEY = "sk-http-test-key-0123456789"
@@ -177,7 +177,7 @@ def test_several_prompts_streamed_disconnect_frees_all(service):
         assert next(line for line in lines if line.startswith("data: "))
         assert service.engine_stats().num_live_requests == 2
         lines.close()
-    assert_engine_clean(service, within_s=2.0)
+    assert_engine_clean(service)
 
 
 def test_prompt_logprobs_and_json_object(client):
@@ -357,12 +357,14 @@ def _long_stream(service, request_id: str | None = None):
 
 
 def test_client_disconnect_frees_the_engine_blocks(service):
-    close = _long_stream(service)
+    close = _long_stream(service, request_id="disconnects")
     assert service.engine_stats().num_live_requests == 1  # running, or paused: this client reads slowly
-    t0 = time.monotonic()
     close()
-    assert_engine_clean(service, within_s=2.0)
-    assert time.monotonic() - t0 < 2.0
+    assert_engine_clean(service)
+    # Ended by the disconnect: not by its 2000 tokens, nor by the stall timeout.
+    finished = re.compile(r'request_id=disconnects\S* finished outcome="(\w+)"')
+    outcome = wait_for(lambda: finished.search(service.log_tail(200000)), 30, "no 'finished' line")
+    assert outcome.group(1) == "cancelled", outcome.group(0)
 
 
 def test_non_streamed_disconnect_aborts_too(service):
@@ -380,7 +382,7 @@ def test_non_streamed_disconnect_aborts_too(service):
     t = threading.Thread(target=post)
     t.start()
     t.join()
-    assert_engine_clean(service, within_s=2.0)
+    assert_engine_clean(service)
 
 
 def test_conflict_and_admission_limits(service, client):
@@ -399,7 +401,7 @@ def test_conflict_and_admission_limits(service, client):
     finally:
         for close in closers:
             close()
-    assert_engine_clean(service, within_s=2.0)
+    assert_engine_clean(service)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
@@ -432,12 +434,12 @@ def test_a_client_that_stops_reading_is_paused_then_ended(service):
     )
     sock.sendall(head.encode() + body)
     try:
-        deadline = time.monotonic() + 40  # the kernel's buffers take megabytes first (about 10 s here)
-        while 'outcome="stalled"' not in service.log_tail(20000):
-            assert time.monotonic() < deadline, "the stalled stream was not ended"
-            time.sleep(0.2)
+        # The kernel's buffers take megabytes first (about 10 s here); the bound is for a hang.
+        wait_for(
+            lambda: 'outcome="stalled"' in service.log_tail(20000), 120, "the stalled stream was not ended"
+        )
         assert service.engine_stats().load.num_steps  # the engine is alive
-        assert_engine_clean(service, within_s=2.0)
+        assert_engine_clean(service)
     finally:
         sock.close()
 
@@ -494,10 +496,10 @@ def test_sigterm_drains_http_streams_last(service):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         service.proc.send_signal(15)
-        time.sleep(0.3)
+        # Draining (health says so at once) lasts the --drain-grace-s second at least: within it,
+        wait_for(lambda: httpx.get(service.http_url + "/health").status_code == 503, 30, "no drain")
         refused = httpx.post(service.http_url + "/v1/completions", json={"prompt": "x"}, headers=h)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
-        assert httpx.get(service.http_url + "/health").status_code == 503
         events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
