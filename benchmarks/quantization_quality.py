@@ -194,13 +194,44 @@ def engine(
     )
     if fp32_kinds:
         from engine_svc.models.model_path import resolve_model_path
-        from engine_svc.models.quantized_weights import put_on_fp32_activations
 
         m = llm.engine.model
         if m.quantized_activations != "int8" or m.quantization != "gguf":
             raise ValueError("fp32_kinds needs a GGUF file's blocks on int8 activations")
         put_on_fp32_activations(m, resolve_model_path(model).gguf, tuple(fp32_kinds))
     return llm
+
+
+LINEAR_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def put_on_fp32_activations(model, gguf_path: str | Path, kinds: tuple[str, ...]) -> str:
+    """For this benchmark's ablations (the engine has no such option): in a loaded model,
+    run the linears of ``kinds`` (``LINEAR_KINDS``) on fp32 activations, rebuilt from the file's
+    blocks read again (the load freed the float weights and the blocks it packed). Returns what
+    moved, e.g. ``fp32 activations: 1 x Q8_0 lm_head``."""
+    unknown = [k for k in kinds if k not in LINEAR_KINDS]
+    if unknown:
+        raise ValueError(f"fp32 kinds: unknown {unknown} (one of {LINEAR_KINDS})")
+    from collections import Counter
+
+    from engine_svc.models.quantized_weights import gguf_blocks
+    from kernels.cpu import quant_gemm
+
+    blocks, _ = gguf_blocks(model, gguf_path)
+    moved: Counter = Counter()
+    for key, qw in blocks.items():
+        kind = key.rsplit(".", 1)[-1].removesuffix("_weight")
+        if kind not in kinds:
+            continue
+        if key == "lm_head":
+            model.lm_head_proj = quant_gemm.QuantLinear(qw)
+        else:
+            layer = model.layers[int(key.split(".")[1])]
+            bias = layer.qkv_bias if kind == "qkv" else None
+            setattr(layer, f"{kind}_proj", quant_gemm.QuantLinear(qw, bias))
+        moved[f"{qw.fmt} {kind}"] += 1
+    return "fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(moved.items()))
 
 
 def table(result: dict) -> str:

@@ -92,7 +92,7 @@ def compare(plain, spec, prompts, params, repeats: int, wrong: bool = False) -> 
 
 def main() -> dict:
     args, t_start, w, _ = common.begin(__doc__, FULL, QUICK)
-    from engine_svc.models.build import build_truncated_model
+    from tests.draft_models import build_truncated_model
 
     model = common.model_dir(args.quick, initializer_range=CYCLING_INIT)
     draft_dir = common.CACHE_DIR / f"{model.name}-first{w['draft_layers']}"

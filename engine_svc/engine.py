@@ -100,6 +100,7 @@ class LLMEngine:
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.act_dtype = self.model.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
         self.kernels = select_kernels(self.device, config.kernel_backend)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)  # parsed here, once
         self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)
         kv_caches = allocate_kv_caches(
@@ -107,7 +108,7 @@ class LLMEngine:
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, self.speculative)
         self.grammars = self._grammar_compiler()
         self.lora = None
         lora_step = None
@@ -168,7 +169,7 @@ class LLMEngine:
 
     def _draft_spec(self) -> ModelSpec | None:
         """The draft model's facts, refused unless it can draft for this target."""
-        spec_config = self.speculative = SpeculativeConfig.parse(self.config.speculative_config)
+        spec_config = self.speculative
         if spec_config is None or spec_config.method != "draft_model":
             return None
         where = f"speculative_config.model ({spec_config.model})"

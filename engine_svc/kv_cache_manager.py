@@ -167,9 +167,6 @@ class KVCacheManager:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += num_hit_blocks * self.block_size
 
-    def num_registered_blocks(self, seq: Sequence) -> int:
-        return self.registered.get(seq, 0)
-
     def register_computed_blocks(self, seq: Sequence, upto: int | None = None, scheduled: int = 0) -> None:
         """Publish the full blocks of the tokens computed, plus ``scheduled`` more that this step
         computes (those wholly before token ``upto`` only, when given: a draft model's cache may lag

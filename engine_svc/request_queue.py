@@ -99,18 +99,9 @@ class RequestQueue:
         """The request has ended: drop its pause (its sequences have left already)."""
         self._held.pop(request, None)
 
-    def is_paused(self, request: Request) -> bool:
-        return request in self._held
-
     # --- reading ----------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._key_of)
-
-    def __bool__(self) -> bool:
-        return bool(self._key_of)
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq in self._key_of
 
     def __iter__(self):
         """Every queued sequence, ready ones in order first, then the held ones."""

@@ -54,14 +54,17 @@ def dead_end_error(params) -> str:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None
+    ):
+        """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
         self.config = config
         self.kv = kv
         self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.spec = speculative
         self.draft_model = self.spec is not None and self.spec.method == "draft_model"
         self.governor = SpeculationGovernor() if self.spec is not None and self.spec.adaptive else None
         # Slots past a step's tokens that its proposer writes K/V into (a draft model drafts there,
@@ -178,6 +181,12 @@ class Scheduler:
             seq.num_drafted >= spec.min_drafted and seq.num_accepted < spec.min_acceptance * seq.num_drafted
         )
 
+    def _may_draft_after(self, seq: Sequence) -> bool:
+        """Whether the proposer may draft for ``seq`` after the step that samples it: it still
+        speculates, and it is no ``n > 1`` prompt about to fork (its drafts would be no index's)."""
+        request = seq.request
+        return (request.forked or request.params.n == 1) and self._drafting(seq)
+
     def _speculate(
         self, seq: Sequence, out: SchedulerOutput, num_new: int, budget: int, propose: bool
     ) -> int:
@@ -187,7 +196,7 @@ class Scheduler:
         # Never past max_tokens: the last draft's successor is the bonus token.
         k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
         draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
-        drafts_after = propose and (seq.request.forked or seq.request.params.n == 1)
+        drafts_after = propose and self._may_draft_after(seq)
         ahead = self.num_lookahead if drafts_after else 0
         if draft or ahead:
             if not self.kv.allocate(seq, (1 + len(draft) if draft else num_new) + ahead):
@@ -231,12 +240,7 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             # A prompt this step completes may draft after it (the first decode verifies them).
-            drafts_after = (
-                propose
-                and num_new == remaining
-                and (request.forked or request.params.n == 1)
-                and self._drafting(seq)
-            )
+            drafts_after = propose and num_new == remaining and self._may_draft_after(seq)
             if drafts_after and not self.kv.allocate(seq, num_new + self.num_lookahead, cached):
                 drafts_after = False
             if not drafts_after and not self.kv.allocate(seq, num_new, cached):
@@ -300,20 +304,23 @@ class Scheduler:
         """The running sequence that a waiting ``seq`` may evict, if any: a paused one, or under the
         priority policy one of lower priority. Never one in ``keep``: a sequence that published
         blocks this step, which others admitted after it may already share, must compute them."""
-        paused = [s for s in self.running if s.request.paused]
-        if paused:
-            return paused[-1]
+        paused = self._paused_victim()
+        if paused is not None:
+            return paused
         candidates = [s for s in self.running if s not in keep] if keep else self.running
         if not self.priority or not candidates:
             return None
         victim = max(candidates, key=_priority_key)
         return victim if _priority_key(victim) > _priority_key(seq) else None
 
+    def _paused_victim(self) -> Sequence | None:
+        """A paused sequence needs its blocks least: it gives them up first (the latest admitted)."""
+        return next((s for s in reversed(self.running) if s.request.paused), None)
+
     def _pick_victim(self) -> Sequence:
-        # A paused sequence needs its blocks least: it gives them up first.
-        paused = [s for s in self.running if s.request.paused]
-        if paused:
-            return paused[-1]
+        paused = self._paused_victim()
+        if paused is not None:
+            return paused
         if self.priority:
             return max(self.running, key=_priority_key)
         return self.running[-1]

@@ -18,7 +18,7 @@ from engine_svc.logits_layout import LogitsLayout
 from engine_svc.outputs import RequestDelta
 from engine_svc.sequence import Sequence
 
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
+NO_COPIES = np.zeros((0, 2), dtype=np.int64)  # a step with no copy-on-write copies to run
 
 
 @dataclass
@@ -43,7 +43,7 @@ class SchedulerOutput:
     updates: list[BlockUpdate] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # seq ids: their input-batch rows go
     copies: np.ndarray = field(
-        default_factory=lambda: _NO_COPIES
+        default_factory=lambda: NO_COPIES
     )  # [C, 2] int64 (src, dst) block copies before the forward
     failed: list[RequestDelta] = field(default_factory=list)  # requests that could not start
 

@@ -223,3 +223,31 @@ def test_urgent_request_preempts_a_lower_priority_one(tiny_llama):
     assert finished == ["urgent", "background"]
     assert engine.stats().num_preemptions >= 1
     assert_pool_whole(engine)
+
+
+def test_the_engine_leaves_the_callers_config_and_params_as_they_were(tiny_llama):
+    """Without chunked prefill the engine raises its own step budget to the context, and it gives a
+    request the model's EOS ids: in its own copies. A caller reusing its config or params (another
+    engine, another request) gets what it wrote."""
+    import copy
+
+    from engine_svc import EngineConfig
+    from engine_svc.engine import LLMEngine
+
+    config = EngineConfig(
+        model=str(tiny_llama),
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=False,
+    )
+    given = copy.deepcopy(config)
+    engine = LLMEngine(config)
+    assert config == given
+    assert engine.config.max_num_batched_tokens == engine.max_model_len > 64
+    params = SamplingParams(temperature=0.0, max_tokens=3, stop=["x"])
+    written = copy.deepcopy(params)
+    (prompt,) = random_prompts([5], 1024, seed=1)
+    out = run_to_completion(engine, {"a": (prompt, params)})
+    assert params == written and params.eos_token_ids == ()
+    assert engine.requests == {} and len(out[("a", 0)]) >= 1

@@ -97,7 +97,6 @@ def test_unknown_paths_and_texts_are_refused():
 
 
 def test_fp32_kinds_put_those_linears_back_on_fp32_activations(tiny_llama, tmp_path):
-    from engine_svc.models.quantized_weights import put_on_fp32_activations
     from tests.engine_helpers import make_engine
 
     path = write_gguf(tiny_llama, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
@@ -108,11 +107,11 @@ def test_fp32_kinds_put_those_linears_back_on_fp32_activations(tiny_llama, tmp_p
     int8_logits = m.compute_logits(x)
     assert not torch.equal(int8_logits, exact.model.compute_logits(x))  # int8 activations differ
     # The load freed the float weights and the packed blocks: the blocks are read from the file again.
-    assert put_on_fp32_activations(m, path, ("lm_head",)) == "fp32 activations: 1 x Q8_0 lm_head"
+    assert qq.put_on_fp32_activations(m, path, ("lm_head",)) == "fp32 activations: 1 x Q8_0 lm_head"
     assert type(m.lm_head_proj).__name__ == "QuantLinear"
     assert {type(layer.qkv_proj).__name__ for layer in m.layers} == {"Int8ActLinear"}
     assert torch.equal(m.compute_logits(x), exact.model.compute_logits(x))  # the exact head
-    assert "2 x Q8_0 down" in put_on_fp32_activations(m, path, ("down",))
+    assert "2 x Q8_0 down" in qq.put_on_fp32_activations(m, path, ("down",))
     assert {type(layer.down_proj).__name__ for layer in m.layers} == {"QuantLinear"}
     with pytest.raises(ValueError, match="unknown"):
-        put_on_fp32_activations(m, path, ("attention",))
+        qq.put_on_fp32_activations(m, path, ("attention",))

@@ -82,7 +82,7 @@ def cycling_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def truncated_draft(cycling_model, tmp_path_factory):
     """The cycling model's first layer alone: a draft that is often wrong (drafts get rejected)."""
-    from engine_svc.models.build import build_truncated_model
+    from tests.draft_models import build_truncated_model
 
     return build_truncated_model(cycling_model, tmp_path_factory.mktemp("draft") / "llama1", 1)
 
@@ -287,7 +287,7 @@ def make_sched(spec: SpeculativeConfig, budget: int = 64) -> Scheduler:
     config = EngineConfig(
         model="unused", block_size=8, max_num_batched_tokens=budget, speculative_config=spec
     )
-    return Scheduler(config, KVCacheManager(64, 8, enable_prefix_caching=True))
+    return Scheduler(config, KVCacheManager(64, 8, enable_prefix_caching=True), spec)
 
 
 def test_bad_speculative_configs_are_refused(tiny_llama):

@@ -20,6 +20,7 @@ from engine_svc.logits_layout import StepResult
 from engine_svc.outputs import TokenLogprob
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import FinishReason, Request, Sequence
+from engine_svc.spec_decode.config import SpeculativeConfig
 from tests.engine_helpers import make_engine, random_prompts
 
 arrivals = itertools.count()
@@ -27,7 +28,8 @@ arrivals = itertools.count()
 
 def make_scheduler(num_blocks=64, block_size=8, budget=32, **kw) -> Scheduler:
     config = EngineConfig(model="unused", block_size=block_size, max_num_batched_tokens=budget, **kw)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=True))
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=True), spec)
 
 
 def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Request:
@@ -270,7 +272,6 @@ def test_drafts_in_the_result_are_verified_by_the_next_step():
     """The runner's drafts (``StepResult.drafts``) wait on the sequence and the next schedule
     verifies them: its last token plus the drafts, one sample row each; the update accepts the
     drafts that equal the samples, then the bonus token, and keeps the new drafts."""
-    from engine_svc.spec_decode.config import SpeculativeConfig
 
     spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
     sched = make_scheduler(budget=32, speculative_config=spec)
@@ -303,7 +304,6 @@ def test_a_draft_models_lookahead_is_allocated_with_the_step_and_released_when_r
     """A draft model writes its drafts' K/V in slots past the step's tokens: the scheduler
     allocates them with the step, the update keeps the blocks the held drafts lie in, and releases
     them once the drafts are rejected. The verification is cut to the step's budget."""
-    from engine_svc.spec_decode.config import SpeculativeConfig
 
     spec = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=3, adaptive=False)
     sched = make_scheduler(budget=32, speculative_config=spec)

@@ -1,6 +1,7 @@
 """Build random-weight checkpoints of real architectures, in the HF layout, from a fixed seed.
 
-Tests, benchmarks and the default model use these: no weights are ever downloaded. The result is
+The built-in default model (``build_default``: what ``make model`` falls back to offline) is one;
+tests and benchmarks build theirs here too: no weights are ever downloaded. The result is
 an ordinary HF model directory (config.json, generation_config.json, model.safetensors) that both
 `transformers` and this engine load.
 """
@@ -67,33 +68,4 @@ def build_random_model(
     GenerationConfig(
         eos_token_id=eos, bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id, do_sample=False
     ).save_pretrained(out)
-    return out
-
-
-def build_truncated_model(src_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
-    """A copy of ``src_dir`` keeping only its first ``num_layers`` decoder layers (embeddings, final
-    norm and LM head unchanged): a draft model that shares the source's vocabulary and much of its
-    behaviour, for speculative decoding tests and benchmarks."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    src, out = Path(src_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
-    if not 1 <= num_layers <= config["num_hidden_layers"]:
-        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}")
-    config["num_hidden_layers"] = num_layers
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    weights = load_file(str(src / "model.safetensors"))
-    kept = {
-        name: w
-        for name, w in weights.items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
-    }
-    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (src / extra).exists():
-            shutil.copy(src / extra, out / extra)
     return out

@@ -170,7 +170,3 @@ def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
     return shapes
-
-
-def expected_names(model: DecoderForCausalLM) -> set[str]:
-    return set(full_shapes(model))

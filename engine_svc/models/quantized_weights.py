@@ -185,9 +185,6 @@ def resolve_activations(requested: str | None, quantization: str, device) -> str
     return "int8"
 
 
-LINEAR_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
-
-
 def use_int8_activations(model) -> str:
     """Mark every attached block set whose format has an int8-activation kernel; the others keep
     fp32 activations. Called at load, before ``prepare_linears``. Returns a summary for the log."""
@@ -207,27 +204,3 @@ def use_int8_activations(model) -> str:
     if kept:
         summary += "; fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(kept.items()))
     return summary
-
-
-def put_on_fp32_activations(model, gguf_path: str | Path, kinds: tuple[str, ...]) -> str:
-    """For the quality benchmark's ablations (the engine has no such option): in a loaded model,
-    run the linears of ``kinds`` (``LINEAR_KINDS``) on fp32 activations, rebuilt from the file's
-    blocks read again (the load freed the float weights and the blocks it packed). Returns what
-    moved, e.g. ``fp32 activations: 1 x Q8_0 lm_head``."""
-    unknown = [k for k in kinds if k not in LINEAR_KINDS]
-    if unknown:
-        raise ValueError(f"fp32 kinds: unknown {unknown} (one of {LINEAR_KINDS})")
-    blocks, _ = gguf_blocks(model, gguf_path)
-    moved: Counter = Counter()
-    for key, qw in blocks.items():
-        kind = key.rsplit(".", 1)[-1].removesuffix("_weight")
-        if kind not in kinds:
-            continue
-        if key == "lm_head":
-            model.lm_head_proj = quant_gemm.QuantLinear(qw)
-        else:
-            layer = model.layers[int(key.split(".")[1])]
-            bias = layer.qkv_bias if kind == "qkv" else None
-            setattr(layer, f"{kind}_proj", quant_gemm.QuantLinear(qw, bias))
-        moved[f"{qw.fmt} {kind}"] += 1
-    return "fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(moved.items()))

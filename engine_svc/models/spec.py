@@ -92,9 +92,6 @@ class ModelSpec:
             eos_token_ids=eos_ids,
         )
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
-
 
 def _generation_eos(d: Path) -> list[int] | None:
     path = d / "generation_config.json"

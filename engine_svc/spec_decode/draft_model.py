@@ -26,12 +26,10 @@ import torch
 from engine_svc.input_batch import InputBatch
 from engine_svc.model_runner import ModelForward
 from engine_svc.sampler import DEAD_END_TOKEN
-from engine_svc.scheduler_output import SchedulerOutput
+from engine_svc.scheduler_output import NO_COPIES, SchedulerOutput
 from engine_svc.spec_decode.acceptance import new_tokens
 from engine_svc.spec_decode.proposer import room
 from engine_svc.step_inputs import decode_inputs, paged_inputs
-
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 
 
 class DraftModelProposer:
@@ -103,7 +101,7 @@ class DraftModelProposer:
             # Draft j (0-based) is computed from draft j - 1, which sits at position end - 1 + j.
             positions = np.array([end - 1 + j for _, end in live], dtype=np.int64)
             ids = np.array([drafts[s.seq_id][j - 1] for s in seqs], dtype=np.int64)
-            logits = self.forward(decode_inputs(batch, self.block_size, seqs, ids, positions, _NO_COPIES))
+            logits = self.forward(decode_inputs(batch, self.block_size, seqs, ids, positions, NO_COPIES))
             for seq, token in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
                 drafts[seq.seq_id].append(token)
 
