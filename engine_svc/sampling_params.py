@@ -174,13 +174,19 @@ def _logit_control_violations(p: SamplingParams, vocab: int, bad) -> None:
                 bad(v.field, v.message)
 
 
+def banned_until_min_tokens(p: SamplingParams, eos_token_ids) -> list[int]:
+    """The ids ``min_tokens`` bans until that many tokens are out: the stop ids, and EOS unless
+    ignored (``logits_processors/min_tokens.py`` applies it; validation reads it too)."""
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+
+
 def first_token_bans(p: SamplingParams, eos_token_ids) -> dict[str, set[int]]:
     """The ids each control bans at the request's first token, by the field that bans them: its
     one-token bad words always, and while ``min_tokens`` is unmet its stop ids and (unless ignored)
     EOS (``logits_processors/bad_words.py``, ``min_tokens.py``)."""
     bans = {"bad_words": {w[0] for w in p.bad_words_token_ids or () if len(w) == 1}}
     if p.min_tokens:
-        bans["min_tokens"] = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        bans["min_tokens"] = set(banned_until_min_tokens(p, eos_token_ids))
     return bans
 
 

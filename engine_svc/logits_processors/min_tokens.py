@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from engine_svc import input_batch as ib
 from engine_svc.logits_processors.base import LogitsProcessor, ban
+from engine_svc.sampling_params import banned_until_min_tokens
 
 
 def stop_ids_banned_now(seq) -> list[int]:
     p = seq.request.params
     if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+        return banned_until_min_tokens(p, p.eos_token_ids)
     return []
 
 
