@@ -22,7 +22,7 @@ from engine_svc.rpc.convert import sampling_params_to_proto
 from engine_svc.rpc.tls import ClientTLS
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.server.engine_loop import EngineLoop
-from engine_svc.server.fault_injection import STALL_AT, STALL_S
+from engine_svc.server.fault_injection import STALL_AT, STALL_UNTIL
 from engine_svc.server.health import ENGINE_SERVICE, EngineHealth
 from engine_svc.server.watchdog import Watchdog
 from llmserve_proto.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -31,7 +31,6 @@ from tests.tls_certs import make_tls_material
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-STALL_SECONDS = 3.0
 WATCHDOG_SECONDS = 0.5
 
 
@@ -126,20 +125,24 @@ def assert_engine_answers_health_and_refuses_unknown_names(channel: grpc.Channel
 
 def test_unix_socket_serving_then_not_serving_while_a_step_hangs_then_serving_then_shutdown(tiny_llama):
     sock = Path(tempfile.mkdtemp(prefix="llmserve-health-")) / "engine.sock"
+    stall_over = sock.parent / "stall-over"
     engine = EngineProcess(
         tiny_llama,
         "--socket",
         str(sock),
         "--watchdog-timeout",
         str(WATCHDOG_SECONDS),
-        env={STALL_AT: "1", STALL_S: str(STALL_SECONDS)},  # the first forward after the warm-up hangs
+        # The first forward after the warm-up hangs until the test has seen what it means.
+        env={STALL_AT: "1", STALL_UNTIL: str(stall_over)},
     )
     try:
         with grpc.insecure_channel(f"unix://{sock}") as ch:
             wait_serving(ch, engine)
             assert_engine_answers_health_and_refuses_unknown_names(ch)
             watch_all, watch_engine = Watcher(ch), Watcher(ch, ENGINE_SERVICE)
-            wait_until(lambda: watch_all.statuses and watch_engine.statuses, 5, "first Watch message", engine)
+            wait_until(
+                lambda: watch_all.statuses and watch_engine.statuses, 60, "first Watch message", engine
+            )
 
             # One request makes the loop step; that step hangs in the model's forward pass.
             stub = engine_pb2_grpc.EngineStub(ch)
@@ -149,18 +152,15 @@ def test_unix_socket_serving_then_not_serving_while_a_step_hangs_then_serving_th
             submit = engine_pb2.SubmitRequest(session_id=session_id, request_id="r1", params=params)
             submit.token_ids.ids.extend([5, 6, 7, 8])
             stub.Submit(submit, timeout=10)
-            submitted = time.monotonic()
 
-            wait_until(lambda: check(ch) == NOT_SERVING, 2 * WATCHDOG_SECONDS + 2, "NOT_SERVING", engine)
-            noticed = time.monotonic() - submitted
-            # The process answers probes at once though its loop is stuck (a TCP or "is the port
-            # open" probe would have said healthy here).
-            t0 = time.monotonic()
+            # The step is still stuck (until the test ends it): health changed while it hangs, not
+            # when it returned, and the process answers probes though its loop is stuck (a TCP or
+            # "is the port open" probe would have said healthy here).
+            wait_until(lambda: check(ch) == NOT_SERVING, 60, "NOT_SERVING", engine)
             assert check(ch, ENGINE_SERVICE) == NOT_SERVING
-            assert time.monotonic() - t0 < 1.0
-            assert noticed < STALL_SECONDS - 0.5, "health changed only when the step returned"
+            stall_over.touch()
 
-            wait_until(lambda: check(ch) == SERVING, STALL_SECONDS + 5, "SERVING after the stall", engine)
+            wait_until(lambda: check(ch) == SERVING, 60, "SERVING after the stall", engine)
             assert check(ch, ENGINE_SERVICE) == SERVING
             stats = stub.GetStats(engine_pb2.GetStatsRequest(check_invariants=True), timeout=10)
             assert not stats.invariant_error and stats.num_live_requests == 0, stats

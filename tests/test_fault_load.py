@@ -101,11 +101,15 @@ def test_cancel_storm_of_100_streams_leaves_nothing_behind(tiny_llama):
         allowed = {f"llmserve_requests_total{{outcome={o}}}" for o in ("cancelled", "stop", "length")}
         assert set(outcomes) <= allowed, outcomes
         cancelled = outcomes["llmserve_requests_total{outcome=cancelled}"]
-        assert cancelled >= 50
-        # The gateway's view: many were cancelled before their first token (queued, tokenizing or
-        # prefilling), and the 20 cancelled once their first token came, after it (decoding).
+        finished = sum(v for k, v in outcomes.items() if not k.endswith("{outcome=cancelled}"))
+        # The gateway's view: the 20 cancelled once their first token came were cancelled while
+        # decoding; others before their first token (queued, tokenizing or prefilling). How many of
+        # the early cancels reached the server at all depends on the machine's speed (a busy one
+        # sees fewer), so only that both kinds happened is asserted.
         started = s["llmserve_time_to_first_token_seconds_count"]
-        assert 20 <= started <= cancelled - 15, (started, cancelled)
+        print(f"\ncancel storm: {cancelled:g} cancelled on the server, {started:g} after their first token")
+        assert started >= 20 and cancelled >= 20, (started, cancelled)
+        assert cancelled - (started - finished) >= 1, (started, cancelled, finished)  # before a first token
         assert s["llmserve_gateway_requests_in_flight"] == 0
         with LLMServeClient(sp.target, timeout=30) as client:  # and it still serves
             assert (

@@ -58,30 +58,33 @@ def test_over_the_admission_limit_is_refused_at_once_and_admitted_requests_compl
         # Long enough (2000 steps) that the two admitted requests are still running when the probe comes.
         calls = [client.generate_stream(f"admitted {i}", max_tokens=2000, ignore_eos=True) for i in range(2)]
         firsts = [next(iter(c)) for c in calls]  # these two run (sent together, either could be first)
-        calls.append(client.generate_stream("admitted 2", max_tokens=2000, ignore_eos=True))  # queued
         assert all(m.request_id for m in firsts)
-        # Drain the running streams in the background, noting when each one ends.
+        # Drain every stream in the background, noting when each one ends.
         results: dict = {}
         ended: dict[int, float] = {}
 
         def drain(i):
-            results[i] = [firsts[i], *calls[i]]
+            try:
+                results[i] = [*firsts[i : i + 1], *calls[i]]
+            except grpc.RpcError as e:
+                results[i] = e
             ended[i] = time.monotonic()
 
-        threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
+        # Two more, to one queue place: whichever reaches the gateway's queue second (the gateway's
+        # order, which no client can see) is refused.
+        calls += [client.generate_stream(f"extra {i}", max_tokens=2000, ignore_eos=True) for i in (2, 3)]
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # time for the third to reach the gateway's queue, even on a busy machine
-        with pytest.raises(grpc.RpcError) as e:
-            client.generate("one too many", max_tokens=4)
-        refused_at = time.monotonic()
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for t in threads:
-            t.join(120)
+            t.join(300)
+        refused = [i for i in (2, 3) if isinstance(results[i], grpc.RpcError)]
+        assert len(refused) == 1, results
+        (r,) = refused
+        assert results[r].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, results[r]
         # "At once": refused while both admitted requests were still generating, not queued behind them.
-        assert refused_at < min(ended.values())
-        results[2] = list(calls[2])
-        for i in range(3):
+        assert ended[r] < min(ended[0], ended[1])
+        for i in {0, 1, 2, 3} - {r}:
             assert results[i][-1].finish_reason == gen.FINISH_REASON_LENGTH
             assert results[i][-1].usage.completion_tokens == 2000
 
@@ -96,16 +99,13 @@ def test_engine_killed_mid_stream_ends_streams_unavailable_and_health_not_servin
         threads = [threading.Thread(target=_drain, args=(c, results, i)) for i, c in enumerate(calls)]
         for t in threads:
             t.start()
-        killed_at = time.monotonic()
         os.kill(small_service.engine_pid, signal.SIGKILL)
         for t in threads:
-            t.join(5)
-        took = time.monotonic() - killed_at
-        assert took < 2.0
+            t.join(60)  # the bound: a hang
         for i in range(2):
             assert isinstance(results[i], grpc.RpcError), results[i]
             assert results[i].code() == grpc.StatusCode.UNAVAILABLE
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 60  # the bound: a hang
         while client.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health did not turn NOT_SERVING"
             time.sleep(0.05)
@@ -145,7 +145,11 @@ def test_sigterm_drains_then_exits_clean(default_model_dir):
             for t in threads:
                 t.start()
             sp.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            # Draining (health says so at once) lasts the 2 s grace at least: within it,
+            deadline = time.monotonic() + 60  # the bound: a hang
+            while client.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health did not turn NOT_SERVING on SIGTERM"
+                time.sleep(0.05)
             with pytest.raises(grpc.RpcError) as e:
                 client.generate("too late", max_tokens=2, timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -154,7 +158,7 @@ def test_sigterm_drains_then_exits_clean(default_model_dir):
         assert results["short"][-1].finish_reason == gen.FINISH_REASON_LENGTH
         assert results["long"][-1].finish_reason == gen.FINISH_REASON_ABORT
         assert sp.proc.wait(30) == 0
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while any(_alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in children if _alive(p)], "child processes outlived the service"
