@@ -22,6 +22,7 @@ from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
+from engine_svc.step_cost import ratio_for_spec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
@@ -106,7 +107,8 @@ class LLMEngine:
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
+        ratio = config.attention_work_ratio
+        self.scheduler = Scheduler(config, self.kv, ratio_for_spec(self.spec) if ratio is None else ratio)
         self.grammars = self._grammar_compiler()
         self.lora = None
         lora_step = None
