@@ -1,9 +1,10 @@
 """The scheduler decides what each step computes, and applies what it produced.
 
-``schedule()``: how many tokens each sequence computes, under a global token budget. Running
-sequences are served first (so streams that already decode are never starved by a long prompt),
-then waiting ones are admitted. A prompt longer than the remaining budget is cut into chunks
-(chunked prefill). When the pool runs dry, a paused sequence, else the most recently admitted
+``schedule()``: how many tokens each sequence computes, under a global token budget and a work
+budget (``step_cost.py``: a token's attention work grows with its context, so a chunk deep in a
+long prompt gets fewer tokens). Running sequences are served first (so streams that already
+decode are never starved by a long prompt), then waiting ones are admitted. A prompt longer than
+the remaining budget is cut into chunks (chunked prefill). When the pool runs dry, a paused sequence, else the most recently admitted
 running one (or the lowest-priority one), is preempted: its blocks are released and it goes back to
 the front of the waiting queue, to be recomputed later (cheaply, from the prefix cache).
 
