@@ -31,7 +31,9 @@ def one_run(engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, 
     engine.scheduler.cost = StepCost(cfg.max_num_batched_tokens, ratio)
     vocab = engine.spec.vocab_size
     tag = f"{ratio:g}-{rng.random():.6f}"
-    stream = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len - 64, ignore_eos=True)
+    stream = SamplingParams(
+        temperature=0.0, max_tokens=engine.max_model_len - prompt_len - 64, ignore_eos=True
+    )
     engine.add_request(f"s-{tag}", [rng.randrange(3, vocab) for _ in range(32)], stream)
     itl_alone: list[float] = []
     while len(itl_alone) < alone_steps:
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             row["round"] = r
             row["budget"] = "tokens" if ratio == 0 else "work"
             rows.append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
     print(f"model {args.model}: attention_work_ratio {model_ratio:.3g}, prompt {args.prompt} tokens")
     return 0
 

@@ -22,7 +22,6 @@ from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
-from engine_svc.step_cost import ratio_for_spec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
@@ -39,6 +38,7 @@ from engine_svc.sequence import Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.draft_model import DraftModelProposer
 from engine_svc.spec_decode.proposer import NgramProposer, Proposer
+from engine_svc.step_cost import ratio_for_spec
 from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,10 @@
 budget (``step_cost.py``: a token's attention work grows with its context, so a chunk deep in a
 long prompt gets fewer tokens). Running sequences are served first (so streams that already
 decode are never starved by a long prompt), then waiting ones are admitted. A prompt longer than
-the remaining budget is cut into chunks (chunked prefill). When the pool runs dry, a paused sequence, else the most recently admitted
-running one (or the lowest-priority one), is preempted: its blocks are released and it goes back to
-the front of the waiting queue, to be recomputed later (cheaply, from the prefix cache).
+the remaining budget is cut into chunks (chunked prefill). When the pool runs dry, a paused
+sequence, else the most recently admitted running one (or the lowest-priority one), is preempted:
+its blocks are released and it goes back to the front of the waiting queue, to be recomputed
+later (cheaply, from the prefix cache).
 
 ``update_from_output()``: everything that follows a forward pass — advance the counters, publish
 full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``

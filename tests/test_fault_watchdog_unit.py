@@ -123,7 +123,9 @@ def test_a_step_whose_layers_advance_is_slow_not_hung():
 def test_a_counter_that_does_not_move_is_no_progress():
     """A hang before the first layer (the fault suite's stalled forward pass) trips as before."""
     now = [0.0]
-    w = Watchdog(1.0, on_stall=lambda s: None, on_recover=lambda: None, clock=lambda: now[0], progress=lambda: 7)
+    w = Watchdog(
+        1.0, on_stall=lambda s: None, on_recover=lambda: None, clock=lambda: now[0], progress=lambda: 7
+    )
     w.idle()
     w.step_started()
     now[0] = 0.9

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Some 4,000 tokens of varied text (numbers keep the tokenizer from merging it into a few tokens).
-LONG_PROMPT = " ".join(f"item {i} weighs {i * 37 % 1000} grams and costs {i * 53 % 997} cents;" for i in range(260))
+LONG_PROMPT = " ".join(
+    f"item {i} weighs {i * 37 % 1000} grams and costs {i * 53 % 997} cents;" for i in range(260)
+)
 
 
 def test_a_long_prompt_at_the_defaults_is_slow_not_hung():

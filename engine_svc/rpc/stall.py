@@ -4,9 +4,10 @@
 engine is stalled when work has been pending for longer than the timeout without progress: a step
 completing, or a step in progress running one more decoder layer (``note_progress``). A long step
 whose layers keep advancing is slow, not hung; one stuck anywhere (inside a layer, or before or
-after the layers) shows no progress and is caught within the timeout. The engine process runs it on a watchdog thread beside its loop
-(``engine_svc.server.watchdog``); the gateway runs the same rule on what it sees of the engine (step
-outputs and the step counter of heartbeats), which also catches an engine whose own watchdog is off.
+after the layers) shows no progress and is caught within the timeout. The engine process runs it
+on a watchdog thread beside its loop (``engine_svc.server.watchdog``); the gateway runs the same
+rule on what it sees of the engine (step outputs, and the step counter and layer count of
+heartbeats), which also catches an engine whose own watchdog is off.
 """
 
 from __future__ import annotations
