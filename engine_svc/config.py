@@ -17,6 +17,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the whole KV cache
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The step's work budget (engine_svc/step_cost.py): attention work per context token relative
+    # to a token's linear work. None: derived from the model's config; 0: tokens alone count.
+    attention_work_ratio: float | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -49,6 +52,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        ratio = self.attention_work_ratio
+        if ratio is not None and not (isinstance(ratio, int | float) and 0 <= ratio < float("inf")):
+            raise ValueError(f"attention_work_ratio must be a finite number >= 0, got {ratio!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -38,6 +38,7 @@ from engine_svc.sequence import Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.draft_model import DraftModelProposer
 from engine_svc.spec_decode.proposer import NgramProposer, Proposer
+from engine_svc.step_cost import ratio_for_spec
 from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class LLMEngine:
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.speculative)
+        ratio = config.attention_work_ratio
+        ratio = ratio_for_spec(self.spec) if ratio is None else ratio
+        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio)
         self.grammars = self._grammar_compiler()
         self.lora = None
         lora_step = None

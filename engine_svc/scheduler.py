@@ -1,11 +1,13 @@
 """The scheduler decides what each step computes, and applies what it produced.
 
-``schedule()``: how many tokens each sequence computes, under a global token budget. Running
-sequences are served first (so streams that already decode are never starved by a long prompt),
-then waiting ones are admitted. A prompt longer than the remaining budget is cut into chunks
-(chunked prefill). When the pool runs dry, a paused sequence, else the most recently admitted
-running one (or the lowest-priority one), is preempted: its blocks are released and it goes back to
-the front of the waiting queue, to be recomputed later (cheaply, from the prefix cache).
+``schedule()``: how many tokens each sequence computes, under a global token budget and a work
+budget (``step_cost.py``: a token's attention work grows with its context, so a chunk deep in a
+long prompt gets fewer tokens). Running sequences are served first (so streams that already
+decode are never starved by a long prompt), then waiting ones are admitted. A prompt longer than
+the remaining budget is cut into chunks (chunked prefill). When the pool runs dry, a paused
+sequence, else the most recently admitted running one (or the lowest-priority one), is preempted:
+its blocks are released and it goes back to the front of the waiting queue, to be recomputed
+later (cheaply, from the prefix cache).
 
 ``update_from_output()``: everything that follows a forward pass — advance the counters, publish
 full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``
@@ -30,6 +32,7 @@ from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.acceptance import num_accepted
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.governor import SpeculationGovernor
+from engine_svc.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,21 @@ def dead_end_error(params) -> str:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        speculative: SpeculativeConfig | None = None,
+        attention_work_ratio: float | None = None,
     ):
         """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
         self.config = config
         self.kv = kv
+        # The step's work budget (step_cost.py): the engine passes the model's ratio; without one
+        # (model-free tests) the config's, and 0 (tokens alone) when that is unset too.
+        ratio = config.attention_work_ratio if attention_work_ratio is None else attention_work_ratio
+        self.cost = StepCost(config.max_num_batched_tokens, ratio or 0.0)
+        self._work = 0.0  # of the step being planned: work left in its budget
+        self._prefilled = False  # of the step being planned: whether a prompt chunk is in it
         self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -123,6 +136,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._work, self._prefilled = self.cost.budget, False
+        cost = self.cost.chunk if self.cost.ratio else None
         i = 0
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, allocate = self.running, self.kv.allocate
@@ -144,6 +159,11 @@ class Scheduler:
             decoding = remaining == 1 and num_tokens != seq.request.num_prompt_tokens
             if not decoding:
                 out.only_decodes = out.all_decoding = False
+                if remaining > 1 and self.config.enable_chunked_prefill:
+                    num_new = self._fit(seq.num_computed_tokens, num_new)
+                    if num_new == 0:  # no work left this step for the rest of its prompt
+                        i += 1
+                        continue
             if verify and num_new == remaining and self._drafting(seq):
                 num_new = self._speculate(seq, out, num_new, budget if decoding else 0, propose)
             while not allocate(seq, num_new):
@@ -158,6 +178,8 @@ class Scheduler:
                 add_seq(seq)
                 add_num(num_new)
                 budget -= num_new
+                if cost is not None:
+                    self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
             budget = self._admit(out, budget, propose)
@@ -236,9 +258,14 @@ class Scheduler:
                     continue
             cached = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
-            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill:
+                if remaining > budget:
+                    break
+                num_new = remaining
+            else:
+                num_new = self._fit(len(cached) * self.kv.block_size, min(remaining, budget))
+                if num_new == 0:  # the step's work budget is spent
+                    break
             # A prompt this step completes may draft after it (the first decode verifies them).
             drafts_after = propose and num_new == remaining and self._may_draft_after(seq)
             if drafts_after and not self.kv.allocate(seq, num_new + self.num_lookahead, cached):
@@ -271,8 +298,26 @@ class Scheduler:
                 out.propose[seq] = self.spec.num_speculative_tokens
             out.only_decodes = out.all_decoding = False
             budget -= num_new
+            self._work -= self.cost.chunk(seq.num_computed_tokens, num_new)
             seats -= 1
         return budget
+
+    def _fit(self, start: int, num_new: int) -> int:
+        """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
+        budget's share) that the step's work budget still takes. Cut by the work budget, a chunk
+        ends on a block boundary where it spans one; the step's first chunk gets at least the
+        tokens up to the next boundary, so that a prompt always advances."""
+        self._prefilled, first = True, not self._prefilled
+        if not self.cost.ratio:
+            return num_new
+        n = self.cost.max_tokens(start, self._work, num_new)
+        if n == num_new:
+            return n
+        bs = self.kv.block_size
+        end = start + n
+        if end - end % bs > start:
+            return end - end % bs - start
+        return max(n, min(num_new, bs - start % bs)) if first else n
 
     def running_adapters(self) -> set[tuple[str, int]]:
         """(name, version) of the LoRA adapters running sequences use: their slots are pinned."""

@@ -155,7 +155,8 @@ class EngineClient:
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.keepalive = keepalive or Keepalive()
-        # The engine has work but its step counter stands still: hung, even if heartbeats go on.
+        # The engine has work but neither its step counter nor its count of layers run moves: hung,
+        # even if heartbeats go on.
         self._stall = StallDetector(watchdog_timeout_s)
         self.on_step_time: Callable[[float], None] | None = None  # metrics
         self.on_lost: Callable[[str], None] | None = None  # metrics: why a session ended
@@ -412,7 +413,7 @@ class EngineClient:
                 self._output_ring = TokenRing.attach(c.rings.output_ring)
             self.last_event_at = time.monotonic()
             self._stall.update(self.last_event_at, pending=False, progressed=True)
-            last_steps = None
+            last_steps = last_layers = None
             self._ready.set()
             log.info(
                 "engine session %s on %s (transport: %s)", self._session_id, self.address, self.transport
@@ -441,8 +442,11 @@ class EngineClient:
                     pending = load.num_running + load.num_waiting - load.num_paused > 0 or any(
                         not h.engine_done and not h.paused for h in self._handles.values()
                     )
-                    self._stall.update(now, pending=pending, progressed=load.num_steps != last_steps)
-                    last_steps = load.num_steps
+                    # A long step shows as layers run while the step counter stands still.
+                    layers = event.heartbeat.layers_run
+                    progressed = load.num_steps != last_steps or layers != last_layers
+                    self._stall.update(now, pending=pending, progressed=progressed)
+                    last_steps, last_layers = load.num_steps, layers
                     if self._stall.stalled(now):
                         raise EngineHung(
                             f"no engine step for {self._stall.stalled_for(now):.1f}s while it has work"

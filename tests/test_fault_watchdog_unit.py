@@ -116,3 +116,74 @@ def test_an_armed_fault_counts_only_after_its_file_exists_and_a_stall_ends_when_
     over.touch()
     assert ran.wait(60), "the stall did not end when its file appeared"
     t.join(60)
+
+
+def test_a_step_whose_layers_advance_is_slow_not_hung():
+    """A step ten timeouts long whose layers keep completing never trips; once its layers stop,
+    it trips one timeout after the last one, and the step's end is a recovery."""
+    now, layers = [0.0], [0]
+    events = []
+    w = Watchdog(
+        1.0,
+        on_stall=lambda s: events.append(("stall", s)),
+        on_recover=lambda: events.append("ok"),
+        clock=lambda: now[0],
+        progress=lambda: layers[0],
+    )
+    w.idle()
+    w.step_started()
+    for _ in range(20):  # a layer every 0.5 s for 10 s
+        now[0] += 0.5
+        layers[0] += 1
+        assert not w.check()
+    now[0] += 0.9  # then stuck inside a layer
+    assert not w.check()
+    now[0] += 0.2
+    assert w.check() and w.tripped
+    assert events == [("stall", pytest.approx(1.1))]
+    layers[0] += 1  # a layer after the trip: still the same stall, reported once
+    now[0] += 5.0
+    assert not w.check()
+    w.step_finished(pending=False)
+    assert events[-1] == "ok" and not w.tripped
+
+
+def test_a_counter_that_does_not_move_is_no_progress():
+    """A hang before the first layer (the fault suite's stalled forward pass) trips as before."""
+    now = [0.0]
+    w = Watchdog(
+        1.0, on_stall=lambda s: None, on_recover=lambda: None, clock=lambda: now[0], progress=lambda: 7
+    )
+    w.idle()
+    w.step_started()
+    now[0] = 0.9
+    assert not w.check()
+    now[0] = 1.1
+    assert w.check()
+
+
+def test_watchdog_thread_follows_layer_progress_in_real_time():
+    """On the watchdog's own thread: a step whose counter moves at every look outlives many
+    timeouts untripped (counted in looks, not seconds); once the counter freezes, it trips."""
+    looks = [0]
+    frozen = threading.Event()
+    many_looks = threading.Event()
+    tripped = threading.Event()
+
+    def progress() -> int:
+        if not frozen.is_set():
+            looks[0] += 1
+            if looks[0] >= 40:  # with a look every timeout / 4: ten timeouts
+                many_looks.set()
+        return looks[0]
+
+    w = Watchdog(0.2, on_stall=lambda s: tripped.set(), on_recover=lambda: None, progress=progress)
+    w.start()
+    try:
+        w.step_started()  # and its layers keep completing
+        assert many_looks.wait(60.0)
+        assert not tripped.is_set()
+        frozen.set()
+        assert tripped.wait(30.0)
+    finally:
+        w.stop()

@@ -322,3 +322,20 @@ def test_steps_past_the_kept_scratch_take_their_own(monkeypatch):
     assert model._native_loop._scratch_tokens == 3  # grown to the longest step of at most 4
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches, strict=True))
+
+
+def test_both_loops_count_each_layer_for_the_watchdog(monkeypatch):
+    """``layer_progress`` (what the engine's watchdog reads to tell a slow step from a hung one)
+    moves by the model's layers on each forward pass, in the native loop as in the Python loop."""
+    from engine_svc.models import layer_progress
+
+    model = _model("gguf_int8act")
+    caches = _caches(model)
+    seqs = Sequences([40, 40, 40])
+    for native in ("1", "0"):
+        monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", native)
+        ids, positions, attn = seqs.step({0: 5})
+        before, forwards = layer_progress.value(), native_decoder.forwards
+        model(TORCH_KERNELS, ids, positions, caches, attn)
+        assert native_decoder.forwards - forwards == (native == "1")
+        assert layer_progress.value() - before == len(model.layers)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.models import layer_progress
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
@@ -194,6 +195,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
             # nothing hooks a layer (LoRA wraps its projections).
             x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+            layer_progress.bump()  # the watchdog's sign that a long step is not hung
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
 
@@ -231,7 +233,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                 )
                 for layer in self.layers
             ]
-            built = native_decoder.build(shape, parts, self.final_norm, self.cos_sin)
+            built = native_decoder.build(shape, parts, self.final_norm, self.cos_sin, layer_progress.ADDRESS)
             if isinstance(built, str):
                 reason = built
             else:

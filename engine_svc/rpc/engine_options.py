@@ -10,7 +10,17 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ("--block-size", int, "KV cache block size in tokens"),
     ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
     ("--max-num-seqs", int, "most sequences in one step"),
-    ("--max-num-batched-tokens", int, "token budget of one step"),
+    (
+        "--max-num-batched-tokens",
+        int,
+        "token budget of one step; its work budget is what that many prompt tokens cost at depth 0",
+    ),
+    (
+        "--attention-work-ratio",
+        float,
+        "attention work per context token over a token's linear work, for the step's work budget "
+        "(default: from the model's config; 0: tokens alone)",
+    ),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--no-prefix-caching", None, "turn prefix caching off"),
     ("--dtype", str, "float32, float16 or bfloat16"),
@@ -50,8 +60,8 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     (
         "--watchdog-timeout",
         float,
-        "seconds without a completed step while work is pending before the "
-        "engine ends its sessions and refuses work (0: off; default 30)",
+        "seconds without a completed step, or a completed layer of the step in progress, while work "
+        "is pending before the engine ends its sessions and refuses work (0: off; default 30)",
     ),
 ]
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from engine_svc.models import layer_progress
 from engine_svc.rpc.convert import delta_to_proto
 from engine_svc.rpc.shm_ring import TokenRing
 from engine_svc.server.kv_event_feed import KvEventFeed, Subscriber
@@ -70,7 +71,12 @@ class EngineLoop:
         self.on_stall_change: Callable[[bool], None] | None = None
         self._stall_report = threading.Lock()
         self.refused_submits = 0  # Submits refused as invalid (INVALID_ARGUMENT); a gRPC thread counts
-        self.watchdog = Watchdog(watchdog_timeout_s, on_stall=self._on_stall, on_recover=self._on_recover)
+        self.watchdog = Watchdog(
+            watchdog_timeout_s,
+            on_stall=self._on_stall,
+            on_recover=self._on_recover,
+            progress=layer_progress.value,
+        )
 
     # Called from other threads -----------------------------------------------------------------
 

@@ -90,6 +90,7 @@ def engine_config_kwargs(args) -> dict:
         "num_kv_blocks",
         "max_num_seqs",
         "max_num_batched_tokens",
+        "attention_work_ratio",
         "max_model_len",
         "dtype",
         "device",

@@ -9,6 +9,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound
+from engine_svc.models import layer_progress
 from engine_svc.rpc.convert import sampling_params_from_proto
 from engine_svc.server.engine_loop import EngineLoop, Session
 from engine_svc.server.kv_event_feed import FeedClosed, SubscriberDropped
@@ -84,7 +85,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             try:
                 event = s.outbox.get(timeout=self._loop.heartbeat_s)
             except queue.Empty:
-                event = pb.EngineEvent(heartbeat=pb.Heartbeat(load=self._loop.load))
+                beat = pb.Heartbeat(load=self._loop.load, layers_run=layer_progress.value())
+                event = pb.EngineEvent(heartbeat=beat)
             if event is None:
                 return
             yield event

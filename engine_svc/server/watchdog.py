@@ -1,5 +1,7 @@
 """The engine process's watchdog: ``engine_svc.rpc.stall.StallDetector`` run on a thread of its own
-beside the engine loop, since a loop stuck in a forward pass cannot check itself."""
+beside the engine loop, since a loop stuck in a forward pass cannot check itself. Each look also
+reads a progress counter (the decoder layers run: ``engine_svc.models.layer_progress``): while it
+moves, the step in progress is long, not stuck."""
 
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ class Watchdog:
         on_stall: Callable[[float], None],
         on_recover: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         self.detector = StallDetector(timeout_s)
+        self._layers = progress
+        self._seen = progress() if progress is not None else 0
         self._on_stall, self._on_recover = on_stall, on_recover
         self._clock = clock
         self._lock = threading.Lock()
@@ -60,11 +65,20 @@ class Watchdog:
         """One look; returns True when this look tripped the watchdog."""
         with self._lock:
             now = self._clock()
+            if self._layers is not None:
+                seen = self._layers()
+                if seen != self._seen:
+                    self._seen = seen
+                    self.detector.note_progress(now)
             if self._tripped or not self.detector.stalled(now):
                 return False
             self._tripped = True
             waited = self.detector.stalled_for(now)
-        log.error("watchdog: no engine step completed for %.1fs while work is pending", waited)
+        log.error(
+            "watchdog: no engine step completed for %.1fs while work is pending (nor a layer of the step"
+            " in progress)",
+            waited,
+        )
         self._on_stall(waited)
         return True
 

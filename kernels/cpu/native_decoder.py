@@ -100,6 +100,7 @@ class _Step(ctypes.Structure):
         ("x", _P),
         ("out", _P),
         *((name, _P) for name in _BUFFERS),
+        ("progress", _P),
     ]
 
 
@@ -192,8 +193,11 @@ def _entry(proj, n: int, k: int) -> NativeEntry | None:
     return e if (e.out_features, e.in_features) == (n, k) else None
 
 
-def build(shape: Shape, layers: list[LayerParts], final_norm: torch.Tensor, cos_sin: torch.Tensor):
-    """The loop for these layers, or the reason (a string) it cannot run them."""
+def build(
+    shape: Shape, layers: list[LayerParts], final_norm: torch.Tensor, cos_sin: torch.Tensor, progress: int = 0
+):
+    """The loop for these layers, or the reason (a string) it cannot run them. ``progress``: the
+    address of an int64 the loop adds one to as each layer completes (0: none)."""
     if library() is None:
         return "no native build of decoder_loop"
     h, d, inter = shape.hidden, shape.head_dim, shape.inter
@@ -225,7 +229,7 @@ def build(shape: Shape, layers: list[LayerParts], final_norm: torch.Tensor, cos_
             return f"layer {i}'s O bias is not contiguous fp32 of {h}"
         desc.input_norm, desc.post_norm = parts.input_norm.data_ptr(), parts.post_norm.data_ptr()
         desc.o_bias = None if parts.o_bias is None else parts.o_bias.data_ptr()
-    return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin)
+    return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
 def _kernel_pointers() -> tuple | None:
@@ -261,7 +265,7 @@ def _runs_native_kernels(k) -> bool:
 
 
 class NativeDecoderLoop:
-    def __init__(self, shape: Shape, layers: list[LayerParts], descs, final_norm, cos_sin):
+    def __init__(self, shape: Shape, layers: list[LayerParts], descs, final_norm, cos_sin, progress: int = 0):
         self.shape = shape
         self._parts = layers  # kept alive: the descriptors point into them
         self._descs = descs
@@ -282,6 +286,7 @@ class NativeDecoderLoop:
         self._caches: tuple = ()  # the cache tensors the descriptors point into
         self._cache_shape: tuple = ()
         self._step = _Step()
+        self._step.progress = progress or None
         self._failure = (ctypes.c_int64 * 3)()
         self._scratch_tokens = 0
         self._scratch: torch.Tensor | None = None

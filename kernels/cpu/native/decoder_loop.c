@@ -70,6 +70,7 @@ typedef struct {
     int32_t num_seqs, num_threads;
     const float *x;
     float *out, *residual, *normed, *qkv, *q, *attn, *hidden, *gate_up, *act;
+    int64_t *progress; /* NULL, or a counter another thread reads: one added per layer completed */
 } Step;
 
 /* Where a kernel refused (the caller raises with these). */
@@ -173,6 +174,7 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         stage = STAGE_DOWN;
         if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
         x = s->hidden;
+        if (s->progress) __atomic_fetch_add(s->progress, 1, __ATOMIC_RELAXED);
     }
     if (rc) {
         failure[0] = i;

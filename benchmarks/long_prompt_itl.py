@@ -1,0 +1,115 @@
+"""A running stream's inter-token latency while a long prompt is prefilled, against its latency
+alone: the step's work budget (engine_svc/step_cost.py) against a budget of tokens alone.
+
+One engine; each round runs both budgets, alternating (the machine may be shared): a stream decodes
+alone for a while (its ITL alone: the steps it gets a token in), then a long prompt of fresh random
+tokens arrives, and the stream's ITL is taken over the steps until that prompt's first token. The
+figures are ratios measured in the same round, so a busy machine moves both sides alike.
+
+    python -m benchmarks.long_prompt_itl --model models/default --prompt 7000 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from engine_svc import EngineConfig, SamplingParams
+from engine_svc.engine import LLMEngine
+from engine_svc.step_cost import StepCost
+
+
+def _p(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def one_run(engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, rng: random.Random) -> dict:
+    cfg = engine.config
+    engine.scheduler.cost = StepCost(cfg.max_num_batched_tokens, ratio)
+    vocab = engine.spec.vocab_size
+    tag = f"{ratio:g}-{rng.random():.6f}"
+    stream = SamplingParams(
+        temperature=0.0, max_tokens=engine.max_model_len - prompt_len - 64, ignore_eos=True
+    )
+    engine.add_request(f"s-{tag}", [rng.randrange(3, vocab) for _ in range(32)], stream)
+    itl_alone: list[float] = []
+    while len(itl_alone) < alone_steps:
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        dt = time.perf_counter() - t0
+        if any(d.request_id == f"s-{tag}" and d.new_token_ids for d in deltas) and engine.num_steps > 2:
+            itl_alone.append(dt)
+    engine.add_request(
+        f"long-{tag}",
+        [rng.randrange(3, vocab) for _ in range(prompt_len)],
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    )
+    itl_long: list[float] = []
+    steps, t_start = 0, time.perf_counter()
+    done = False
+    while not done:
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        dt = time.perf_counter() - t0
+        steps += 1
+        if any(d.request_id == f"s-{tag}" and d.new_token_ids for d in deltas):
+            itl_long.append(dt)
+        done = any(d.request_id == f"long-{tag}" for d in deltas)
+    ttft = time.perf_counter() - t_start
+    engine.abort_request(f"s-{tag}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    alone_p99 = _p(itl_alone, 0.99)
+    return dict(
+        ratio=ratio,
+        itl_alone_p50_ms=1000 * _p(itl_alone, 0.5),
+        itl_alone_p99_ms=1000 * alone_p99,
+        itl_long_p50_ms=1000 * _p(itl_long, 0.5),
+        itl_long_p99_ms=1000 * _p(itl_long, 0.99),
+        itl_long_max_ms=1000 * max(itl_long),
+        p99_over_alone=_p(itl_long, 0.99) / alone_p99,
+        prefill_steps=steps,
+        long_ttft_s=ttft,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/default")
+    ap.add_argument("--prompt", type=int, default=7000, help="long prompt tokens")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--alone-steps", type=int, default=40)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    args = ap.parse_args(argv)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        )
+    )
+    model_ratio = engine.scheduler.cost.ratio
+    rng = random.Random(0)
+    one_run(engine, model_ratio, 256, 5, rng)  # warm-up
+    rows = []
+    for r in range(args.rounds):
+        order = (0.0, model_ratio) if r % 2 == 0 else (model_ratio, 0.0)
+        for ratio in order:
+            row = one_run(engine, ratio, args.prompt, args.alone_steps, rng)
+            row["round"] = r
+            row["budget"] = "tokens" if ratio == 0 else "work"
+            rows.append(row)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+    print(f"model {args.model}: attention_work_ratio {model_ratio:.3g}, prompt {args.prompt} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""What a step costs, in token-equivalents: the scheduler's work budget.
+
+A token's forward pass does the same linear work at any depth (the projections and the MLP), and
+attention work in proportion to the context it attends to. With ``ratio`` the attention work per
+context token relative to a token's linear work (``attention_work_ratio``), a token at position
+``c`` (attending to ``c + 1`` tokens) costs ``1 + ratio * (c + 1)`` token-equivalents. Both
+constants come from the model's config (FLOPs, not measured timings), so a step's plan stays a
+function of the queue alone: deterministic, and the same on every machine.
+
+The step's work budget is what a chunk of ``max_num_batched_tokens`` tokens costs at depth 0, so
+short prompts are scheduled exactly as by a token budget; deeper in a long prompt a chunk gets
+fewer tokens, and a step's work (its duration, and the stall it puts on every other stream's next
+token) stays about the same at any depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def attention_work_ratio(
+    hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int
+) -> float:
+    """Attention multiply-adds per context token over linear multiply-adds per token, per layer:
+    q.k and p.v are ``2 * heads * head_dim`` per context token; the linears are the QKV, O,
+    gate/up and down projections. (The LM head runs for sampled rows only: left out.)"""
+    q_width = num_heads * head_dim
+    linear = hidden * (q_width + 2 * num_kv_heads * head_dim) + q_width * hidden + 3 * hidden * intermediate
+    return 2 * q_width / linear
+
+
+def ratio_for_spec(spec) -> float:
+    """``attention_work_ratio`` of a ``ModelSpec``."""
+    return attention_work_ratio(
+        spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    )
+
+
+class StepCost:
+    """The cost rule and the budget it implies for ``max_num_batched_tokens``; ``ratio`` 0 counts
+    tokens alone (the budget is then the token budget)."""
+
+    def __init__(self, max_num_batched_tokens: int, ratio: float) -> None:
+        if not (ratio >= 0 and math.isfinite(ratio)):
+            raise ValueError(f"attention_work_ratio must be a finite number >= 0, got {ratio!r}")
+        self.ratio = ratio
+        self.budget = self.chunk(0, max_num_batched_tokens)
+
+    def chunk(self, start: int, n: int) -> float:
+        """Work of computing positions ``start .. start + n - 1`` of one sequence."""
+        return n + self.ratio * (n * start + n * (n + 1) / 2)
+
+    def max_tokens(self, start: int, work: float, limit: int) -> int:
+        """The most tokens (at most ``limit``) from position ``start`` whose chunk costs at most
+        ``work``: 0 when not even one fits."""
+        if limit <= 0 or work <= 0:
+            return 0
+        if self.chunk(start, limit) <= work:
+            return limit
+        a = self.ratio
+        if a == 0:
+            return min(limit, int(work))
+        # n + a*(n*start + n(n+1)/2) <= work: the positive root of a/2 n^2 + (1 + a(start + 1/2)) n - work
+        b = 1 + a * (start + 0.5)
+        n = int((-b + math.sqrt(b * b + 2 * a * work)) / a)
+        n = max(0, min(n, limit))
+        while n > 0 and self.chunk(start, n) > work:  # the float root may land one above
+            n -= 1
+        while n < limit and self.chunk(start, n + 1) <= work:
+            n += 1
+        return n

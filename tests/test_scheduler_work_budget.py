@@ -1,0 +1,116 @@
+"""The step's work budget, without a model: a chunk deep in a long prompt gets fewer tokens than one
+at its start, no step's planned work passes the budget (but for the one-block floor that keeps a
+prompt advancing), decodes are still served first, and chunks cut by work end on block bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_svc import EngineConfig
+from engine_svc.kv_cache_manager import KVCacheManager
+from engine_svc.scheduler import Scheduler
+from engine_svc.step_cost import StepCost, attention_work_ratio
+from tests.test_step_contract import add, fake_result, step
+
+BS = 16
+RATIO = 1 / 512  # a token at depth 512 costs twice one at depth 0
+
+
+def make(budget=256, ratio=RATIO, num_blocks=2048, **kw) -> Scheduler:
+    config = EngineConfig(
+        model="unused", block_size=BS, max_num_batched_tokens=budget, attention_work_ratio=ratio, **kw
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, BS, enable_prefix_caching=True))
+
+
+def planned_work(sched: Scheduler, out) -> float:
+    """The step's work as the cost rule counts it (computed counters are read before the update)."""
+    return sum(sched.cost.chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new, strict=True))
+
+
+def test_a_deep_chunk_gets_fewer_tokens_and_no_step_passes_the_budget():
+    sched = make()
+    request = add(sched, "long", list(range(3, 3 + 8000)))
+    seq = request.sequences[0]
+    chunks, starts = [], []
+    while seq.num_computed_tokens < 8000:
+        out = sched.schedule()
+        (n,) = out.num_new
+        assert planned_work(sched, out) <= sched.cost.budget
+        starts.append(seq.num_computed_tokens)
+        chunks.append(n)
+        sched.update_from_output(out, fake_result(out))
+    assert chunks[0] == 256  # at depth 0 the token budget is the work budget
+    assert chunks[-2] < chunks[0] / 4  # ~7.5k deep: a token costs ~15 at depth 0's
+    assert all(b <= a for a, b in zip(chunks[:-1], chunks[1:], strict=True))
+    # Cut by work, each chunk ends on a block boundary (the last one ends with the prompt).
+    assert all((s + n) % BS == 0 for s, n in zip(starts[:-1], chunks[:-1], strict=True))
+
+
+def test_tokens_alone_when_the_ratio_is_zero():
+    sched = make(ratio=0.0)
+    request = add(sched, "long", list(range(3, 3 + 2000)))
+    seq = request.sequences[0]
+    sizes = []
+    while seq.num_computed_tokens < 2000:
+        out, _ = step(sched)
+        sizes += out.num_new
+    assert sizes == [256] * 7 + [2000 - 7 * 256]
+
+
+def test_decodes_first_and_the_prompt_gets_the_work_they_leave():
+    sched = make(budget=256, max_num_seqs=64)
+    for k in range(8):  # eight streams decoding at depth ~1000
+        add(sched, f"d{k}", list(range(3, 3 + 1000)), max_tokens=200)
+    while any(s.num_computed_tokens < 1000 for s in sched.running) or sched.waiting.ready:
+        step(sched)
+    assert len(sched.running) == 8
+    add(sched, "long", list(range(5000, 9000)))  # no prefix shared with the streams'
+    chunks = []
+    for _ in range(60):
+        out = sched.schedule()
+        decodes = [s for s in out.seqs if s.request.request_id.startswith("d")]
+        assert len(decodes) == 8 and out.seqs[:8] == decodes  # every stream, first, each step
+        (long_seq, n) = (out.seqs[8], out.num_new[8])
+        floor = BS - long_seq.num_computed_tokens % BS
+        assert planned_work(sched, out) <= sched.cost.budget or n <= floor
+        chunks.append(n)
+        sched.update_from_output(out, fake_result(out, token=5))
+    # The decodes' work is taken from the prompt's: 248 tokens fit the token budget, fewer the work.
+    assert chunks[0] < 248 and chunks[-1] < chunks[0] and long_seq.num_computed_tokens == sum(chunks)
+
+
+def test_the_first_chunk_of_a_step_always_advances():
+    # A budget that one token at depth 1000 already overruns: the prompt still advances a block
+    # (to the next boundary) a step, never stalls.
+    sched = make(budget=4, ratio=0.01)
+    request = add(sched, "long", list(range(3, 3 + 1200)))
+    seq = request.sequences[0]
+    seq_steps = 0
+    while seq.num_computed_tokens < 1200:
+        before = seq.num_computed_tokens
+        step(sched)
+        assert seq.num_computed_tokens > before
+        seq_steps += 1
+    assert seq_steps < 1200
+
+
+def test_max_tokens_is_the_largest_chunk_that_fits():
+    cost = StepCost(2048, 3e-4)
+    for start in (0, 1, 100, 5000, 16000, 100_000):
+        for work in (0.5, 1, 10, 777.7, cost.budget):
+            n = cost.max_tokens(start, work, 10_000)
+            assert n == 0 or cost.chunk(start, n) <= work
+            assert cost.chunk(start, n + 1) > work
+    assert cost.max_tokens(0, cost.budget, 2048) == 2048
+    assert cost.max_tokens(16000, cost.budget, 2048) < 2048 // 4
+
+
+def test_ratio_from_the_model_shape():
+    # SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536.
+    r = attention_work_ratio(576, 9, 3, 64, 1536)
+    assert r == pytest.approx(2 * 576 / (576 * 960 + 576 * 576 + 3 * 576 * 1536))
+    with pytest.raises(ValueError, match="attention_work_ratio"):
+        EngineConfig(model="x", attention_work_ratio=-1.0).validate()
+    with pytest.raises(ValueError, match="attention_work_ratio"):
+        StepCost(16, float("nan"))
