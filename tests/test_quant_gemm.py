@@ -15,7 +15,7 @@ from kernels.cpu import native_build, native_gemm, quant_gemm
 from tests.gguf_files import random_k_blocks
 
 ISAS = native_build.supported_isas()
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
 
 

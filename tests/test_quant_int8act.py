@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, quants
 from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
@@ -170,7 +170,7 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
     """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""
     qw = weight(fmt, 45, 96, seed=4)
@@ -186,7 +186,7 @@ def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
         quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True)
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "Q5_0"))
 def test_only_its_own_outputs_are_written(isa, fmt):
     n, k, m = 37, 64, 5
     qw = weight(fmt, n, k, seed=3)
@@ -216,7 +216,7 @@ def test_bad_input_is_refused(isa):
     lib = quant_int8act.library(isa)
     y = torch.full((1, 8), 7.0)
     x = torch.randn(1, 64)
-    for fmt, k in ((5, 64), (13, 64), (16, 64), (-1, 64), (0, 48)):  # 5, 13: no such form
+    for fmt, k in ((7, 64), (15, 64), (16, 64), (-1, 64), (0, 48), (5, 48)):  # 7, 15: no such form
         assert (
             lib.llmserve_qi8_gemm(
                 fmt, x.data_ptr(), 1, k, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1
@@ -229,3 +229,21 @@ def test_bad_input_is_refused(isa):
     assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q3_K")
     with pytest.raises(ValueError, match="no int8-activation kernel for Q3_K"):
         quant_int8act.Int8ActLinear(q3, isa=isa)
+
+
+@pytest.mark.parametrize("fmt,file_bytes", [("Q5_0", 22), ("Q5_1", 24)])
+def test_5_bit_blocks_are_packed_at_the_files_size(isa, fmt, file_bytes):
+    """Q5_0 / Q5_1 are served at the bytes a weight the file holds them in (nibbles, a plane of
+    fifth bits, fp16 scales and minimums), not as bytes; every quant value 0..31 in every one of a
+    block's 32 positions comes back through the fifth-bit plane (a misplaced bit changes sums)."""
+    n, k = 64, 64
+    qw = weight(fmt, n, k, seed=2)
+    q = torch.arange(n * k).remainder(32).reshape(n, k).to(torch.uint8)  # every value, every place
+    q = torch.roll(q, shifts=1, dims=0) ^ (torch.arange(k) % 2).to(torch.uint8)[None, :]
+    if fmt == "Q5_0":
+        q = (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
+    qw = quant_gemm.QuantizedWeight(fmt, q.contiguous(), qw.d, qw.m)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    assert lin.half_scales and lin.packed.numel() == n * (k // 32) * file_bytes
+    x = activations(5, k, seed=9)
+    np.testing.assert_array_equal(lin(x).numpy(), quant_int8act.reference(x, qw))

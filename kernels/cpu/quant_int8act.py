@@ -8,9 +8,11 @@ dequantized weight) but the documented quantized math, the same bits on every in
 a row alone or in any batch, at any thread count. ``reference`` is an independent float64 statement
 of it for tests.
 
-Formats: Q8_0, Q4_0, Q4_1 and the K-quants brought to their forms at load (Q4_K as Q4_1, Q5_K as
-U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step block of
-activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants brought to their forms at load (Q4_K as
+Q4_1, Q5_K as U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step
+block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
+bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kernels.cpu.native_gemm import NativeEntry
 from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed, native_entry
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
 HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
 SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
