@@ -3,8 +3,9 @@ blocks the small float models do not reach:
 
 - K-quants: a 256-wide model (a K-quant super-block is 256 weights) whose q/k/v are Q4_K, o and
   down Q6_K, gate/up Q5_K and the LM head (and the embedding) Q4_K;
-- 5-bit blocks: the same model with q/k/v and gate/up Q5_0, o and down Q5_1, the LM head Q5_0
-  (Qwen2.5's Q4_K_M files keep most of their linears in Q5_0);
+- 5-bit blocks: the same model with q/k and gate/up Q5_0, v Q8_0 (so q/k/v is one projection of
+  two formats, run as row segments), o and down Q5_1, the LM head Q5_0 (Qwen2.5's Q4_K_M files
+  keep most of their linears in Q5_0, and half their layers' v in Q8_0);
 
 each on fp32 activations (quant_gemm.c) and on the int8 default (quant_int8act.c). Every request's
 result must equal its solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix
@@ -40,13 +41,13 @@ FILES = {
         {
             "attn_q": "Q5_0",
             "attn_k": "Q5_0",
-            "attn_v": "Q5_0",
+            "attn_v": "Q8_0",
             "attn_output": "Q5_1",
             "ffn_gate": "Q5_0",
             "ffn_up": "Q5_0",
             "ffn_down": "Q5_1",
         },
-        {"qkv": "Q5_0", "o": "Q5_1", "gate_up": "Q5_0", "down": "Q5_1", "lm_head": "Q5_0"},
+        {"qkv": "Q5_0+Q8_0", "o": "Q5_1", "gate_up": "Q5_0", "down": "Q5_1", "lm_head": "Q5_0"},
     ),
 }
 REQUIRED = ("chunked prefills", "preemptions", "prefix-hit tokens", "forks", "general steps")

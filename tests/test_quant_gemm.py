@@ -17,6 +17,7 @@ from tests.gguf_files import random_k_blocks
 ISAS = native_build.supported_isas()
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
+MIXED = ("Q5_0+Q8_0",)  # a fused projection whose rows are Q5_0 then Q8_0 (MixedRows)
 
 
 @pytest.fixture(params=ISAS)
@@ -29,6 +30,13 @@ def isa(request):
 def gguf_weight(fmt: str, n: int, k: int, seed: int):
     """(blocks in our form, the gguf package's fp32 dequantization of the same blocks). The gguf
     package has no K-quant quantizer: those blocks are random with sane fp16 scales."""
+    if "+" in fmt and n == 1:  # one row: the first format's alone
+        return gguf_weight(fmt.split("+")[0], n, k, seed)
+    if "+" in fmt:  # the last third of the rows in the second format
+        (a, ra), (b, rb) = (gguf_weight(f, rows, k, seed + i) for i, (f, rows) in enumerate(
+            zip(fmt.split("+"), (n - max(1, n // 3), max(1, n // 3)))
+        ))  # fmt: skip
+        return quant_gemm.concat_rows([a, b]), torch.cat([ra, rb])
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * k**-0.5).numpy()
     qtype = getattr(GGMLQuantizationType, fmt)
@@ -37,7 +45,7 @@ def gguf_weight(fmt: str, n: int, k: int, seed: int):
     return quant_gemm.from_gguf_blocks(fmt, raw, (n, k)), ref
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + MIXED)
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 257])
 @pytest.mark.parametrize("k,n,bias", [(576, 200, False), (64, 47, True), (1536, 49, False), (32, 1, True)])
 def test_quant_gemm_equals_the_gguf_dequantized_matmul(isa, fmt, m, k, n, bias):
@@ -65,7 +73,7 @@ def check_against_gguf(isa, fmt, m, k, n, bias):
     assert torch.equal(got, native_gemm.NativeLinear(ref, b, isa=isa)(x))
 
 
-@pytest.mark.parametrize("fmt", FORMATS + K_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + K_FORMATS + MIXED)
 def test_a_row_is_bit_equal_alone_batched_and_at_any_thread_count(isa, fmt):
     k = 512 if fmt in K_FORMATS else 576
     qw, _ = gguf_weight(fmt, 300, k, seed=7)

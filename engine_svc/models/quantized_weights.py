@@ -118,10 +118,8 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         names = sources(key, tied)
         if not all(n in parts for n in names):
             continue
-        try:
-            out[key] = quant_gemm.concat_rows([parts[n] for n in names])
-        except ValueError:  # q, k and v in different formats: this projection stays float
-            skipped["mixed"] += 1
+        # q, k and v in different formats: a MixedRows, each part served by its own kernel
+        out[key] = quant_gemm.concat_rows([parts[n] for n in names])
     return out, skipped
 
 

@@ -40,6 +40,7 @@ FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 0, "Q5_1": 3, "Q4_K": 2, "Q5
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
 BLOCK_K = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 SIGNED = ("Q8_0", "Q5_0", "Q6_K")  # quants stored as int8 bits
+SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
 QK_K = 256  # weights per K-quant super-block
 # GGUF block layouts (bytes): Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 nibble pairs; Q4_1 = f16 d,
 # f16 m + 16 nibble pairs. A pair's byte t holds element t (low nibble) and t + 16 (high).
@@ -108,12 +109,58 @@ class QuantizedWeight:
         return w.reshape(n, k)
 
 
-def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    fmts = {p.fmt for p in parts}
-    if len(fmts) != 1:
-        raise ValueError(f"cannot fuse weights of different formats {sorted(fmts)}")
-    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return QuantizedWeight(parts[0].fmt, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+@dataclass
+class MixedRows:
+    """A fused projection whose parts are in different formats (a GGUF file may keep q and k in
+    Q5_0 and v in Q8_0): row ranges in order, each one format, run as segments of one packed
+    weight (``kernels/cpu/native/row_segments.h``), each by its own format's kernel."""
+
+    parts: list[QuantizedWeight]
+    activations: str = "fp32"
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | MixedRows:
+    """The parts' rows in order: one ``QuantizedWeight`` where they share a format, else a
+    ``MixedRows`` of the runs of one format."""
+    runs: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    fused = []
+    for run in runs:
+        m = None if run[0].m is None else torch.cat([p.m for p in run])
+        fused.append(QuantizedWeight(run[0].fmt, torch.cat([p.q for p in run]), torch.cat([p.d for p in run]), m))
+    return fused[0] if len(fused) == 1 else MixedRows(fused)
+
+
+def pack_segments(segments: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """One buffer for a ``MixedRows``' packed parts ((format code, rows, packed bytes) each), as
+    row_segments.h reads it: the int64 header, then each part at a 64-byte-aligned offset."""
+    if not 1 <= len(segments) <= 16:
+        raise ValueError(f"a fused projection takes 1..16 segments, got {len(segments)}")
+    offset = (8 * (1 + 3 * len(segments)) + 63) // 64 * 64
+    header = [len(segments)]
+    for code, rows, packed in segments:
+        header += [code, rows, offset]
+        offset += (packed.numel() + 63) // 64 * 64
+    out = torch.zeros(offset, dtype=torch.uint8)
+    out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for (_, _, packed), at in zip(segments, header[3::3], strict=True):
+        out[at : at + packed.numel()] = packed
+    return out
 
 
 def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -270,32 +317,40 @@ def native_entry(linear, code: int) -> NativeEntry:
 
 
 class QuantLinear:
-    """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight``, packed at construction."""
+    """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight`` (or a ``MixedRows``: each part
+    packed in its own format), packed at construction."""
 
     kind = "quantized"
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *, isa: str | None = None):
+    def __init__(
+        self, weight: QuantizedWeight | MixedRows, bias: torch.Tensor | None = None, *, isa: str | None = None
+    ):
         lib = library(isa)
         if lib is None:
             raise RuntimeError("the quantized GEMM has no build here")
         self.isa = isa or native_build.chosen_isa()
         self.fmt = weight.fmt
-        self._code = FORMATS[weight.fmt]
         self.out_features, self.in_features = weight.shape
-        q = weight.q.contiguous()
-        d = weight.d.float().contiguous()
-        m = None if weight.m is None else weight.m.float().contiguous()
-        size = lib.llmserve_qgemm_packed_bytes(self._code, self.out_features, self.in_features)
-        self.packed = torch.empty(size, dtype=torch.uint8)
-        lib.llmserve_qgemm_pack(
-            self._code,
-            q.data_ptr(),
-            d.data_ptr(),
-            None if m is None else m.data_ptr(),
-            self.out_features,
-            self.in_features,
-            self.packed.data_ptr(),
-        )
+        if isinstance(weight, MixedRows):
+            self._code = SEGMENTS
+            parts = [(FORMATS[p.fmt], p.shape[0], QuantLinear(p, isa=isa).packed) for p in weight.parts]
+            self.packed = pack_segments(parts)
+        else:
+            self._code = FORMATS[weight.fmt]
+            q = weight.q.contiguous()
+            d = weight.d.float().contiguous()
+            m = None if weight.m is None else weight.m.float().contiguous()
+            size = lib.llmserve_qgemm_packed_bytes(self._code, self.out_features, self.in_features)
+            self.packed = torch.empty(size, dtype=torch.uint8)
+            lib.llmserve_qgemm_pack(
+                self._code,
+                q.data_ptr(),
+                d.data_ptr(),
+                None if m is None else m.data_ptr(),
+                self.out_features,
+                self.in_features,
+                self.packed.data_ptr(),
+            )
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._gemm = lib.llmserve_qgemm
         self._packed_ptr = self.packed.data_ptr()

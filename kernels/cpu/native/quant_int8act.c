@@ -48,6 +48,8 @@
 #include <immintrin.h>
 #endif
 
+#include "row_segments.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #define QK 32
 #define NC 32
@@ -649,10 +651,15 @@ void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, in
 }
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
- * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). */
+ * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). fmt
+ * SEGMENTS: a projection of row ranges in different formats (row_segments.h). */
+static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % QK == 0 && k > 0; }
+
 int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                           int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (!known(fmt) || k % QK || k <= 0) return -1;
+    if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
+        return run_segments(llmserve_qi8_gemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    if (!runs(fmt, k)) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12));
