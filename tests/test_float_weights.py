@@ -177,9 +177,9 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
 def test_an_untied_gguf_embedding_is_looked_up_in_its_blocks(tiny_llama, tmp_path, fmt):
     """An untied embedding is read by the lookup alone: where the file has it in blocks, the lookup
-    reads them and the fp32 table goes (Qwen2.5 Q4_K_M: 93 MiB of Q5_0 against 519 MiB). Its rows
-    are the gguf package's dequantization bit for bit, and the exact path (fp32 activations on the
-    file's 5-bit blocks) gives the float model's greedy tokens."""
+    reads them and the fp32 table goes (Qwen2.5 Q4_K_M: 138 MiB of Q5_0 quants, a byte each,
+    against 519 MiB). Its rows are the gguf package's dequantization bit for bit, and the exact
+    path (fp32 activations on the file's 5-bit blocks) gives the float model's greedy tokens."""
     path = write_gguf(tiny_llama, tmp_path / f"untied-{fmt}.gguf", fmt)
     model = make_engine(path).model
     assert model.lm_head is not None and model.embed_blocks is not None and model.embed.numel() == 0

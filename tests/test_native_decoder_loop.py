@@ -58,7 +58,8 @@ def _random_blocks(shape, fmt: str, g: torch.Generator, half: bool) -> Quantized
     if "+" in fmt:
         first, second = fmt.split("+")
         tail = n // 4
-        return concat_rows([_random_blocks((n - tail, k), first, g, half), _random_blocks((tail, k), second, g, half)])
+        head_rows = _random_blocks((n - tail, k), first, g, half)
+        return concat_rows([head_rows, _random_blocks((tail, k), second, g, half)])
     hi = {"Q8_0": 256, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 64}[fmt]
     q = torch.randint(0, hi, (n, k), generator=g, dtype=torch.int32)
     if fmt in ("Q6_K", "Q5_0"):  # int8 bits of -32..31, -16..15

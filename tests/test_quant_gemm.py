@@ -15,7 +15,7 @@ from kernels.cpu import native_build, native_gemm, quant_gemm
 from tests.gguf_files import random_k_blocks
 
 ISAS = native_build.supported_isas()
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
 MIXED = ("Q5_0+Q8_0",)  # a fused projection whose rows are Q5_0 then Q8_0 (MixedRows)
 
@@ -33,14 +33,16 @@ def gguf_weight(fmt: str, n: int, k: int, seed: int):
     if "+" in fmt and n == 1:  # one row: the first format's alone
         return gguf_weight(fmt.split("+")[0], n, k, seed)
     if "+" in fmt:  # the last third of the rows in the second format
-        (a, ra), (b, rb) = (gguf_weight(f, rows, k, seed + i) for i, (f, rows) in enumerate(
-            zip(fmt.split("+"), (n - max(1, n // 3), max(1, n // 3)))
-        ))  # fmt: skip
+        first, second = fmt.split("+")
+        tail = max(1, n // 3)
+        a, ra = gguf_weight(first, n - tail, k, seed)
+        b, rb = gguf_weight(second, tail, k, seed + 1)
         return quant_gemm.concat_rows([a, b]), torch.cat([ra, rb])
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * k**-0.5).numpy()
     qtype = getattr(GGMLQuantizationType, fmt)
-    raw = random_k_blocks(n, k, fmt, seed) if fmt in K_FORMATS else quants.quantize(w, qtype)
+    random = fmt in K_FORMATS or fmt == "IQ4_NL"  # no quantizer in the gguf package
+    raw = random_k_blocks(n, k, fmt, seed) if random else quants.quantize(w, qtype)
     ref = torch.from_numpy(np.asarray(quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
     return quant_gemm.from_gguf_blocks(fmt, raw, (n, k)), ref
 

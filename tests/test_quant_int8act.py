@@ -18,7 +18,7 @@ from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 # "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
@@ -50,7 +50,7 @@ def weight(fmt: str, n: int, k: int, seed: int) -> quant_gemm.QuantizedWeight:
         tail = max(1, n // 3) if n > 1 else 0
         parts = [weight(first, n - tail, k, seed)] + ([weight(second, tail, k, seed + 1)] if tail else [])
         return quant_gemm.concat_rows(parts)
-    if fmt in K_QUANTS:
+    if fmt in K_QUANTS or fmt == "IQ4_NL":  # no quantizer in the gguf package: random blocks
         raw = random_k_blocks(n, k, fmt, seed)
     else:
         g = torch.Generator().manual_seed(seed)

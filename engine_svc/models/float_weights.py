@@ -9,7 +9,8 @@ What still reads the parameters once the linears are built, and what is kept for
   float, except where it is a GGUF file's blocks dequantized and the LM head runs packed: then the
   lookup reads those blocks (``block_embedding.py``) and the float table goes too; an untied
   model's embedding (only the lookup reads it) likewise wherever the load attached the file's
-  blocks to it (``quantization="gguf"``: Qwen2.5 Q4_K_M's Q5_0 table, 93 MiB against 519 in fp32);
+  blocks to it (``quantization="gguf"``: Qwen2.5 Q4_K_M's Q5_0 table, 138 MiB with a byte a
+  quant, against 519 MiB in fp32);
 - building the linears again (``prepare_linears``): refused once a parameter is freed
   (``kernels.cpu.linear.make_linear`` names it); load the model again instead.
 
@@ -74,7 +75,8 @@ def free_packed_float_weights(model) -> str:
         if lookup is not None:
             model.embed_blocks = lookup
             nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks")
-            notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({lookup.nbytes / 2**20:.0f} MiB)")
+            mib = lookup.nbytes / 2**20
+            notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({mib:.0f} MiB)")
     _return_freed_memory()
     summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
     summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)

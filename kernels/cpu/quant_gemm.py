@@ -16,6 +16,9 @@ scale per 16). So the kernel's weights are the gguf dequantization bit for bit. 
 expanded scales and byte quants take more memory than the file's blocks (Q4_K 0.75 bytes a
 weight against 0.5625, Q5_K and Q6_K 1.25 against 0.69 and 0.82).
 
+IQ4_NL (Q4_0's blocks whose nibbles index a table of 16 int8 values) is read into the Q8_0 form,
+``w = d * value``, for both kernels (1.0625 bytes a weight against the file's 0.5625).
+
 Q5_0 and Q5_1 (32-weight blocks of 5-bit quants, fp16 scale, Q5_1 an fp16 minimum) are read into
 the same form: Q5_0's quants as int8 ``q - 16`` (-16..15, so ``w = d * q``, the Q8_0 form here),
 Q5_1's as 0..31 with ``w = d * q + m`` (the U8_1 form here). The int8-activation kernel
@@ -36,20 +39,43 @@ from kernels.cpu import native_build
 from kernels.cpu.native_gemm import NativeEntry, fn_address, rows_in_and_out
 
 # GGUF type -> the kernel's format (quant_gemm.c's FMT_*): the K-quants run as the block form above.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 0, "Q5_1": 3, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+FORMATS = {
+    "Q8_0": 0,
+    "Q4_0": 1,
+    "Q4_1": 2,
+    "Q5_0": 0,
+    "Q5_1": 3,
+    "IQ4_NL": 0,
+    "Q4_K": 2,
+    "Q5_K": 3,
+    "Q6_K": 4,
+}
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
-BLOCK_K = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
-SIGNED = ("Q8_0", "Q5_0", "Q6_K")  # quants stored as int8 bits
+BLOCK_K = {f: 16 if f == "Q6_K" else 32 for f in FORMATS}  # weights a scale
+SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K")  # quants stored as int8 bits
+# IQ4_NL's nibble -> its int8 value (ggml's kvalues_iq4nl); the weight is d * value
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
 QK_K = 256  # weights per K-quant super-block
 # GGUF block layouts (bytes): Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 nibble pairs; Q4_1 = f16 d,
 # f16 m + 16 nibble pairs. A pair's byte t holds element t (low nibble) and t + 16 (high).
 # Q5_0 = f16 d, 4 bytes qh (a little-endian uint32: bit j is element j's fifth bit), 16 nibble
-# pairs as Q4_0's; Q5_1 = f16 d, f16 m, then Q5_0's qh and nibbles.
+# pairs as Q4_0's; Q5_1 = f16 d, f16 m, then Q5_0's qh and nibbles. IQ4_NL = Q4_0's layout, a
+# nibble indexing IQ4_NL_VALUES (read into the Q8_0 form: int8 values, w = d * q).
 # K-quants (ggml-common.h): Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 nibble
 # bytes; Q5_K = the same + 32 bytes of fifth bits before the nibbles; Q6_K = 128 bytes of low
 # nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d.
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_BLOCK_BYTES = {
+    "Q8_0": 34,
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "IQ4_NL": 18,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -142,7 +168,8 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | MixedRows:
     fused = []
     for run in runs:
         m = None if run[0].m is None else torch.cat([p.m for p in run])
-        fused.append(QuantizedWeight(run[0].fmt, torch.cat([p.q for p in run]), torch.cat([p.d for p in run]), m))
+        q, d = torch.cat([p.q for p in run]), torch.cat([p.d for p in run])
+        fused.append(QuantizedWeight(run[0].fmt, q, d, m))
     return fused[0] if len(fused) == 1 else MixedRows(fused)
 
 
@@ -194,6 +221,9 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
         q = np.concatenate([packed & 15, packed >> 4], axis=-1) | (fifth << 4)
         if fmt == "Q5_0":
             q = (q.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    elif fmt == "IQ4_NL":
+        packed = blocks[..., 2:]
+        q = IQ4_NL_VALUES[np.concatenate([packed & 15, packed >> 4], axis=-1)].view(np.uint8)
     else:
         start = 4 if fmt == "Q4_1" else 2
         if fmt == "Q4_1":

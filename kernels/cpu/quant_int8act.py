@@ -13,6 +13,7 @@ Q4_1, Q5_K as U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weigh
 block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
 Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
 bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
+IQ4_NL runs as Q8_0 (its table's int8 values, one byte each).
 """
 
 from __future__ import annotations
@@ -36,7 +37,17 @@ from kernels.cpu.quant_gemm import (
 )
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
+FORMATS = {
+    "Q8_0": 0,
+    "Q4_0": 1,
+    "Q4_1": 2,
+    "Q4_K": 2,
+    "Q5_K": 3,
+    "Q6_K": 4,
+    "Q5_0": 5,
+    "Q5_1": 6,
+    "IQ4_NL": 0,
+}
 HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
 SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
@@ -170,7 +181,9 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None):
     return q, dx, sx, dxs
 
 
-def reference(x: torch.Tensor, weight: QuantizedWeight | MixedRows, bias: torch.Tensor | None = None) -> np.ndarray:
+def reference(
+    x: torch.Tensor, weight: QuantizedWeight | MixedRows, bias: torch.Tensor | None = None
+) -> np.ndarray:
     """The kernel's math in numpy, written from the documented steps, not from the C: activations
     quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
     zeros where ``dx`` is below the smallest normal float),
