@@ -215,14 +215,14 @@ def put_on_fp32_activations(model, gguf_path: str | Path, kinds: tuple[str, ...]
         raise ValueError(f"fp32 kinds: unknown {unknown} (one of {LINEAR_KINDS})")
     from collections import Counter
 
-    from engine_svc.models.quantized_weights import gguf_blocks
+    from engine_svc.models.quantized_weights import EMBED, gguf_blocks
     from kernels.cpu import quant_gemm
 
     blocks, _ = gguf_blocks(model, gguf_path)
     moved: Counter = Counter()
     for key, qw in blocks.items():
         kind = key.rsplit(".", 1)[-1].removesuffix("_weight")
-        if kind not in kinds:
+        if key == EMBED or kind not in kinds:
             continue
         if key == "lm_head":
             model.lm_head_proj = quant_gemm.QuantLinear(qw)

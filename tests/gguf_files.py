@@ -23,7 +23,15 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ALL_TYPES = FLOAT_TYPES + BLOCK_TYPES + K_TYPES
 
 # byte offsets of the fp16 scale fields in one 256-value K-quant block (ggml-common.h layouts)
-_K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# IQ4_NL: no quantizer in the gguf package either; random nibbles, a sane fp16 scale
+_K_SCALE_FIELDS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+}
 
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _NAMES = {
@@ -124,7 +132,7 @@ def _add_tensor(w: GGUFWriter, name: str, array: np.ndarray, type_name: str, see
         w.add_tensor(name, array)
     elif type_name == "F16":
         w.add_tensor(name, array.astype(np.float16))
-    elif type_name in K_TYPES:
+    elif type_name in _K_SCALE_FIELDS:
         w.add_tensor(name, random_k_blocks(*array.shape, type_name, seed), raw_dtype=qtype)
     else:
         w.add_tensor(name, quants.quantize(array, qtype), raw_dtype=qtype)

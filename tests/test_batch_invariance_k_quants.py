@@ -1,8 +1,15 @@
 """The engine's differential mixes (tests/test_batch_invariance.py) on linears that run on GGUF
-K-quant blocks: a 256-wide model (a K-quant super-block is 256 weights) whose q/k/v are Q4_K, o
-and down Q6_K, gate/up Q5_K and the LM head (and the embedding) Q4_K, on fp32 activations
-(quant_gemm.c) and on the int8 default (quant_int8act.c). Every request's result must equal its
-solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix hits and forks."""
+blocks the small float models do not reach:
+
+- K-quants: a 256-wide model (a K-quant super-block is 256 weights) whose q/k/v are Q4_K, o and
+  down Q6_K, gate/up Q5_K and the LM head (and the embedding) Q4_K;
+- 5-bit blocks: the same model with q/k and gate/up Q5_0, v Q8_0 (so q/k/v is one projection of
+  two formats, run as row segments), o and down Q5_1, the LM head Q5_0 (Qwen2.5's Q4_K_M files
+  keep most of their linears in Q5_0, and half their layers' v in Q8_0);
+
+each on fp32 activations (quant_gemm.c) and on the int8 default (quant_int8act.c). Every request's
+result must equal its solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix
+hits and forks."""
 
 from __future__ import annotations
 
@@ -14,32 +21,54 @@ from tests.gguf_files import write_gguf
 from tests.test_batch_invariance import EXAMPLES, VOCAB, explore
 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4)
-LAYER_TYPES = {
-    "attn_q": "Q4_K",
-    "attn_k": "Q4_K",
-    "attn_v": "Q4_K",
-    "attn_output": "Q6_K",
-    "ffn_gate": "Q5_K",
-    "ffn_up": "Q5_K",
-    "ffn_down": "Q6_K",
+# file -> (the type of the tensors not named, {GGUF layer tensor: type}, {linear: format served})
+FILES = {
+    "k_quants": (
+        "Q4_K",
+        {
+            "attn_q": "Q4_K",
+            "attn_k": "Q4_K",
+            "attn_v": "Q4_K",
+            "attn_output": "Q6_K",
+            "ffn_gate": "Q5_K",
+            "ffn_up": "Q5_K",
+            "ffn_down": "Q6_K",
+        },
+        {"qkv": "Q4_K", "o": "Q6_K", "gate_up": "Q5_K", "down": "Q6_K", "lm_head": "Q4_K"},
+    ),
+    "5_bit": (
+        "Q5_0",
+        {
+            "attn_q": "Q5_0",
+            "attn_k": "Q5_0",
+            "attn_v": "Q8_0",
+            "attn_output": "Q5_1",
+            "ffn_gate": "Q5_0",
+            "ffn_up": "Q5_0",
+            "ffn_down": "Q5_1",
+        },
+        {"qkv": "Q5_0+Q8_0", "o": "Q5_1", "gate_up": "Q5_0", "down": "Q5_1", "lm_head": "Q5_0"},
+    ),
 }
 REQUIRED = ("chunked prefills", "preemptions", "prefix-hit tokens", "forks", "general steps")
 
 
-@pytest.fixture(scope="module")
-def k_quant_file(tmp_path_factory, trained_tokenizer_dir):
-    root = tmp_path_factory.mktemp("k_quants")
+@pytest.fixture(scope="module", params=sorted(FILES))
+def quant_file(request, tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp(request.param)
     d = random_model(
         root / "hf", trained_tokenizer_dir, seed=5, vocab_size=VOCAB, num_key_value_heads=2, **WIDE
     )
-    types = {f"blk.0.{name}.weight": t for name, t in LAYER_TYPES.items()}
-    return write_gguf(d, root / "wide-k-quants.gguf", "Q4_K", types=types)
+    default, layer_types, served = FILES[request.param]
+    types = {f"blk.0.{name}.weight": t for name, t in layer_types.items()}
+    return write_gguf(d, root / f"wide-{request.param}.gguf", default, types=types), served
 
 
 @pytest.mark.parametrize("activations", ["none", "int8"])
-def test_random_mixes_equal_their_solo_runs_on_k_quant_blocks(k_quant_file, activations):
+def test_random_mixes_equal_their_solo_runs_on_quantized_blocks(quant_file, activations):
+    path, served = quant_file
     extra = {"quantized_activations": activations}
-    model = make_engine(k_quant_file, **extra).model
+    model = make_engine(path, **extra).model
     layer = model.layers[0]
     linears = {
         "qkv": layer.qkv_proj,
@@ -48,9 +77,8 @@ def test_random_mixes_equal_their_solo_runs_on_k_quant_blocks(k_quant_file, acti
         "down": layer.down_proj,
     }
     linears["lm_head"] = model.lm_head_proj
-    fmts = {name: linear.fmt for name, linear in linears.items()}
-    assert fmts == {"qkv": "Q4_K", "o": "Q6_K", "gate_up": "Q5_K", "down": "Q6_K", "lm_head": "Q4_K"}
+    assert {name: linear.fmt for name, linear in linears.items()} == served
     for name, linear in linears.items():
         int8 = activations == "int8" and quant_int8act.supports(linear.fmt)
         assert type(linear).__name__ == ("Int8ActLinear" if int8 else "QuantLinear"), name
-    explore(k_quant_file, max(6, EXAMPLES // 4), extra, REQUIRED)
+    explore(path, max(6, EXAMPLES // 4), extra, REQUIRED)

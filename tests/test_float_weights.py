@@ -172,3 +172,29 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch
     monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: "nothing freed")
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
+def test_an_untied_gguf_embedding_is_looked_up_in_its_blocks(tiny_llama, tmp_path, fmt):
+    """An untied embedding is read by the lookup alone: where the file has it in blocks, the lookup
+    reads them and the fp32 table goes (Qwen2.5 Q4_K_M: 138 MiB of Q5_0 quants, a byte each,
+    against 519 MiB). Its rows are the gguf package's dequantization bit for bit, and the exact
+    path (fp32 activations on the file's 5-bit blocks) gives the float model's greedy tokens."""
+    path = write_gguf(tiny_llama, tmp_path / f"untied-{fmt}.gguf", fmt)
+    model = make_engine(path).model
+    assert model.lm_head is not None and model.embed_blocks is not None and model.embed.numel() == 0
+    assert getattr(model.embed, "quantized", None) is None
+    _assert_freed(model)
+    table = next(t for t in GGUFCheckpoint(path).tensors() if t.hf_name == "model.embed_tokens.weight")
+    want = table.dequantize()
+    ids = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model._embed(ids).view(torch.int32), want[ids].view(torch.int32))
+    prompts = random_prompts([9, 30], 1000, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for options in ({"quantized_activations": "none"}, {"dtype": "float32"}):
+        e = make_engine(path, **options)
+        assert (e.model.embed_blocks is not None) == ("dtype" not in options)
+        out = run_to_completion(e, {str(i): (p, params) for i, p in enumerate(prompts)})
+        runs.append([out[str(i), 0] for i in range(len(prompts))])
+    assert runs[0] == runs[1]

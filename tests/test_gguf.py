@@ -345,10 +345,11 @@ def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
     assert tok.eos_token_id == 2 and ModelSpec.from_path(out).eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama, tmp_path, type_name):
-    """A K-quant file's blocks run on the quantized GEMM (auto), bit-equal to the fp32 GEMM on the
-    gguf package's dequantization of them (``quantization="none"``: the loader dequantizes with it)."""
+    """A K-quant (or Q5_0, Q5_1, IQ4_NL) file's blocks run on the quantized GEMM (auto), bit-equal
+    to the fp32 GEMM on the gguf package's dequantization of them (``quantization="none"``: the
+    loader dequantizes with it)."""
     path = write_gguf(wide_llama, tmp_path / f"wide-{type_name}.gguf", type_name)
     blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")  # the exact path
     floats = make_engine(path, num_kv_blocks=64, quantization="none")

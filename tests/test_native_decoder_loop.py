@@ -20,7 +20,7 @@ from engine_svc.models.spec import ModelSpec
 from kernels.backend import REFERENCE_KERNELS, TORCH_KERNELS
 from kernels.cpu import native_build, native_decoder, native_elementwise, quant_int8act
 from kernels.cpu.isa_choice import chosen_isa_in
-from kernels.cpu.quant_gemm import BLOCK_K, QuantizedWeight, quantize_rows
+from kernels.cpu.quant_gemm import BLOCK_K, QuantizedWeight, concat_rows, quantize_rows
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 24
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 128, 192, 4, 2, 32
@@ -52,16 +52,22 @@ def _spec(arch="LlamaForCausalLM", layers=3, **extra) -> ModelSpec:
 
 
 def _random_blocks(shape, fmt: str, g: torch.Generator, half: bool) -> QuantizedWeight:
-    """Blocks of ``fmt`` with random quants and scales (``half``: scales that are fp16 values)."""
+    """Blocks of ``fmt`` with random quants and scales (``half``: scales that are fp16 values);
+    ``A+B``: a fused projection whose first rows are A, the last quarter B (``MixedRows``)."""
     n, k = shape
-    hi = {"Q8_0": 256, "Q4_0": 16, "Q4_1": 16, "Q5_K": 32, "Q6_K": 64}[fmt]
+    if "+" in fmt:
+        first, second = fmt.split("+")
+        tail = n // 4
+        head_rows = _random_blocks((n - tail, k), first, g, half)
+        return concat_rows([head_rows, _random_blocks((tail, k), second, g, half)])
+    hi = {"Q8_0": 256, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 64}[fmt]
     q = torch.randint(0, hi, (n, k), generator=g, dtype=torch.int32)
-    if fmt == "Q6_K":  # int8 bits of -32..31
-        q = q - 32
-    q = q.to(torch.int8 if fmt in ("Q8_0", "Q6_K") else torch.uint8).view(torch.uint8)
+    if fmt in ("Q6_K", "Q5_0"):  # int8 bits of -32..31, -16..15
+        q = q - hi // 2
+    q = q.to(torch.int8 if fmt in ("Q8_0", "Q6_K", "Q5_0") else torch.uint8).view(torch.uint8)
     nb = k // BLOCK_K[fmt]
     d = torch.rand(n, nb, generator=g) * 0.02 + 0.002
-    m = -torch.rand(n, nb, generator=g) * 0.1 if fmt in ("Q4_1", "Q5_K") else None
+    m = -torch.rand(n, nb, generator=g) * 0.1 if fmt in ("Q4_1", "Q5_1", "Q5_K") else None
     if half:
         d, m = d.half().float(), None if m is None else m.half().float()
     return QuantizedWeight(fmt, q.contiguous(), d, m)
@@ -83,8 +89,8 @@ def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
             p.data.copy_(0.2 * torch.randn(p.shape, generator=g))
     backend = "native"
     formats = {
-        "gguf_fp32act": ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K"),
-        "gguf_int8act": ("Q4_1", "Q8_0", "Q4_0", "Q5_K"),
+        "gguf_fp32act": ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q5_0+Q8_0"),
+        "gguf_int8act": ("Q4_1", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "Q5_1", "Q5_0+Q8_0"),
         "mixed": ("Q4_1", None, "Q6_K", "Q8_0"),  # int8 act, a float projection, Q6_K on fp32 act
     }.get(path)
     if path == "bf16":
@@ -98,7 +104,8 @@ def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
     elif formats:
         for i, layer in enumerate(model.layers):
             for j, name in enumerate(PROJECTIONS):
-                fmt = formats[(i + j) % len(formats)]
+                # the gguf paths: every format once in the 12 projections; "mixed": as it was
+                fmt = formats[((i + j) if path == "mixed" else (4 * i + j)) % len(formats)]
                 if fmt is None:
                     continue
                 w = getattr(layer, name)

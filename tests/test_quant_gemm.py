@@ -15,8 +15,9 @@ from kernels.cpu import native_build, native_gemm, quant_gemm
 from tests.gguf_files import random_k_blocks
 
 ISAS = native_build.supported_isas()
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
+MIXED = ("Q5_0+Q8_0",)  # a fused projection whose rows are Q5_0 then Q8_0 (MixedRows)
 
 
 @pytest.fixture(params=ISAS)
@@ -29,15 +30,24 @@ def isa(request):
 def gguf_weight(fmt: str, n: int, k: int, seed: int):
     """(blocks in our form, the gguf package's fp32 dequantization of the same blocks). The gguf
     package has no K-quant quantizer: those blocks are random with sane fp16 scales."""
+    if "+" in fmt and n == 1:  # one row: the first format's alone
+        return gguf_weight(fmt.split("+")[0], n, k, seed)
+    if "+" in fmt:  # the last third of the rows in the second format
+        first, second = fmt.split("+")
+        tail = max(1, n // 3)
+        a, ra = gguf_weight(first, n - tail, k, seed)
+        b, rb = gguf_weight(second, tail, k, seed + 1)
+        return quant_gemm.concat_rows([a, b]), torch.cat([ra, rb])
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * k**-0.5).numpy()
     qtype = getattr(GGMLQuantizationType, fmt)
-    raw = random_k_blocks(n, k, fmt, seed) if fmt in K_FORMATS else quants.quantize(w, qtype)
+    random = fmt in K_FORMATS or fmt == "IQ4_NL"  # no quantizer in the gguf package
+    raw = random_k_blocks(n, k, fmt, seed) if random else quants.quantize(w, qtype)
     ref = torch.from_numpy(np.asarray(quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
     return quant_gemm.from_gguf_blocks(fmt, raw, (n, k)), ref
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + MIXED)
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 257])
 @pytest.mark.parametrize("k,n,bias", [(576, 200, False), (64, 47, True), (1536, 49, False), (32, 1, True)])
 def test_quant_gemm_equals_the_gguf_dequantized_matmul(isa, fmt, m, k, n, bias):
@@ -65,7 +75,7 @@ def check_against_gguf(isa, fmt, m, k, n, bias):
     assert torch.equal(got, native_gemm.NativeLinear(ref, b, isa=isa)(x))
 
 
-@pytest.mark.parametrize("fmt", FORMATS + K_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + K_FORMATS + MIXED)
 def test_a_row_is_bit_equal_alone_batched_and_at_any_thread_count(isa, fmt):
     k = 512 if fmt in K_FORMATS else 576
     qw, _ = gguf_weight(fmt, 300, k, seed=7)

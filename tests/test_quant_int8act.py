@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType, quants
 from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
@@ -44,7 +45,12 @@ def isa(request):
 
 
 def weight(fmt: str, n: int, k: int, seed: int) -> quant_gemm.QuantizedWeight:
-    if fmt in K_QUANTS:
+    if "+" in fmt:  # the first rows in one format, the last third (at least one) in the other
+        first, second = fmt.split("+")
+        tail = max(1, n // 3) if n > 1 else 0
+        parts = [weight(first, n - tail, k, seed)] + ([weight(second, tail, k, seed + 1)] if tail else [])
+        return quant_gemm.concat_rows(parts)
+    if fmt in K_QUANTS or fmt == "IQ4_NL":  # no quantizer in the gguf package: random blocks
         raw = random_k_blocks(n, k, fmt, seed)
     else:
         g = torch.Generator().manual_seed(seed)
@@ -84,7 +90,7 @@ def float64_product(x: torch.Tensor, qw: quant_gemm.QuantizedWeight, bias) -> np
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64, 300])
 @pytest.mark.parametrize("k,n,bias", [(576, 200, False), (64, 47, True), (256, 33, False), (32, 1, True)])
 def test_int8_activation_gemm_is_the_documented_math(isa, fmt, m, k, n, bias):
-    if fmt in K_QUANTS and k % 256:
+    if any(f in K_QUANTS for f in fmt.split("+")) and k % 256:
         k = 256 * (k // 256 + 1)
     qw = weight(fmt, n, k, seed=m * 1000 + k + n)
     g = torch.Generator().manual_seed(m)
@@ -146,7 +152,7 @@ def test_nan_and_infinity_quantize_as_documented(isa):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
-    k = 512
+    k = 512  # a K-quant's rows are whole super-blocks of 256
     qw = weight(fmt, 300, k, seed=7)
     x = activations(70, k, seed=1)
     threads = torch.get_num_threads()
@@ -170,7 +176,7 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
     """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""
     qw = weight(fmt, 45, 96, seed=4)
@@ -186,7 +192,7 @@ def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
         quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True)
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "Q5_0", "Q5_0+Q8_0"))
 def test_only_its_own_outputs_are_written(isa, fmt):
     n, k, m = 37, 64, 5
     qw = weight(fmt, n, k, seed=3)
@@ -216,7 +222,7 @@ def test_bad_input_is_refused(isa):
     lib = quant_int8act.library(isa)
     y = torch.full((1, 8), 7.0)
     x = torch.randn(1, 64)
-    for fmt, k in ((5, 64), (13, 64), (16, 64), (-1, 64), (0, 48)):  # 5, 13: no such form
+    for fmt, k in ((7, 64), (15, 64), (16, 64), (-1, 64), (0, 48), (5, 48)):  # 7, 15: no such form
         assert (
             lib.llmserve_qi8_gemm(
                 fmt, x.data_ptr(), 1, k, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1
@@ -229,3 +235,58 @@ def test_bad_input_is_refused(isa):
     assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q3_K")
     with pytest.raises(ValueError, match="no int8-activation kernel for Q3_K"):
         quant_int8act.Int8ActLinear(q3, isa=isa)
+
+
+@pytest.mark.parametrize("fmt,file_bytes", [("Q5_0", 22), ("Q5_1", 24)])
+def test_5_bit_blocks_are_packed_at_the_files_size(isa, fmt, file_bytes):
+    """Q5_0 / Q5_1 are served at the bytes a weight the file holds them in (nibbles, a plane of
+    fifth bits, fp16 scales and minimums), not as bytes; every quant value 0..31 in every one of a
+    block's 32 positions comes back through the fifth-bit plane (a misplaced bit changes sums)."""
+    n, k = 64, 64
+    qw = weight(fmt, n, k, seed=2)
+    q = torch.arange(n * k).remainder(32).reshape(n, k).to(torch.uint8)  # every value, every place
+    q = torch.roll(q, shifts=1, dims=0) ^ (torch.arange(k) % 2).to(torch.uint8)[None, :]
+    if fmt == "Q5_0":
+        q = (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
+    qw = quant_gemm.QuantizedWeight(fmt, q.contiguous(), qw.d, qw.m)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    assert lin.half_scales and lin.packed.numel() == n * (k // 32) * file_bytes
+    x = activations(5, k, seed=9)
+    np.testing.assert_array_equal(lin(x).numpy(), quant_int8act.reference(x, qw))
+
+
+def segments_header(packed: torch.Tensor) -> torch.Tensor:
+    """A segmented weight's int64 header words (row_segments.h), a copy to edit."""
+    count = int(packed[:8].view(torch.int64))
+    return packed[: 8 * (1 + 3 * count)].view(torch.int64).clone()
+
+
+@pytest.mark.parametrize("kernel", ["int8", "fp32"])
+def test_a_bad_segment_header_is_refused_and_nothing_written(kernel):
+    """A fused projection of row ranges in different formats runs each range on its own format's
+    kernel; a header that does not describe the weight (no segments, too many, a nested or unknown
+    code, rows not summing to n, a k its format refuses) is refused before a single output."""
+    qw = weight("Q5_0+Q8_0", 48, 64, seed=1)
+    lin = quant_int8act.Int8ActLinear(qw) if kernel == "int8" else quant_gemm.QuantLinear(qw)
+    assert (lin.code if kernel == "int8" else lin._code) == quant_gemm.SEGMENTS
+    good = segments_header(lin.packed)
+    assert good.tolist()[:3] == [2, good[1].item(), 32] and good[5].item() == 16
+    x = torch.randn(2, 64)
+    y = torch.full((2, 48), 7.0)
+    code = quant_gemm.SEGMENTS
+
+    def call(header: torch.Tensor, k: int = 64) -> int:
+        buf = lin.packed.clone()
+        buf[: 8 * header.numel()] = header.view(torch.uint8)
+        return lin._gemm(code, x.data_ptr(), 2, k, 64, buf.data_ptr(), 48, None, y.data_ptr(), 48, 1)
+
+    bad = []
+    for word, value in ((0, 0), (0, 17), (1, code), (1, 99), (2, 31), (2, 0), (5, 17)):
+        h = good.clone()
+        h[word] = value
+        bad.append(h)
+    for h in bad:
+        assert call(h) == -1, h.tolist()
+    assert call(good, k=48) == -1  # not whole blocks of either format
+    assert torch.all(y == 7.0)
+    assert call(good) == 0 and torch.equal(y, lin(x))

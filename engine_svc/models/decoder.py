@@ -151,7 +151,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         for i, layer in enumerate(self.layers):
             layer.index = i
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
-        self.embed_blocks = None  # a BlockEmbedding once the load frees a tied GGUF table (float_weights.py)
+        self.embed_blocks = None  # a BlockEmbedding once the load frees a GGUF table (float_weights.py)
         self.lm_head = (
             None
             if spec.tie_word_embeddings

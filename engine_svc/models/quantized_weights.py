@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 _MADE = {"int8": "Q8_0", "int4": "Q4_1"}
 ACTIVATIONS = ("auto", "int8", "none")
+EMBED = "embed"  # gguf_blocks' key for an untied embedding's blocks (the lookup's, not a linear's)
+EMBED_NAME = "model.embed_tokens.weight"
 DEFAULT_ACTIVATIONS = "int8"
 
 
@@ -77,17 +79,20 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
 
 
 def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight], Counter]) -> str:
-    """Attach the file's blocks (``gguf_blocks``) to every fused linear whose parts all have one
-    format the kernel runs; the others stay float. Returns a summary for the log (formats and counts)."""
+    """Attach the file's blocks (``gguf_blocks``) to every fused linear whose parts all have a
+    format the kernel runs (a part of another format leaves it float), and an untied embedding's
+    to the embedding, for its lookup (``float_weights.py``). Returns a summary for the log
+    (formats and counts of the linears')."""
     blocks, skipped = found
-    targets = linear_weights(model)
+    targets = {**linear_weights(model), EMBED: model.embed}
     made: Counter = Counter()
     for key, qw in blocks.items():
         param = targets[key]
         if qw.shape != tuple(param.shape):
             raise ValueError(f"GGUF blocks for {key}: shape {qw.shape}, the model needs {tuple(param.shape)}")
         param.quantized = qw
-        made[qw.fmt] += 1
+        if key != EMBED:
+            made[qw.fmt] += 1
     summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
     if skipped:
         summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
@@ -96,8 +101,10 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
 
 def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.QuantizedWeight], Counter]:
     """The file's blocks for each of ``model``'s fused linears (keys as ``linear_weights``) that has
-    them all in one format the kernel runs, in the model's row order; and the count of tensors
-    left float, by reason. Reads only the model's layout, never its weights (they may be freed)."""
+    them all in formats the kernel runs, in the model's row order (parts of different formats as a
+    ``MixedRows``), and for an untied embedding (key ``EMBED``: its lookup may read them); and the
+    count of tensors left float, by type. Reads only the model's layout, never its weights (they
+    may be freed)."""
     ckpt = GGUFCheckpoint(gguf_path)
     parts: dict[str, quant_gemm.QuantizedWeight] = {}
     skipped: Counter = Counter()
@@ -118,10 +125,10 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         names = sources(key, tied)
         if not all(n in parts for n in names):
             continue
-        try:
-            out[key] = quant_gemm.concat_rows([parts[n] for n in names])
-        except ValueError:  # q, k and v in different formats: this projection stays float
-            skipped["mixed"] += 1
+        # q, k and v in different formats: a MixedRows, each part served by its own kernel
+        out[key] = quant_gemm.concat_rows([parts[n] for n in names])
+    if not tied and EMBED_NAME in parts:
+        out[EMBED] = parts[EMBED_NAME]
     return out, skipped
 
 
@@ -130,7 +137,8 @@ def served_by_blocks(model, blocks: dict[str, quant_gemm.QuantizedWeight]) -> fr
     their linears (packed, so that the float parameter is freed unread): every part of those
     linears, except a tied embedding, which the lookup reads (float_weights.py decides it)."""
     tied = model.lm_head is None
-    return frozenset(n for key in blocks if not (tied and key == "lm_head") for n in sources(key, tied))
+    linears = (key for key in blocks if key != EMBED and not (tied and key == "lm_head"))
+    return frozenset(n for key in linears for n in sources(key, tied))
 
 
 def sources(key: str, tied: bool) -> list[str]:

@@ -1,10 +1,10 @@
 """Linears on quantized weights (``kernels/cpu/native/quant_gemm.c``): 32-weight blocks of Q8_0,
-Q4_0 or Q4_1, as a GGUF file stores them or as made at load from a float checkpoint
+Q4_0, Q4_1, Q5_0 or Q5_1, as a GGUF file stores them or as made at load from a float checkpoint
 (``quantize_rows``), and GGUF's 256-weight K-quant super-blocks Q4_K, Q5_K and Q6_K, repacked once
 into the kernel's panels and dequantized in registers.
 
 A ``QuantizedWeight`` is the format-neutral form the loader builds: one byte per quant (``q``,
-``[n, k]``), fp32 scales ``d`` and (Q4_1, Q4_K, Q5_K) minimums ``m`` per row and block
+``[n, k]``), fp32 scales ``d`` and (Q4_1, Q5_1, Q4_K, Q5_K) minimums ``m`` per row and block
 (``[n, k / BK]``). Rows of several tensors concatenate (the fused q/k/v and gate/up projections)
 and permute (the GGUF q/k row order) in that form before packing.
 
@@ -15,6 +15,15 @@ and the super-block becomes plain blocks: Q4_K is Q4_1's form (32 weights, ``d *
 scale per 16). So the kernel's weights are the gguf dequantization bit for bit. The price: the
 expanded scales and byte quants take more memory than the file's blocks (Q4_K 0.75 bytes a
 weight against 0.5625, Q5_K and Q6_K 1.25 against 0.69 and 0.82).
+
+IQ4_NL (Q4_0's blocks whose nibbles index a table of 16 int8 values) is read into the Q8_0 form,
+``w = d * value``, for both kernels (1.0625 bytes a weight against the file's 0.5625).
+
+Q5_0 and Q5_1 (32-weight blocks of 5-bit quants, fp16 scale, Q5_1 an fp16 minimum) are read into
+the same form: Q5_0's quants as int8 ``q - 16`` (-16..15, so ``w = d * q``, the Q8_0 form here),
+Q5_1's as 0..31 with ``w = d * q + m`` (the U8_1 form here). The int8-activation kernel
+(``quant_int8act.py``) packs them as nibbles plus a plane of fifth bits, the file's 0.69 / 0.75
+bytes a weight; this fp32-activation kernel reads them as bytes (1.125 / 1.25).
 """
 
 from __future__ import annotations
@@ -30,17 +39,43 @@ from kernels.cpu import native_build
 from kernels.cpu.native_gemm import NativeEntry, fn_address, rows_in_and_out
 
 # GGUF type -> the kernel's format (quant_gemm.c's FMT_*): the K-quants run as the block form above.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+FORMATS = {
+    "Q8_0": 0,
+    "Q4_0": 1,
+    "Q4_1": 2,
+    "Q5_0": 0,
+    "Q5_1": 3,
+    "IQ4_NL": 0,
+    "Q4_K": 2,
+    "Q5_K": 3,
+    "Q6_K": 4,
+}
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
-BLOCK_K = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
-SIGNED = ("Q8_0", "Q6_K")  # quants stored as int8 bits
+BLOCK_K = {f: 16 if f == "Q6_K" else 32 for f in FORMATS}  # weights a scale
+SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K")  # quants stored as int8 bits
+# IQ4_NL's nibble -> its int8 value (ggml's kvalues_iq4nl); the weight is d * value
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
 QK_K = 256  # weights per K-quant super-block
 # GGUF block layouts (bytes): Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 nibble pairs; Q4_1 = f16 d,
 # f16 m + 16 nibble pairs. A pair's byte t holds element t (low nibble) and t + 16 (high).
+# Q5_0 = f16 d, 4 bytes qh (a little-endian uint32: bit j is element j's fifth bit), 16 nibble
+# pairs as Q4_0's; Q5_1 = f16 d, f16 m, then Q5_0's qh and nibbles. IQ4_NL = Q4_0's layout, a
+# nibble indexing IQ4_NL_VALUES (read into the Q8_0 form: int8 values, w = d * q).
 # K-quants (ggml-common.h): Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 nibble
 # bytes; Q5_K = the same + 32 bytes of fifth bits before the nibbles; Q6_K = 128 bytes of low
 # nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d.
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_BLOCK_BYTES = {
+    "Q8_0": 34,
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "IQ4_NL": 18,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -71,9 +106,9 @@ def unusable_reason(device: torch.device) -> str | None:
 @dataclass
 class QuantizedWeight:
     fmt: str  # a key of FORMATS
-    q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0 / Q6_K; 0..15 for Q4*; 0..31 for Q5_K)
+    q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0 / Q5_0 / Q6_K; 0..15 for Q4*; 0..31 for Q5_1 / Q5_K)
     d: torch.Tensor  # [n, k / BLOCK_K] fp32
-    m: torch.Tensor | None  # [n, k / BLOCK_K] fp32 (Q4_1, Q4_K, Q5_K)
+    m: torch.Tensor | None  # [n, k / BLOCK_K] fp32 (Q4_1, Q5_1, Q4_K, Q5_K)
     # what the linear multiplies the blocks by: "fp32" (QuantLinear) or "int8" (quant_int8act.py)
     activations: str = "fp32"
 
@@ -100,12 +135,59 @@ class QuantizedWeight:
         return w.reshape(n, k)
 
 
-def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    fmts = {p.fmt for p in parts}
-    if len(fmts) != 1:
-        raise ValueError(f"cannot fuse weights of different formats {sorted(fmts)}")
-    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return QuantizedWeight(parts[0].fmt, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+@dataclass
+class MixedRows:
+    """A fused projection whose parts are in different formats (a GGUF file may keep q and k in
+    Q5_0 and v in Q8_0): row ranges in order, each one format, run as segments of one packed
+    weight (``kernels/cpu/native/row_segments.h``), each by its own format's kernel."""
+
+    parts: list[QuantizedWeight]
+    activations: str = "fp32"
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | MixedRows:
+    """The parts' rows in order: one ``QuantizedWeight`` where they share a format, else a
+    ``MixedRows`` of the runs of one format."""
+    runs: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    fused = []
+    for run in runs:
+        m = None if run[0].m is None else torch.cat([p.m for p in run])
+        q, d = torch.cat([p.q for p in run]), torch.cat([p.d for p in run])
+        fused.append(QuantizedWeight(run[0].fmt, q, d, m))
+    return fused[0] if len(fused) == 1 else MixedRows(fused)
+
+
+def pack_segments(segments: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """One buffer for a ``MixedRows``' packed parts ((format code, rows, packed bytes) each), as
+    row_segments.h reads it: the int64 header, then each part at a 64-byte-aligned offset."""
+    if not 1 <= len(segments) <= 16:
+        raise ValueError(f"a fused projection takes 1..16 segments, got {len(segments)}")
+    offset = (8 * (1 + 3 * len(segments)) + 63) // 64 * 64
+    header = [len(segments)]
+    for code, rows, packed in segments:
+        header += [code, rows, offset]
+        offset += (packed.numel() + 63) // 64 * 64
+    out = torch.zeros(offset, dtype=torch.uint8)
+    out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for (_, _, packed), at in zip(segments, header[3::3], strict=True):
+        out[at : at + packed.numel()] = packed
+    return out
 
 
 def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -129,6 +211,19 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
     m = None
     if fmt == "Q8_0":
         q = blocks[..., 2:].copy()
+    elif fmt in ("Q5_0", "Q5_1"):
+        start = 4 if fmt == "Q5_1" else 2
+        if fmt == "Q5_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qh = blocks[..., start : start + 4].copy().view("<u4")  # [n, blocks, 1]
+        fifth = ((qh >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+        packed = blocks[..., start + 4 :]
+        q = np.concatenate([packed & 15, packed >> 4], axis=-1) | (fifth << 4)
+        if fmt == "Q5_0":
+            q = (q.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    elif fmt == "IQ4_NL":
+        packed = blocks[..., 2:]
+        q = IQ4_NL_VALUES[np.concatenate([packed & 15, packed >> 4], axis=-1)].view(np.uint8)
     else:
         start = 4 if fmt == "Q4_1" else 2
         if fmt == "Q4_1":
@@ -252,32 +347,40 @@ def native_entry(linear, code: int) -> NativeEntry:
 
 
 class QuantLinear:
-    """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight``, packed at construction."""
+    """``F.linear(x, W, bias)`` with ``W`` as a ``QuantizedWeight`` (or a ``MixedRows``: each part
+    packed in its own format), packed at construction."""
 
     kind = "quantized"
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *, isa: str | None = None):
+    def __init__(
+        self, weight: QuantizedWeight | MixedRows, bias: torch.Tensor | None = None, *, isa: str | None = None
+    ):
         lib = library(isa)
         if lib is None:
             raise RuntimeError("the quantized GEMM has no build here")
         self.isa = isa or native_build.chosen_isa()
         self.fmt = weight.fmt
-        self._code = FORMATS[weight.fmt]
         self.out_features, self.in_features = weight.shape
-        q = weight.q.contiguous()
-        d = weight.d.float().contiguous()
-        m = None if weight.m is None else weight.m.float().contiguous()
-        size = lib.llmserve_qgemm_packed_bytes(self._code, self.out_features, self.in_features)
-        self.packed = torch.empty(size, dtype=torch.uint8)
-        lib.llmserve_qgemm_pack(
-            self._code,
-            q.data_ptr(),
-            d.data_ptr(),
-            None if m is None else m.data_ptr(),
-            self.out_features,
-            self.in_features,
-            self.packed.data_ptr(),
-        )
+        if isinstance(weight, MixedRows):
+            self._code = SEGMENTS
+            parts = [(FORMATS[p.fmt], p.shape[0], QuantLinear(p, isa=isa).packed) for p in weight.parts]
+            self.packed = pack_segments(parts)
+        else:
+            self._code = FORMATS[weight.fmt]
+            q = weight.q.contiguous()
+            d = weight.d.float().contiguous()
+            m = None if weight.m is None else weight.m.float().contiguous()
+            size = lib.llmserve_qgemm_packed_bytes(self._code, self.out_features, self.in_features)
+            self.packed = torch.empty(size, dtype=torch.uint8)
+            lib.llmserve_qgemm_pack(
+                self._code,
+                q.data_ptr(),
+                d.data_ptr(),
+                None if m is None else m.data_ptr(),
+                self.out_features,
+                self.in_features,
+                self.packed.data_ptr(),
+            )
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._gemm = lib.llmserve_qgemm
         self._packed_ptr = self.packed.data_ptr()

@@ -8,9 +8,12 @@ dequantized weight) but the documented quantized math, the same bits on every in
 a row alone or in any batch, at any thread count. ``reference`` is an independent float64 statement
 of it for tests.
 
-Formats: Q8_0, Q4_0, Q4_1 and the K-quants brought to their forms at load (Q4_K as Q4_1, Q5_K as
-U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step block of
-activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants brought to their forms at load (Q4_K as
+Q4_1, Q5_K as U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step
+block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
+bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
+IQ4_NL runs as Q8_0 (its table's int8 values, one byte each).
 """
 
 from __future__ import annotations
@@ -23,10 +26,28 @@ import torch
 
 from kernels.cpu import native_build
 from kernels.cpu.native_gemm import NativeEntry
-from kernels.cpu.quant_gemm import SIGNED, QuantizedWeight, call_packed, native_entry
+from kernels.cpu.quant_gemm import (
+    SEGMENTS,
+    SIGNED,
+    MixedRows,
+    QuantizedWeight,
+    call_packed,
+    native_entry,
+    pack_segments,
+)
 
 # quant_int8act.c's FMT_*: the weight's form, by the format name a QuantizedWeight carries.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+FORMATS = {
+    "Q8_0": 0,
+    "Q4_0": 1,
+    "Q4_1": 2,
+    "Q4_K": 2,
+    "Q5_K": 3,
+    "Q6_K": 4,
+    "Q5_0": 5,
+    "Q5_1": 6,
+    "IQ4_NL": 0,
+}
 HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
 SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
@@ -52,7 +73,8 @@ def _library(isa: str):
 
 
 def supports(fmt: str) -> bool:
-    return fmt in FORMATS
+    """Whether the kernel runs ``fmt`` (a ``MixedRows``' ``Q5_0+Q8_0``: every part's)."""
+    return all(f in FORMATS for f in fmt.split("+"))
 
 
 def unusable_reason(device: torch.device) -> str | None:
@@ -78,13 +100,14 @@ class Int8ActLinear:
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: QuantizedWeight | MixedRows,
         bias: torch.Tensor | None = None,
         *,
         isa: str | None = None,
         half_scales: bool | None = None,
     ):
-        """``half_scales``: pack the scales as fp16 (None: where they all are fp16 values)."""
+        """``half_scales``: pack the scales as fp16 (None: where they all are fp16 values). A
+        ``MixedRows`` packs each part in its own format (``quant_gemm.pack_segments``)."""
         if not supports(weight.fmt):
             raise ValueError(f"no int8-activation kernel for {weight.fmt}")
         lib = library(isa)
@@ -92,10 +115,23 @@ class Int8ActLinear:
             raise RuntimeError("the int8-activation GEMM has no build here")
         self.isa = isa or native_build.chosen_isa()
         self.fmt = weight.fmt
-        self.code = FORMATS[weight.fmt]
         self.out_features, self.in_features = weight.shape
         if self.in_features % QK:
             raise ValueError(f"rows of {self.in_features} are not whole blocks of {QK}")
+        if isinstance(weight, MixedRows):
+            parts = [Int8ActLinear(p, isa=isa, half_scales=half_scales) for p in weight.parts]
+            self.code = SEGMENTS
+            self.half_scales = all(p.half_scales for p in parts)
+            self.packed = pack_segments([(p.code, p.out_features, p.packed) for p in parts])
+        else:
+            self.code = FORMATS[weight.fmt]
+            self._pack(lib, weight, half_scales)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._gemm = lib.llmserve_qi8_gemm
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def _pack(self, lib, weight: QuantizedWeight, half_scales: bool | None) -> None:
         q = weight.q.contiguous()
         d = weight.d.float().contiguous()
         m = None if weight.m is None else weight.m.float().contiguous()
@@ -123,10 +159,6 @@ class Int8ActLinear:
         )
         if rc != 0:
             raise RuntimeError(f"quant_int8act refused to pack {self.fmt} {weight.shape}")
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._gemm = lib.llmserve_qi8_gemm
-        self._packed_ptr = self.packed.data_ptr()
-        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def native_entry(self) -> NativeEntry:
         return native_entry(self, self.code)
@@ -149,7 +181,9 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None):
     return q, dx, sx, dxs
 
 
-def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> np.ndarray:
+def reference(
+    x: torch.Tensor, weight: QuantizedWeight | MixedRows, bias: torch.Tensor | None = None
+) -> np.ndarray:
     """The kernel's math in numpy, written from the documented steps, not from the C: activations
     quantized in fp32 (``dx = max|x| / 127``, ``q = rint(x / dx)`` by the reciprocal, ties to even,
     zeros where ``dx`` is below the smallest normal float),
@@ -158,6 +192,13 @@ def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     (Q6_K, a scale per 16: ``acc += fp32(t0 + t1)``, ``t_h = fp32(fp32(dw_h * dx) * isum_h)`` over
     the block's two halves), and ``+ bias``. Returns fp32 ``[m, n]``."""
     f32 = np.float32
+    if isinstance(weight, MixedRows):  # each part's outputs are its own kernel's
+        outs, r0 = [], 0
+        for part in weight.parts:
+            b = None if bias is None else bias[r0 : r0 + part.shape[0]]
+            outs.append(reference(x, part, b))
+            r0 += part.shape[0]
+        return np.concatenate(outs, axis=1)
     xs = x.detach().float().numpy()
     m, k = xs.shape
     nb = k // QK

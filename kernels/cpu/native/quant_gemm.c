@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "panel_gemm.h"
+#include "row_segments.h"
 
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2
@@ -223,10 +224,15 @@ DEFINE_QUANT_FORMAT(q8_16, 16, 1)
 static const panel_all_rows_fn ITEMS[FMT_COUNT] = {q8_0_item, q4_0_item, q4_1_item, u8_1_item, q8_16_item};
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL); k a whole number
- * of the format's blocks. Returns 0, or -1 for an unknown format or a partial block (nothing written). */
+ * of the format's blocks. Returns 0, or -1 for an unknown format or a partial block (nothing written).
+ * fmt SEGMENTS: a projection of row ranges in different formats (row_segments.h). */
+static int runs(int32_t fmt, int64_t k) { return fmt >= 0 && fmt < FMT_COUNT && k % block_k(fmt) == 0; }
+
 int32_t llmserve_qgemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                        int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (fmt < 0 || fmt >= FMT_COUNT || k % block_k(fmt)) return -1;
+    if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
+        return run_segments(llmserve_qgemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    if (!runs(fmt, k)) return -1;
     const int64_t panel_bytes = (k / block_k(fmt)) * block_stride(fmt);
     panel_gemm(ITEMS[fmt], x, m, k, ldx, packed, panel_bytes, n, bias, y, ldy, num_threads);
     return 0;

@@ -48,6 +48,8 @@
 #include <immintrin.h>
 #endif
 
+#include "row_segments.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #define QK 32
 #define NC 32
@@ -67,16 +69,22 @@
 
 /* A format code is the weight form, + FMT_HALF where its scales (and minimums) are fp16 values
  * (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks): stored as fp16, read back exactly, fewer bytes to stream. */
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FMT_HALF = 8, FMT_COUNT = 16 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FMT_Q5_0 = 5, FMT_Q5_1 = 6,
+       FMT_HALF = 8, FMT_COUNT = 16 };
 
 INLINE int form(int fmt) { return fmt & 7; }
-INLINE int known(int fmt) { return fmt >= 0 && fmt < FMT_COUNT && form(fmt) <= FMT_I8_16; }
+INLINE int known(int fmt) { return fmt >= 0 && fmt < FMT_COUNT && form(fmt) <= FMT_Q5_1; }
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
-INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1; }
+INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1; }
 INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
-INLINE int nibbles(int fmt) { return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1; }
+INLINE int fifth_bits(int fmt) { return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1; }
+INLINE int nibbles(int fmt) { return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt); }
 INLINE int offset(int fmt) {
-    return form(fmt) == FMT_Q8_0 ? 128 : form(fmt) == FMT_Q4_0 ? 8 : form(fmt) == FMT_I8_16 ? 32 : 0;
+    return form(fmt) == FMT_Q8_0    ? 128
+           : form(fmt) == FMT_Q4_0  ? 8
+           : form(fmt) == FMT_I8_16 ? 32
+           : form(fmt) == FMT_Q5_0  ? 16
+                                    : 0;
 }
 INLINE int64_t scale_row(int fmt) { return (int64_t)NC * (half_scales(fmt) ? 2 : 4); } /* dw (or mw) bytes */
 INLINE int64_t scale_bytes(int fmt) { return scale_row(fmt) * (has_min(fmt) || two_scales(fmt) ? 2 : 1); }
@@ -91,7 +99,9 @@ INLINE float scale_at(int fmt, const uint8_t *p, int c) {
     memcpy(&f, p + 4 * c, 4);
     return f;
 }
-INLINE int64_t quant_bytes(int fmt) { return (int64_t)NC * (nibbles(fmt) ? QK / 2 : QK); }
+/* Nibble forms: QK / 2 bytes a column; the 5-bit forms add a column's 32 fifth bits (4 bytes). */
+INLINE int64_t nibble_bytes(void) { return (int64_t)NC * (QK / 2); }
+INLINE int64_t quant_bytes(int fmt) { return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) : (int64_t)NC * QK; }
 INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
 
 /* A float that must be rounded on its own: the empty asm hides it from -ffp-contract=fast. */
@@ -140,7 +150,18 @@ int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const vo
                 }
                 const uint8_t *src = j < n ? q + j * k + b * QK : NULL;
                 for (int e = 0; e < 4; ++e) {
-                    if (nibbles(fmt))
+                    if (fifth_bits(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1 0..31 as is */
+                        uint8_t v[8], hb = 0;
+                        for (int g = 0; g < 8; ++g) {
+                            v[g] = src ? (uint8_t)(form(fmt) == FMT_Q5_0 ? (int8_t)src[4 * g + e] + 16
+                                                                         : src[4 * g + e])
+                                       : 0;
+                            hb |= (uint8_t)(((v[g] >> 4) & 1) << g);
+                        }
+                        for (int g = 0; g < 4; ++g)
+                            qs[(g * NC + c) * 4 + e] = (uint8_t)((v[g] & 15) | ((v[g + 4] & 15) << 4));
+                        qs[nibble_bytes() + c * 4 + e] = hb;
+                    } else if (nibbles(fmt))
                         for (int g = 0; g < 4; ++g)
                             qs[(g * NC + c) * 4 + e] =
                                 src ? (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4)) : 0;
@@ -331,6 +352,7 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                         if (nibbles(fmt)) {
                             const uint8_t v = qs[((g & 3) * NC + c) * 4 + e];
                             w = g < 4 ? v & 15 : v >> 4;
+                            if (fifth_bits(fmt)) w |= ((qs[nibble_bytes() + c * 4 + e] >> g) & 1) << 4;
                         } else {
                             w = qs[(g * NC + c) * 4 + e];
                         }
@@ -388,6 +410,11 @@ INLINE vi bcast4(const int8_t *p) {
 }
 INLINE vi lo_nib(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 INLINE vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+/* A byte's fifth bits (bit g: group g's) to 16 or 0 for groups g (up, 4 - g) and g + 4 (down, g):
+ * the 16-bit shifts move no bit across a byte into bit 4. */
+INLINE vi fifth_lo(vi h, int g) { return _mm512_and_si512(_mm512_slli_epi16(h, 4 - g), _mm512_set1_epi8(16)); }
+INLINE vi fifth_hi(vi h, int g) { return _mm512_and_si512(_mm512_srli_epi16(h, g), _mm512_set1_epi8(16)); }
+INLINE vi ori(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vfl loadf(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
@@ -425,6 +452,9 @@ INLINE vi bcast4(const int8_t *p) {
 }
 INLINE vi lo_nib(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 INLINE vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+INLINE vi fifth_lo(vi h, int g) { return _mm256_and_si256(_mm256_slli_epi16(h, 4 - g), _mm256_set1_epi8(16)); }
+INLINE vi fifth_hi(vi h, int g) { return _mm256_and_si256(_mm256_srli_epi16(h, g), _mm256_set1_epi8(16)); }
+INLINE vi ori(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vfl loadf(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
@@ -458,12 +488,19 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         for (int i = 0; i < m; ++i)
             for (int v = 0; v < V; ++v) isum[i][v] = isum1[i][v] = zeroi();
         if (nibbles(fmt)) {
+            vi h5[V]; /* the 5-bit forms' fifth bits: a column's 4 bytes, bit g of byte e group g's */
+            if (fifth_bits(fmt))
+                for (int v = 0; v < V; ++v) h5[v] = loadi(qs + nibble_bytes() + v * VW * 4);
             for (int g = 0; g < 4; ++g) {
                 vi lo[V], hi[V];
                 for (int v = 0; v < V; ++v) {
                     const vi raw = loadi(qs + (g * NC + v * VW) * 4);
                     lo[v] = lo_nib(raw);
                     hi[v] = hi_nib(raw);
+                    if (fifth_bits(fmt)) {
+                        lo[v] = ori(lo[v], fifth_lo(h5[v], g));
+                        hi[v] = ori(hi[v], fifth_hi(h5[v], g));
+                    }
                 }
                 for (int i = 0; i < m; ++i) {
                     const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
@@ -569,9 +606,15 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     DEFINE_ITEM(PREFIX##u8_1_h, FMT_U8_1 | FMT_HALF, VNNI)                                               \
     DEFINE_ITEM(PREFIX##i8_16, FMT_I8_16, VNNI)                                                          \
     DEFINE_ITEM(PREFIX##i8_16_h, FMT_I8_16 | FMT_HALF, VNNI)                                             \
+    DEFINE_ITEM(PREFIX##q5_0, FMT_Q5_0, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##q5_1, FMT_Q5_1, VNNI)                                                            \
+    DEFINE_ITEM(PREFIX##q5_0_h, FMT_Q5_0 | FMT_HALF, VNNI)                                               \
+    DEFINE_ITEM(PREFIX##q5_1_h, FMT_Q5_1 | FMT_HALF, VNNI)                                               \
     static const item_fn PREFIX##items[FMT_COUNT] = {                                                    \
-        PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,   PREFIX##u8_1,   PREFIX##i8_16,   NULL, NULL, NULL,  \
-        PREFIX##q8_0_h, PREFIX##q4_0_h, PREFIX##q4_1_h, PREFIX##u8_1_h, PREFIX##i8_16_h, NULL, NULL, NULL};
+        PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,   PREFIX##u8_1,   PREFIX##i8_16,                   \
+        PREFIX##q5_0,   PREFIX##q5_1,   NULL,                                                            \
+        PREFIX##q8_0_h, PREFIX##q4_0_h, PREFIX##q4_1_h, PREFIX##u8_1_h, PREFIX##i8_16_h,                 \
+        PREFIX##q5_0_h, PREFIX##q5_1_h, NULL};
 DEFINE_ITEMS(plain_, 0)
 #ifdef VW
 DEFINE_ITEMS(vnni_, 1)
@@ -608,10 +651,15 @@ void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, in
 }
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
- * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). */
+ * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). fmt
+ * SEGMENTS: a projection of row ranges in different formats (row_segments.h). */
+static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % QK == 0 && k > 0; }
+
 int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                           int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (!known(fmt) || k % QK || k <= 0) return -1;
+    if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
+        return run_segments(llmserve_qi8_gemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    if (!runs(fmt, k)) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12));
