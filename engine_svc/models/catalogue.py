@@ -142,7 +142,7 @@ ENTRIES: tuple[Entry, ...] = (
         "'Qwen2.5 Coder 0.5B Instruct AWQ', i.e. converted from the AWQ checkpoint)",
         license="Apache-2.0 (no license text ships with the packages)",
         architecture="qwen2 (24 layers, hidden 896, 14 query / 2 KV heads, FFN 4864, vocabulary "
-        "151,936, tied embeddings, rope theta 1,000,000, context 32,768)",
+        "151,936, the output head stored apart from the embedding, rope theta 1,000,000, context 32,768)",
         file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491_400_064,
@@ -167,7 +167,7 @@ ENTRIES: tuple[Entry, ...] = (
         "'Qwen2.5 Coder 1.5B Instruct GGUF', Qwen's own GGUF release)",
         license="Apache-2.0 (no license text ships with the packages)",
         architecture="qwen2 (28 layers, hidden 1536, 12 query / 2 KV heads, FFN 8960, vocabulary "
-        "151,936, tied embeddings, rope theta 1,000,000, context 32,768)",
+        "151,936, the output head stored apart from the embedding, rope theta 1,000,000, context 32,768)",
         file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1_117_320_768,
