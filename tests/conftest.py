@@ -100,3 +100,31 @@ def shared_tokenizer(name: str) -> Path:
     if not (path / "tokenizer.json").exists():
         pytest.skip(f"real tokenizer fixtures not present at {path}")
     return path
+
+
+# Catalogue models (engine_svc/models/catalogue.py) for the real-model tier's tests that need more
+# than the default's 135M parameters. CI does not download them (a gigabyte each): a test that asks
+# for one skips, naming the command that places it, where it is absent. LLMSERVE_MODELS_DIR points
+# at another checkout's models/ (e.g. /work/main/models), which a worktree can share.
+MODELS_DIR = Path(os.environ.get("LLMSERVE_MODELS_DIR") or Path(__file__).resolve().parents[1] / "models")
+
+
+def catalogue_model_path(name: str) -> Path:
+    """The GGUF file of catalogue model ``name`` in MODELS_DIR/<name>; the test skips where it is
+    absent or incomplete (its size and card are checked, not its sha256: `llmserve pull` did)."""
+    from engine_svc.models.catalogue import entry, is_placed
+
+    e = entry(name)  # an unknown name is the test's bug: CatalogueError, not a skip
+    dest = MODELS_DIR / name
+    if not is_placed(e, dest, verify=False):
+        pytest.skip(
+            f"catalogue model {name} is not in {dest}: `make model MODEL={name}` places it "
+            f"({e.size / 2**20:,.0f} MiB from the package registry), or set LLMSERVE_MODELS_DIR"
+        )
+    return dest / e.file
+
+
+@pytest.fixture
+def catalogue_model():
+    """``catalogue_model("qwen2.5-coder-0.5b") -> Path`` of its GGUF file, or a skip with the reason."""
+    return catalogue_model_path
