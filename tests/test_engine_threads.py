@@ -1,5 +1,5 @@
-"""The engine process's torch threads: one CPU left to the processes beside the model by default,
-an explicit count honoured, a nonsense count refused before anything loads."""
+"""The engine process's threads: every CPU it may use by default (its affinity and its container's
+CPU limit), an explicit count honoured, a nonsense count refused before anything loads."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from engine_svc.server.cpus import torch_threads, usable_cpus
 from tests.service_process import ServiceProcess
 
 
-def test_default_leaves_one_cpu_and_never_goes_below_one(monkeypatch, tmp_path):
+def test_default_is_every_usable_cpu(monkeypatch, tmp_path):
     no_limit = tmp_path / "no-cgroup"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert torch_threads(None, no_limit) == 7
+    assert torch_threads(None, no_limit) == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert torch_threads(None, no_limit) == 1
     assert torch_threads(3, no_limit) == 3
@@ -40,7 +40,7 @@ def test_a_container_cpu_limit_counts_not_the_nodes_cores(monkeypatch, tmp_path,
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert usable_cpus(tmp_path) == cpus
-    assert torch_threads(None, tmp_path) == cpus - 1
+    assert torch_threads(None, tmp_path) == cpus
 
 
 def test_a_count_below_one_is_refused_with_the_flag_named(tmp_path):
@@ -57,7 +57,7 @@ def test_a_count_below_one_is_refused_with_the_flag_named(tmp_path):
 
 
 def test_the_launcher_passes_the_count_on_and_the_engine_reports_what_it_runs(tiny_llama):
-    expected = max(1, usable_cpus() - 1)
+    expected = usable_cpus()
     with ServiceProcess(tiny_llama, "--tokenizer-workers", "0") as sp:
         found = re.findall(r"engine ready on .* torch threads (\d+)", sp.log_tail(10**6))
         assert found == [str(expected)], sp.log_tail()

@@ -54,8 +54,8 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     (
         "--torch-threads",
         int,
-        "torch CPU threads (default: the CPUs this process may use, within its container's CPU "
-        "limit, less one kept for the gateway, tokenizer workers and this process's gRPC threads)",
+        "the engine's CPU threads, torch's and the native kernels' (default: every CPU this process "
+        "may use, within its container's CPU limit)",
     ),
     (
         "--watchdog-timeout",

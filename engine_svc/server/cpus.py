@@ -1,10 +1,11 @@
-"""How many threads torch gets in the engine process.
+"""How many threads the engine process computes with (torch's and the native kernels' pool).
 
-One CPU is left to the processes beside the model: the gateway, the tokenizer workers and this
-process's gRPC threads wake for every streamed token, and an intra-op pool that counts on every
-core then keeps waiting at its barrier for the thread they preempted (vLLM's CPU backend reserves
-one too). The CPUs counted are those this process may run on and, in a container, those its CPU
-limit pays for: the affinity mask still lists every core of the node when a pod is limited to 2.
+Every CPU the process may use: the native kernels' pool (kernels/cpu/native/thread_pool.c) never
+waits for a thread that has no core, so the gateway, the tokenizer workers and this process's gRPC
+threads, which wake for every streamed token, take a core from the step only while they run
+(docs/design/engine-threads.md has the measurements on the real models). The CPUs counted are
+those this process may run on and, in a container, those its CPU limit pays for: the affinity mask
+still lists every core of the node when a pod is limited to 2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def torch_threads(requested: int | None, cgroup_root: Path = CGROUP_ROOT) -> int
         if requested < 1:
             raise ValueError(f"--torch-threads must be at least 1, got {requested}")
         return requested
-    return max(1, usable_cpus(cgroup_root) - 1)
+    return usable_cpus(cgroup_root)
 
 
 def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:

@@ -46,7 +46,7 @@ _COMMON = [
     "-O3",
     "-fPIC",
     "-shared",
-    "-fopenmp",
+    "-pthread",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-ffp-contract=fast",
@@ -129,11 +129,20 @@ def build(name: str, isa: str) -> Path:
     return out
 
 
+POOL = "thread_pool"  # the kernels' threads (native/parallel.h): one per process, whatever the ISAs
+
+
 @functools.cache
 def load(name: str, isa: str) -> ctypes.CDLL:
-    import torch  # noqa: F401  torch's libgomp must be loaded first, so that ours binds to it
-
-    return ctypes.CDLL(str(build(name, isa)))
+    if name != POOL:
+        # Loaded first and globally, so that every kernel library's reference to it binds to this
+        # one pool; without it (a failed build) their loops run on the calling thread alone.
+        try:
+            load(POOL, "generic")
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            log.warning("native thread pool not built, kernels run on one thread: %s", e)
+        return ctypes.CDLL(str(build(name, isa)))
+    return ctypes.CDLL(str(build(name, isa)), mode=ctypes.RTLD_GLOBAL)
 
 
 def load_or_none(name: str, isa: str | None = None) -> ctypes.CDLL | None:

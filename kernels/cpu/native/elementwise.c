@@ -7,24 +7,37 @@
  *
  * Rows are independent and each is computed by the same code in the same order, so a token's
  * result never depends on the batch around it. Built per instruction set like paged_attention.c
- * (see native_build.py); OpenMP threads are torch's. */
+ * (see native_build.py); rows are shared among threads by parallel.h's pool. */
 
 #include <math.h>
 #include <stdint.h>
 
 #include "fast_exp.h"
+#include "parallel.h"
 
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
 
+/* Rows a claim: about 4096 floats of work each, so a claim costs little against its rows. */
+static int64_t grain(int64_t floats_a_row) { return floats_a_row >= 4096 ? 1 : 4096 / (floats_a_row + 1) + 1; }
+
 /* out = norm(x + residual) * weight, residual_out = x + residual (residual may be NULL: then
  * residual_out is not written and x is normed). The mean of squares: LANES partial sums, then a
  * fixed tree. As HF does, the row is scaled by rsqrt(mean + eps) before the weight multiply. */
-void llmserve_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
-                           int64_t rows, int64_t dim, float *out, float *residual_out,
-                           int32_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim > 16384)
-    for (int64_t t = 0; t < rows; ++t) {
+typedef struct {
+    const float *x, *residual, *weight;
+    float eps;
+    int64_t dim;
+    float *out, *residual_out;
+} norm_job;
+
+static void norm_rows(void *ctx, int64_t begin, int64_t end) {
+    const norm_job *j = ctx;
+    const float *x = j->x, *residual = j->residual, *weight = j->weight;
+    const float eps = j->eps;
+    const int64_t dim = j->dim;
+    float *out = j->out, *residual_out = j->residual_out;
+    for (int64_t t = begin; t < end; ++t) {
         const float *xr = x + t * dim;
         float *o = out + t * dim;
         const float *h = xr;
@@ -46,6 +59,13 @@ void llmserve_rms_norm_f32(const float *x, const float *residual, const float *w
     }
 }
 
+void llmserve_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
+                           int64_t rows, int64_t dim, float *out, float *residual_out,
+                           int32_t num_threads) {
+    norm_job j = {x, residual, weight, eps, dim, out, residual_out};
+    parallel_for(num_threads, rows * dim > 16384, rows, grain(dim), norm_rows, &j);
+}
+
 /* Rotary embedding, neox layout: for each head of token t, halves x1, x2 of its D values become
  * x1 * cos - x2 * sin and x2 * cos + x1 * sin, with cos, sin the two halves of
  * cos_sin[positions[t]]. x is read at its strides (a view of the fused QKV projection); out is
@@ -60,16 +80,29 @@ INLINE void rotate_head(const float *x1, const float *c, const float *s, int64_t
     }
 }
 
+typedef struct {
+    const float *x;
+    int64_t stride_token, stride_head, heads, dim;
+    const int64_t *positions;
+    const float *cos_sin;
+    float *out;
+} rotary_job;
+
+static void rotary_rows(void *ctx, int64_t begin, int64_t end) {
+    const rotary_job *j = ctx;
+    const int64_t dim = j->dim, half = dim / 2, heads = j->heads;
+    for (int64_t t = begin; t < end; ++t) {
+        const float *c = j->cos_sin + j->positions[t] * dim, *s = c + half;
+        for (int64_t h = 0; h < heads; ++h)
+            rotate_head(j->x + t * j->stride_token + h * j->stride_head, c, s, half, j->out + (t * heads + h) * dim);
+    }
+}
+
 void llmserve_rotary_f32(const float *x, int64_t stride_token, int64_t stride_head, int64_t tokens,
                          int64_t heads, int64_t dim, const int64_t *positions, const float *cos_sin,
                          float *out, int32_t num_threads) {
-    const int64_t half = dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim > 16384)
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *c = cos_sin + positions[t] * dim, *s = c + half;
-        for (int64_t h = 0; h < heads; ++h)
-            rotate_head(x + t * stride_token + h * stride_head, c, s, half, out + (t * heads + h) * dim);
-    }
+    rotary_job j = {x, stride_token, stride_head, heads, dim, positions, cos_sin, out};
+    parallel_for(num_threads, tokens * heads * dim > 16384, tokens, grain(heads * dim), rotary_rows, &j);
 }
 
 /* Attention's elementwise part of a layer in one call, on the fused QKV projection's rows (row t
@@ -79,32 +112,58 @@ void llmserve_rotary_f32(const float *x, int64_t stride_token, int64_t stride_he
  * nothing). The rotation is rotate_head, as above: the cache holds the bits that rotary then a
  * cache write would leave. What torch would do in eight ops (slices, the rotation, the masked
  * scatter) with their temporaries is one pass over the row. */
-void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_t tokens,
-                                  int64_t q_heads, int64_t kv_heads, int64_t dim,
-                                  const int64_t *positions, const float *cos_sin,
-                                  const int64_t *slots, float *q_out, float *k_cache,
-                                  float *v_cache, int32_t num_threads) {
-    const int64_t half = dim / 2, kv_row = kv_heads * dim;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * (q_heads + kv_heads) * dim > 16384)
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *row = qkv + t * stride_token;
-        const float *c = cos_sin + positions[t] * dim, *s = c + half;
+typedef struct {
+    const float *qkv;
+    int64_t stride_token, q_heads, kv_heads, dim;
+    const int64_t *positions;
+    const float *cos_sin;
+    const int64_t *slots;
+    float *q_out, *k_cache, *v_cache;
+} rotary_store_job;
+
+static void rotary_store_rows(void *ctx, int64_t begin, int64_t end) {
+    const rotary_store_job *j = ctx;
+    const int64_t dim = j->dim, half = dim / 2, q_heads = j->q_heads, kv_heads = j->kv_heads;
+    const int64_t kv_row = kv_heads * dim;
+    for (int64_t t = begin; t < end; ++t) {
+        const float *row = j->qkv + t * j->stride_token;
+        const float *c = j->cos_sin + j->positions[t] * dim, *s = c + half;
         for (int64_t h = 0; h < q_heads; ++h)
-            rotate_head(row + h * dim, c, s, half, q_out + (t * q_heads + h) * dim);
-        if (slots[t] < 0) continue;
+            rotate_head(row + h * dim, c, s, half, j->q_out + (t * q_heads + h) * dim);
+        if (j->slots[t] < 0) continue;
         const float *keys = row + q_heads * dim, *values = keys + kv_row;
-        float *k_slot = k_cache + slots[t] * kv_row, *v_slot = v_cache + slots[t] * kv_row;
+        float *k_slot = j->k_cache + j->slots[t] * kv_row, *v_slot = j->v_cache + j->slots[t] * kv_row;
         for (int64_t h = 0; h < kv_heads; ++h) rotate_head(keys + h * dim, c, s, half, k_slot + h * dim);
         for (int64_t e = 0; e < kv_row; ++e) v_slot[e] = values[e];
     }
 }
 
+void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_t tokens,
+                                  int64_t q_heads, int64_t kv_heads, int64_t dim,
+                                  const int64_t *positions, const float *cos_sin,
+                                  const int64_t *slots, float *q_out, float *k_cache,
+                                  float *v_cache, int32_t num_threads) {
+    rotary_store_job j = {qkv,     stride_token, q_heads, kv_heads, dim,    positions,
+                          cos_sin, slots,        q_out,   k_cache,  v_cache};
+    const int64_t floats = (q_heads + kv_heads) * dim;
+    parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
+}
+
 /* out[t] = silu(gate) * up for row t of x = [gate | up] (d floats each), silu(g) = g * sigmoid(g)
  * with the sigmoid taken from e^-|g| (in (0, 1]: no overflow on either side), so the loop
  * vectorizes with the exp above. */
-void llmserve_silu_and_mul_f32(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * d > 16384)
-    for (int64_t t = 0; t < rows; ++t) {
+typedef struct {
+    const float *x;
+    int64_t d;
+    float *out;
+} silu_job;
+
+static void silu_rows(void *ctx, int64_t begin, int64_t end) {
+    const silu_job *j = ctx;
+    const float *x = j->x;
+    const int64_t d = j->d;
+    float *out = j->out;
+    for (int64_t t = begin; t < end; ++t) {
         const float *g = x + t * 2 * d, *u = g + d;
         float *o = out + t * d;
         for (int64_t i = 0; i < d; ++i) {
@@ -113,4 +172,9 @@ void llmserve_silu_and_mul_f32(const float *x, int64_t rows, int64_t d, float *o
             o[i] = g[i] * sigmoid * u[i];
         }
     }
+}
+
+void llmserve_silu_and_mul_f32(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads) {
+    silu_job j = {x, d, out};
+    parallel_for(num_threads, rows * d > 16384, rows, grain(2 * d), silu_rows, &j);
 }

@@ -20,15 +20,16 @@
  * any split of its chunk, and as the decode of its position (what a recompute after preemption
  * meets: tokens decoded one by one come back as rows of one chunk).
  *
- * OpenMP threads are torch's own: torch's wheel loads libgomp.so.1 first, and this library's
- * reference to that soname binds to it, so there is one thread pool. */
+ * Its (sequence, head, tile) items are shared among threads by parallel.h's pool. */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fast_exp.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__)
 #define W 16
@@ -516,6 +517,54 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
 /* How many times this thread built a work list (tests count them). */
 int64_t llmserve_paged_attention_work_list_builds(void) { return work_list.builds; }
 
+/* A thread's scores buffer, kept and grown, never freed (an allocation per item cost more than
+ * the item on short contexts). */
+static float *thread_scores(size_t bytes) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (!buf || bytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 127) / 64 * 64);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+typedef struct {
+    const Args *a;
+    const int32_t *items, *query_start_loc;
+    int32_t head_dim;
+    size_t scratch;
+    _Atomic int failed;
+} attention_job;
+
+static void attention_items(void *ctx, int64_t begin, int64_t end) {
+    attention_job *j = ctx;
+    float *scores = thread_scores(j->scratch);
+    if (!scores) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const Args *a = j->a;
+    for (int64_t i = begin; i < end; ++i) {
+        const int b = j->items[3 * i], h = j->items[3 * i + 1], v0 = j->items[3 * i + 2];
+        if (j->query_start_loc[b + 1] - j->query_start_loc[b] == 1) { /* a decode: dot products */
+            switch (j->head_dim) {
+            case 64: attend_decode(a, b, h, scores, 64); break;
+            case 128: attend_decode(a, b, h, scores, 128); break;
+            default: attend_decode(a, b, h, scores, j->head_dim);
+            }
+        } else { /* a chunk: tiles of TILE vectors in the lanes */
+            vf *st = (vf *)scores;
+            switch (j->head_dim) {
+            case 64: attend_tile(a, b, h, v0, st, 64); break;
+            case 128: attend_tile(a, b, h, v0, st, 128); break;
+            default: attend_tile(a, b, h, v0, st, j->head_dim);
+            }
+        }
+    }
+}
+
 /* Attention for every sequence of the batch (one with no queries this step has no work).
  * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
  * when memory ran out. */
@@ -535,35 +584,8 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     if (!w) return -2;
     const int32_t *items = w->items, longest = w->longest;
     const int64_t num_items = w->num_items;
-    int failed = 0;
-    const size_t scratch = sizeof(float) * (size_t)(rep > TILE ? rep : TILE) * (size_t)longest;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = aligned_alloc(64, (scratch + 63) / 64 * 64);
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i) {
-            if (!scores) continue;
-            const int b = items[3 * i], h = items[3 * i + 1], v0 = items[3 * i + 2];
-            if (query_start_loc[b + 1] - query_start_loc[b] == 1) { /* a decode: dot products */
-                switch (head_dim) {
-                case 64: attend_decode(&a, b, h, scores, 64); break;
-                case 128: attend_decode(&a, b, h, scores, 128); break;
-                default: attend_decode(&a, b, h, scores, head_dim);
-                }
-            } else { /* a chunk: tiles of TILE vectors in the lanes */
-                vf *st = (vf *)scores;
-                switch (head_dim) {
-                case 64: attend_tile(&a, b, h, v0, st, 64); break;
-                case 128: attend_tile(&a, b, h, v0, st, 128); break;
-                default: attend_tile(&a, b, h, v0, st, head_dim);
-                }
-            }
-        }
-        free(scores);
-    }
-    return failed ? -2 : 0;
+    const size_t bytes = sizeof(float) * (size_t)(rep > TILE ? rep : TILE) * (size_t)longest;
+    attention_job j = {&a, items, query_start_loc, head_dim, bytes, 0};
+    parallel_for(num_threads, 1, num_items, 1, attention_items, &j);
+    return atomic_load(&j.failed) ? -2 : 0;
 }

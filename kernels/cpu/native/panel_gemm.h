@@ -22,6 +22,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "parallel.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -135,20 +137,34 @@ INLINE const float *panel_bias(const float *bias, int cols, float pad[NB]) {
 typedef void (*panel_all_rows_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,
                                   const float *bias, float *y, int64_t ldy, int cols);
 
+typedef struct {
+    panel_all_rows_fn all_rows;
+    const float *x, *bias;
+    const uint8_t *packed;
+    float *y;
+    int64_t m, k, ldx, ldy, n, panel_bytes, panels;
+} panel_job;
+
+/* Work items [begin, end): item = row chunk * panels + panel. */
+static void panel_items(void *ctx, int64_t begin, int64_t end) {
+    const panel_job *j = ctx;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t c = item / j->panels, p = item % j->panels, r0 = c * MC;
+        const int64_t rows = j->m - r0 < MC ? j->m - r0 : MC;
+        const int cols = (int)(j->n - p * NB < NB ? j->n - p * NB : NB);
+        j->all_rows(j->x + r0 * j->ldx, rows, j->k, j->ldx, j->packed + p * j->panel_bytes,
+                    j->bias ? j->bias + p * NB : NULL, j->y + r0 * j->ldy + p * NB, j->ldy, cols);
+    }
+}
+
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), with the weight's
- * panels panel_bytes apart: the work items (rows, panel) shared among the threads. */
+ * panels panel_bytes apart: the work items (rows, panel) shared among the threads (parallel.h). */
 static void panel_gemm(panel_all_rows_fn all_rows, const float *x, int64_t m, int64_t k, int64_t ldx,
                        const uint8_t *packed, int64_t panel_bytes, int64_t n, const float *bias, float *y,
                        int64_t ldy, int32_t num_threads) {
     const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k > 262144)
-    for (int64_t item = 0; item < chunks * panels; ++item) {
-        const int64_t c = item / panels, p = item % panels, r0 = c * MC;
-        const int64_t rows = m - r0 < MC ? m - r0 : MC;
-        const int cols = (int)(n - p * NB < NB ? n - p * NB : NB);
-        all_rows(x + r0 * ldx, rows, k, ldx, packed + p * panel_bytes, bias ? bias + p * NB : NULL,
-                 y + r0 * ldy + p * NB, ldy, cols);
-    }
+    panel_job j = {all_rows, x, bias, packed, y, m, k, ldx, ldy, n, panel_bytes, panels};
+    parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, panel_items, &j);
 }
 
 /* The fp32 decoder: a panel of k rows of NB floats, prefetched this many k steps ahead (12 KB on

@@ -20,7 +20,7 @@
  * kernel's, so a row's result is bit-equal alone, in any batch and at any thread count, and
  * bit-equal to the fp32 native GEMM on the gguf-dequantized weight.
  *
- * Built per instruction set by native_build.py; OpenMP threads are torch's. */
+ * Built per instruction set by native_build.py; threads: parallel.h's pool. */
 
 #include <stdlib.h>
 

@@ -48,6 +48,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "row_segments.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -642,6 +643,55 @@ int32_t llmserve_qi8_vnni(int32_t on) {
     return vnni_active();
 }
 
+/* One call's GEMM (llmserve_qi8_gemm): its rows quantized, then its (row chunk, panel) items. */
+typedef struct {
+    qrows xs;
+    const float *x;
+    int64_t ldx;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+    const uint8_t *packed;
+    int64_t m, n;
+    item_fn item;
+    int64_t panels, pb;
+} qi8_job;
+
+static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
+    const qi8_job *j = ctx;
+    const int64_t k = j->xs.k, nb = j->xs.nb;
+    int8_t *q = (int8_t *)j->xs.q;
+    for (int64_t r = begin; r < end; ++r) {
+        quantize_row(j->x + r * j->ldx, k, q + r * k, (float *)j->xs.dx + r * nb, (int32_t *)j->xs.sx + r * nb,
+                     (float *)j->xs.dxs + r * nb);
+        if (j->xs.sh) { /* I8_16's offset correction: each 16 steps' sum of q */
+            int32_t *sh = (int32_t *)j->xs.sh;
+            for (int64_t h = 0; h < 2 * nb; ++h) {
+                int32_t s = 0;
+                for (int e = 0; e < QK / 2; ++e) s += q[r * k + h * (QK / 2) + e];
+                sh[r * 2 * nb + h] = s;
+            }
+        }
+    }
+}
+
+static void qi8_items(void *ctx, int64_t begin, int64_t end) {
+    const qi8_job *j = ctx;
+    for (int64_t it = begin; it < end; ++it) {
+        const int64_t c = it / j->panels, p = it % j->panels, r0 = c * MC;
+        const int64_t rows = j->m - r0 < MC ? j->m - r0 : MC;
+        const int cols = (int)(j->n - p * NC < NC ? j->n - p * NC : NC);
+        float pad[NC];
+        const float *bp = j->bias ? j->bias + p * NC : NULL;
+        if (bp && cols < NC) {
+            memset(pad, 0, sizeof pad);
+            memcpy(pad, bp, sizeof(float) * cols);
+            bp = pad;
+        }
+        j->item(&j->xs, r0, rows, j->packed + p * j->pb, bp, j->y + r0 * j->ldy + p * NC, j->ldy, cols);
+    }
+}
+
 /* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, dxs [m, k/32] (for tests and
  * the kernel alike). */
 void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
@@ -668,35 +718,13 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
     int32_t *sx = (int32_t *)(dxs + m * nb), *sh = two_scales(fmt) ? sx + m * nb : NULL;
     const int big = m * n * k > 262144;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (big && m > 1)
-    for (int64_t r = 0; r < m; ++r) {
-        quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
-        if (sh) /* I8_16's offset correction: each 16 steps' sum of q */
-            for (int64_t h = 0; h < 2 * nb; ++h) {
-                int32_t s = 0;
-                for (int e = 0; e < QK / 2; ++e) s += q[r * k + h * (QK / 2) + e];
-                sh[r * 2 * nb + h] = s;
-            }
-    }
-    const qrows xs = {q, dx, dxs, sx, sh, k, nb};
-    item_fn item = plain_items[fmt];
+    qi8_job j = {{q, dx, dxs, sx, sh, k, nb}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
 #ifdef VW
-    if (vnni_active()) item = vnni_items[fmt];
+    if (vnni_active()) j.item = vnni_items[fmt];
 #endif
-    const int64_t panels = (n + NC - 1) / NC, chunks = (m + MC - 1) / MC, pb = nb * block_stride(fmt);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (big)
-    for (int64_t it = 0; it < chunks * panels; ++it) {
-        const int64_t c = it / panels, p = it % panels, r0 = c * MC;
-        const int64_t rows = m - r0 < MC ? m - r0 : MC;
-        const int cols = (int)(n - p * NC < NC ? n - p * NC : NC);
-        float pad[NC];
-        const float *bp = bias ? bias + p * NC : NULL;
-        if (bp && cols < NC) {
-            memset(pad, 0, sizeof pad);
-            memcpy(pad, bp, sizeof(float) * cols);
-            bp = pad;
-        }
-        item(&xs, r0, rows, packed + p * pb, bp, y + r0 * ldy + p * NC, ldy, cols);
-    }
+    parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
+    j.panels = (n + NC - 1) / NC;
+    j.pb = nb * block_stride(fmt);
+    parallel_for(num_threads, big, (m + MC - 1) / MC * j.panels, 1, qi8_items, &j);
     return 0;
 }

@@ -15,7 +15,7 @@
  * A bf16 weight is widened exactly (its bits are an fp32's top half), so its result is bit-equal
  * to the fp32 GEMM on the bf16 values, with the same row independence.
  *
- * Built per instruction set like paged_attention.c (native_build.py); OpenMP threads are torch's. */
+ * Built per instruction set like paged_attention.c (native_build.py); threads: parallel.h's pool. */
 
 #include "panel_gemm.h"
 
