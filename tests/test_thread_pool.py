@@ -26,7 +26,13 @@ RANGE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int6
 @pytest.fixture(scope="module")
 def pool():
     lib = native_build.load(native_build.POOL, "generic")
-    lib.llmserve_pool_for.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, RANGE_FN, ctypes.c_void_p]
+    lib.llmserve_pool_for.argtypes = [
+        ctypes.c_int32,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        RANGE_FN,
+        ctypes.c_void_p,
+    ]
     lib.llmserve_pool_for.restype = None
     lib.llmserve_pool_threads.restype = ctypes.c_int32
     return lib
