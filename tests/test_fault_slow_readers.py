@@ -17,11 +17,12 @@ streams the ones unread longest are shed; 30 s after a client stopped reading it
 The model is the tiny random one (``default_model_dir``, as ``python -m
 engine_svc.models.build_default`` builds it), not the real default SmolLM2-135M that ``make model``
 puts in models/default: the test measures the gateway's and scheduler's defence, which is the same
-for both, and on the real model it does not fit ~90 s on this 2-core machine. Measured there (two
-runs): an engine step with 224 sequences takes 5-8 s, so the burst is seen not to read only 35-80 s
-in (all paused or ended 69-82 s in); a 16-token request alone takes 1.3-1.6 s and 1.5-1.9 s beside
-the paused burst, no margin under the 2 s bound on a noisy machine. LLMSERVE_SLOW_READER_MODEL=
-models/default runs it there anyway.
+for both, and on the real model it takes about 70 s more. Measured there (2-core AVX2 machine, two
+engine threads, LLMSERVE_SLOW_READER_MODEL=models/default): the burst is all paused or shed 19 s in,
+and the five normal requests sent after that take at worst 261 ms (1.17x alone). What this test does
+not cover, and issue 37 still asks for: a normal request sent one second after the burst opens took
+15-17 s there, because until the burst is seen not to read, every step carries its ~225 streams
+(about 1.5 s a step with logprobs=20 on that machine).
 
 The stalled client announces 1 KiB flow-control windows (no BDP growth), so that gRPC stops taking
 the gateway's messages after a few: a default client's 64 KiB and more hold some 200 messages of
