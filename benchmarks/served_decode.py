@@ -12,6 +12,9 @@ is not: the prompts are short, 32 tokens); at concurrency C the figure is all ou
 wall time of C requests at once. Served over HTTP is the OpenAI ``/v1/completions`` SSE stream
 (a raw-socket client, ``load_clients``), over gRPC the ``GenerateStream`` RPC.
 
+With ``--transports ...,llama-server`` llama.cpp's server (``make bench-peer``; ``-np 16``, the same
+threads) serves the same GGUF file to the same HTTP client, and the row gives ours over it.
+
 It also reports, per streamed token at concurrency 1, where a served token's time goes, by
 difference: the engine's step (the offline figure), engine -> gateway -> client over gRPC (a second
 server, ``--skip-tokenizer-init``, streams token ids alone: transport ``grpc-ids``), the
@@ -98,6 +101,59 @@ class Served:
         self.sp.kill()
 
 
+LLAMA_SERVER = ROOT / "benchmarks" / ".llamacpp" / "bin" / "llama-server"
+
+
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on the same GGUF file, threads and client (``make bench-peer``
+    builds it): ``-np 16`` slots, a context for 16 of these requests, measured as the ``llama-server``
+    transport over the same raw-socket OpenAI client as ours."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int) -> None:
+        import socket
+        import subprocess
+        import urllib.request
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.http_port = sock.getsockname()[1]
+        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "16", "-c", str(ctx)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.http_port)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while True:  # until /health answers 200 (the model is loaded), or the server died
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("llama-server did not become healthy in 300 s")
+            time.sleep(0.5)
+
+    def run(self, prompts, tokens: int, concurrency: int, transport: str) -> float:
+        n, total_wall = 0, 0.0
+        for i in range(0, len(prompts), concurrency):
+            group = prompts[i : i + concurrency]
+            recs, wall = asyncio.run(
+                openai_load("127.0.0.1", self.http_port, "", group, [tokens] * len(group), len(group))
+            )
+            errors = [r.error for r in recs if r.error]
+            if errors:
+                raise RuntimeError(f"llama-server requests failed: {errors[:3]}")
+            n += sum(len(r.token_times) for r in recs)
+            total_wall += wall
+        return n / total_wall
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def hops(row: dict, transports: list[str]) -> dict[str, float]:
     """Where a streamed token's time goes at batch 1, by difference of the per-token times: the
     engine's step (offline), engine -> gateway -> gRPC client (token ids only), detokenizing (the
@@ -125,8 +181,10 @@ def main() -> None:
     ap.add_argument(
         "--transports",
         default="http,grpc,grpc-ids",
-        help="http (OpenAI SSE), grpc (GenerateStream with text), grpc-ids (a --skip-tokenizer-init server)",
+        help="http (OpenAI SSE), grpc (GenerateStream with text), grpc-ids (a --skip-tokenizer-init server), "
+        "llama-server (llama.cpp's, same file, threads and HTTP client; a GGUF model only)",
     )
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER), help="the llama-server binary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -141,7 +199,13 @@ def main() -> None:
         off = Offline(model, t)
         srv = Served(model, threads) if {"http", "grpc"} & set(transports) else None
         ids = Served(model, threads, token_only=True) if "grpc-ids" in transports else None
-        servers = {"http": srv, "grpc": srv, "grpc-ids": ids}
+        peer = None
+        if "llama-server" in transports:
+            if not where.is_gguf:
+                raise SystemExit("--transports llama-server: llama.cpp serves a GGUF file, this model is not")
+            ctx = 16 * (args.prompt_len + args.tokens + 64)
+            peer = LlamaServer(Path(args.llama_server), where.gguf, t, ctx)
+        servers = {"http": srv, "grpc": srv, "grpc-ids": ids, "llama-server": peer}
         try:
             for c in concs:
                 n = args.requests or max(2, c)
@@ -168,6 +232,9 @@ def main() -> None:
                     f"{tr} {row[tr]:.1f} ({', '.join(f'{x:.2f}' for x in row[tr + '_over_offline'])}x)"
                     for tr in transports
                 )
+                if "llama-server" in row and "http" in row:
+                    row["http_over_llama_server"] = row["http"] / row["llama-server"]
+                    ratios += f"  ours/llama-server over HTTP {row['http_over_llama_server']:.2f}x"
                 print(
                     f"threads {threads} ({t}), {c} at once: offline {row['offline']:.1f} tok/s  {ratios}",
                     flush=True,

@@ -134,15 +134,38 @@ POOL = "thread_pool"  # the kernels' threads (native/parallel.h): one per proces
 
 @functools.cache
 def load(name: str, isa: str) -> ctypes.CDLL:
-    if name != POOL:
-        # Loaded first and globally, so that every kernel library's reference to it binds to this
-        # one pool; without it (a failed build) their loops run on the calling thread alone.
-        try:
-            load(POOL, "generic")
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-            log.warning("native thread pool not built, kernels run on one thread: %s", e)
-        return ctypes.CDLL(str(build(name, isa)))
-    return ctypes.CDLL(str(build(name, isa)), mode=ctypes.RTLD_GLOBAL)
+    if name == POOL:
+        return ctypes.CDLL(str(build(name, isa)), mode=ctypes.RTLD_GLOBAL)
+    # The pool is loaded first and globally, so that every kernel library's reference to it binds
+    # to this one pool; without it (a failed build) their loops run on the calling thread alone.
+    pool = _pool()
+    lib = ctypes.CDLL(str(build(name, isa)))
+    if pool is None and not _pool_missing_told:
+        _tell_pool_missing()
+    return lib
+
+
+_pool_missing_told = False
+_pool_error: list[str] = []
+
+
+@functools.cache
+def _pool() -> ctypes.CDLL | None:
+    try:
+        return load(POOL, "generic")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        # Not reported here: a compiler that cannot build the pool cannot build the kernels either,
+        # and their failure is reported once (below). Reported only if a kernel builds without it.
+        _pool_error.append(str(e))
+        log.debug("native thread pool not built: %s", e)
+        return None
+
+
+def _tell_pool_missing() -> None:
+    global _pool_missing_told
+    _pool_missing_told = True
+    why = "; ".join(_pool_error[-1:])
+    log.warning("native thread pool not built, the kernels run on one thread: %s", why)
 
 
 def load_or_none(name: str, isa: str | None = None) -> ctypes.CDLL | None:
@@ -189,8 +212,12 @@ def _load_or_none(name: str, isa: str) -> ctypes.CDLL | None:
 
 def forget_loads() -> None:
     """Look every library up again (tests that change the compiler or the cache)."""
+    global _pool_missing_told
     _load_or_none.cache_clear()
     load.cache_clear()
+    _pool.cache_clear()
+    _pool_missing_told = False
+    _pool_error.clear()
     _reported.clear()
 
 
