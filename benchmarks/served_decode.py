@@ -69,6 +69,29 @@ class Offline:
         self.llm.shutdown()
 
 
+def streamed_rate(group_load, prompts, concurrency: int) -> float:
+    """Output tokens per second of wall time: ``group_load(group)`` runs each group of
+    ``concurrency`` prompts at once and returns its (records, wall seconds)."""
+    n, total_wall = 0, 0.0
+    for i in range(0, len(prompts), concurrency):
+        recs, wall = group_load(prompts[i : i + concurrency])
+        errors = [r.error for r in recs if r.error]
+        if errors:
+            raise RuntimeError(f"requests failed: {errors[:3]}")
+        n += sum(len(r.token_times) for r in recs)
+        total_wall += wall
+    return n / total_wall
+
+
+def http_rate(port: int, prompts, tokens: int, concurrency: int) -> float:
+    """``streamed_rate`` over the OpenAI ``/v1/completions`` SSE stream at ``port``."""
+
+    def group_load(group):
+        return asyncio.run(openai_load("127.0.0.1", port, "", group, [tokens] * len(group), len(group)))
+
+    return streamed_rate(group_load, prompts, concurrency)
+
+
 class Served:
     def __init__(self, model: Path, threads: str, token_only: bool = False) -> None:
         from tests.service_process import ServiceProcess
@@ -79,23 +102,13 @@ class Served:
         self.sp = ServiceProcess(model, *args).start()
 
     def run(self, prompts, tokens: int, concurrency: int, transport: str) -> float:
-        lens = [tokens] * len(prompts)
-        total_wall = 0.0
-        n = 0
-        for i in range(0, len(prompts), concurrency):
-            group = prompts[i : i + concurrency]
-            if transport == "http":
-                recs, wall = asyncio.run(
-                    openai_load("127.0.0.1", self.sp.http_port, "", group, lens[: len(group)], len(group))
-                )
-            else:
-                recs, wall = asyncio.run(run_load(self.sp.target, grpc_requests(group, tokens), len(group)))
-            errors = [r.error for r in recs if r.error]
-            if errors:
-                raise RuntimeError(f"served requests failed: {errors[:3]}")
-            n += sum(len(r.token_times) for r in recs)
-            total_wall += wall
-        return n / total_wall
+        if transport == "http":
+            return http_rate(self.sp.http_port, prompts, tokens, concurrency)
+
+        def group_load(group):
+            return asyncio.run(run_load(self.sp.target, grpc_requests(group, tokens), len(group)))
+
+        return streamed_rate(group_load, prompts, concurrency)
 
     def close(self) -> None:
         self.sp.kill()
@@ -136,18 +149,7 @@ class LlamaServer:
             time.sleep(0.5)
 
     def run(self, prompts, tokens: int, concurrency: int, transport: str) -> float:
-        n, total_wall = 0, 0.0
-        for i in range(0, len(prompts), concurrency):
-            group = prompts[i : i + concurrency]
-            recs, wall = asyncio.run(
-                openai_load("127.0.0.1", self.http_port, "", group, [tokens] * len(group), len(group))
-            )
-            errors = [r.error for r in recs if r.error]
-            if errors:
-                raise RuntimeError(f"llama-server requests failed: {errors[:3]}")
-            n += sum(len(r.token_times) for r in recs)
-            total_wall += wall
-        return n / total_wall
+        return http_rate(self.http_port, prompts, tokens, concurrency)
 
     def close(self) -> None:
         self.proc.kill()

@@ -50,6 +50,20 @@ def q4_1_file(tiny_llama, tmp_path_factory):
     return write_gguf(tiny_llama, tmp_path_factory.mktemp("freed") / "tiny-Q4_1.gguf", "Q4_1")
 
 
+def _assert_blocks_path_gives_the_float_tokens(path, vocab: int) -> None:
+    """The whole exact path (fp32 activations on the embedding's blocks) gives the float model's
+    greedy tokens."""
+    prompts = random_prompts([9, 30], vocab, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for options in ({"quantized_activations": "none"}, {"dtype": "float32"}):
+        e = make_engine(path, **options)
+        assert (e.model.embed_blocks is not None) == ("dtype" not in options)
+        out = run_to_completion(e, {str(i): (p, params) for i, p in enumerate(prompts)})
+        runs.append([out[str(i), 0] for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("options", [{}, {"quantized_activations": "none"}], ids=["int8act", "fp32act"])
 def test_gguf_blocks_leave_no_float_copy_and_still_serve(q4_1_file, options):
     engine = make_engine(q4_1_file, **options)
@@ -117,16 +131,7 @@ def test_a_tied_gguf_embedding_is_looked_up_in_its_blocks(tied_llama, tmp_path, 
     for bad in (-1, want.shape[0]):
         with pytest.raises(IndexError, match=f"token id {bad} is outside"):
             model._embed(torch.tensor([3, bad]))
-    # The whole exact path (fp32 activations on the blocks) gives the float model's tokens.
-    prompts = random_prompts([9, 30], 1024, seed=4)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    runs = []
-    for options in ({"quantized_activations": "none"}, {"dtype": "float32"}):
-        e = make_engine(path, **options)
-        assert (e.model.embed_blocks is not None) == ("dtype" not in options)
-        out = run_to_completion(e, {str(i): (p, params) for i, p in enumerate(prompts)})
-        runs.append([out[str(i), 0] for i in range(len(prompts))])
-    assert runs[0] == runs[1]
+    _assert_blocks_path_gives_the_float_tokens(path, vocab=1024)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -189,12 +194,4 @@ def test_an_untied_gguf_embedding_is_looked_up_in_its_blocks(tiny_llama, tmp_pat
     want = table.dequantize()
     ids = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(0))
     assert torch.equal(model._embed(ids).view(torch.int32), want[ids].view(torch.int32))
-    prompts = random_prompts([9, 30], 1000, seed=4)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    runs = []
-    for options in ({"quantized_activations": "none"}, {"dtype": "float32"}):
-        e = make_engine(path, **options)
-        assert (e.model.embed_blocks is not None) == ("dtype" not in options)
-        out = run_to_completion(e, {str(i): (p, params) for i, p in enumerate(prompts)})
-        runs.append([out[str(i), 0] for i in range(len(prompts))])
-    assert runs[0] == runs[1]
+    _assert_blocks_path_gives_the_float_tokens(path, vocab=1000)
