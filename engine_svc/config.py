@@ -9,6 +9,13 @@ MAX_LORAS = 256
 MAX_LORA_RANK = 512
 
 
+# A step's seats on CPU when max_seqs_per_step is not set (docs/slow-readers.md): this many per
+# engine thread, and at least the floor. Past about that many rows a CPU step's rate per token no
+# longer rises, while its duration -- every stream's inter-token latency -- keeps growing.
+CPU_SEQS_PER_STEP_PER_THREAD = 16
+CPU_MIN_SEQS_PER_STEP = 32
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -16,6 +23,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes for the whole KV cache
     max_num_seqs: int = 256
+    # Most running sequences one step computes (None: max_num_seqs on CUDA, fewer on CPU: above).
+    # When more may run, the step's seats go round the clients (Request.client), each client's
+    # least recently stepped first: hundreds of streams from one client cannot make every step of
+    # another client's stream slow.
+    max_seqs_per_step: int | None = None
     max_num_batched_tokens: int = 2048
     # The step's work budget (engine_svc/step_cost.py): attention work per context token relative
     # to a token's linear work. None: derived from the model's config; 0: tokens alone count.
@@ -49,6 +61,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_seqs_per_step is not None and self.max_seqs_per_step < 1:
+            raise ValueError(f"max_seqs_per_step must be >= 1, got {self.max_seqs_per_step}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

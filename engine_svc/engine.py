@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine_svc.config import EngineConfig, ModelInfo
+from engine_svc.config import CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD, EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
@@ -111,7 +111,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio
-        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio)
+        seats = seqs_per_step(config, self.device)
+        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio, seats)
         self.grammars = self._grammar_compiler()
         self.lora = None
         lora_step = None
@@ -160,7 +161,8 @@ class LLMEngine:
         )
         freeze_startup_heap()
         log.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d",
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d, "
+            "%d running sequences, %d a step",
             self.spec.architecture,
             self.device,
             self.dtype,
@@ -168,6 +170,8 @@ class LLMEngine:
             config.block_size,
             self.max_model_len,
             shard.size,
+            config.max_num_seqs,
+            seats,
         )
 
     def _draft_spec(self) -> ModelSpec | None:
@@ -234,10 +238,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: str | None = None,
+        client: str = "",
     ) -> None:
         """Validate and queue a request; ``ValueError`` (naming the field and limit) leaves no trace.
         ``lora`` names a loaded adapter (None or "": the base model); an unknown one raises
-        ``AdapterNotFound`` (a LookupError)."""
+        ``AdapterNotFound`` (a LookupError). ``client`` says who sent it: when more requests run
+        than a step computes, the step's seats go round the clients (scheduler.py)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
@@ -268,6 +274,7 @@ class LLMEngine:
         params = replace(params, eos_token_ids=tuple(self.spec.eos_token_ids))  # the caller's stays as it was
         request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
         request.lora = adapter
+        request.client = client
         if grammar is not None:
             request.grammar = self.grammars.submit(grammar)  # compiled off the loop; admitted when ready
         seq = Sequence(request, 0, list(prompt))
@@ -484,6 +491,19 @@ class LLMEngine:
 
 def _adapter_names(seqs) -> tuple[str, ...]:
     return tuple(sorted({s.request.lora.name for s in seqs if s.request.lora is not None}))
+
+
+def seqs_per_step(config: EngineConfig, device: torch.device, threads: int | None = None) -> int:
+    """The most running sequences one step computes: the config's, else every running one on
+    CUDA, and on CPU ``CPU_SEQS_PER_STEP_PER_THREAD`` per engine thread (at least
+    ``CPU_MIN_SEQS_PER_STEP``)."""
+    if config.max_seqs_per_step is not None:
+        return config.max_seqs_per_step
+    if device.type == "cpu":
+        threads = torch.get_num_threads() if threads is None else threads
+        seats = max(CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD * threads)
+        return min(config.max_num_seqs, seats)
+    return config.max_num_seqs
 
 
 def resolve_device(name: str | None, rank: int = 0) -> torch.device:

@@ -9,6 +9,10 @@ sequence, else the most recently admitted running one (or the lowest-priority on
 its blocks are released and it goes back to the front of the waiting queue, to be recomputed
 later (cheaply, from the prefix cache).
 
+When more sequences may run than a step computes (``max_seqs_per_step``), the step's seats go
+round the clients that sent them (``_sitting_out``): a stream is never slowed by another client's
+hundreds of streams beyond one seat per client per round.
+
 ``update_from_output()``: everything that follows a forward pass — advance the counters, publish
 full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``
 requests, apply the one stop rule, free what finished, keep the proposer's drafts on their sequences
@@ -63,6 +67,7 @@ class Scheduler:
         kv: KVCacheManager,
         speculative: SpeculativeConfig | None = None,
         attention_work_ratio: float | None = None,
+        max_per_step: int | None = None,
     ):
         """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
         self.config = config
@@ -74,6 +79,9 @@ class Scheduler:
         self._work = 0.0  # of the step being planned: work left in its budget
         self._prefilled = False  # of the step being planned: whether a prompt chunk is in it
         self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
+        # Seats of a step (the engine resolves the device's default; model-free tests: the config's).
+        self.max_per_step = max_per_step or config.max_seqs_per_step or config.max_num_seqs
+        self.num_steps = 0  # steps planned: a sequence's last_step is one of these
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.priority = config.scheduling_policy == "priority"
@@ -148,9 +156,11 @@ class Scheduler:
         # the next verifies).
         verify = self.spec is not None and len(running) <= self.spec.max_batch
         propose = verify and (self.governor is None or self.governor.allow(len(running)))
+        self.num_steps += 1
+        out_this_step = self._sitting_out() if len(running) > self.max_per_step else ()
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.request.paused:
+            if seq.request.paused or seq in out_this_step:
                 i += 1
                 continue
             num_tokens = len(seq.token_ids)
@@ -185,6 +195,9 @@ class Scheduler:
             budget = self._admit(out, budget, propose)
         if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
             out.all_decoding = False
+        step = self.num_steps
+        for seq in out.seqs:
+            seq.last_step = step
         out.layout = (
             LogitsLayout.decodes(out.seqs)
             if out.only_decodes
@@ -195,6 +208,35 @@ class Scheduler:
         changes = self.kv.take_step_changes()
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         return out
+
+    def _sitting_out(self) -> set[Sequence]:
+        """The running sequences that take no seat this step, when more may run than
+        ``max_seqs_per_step``. Seats go in rounds: each client (``Request.client``) with runnable
+        sequences takes one seat a round, its least recently stepped sequence; within a round the
+        clients stepped least recently go first. Under the priority policy a more urgent sequence
+        is seated before any less urgent one, in rounds within each priority. Deterministic: the
+        ties fall by position in the running list."""
+        runnable = [s for s in self.running if not s.request.paused]
+        cap = self.max_per_step
+        if len(runnable) <= cap:
+            return set()
+        prio = self.priority
+
+        def urgency(j: int) -> tuple[int, int, int]:
+            s = runnable[j]
+            return (s.request.priority if prio else 0, s.last_step, j)
+
+        taken: dict[tuple[int, str], int] = {}  # (priority, client) -> seats its earlier sequences hold
+        ranked = []
+        for j in sorted(range(len(runnable)), key=urgency):
+            s = runnable[j]
+            level = s.request.priority if prio else 0
+            group = (level, s.request.client)
+            depth = taken.get(group, 0)
+            taken[group] = depth + 1
+            ranked.append(((level, depth, s.last_step, j), s))
+        ranked.sort(key=lambda item: item[0])
+        return {s for _, s in ranked[cap:]}
 
     def _drafting(self, seq: Sequence) -> bool:
         """Whether ``seq`` still speculates: it may, and its drafts have not stopped paying."""

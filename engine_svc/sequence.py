@@ -67,6 +67,7 @@ class Request:
     prompt_logprobs_sent: bool = False
     grammar: Future | None = None  # of the first sequence's matcher, compiled off the loop
     lora: object = None  # engine_svc.lora.adapter.LoRAAdapter it runs under; None: the base model
+    client: str = ""  # who sent it (the gateway's session and the caller's connection): fair share of a step
 
     def __post_init__(self) -> None:
         # Read for every sequence on every step: fields computed once, not properties.
@@ -125,6 +126,7 @@ class Sequence:
     # themselves belong to the KV cache manager (``KVCacheManager.block_table``).
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    last_step: int = 0  # the scheduler's step count when it last computed this sequence
     admitted_before: bool = False
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None

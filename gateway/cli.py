@@ -85,6 +85,12 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--max-unsent-bytes", type=int, default=d.max_unsent_bytes)
     p.add_argument(
+        "--max-unsent-tokens",
+        type=int,
+        default=d.max_unsent_tokens,
+        help="per stream: tokens not yet read by the client; past it the request is paused in the engine",
+    )
+    p.add_argument(
         "--stream-stall-timeout",
         type=float,
         default=d.stream_stall_timeout_s,
@@ -291,6 +297,7 @@ def _serve(args) -> int:
         max_detokenize_ids=args.max_detokenize_ids,
         max_unsent_messages=args.max_unsent_messages,
         max_unsent_bytes=args.max_unsent_bytes,
+        max_unsent_tokens=args.max_unsent_tokens,
         stream_stall_timeout_s=args.stream_stall_timeout,
         stream_pause_after_s=args.stream_pause_after,
         max_paused_streams=args.max_paused_streams,

@@ -28,7 +28,9 @@ from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gateway.engine")
 MAX_MESSAGE_BYTES = 64 << 20
-RPC_TIMEOUT_S = 30.0  # a Submit or Abort waits at most one engine step; this only bounds a hung engine
+# Admin calls (adapters, stats) only. Submit, Abort and SetPaused have no deadline of their own: they
+# wait for the step in progress, which may rightly be long, and end with the session (``_lost``).
+RPC_TIMEOUT_S = 30.0
 
 
 class EngineUnavailable(Exception):
@@ -109,7 +111,7 @@ class RequestHandle:
 
     def _put(self, item) -> None:
         if self.budget is not None and isinstance(item, EngineDelta):
-            self.budget.added(item.wire_bytes)
+            self.budget.added(item.wire_bytes, len(item.token_ids))
         self._queue.put_nowait(item)
 
     async def next_deltas(self) -> list[EngineDelta]:
@@ -119,7 +121,9 @@ class RequestHandle:
             items.append(self._queue.get_nowait())
         deltas = [item for item in items if isinstance(item, EngineDelta)]
         if self.budget is not None:
-            self.budget.taken(len(deltas), sum(d.wire_bytes for d in deltas))
+            self.budget.taken(
+                len(deltas), sum(d.wire_bytes for d in deltas), sum(len(d.token_ids) for d in deltas)
+            )
         out = []
         for item in items:
             if isinstance(item, Exception):
@@ -146,10 +150,11 @@ class EngineClient:
         keepalive: Keepalive | None = None,
         max_unsent_messages: int = 0,  # per request; 0: no backpressure (no pausing in the engine)
         max_unsent_bytes: int = 0,
+        max_unsent_tokens: int = 0,
         pause_after_s: float = 0.0,  # output untaken this long pauses the request too (0: never)
     ) -> None:
         self.address = address
-        self.max_unsent = (max_unsent_messages, max_unsent_bytes)
+        self.max_unsent = (max_unsent_messages, max_unsent_bytes, max_unsent_tokens)
         self.pause_after_s = pause_after_s
         self._pause_unsupported = False
         self.tls = tls
@@ -176,6 +181,7 @@ class EngineClient:
         self._output_ring: TokenRing | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._background: set[asyncio.Task] = set()
+        self._calls: set[asyncio.Task] = set()  # the session's unary calls in flight: ended with it
         self._ready = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -228,6 +234,7 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str = "",
         lora: str = "",
+        client: str = "",
     ) -> RequestHandle:
         """Send a request; its deltas go to the returned handle. Raises EngineUnavailable, or
         grpc.aio.AioRpcError with INVALID_ARGUMENT when the engine refuses the request."""
@@ -242,6 +249,7 @@ class EngineClient:
             priority=priority,
             cache_salt=cache_salt,
             lora=lora,
+            client=client,
         )
         start = self._prompt_ring.try_write(prompt) if self._prompt_ring is not None else None
         if start is not None:
@@ -249,9 +257,12 @@ class EngineClient:
             msg.prompt_span.length = len(prompt)
         else:
             msg.token_ids.ids.extend(prompt)
-        call = asyncio.ensure_future(self._stub.Submit(msg, timeout=RPC_TIMEOUT_S))
+        call = self._start(self._stub.Submit, msg)
         try:
-            await asyncio.shield(call)
+            await self._wait(call)
+        except EngineUnavailable:
+            self._handles.pop(request_id, None)
+            raise
         except asyncio.CancelledError:
             # The client left mid-Submit. The Submit goes on regardless: the engine must consume
             # its prompt span (the ring releases in order, so one span never read would pin the
@@ -271,6 +282,27 @@ class EngineClient:
             raise
         return handle
 
+    def _start(self, rpc, msg) -> asyncio.Task:
+        """A unary call of this session. It has no deadline: the engine answers between two steps,
+        and a step may rightly take longer than any fixed bound; the gateway's watchdog (heartbeats
+        that show no progress) judges a hung engine, and losing the session cancels the call."""
+        call = asyncio.ensure_future(rpc(msg))
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
+
+    @staticmethod
+    async def _wait(call: asyncio.Task):
+        """``call``'s reply; ``EngineUnavailable`` when the session was lost first. The caller's own
+        cancellation leaves the call running (``submit`` still has to see it land)."""
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and not (task is not None and task.cancelling()):
+                raise EngineUnavailable("the engine session was lost") from None
+            raise
+
     async def _abort_when_submitted(self, call, request_id: str) -> None:
         try:
             await call
@@ -289,8 +321,8 @@ class EngineClient:
     # Backpressure --------------------------------------------------------------------------------
 
     def _budget(self, request_id: str) -> OutputBudget | None:
-        max_messages, max_bytes = self.max_unsent
-        if max_messages <= 0 and max_bytes <= 0:
+        max_messages, max_bytes, max_tokens = self.max_unsent
+        if max_messages <= 0 and max_bytes <= 0 and max_tokens <= 0:
             return None
         state = {"wanted": False, "sent": False, "task": None}
 
@@ -313,18 +345,22 @@ class EngineClient:
                 state["task"] = None
 
         return OutputBudget(
-            max_messages or 1 << 30, max_bytes or 1 << 62, set_paused, pause_after_s=self.pause_after_s
+            max_messages or 1 << 30,
+            max_bytes or 1 << 62,
+            set_paused,
+            pause_after_s=self.pause_after_s,
+            max_tokens=max_tokens or 1 << 30,
         )
 
     async def set_paused(self, request_ids: list[str], paused: bool) -> None:
         """Pause (or resume) requests in the engine; a failure only leaves them running."""
         if not self.ready or self._pause_unsupported:
             return
+        msg = pb.SetPausedRequest(session_id=self._session_id, request_ids=request_ids, paused=paused)
         try:
-            await self._stub.SetPaused(
-                pb.SetPausedRequest(session_id=self._session_id, request_ids=request_ids, paused=paused),
-                timeout=RPC_TIMEOUT_S,
-            )
+            await self._wait(self._start(self._stub.SetPaused, msg))
+        except EngineUnavailable:
+            return  # the session's requests ended with it
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._pause_unsupported = True  # an older engine: slow readers only buffer here
@@ -339,11 +375,11 @@ class EngineClient:
                 self._handles.pop(rid, None)
         if not self.ready or not request_ids:
             return
+        msg = pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index)
         try:
-            await self._stub.Abort(
-                pb.AbortRequest(session_id=self._session_id, request_ids=request_ids, index=index),
-                timeout=RPC_TIMEOUT_S,
-            )
+            await self._wait(self._start(self._stub.Abort, msg))
+        except EngineUnavailable:
+            return  # the engine closed the session: its requests are aborted with it
         except grpc.aio.AioRpcError as e:
             log.warning("abort of %s failed: %s", request_ids, e.details())
 
@@ -501,5 +537,7 @@ class EngineClient:
         handles, self._handles = self._handles, {}
         for h in handles.values():
             h._put(EngineUnavailable(reason))
+        for call in list(self._calls):
+            call.cancel()
         if was_ready and self.on_state_change:
             self.on_state_change(False)

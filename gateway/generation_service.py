@@ -414,6 +414,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                         v.priority,
                         cache_salt=cache_salt,
                         lora=request.lora,
+                        client=client or "",
                     )
                 except EngineUnavailable as e:
                     raise unavailable(str(e)) from e

@@ -38,6 +38,7 @@ class Limits:
     # Backpressure (gateway/stream_buffer.py): output a client has not taken yet, per stream.
     max_unsent_messages: int = 64
     max_unsent_bytes: int = 256 << 10
+    max_unsent_tokens: int = 64  # a message may carry several (drafts accepted in one step)
     stream_stall_timeout_s: float = 30.0
     # Slow readers (docs/slow-readers.md): output untaken this long pauses the request in the engine
     # (0: only the two bounds above pause); a paused stream holds no admission slot and no seat.

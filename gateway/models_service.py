@@ -58,6 +58,7 @@ class ModelsService(pb_grpc.ModelsServicer):
                 max_request_id_chars=lim.max_request_id_chars,
                 max_unsent_messages=lim.max_unsent_messages,
                 max_unsent_bytes=lim.max_unsent_bytes,
+                max_unsent_tokens=lim.max_unsent_tokens,
                 stream_stall_timeout_s=lim.stream_stall_timeout_s,
                 stream_pause_after_s=lim.stream_pause_after_s,
                 max_paused_streams=lim.max_paused_streams,

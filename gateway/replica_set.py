@@ -29,7 +29,7 @@ class RoutedHandle:
     def __init__(self, replicas: ReplicaSet, request_id: str, submit_args: tuple, retries: int) -> None:
         self.request_id = request_id
         self._replicas = replicas
-        self._submit_args = submit_args  # prompt, params, priority, cache_salt, lora: to submit again
+        self._submit_args = submit_args  # prompt, params, priority, cache_salt, lora, client: to submit again
         self._retries_left = retries
         self._inner: RequestHandle | None = None
         self._delivered = False
@@ -220,8 +220,11 @@ class ReplicaSet:
         priority: int = 0,
         cache_salt: str = "",
         lora: str = "",
+        client: str = "",
     ) -> RoutedHandle:
-        handle = RoutedHandle(self, request_id, (prompt, params, priority, cache_salt, lora), self.retries)
+        handle = RoutedHandle(
+            self, request_id, (prompt, params, priority, cache_salt, lora, client), self.retries
+        )
         await self._place(handle, avoid=None)
         return handle
 
@@ -232,7 +235,7 @@ class ReplicaSet:
         await self._place(handle, avoid=lost)
 
     async def _place(self, handle: RoutedHandle, avoid: EngineClient | None) -> None:
-        prompt, params, priority, cache_salt, lora = handle._submit_args
+        prompt, params, priority, cache_salt, lora, client = handle._submit_args
         rid = handle.request_id
         tried: set[str] = set() if avoid is None else {avoid.address}
         while True:
@@ -244,7 +247,9 @@ class ReplicaSet:
                 handle._replace_inner(
                     await self._submit_unless_lost(
                         replica,
-                        replica.submit(rid, prompt, params, priority, cache_salt=cache_salt, lora=lora),
+                        replica.submit(
+                            rid, prompt, params, priority, cache_salt=cache_salt, lora=lora, client=client
+                        ),
                     )
                 )
                 return

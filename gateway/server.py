@@ -123,6 +123,7 @@ class GatewayServer:
                 keepalive=o.keepalive,
                 max_unsent_messages=o.limits.max_unsent_messages,
                 max_unsent_bytes=o.limits.max_unsent_bytes,
+                max_unsent_tokens=o.limits.max_unsent_tokens,
                 pause_after_s=o.limits.stream_pause_after_s,
             ),
             o.routing,

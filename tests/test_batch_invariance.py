@@ -155,6 +155,8 @@ def mix_st(draw):
     bs = config["block_size"]
     need = max(-(-(len(s.prompt) + s.params.max_tokens) // bs) + s.params.n for s in specs)
     config["num_kv_blocks"] = need + draw(st.integers(0, 12))
+    # Fewer seats a step than running sequences: they take turns, round the two clients (run_mix).
+    config["max_seqs_per_step"] = draw(st.sampled_from([None, None, 1, 2, 3]))
     return specs, config
 
 
@@ -184,6 +186,14 @@ class Coverage:
             return out
 
         engine.scheduler.schedule = observed
+        sitting_out = engine.scheduler._sitting_out
+
+        def rotated():
+            out = sitting_out()
+            counts["seats taken in turns"] += bool(out)
+            return out
+
+        engine.scheduler._sitting_out = rotated
 
 
 def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> dict[str, Result]:
@@ -195,7 +205,9 @@ def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> d
     def on_step(step: int) -> None:
         while pending and specs[pending[0]].arrive_at <= step:
             i = pending.pop(0)
-            engine.add_request(f"r{i}", specs[i].prompt, specs[i].params, priority=specs[i].priority)
+            engine.add_request(
+                f"r{i}", specs[i].prompt, specs[i].params, priority=specs[i].priority, client=f"c{i % 2}"
+            )
         for i, s in enumerate(specs):
             if s.abort_at == step and f"r{i}" in engine.requests:
                 engine.abort_request(f"r{i}", s.abort_index)
@@ -311,6 +323,7 @@ ALL_CASES = (
     "structured-output samples",
     "draft verifications",
     "draft-model verifications",
+    "seats taken in turns",
 )
 
 

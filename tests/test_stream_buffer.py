@@ -89,3 +89,16 @@ def test_a_send_the_client_never_made_room_for_starts_the_clock():
     clock.now = 9.0
     b.added(10)
     assert calls == [True, False]
+
+
+def test_pauses_past_the_token_bound_when_messages_carry_several_tokens():
+    calls = []
+    b = OutputBudget(1000, 1 << 20, calls.append, max_tokens=8)
+    b.added(10, tokens=5)  # a step that accepted drafts: five tokens in one message
+    assert calls == []
+    b.added(10, tokens=5)
+    assert calls == [True]
+    b.taken(1, 10, tokens=5)  # 5 left: more than half of 8
+    assert calls == [True]
+    b.taken(1, 10, tokens=5)
+    assert calls == [True, False]

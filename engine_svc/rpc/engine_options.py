@@ -9,7 +9,14 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
     ("--block-size", int, "KV cache block size in tokens"),
     ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
-    ("--max-num-seqs", int, "most sequences in one step"),
+    ("--max-num-seqs", int, "most sequences running at once (each holds its KV blocks)"),
+    (
+        "--max-seqs-per-step",
+        int,
+        "most running sequences one step computes (default: on CPU 16 per engine thread, at least 32; "
+        "on CUDA all that run); when more run, the step's seats go round the clients, least recently "
+        "stepped first",
+    ),
     (
         "--max-num-batched-tokens",
         int,

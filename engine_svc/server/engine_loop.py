@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from engine_svc.models import layer_progress
@@ -84,13 +85,24 @@ class EngineLoop:
         self._thread.start()
         self.watchdog.start()
 
-    def call(self, fn: Callable, timeout: float | None = 30.0):
-        """Run ``fn()`` on the loop thread between two steps and return (or raise) its result."""
+    def call(self, fn: Callable, give_up: Callable[[], str | None] | None = None):
+        """Run ``fn()`` on the loop thread between two steps and return (or raise) its result.
+
+        No fixed deadline: a step may rightly take longer than any bound (a long prompt's chunk on
+        a slow machine), and the watchdog, not a timer, tells a slow step from a hung one. The
+        caller waits until ``give_up()`` names a reason to stop waiting (the watchdog tripped, the
+        caller left): ``CallAbandoned`` with that reason. ``fn`` may still run afterwards."""
         if self._stopping.is_set():
             raise RuntimeError("the engine is shutting down")
         fut: Future = Future()
         self._commands.put((fn, fut))
-        return fut.result(timeout=timeout)
+        while True:
+            try:
+                return fut.result(timeout=None if give_up is None else self.heartbeat_s)
+            except FutureTimeout:
+                why = give_up()
+                if why:
+                    raise CallAbandoned(why) from None
 
     def post(self, fn: Callable) -> None:
         self._commands.put((fn, None))
@@ -182,11 +194,18 @@ class EngineLoop:
         priority: int,
         cache_salt: str | None,
         lora: str | None = None,
+        client: str = "",
     ) -> None:
         if s.closed or self.stalled.is_set():
             raise RuntimeError("session closed" if s.closed else "the engine is stalled")
         self.engine.add_request(
-            _engine_id(s, request_id), prompt, params, priority=priority, cache_salt=cache_salt, lora=lora
+            _engine_id(s, request_id),
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora=lora,
+            client=_engine_id(s, client),  # one gateway's clients are not another's
         )
         s.live.add(request_id)
 
@@ -376,6 +395,10 @@ class EngineLoop:
             waiting_lora_adapters=st.waiting_lora_adapters,
             max_lora=st.max_lora,
         )
+
+
+class CallAbandoned(Exception):
+    """``EngineLoop.call`` stopped waiting; the message says why."""
 
 
 def _engine_id(s: Session, request_id: str) -> str:

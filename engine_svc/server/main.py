@@ -89,6 +89,7 @@ def engine_config_kwargs(args) -> dict:
         "block_size",
         "num_kv_blocks",
         "max_num_seqs",
+        "max_seqs_per_step",
         "max_num_batched_tokens",
         "attention_work_ratio",
         "max_model_len",

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import queue
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound
 from engine_svc.models import layer_progress
 from engine_svc.rpc.convert import sampling_params_from_proto
-from engine_svc.server.engine_loop import EngineLoop, Session
+from engine_svc.server.engine_loop import CallAbandoned, EngineLoop, Session
 from engine_svc.server.kv_event_feed import FeedClosed, SubscriberDropped
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 from llmserve_proto.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -105,6 +104,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                     request.priority,
                     request.cache_salt or None,
                     request.lora or None,
+                    request.client,
                 ),
                 refusal=True,
             )
@@ -181,8 +181,17 @@ class EngineServicer(pb_grpc.EngineServicer):
     def _call(self, context, fn, refusal: bool = False, in_use: bool = False):
         if self._loop.stalled.is_set():  # the loop would not answer until its stuck step returns
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (watchdog)")
+        loop = self._loop
+
+        def give_up() -> str | None:
+            if loop.stalled.is_set():
+                return "the engine is stalled (watchdog)"
+            return None if context.is_active() else "the caller left"
+
         try:
-            return self._loop.call(fn)
+            return loop.call(fn, give_up)
+        except CallAbandoned as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except AdapterNotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except AdapterInUse as e:
@@ -195,5 +204,3 @@ class EngineServicer(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except FutureTimeout:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer in time")
