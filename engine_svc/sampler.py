@@ -78,7 +78,7 @@ class Sampler:
         for processor, state in b.processors:  # what the request may sample at all
             if processor.constraint:
                 logits = processor.apply(logits, state, b)
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in b.num_logprobs) else None
+        raw_logprobs = _wanted_log_softmax(logits, b.num_logprobs)
         for processor, state in b.processors:  # bans and penalties, after the logprobs are read
             if not processor.constraint:
                 logits = processor.apply(logits, state, b)
@@ -116,19 +116,18 @@ class Sampler:
         return argmax_rows(probs / noise)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int], wanted: list[int | None]):
+    def _logprobs(raw: tuple | None, tokens: list[int], wanted: list[int | None]):
         if raw is None:
             return [None] * len(tokens)
+        lp, positions = raw  # log-softmax of the rows that want logprobs, in row order
         rows = [r for r, n in enumerate(wanted) if n is not None and tokens[r] != DEAD_END_TOKEN]
         if not rows:
             return [None] * len(tokens)
-        idx = torch.tensor(rows, device=raw.device)
-        chosen = torch.tensor([tokens[r] for r in rows], device=raw.device)
-        sub = raw[idx]
-        chosen_lp = sub.gather(1, chosen[:, None]).squeeze(1)
-        ranks = (sub > chosen_lp[:, None]).sum(dim=-1) + 1
+        if len(rows) != lp.shape[0]:  # a dead-end row has no token to score
+            lp = lp[torch.tensor([positions[r] for r in rows], device=lp.device)]
+        chosen = torch.tensor([tokens[r] for r in rows], device=lp.device)
         top_n = max(wanted[r] for r in rows)
-        top_lp, top_ids = sub.topk(top_n, dim=-1) if top_n > 0 else (None, None)
+        chosen_lp, ranks, top_lp, top_ids = _score(lp, chosen, top_n)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         for i, r in enumerate(rows):
             n = wanted[r]
@@ -142,13 +141,41 @@ class Sampler:
         return out
 
 
+def _wanted_log_softmax(logits: torch.Tensor, wanted: list[int | None]) -> tuple | None:
+    """``log_softmax`` of the rows that ask for logprobs only (a row's values are the same computed
+    alone or among others), and each such row's position in it; None when no row asks."""
+    rows = [r for r, n in enumerate(wanted) if n is not None]
+    if not rows:
+        return None
+    if len(rows) == logits.shape[0]:
+        return logits.log_softmax(dim=-1), {r: r for r in rows}
+    lp = logits[torch.tensor(rows, device=logits.device)].log_softmax(dim=-1)
+    return lp, {r: i for i, r in enumerate(rows)}
+
+
+def _score(lp: torch.Tensor, chosen: torch.Tensor, top_n: int):
+    """Per row of ``lp [R, V]``: the chosen token's logprob, its rank (1 + how many logprobs are
+    strictly greater) and the ``top_n`` largest (values, ids).
+
+    The rank is read off the top ``k = max(top_n, 1)`` where it can be: a chosen value at least the
+    k-th largest has every greater value among the top k. Only the other rows (a token sampled
+    outside the top k) count over the whole vocabulary, which costs a pass over ``V`` a row."""
+    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+    k = max(top_n, 1)
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    inside = chosen_lp >= top_lp[:, k - 1]
+    ranks = (top_lp > chosen_lp[:, None]).sum(dim=-1) + 1
+    if not bool(inside.all()):
+        outside = (~inside).nonzero().squeeze(1)
+        ranks[outside] = (lp[outside] > chosen_lp[outside, None]).sum(dim=-1) + 1
+    return chosen_lp, ranks, top_lp, top_ids
+
+
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> list[TokenLogprob]:
     """Logprob of each prompt token given the ones before it: row i of ``logits`` predicts ``next_ids[i]``."""
     lp = logits.log_softmax(dim=-1)
     chosen = torch.tensor(next_ids, device=lp.device)
-    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
-    ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = lp.topk(top_n, dim=-1) if top_n else (None, None)
+    chosen_lp, ranks, top_lp, top_ids = _score(lp, chosen, top_n)
     return [
         TokenLogprob(
             token_id=next_ids[i],
