@@ -46,7 +46,9 @@ def run(sched: Scheduler, steps: int) -> list[list[str]]:
 
 def settle(sched: Scheduler) -> None:
     """Until every sequence is running and decoding."""
-    while sched.waiting.ready or any(s.num_computed_tokens < s.request.num_prompt_tokens for s in sched.running):
+    while sched.waiting.ready or any(
+        s.num_computed_tokens < s.request.num_prompt_tokens for s in sched.running
+    ):
         out = sched.schedule()
         sched.update_from_output(out, fake_result(out))
 

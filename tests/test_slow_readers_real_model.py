@@ -90,7 +90,9 @@ def test_a_normal_request_beside_300_unread_streams_shares_each_step_with_a_few(
             for i in range(NORMAL):
                 before = stats(sp)
                 t = time.monotonic()
-                out = client.generate(f"a normal request {i}", max_tokens=TOKENS, ignore_eos=True, timeout=120)
+                out = client.generate(
+                    f"a normal request {i}", max_tokens=TOKENS, ignore_eos=True, timeout=120
+                )
                 latency = time.monotonic() - t
                 after = stats(sp)
                 assert out.usage.completion_tokens == TOKENS
