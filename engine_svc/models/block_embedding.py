@@ -32,8 +32,14 @@ class BlockEmbedding:
 
     def rows(self, index) -> torch.Tensor:
         """fp32 rows ``index`` (a slice or a 1-D index tensor)."""
-        m = None if self._m is None else self._m[index].float()
-        return QuantizedWeight(self._fmt, self._q[index], self._d[index].float(), m).dequantize()
+        if isinstance(index, torch.Tensor):
+            # index_select, not ``t[index]``: torch's advanced indexing reads the whole table on CPU
+            # (20 ms for 32 rows of SmolLM2's, against 5 us).
+            q, d = self._q.index_select(0, index), self._d.index_select(0, index)
+            m = None if self._m is None else self._m.index_select(0, index)
+        else:
+            q, d, m = self._q[index], self._d[index], None if self._m is None else self._m[index]
+        return QuantizedWeight(self._fmt, q, d.float(), None if m is None else m.float()).dequantize()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
