@@ -100,8 +100,8 @@ def test_a_normal_request_beside_300_unread_streams_shares_each_step_with_a_few(
                 steps = after.load.num_steps - before.load.num_steps
                 generated = after.load.generation_tokens - before.load.generation_tokens
                 # Its seats bound the running sequences a step computes; the ones admitted meanwhile
-                # (waiting before, or the normal request itself) sample their first token on top.
-                bound = seats * steps + before.load.num_waiting + 1
+                # sample their first token on top: at most the rest of the burst, and itself.
+                bound = seats * steps + (READERS - before.num_live_requests) + 1
                 results.append((runnable, steps, generated, latency, bound))
             runnable = results[0][0]
             # The hard case happened: when the first normal request was sent, far more streams could
