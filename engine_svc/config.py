@@ -29,6 +29,11 @@ class EngineConfig:
     # another client's stream slow.
     max_seqs_per_step: int | None = None
     max_num_batched_tokens: int = 2048
+    # While sequences decode, a step that also computes prompt chunks costs at most this many times
+    # their decode step alone (step_cost.py: the work rule plus the step's fixed cost), so that
+    # streams keep their inter-token latency while a long prompt is prefilled. None: 3 on CPU, off
+    # on CUDA; 0: off (a prompt chunk takes the whole work budget).
+    decode_stall_factor: float | None = None
     # The step's work budget (engine_svc/step_cost.py): attention work per context token relative
     # to a token's linear work. None: derived from the model's config; 0: tokens alone count.
     attention_work_ratio: float | None = None
@@ -61,6 +66,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        factor = self.decode_stall_factor
+        if factor is not None and not (factor == 0 or 1 < factor < float("inf")):
+            raise ValueError(f"decode_stall_factor must be 0 (off) or a number > 1, got {factor!r}")
         if self.max_seqs_per_step is not None and self.max_seqs_per_step < 1:
             raise ValueError(f"max_seqs_per_step must be >= 1, got {self.max_seqs_per_step}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

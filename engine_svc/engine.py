@@ -38,7 +38,7 @@ from engine_svc.sequence import Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.draft_model import DraftModelProposer
 from engine_svc.spec_decode.proposer import NgramProposer, Proposer
-from engine_svc.step_cost import ratio_for_spec
+from engine_svc.step_cost import DECODE_STALL_FACTOR, STEP_FLOOR, ratio_for_spec
 from kernels.backend import select_kernels
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,10 @@ class LLMEngine:
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio
         seats = seqs_per_step(config, self.device)
-        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio, seats)
+        stall = config.decode_stall_factor
+        stall = DECODE_STALL_FACTOR.get(self.device.type, 0.0) if stall is None else stall
+        floor = STEP_FLOOR.get(self.device.type, STEP_FLOOR["cpu"])
+        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio, seats, (stall, floor))
         self.grammars = self._grammar_compiler()
         self.lora = None
         lora_step = None

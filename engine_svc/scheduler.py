@@ -36,7 +36,7 @@ from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.acceptance import num_accepted
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.governor import SpeculationGovernor
-from engine_svc.step_cost import StepCost
+from engine_svc.step_cost import STEP_FLOOR, StepCost, decode_cap
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,10 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         attention_work_ratio: float | None = None,
         max_per_step: int | None = None,
+        decode_stall: tuple[float, float] | None = None,
     ):
+        """``decode_stall``: (factor, floor) of ``step_cost.decode_cap``, the engine's for its
+        device (None: the config's factor with the CPU floor; a factor of 0 or None: no cap)."""
         """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
         self.config = config
         self.kv = kv
@@ -76,6 +79,10 @@ class Scheduler:
         # (model-free tests) the config's, and 0 (tokens alone) when that is unset too.
         ratio = config.attention_work_ratio if attention_work_ratio is None else attention_work_ratio
         self.cost = StepCost(config.max_num_batched_tokens, ratio or 0.0)
+        if decode_stall is None:
+            decode_stall = (config.decode_stall_factor or 0.0, STEP_FLOOR["cpu"])
+        self.stall_factor, self.step_floor = decode_stall
+        self._capped = False  # of the step being planned: its work bounded by decodes in it
         self._work = 0.0  # of the step being planned: work left in its budget
         self._prefilled = False  # of the step being planned: whether a prompt chunk is in it
         self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
@@ -158,6 +165,11 @@ class Scheduler:
         propose = verify and (self.governor is None or self.governor.allow(len(running)))
         self.num_steps += 1
         out_this_step = self._sitting_out() if len(running) > self.max_per_step else ()
+        self._capped = False
+        if self.stall_factor:
+            cap = self._decode_cap(out_this_step)
+            if cap is not None:
+                self._work, self._capped = min(self._work, cap), True
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.request.paused or seq in out_this_step:
@@ -208,6 +220,23 @@ class Scheduler:
         changes = self.kv.take_step_changes()
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         return out
+
+    def _decode_cap(self, sitting_out) -> float | None:
+        """The step's work bound while sequences decode in it and prompt work waits (None: none;
+        ``step_cost.decode_cap``)."""
+        decode_work, prompt = 0.0, bool(self.waiting.ready)
+        chunk = self.cost.chunk
+        for seq in self.running:
+            if seq.request.paused or seq in sitting_out:
+                continue
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.request.num_prompt_tokens:
+                decode_work += chunk(seq.num_computed_tokens, 1)
+            else:
+                prompt = True
+        if not decode_work or not prompt:
+            return None
+        return decode_cap(decode_work, self.stall_factor, self.step_floor)
 
     def _sitting_out(self) -> set[Sequence]:
         """The running sequences that take no seat this step, when more may run than
@@ -348,9 +377,10 @@ class Scheduler:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
         budget's share) that the step's work budget still takes. Cut by the work budget, a chunk
         ends on a block boundary where it spans one; the step's first chunk gets at least the
-        tokens up to the next boundary, so that a prompt always advances."""
+        tokens up to the next boundary (beside decodes, one token), so that a prompt always
+        advances."""
         self._prefilled, first = True, not self._prefilled
-        if not self.cost.ratio:
+        if not self.cost.ratio and not self._capped:
             return num_new
         n = self.cost.max_tokens(start, self._work, num_new)
         if n == num_new:
@@ -359,7 +389,10 @@ class Scheduler:
         end = start + n
         if end - end % bs > start:
             return end - end % bs - start
-        return max(n, min(num_new, bs - start % bs)) if first else n
+        if not first:
+            return n
+        # Beside decodes the prompt advances by at least a token; alone, by the rest of its block.
+        return max(n, 1) if self._capped else max(n, min(num_new, bs - start % bs))
 
     def running_adapters(self) -> set[tuple[str, int]]:
         """(name, version) of the LoRA adapters running sequences use: their slots are pinned."""

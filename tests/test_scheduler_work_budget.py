@@ -114,3 +114,35 @@ def test_ratio_from_the_model_shape():
         EngineConfig(model="x", attention_work_ratio=-1.0).validate()
     with pytest.raises(ValueError, match="attention_work_ratio"):
         StepCost(16, float("nan"))
+
+
+def test_beside_decodes_a_prompt_chunk_keeps_the_step_within_the_stall_factor():
+    sched = make(budget=2048, max_num_seqs=64, decode_stall_factor=3.0)
+    floor = sched.step_floor
+    for k in range(2):  # two streams decoding at depth ~1000
+        add(sched, f"d{k}", list(range(3, 3 + 1000)), max_tokens=4000)
+    while any(s.num_computed_tokens < 1000 for s in sched.running) or sched.waiting.ready:
+        step(sched)
+    add(sched, "long", list(range(5000, 9000)))  # 4,000 tokens
+    long_seq = None
+    deep = 0
+    while long_seq is None or long_seq.num_computed_tokens < 4000:
+        out = sched.schedule()
+        decodes = [s for s in out.seqs if s.request.request_id.startswith("d")]
+        assert len(decodes) == 2  # the streams take every step
+        decode_work = sum(sched.cost.chunk(s.num_computed_tokens, 1) for s in decodes)
+        chunks = [(s, n) for s, n in zip(out.seqs, out.num_new, strict=True) if s.request.request_id == "long"]
+        if chunks:
+            (long_seq, n), = chunks
+            assert n >= 1  # it always advances
+            work = planned_work(sched, out)
+            one_token = sched.cost.chunk(long_seq.num_computed_tokens, 1)
+            assert floor + work <= 3.0 * (floor + decode_work) or n == 1 and work - one_token <= decode_work
+            deep += long_seq.num_computed_tokens > 3000
+        sched.update_from_output(out, fake_result(out, token=5))
+    assert deep  # the bound held deep in the prompt too
+    # Alone (no decode in the step), a prompt takes the whole budget again.
+    sched2 = make(budget=2048, decode_stall_factor=3.0)
+    request = add(sched2, "alone", list(range(3, 3 + 4000)))
+    out = sched2.schedule()
+    assert out.num_new == [2048] and request.sequences[0] is out.seqs[0]

@@ -28,6 +28,12 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
         "attention work per context token over a token's linear work, for the step's work budget "
         "(default: from the model's config; 0: tokens alone)",
     ),
+    (
+        "--decode-stall-factor",
+        float,
+        "while sequences decode, a step with prompt chunks costs at most this many times their decode "
+        "step alone, by the work rule (default: 3 on CPU, off on CUDA; 0: off)",
+    ),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--no-prefix-caching", None, "turn prefix caching off"),
     ("--dtype", str, "float32, float16 or bfloat16"),

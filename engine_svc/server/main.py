@@ -92,6 +92,7 @@ def engine_config_kwargs(args) -> dict:
         "max_seqs_per_step",
         "max_num_batched_tokens",
         "attention_work_ratio",
+        "decode_stall_factor",
         "max_model_len",
         "dtype",
         "device",
