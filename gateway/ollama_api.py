@@ -265,7 +265,8 @@ class _Reply:
         self.first: int | None = None
         self.text: list[str] = []
         self.thinking: list[str] = []
-        self.calls: list = []
+        self._whole = pb.GenerateResponse()
+        self.calls = self._whole.tool_calls  # whole calls, merged from the stream's pieces
         self.finish = 0
         self.usage = pb.Usage()
 

@@ -40,7 +40,8 @@ CAT, PARAPHRASE, UNRELATED = (
 
 @pytest.fixture(scope="module")
 def service():
-    with ServiceProcess(DEFAULT, "--http-port", "0", "--served-model-name", "default") as sp:
+    args = ["--http-port", "0", "--served-model-name", "default", "--tool-call-parser", "hermes"]
+    with ServiceProcess(DEFAULT, *args, "--enable-auto-tool-choice") as sp:
         yield sp
 
 
@@ -102,6 +103,63 @@ def test_ollama_generate_templated_and_raw(oll, oai):
         model="default", prompt="The capital of France is", temperature=0, max_tokens=6
     )
     assert raw.response == ref.choices[0].text and raw.prompt_eval_count == ref.usage.prompt_tokens
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_ollama_tools_and_a_tool_round_trip_render_as_the_openai_route_does(oll, oai):
+    """Ollama's shapes (arguments as an object, no call id, ``tool_name``) become the same prompt
+    the OpenAI route renders for its own shapes: same prompt tokens, same greedy reply. (SmolLM2's
+    template renders the tool turn but neither the tools nor the call: the request side of calls is
+    compared field by field in tests/test_ollama_translation.py; this model, 135M, does not call
+    tools under "auto", so replies with calls are checked there too, from stream messages.)"""
+    question = {"role": "user", "content": "What's the weather like in Paris right now?"}
+    r = oll.chat(
+        model="default",
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            },
+            {"role": "tool", "content": '{"temperature_c": 18}', "tool_name": "get_weather"},
+        ],
+        tools=[WEATHER],
+        options={"temperature": 0, "num_predict": 16},
+    )
+    call = {
+        "id": "call_1_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    ref = oai.chat.completions.create(
+        model="default",
+        messages=[
+            question,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {
+                "role": "tool",
+                "content": '{"temperature_c": 18}',
+                "tool_call_id": "call_1_0",
+                "name": "get_weather",
+            },
+        ],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=16,
+    )
+    assert r.prompt_eval_count == ref.usage.prompt_tokens
+    assert r.message.content == (ref.choices[0].message.content or "")
+    assert (r.message.tool_calls or None) == (ref.choices[0].message.tool_calls or None)
 
 
 def test_ollama_format_schema_is_followed(oll):
