@@ -19,6 +19,7 @@ import re
 import threading
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import ollama
@@ -26,6 +27,7 @@ import openai
 import pytest
 
 from gateway.client import LLMServeClient
+from gateway.errors import field_violations
 from tests.service_process import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,6 +256,10 @@ def test_embeddings_are_the_same_bits_alone_in_a_batch_and_on_every_route(oll, o
         via_grpc[0],
     ):
         assert np.array_equal(np.array(got, dtype=np.float32), ref)  # bitwise, as float32
+    with LLMServeClient(service.target, timeout=120) as grpc_client, pytest.raises(grpc.RpcError) as e:
+        grpc_client.embed([CAT, ""])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in field_violations(e.value)] == ["inputs[1]"]
     # Ollama's legacy route gives the unnormalised vector, in the same direction.
     legacy = httpx.post(service.http_url + "/api/embeddings", json={"model": "default", "prompt": CAT}).json()
     raw = np.array(legacy["embedding"], dtype=np.float32)
