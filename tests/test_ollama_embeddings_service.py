@@ -28,6 +28,7 @@ import pytest
 
 from gateway.client import LLMServeClient
 from gateway.errors import field_violations
+from tests.fault_helpers import assert_engine_clean, wait_for
 from tests.service_process import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,3 +308,29 @@ def test_the_docs_example_runs_as_written(service, page):
         assert paraphrase > unrelated, printed
     else:
         assert "default:latest" in printed and printed.rstrip().endswith("576"), printed
+
+
+def test_a_streamed_chat_whose_client_leaves_is_aborted_in_the_engine(service):
+    """Cancel on disconnect, as the other routes: the request cannot end by itself first (its
+    format needs 400 numbers), and it ends "cancelled" with the engine's pool whole."""
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "List numbers."}],
+        "format": {"type": "array", "items": {"type": "integer"}, "minItems": 400},
+        "options": {"temperature": 0, "num_predict": 4000},
+    }
+    cancelled = service.log_tail(1 << 20).count('outcome="cancelled"')
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", service.http_url + "/api/chat", json=body) as r,
+    ):
+        lines = r.iter_lines()  # held: a collected iterator would close the connection (httpcore)
+        first = json.loads(next(lines))
+        assert first["done"] is False and r.headers["content-type"] == "application/x-ndjson"
+        assert service.engine_stats().num_live_requests == 1
+    assert_engine_clean(service)
+    wait_for(
+        lambda: service.log_tail(1 << 20).count('outcome="cancelled"') == cancelled + 1,
+        30,
+        "no cancelled line",
+    )
