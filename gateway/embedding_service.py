@@ -70,8 +70,15 @@ class EmbeddingService(pb_grpc.EmbeddingsServicer):
         pooling = "mean" if request.pooling == pb.POOLING_MEAN else "last"
         normalize = request.normalize if request.HasField("normalize") else True
         sinks = [EmbedSink(pooling, normalize) for _ in request.inputs]
+        # At most a quarter of the admission slots at once: a call of 2048 inputs goes in waves
+        # (each wave shares engine steps) instead of overflowing the queue and being refused.
+        wave = asyncio.Semaphore(max(1, self.s.limits.max_concurrent_requests // 4))
 
         async def one(i: int, item: pb.EmbedInput) -> None:
+            async with wave:
+                await run_one(i, item)
+
+        async def run_one(i: int, item: pb.EmbedInput) -> None:
             g = gen_pb.GenerateRequest(
                 request_id=f"{rid}-{i}" if count > 1 else rid,
                 model=request.model,

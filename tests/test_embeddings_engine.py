@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
+from engine_svc import LLM, SamplingParams
 from engine_svc.pooling import decode_vector
 from tests.differential import Result, assert_same_as_solo, drive, solo
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
@@ -98,6 +98,18 @@ def test_embedding_requests_are_their_solo_run_in_a_mix(tiny_llama):
         assert (ref.embedding is None) == (params.pooling is None), rid
         assert_same_as_solo(rid, results[rid], ref, params)
     assert results["e-repeat"].embedding == results["e-last"].embedding
+
+
+def test_llm_embed_alone_and_together(tiny_llama):
+    """The offline ``LLM.embed``: each prompt's vector is the bytes it gets alone (text and token-id
+    prompts; a fresh engine per call, so nothing is cached across them)."""
+    prompts = random_prompts([9, 33, 5], VOCAB, seed=5)
+    together = LLM(model=str(tiny_llama), max_num_batched_tokens=32).embed(prompts + ["a text prompt"])
+    for i, prompt in enumerate(prompts + ["a text prompt"]):
+        (alone,) = LLM(model=str(tiny_llama)).embed(prompt)
+        assert alone.dtype == np.float32 and alone.tobytes() == together[i].tobytes(), i
+    (mean,) = LLM(model=str(tiny_llama)).embed(prompts[1], pooling="mean", normalize=False)
+    assert not np.array_equal(mean, together[1]) and abs(float(np.linalg.norm(mean)) - 1) > 1e-3
 
 
 def test_embedding_params_are_checked():
