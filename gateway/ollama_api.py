@@ -431,8 +431,6 @@ def _peer(scope) -> str | None:
 
 def routes(api) -> list[Route]:
     """The routes, registered by ``gateway.http_api.HttpApi`` (its auth and body reading)."""
-    from gateway.http_api import _TooLarge as TooLarge  # here: http_api imports this module
-
     s = api.s
     embeddings = EmbeddingService(s, api.service)
 
@@ -470,12 +468,13 @@ def routes(api) -> list[Route]:
                 return await handler(request, identity, body)
             except RequestError as e:
                 return ollama_error(e)
-            except TooLarge as e:
-                return JSONResponse(
-                    {"error": f"body: the limit is max_message_bytes={e.cap}"}, status_code=413
-                )
-            except Exception:  # a bug: still Ollama's shape, and the traceback in the log
-                log.exception("Ollama API request failed")
+            except Exception as e:
+                cap = getattr(e, "cap", None)  # http_api's body-too-large signal (it imports this module)
+                if isinstance(cap, int):
+                    return JSONResponse(
+                        {"error": f"body: the limit is max_message_bytes={cap}"}, status_code=413
+                    )
+                log.exception("Ollama API request failed")  # a bug: still Ollama's shape
                 return JSONResponse({"error": "internal error"}, status_code=500)
 
         return endpoint
