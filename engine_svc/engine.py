@@ -275,7 +275,10 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs the model directory's tokenizer.json (none here)")
             grammar = params.structured_outputs.to_grammar()  # ValueError naming the field
         params = replace(params, eos_token_ids=tuple(self.spec.eos_token_ids))  # the caller's stays as it was
-        request = Request(request_id, prompt, params, priority, cache_salt, next(self._arrivals), max_tokens)
+        arrival = next(self._arrivals)
+        if params.pooling == "mean":  # every prompt row is needed: no prefix hit (engine_svc/pooling.py)
+            cache_salt = f"{cache_salt or ''}\x00mean-pooling\x00{arrival}"
+        request = Request(request_id, prompt, params, priority, cache_salt, arrival, max_tokens)
         request.lora = adapter
         request.client = client
         if grammar is not None:
@@ -381,6 +384,9 @@ class LLMEngine:
         if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)
+            if result.pooled:  # embedding requests whose prompt ended: their vector, on their last delta
+                for d in stepped:
+                    d.embedding = result.pooled.get(d.request_id, d.embedding)
             self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
             deltas += stepped
             self.num_generation_tokens += sum(len(d.new_token_ids) for d in stepped)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from engine_svc.config import EngineConfig
 from engine_svc.engine import LLMEngine
 from engine_svc.lora.request import LoRARequest
 from engine_svc.outputs import CompletionOutput, RequestDelta, RequestOutput
+from engine_svc.pooling import decode_vector
 from engine_svc.sampling_params import SamplingParams
 
 
@@ -127,6 +129,25 @@ class LLM:
             for rid in tracks:
                 self.engine.abort_request(rid)  # on an error mid-way, leave nothing behind
         return [t.result() for t in tracks.values()]
+
+    def embed(self, prompts, pooling: str = "last", normalize: bool = True) -> list[np.ndarray]:
+        """One float32 vector per prompt (text or token ids), in order: the model's final hidden
+        state after its final norm, pooled ("last" or "mean") and L2-normalised unless
+        ``normalize`` is False (engine_svc/pooling.py). The prompts share the engine's steps."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling, normalize=normalize)
+        ids: list[str] = []
+        vectors: dict[str, np.ndarray] = {}
+        try:
+            for prompt in _as_prompt_list(prompts):
+                ids.append(self._start(prompt, params, 0).request_id)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if delta.embedding is not None:
+                        vectors[delta.request_id] = decode_vector(delta.embedding).copy()
+        finally:
+            for rid in ids:
+                self.engine.abort_request(rid)  # on an error mid-way, leave nothing behind
+        return [vectors[rid] for rid in ids]
 
     def chat(
         self,

@@ -97,3 +97,5 @@ class StepResult:
     # seq_id -> the proposer's drafts of what follows this step's tokens (``out.propose``'s
     # sequences): the scheduler keeps them on the sequence, and the next step may verify them.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # request id -> an embedding request's pooled vector (float32 bytes), in the step its prompt ends.
+    pooled: dict[str, bytes] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from engine_svc.input_batch import InputBatch
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.logits_processors.processors import default_processors
 from engine_svc.models.decoder import DecoderForCausalLM
+from engine_svc.pooling import PoolingPlan
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.sequence import Sequence, noise_key
@@ -40,9 +41,12 @@ class ModelForward:
         self.kernels = kernels
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.device = device
+        self.pooled: torch.Tensor | None = None  # the hidden rows a step's embedding requests asked for
 
     @torch.inference_mode()
-    def __call__(self, inputs: StepInputs) -> torch.Tensor | None:
+    def __call__(self, inputs: StepInputs, pool_rows: list[int] | None = None) -> torch.Tensor | None:
+        """The step's logits rows; with ``pool_rows`` (rows of the flat batch), their hidden states
+        are left in ``self.pooled`` for the embedding requests (engine_svc/pooling.py)."""
         self.copy_blocks(inputs.copies)
         dev = self.device
         if self.lora_step is not None:  # the wrapped projections read the step's adapter mapping
@@ -58,6 +62,8 @@ class ModelForward:
         finally:
             if self.lora_step is not None:
                 self.lora_step.batch = None
+        if pool_rows is not None:
+            self.pooled = hidden[to_device(np.array(pool_rows, dtype=np.int64), dev)]
         rows = inputs.logit_rows
         if not len(rows):
             return None
@@ -107,7 +113,8 @@ class ModelRunner:
         if not out.seqs:
             return StepResult([], [], [])
         inputs = self.build_inputs(out)
-        logits = self._forward(inputs)
+        pooling = None if out.only_decodes else PoolingPlan.of(out.seqs, out.num_new)
+        logits = self._forward(inputs, pooling.rows if pooling is not None else None)
         layout = out.layout
         tokens, logprobs = [], []
         if layout.sampled:
@@ -122,6 +129,9 @@ class ModelRunner:
             for c in layout.prompt_chunks
         ]
         result = StepResult(tokens, logprobs, plps)
+        if pooling is not None:
+            result.pooled = pooling.finish(self.forward.pooled)
+            self.forward.pooled = None
         if self.proposer is not None:  # after sampling: what follows the tokens just sampled
             result.drafts = self.proposer.propose(out, tokens, self.batch)
         return result
@@ -165,10 +175,12 @@ class ModelRunner:
             copies,
         )
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, pool_rows: list[int] | None = None) -> torch.Tensor:
         if self.tp_broadcast is not None:
             self.tp_broadcast(inputs)
-        return self.forward(inputs)
+        if pool_rows is None:
+            return self.forward(inputs)
+        return self.forward(inputs, pool_rows)
 
     def _sampling_batch(self, layout: LogitsLayout, device) -> SamplingBatch:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for

@@ -38,6 +38,8 @@ class RequestDelta:
     # Speculative decoding, this sequence's totals so far: drafts verified, and drafts accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # An embedding request's vector (float32, little-endian), on its last delta.
+    embedding: bytes | None = None
 
     @property
     def finished(self) -> bool:

@@ -44,6 +44,11 @@ class SamplingParams:
     # False: this request never drafts (speculative decoding); True: as the engine is configured.
     # The tokens are the same either way, only the speed differs.
     speculative: bool = True
+    # An embedding request: "last" (the last prompt token's) or "mean" (all prompt tokens') final
+    # hidden state after the final norm, returned instead of text; the request runs only its prompt
+    # (max_tokens 1: the token sampled with the prompt's last row is dropped by the gateway).
+    pooling: str | None = None
+    normalize: bool = True  # with pooling: the vector is L2-normalised
     # Set by the engine from the model's generation config, not by callers.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -111,6 +116,7 @@ class SamplingParams:
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be True or False, got {self.speculative!r}")
         _logit_control_violations(self, vocab, bad)
+        _pooling_violations(self, bad)
         if not v:
             _dead_start_violations(self, limits.eos_token_ids, bad)
         if self.structured_outputs is not None:
@@ -172,6 +178,26 @@ def _logit_control_violations(p: SamplingParams, vocab: int, bad) -> None:
                 bad(f"bad_words_token_ids[{i}]", "must be at least one token (a bad word)")
             for v in token_id_violations(word, f"bad_words_token_ids[{i}]", vocab):
                 bad(v.field, v.message)
+
+
+POOLING = ("last", "mean")
+
+
+def _pooling_violations(p: SamplingParams, bad) -> None:
+    if p.pooling is None:
+        return
+    if p.pooling not in POOLING:
+        bad("pooling", f"must be one of {', '.join(POOLING)}, got {p.pooling!r}")
+    elif p.n != 1 or p.max_tokens != 1:
+        bad(
+            "pooling",
+            f"an embedding request runs only its prompt: needs n 1 and max_tokens 1, got n {p.n}, "
+            f"max_tokens {p.max_tokens}",
+        )
+    elif p.prompt_logprobs is not None or p.structured_outputs is not None:
+        bad("pooling", "an embedding request takes no prompt_logprobs or structured_outputs")
+    if not isinstance(p.normalize, bool):
+        bad("normalize", f"must be True or False, got {p.normalize!r}")
 
 
 def banned_until_min_tokens(p: SamplingParams, eos_token_ids) -> list[int]:

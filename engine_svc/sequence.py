@@ -68,6 +68,7 @@ class Request:
     grammar: Future | None = None  # of the first sequence's matcher, compiled off the loop
     lora: object = None  # engine_svc.lora.adapter.LoRAAdapter it runs under; None: the base model
     client: str = ""  # who sent it (the gateway's session and the caller's connection): fair share of a step
+    pooled_rows: object = None  # "mean" pooling: the prompt's hidden rows by position (engine_svc/pooling.py)
 
     def __post_init__(self) -> None:
         # Read for every sequence on every step: fields computed once, not properties.

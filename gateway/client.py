@@ -18,7 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_svc.rpc.defaults import GATEWAY_PORT
 from engine_svc.rpc.grpc_options import Keepalive
 from engine_svc.rpc.tls import ClientTLS
-from llmserve_proto.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, models_pb2, models_pb2_grpc
+from llmserve_proto.llmserve.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
+    embeddings_pb2,
+    embeddings_pb2_grpc,
+    models_pb2,
+    models_pb2_grpc,
+)
 from llmserve_proto.llmserve.v1 import generation_pb2 as gen
 from llmserve_proto.llmserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -124,6 +131,7 @@ class LLMServeClient:
         self.generation = gen_grpc.GenerationStub(self.channel)
         self.models = models_pb2_grpc.ModelsStub(self.channel)
         self.adapters = adapters_pb2_grpc.AdaptersStub(self.channel)
+        self.embeddings = embeddings_pb2_grpc.EmbeddingsStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def __enter__(self) -> LLMServeClient:
@@ -163,6 +171,22 @@ class LLMServeClient:
         return self.generation.Generate(
             build_request(prompt, **kwargs), timeout=timeout or self.timeout, metadata=self.metadata
         )
+
+    def embed(
+        self, inputs: Iterable[str | list[int]], *, pooling: str = "last", normalize: bool = True
+    ) -> list[list[float]]:
+        """One vector per input (a text, or a list of token ids), in order."""
+        req = embeddings_pb2.EmbedRequest(
+            pooling=embeddings_pb2.POOLING_MEAN if pooling == "mean" else embeddings_pb2.POOLING_LAST,
+            normalize=normalize,
+        )
+        for item in inputs:
+            if isinstance(item, str):
+                req.inputs.add(text=item)
+            else:
+                req.inputs.add().token_ids.ids.extend(item)
+        out = self.embeddings.Embed(req, timeout=self.timeout, metadata=self.metadata)
+        return [list(e.values) for e in out.embeddings]
 
     def tokenize(
         self,

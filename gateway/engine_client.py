@@ -66,6 +66,7 @@ class EngineDelta:
     error: str = ""  # the engine refused the request after taking it (its grammar did not compile)
     num_draft_tokens: int = 0  # speculative decoding: the sequence's totals so far
     num_accepted_draft_tokens: int = 0
+    embedding: bytes = b""  # an embedding request's vector (float32 LE), on its last delta
 
 
 class RequestHandle:
@@ -524,6 +525,7 @@ class EngineClient:
                     error=d.error,
                     num_draft_tokens=d.num_draft_tokens,
                     num_accepted_draft_tokens=d.num_accepted_draft_tokens,
+                    embedding=d.embedding,
                 )
             )
 

@@ -21,6 +21,7 @@ from engine_svc.structured_outputs import StructuredOutputsParams
 from gateway.auth import Identity
 from gateway.chat_output import ChatOutput
 from gateway.constraints import complete_constraints
+from gateway.embed_sink import EmbedSink
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
@@ -275,6 +276,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
         tool_names: Names | None = None,
+        embed: EmbedSink | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -285,7 +287,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         once they are known (before the first message). ``client`` names the caller's connection
         for admission's share of slots kept for new clients (None: counted as a new client).
         ``tool_names``: how violations of the tools name their fields (the HTTP API's own names;
-        default the proto's)."""
+        default the proto's). ``embed``: an embedding request (gateway/embedding_service.py): the
+        prompt runs with its pooling and the vector lands in ``embed``."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -320,6 +323,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     on_prompt,
                     client,
                     tool_names,
+                    embed,
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -361,6 +365,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
         tool_names: Names | None = None,
+        embed: EmbedSink | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -376,6 +381,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         v = validate_generate(request, s.vocab_size, s.max_model_len, s.limits, s.eos_token_ids)
         if s.token_only:
             v.return_token_ids = True  # token ids are the only output there is
+        if embed is not None:
+            v.params.pooling, v.params.normalize = embed.pooling, embed.normalize
         plan = self._plan_tools(request, v, tool_names)
         if rid in s.inflight:
             raise RequestError(
@@ -429,7 +436,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     # Paused because its client does not read: its slot is another's meanwhile.
                     handle.watch_pause(slot.set_paused)
                 try:
-                    async for msg in self._stream(rid, handle, v, prompt, rm, plan):
+                    async for msg in self._stream(rid, handle, v, prompt, rm, plan, embed):
                         yield msg
                 finally:
                     s.streams.pop(rid, None)
@@ -441,7 +448,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             del s.inflight[rid]
 
     async def _stream(
-        self, rid: str, handle, v, prompt: list[int], rm: RequestMetrics, plan: ToolPlan | None = None
+        self,
+        rid: str,
+        handle,
+        v,
+        prompt: list[int],
+        rm: RequestMetrics,
+        plan: ToolPlan | None = None,
+        embed: EmbedSink | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         seqs = [
             SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
@@ -464,6 +478,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if d.error:  # its constraint did not compile for this vocabulary, or left it no token
                     raise invalid([FieldViolation("constraint", d.error)])
                 seq = seqs[d.index]
+                if embed is not None and d.embedding:
+                    embed.vector, embed.prompt_tokens = d.embedding, len(prompt)
                 if seq.done:
                     continue
                 rm.tokens(d.index, len(d.token_ids))

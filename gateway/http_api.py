@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import embeddings_api, ollama_api
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
@@ -70,6 +71,8 @@ class HttpApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                *embeddings_api.routes(self),  # /v1/embeddings
+                *ollama_api.routes(self),  # /api/chat, /api/generate, /api/embed, ... (Ollama's API)
             ],
         )
 

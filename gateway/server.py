@@ -20,6 +20,7 @@ from engine_svc.rpc.tls import ClientTLS, ServerTLS, add_port
 from gateway.adapters_service import AdaptersService
 from gateway.admission import Admission
 from gateway.auth import Authenticator, AuthInterceptor
+from gateway.embedding_service import EmbeddingService
 from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
@@ -37,6 +38,8 @@ from gateway.wire_guard import DecodeGuardInterceptor
 from llmserve_proto.llmserve.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
+    embeddings_pb2,
+    embeddings_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
     models_pb2,
@@ -53,6 +56,7 @@ SERVICES = [
     models_pb2.DESCRIPTOR.services_by_name["Models"].full_name,
     router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
     adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name,
+    embeddings_pb2.DESCRIPTOR.services_by_name["Embeddings"].full_name,
 ]
 
 
@@ -170,6 +174,8 @@ class GatewayServer:
         models_pb2_grpc.add_ModelsServicer_to_server(ModelsService(self.state), server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.state), server)
         adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersService(self.state), server)
+        embeddings = EmbeddingService(self.state, generation)
+        embeddings_pb2_grpc.add_EmbeddingsServicer_to_server(embeddings, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -39,6 +39,7 @@ class Result:
     num_prompt_logprob_deltas: int = 0
     num_prompt_tokens: int | None = None
     request_finished: int = 0  # deltas that said so (must be exactly one, the last)
+    embedding: bytes | None = None  # an embedding request's vector
 
     def add(self, d: RequestDelta) -> None:
         assert not self.request_finished, "a delta arrived after the request said it had finished"
@@ -54,6 +55,9 @@ class Result:
             self.num_prompt_logprob_deltas += 1
         self.num_prompt_tokens = d.num_prompt_tokens
         self.request_finished += int(d.request_finished)
+        if d.embedding is not None:
+            assert d.request_finished and self.embedding is None, "an embedding not on the last delta"
+            self.embedding = d.embedding
 
 
 def drive(engine: LLMEngine, results: dict[str, Result], max_steps: int = 20_000, on_step=None) -> None:
@@ -109,6 +113,7 @@ def assert_same_as_solo(rid: str, got: Result, ref: Result, params: SamplingPara
     assert got.request_finished == 1, f"{rid}: {got.request_finished} deltas said the request finished"
     assert sorted(got.outputs) == sorted(ref.outputs), f"{rid}: outputs {sorted(got.outputs)} vs solo"
     assert got.num_prompt_tokens == ref.num_prompt_tokens
+    assert got.embedding == ref.embedding, f"{rid}: the embedding differs from the solo run's (bitwise)"
     for i, out in got.outputs.items():
         r = ref.outputs[i]
         where = f"{rid}[{i}]"

@@ -40,6 +40,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         bad_words_token_ids=[list(w.ids) for w in p.bad_words] or None,
         structured_outputs=_constraint_from_proto(p),
         speculative=p.speculative if p.HasField("speculative") else True,
+        pooling=p.pooling or None,
+        normalize=p.normalize if p.HasField("normalize") else True,
     )
 
 
@@ -96,6 +98,9 @@ def sampling_params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         _constraint_to_proto(sp.structured_outputs, msg)
     if not sp.speculative:
         msg.speculative = False
+    if sp.pooling is not None:
+        msg.pooling = sp.pooling
+        msg.normalize = sp.normalize
     return msg
 
 
@@ -125,6 +130,8 @@ def delta_to_proto(d: RequestDelta, request_id: str, inline_ids: bool) -> pb.Seq
     )
     if inline_ids:
         msg.token_ids.extend(d.new_token_ids)
+    if d.embedding is not None:
+        msg.embedding = d.embedding
     if d.stop_token_id is not None:
         msg.stop_token_id = d.stop_token_id
     for lp in d.logprobs or ():
