@@ -131,9 +131,10 @@ def test_beside_decodes_a_prompt_chunk_keeps_the_step_within_the_stall_factor():
         decodes = [s for s in out.seqs if s.request.request_id.startswith("d")]
         assert len(decodes) == 2  # the streams take every step
         decode_work = sum(sched.cost.chunk(s.num_computed_tokens, 1) for s in decodes)
-        chunks = [(s, n) for s, n in zip(out.seqs, out.num_new, strict=True) if s.request.request_id == "long"]
+        pairs = zip(out.seqs, out.num_new, strict=True)
+        chunks = [(s, n) for s, n in pairs if s.request.request_id == "long"]
         if chunks:
-            (long_seq, n), = chunks
+            ((long_seq, n),) = chunks
             assert n >= 1  # it always advances
             work = planned_work(sched, out)
             one_token = sched.cost.chunk(long_seq.num_computed_tokens, 1)
