@@ -111,6 +111,15 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
+def api_key_header(metadata) -> str | None:
+    """The key of an ``x-api-key`` header (Anthropic's clients send it), or None."""
+    for k, v in metadata or ():
+        if k.lower() == "x-api-key":
+            v = v.decode("latin-1") if isinstance(v, bytes) else v
+            return v.strip() or None
+    return None
+
+
 class Authenticator:
     """Maps a call's metadata to an Identity; with no keys configured, everyone is ANONYMOUS."""
 
@@ -124,7 +133,7 @@ class Authenticator:
     def identify(self, metadata) -> Identity | None:
         if self.keys is None:
             return ANONYMOUS
-        token = bearer_token(metadata)
+        token = bearer_token(metadata) or api_key_header(metadata)
         if token is None:
             return None
         return self.keys.identify(token)

@@ -275,6 +275,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
         tool_names: Names | None = None,
+        max_tokens_cap: int | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -285,7 +286,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         once they are known (before the first message). ``client`` names the caller's connection
         for admission's share of slots kept for new clients (None: counted as a new client).
         ``tool_names``: how violations of the tools name their fields (the HTTP API's own names;
-        default the proto's)."""
+        default the proto's). ``max_tokens_cap`` (with ``fill_context`` and max_tokens unset): the
+        client's max_tokens, clamped to the context the prompt leaves (Anthropic's Messages API,
+        whose clients ask for more than a small model holds)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -320,6 +323,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     on_prompt,
                     client,
                     tool_names,
+                    max_tokens_cap,
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -361,6 +365,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         on_prompt: Callable[[list[int]], None] | None = None,
         client: str | None = None,
         tool_names: Names | None = None,
+        max_tokens_cap: int | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -393,6 +398,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 info = s.engine.info
                 if fill:
                     v.params.max_tokens = _rest_of_context(len(prompt), v.params, s.max_model_len, info)
+                    if max_tokens_cap is not None:
+                        v.params.max_tokens = max(min(v.params.max_tokens, max_tokens_cap), 1)
                 check_prompt_length(
                     len(prompt),
                     v.params.max_tokens,

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.anthropic_api import AnthropicApi
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
@@ -39,6 +40,7 @@ from gateway.openai_protocol import (
     read_tools,
     status_of,
 )
+from gateway.responses_api import ResponsesApi
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import HTTP_NAMES
@@ -70,6 +72,8 @@ class HttpApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                *AnthropicApi(self).routes(),  # /v1/messages: Claude Code, the anthropic SDKs
+                *ResponsesApi(self).routes(),  # /v1/responses: Codex, the openai-agents SDK
             ],
         )
 
@@ -79,11 +83,12 @@ class HttpApi:
         identity = self.s.auth.identify(request.headers.items())
         if identity is None:
             self.s.metrics.auth_failures.inc()
-            token = request.headers.get("authorization")
+            token = request.headers.get("authorization") or request.headers.get("x-api-key")
             reason = "missing credentials" if not token else "invalid API key"
             log.warning("refused %s: %s", request.url.path, reason)
             raise RequestError(
-                grpc.StatusCode.UNAUTHENTICATED, f"{reason}: send 'Authorization: Bearer <API key>'"
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{reason}: send 'Authorization: Bearer <API key>' (or 'x-api-key: <API key>')",
             )
         return identity
 
