@@ -133,10 +133,19 @@ class Authenticator:
     def identify(self, metadata) -> Identity | None:
         if self.keys is None:
             return ANONYMOUS
-        token = bearer_token(metadata) or api_key_header(metadata)
+        token = bearer_token(metadata)
         if token is None:
             return None
         return self.keys.identify(token)
+
+    def identify_http(self, headers) -> Identity | None:
+        """An HTTP request's caller: ``Authorization: Bearer`` or, where that header is absent,
+        Anthropic's ``x-api-key`` (gRPC takes the bearer token only)."""
+        headers = list(headers)
+        if self.keys is None or any(k.lower() == "authorization" for k, _ in headers):
+            return self.identify(headers)
+        key = api_key_header(headers)
+        return None if key is None else self.keys.identify(key)
 
     def identity_of(self, context) -> Identity:
         """The caller of a call that the interceptor let through."""

@@ -80,7 +80,7 @@ class HttpApi:
     # --- plumbing ---------------------------------------------------------------------------------
 
     def _identity(self, request: Request) -> Identity:
-        identity = self.s.auth.identify(request.headers.items())
+        identity = self.s.auth.identify_http(request.headers.items())
         if identity is None:
             self.s.metrics.auth_failures.inc()
             token = request.headers.get("authorization") or request.headers.get("x-api-key")
