@@ -323,3 +323,21 @@ def test_claude_code_answers_through_the_server(service, tmp_path):
     assert answer.strip() and "issue with the selected model" not in out.stdout, out.stdout
     log = service.log_tail(10**7)
     assert log.count(" finished outcome=") > before, "the answer came from this server"
+
+
+def test_the_docs_examples_run(service):
+    """docs/client-apis.md's Python examples as written, with its address and model name swapped
+    for this server's."""
+    import contextlib
+    import io
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "client-apis.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        code = code.replace("http://127.0.0.1:8000", service.http_url).replace('"local"', repr(MODEL))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "docs/client-apis.md", "exec"), {})
+        assert "get_weather" in out.getvalue(), out.getvalue()
