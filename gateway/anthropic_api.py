@@ -127,8 +127,10 @@ class AnthropicApi:
 def error_response(e: RequestError, status: int | None = None) -> JSONResponse:
     status = status or status_of(e.code)
     message = e.message
-    if e.violations and e.violations[0].field not in message:
-        message = f"{e.violations[0].field}: {e.violations[0].description}"
+    if e.violations:  # each field named (the chat request's prompt is this API's messages)
+        message = "; ".join(
+            f"{'messages' if v.field == 'chat' else v.field}: {v.description}" for v in e.violations
+        )
     headers = {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after_s)))

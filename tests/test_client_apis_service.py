@@ -210,14 +210,17 @@ def test_errors_are_anthropics_shape_naming_the_field(claude, service):
 
 
 def test_only_a_prompt_over_the_context_is_refused(claude, oai):
-    """max_tokens beyond the context left is clamped; a prompt that alone does not fit is refused,
-    the error naming its length and the context's."""
+    """max_tokens beyond the context left is clamped (the other tests ask 32000 of a 8192 context);
+    a prompt that alone does not fit is refused, the error naming its length and the context's."""
+    import re
+
     context = oai.models.list().data[0].model_extra["max_model_len"]
     words = "hi " * (context + 8)
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": words}])
     message = e.value.body["error"]["message"]
-    assert str(context) in message and "prompt" in message, message
+    assert message.startswith("messages: ") and str(context) in message, message
+    assert re.search(r"has \d+ tokens", message), message  # the prompt's length, and the context's
 
 
 # --- OpenAI Responses -------------------------------------------------------------------------------
