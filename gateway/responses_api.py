@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_stream import Encoder, EventStream, Output, collect, run_options
-from gateway.errors import RequestError
+from gateway.errors import FieldViolation, RequestError
 from gateway.openai_protocol import BodyReader, error_body, status_of
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import Names
@@ -52,6 +52,12 @@ class ResponsesApi:
         return await self.api._guarded(request, self._responses)
 
     async def _responses(self, request: Request, identity, body) -> Response:
+        try:
+            return await self._respond(request, identity, body)
+        except RequestError as e:
+            raise _as_input(e) from None
+
+    async def _respond(self, request: Request, identity, body) -> Response:
         s = self.api.s
         if s.token_only:
             refuse_text_call("input", "responses (the chat template)")
@@ -422,5 +428,15 @@ class _Events(Encoder):
         return self._ev("error", code=err["code"], message=err["message"], param=err["param"])
 
     def refusal(self, e: RequestError) -> Response:
+        e = _as_input(e)
         status = status_of(e.code)
         return JSONResponse(error_body(e, status), status_code=status)
+
+
+def _as_input(e: RequestError) -> RequestError:
+    """The chat request's prompt (``chat``) is this API's ``input``."""
+    if not any(v.field == "chat" for v in e.violations):
+        return e
+    named = [FieldViolation("input" if v.field == "chat" else v.field, v.description) for v in e.violations]
+    message = e.message.replace("chat: ", "input: ")
+    return RequestError(e.code, message, named, e.retry_after_s)

@@ -221,6 +221,9 @@ def test_only_a_prompt_over_the_context_is_refused(claude, oai):
     message = e.value.body["error"]["message"]
     assert message.startswith("messages: ") and str(context) in message, message
     assert re.search(r"has \d+ tokens", message), message  # the prompt's length, and the context's
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, input=words, max_output_tokens=10**6)
+    assert e.value.body["param"] == "input" and str(context) in e.value.body["message"]
 
 
 # --- OpenAI Responses -------------------------------------------------------------------------------
