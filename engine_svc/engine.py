@@ -222,6 +222,9 @@ class LLMEngine:
         tokenizer_json = find_tokenizer_json(self.config.model)
         if tokenizer_json is None:
             return None  # token-only model directory: structured outputs are refused
+        if not self.spec.eos_token_ids:  # a grammar has no way to end: structured outputs are refused
+            log.warning("the model names no end-of-sequence token (eos_token_id): no structured outputs")
+            return None
         return GrammarCompiler(tokenizer_json, self.spec.vocab_size, list(self.spec.eos_token_ids))
 
     def shutdown(self) -> None:
@@ -271,6 +274,11 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
         grammar = None
         if params.structured_outputs is not None:
+            if self.grammars is None and not self.spec.eos_token_ids:
+                raise ValueError(
+                    "structured_outputs needs the model's end-of-sequence token: neither config.json / "
+                    "generation_config.json (eos_token_id) nor tokenizer_config.json (eos_token) names one"
+                )
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model directory's tokenizer.json (none here)")
             grammar = params.structured_outputs.to_grammar()  # ValueError naming the field

@@ -18,8 +18,9 @@ from engine_svc.structured_outputs import StructuredOutputsParams
 from tokenizer_svc.reasoning import ReasoningParser
 from tokenizer_svc.reasoning_grammar import after_reasoning
 from tokenizer_svc.tool_parsers import ToolParser
+from tokenizer_svc.tool_parsers.base import whole_object
 from tokenizer_svc.tool_parsers.markers import marker_for
-from tokenizer_svc.tool_parsers.schemas import schema_error
+from tokenizer_svc.tool_parsers.schemas import schema_error, without_noops
 
 MODES = ("none", "auto", "required")
 
@@ -50,7 +51,7 @@ def check_tools(tools) -> list[dict] | None:
             raise ValueError(f"tools[{i}].function.name: {name!r} is given twice")
         seen.add(name)
         if fn.get("parameters") is not None:
-            why = schema_error(fn["parameters"])
+            why = schema_error(without_noops(fn["parameters"]))
             if why:
                 raise ValueError(f"tools[{i}].function.parameters: {why}")
     return tools or None
@@ -100,7 +101,7 @@ def plan_chat(
             # reads calls out of it), as before tool parsing existed offline.
             parser = tool_parser
             if parser is not None and params.structured_outputs is None:
-                grammar = parser.auto_grammar(tools, parallel_tool_calls, marker)
+                grammar = parser.auto_grammar(_for_grammar(tools), parallel_tool_calls, marker)
         else:
             if tool_parser is None:
                 raise ValueError("tool_choice: a required or named call needs LLM(..., tool_call_parser=...)")
@@ -109,7 +110,7 @@ def plan_chat(
                     "tool_choice: a required or named call cannot be combined with structured_outputs"
                 )
             parser = tool_parser
-            grammar = parser.grammar(chosen, parallel_tool_calls and named is None, marker)
+            grammar = parser.grammar(_for_grammar(chosen), parallel_tool_calls and named is None, marker)
     changes: dict = {}
     if grammar is not None:
         changes["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
@@ -123,6 +124,17 @@ def plan_chat(
     return ChatPlan(params, parser, reasoning_parser)
 
 
+def _for_grammar(tools: list[dict]) -> list[dict]:
+    """The tools as their grammar is built: schemas less the keywords that constrain nothing."""
+    out = []
+    for t in tools:
+        fn = dict(t["function"])
+        if isinstance(fn.get("parameters"), dict):
+            fn["parameters"] = without_noops(fn["parameters"])
+        out.append({**t, "function": fn})
+    return out
+
+
 def split_output(out: CompletionOutput, plan: ChatPlan) -> None:
     """``out.text`` becomes the reply's content; its reasoning goes to ``reasoning_content`` and
     its calls to ``tool_calls`` (a reply that ended normally after calling finishes "tool_calls")."""
@@ -133,8 +145,10 @@ def split_output(out: CompletionOutput, plan: ChatPlan) -> None:
     if plan.tool_parser is not None:
         parsed = plan.tool_parser.parse(text)
         text = parsed.content
-        out.tool_calls = [
-            ToolCallOutput(plan.tool_parser.call_id(), c.name, c.arguments) for c in parsed.calls
+        out.tool_calls = [  # a call cut short (the token limit) is not a call
+            ToolCallOutput(plan.tool_parser.call_id(), c.name, c.arguments)
+            for c in parsed.calls
+            if whole_object(c.arguments)
         ]
         if out.tool_calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"

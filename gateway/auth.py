@@ -111,6 +111,15 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
+def api_key_header(metadata) -> str | None:
+    """The key of an ``x-api-key`` header (Anthropic's clients send it), or None."""
+    for k, v in metadata or ():
+        if k.lower() == "x-api-key":
+            v = v.decode("latin-1") if isinstance(v, bytes) else v
+            return v.strip() or None
+    return None
+
+
 class Authenticator:
     """Maps a call's metadata to an Identity; with no keys configured, everyone is ANONYMOUS."""
 
@@ -128,6 +137,15 @@ class Authenticator:
         if token is None:
             return None
         return self.keys.identify(token)
+
+    def identify_http(self, headers) -> Identity | None:
+        """An HTTP request's caller: ``Authorization: Bearer`` or, where that header is absent,
+        Anthropic's ``x-api-key`` (gRPC takes the bearer token only)."""
+        headers = list(headers)
+        if self.keys is None or any(k.lower() == "authorization" for k, _ in headers):
+            return self.identify(headers)
+        key = api_key_header(headers)
+        return None if key is None else self.keys.identify(key)
 
     def identity_of(self, context) -> Identity:
         """The caller of a call that the interceptor let through."""

@@ -277,6 +277,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         client: str | None = None,
         tool_names: Names | None = None,
         embed: EmbedSink | None = None,
+        max_tokens_cap: int | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -288,7 +289,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         for admission's share of slots kept for new clients (None: counted as a new client).
         ``tool_names``: how violations of the tools name their fields (the HTTP API's own names;
         default the proto's). ``embed``: an embedding request (gateway/embedding_service.py): the
-        prompt runs with its pooling and the vector lands in ``embed``."""
+        prompt runs with its pooling and the vector lands in ``embed``.
+        ``max_tokens_cap`` (with ``fill_context`` and max_tokens unset): the
+        client's max_tokens, clamped to the context the prompt leaves (Anthropic's Messages API,
+        whose clients ask for more than a small model holds)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -324,6 +328,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     client,
                     tool_names,
                     embed,
+                    max_tokens_cap,
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -366,6 +371,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         client: str | None = None,
         tool_names: Names | None = None,
         embed: EmbedSink | None = None,
+        max_tokens_cap: int | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -400,6 +406,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 info = s.engine.info
                 if fill:
                     v.params.max_tokens = _rest_of_context(len(prompt), v.params, s.max_model_len, info)
+                    if max_tokens_cap is not None:
+                        v.params.max_tokens = max(min(v.params.max_tokens, max_tokens_cap), 1)
                 check_prompt_length(
                     len(prompt),
                     v.params.max_tokens,

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import embeddings_api, ollama_api
+from gateway.anthropic_api import AnthropicApi
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
@@ -40,6 +41,7 @@ from gateway.openai_protocol import (
     read_tools,
     status_of,
 )
+from gateway.responses_api import ResponsesApi
 from gateway.stall_sweep import StreamControl
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import HTTP_NAMES
@@ -73,20 +75,23 @@ class HttpApi:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 *embeddings_api.routes(self),  # /v1/embeddings
                 *ollama_api.routes(self),  # /api/chat, /api/generate, /api/embed, ... (Ollama's API)
+                *AnthropicApi(self).routes(),  # /v1/messages: Claude Code, the anthropic SDKs
+                *ResponsesApi(self).routes(),  # /v1/responses: Codex, the openai-agents SDK
             ],
         )
 
     # --- plumbing ---------------------------------------------------------------------------------
 
     def _identity(self, request: Request) -> Identity:
-        identity = self.s.auth.identify(request.headers.items())
+        identity = self.s.auth.identify_http(request.headers.items())
         if identity is None:
             self.s.metrics.auth_failures.inc()
-            token = request.headers.get("authorization")
+            token = request.headers.get("authorization") or request.headers.get("x-api-key")
             reason = "missing credentials" if not token else "invalid API key"
             log.warning("refused %s: %s", request.url.path, reason)
             raise RequestError(
-                grpc.StatusCode.UNAUTHENTICATED, f"{reason}: send 'Authorization: Bearer <API key>'"
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{reason}: send 'Authorization: Bearer <API key>' (or 'x-api-key: <API key>')",
             )
         return identity
 

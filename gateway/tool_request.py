@@ -10,15 +10,17 @@ names its own fields by passing ``names``.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import FieldViolation
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from tokenizer_svc.tool_parsers import ToolParser, get_parser
-from tokenizer_svc.tool_parsers.schemas import schema_error
+from tokenizer_svc.tool_parsers.schemas import schema_error, without_noops
 
 MAX_TOOLS = 128
+log = logging.getLogger("gateway.tools")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ def plan_tools(
         v.append(FieldViolation(f, why))
 
     tools: list[dict] = []
+    # A schema the grammar engine cannot use in full (a keyword it lacks) refuses only a request
+    # whose calls need that tool's grammar (required / named); the template still sees it as sent.
+    unusable: dict[int, str] = {}
+    grammar_schemas: dict[int, dict] = {}
     if len(chat.tools) > MAX_TOOLS:
         bad(names.tool_list, f"at most {MAX_TOOLS} tools, got {len(chat.tools)}")
     seen: set[str] = set()
@@ -128,8 +134,11 @@ def plan_tools(
             if schema is None:
                 bad(names.tools(i, "parameters"), "must be a JSON Schema object")
             else:
-                why = schema_error(schema)
-                if why:
+                grammar_schemas[i] = without_noops(schema)
+                why = schema_error(grammar_schemas[i])
+                if why and "Unimplemented keys" in why:  # valid, but the grammar engine lacks a keyword
+                    unusable[i] = why
+                elif why:
                     bad(names.tools(i, "parameters"), why)
                 fn["parameters"] = schema
         tools.append({"type": "function", "function": fn})
@@ -157,11 +166,16 @@ def plan_tools(
             plan.parser = parser
             if not has_constraint:  # free text or well-formed calls (where the format can say)
                 parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
-                plan.grammar = parser.auto_grammar(tools, parallel, marker)
+                for i, why in unusable.items():  # its calls are still JSON objects, just not checked
+                    log.info("tool %d's schema is not enforced in the auto grammar: %s", i, why)
+                lax = {i: {"type": "object"} for i in unusable}
+                plan.grammar = parser.auto_grammar(
+                    _for_grammar(tools, grammar_schemas, lax), parallel, marker
+                )
             return plan
-        chosen = tools  # required
+        chosen = list(range(len(tools)))  # required
     else:
-        chosen = [t for t in tools if t["function"]["name"] == chat.tool_choice.function]
+        chosen = [i for i, t in enumerate(tools) if t["function"]["name"] == chat.tool_choice.function]
         if not chosen:
             bad(
                 names.tool_choice,
@@ -174,11 +188,29 @@ def plan_tools(
     if has_constraint:
         bad(names.tool_choice, "a required or named call cannot be combined with response_format")
         return plan
+    for i in chosen:
+        if i in unusable:
+            bad(names.tools(i, "parameters"), unusable[i] + " (a required or named call is built from it)")
+    if v:
+        return plan
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
     plan.parser = parser
     plan.forced = True
-    plan.grammar = parser.grammar(chosen, parallel and kind != "function", marker)
+    grammar_tools = _for_grammar(tools, grammar_schemas, {})
+    plan.grammar = parser.grammar([grammar_tools[i] for i in chosen], parallel and kind != "function", marker)
     return plan
+
+
+def _for_grammar(tools: list[dict], schemas: dict[int, dict], lax: dict[int, dict]) -> list[dict]:
+    """The tools as their grammar is built: each schema less its no-op keywords (``lax``: in place
+    of the schemas the grammar engine cannot use)."""
+    out = []
+    for i, t in enumerate(tools):
+        fn = dict(t["function"])
+        if i in schemas:
+            fn["parameters"] = lax.get(i, schemas[i])
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def _schema(text: str) -> dict | None:

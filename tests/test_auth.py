@@ -102,3 +102,18 @@ def test_health_is_exempt_and_garbage_from_an_unknown_caller_is_not_parsed(guard
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary("/llmserve.v1.Generation/Generate")(b"\xff\xfe garbage", timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_http_takes_anthropics_x_api_key_where_no_bearer_is_sent():
+    auth = Authenticator(ApiKeys([("acme", KEY_A), ("globex", KEY_B)]))
+    assert auth.identify_http([("x-api-key", KEY_A)]).tenant == "acme"
+    assert auth.identify_http([("X-Api-Key", f" {KEY_B} ")]).tenant == "globex"
+    assert auth.identify_http([("x-api-key", "sk-wrong-0123456789abcdef")]) is None
+    assert auth.identify_http([]) is None
+    # A bearer token decides where one is sent (a wrong one is not rescued by the other header).
+    assert (
+        auth.identify_http([("authorization", "Bearer sk-wrong-0123456789abcdef"), ("x-api-key", KEY_A)])
+        is None
+    )
+    assert auth.identify([("x-api-key", KEY_A)]) is None  # gRPC: bearer only
+    assert Authenticator(None).identify_http([]) is ANONYMOUS

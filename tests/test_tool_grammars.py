@@ -128,3 +128,56 @@ def test_auto_is_free_text_or_well_formed_calls(trained_tokenizer_dir, name, ope
               "llama3_json": "{oops", "pythonic": "[oops"}[name]  # fmt: skip
     m = llguidance.LLMatcher(vocab.ll, grammar)
     assert not all(m.consume_token(t) for t in vocab.tok.encode(broken, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def own_vocab(trained_tokenizer_dir):
+    return _Tok(trained_tokenizer_dir)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_parallel_calls_close_after_the_bound(own_vocab, name):
+    """A walk that never ends while it may go on (a model that calls and calls): the grammar ends it
+    after MAX_PARALLEL_CALLS whole calls, required and auto alike."""
+    import llguidance
+
+    from tokenizer_svc.tool_parsers.base import MAX_PARALLEL_CALLS
+
+    vocab = own_vocab
+    parser = get_parser(name)
+    marker = marker_for(vocab.tok)
+    rng = random.Random(name)
+    opening = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{", "pythonic": "["}[name]
+    for lark, prefix in (
+        (parser.grammar(TOOLS[1:], True, marker), ""),
+        (parser.auto_grammar(TOOLS[1:], True, marker), opening),
+    ):
+        m = llguidance.LLMatcher(vocab.ll, llguidance.LLMatcher.grammar_from_lark(lark))
+        ids = vocab.tok.encode(prefix, add_special_tokens=False) if prefix else []
+        assert all(m.consume_token(t) for t in ids)
+        ids += _walk_to_the_end(m, vocab, rng, avoid="]" if name in ("mistral", "pythonic") else None)
+        calls = parser.parse(vocab.tok.decode(ids, skip_special_tokens=False)).calls
+        assert len(calls) == MAX_PARALLEL_CALLS and all(c.name == "ping" for c in calls), name
+
+
+def _walk_to_the_end(
+    matcher, tok, rng: random.Random, avoid: str | None = None, limit: int = 2000
+) -> list[int]:
+    """Tokens allowed by ``matcher``, an end token (or one holding ``avoid``, the list's close) only
+    once nothing else is."""
+    import llguidance.torch as lt
+
+    mask = lt.allocate_token_bitmask(1, tok.vocab)
+    out: list[int] = []
+    for _ in range(limit):
+        lt.fill_next_token_bitmask(matcher, mask, 0)
+        bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[: tok.vocab]
+        allowed = [t for t in np.flatnonzero(bits).tolist() if t not in tok.eos]
+        if not allowed:
+            return out
+        if avoid is not None:
+            allowed = [t for t in allowed if avoid not in tok.tok.decode([t])] or allowed
+        t = rng.choice(allowed)
+        assert matcher.consume_token(t), matcher.get_error()
+        out.append(t)
+    raise AssertionError("the grammar did not close the list of calls")

@@ -59,8 +59,8 @@ def test_none_renders_tools_without_parsing():
 
 def test_required_and_named_are_forced_grammars():
     p = plan(chat("f", "g", choice="required"))
-    assert p.forced and "fn1" in p.grammar and '("\\n" call)*' in p.grammar
-    assert '("\\n" call)*' not in plan(chat("f", "g", choice="required", parallel=False)).grammar
+    assert p.forced and "fn1" in p.grammar and '("\\n" call){0,7}' in p.grammar  # at most 8 calls
+    assert '("\\n" call)' not in plan(chat("f", "g", choice="required", parallel=False)).grammar
     named = plan(chat("f", "g", choice="g"))
     assert named.forced and '\\"g\\"' in named.grammar and '\\"f\\"' not in named.grammar
     assert fields(plan(chat("f", choice="nope"))) == ["chat.tool_choice"]

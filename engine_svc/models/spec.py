@@ -3,6 +3,7 @@ or from a GGUF file's metadata (turned into the same config first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,12 @@ class ModelSpec:
 
             return cls.from_dict(GGUFCheckpoint(where.gguf).config())
         cfg = json.loads((where.root / "config.json").read_text())
-        return cls.from_dict(cfg, _generation_eos(where.root))
+        spec = cls.from_dict(cfg, _generation_eos(where.root))
+        if not spec.eos_token_ids:  # as vLLM: the tokenizer's end-of-sequence token
+            eos = _tokenizer_eos(where.root)
+            if eos is not None:
+                spec = dataclasses.replace(spec, eos_token_ids=(eos,))
+        return spec
 
     @classmethod
     def from_dict(cls, cfg: dict, generation_eos: list[int] | None = None) -> ModelSpec:
@@ -91,6 +97,25 @@ class ModelSpec:
             sliding_window=sliding,
             eos_token_ids=eos_ids,
         )
+
+
+def _tokenizer_eos(d: Path) -> int | None:
+    """The id of ``tokenizer_config.json``'s ``eos_token`` in ``tokenizer.json`` (None: either
+    file or the token is missing)."""
+    try:
+        config = json.loads((d / "tokenizer_config.json").read_text())
+        vocab = json.loads((d / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    for t in vocab.get("added_tokens") or []:
+        if t.get("content") == eos and isinstance(t.get("id"), int):
+            return t["id"]
+    found = ((vocab.get("model") or {}).get("vocab") or {}).get(eos)
+    return found if isinstance(found, int) else None
 
 
 def _generation_eos(d: Path) -> list[int] | None:

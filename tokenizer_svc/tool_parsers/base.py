@@ -59,6 +59,26 @@ class OutputDelta:
     calls: list[CallDelta] = field(default_factory=list)
 
 
+# The most calls one output may hold where the grammar writes them (required / named / auto): the
+# list closes after this many, so a model that would call and call until its token limit ends with
+# whole calls instead of a cut one (as many as an agent's one turn sensibly makes at once).
+MAX_PARALLEL_CALLS = 8
+
+
+def more_calls(sep: str, call: str = "call") -> str:
+    """The grammar of the calls after the first: up to MAX_PARALLEL_CALLS - 1, each after ``sep``."""
+    return f" ({sep} {call}){{0,{MAX_PARALLEL_CALLS - 1}}}"
+
+
+def whole_object(arguments: str) -> bool:
+    """Whether a call's arguments are a whole JSON object: a call that is not (cut short by the token
+    limit, or the text ended inside it) is never returned as a call."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
 class ToolParser(ABC):
     name: ClassVar[str]
     # The format's markers are special tokens in its models' vocabularies: the output must be

@@ -10,6 +10,7 @@ from tokenizer_svc.tool_parsers.base import (
     json_call,
     json_rule,
     lark_str,
+    more_calls,
     skip_ws,
     text_then_calls,
     tool_schema,
@@ -45,7 +46,7 @@ class HermesToolParser(ToolParser):
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
         lines = [
-            "start: call" + (' ("\\n" call)*' if parallel else ""),
+            "start: call" + (more_calls('"\\n"') if parallel else ""),
             "call: " + marker(START) + ' "\\n" body "\\n" ' + marker(END),
             "body: " + " | ".join(f"fn{i}" for i in range(len(tools))),
         ]
@@ -56,5 +57,5 @@ class HermesToolParser(ToolParser):
         return "\n".join(lines) + "\n"
 
     def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
-        rest = '"\\n" body "\\n" ' + marker(END) + (' ("\\n" call)*' if parallel else "")
+        rest = '"\\n" body "\\n" ' + marker(END) + (more_calls('"\\n"') if parallel else "")
         return text_then_calls(self.grammar(tools, parallel, marker), START, marker, rest)

@@ -9,6 +9,7 @@ from tokenizer_svc.tool_parsers.base import (
     json_call,
     json_rule,
     lark_str,
+    more_calls,
     skip_ws,
     text_or_calls,
     tool_schema,
@@ -56,7 +57,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
         lines = [
-            "start: call" + (' ("; " call)*' if parallel else ""),
+            "start: call" + (more_calls('"; "') if parallel else ""),
             "call: " + " | ".join(f"fn{i}" for i in range(len(tools))),
         ]
         for i, tool in enumerate(tools):

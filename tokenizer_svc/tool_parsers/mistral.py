@@ -13,6 +13,7 @@ from tokenizer_svc.tool_parsers.base import (
     json_call,
     json_rule,
     lark_str,
+    more_calls,
     scan_json_value,
     skip_ws,
     text_then_calls,
@@ -96,7 +97,7 @@ class MistralToolParser(ToolParser):
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
         lines = [
-            "start: " + marker(MARK) + ' "[" call' + (' (", " call)*' if parallel else "") + ' "]"',
+            "start: " + marker(MARK) + ' "[" call' + (more_calls('", "') if parallel else "") + ' "]"',
             "call: " + " | ".join(f"fn{i}" for i in range(len(tools))),
         ]
         for i, tool in enumerate(tools):
@@ -106,5 +107,5 @@ class MistralToolParser(ToolParser):
         return "\n".join(lines) + "\n"
 
     def auto_grammar(self, tools: list[dict], parallel: bool, marker) -> str | None:
-        rest = '"[" call' + (' (", " call)*' if parallel else "") + ' "]"'
+        rest = '"[" call' + (more_calls('", "') if parallel else "") + ' "]"'
         return text_then_calls(self.grammar(tools, parallel, marker), MARK, marker, rest)

@@ -19,3 +19,29 @@ def schema_error(schema) -> str | None:
         return f"is not a usable JSON Schema: {str(e).strip()[:300]}"
     error = llguidance.LLMatcher.validate_grammar(grammar)
     return f"is not a usable JSON Schema: {error.strip()[:300]}" if error else None
+
+
+def without_noops(schema):
+    """``schema`` less the keywords that cannot change which JSON a tool's call may hold but that the
+    grammar engine refuses: ``propertyNames`` that only says a key is a string (every JSON key is;
+    Claude Code's tools write it). Everything else is kept, so that ``schema_error`` still names a
+    keyword that would really be dropped."""
+    if isinstance(schema, list):
+        return [without_noops(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "propertyNames" and _any_string(value):
+            continue
+        out[key] = without_noops(value) if isinstance(value, dict | list) else value
+    return out
+
+
+def _any_string(names) -> bool:
+    if names is True or names == {}:
+        return True
+    if not isinstance(names, dict):
+        return False
+    rest = {k: v for k, v in names.items() if k not in ("description", "title", "$comment")}
+    return rest == {"type": "string"}
