@@ -1,5 +1,6 @@
 """A running stream's inter-token latency while a long prompt is prefilled, against its latency
-alone: the step's work budget (engine_svc/step_cost.py) against a budget of tokens alone.
+alone: the step's work budget (engine_svc/step_cost.py) against a budget of tokens alone, each
+with and without the bound beside decodes (``--decode-stall-factor``, 3 on CPU).
 
 One engine; each round runs both budgets, alternating (the machine may be shared): a stream decodes
 alone for a while (its ITL alone: the steps it gets a token in), then a long prompt of fresh random
@@ -26,9 +27,12 @@ def _p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def one_run(engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, rng: random.Random) -> dict:
+def one_run(
+    engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, rng: random.Random, stall: float = 0.0
+) -> dict:
     cfg = engine.config
     engine.scheduler.cost = StepCost(cfg.max_num_batched_tokens, ratio)
+    engine.scheduler.stall_factor = stall
     vocab = engine.spec.vocab_size
     tag = f"{ratio:g}-{rng.random():.6f}"
     stream = SamplingParams(
@@ -65,6 +69,7 @@ def one_run(engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, 
     alone_p99 = _p(itl_alone, 0.99)
     return dict(
         ratio=ratio,
+        decode_stall_factor=stall,
         itl_alone_p50_ms=1000 * _p(itl_alone, 0.5),
         itl_alone_p99_ms=1000 * alone_p99,
         itl_long_p50_ms=1000 * _p(itl_long, 0.5),
@@ -93,15 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     model_ratio = engine.scheduler.cost.ratio
+    stall = engine.scheduler.stall_factor or 3.0
     rng = random.Random(0)
     one_run(engine, model_ratio, 256, 5, rng)  # warm-up
     rows = []
+    variants = [
+        ("tokens", 0.0, 0.0),
+        ("work", model_ratio, 0.0),
+        (f"work, stall x{stall:g}", model_ratio, stall),
+    ]
     for r in range(args.rounds):
-        order = (0.0, model_ratio) if r % 2 == 0 else (model_ratio, 0.0)
-        for ratio in order:
-            row = one_run(engine, ratio, args.prompt, args.alone_steps, rng)
+        for name, ratio, factor in variants if r % 2 == 0 else variants[::-1]:
+            row = one_run(engine, ratio, args.prompt, args.alone_steps, rng, factor)
             row["round"] = r
-            row["budget"] = "tokens" if ratio == 0 else "work"
+            row["budget"] = name
             rows.append(row)
             print(
                 json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
