@@ -1,6 +1,8 @@
-"""One decoder-only transformer for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm). Tokens of every request in a step are flattened into one batch;
-attention reads and writes the paged KV cache through the ``kernels`` interface.
+"""One decoder-only transformer, shaped by the architecture's declaration (``engine_svc/models/arch/``):
+the Llama family (Llama 2/3, Mistral, Qwen2 with its qkv bias, Qwen3 with per-head q/k RMSNorm) and
+Gemma 3 (sandwich norms, GELU-tanh MLP, a sliding window and a rotary table per layer kind, a scaled
+embedding). Tokens of every request in a step are flattened into one batch; attention reads and
+writes the paged KV cache through the ``kernels`` interface.
 
 On the CPU, where every op of the layer loop is a native kernel, the loop runs in one native call
 (``kernels/cpu/native_decoder.py``: the same kernels in the same order, the same bits); anything
@@ -57,9 +59,14 @@ class AttentionInputs:
 
 
 class DecoderLayer(_TracksLayout, nn.Module):
-    """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded)."""
+    """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded).
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard):
+    Norms: ``input_norm`` before attention, ``post_attn_norm`` before the MLP (HF Llama's
+    ``post_attention_layernorm``; the declaration's ``mlp_norm`` slot), and with sandwich norms
+    ``attn_out_norm`` / ``mlp_out_norm`` on the attention's and the MLP's outputs. A ``(1 + w)``
+    norm holds ``1 + w`` (added at load), so every norm is the one RMSNorm kernel."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard, index: int = 0):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.shard = shard
@@ -78,9 +85,20 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.down_weight = nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        sandwich = spec.sandwich_norms
+        self.attn_out_norm = (
+            nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False) if sandwich else None
+        )
+        self.mlp_out_norm = (
+            nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False) if sandwich else None
+        )
+        self.gelu = spec.activation == "gelu_tanh"  # else SiLU
         self.eps = spec.rms_norm_eps
-        self.scale = d**-0.5
-        self.index = 0  # this layer's place in the stack (LoRA wrappers read their stacks by it)
+        self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+        kind = spec.layer_attention[index] if spec.layer_attention else None
+        self.window = None if kind is None else kind.window  # sliding-window attention: its width
+        self.rope_index = 0  # which of the model's rotary tables (set by the model)
+        self.index = index  # this layer's place in the stack (LoRA wrappers read their stacks by it)
         self._kv_of, self._kv_views = None, ()
         self.prepare_linears("dense")
 
@@ -96,9 +114,15 @@ class DecoderLayer(_TracksLayout, nn.Module):
     def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
         x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
+        if self.attn_out_norm is not None:
+            x = k.rms_norm(x, self.attn_out_norm, self.eps)[0]
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        h = k.silu_and_mul(self.gate_up_proj(x))
-        return self.shard.all_reduce(self.down_proj(h)), residual
+        gate_up = self.gate_up_proj(x)
+        h = k.gelu_tanh_and_mul(gate_up) if self.gelu else k.silu_and_mul(gate_up)
+        out = self.shard.all_reduce(self.down_proj(h))
+        if self.mlp_out_norm is not None:
+            out = k.rms_norm(out, self.mlp_out_norm, self.eps)[0]
+        return out, residual
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value halves of this layer's cache, made once per cache tensor rather than
@@ -121,6 +145,8 @@ class DecoderLayer(_TracksLayout, nn.Module):
             q, key = k.apply_rotary(positions, q, key, cos_sin)
             k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
         q_size = self.num_heads * self.head_dim
+        # The window only where the layer has one: a kernel bundle without windows serves the rest.
+        window = {} if self.window is None else {"window": self.window}
         out = k.paged_attention(
             q,
             k_cache,
@@ -131,6 +157,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
             self.scale,
             max_query_len=attn.max_query_len,
             max_seq_len=attn.max_seq_len,
+            **window,
         )
         out = self.shard.all_reduce(self.o_proj(out.reshape(t, q_size)))
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
@@ -147,9 +174,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self.embed = nn.Parameter(
             torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard) for _ in range(spec.num_layers))
-        for i, layer in enumerate(self.layers):
-            layer.index = i
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, i) for i in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_blocks = None  # a BlockEmbedding once the load frees a GGUF table (float_weights.py)
         self.lm_head = (
@@ -157,8 +182,21 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             if spec.tie_word_embeddings
             else nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False)
         )
-        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+        # One rotary table per kind of layer (a Llama: one; Gemma 3: local and global), the first
+        # layer's first: ``cos_sin`` (the native loop's), then ``cos_sin_1``, ...
+        kinds = spec.layer_attention or ()
+        keys: list[tuple] = []
+        for layer, kind in zip(self.layers, kinds, strict=True):
+            if kind.rope_key() not in keys:
+                keys.append(kind.rope_key())
+                inv_freq = rope_inv_freq(spec.head_dim, kind.rope_theta, kind.rope_scaling)
+                name = "cos_sin" if len(keys) == 1 else f"cos_sin_{len(keys) - 1}"
+                self.register_buffer(name, rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+            layer.rope_index = keys.index(kind.rope_key())
+        if not keys:  # a spec made without its declaration's layers
+            inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+            self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+        self.num_rope_tables = max(1, len(keys))
         self.linear_backend = "dense"
         self.prepare_linears("dense")
         self._native_loop = None  # NativeDecoderLoop, or None (then native_loop_reason says why)
@@ -191,13 +229,18 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             if out is not None:
                 return out
         residual = None
+        tables = self.rope_tables()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
             # nothing hooks a layer (LoRA wraps its projections).
-            x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+            cos_sin = tables[layer.rope_index]
+            x, residual = layer.forward(k, x, residual, positions, cos_sin, kv_cache, attn)
             layer_progress.bump()  # the watchdog's sign that a long step is not hung
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
+
+    def rope_tables(self) -> list[torch.Tensor]:
+        return [self.cos_sin, *(getattr(self, f"cos_sin_{i}") for i in range(1, self.num_rope_tables))]
 
     def _build_native_loop(self) -> None:
         """The native layer loop over the layers as they are now, or the reason it cannot run them."""
@@ -209,6 +252,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             reason = "no layers"
         elif any(layer.q_norm is not None for layer in self.layers):
             reason = "q/k norms"
+        elif self.spec.sandwich_norms or self.spec.activation != "silu" or self.num_rope_tables != 1:
+            reason = (
+                f"{self.spec.architecture}'s layer (sandwich norms, {self.spec.activation}, rotary tables)"
+            )
+        elif any(layer.window is not None for layer in self.layers):
+            reason = "sliding-window layers"
         elif any(layer.eps != self.spec.rms_norm_eps or layer.scale != first.scale for layer in self.layers):
             reason = "layers differ in eps or scale"
         else:
@@ -242,6 +291,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self._native_loop_layout = _LAYOUT[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        if self.spec.embed_scale is not None:  # as HF: the scale as a tensor of the embedding's dtype
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype, device=x.device)
+        return x
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:  # unsharded only
             return self.embed_blocks(input_ids)
         if self.shard.size == 1:
@@ -254,4 +309,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
+        logits = self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
+        cap = self.spec.final_logit_softcap
+        if cap is not None:  # as HF: logits / cap, tanh, times cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

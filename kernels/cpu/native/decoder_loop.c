@@ -31,7 +31,7 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_st
                             const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                             const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
                             int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            float scale, float *out, int32_t num_threads);
+                            float scale, float *out, int32_t num_threads, int32_t window);
 typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
 
 /* One linear: y[m, n] = x[m, k] . W^T + bias through its own GEMM. `coded`: the entry takes the
@@ -159,7 +159,7 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, s->block_tables,
                                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->num_seqs,
                                            (int32_t)hq, (int32_t)hk, (int32_t)d, (int32_t)md->block_size,
-                                           md->scale, s->attn, threads);
+                                           md->scale, s->attn, threads, 0);
         if (rc) break;
         stage = STAGE_O;
         if ((rc = linear(&L->o, s->attn, t, s->hidden, threads))) break;
