@@ -124,6 +124,15 @@ class DecoderLayer(_TracksLayout, nn.Module):
             out = k.rms_norm(out, self.mlp_out_norm, self.eps)[0]
         return out, residual
 
+    def _norm_qk(self, k: Kernels, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v rows with every q head normed by ``q_norm`` and every k head by ``k_norm``
+        (per-row kernels: a row's bits do not depend on the rows normed with it)."""
+        t, d = qkv.shape[0], self.head_dim
+        q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, d)
+        q = k.rms_norm(q.reshape(-1, d), self.q_norm, self.eps)[0]
+        key = k.rms_norm(key.reshape(-1, d), self.k_norm, self.eps)[0]
+        return torch.cat([q.view(t, -1), key.view(t, -1), value.reshape(t, -1)], dim=1)
+
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value halves of this layer's cache, made once per cache tensor rather than
         twice a step (each index of a tensor is a dispatch)."""
@@ -135,15 +144,11 @@ class DecoderLayer(_TracksLayout, nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = self._cache_views(kv_cache)
-        if self.q_norm is None:  # rotary and the cache write in one call on the fused rows
-            heads = (self.num_heads, self.num_kv_heads)
-            q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
-        else:
-            q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-            q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
-            key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
-            q, key = k.apply_rotary(positions, q, key, cos_sin)
-            k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        if self.q_norm is not None:  # each head's q and k rows normed (the native loop: in place)
+            qkv = self._norm_qk(k, qkv)
+        # rotary and the cache write in one call on the fused rows
+        heads = (self.num_heads, self.num_kv_heads)
+        q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
         q_size = self.num_heads * self.head_dim
         # The window only where the layer has one: a kernel bundle without windows serves the rest.
         window = {} if self.window is None else {"window": self.window}
@@ -250,14 +255,6 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             reason = "tensor parallel"
         elif first is None:
             reason = "no layers"
-        elif any(layer.q_norm is not None for layer in self.layers):
-            reason = "q/k norms"
-        elif self.spec.sandwich_norms or self.spec.activation != "silu" or self.num_rope_tables != 1:
-            reason = (
-                f"{self.spec.architecture}'s layer (sandwich norms, {self.spec.activation}, rotary tables)"
-            )
-        elif any(layer.window is not None for layer in self.layers):
-            reason = "sliding-window layers"
         elif any(layer.eps != self.spec.rms_norm_eps or layer.scale != first.scale for layer in self.layers):
             reason = "layers differ in eps or scale"
         else:
@@ -269,7 +266,9 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                 inter=first.shard.intermediate(self.spec),  # the weights may be freed (float_weights)
                 eps=self.spec.rms_norm_eps,
                 scale=first.scale,
+                gelu=first.gelu,
             )
+            tables = self.rope_tables()
             parts = [
                 native_decoder.LayerParts(
                     layer.qkv_proj,
@@ -279,6 +278,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                     layer.input_norm,
                     layer.post_attn_norm,
                     layer.o_bias,
+                    layer.q_norm,
+                    layer.k_norm,
+                    layer.attn_out_norm,
+                    layer.mlp_out_norm,
+                    None if layer.rope_index == 0 else tables[layer.rope_index],
+                    layer.window,
                 )
                 for layer in self.layers
             ]
