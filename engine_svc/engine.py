@@ -21,6 +21,7 @@ from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
+from engine_svc.models.arch import refuse_untested
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
@@ -90,6 +91,14 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = ModelSpec.from_path(config.model)
+        refuse_untested(  # the engine features not tested on this architecture refuse it here
+            self.spec.arch,
+            {
+                "lora": config.enable_lora or bool(config.lora_modules),
+                "speculative": config.speculative_config is not None,
+                "tensor_parallel": config.tensor_parallel_size > 1,
+            },
+        )
         self.max_model_len = resolve_max_model_len(self.spec, config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step's budget (in the engine's own copy:
@@ -101,6 +110,11 @@ class LLMEngine:
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.act_dtype = self.model.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
         self.kernels = select_kernels(self.device, config.kernel_backend)
+        if self.kernels.name == "triton" and any(a.window for a in self.spec.layer_attention):
+            raise ValueError(
+                f"{self.spec.architecture}'s sliding-window layers are not in the Triton kernels yet; "
+                "kernel_backend='torch' (or 'reference') serves them"
+            )
         self.speculative = SpeculativeConfig.parse(config.speculative_config)  # parsed here, once
         self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)
@@ -534,8 +548,8 @@ def resolve_device(name: str | None, rank: int = 0) -> torch.device:
 
 def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
     limit = spec.max_position_embeddings
-    if spec.sliding_window:
-        limit = min(limit, spec.sliding_window)  # no sliding-window attention: stay inside it
+    if spec.sliding_window:  # a window the declaration does not serve per layer: stay inside it
+        limit = min(limit, spec.sliding_window)
     wanted = config.max_model_len or limit
     if wanted > limit:
         raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")

@@ -43,6 +43,7 @@ TORCH_KERNELS = Kernels(
     write_kv=kv_write.write_kv,
     paged_attention=cpu_paged_attention.paged_attention,
     rotary_store_kv=native_elementwise.rotary_store_kv,
+    gelu_tanh_and_mul=native_elementwise.gelu_tanh_and_mul,
 )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels.reference import kv_write, lora
+from kernels.reference import activation, kv_write, lora
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Kernels:
     # Rotary and the cache write in one call on the fused QKV rows (kernels/reference/kv_write.py);
     # a bundle without one composes its own apply_rotary and write_kv (``rotate_and_store``).
     rotary_store_kv: Callable | None = None
+    # GELU(tanh)-and-multiply on a fused [gate | up] (Gemma's MLP): torch's, on every bundle.
+    gelu_tanh_and_mul: Callable = activation.gelu_tanh_and_mul
 
     def rotate_and_store(
         self, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads

@@ -33,7 +33,19 @@ _K_SCALE_FIELDS = {
     "IQ4_NL": (0,),
 }
 
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
+# Gemma 3's names where they differ from the Llama family's (llama.cpp's converter)
+_GEMMA3_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -52,14 +64,15 @@ _NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, g_arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if hf_name in top:
         return top[hf_name]
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
-    return f"blk.{index}.{_NAMES[rest]}"
+    names = {**_NAMES, **_GEMMA3_NAMES} if g_arch == "gemma3" else _NAMES
+    return f"blk.{index}.{names[rest]}"
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -100,9 +113,13 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(
-        float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
-    )
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (the local one is 10k)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 1e4))))
+    if g_arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, model_dir, cfg)
@@ -116,7 +133,9 @@ def write_gguf(
             array = permute_rows(array, heads)
         elif permuted and name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
-        g_name = gguf_name(name)
+        if g_arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # the converter stores Gemma's (1 + w) norms with the one added
+        g_name = gguf_name(name, g_arch)
         kind = (types or {}).get(g_name, type_name) if array.ndim == 2 else "F32"
         _add_tensor(w, g_name, array, kind, seed=i)
     w.write_header_to_file()
@@ -148,6 +167,10 @@ def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
         raise ValueError("test tokenizer ids are not dense")
     tokens = [t for t, _ in by_id]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
+    if cfg["model_type"] == "gemma3_text" and len(tokens) > len(by_id):
+        # transformers' Gemma tokenizer adds a <mask> token where the vocabulary has none
+        tokens[len(by_id)] = "<mask>"
+        special["<mask>"] = len(by_id)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

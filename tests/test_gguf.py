@@ -246,7 +246,9 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"architecture 'phi3'; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"architecture 'phi3'; supported: gemma3, llama, mistral, qwen2, qwen3"
+    ):
         ModelSpec.from_path(out)
 
 

@@ -248,11 +248,34 @@ def test_wrapped_projections_run_the_python_loop_with_the_same_results(monkeypat
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
-def test_q_k_norm_models_run_the_python_loop(monkeypatch):
+def test_q_k_norm_models_take_the_loop_too(monkeypatch):
     model = _model("fp32", spec=_spec("Qwen3ForCausalLM"))
     got, want, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:3])
-    assert forwards == 0 and model.native_loop_reason == "q/k norms"
+    assert forwards == 3 and model.native_loop_reason is None
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+GEMMA3 = dict(  # a local layer (window 5), a global one, a local one: windows the contexts pass
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    sliding_window=5,
+    query_pre_attn_scalar=24,
+    rope_local_base_freq=10000.0,
+    rope_theta=1_000_000.0,
+)
+
+
+@pytest.mark.parametrize("path", ["fp32", "gguf_int8act"])
+def test_gemma3_layers_take_the_loop_bit_for_bit(path, monkeypatch):
+    """Gemma 3's parts in the loop: q/k norms, sandwich norms, GELU-tanh, a rotary table per kind,
+    sliding windows; the caches too."""
+    model = _model(path, spec=_spec("Gemma3ForCausalLM", **GEMMA3))
+    assert len(model.rope_tables()) == 2 and model.layers[0].window == 5
+    got, want, native_caches, python_caches, forwards = _run_both(model, monkeypatch)
+    assert forwards == len(SCHEDULE) and model.native_loop_reason is None
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max()}"
+    for a, b in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_other_kernels_run_the_python_loop(monkeypatch):

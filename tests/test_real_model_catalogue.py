@@ -5,8 +5,7 @@
 - greedy tokens equal transformers' own GGUF loader (both dequantize to float32) on chat prompts
   rendered with the model's template;
 - a coding question gets code;
-- Gemma 3 270M, pulled by the catalogue, is refused by the loader with the supported list (not
-  served yet).
+- Gemma 3 270M, pulled by the catalogue, loads as gemma3 (its tokens: tests/test_real_gemma3.py).
 
 Skipped, naming the command, where a model is not in models/ (CI does not download them).
 """
@@ -70,12 +69,11 @@ def test_a_coding_question_gets_code(llm):
     assert "def " in out.outputs[0].text, out.outputs[0].text
 
 
-def test_gemma3_is_pulled_but_not_served_yet():
-    """docs/models.md says so; the work that serves gemma3 turns this into a real-model test."""
+def test_gemma3_is_pulled_and_served():
+    """Served: its tokens against transformers' GGUF loader are tests/test_real_gemma3.py's."""
     from engine_svc.models.catalogue import entry
     from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
 
     path = catalogue_model_path("gemma3-270m")
-    assert not entry("gemma3-270m").served
-    with pytest.raises(ValueError, match=r"architecture 'gemma3'; supported: "):
-        GGUFCheckpoint(path)
+    assert entry("gemma3-270m").served
+    assert GGUFCheckpoint(path).config()["architectures"] == ["Gemma3ForCausalLM"]

@@ -18,7 +18,11 @@ ARCH_DEFAULTS: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"head_dim": None},  # filled below: Qwen3 carries head_dim explicitly
+    # Gemma 3 (text): 5 local layers to 1 global by default; tests name layer_types to mix a few
+    "gemma3": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
 }
+# transformers' model_type where it differs from the name here
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def make_config(arch: str, **overrides):
@@ -41,11 +45,11 @@ def make_config(arch: str, **overrides):
         **ARCH_DEFAULTS[arch],
     }
     fields.update(overrides)
-    if arch == "qwen3" and fields.get("head_dim") is None:
+    if arch in ("qwen3", "gemma3") and fields.get("head_dim") is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     if arch == "qwen2":
         fields.setdefault("use_sliding_window", False)
-    return AutoConfig.for_model(arch, **fields)
+    return AutoConfig.for_model(_MODEL_TYPES.get(arch, arch), **fields)
 
 
 def build_random_model(

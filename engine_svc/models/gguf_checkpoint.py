@@ -4,7 +4,9 @@ Read with the ``gguf`` package (llama.cpp's own reader): the file is memory-mapp
 is a view of its blocks, so a caller may dequantize it (``GGUFTensor.dequantize``) or, later, keep
 the blocks as they are for a quantized kernel. What llama.cpp's converter changed on the way in is
 undone here: its tensor names, its reversed dimension order, and, for the Llama family, the
-interleaved row order of the q/k projections that its rotary kernel wants.
+interleaved row order of the q/k projections that its rotary kernel wants, and the ``1 + w`` it
+stored for norms of that style. Each architecture's names and quirks are its declaration's
+(``engine_svc/models/arch/``).
 """
 
 from __future__ import annotations
@@ -20,38 +22,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
-# GGUF general.architecture -> the HF architecture our decoder serves it as
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",  # Llama 2/3, SmolLM, and Mistral (llama.cpp converts it as llama)
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# The Llama family's q/k rows were permuted by the converter (for llama.cpp's rotary layout).
-_PERMUTED_QK = {"llama", "mistral"}
+from engine_svc.models import arch as archs
+from engine_svc.models.arch import GLOBAL_GGUF_NAMES
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors a converter writes that the forward pass derives itself or has no use for.
 _DERIVED = {"rope_freqs.weight"}
@@ -71,6 +44,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # in torch order (rows first), as the HF tensor has it
     _reader_tensor: object
     _permute_heads: int | None  # q/k of the Llama family: rows to put back in HF order
+    _offset: float = 0.0  # a norm stored as offset + w: subtracted (HF's spelling)
 
     def dequantize(self) -> torch.Tensor:
         """The tensor in fp32, in HF layout."""
@@ -87,6 +61,8 @@ class GGUFTensor:
         tensor = torch.from_numpy(array).reshape(self.shape)
         if self._permute_heads is not None:
             tensor = _unpermute_rows(tensor, self._permute_heads)
+        if self._offset:
+            tensor = tensor - self._offset
         return tensor
 
 
@@ -104,10 +80,11 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self.reader = _open_reader(self.path)
         self.architecture = self.field("general.architecture")
-        if self.architecture not in GGUF_ARCHITECTURES:
+        self.declaration = archs.by_gguf(self.architecture)
+        if self.declaration is None:
             raise ValueError(
                 f"GGUF file {self.path.name} has architecture {self.architecture!r}; supported: "
-                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+                f"{', '.join(archs.gguf_names())}"
             )
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
@@ -137,7 +114,7 @@ class GGUFCheckpoint:
         eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
         head_dim = self.arch_field("attention.key_length") or hidden // heads
         cfg = {
-            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "architectures": [self.declaration.name],
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": self._required(f"{arch}.feed_forward_length"),
@@ -154,7 +131,8 @@ class GGUFCheckpoint:
             "eos_token_id": eos_ids,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
         }
-        return cfg
+        extra = self.declaration.gguf_config(self)
+        return {**cfg, **{k: v for k, v in extra.items() if v is not None}}
 
     def _required(self, key: str):
         value = self.field(key)
@@ -183,13 +161,14 @@ class GGUFCheckpoint:
         """Every weight under its HF name, in file order."""
         heads = self._required(f"{self.architecture}.attention.head_count")
         kv_heads = self.arch_field("attention.head_count_kv") or heads
-        permute = self.architecture in _PERMUTED_QK
+        decl = self.declaration
+        permute = decl.gguf_permuted_qk
         for t in self.reader.tensors:
             if t.name in _DERIVED:
                 continue
-            hf_name = hf_tensor_name(t.name)
+            hf_name = hf_tensor_name(t.name, decl)
             if hf_name is None:
-                raise ValueError(f"GGUF tensor {t.name} is not a weight this model family has")
+                raise ValueError(f"GGUF tensor {t.name} is not a weight the {self.architecture} family has")
             heads_to_undo = None
             if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads_to_undo = heads if "q_proj" in hf_name else kv_heads
@@ -200,15 +179,22 @@ class GGUFCheckpoint:
                 tuple(int(n) for n in reversed(t.shape.tolist())),
                 t,
                 heads_to_undo,
+                decl.norm_offset if _is_norm(hf_name) else 0.0,
             )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def _is_norm(hf_name: str) -> bool:
+    return hf_name.endswith(("norm.weight", "layernorm.weight"))
+
+
+def hf_tensor_name(gguf_name: str, decl=None) -> str | None:
+    """The HF name of a GGUF tensor of architecture ``decl`` (default: the Llama family's names)."""
+    if gguf_name in GLOBAL_GGUF_NAMES:
+        return GLOBAL_GGUF_NAMES[gguf_name]
+    names = (decl or archs.by_name("LlamaForCausalLM")).gguf_names
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 

@@ -45,9 +45,10 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
     device = model.final_norm.device
     gen = torch.Generator(device).manual_seed(seed)
     std = model.spec.initializer_range
+    offset = model.spec.norm_offset  # a (1 + w) norm's w is 0 for a norm of 1
     for name, shape in sorted(full_shapes(model).items()):
         if "norm" in name:
-            tensor = torch.ones(shape, device=device)
+            tensor = torch.full(shape, 1.0 - offset, device=device)
         elif name.endswith("bias"):
             tensor = torch.zeros(shape, device=device)
         else:
@@ -80,50 +81,69 @@ def _read_safetensors(d: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
-    """Copy this rank's slice of the HF tensor ``name`` into the model; False if not ours."""
+    """Copy this rank's slice of the HF tensor ``name`` into the model; False if not ours. Where
+    each tensor goes is the architecture's weight map (``engine_svc/models/arch/``); a ``(1 + w)``
+    norm is stored as ``1 + w``."""
     spec, shard = model.spec, model.shard
+    decl = spec.arch
     d = spec.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         target = model.embed if name.startswith("model.") else model.lm_head
         start, end = shard.vocab_range(spec)
         return target is not None and _copy(target, tensor[start:end])
     if name == "model.norm.weight":
-        return _copy(model.final_norm, tensor)
+        return _copy(model.final_norm, _with_offset(tensor, decl.norm_offset))
     m = _LAYER.match(name)
     if not m or int(m.group(1)) >= len(model.layers):
         return False
-    layer, rest = model.layers[int(m.group(1))], m.group(2)
+    slot = decl.layer_weights.get(m.group(2))
+    if slot is None:
+        return False
+    layer = model.layers[int(m.group(1))]
     heads, kv_heads, inter = layer.num_heads, layer.num_kv_heads, shard.intermediate(spec)
     q_src = shard.rank * heads * d
     kv_src = shard.kv_head_start(spec) * d
-    # HF name -> (target, target row offset, source slice along the split dim, split dim)
+    # slot -> (target row offset, source row offset, rows) within the fused qkv projection
     rows = {
-        "self_attn.q_proj": (0, q_src, heads * d),
-        "self_attn.k_proj": (heads * d, kv_src, kv_heads * d),
-        "self_attn.v_proj": ((heads + kv_heads) * d, kv_src, kv_heads * d),
+        "q_proj": (0, q_src, heads * d),
+        "k_proj": (heads * d, kv_src, kv_heads * d),
+        "v_proj": ((heads + kv_heads) * d, kv_src, kv_heads * d),
     }
-    proj, _, kind = rest.rpartition(".")
+    proj, _, kind = slot.partition(".")
     if proj in rows:
         dst, src, count = rows[proj]
         target = layer.qkv_weight if kind == "weight" else layer.qkv_bias
         return target is not None and _copy(target.data.narrow(0, dst, count), tensor.narrow(0, src, count))
-    if proj in ("mlp.gate_proj", "mlp.up_proj"):
-        dst = 0 if proj == "mlp.gate_proj" else inter
+    if proj in ("gate_proj", "up_proj"):
+        dst = 0 if proj == "gate_proj" else inter
         return _copy(
             layer.gate_up_weight.data.narrow(0, dst, inter), tensor.narrow(0, shard.rank * inter, inter)
         )
-    if rest == "self_attn.o_proj.weight":
+    if slot == "o_proj.weight":
         return _copy(layer.o_weight, tensor.narrow(1, q_src, heads * d))
-    if rest == "mlp.down_proj.weight":
+    if slot == "down_proj.weight":
         return _copy(layer.down_weight, tensor.narrow(1, shard.rank * inter, inter))
-    whole = {
-        "self_attn.o_proj.bias": layer.o_bias,
-        "self_attn.q_norm.weight": layer.q_norm,
-        "self_attn.k_norm.weight": layer.k_norm,
-        "input_layernorm.weight": layer.input_norm,
-        "post_attention_layernorm.weight": layer.post_attn_norm,
+    if slot == "o_proj.bias":
+        return layer.o_bias is not None and _copy(layer.o_bias, tensor)
+    norm = _norm_params(layer).get(slot)
+    return norm is not None and _copy(norm, _with_offset(tensor, decl.norm_offset))
+
+
+def _norm_params(layer) -> dict:
+    """The layer's norm parameters by the declaration's slot (None where the layer has none)."""
+    return {
+        "q_norm": layer.q_norm,
+        "k_norm": layer.k_norm,
+        "input_norm": layer.input_norm,
+        "attn_out_norm": layer.attn_out_norm,
+        "mlp_norm": layer.post_attn_norm,
+        "mlp_out_norm": layer.mlp_out_norm,
     }
-    return whole.get(rest) is not None and _copy(whole[rest], tensor)
+
+
+def _with_offset(tensor: torch.Tensor, offset: float) -> torch.Tensor:
+    """A ``(1 + w)`` norm's weight as the kernel multiplies by it: ``1 + w``, in fp32 as HF adds it."""
+    return tensor.float() + offset if offset else tensor
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -136,37 +156,37 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 
 def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
-    """HF name -> unsharded shape, for every weight the model needs."""
+    """HF name -> unsharded shape, for every weight the model needs (the declaration's weight map,
+    less the slots this model's layer does not have)."""
     s = model.spec
     h, d, inter = s.hidden_size, s.head_dim, s.intermediate_size
+    q, kv = s.num_heads * d, s.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (s.vocab_size, h),
         "model.norm.weight": (h,),
     }
     if model.lm_head is not None:
         shapes["lm_head.weight"] = (s.vocab_size, h)
+    by_slot = {
+        "q_proj.weight": (q, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, q),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
+        "input_norm": (h,),
+        "mlp_norm": (h,),
+    }
+    if s.qkv_bias:
+        by_slot.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+    if s.o_bias:
+        by_slot["o_proj.bias"] = (h,)
+    if s.qk_norm:
+        by_slot.update({"q_norm": (d,), "k_norm": (d,)})
+    if s.sandwich_norms:
+        by_slot.update({"attn_out_norm": (h,), "mlp_out_norm": (h,)})
+    per_layer = {name: by_slot[slot] for name, slot in s.arch.layer_weights.items() if slot in by_slot}
     for i in range(s.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (s.num_heads * d, h),
-                p + "self_attn.k_proj.weight": (s.num_kv_heads * d, h),
-                p + "self_attn.v_proj.weight": (s.num_kv_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, s.num_heads * d),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-        if s.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (s.num_heads * d,)
-            shapes[p + "self_attn.k_proj.bias"] = (s.num_kv_heads * d,)
-            shapes[p + "self_attn.v_proj.bias"] = (s.num_kv_heads * d,)
-        if s.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if s.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes

@@ -8,15 +8,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_svc.models import arch as archs
+from engine_svc.models.arch import Architecture, LayerAttention
 from engine_svc.models.model_path import resolve_model_path
-
-# architecture name in config.json -> the family flags our one decoder implementation needs
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
-}
 
 
 @dataclass(frozen=True)
@@ -38,8 +32,21 @@ class ModelSpec:
     o_bias: bool
     qk_norm: bool
     initializer_range: float
-    sliding_window: int | None
+    sliding_window: int | None  # a window the model is not served with (max_model_len stays inside it)
     eos_token_ids: tuple[int, ...]
+    # From the architecture's declaration (engine_svc/models/arch/): per layer, its attention
+    # (window, rotary table); the layer's shape; the model's ends.
+    layer_attention: tuple[LayerAttention, ...] = ()
+    activation: str = "silu"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None
+
+    @property
+    def arch(self) -> Architecture:
+        return archs.by_name(self.architecture)
 
     @classmethod
     def from_path(cls, model: str | Path) -> ModelSpec:
@@ -59,43 +66,54 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, cfg: dict, generation_eos: list[int] | None = None) -> ModelSpec:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        listed = cfg.get("architectures") or []
+        decl = next((a for a in map(archs.by_name, listed) if a is not None), None)
+        if decl is None:
             raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"unsupported architecture {listed or cfg.get('model_type')!r}; supported: "
+                f"{', '.join(archs.names())}"
             )
-        flags = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError(
+                f"{decl.name}: attn_logit_softcapping {cfg['attn_logit_softcapping']} is not supported "
+                "(attention scores are not soft-capped)"
+            )
         heads = cfg["num_attention_heads"]
-        rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None
-        )
-        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        layer_attention = decl.layers(cfg)
+        first_full = next((a for a in layer_attention if a.window is None), layer_attention[0])
         eos = generation_eos if generation_eos is not None else cfg.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        query_scalar = cfg.get(decl.query_scale_key) if decl.query_scale_key else None
+        softcap = cfg.get(decl.final_softcap_key) if decl.final_softcap_key else None
         return cls(
-            architecture=arch,
+            architecture=decl.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
+            rope_theta=first_full.rope_theta,
+            rope_scaling=first_full.rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=flags["qkv_bias"] or bool(cfg.get("attention_bias", False)),
-            o_bias=not flags["qkv_bias"] and bool(cfg.get("attention_bias", False)),
-            qk_norm=flags["qk_norm"],
+            qkv_bias=decl.qkv_bias or bool(cfg.get("attention_bias", False)),
+            o_bias=not decl.qkv_bias and bool(cfg.get("attention_bias", False)),
+            qk_norm=decl.qk_norm,
             initializer_range=cfg.get("initializer_range", 0.02),
-            sliding_window=sliding,
+            sliding_window=None if decl.window_served else sliding,
             eos_token_ids=eos_ids,
+            layer_attention=layer_attention,
+            activation=decl.activation,
+            norm_offset=decl.norm_offset,
+            sandwich_norms=decl.sandwich_norms,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if decl.scale_embedding else None,
+            attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
+            final_logit_softcap=float(softcap) if softcap else None,
         )
 
 

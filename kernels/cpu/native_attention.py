@@ -23,6 +23,7 @@ from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
 from kernels.cpu.checked_once import CheckedOnce
 from kernels.cpu.isa_choice import chosen_isa_in
+from kernels.reference.paged_attention import check_window
 
 # Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
 # The generic build (SSE2 on x86, no fused multiply-add) ran at 0.4-1.4x of the torch path: machines
@@ -51,7 +52,7 @@ def library(isa: str | None = None):
         return None
     fn = lib.llmserve_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _P, _I32]
+    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, *(_I32,) * 5, _F32, _P, _I32, _I32]
     return fn
 
 
@@ -178,13 +179,18 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
     *,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
+    """Same contract as ``kernels.reference.paged_attention.paged_attention`` (``window``: a
+    sliding-window layer's width)."""
+    check_window(window)
     fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
-        return torch_path.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return torch_path.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window
+        )
     out = torch.empty(q.shape, dtype=torch.float32)  # takes(): fp32 on the CPU
     # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a
     # layer); the kernel skips sequences with no queries this step itself.
@@ -204,6 +210,7 @@ def paged_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+        window or 0,
     )
     if rc != 0:
         raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")

@@ -58,6 +58,12 @@ class _Layer(ctypes.Structure):
         ("o_bias", _P),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("attn_out_norm", _P),
+        ("mlp_out_norm", _P),
+        ("cos_sin", _P),
+        ("window", _I64),
     ]
 
 
@@ -79,6 +85,7 @@ class _Model(ctypes.Structure):
         ("num_blocks", _I64),
         ("eps", _F32),
         ("scale", _F32),
+        ("gelu_and_mul", _P),
     ]
 
 
@@ -168,6 +175,13 @@ class LayerParts:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     o_bias: torch.Tensor | None
+    # The declaration's optional parts (engine_svc/models/arch/): None where the layer has none.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None  # this layer's rotary table (None: the model's)
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,7 @@ class Shape:
     inter: int
     eps: float
     scale: float
+    gelu: bool = False  # the MLP's activation: GELU-tanh (else SiLU)
 
 
 def _fp32_vector(t: torch.Tensor | None, n: int) -> bool:
@@ -229,6 +244,22 @@ def build(
             return f"layer {i}'s O bias is not contiguous fp32 of {h}"
         desc.input_norm, desc.post_norm = parts.input_norm.data_ptr(), parts.post_norm.data_ptr()
         desc.o_bias = None if parts.o_bias is None else parts.o_bias.data_ptr()
+        if (parts.q_norm is None) != (parts.k_norm is None):
+            return f"layer {i} has a q norm without a k norm or the reverse"
+        for name, n in (("q_norm", d), ("k_norm", d), ("attn_out_norm", h), ("mlp_out_norm", h)):
+            t = getattr(parts, name)
+            if t is not None and not _fp32_vector(t, n):
+                return f"layer {i}'s {name} is not contiguous fp32 of {n}"
+            setattr(desc, name, None if t is None else t.data_ptr())
+        table = parts.cos_sin
+        if table is not None and not (
+            table.dtype is torch.float32 and table.is_contiguous() and table.shape == cos_sin.shape
+        ):
+            return f"layer {i}'s rotary table is not contiguous fp32 of {tuple(cos_sin.shape)}"
+        desc.cos_sin = None if table is None else table.data_ptr()
+        if parts.window is not None and parts.window < 1:
+            return f"layer {i}'s window {parts.window} is not a positive number of positions"
+        desc.window = parts.window or 0
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
@@ -244,16 +275,21 @@ def _kernel_pointers() -> tuple | None:
         return None
     seen = _pointers_seen
     if seen[0] is not elementwise or seen[1] is not attention:
-        names = ("llmserve_rms_norm_f32", "llmserve_rotary_store_kv_f32", "llmserve_silu_and_mul_f32")
-        norm, store, silu = (fn_address(getattr(elementwise, n)) for n in names)
-        seen[:] = [elementwise, attention, (norm, store, fn_address(attention), silu)]
+        names = (
+            "llmserve_rms_norm_f32",
+            "llmserve_rotary_store_kv_f32",
+            "llmserve_silu_and_mul_f32",
+            "llmserve_gelu_tanh_and_mul_f32",
+        )
+        norm, store, silu, gelu = (fn_address(getattr(elementwise, n)) for n in names)
+        seen[:] = [elementwise, attention, (norm, store, fn_address(attention), silu, gelu)]
     return seen[2]
 
 
 _pointers_seen: list = [None, None, None]  # the libraries last asked, and their entry points
 
 
-def _runs_native_kernels(k) -> bool:
+def _runs_native_kernels(k, gelu: bool = False) -> bool:
     """Whether ``k`` is the bundle whose kernels this loop calls (not the references, Triton, or
     a bundle with one replaced)."""
     return (
@@ -261,6 +297,7 @@ def _runs_native_kernels(k) -> bool:
         and k.rotary_store_kv is native_elementwise.rotary_store_kv
         and k.paged_attention is native_attention.paged_attention
         and k.silu_and_mul is native_elementwise.silu_and_mul
+        and (not gelu or k.gelu_tanh_and_mul is native_elementwise.gelu_tanh_and_mul)
     )
 
 
@@ -355,7 +392,7 @@ class NativeDecoderLoop:
     def run(self, k, x: torch.Tensor, positions: torch.Tensor, kv_caches, attn) -> torch.Tensor | None:
         """The final norm's output ``[T, hidden]`` for the embedded tokens ``x``, or None where the
         loop does not take this forward (then nothing was written)."""
-        if not (_runs_native_kernels(k) and enabled()):
+        if not (_runs_native_kernels(k, self.shape.gelu) and enabled()):
             return None
         kernels = _kernel_pointers()
         t = x.shape[0]
@@ -379,7 +416,8 @@ class NativeDecoderLoop:
             return None
         if kernels is not self._kernels:
             m = self._model
-            m.rms_norm, m.rotary_store_kv, m.attention, m.silu_and_mul = kernels
+            m.rms_norm, m.rotary_store_kv, m.attention, m.silu_and_mul, gelu = kernels
+            m.gelu_and_mul = gelu if self.shape.gelu else None
             self._kernels = kernels
         # The metadata's shapes here; its values (what the kernels index) in C, before any kernel.
         i32 = native_attention.as_int32

@@ -25,6 +25,7 @@ _SIGNATURES = {
     "llmserve_rms_norm_f32": [_P, _P, _P, _F32, _I64, _I64, _P, _P, _I32],
     "llmserve_rotary_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
     "llmserve_silu_and_mul_f32": [_P, _I64, _I64, _P, _I32],
+    "llmserve_gelu_tanh_and_mul_f32": [_P, _I64, _I64, _P, _I32],
     "llmserve_rotary_store_kv_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
 }
 # Where the fused SiLU-and-multiply runs native. Against torch's two vectorized passes
@@ -224,6 +225,16 @@ def rotary_store_kv(
 
 
 def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
+    return _gated(x, isa, "llmserve_silu_and_mul_f32", activation.silu_and_mul)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
+    """Gemma's GELU(tanh)-and-multiply; where native, its tanh is the kernel's (from the fast exp),
+    within a few ulp of torch's."""
+    return _gated(x, isa, "llmserve_gelu_tanh_and_mul_f32", activation.gelu_tanh_and_mul)
+
+
+def _gated(x: torch.Tensor, isa, name: str, reference):
     lib = _lib(x, isa=isa)
     if (
         lib is None
@@ -231,11 +242,11 @@ def silu_and_mul(x: torch.Tensor, *, isa=None) -> torch.Tensor:
         or not x.is_contiguous()
         or x.shape[-1] % 2
     ):
-        return activation.silu_and_mul(x)
+        return reference(x)
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     rows = out.numel() // d if d else 0
-    lib.llmserve_silu_and_mul_f32(x.data_ptr(), rows, d, out.data_ptr(), torch.get_num_threads())
+    getattr(lib, name)(x.data_ptr(), rows, d, out.data_ptr(), torch.get_num_threads())
     return out
 
 

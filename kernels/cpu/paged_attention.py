@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.length_groups import length_groups
+from kernels.reference import paged_attention as reference
 
 # Gathered K + V of one decode chunk: a few MiB stays in this core's L2 / the shared L3. Measured
 # at batch 64 x 512-token contexts: 4 MiB chunks ~1.4x faster than one 32 MiB gather.
@@ -47,8 +48,14 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention.paged_attention``."""
+    """Same contract as ``kernels.reference.paged_attention.paged_attention``. A sliding-window layer
+    (``window``) runs the reference's arithmetic (no cascade, no chunked decode groups)."""
+    if window is not None:
+        return reference.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window
+        )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()

@@ -4,7 +4,8 @@ Request b owns query tokens ``query_start_loc[b] : query_start_loc[b+1]`` of the
 its context is ``seq_lens[b]`` tokens long (already-cached prefix plus this step's tokens, whose
 K/V were written to the cache before this call) and lives in the blocks ``block_tables[b]``.
 Query i of a request with q_len queries sits at position ``seq_len - q_len + i`` and attends to
-every context position up to and including its own (causal within the chunk).
+every context position up to and including its own (causal within the chunk); with a ``window`` of
+W, only the last W of those (positions > its own - W: a sliding-window layer).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk.
 
@@ -43,8 +45,9 @@ def paged_attention(
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
+    check_window(window)
     for group in length_groups(decodes, lens):
-        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale)
+        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale, window)
     for b in prefills:
         lo, hi, ctx = starts[b], starts[b + 1], lens[b]
         k = gather_context(k_cache, block_tables[b], ctx)
@@ -52,11 +55,18 @@ def paged_attention(
         q_len = hi - lo
         # Query i may see context positions <= ctx - q_len + i.
         mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
+        if window is not None:  # ... and positions > its own - window
+            mask &= torch.ones(q_len, ctx, dtype=torch.bool).triu(diagonal=ctx - q_len - window + 1)
         out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
     return out
 
 
-def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale) -> None:
+def check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
+
+
+def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale, window=None) -> None:
     # One query per request: pad every context to the longest and mask the padding, so the whole
     # decode batch is one attention call instead of one per request.
     max_len = max(lens[b] for b in rows)
@@ -67,7 +77,10 @@ def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, sc
     k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, Hk, D]
     v = v_cache[tables].flatten(1, 2)[:, :max_len]
     lengths = torch.tensor([lens[b] for b in rows], device=q.device)
-    mask = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, L]
+    positions = torch.arange(max_len, device=q.device)[None, :]
+    mask = positions < lengths[:, None]  # [B, L]
+    if window is not None:
+        mask &= positions >= lengths[:, None] - window
     token_idx = torch.tensor([starts[b] for b in rows], device=q.device)
     qb = q[token_idx].unsqueeze(2)  # [B, Hq, 1, D]
     kb = k.transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]; GQA without materialising repeated heads

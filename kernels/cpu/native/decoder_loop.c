@@ -31,8 +31,9 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_st
                             const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                             const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
                             int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            float scale, float *out, int32_t num_threads);
+                            float scale, float *out, int32_t num_threads, int32_t window);
 typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
+/* (the GELU-tanh-and-multiply kernel has the same signature) */
 
 /* One linear: y[m, n] = x[m, k] . W^T + bias through its own GEMM. `coded`: the entry takes the
  * weight's format code first and returns nonzero to refuse (quant_gemm.c, quant_int8act.c);
@@ -49,6 +50,11 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm, *o_bias; /* o_bias NULL: none */
     float *k_cache, *v_cache;                    /* [slots, kv_heads, head_dim] each */
+    /* The declaration's optional parts (NULL / 0: none): per-head q/k norms, the norms on the
+     * attention's and the MLP's outputs (sandwich norms), this layer's rotary table (NULL: the
+     * model's), its sliding window. */
+    const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm, *cos_sin;
+    int64_t window;
 } Layer;
 
 typedef struct {
@@ -57,6 +63,7 @@ typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, inter, block_size;
     int64_t rotary_rows, num_blocks; /* rows of cos_sin; blocks of each cache */
     float eps, scale;
+    void *gelu_and_mul; /* non-NULL: the MLP's activation is GELU-tanh (else SiLU) */
 } Model;
 
 /* One forward pass: its tokens' metadata (checked by the caller) and the buffers, each rows of
@@ -153,26 +160,35 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         residual = residual ? s->residual : x;
         stage = STAGE_QKV;
         if ((rc = linear(&L->qkv, s->normed, t, s->qkv, threads))) break;
-        ((rotary_store_fn)md->rotary_store_kv)(s->qkv, L->qkv.n, t, hq, hk, d, s->positions, md->cos_sin, s->slots,
-                                               s->q, L->k_cache, L->v_cache, threads);
+        if (L->q_norm) /* each head's q and k rows normed in place, as the Python loop does */
+            for (int64_t r = 0; r < t; ++r) {
+                float *row = s->qkv + r * L->qkv.n;
+                norm(row, 0, L->q_norm, md->eps, hq, d, row, 0, threads);
+                norm(row + hq * d, 0, L->k_norm, md->eps, hk, d, row + hq * d, 0, threads);
+            }
+        ((rotary_store_fn)md->rotary_store_kv)(s->qkv, L->qkv.n, t, hq, hk, d, s->positions,
+                                               L->cos_sin ? L->cos_sin : md->cos_sin, s->slots, s->q,
+                                               L->k_cache, L->v_cache, threads);
         stage = STAGE_ATTENTION;
         rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, s->block_tables,
                                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->num_seqs,
                                            (int32_t)hq, (int32_t)hk, (int32_t)d, (int32_t)md->block_size,
-                                           md->scale, s->attn, threads);
+                                           md->scale, s->attn, threads, (int32_t)L->window);
         if (rc) break;
         stage = STAGE_O;
         if ((rc = linear(&L->o, s->attn, t, s->hidden, threads))) break;
         if (L->o_bias) /* the Python loop's `out + o_bias`: one rounding per element either way */
             for (int64_t r = 0; r < t; ++r)
                 for (int64_t e = 0; e < h; ++e) s->hidden[r * h + e] += L->o_bias[e];
+        if (L->attn_out_norm) norm(s->hidden, 0, L->attn_out_norm, md->eps, t, h, s->hidden, 0, threads);
         norm(s->hidden, residual, L->post_norm, md->eps, t, h, s->normed, s->residual, threads);
         residual = s->residual;
         stage = STAGE_GATE_UP;
         if ((rc = linear(&L->gate_up, s->normed, t, s->gate_up, threads))) break;
-        ((silu_fn)md->silu_and_mul)(s->gate_up, t, md->inter, s->act, threads);
+        ((silu_fn)(md->gelu_and_mul ? md->gelu_and_mul : md->silu_and_mul))(s->gate_up, t, md->inter, s->act, threads);
         stage = STAGE_DOWN;
         if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        if (L->mlp_out_norm) norm(s->hidden, 0, L->mlp_out_norm, md->eps, t, h, s->hidden, 0, threads);
         x = s->hidden;
         if (s->progress) __atomic_fetch_add(s->progress, 1, __ATOMIC_RELAXED);
     }

@@ -178,3 +178,28 @@ void llmserve_silu_and_mul_f32(const float *x, int64_t rows, int64_t d, float *o
     silu_job j = {x, d, out};
     parallel_for(num_threads, rows * d > 16384, rows, grain(2 * d), silu_rows, &j);
 }
+
+/* out[t] = gelu_tanh(gate) * up (Gemma's MLP; transformers' gelu_pytorch_tanh):
+ * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), the tanh from e^-2|y| (in (0, 1]), so the
+ * loop vectorizes with the exp above. */
+static void gelu_rows(void *ctx, int64_t begin, int64_t end) {
+    const silu_job *j = ctx;
+    const float *x = j->x;
+    const int64_t d = j->d;
+    float *out = j->out;
+    for (int64_t t = begin; t < end; ++t) {
+        const float *g = x + t * 2 * d, *u = g + d;
+        float *o = out + t * d;
+        for (int64_t i = 0; i < d; ++i) {
+            const float y = 0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+            const float e = exp_nonpositive(-2.0f * fabsf(y));
+            const float th = (1.0f - e) / (1.0f + e);
+            o[i] = 0.5f * g[i] * (1.0f + (y >= 0.0f ? th : -th)) * u[i];
+        }
+    }
+}
+
+void llmserve_gelu_tanh_and_mul_f32(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads) {
+    silu_job j = {x, d, out};
+    parallel_for(num_threads, rows * d > 16384, rows, grain(2 * d), gelu_rows, &j);
+}

@@ -108,8 +108,9 @@ INLINE vf dot_lanes(const vf *restrict q, const float *restrict k, const int D) 
     return even + odd;
 }
 
-/* softmax numerators of s[0, n) in place; returns their sum (W partial sums, fixed tree). */
-INLINE float softmax_numerators(float *restrict s, int n) {
+/* softmax numerators of s[0, n) in place, exactly 0 before position lo (outside a sliding window;
+ * their scores are -inf); returns their sum (W partial sums, fixed tree). */
+INLINE float softmax_numerators(float *restrict s, int n, int lo) {
     /* the maximum, W lanes at a time (a maximum is exact: any order gives the same) */
     vf mv = (vf){0} - INFINITY;
     int p = 0;
@@ -124,12 +125,12 @@ INLINE float softmax_numerators(float *restrict s, int n) {
     p = 0;
     for (; p + W <= n; p += W)
         for (int l = 0; l < W; ++l) {
-            float e = exp_nonpositive(s[p + l] - m);
+            float e = p + l < lo ? 0.0f : exp_nonpositive(s[p + l] - m);
             s[p + l] = e;
             acc[l] += e;
         }
     for (int l = 0; p + l < n; ++l) {
-        float e = exp_nonpositive(s[p + l] - m);
+        float e = p + l < lo ? 0.0f : exp_nonpositive(s[p + l] - m);
         s[p + l] = e;
         acc[l] += e;
     }
@@ -147,6 +148,7 @@ typedef struct {
     const int32_t *seq_lens, *query_start_loc;
     int32_t num_heads, num_kv_heads, block_size;
     float scale;
+    int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
 } Args;
 
@@ -215,7 +217,7 @@ INLINE int largest_divisor_at_most(int n, int most) {
 /* The outputs of G queries (from `head` on; their softmax numerators in rows of ctx from w, their
  * sums in sums) over the V rows, SLICE vectors of each at a time: a query's sums run over
  * positions in order, whichever queries share its group. */
-INLINE void decode_output(const Args *a, const Seq *sq, int head, const float *w, int ctx,
+INLINE void decode_output(const Args *a, const Seq *sq, int head, const float *w, int ctx, int lo,
                           const float *sums, const int G, const int D) {
     const int bs = a->block_size, h = head / (a->num_heads / a->num_kv_heads);
     const int64_t ps = (int64_t)a->num_kv_heads * D;
@@ -224,7 +226,8 @@ INLINE void decode_output(const Args *a, const Seq *sq, int head, const float *w
         vf acc[G][SLICE];
         for (int j = 0; j < G; ++j)
             for (int c = 0; c < SLICE; ++c) acc[j][c] = (vf){0};
-        for (int blk = 0; blk * bs < ctx; ++blk) {
+        /* blocks wholly before lo have weights of exactly 0: adding them would change no bit */
+        for (int blk = lo / bs; blk * bs < ctx; ++blk) {
             const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + c0 * W;
             const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
             for (int p = 0; p < n; ++p) {
@@ -252,8 +255,12 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
     const int G = DECODE_GROUP(D);
     const Seq sq = seq_of(a, b);
     const int ctx = sq.ctx;
+    /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
+    const int lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (int v = 0; v < rep; ++v)
+        for (int p = 0; p < lo; ++p) scores[(int64_t)v * ctx + p] = -INFINITY;
     /* scores[v * ctx + p] = q_v . k_p * scale */
-    for (int blk = 0; blk * bs < ctx; ++blk) {
+    for (int blk = lo / bs; blk * bs < ctx; ++blk) {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D);
         const int p0 = blk * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
         if (p0 + bs < ctx) { /* the next block is elsewhere in memory: ask for it now */
@@ -276,12 +283,15 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
             decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
         }
     }
+    for (int v = 0; v < rep; ++v) /* the block holding lo was scored whole: mask its head */
+        for (int p = lo / bs * bs; p < lo; ++p) scores[(int64_t)v * ctx + p] = -INFINITY;
     float sums[rep];
-    for (int v = 0; v < rep; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * ctx, ctx);
+    for (int v = 0; v < rep; ++v) sums[v] = softmax_numerators(scores + (int64_t)v * ctx, ctx, lo);
     int v = 0;
     for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
-        decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, DECODE_PV_GROUP, D);
-    for (; v < rep; ++v) decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, sums + v, 1, D);
+        decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, lo, sums + v, DECODE_PV_GROUP, D);
+    for (; v < rep; ++v)
+        decode_output(a, &sq, h * rep + v, scores + (int64_t)v * ctx, ctx, lo, sums + v, 1, D);
 }
 
 /* Positions whose scores one pass over the tile's queries computes: each query vector loaded
@@ -359,14 +369,16 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
     const Seq sq = seq_of(a, b);
     const int nvec = sq.q_len * rep - v0 < TILE ? sq.q_len * rep - v0 : TILE;
     vf qt[D][T];
-    vi limit[T];
-    for (int t = 0; t < T; ++t) limit[t] = (vi){0};
+    vi limit[T], low[T]; /* a lane sees positions [low, limit): its window, or from 0 */
+    for (int t = 0; t < T; ++t) limit[t] = low[t] = (vi){0};
     for (int v = 0; v < TILE; ++v) {
         const int row = (v0 + v) / rep;
         if (v < nvec) {
             const float *qv = query_at(a, &sq, row, h * rep + (v0 + v) % rep);
             for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = qv[d];
             limit[v / W][v % W] = sq.ctx - sq.q_len + row + 1;
+            if (a->window > 0 && limit[v / W][v % W] > a->window)
+                low[v / W][v % W] = limit[v / W][v % W] - a->window;
         } else
             for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = 0.0f;
     }
@@ -384,7 +396,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
             const tile_part s = tile_scores_at(qt, kb + p * ps, ps, D);
             for (int j = 0; j < TILE_POSITIONS; ++j)
                 for (int t = 0; t < T; ++t) {
-                    const vf x = select_v(p0 + p + j < limit[t], s.v[j][t] * a->scale, neg_inf);
+                    const int q = p0 + p + j;
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), s.v[j][t] * a->scale, neg_inf);
                     st[(p0 + p + j) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
@@ -392,7 +405,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         for (; p < n; ++p) { /* the block's last positions: each one pass (ps 0: the same row again) */
             const tile_part s = tile_scores_at(qt, kb + p * ps, 0, D);
             for (int t = 0; t < T; ++t) {
-                const vf x = select_v(p0 + p < limit[t], s.v[0][t] * a->scale, neg_inf);
+                const vf x = select_v((p0 + p < limit[t]) & (p0 + p >= low[t]), s.v[0][t] * a->scale, neg_inf);
                 st[(p0 + p) * T + t] = x;
                 m[t] = select_v(x > m[t], x, m[t]);
             }
@@ -409,7 +422,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
             for (int t = 0; t < T; ++t) {
                 float e[W];
                 for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(st[p * T + t][j] - m[t][j]);
-                const vf x = select_v(p < limit[t], loadv(e), (vf){0});
+                const vf x = select_v((p < limit[t]) & (p >= low[t]), loadv(e), (vf){0});
                 st[p * T + t] = x;
                 part[l][t] += x;
             }
@@ -574,11 +587,11 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
                                  int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
                                  int32_t head_dim, int32_t block_size, float scale, float *out,
-                                 int32_t num_threads) {
-    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
+                                 int32_t num_threads, int32_t window) {
+    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0) return -1;
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, out};
+                    block_size, scale, window, out};
     const int rep = num_heads / num_kv_heads;
     const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
     if (!w) return -2;

@@ -1,0 +1,190 @@
+"""Architectures as declarations: each module here states one architecture's layers as data (an
+``Architecture``) and registers it; the spec, the loader, the GGUF reader, the quantized weights and
+the decoder read the declaration instead of branching on a name.
+
+What an architecture declares:
+
+- its names: the HF ``architectures`` entry and GGUF's ``general.architecture``;
+- the layer: QKV bias, per-head q/k RMSNorm, the gated MLP's activation (``silu`` or
+  ``gelu_tanh``), the RMSNorm style (``w`` or ``1 + w``: ``norm_offset``), whether the attention's
+  and the MLP's outputs are normed too (``sandwich_norms``), the embedding's scale (by
+  ``sqrt(hidden)``), final-logit soft-capping;
+- per layer, its attention (``LayerAttention``: full or a sliding window of W tokens, and the
+  rotary base and scaling of that kind), read from the config by ``layers``;
+- one weight map: each HF per-layer tensor suffix to the decoder's slot (``layer_weights``) and
+  each GGUF per-layer suffix to the HF one (``gguf_names``), and what llama.cpp's converter
+  changed on the way (``gguf_permuted_qk``: the q/k row order; ``norm_offset``: norms stored as
+  ``1 + w``);
+- which engine features were tested on it (``features``); the others refuse it at start.
+
+Adding an architecture of a known kind: one module in this package (see ``gemma3.py``) and its
+tests (docs/architecture.md, "Adding an architecture").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+# The decoder's per-layer weight slots (engine_svc/models/decoder.py): q/k/v rows of the fused
+# qkv projection, gate/up rows of the fused gate_up one, and the norms.
+SLOTS = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight",
+    "q_proj.bias", "k_proj.bias", "v_proj.bias",
+    "o_proj.weight", "o_proj.bias",
+    "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+    "q_norm", "k_norm",
+    "input_norm",  # before attention
+    "attn_out_norm",  # on the attention's output (sandwich norms)
+    "mlp_norm",  # before the MLP
+    "mlp_out_norm",  # on the MLP's output (sandwich norms)
+)  # fmt: skip
+
+# Engine features an architecture may declare tested (the rest refuse it at start).
+FEATURES = ("lora", "speculative", "tensor_parallel")
+FEATURE_NAMES = {
+    "lora": "LoRA adapters",
+    "speculative": "speculative decoding",
+    "tensor_parallel": "tensor parallelism (tensor_parallel_size > 1)",
+}
+
+# The Llama family's HF names; an architecture adds or overrides entries.
+LLAMA_LAYER_WEIGHTS = {
+    "self_attn.q_proj.weight": "q_proj.weight",
+    "self_attn.k_proj.weight": "k_proj.weight",
+    "self_attn.v_proj.weight": "v_proj.weight",
+    "self_attn.q_proj.bias": "q_proj.bias",
+    "self_attn.k_proj.bias": "k_proj.bias",
+    "self_attn.v_proj.bias": "v_proj.bias",
+    "self_attn.o_proj.weight": "o_proj.weight",
+    "self_attn.o_proj.bias": "o_proj.bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj.weight",
+    "mlp.up_proj.weight": "up_proj.weight",
+    "mlp.down_proj.weight": "down_proj.weight",
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+}
+# llama.cpp's per-layer tensor names -> HF's, for the Llama family.
+LLAMA_GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention: ``window`` None is full attention, else a query sees the last
+    ``window`` positions (its own included); the rotary table of its kind."""
+
+    window: int | None
+    rope_theta: float
+    rope_scaling: dict | None = None
+
+    def rope_key(self) -> tuple:
+        return (self.rope_theta, repr(sorted((self.rope_scaling or {}).items())))
+
+
+def rope_of(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) of a Llama-style config (transformers 4's ``rope_theta``/``rope_scaling``
+    or 5's ``rope_parameters``)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))), scaling
+
+
+def full_attention_layers(cfg: dict) -> tuple[LayerAttention, ...]:
+    """Every layer full attention with the config's one rotary table (the Llama family)."""
+    theta, scaling = rope_of(cfg)
+    return (LayerAttention(None, theta, scaling),) * cfg["num_hidden_layers"]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # config.json's ``architectures`` entry
+    gguf: str | None  # GGUF's general.architecture
+    layers: Callable[[dict], tuple[LayerAttention, ...]] = full_attention_layers
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    norm_offset: float = 0.0  # 1.0: every RMSNorm multiplies by (1 + w)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs are normed before the residual add
+    scale_embedding: bool = False  # the embedding's rows times sqrt(hidden)
+    # (HF config key of the attention's query scale: scores * key ** -0.5; None: head_dim)
+    query_scale_key: str | None = None
+    final_softcap_key: str | None = None  # HF config key of the final logits' tanh soft-cap
+    # The config's sliding_window: a window this declaration does not serve per layer (then
+    # max_model_len stays inside it), or served by ``layers``.
+    window_served: bool = False
+    layer_weights: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER_WEIGHTS))
+    gguf_names: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_GGUF_NAMES))
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows (Llama family)
+    # GGUF metadata -> HF config keys this architecture needs beyond the common ones
+    gguf_config: Callable[[object], dict] = lambda ckpt: {}
+    features: frozenset[str] = frozenset(FEATURES)
+
+    def __post_init__(self):
+        assert self.activation in ("silu", "gelu_tanh"), self.activation
+        assert set(self.layer_weights.values()) <= set(SLOTS), set(self.layer_weights.values()) - set(SLOTS)
+        assert set(self.features) <= set(FEATURES), self.features
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    _REGISTRY[arch.name] = arch
+    return arch
+
+
+def _load_all() -> None:
+    from engine_svc.models.arch import gemma3, llama, mistral, qwen2, qwen3  # noqa: F401  (they register)
+
+
+def by_name(name: str) -> Architecture | None:
+    _load_all()
+    return _REGISTRY.get(name)
+
+
+def by_gguf(name: str) -> Architecture | None:
+    _load_all()
+    return next((a for a in _REGISTRY.values() if a.gguf == name), None)
+
+
+def names() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def gguf_names() -> list[str]:
+    _load_all()
+    return sorted(a.gguf for a in _REGISTRY.values() if a.gguf)
+
+
+def refuse_untested(arch: Architecture, wanted: dict[str, bool]) -> None:
+    """A clear error for an engine feature asked for that ``arch`` does not declare tested."""
+    for feature, on in wanted.items():
+        if on and feature not in arch.features:
+            raise ValueError(
+                f"{FEATURE_NAMES[feature]} is not supported on architecture {arch.name} (tested on it: "
+                f"{', '.join(FEATURE_NAMES[f] for f in sorted(arch.features)) or 'none of them'})"
+            )

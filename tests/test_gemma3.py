@@ -1,0 +1,168 @@
+"""Gemma 3 (text) on the declared architecture (engine_svc/models/arch/gemma3.py): a tiny random
+Gemma3ForCausalLM (fp32, seven layers: five sliding-window layers of 8 positions, one global, one
+more local; q/k norms, GELU-tanh, sandwich (1 + w) norms, scaled embedding, tied head, final-logit
+soft-capping) gives HF transformers' greedy tokens, chunked, batched and from cached prefixes; a
+GGUF of it (written as llama.cpp's converter lays Gemma 3 out, read back by transformers' own GGUF
+loader as the independent reader) gives the same; each request's result is bitwise its solo run;
+the features not tested on it refuse it at start; and the native attention's window equals the
+reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine_svc import EngineConfig, SamplingParams
+from engine_svc.engine import LLMEngine
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_model,
+    random_prompts,
+    run_to_completion,
+)
+
+VOCAB = 1024  # prompts' ids; the model's vocabulary has 8 more (the GGUF's <mask> among them)
+MAX_NEW = 10
+WINDOW = 8
+# Shorter and longer than the window, ending on and off block edges; two share a prefix.
+LENGTHS = [1, 5, 8, 9, 17, 40]
+GEMMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=7,  # the default pattern: layers 0-4 and 6 local, 5 global
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=WINDOW,
+    query_pre_attn_scalar=16,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp("gemma3")
+    model_dir = random_model(
+        root / "hf", trained_tokenizer_dir, "gemma3", seed=31, vocab_size=VOCAB + 8, **GEMMA
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    prompts = random_prompts(LENGTHS, VOCAB, seed=5)
+    shared = random_prompts([20], VOCAB, seed=6)[0]
+    prompts += [shared + tail for tail in random_prompts([3, 12], VOCAB, seed=7)]
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return model_dir, hf, prompts, refs
+
+
+def _check(model, hf, prompts, refs, **options):
+    engine = make_engine(model, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, outputs[(str(i), 0)], ref)
+    return engine
+
+
+def test_the_declaration_reads_the_config(gemma):
+    engine = make_engine(gemma[0])
+    spec = engine.spec
+    assert [a.window for a in spec.layer_attention] == [WINDOW] * 5 + [None, WINDOW]
+    assert {a.rope_theta for a in spec.layer_attention} == {10_000.0, 1_000_000.0}
+    assert (spec.activation, spec.norm_offset, spec.sandwich_norms) == ("gelu_tanh", 1.0, True)
+    assert spec.embed_scale == 8.0 and spec.attn_scale == 0.25 and spec.final_logit_softcap == 30.0
+    assert engine.max_model_len == 1024  # the model's context, not its window
+
+
+@pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
+def test_greedy_equals_hf_batched_and_chunked(gemma, block_size, budget):
+    model_dir, hf, prompts, refs = gemma
+    engine = _check(model_dir, hf, prompts, refs, block_size=block_size, max_num_batched_tokens=budget)
+    assert engine.model.native_loop_reason is None  # the native one-call layer loop served it
+
+
+def test_greedy_equals_hf_with_prefix_hits(gemma):
+    model_dir, hf, prompts, refs = gemma
+    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert engine.stats().prefix_hit_tokens > 0
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(gemma, tmp_path_factory):
+    from tests.gguf_files import write_gguf
+
+    return write_gguf(gemma[0], tmp_path_factory.mktemp("gemma3_gguf") / "tiny-gemma3-f32.gguf", "F32")
+
+
+def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(gemma, gemma_gguf):
+    model_dir, hf, prompts, refs = gemma
+    # transformers' GGUF loader, an independent reader of the file: HF's own weights back
+    theirs = AutoModelForCausalLM.from_pretrained(
+        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
+    ).state_dict()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(theirs[name], tensor), name
+    _check(gemma_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
+
+
+def test_requests_equal_their_solo_runs(gemma):
+    from tests.test_batch_invariance import EXAMPLES, explore
+
+    # A few examples (the mixes' machinery is tested on Llama); a budget of 16 so that prompts chunk.
+    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
+    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
+    explore(gemma[0], max(4, EXAMPLES // 6), extra, required)
+
+
+@pytest.mark.parametrize(
+    "option,words",
+    [
+        (dict(enable_lora=True), "LoRA adapters"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+        (dict(tensor_parallel_size=2), "tensor parallelism"),
+    ],
+)
+def test_untested_features_refuse_it_at_start(gemma, option, words):
+    with pytest.raises(ValueError, match=f"{words}.*Gemma3ForCausalLM"):
+        LLMEngine(EngineConfig(model=str(gemma[0]), num_kv_blocks=64, **option))
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 21])
+def test_native_attention_window_equals_the_reference(window):
+    from kernels.cpu import native_attention
+    from kernels.reference import paged_attention as reference
+
+    if native_attention.library() is None:
+        pytest.skip("no native attention build here (no C compiler)")
+    torch.manual_seed(window)
+    blocks, bs, hk, hq, d = 32, 4, 2, 4, 16
+    k_cache, v_cache = torch.randn(blocks, bs, hk, d), torch.randn(blocks, bs, hk, d)
+    # a decode of 30, a chunk of 9 over 25, a whole prompt of 6, a decode of 3
+    q_lens, ctx = [1, 9, 6, 1], [30, 25, 6, 3]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tables = torch.randperm(blocks, dtype=torch.int32)[:32].view(4, 8)
+    q = torch.randn(int(qsl[-1]), hq, d)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, lens, qsl, 0.3)
+    got = native_attention.paged_attention(*args, window=window, isa=None)
+    want = reference.paged_attention(*args, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, reference.paged_attention(*args)) or window >= 30
+    # a chunk's last row is bitwise the decode of the same token over the same context
+    solo = native_attention.paged_attention(
+        q[9:10],
+        k_cache,
+        v_cache,
+        tables[1:2],
+        lens[1:2],
+        torch.tensor([0, 1], dtype=torch.int32),
+        0.3,
+        window=window,
+    )
+    assert torch.equal(solo[0], got[9])
