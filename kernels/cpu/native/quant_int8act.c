@@ -94,10 +94,8 @@ INLINE int known(int fmt) {
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
 INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1; }
 INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
-INLINE int fifth_bits(int fmt) {
-    return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1 || fmt == (FMT_K | FMT_I8_16);
-}
-INLINE int sixth_bits(int fmt) { return fmt == (FMT_K | FMT_I8_16); }
+INLINE int fifth_bits(int fmt) { return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1; }
+INLINE int high_pairs(int fmt) { return fmt == (FMT_K | FMT_I8_16); } /* Q6_K: 2 high bits a quant */
 INLINE int nibbles(int fmt) {
     return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt) || is_k(fmt);
 }
@@ -122,10 +120,11 @@ INLINE float scale_at(int fmt, const uint8_t *p, int c) {
     return f;
 }
 /* Nibble forms: QK / 2 bytes a column; the 5-bit forms add a column's 32 fifth bits (4 bytes), Q6_K
- * a plane of sixth bits after them. */
+ * two planes of the high bit pairs (8 bytes): byte e of plane h holds groups 4h..4h+3's pair, group
+ * 4h + t's at bits 2t, 2t + 1. */
 INLINE int64_t nibble_bytes(void) { return (int64_t)NC * (QK / 2); }
 INLINE int64_t quant_bytes(int fmt) {
-    return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) + (sixth_bits(fmt) ? NC * 4 : 0)
+    return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) + (high_pairs(fmt) ? NC * 8 : 0)
                         : (int64_t)NC * QK;
 }
 INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
@@ -182,17 +181,22 @@ int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
  * a padding column, zeros), one byte each as llmserve_qi8_pack takes them. */
 static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
     for (int e = 0; e < 4; ++e) {
-        if (fifth_bits(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1, Q5_K 0..31 as is; Q6_K -32..31 + 32 */
-            uint8_t v[8], hb = 0, hb6 = 0;
+        if (fifth_bits(fmt) || high_pairs(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1, Q5_K 0..31
+                                                   * as is; Q6_K -32..31 + 32 */
+            uint8_t v[8], hb = 0, hp[2] = {0, 0};
             for (int g = 0; g < 8; ++g) {
                 const int8_t s = src ? (int8_t)src[4 * g + e] : 0;
-                v[g] = src ? (uint8_t)(form(fmt) == FMT_Q5_0 ? s + 16 : sixth_bits(fmt) ? s + 32 : src[4 * g + e]) : 0;
+                v[g] = src ? (uint8_t)(form(fmt) == FMT_Q5_0 ? s + 16 : high_pairs(fmt) ? s + 32 : src[4 * g + e]) : 0;
                 hb |= (uint8_t)(((v[g] >> 4) & 1) << g);
-                hb6 |= (uint8_t)(((v[g] >> 5) & 1) << g);
+                hp[g / 4] |= (uint8_t)(((v[g] >> 4) & 3) << (2 * (g % 4)));
             }
             for (int g = 0; g < 4; ++g) qs[(g * NC + c) * 4 + e] = (uint8_t)((v[g] & 15) | ((v[g + 4] & 15) << 4));
-            qs[nibble_bytes() + c * 4 + e] = hb;
-            if (sixth_bits(fmt)) qs[nibble_bytes() + NC * 4 + c * 4 + e] = hb6;
+            if (high_pairs(fmt)) {
+                qs[nibble_bytes() + c * 4 + e] = hp[0];
+                qs[nibble_bytes() + NC * 4 + c * 4 + e] = hp[1];
+            } else {
+                qs[nibble_bytes() + c * 4 + e] = hb;
+            }
         } else if (nibbles(fmt))
             for (int g = 0; g < 4; ++g)
                 qs[(g * NC + c) * 4 + e] = src ? (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4)) : 0;
@@ -447,7 +451,8 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                             const uint8_t v = qs[((g & 3) * NC + c) * 4 + e];
                             w = g < 4 ? v & 15 : v >> 4;
                             if (fifth_bits(fmt)) w |= ((qs[nibble_bytes() + c * 4 + e] >> g) & 1) << 4;
-                            if (sixth_bits(fmt)) w |= ((qs[nibble_bytes() + NC * 4 + c * 4 + e] >> g) & 1) << 5;
+                            if (high_pairs(fmt))
+                                w |= ((qs[nibble_bytes() + (g / 4) * NC * 4 + c * 4 + e] >> (2 * (g % 4))) & 3) << 4;
                         } else {
                             w = qs[(g * NC + c) * 4 + e];
                         }
@@ -517,10 +522,15 @@ INLINE vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512
  * the 16-bit shifts move no bit across a byte into bit 4. */
 INLINE vi fifth_lo(vi h, int g) { return _mm512_and_si512(_mm512_slli_epi16(h, 4 - g), _mm512_set1_epi8(16)); }
 INLINE vi fifth_hi(vi h, int g) { return _mm512_and_si512(_mm512_srli_epi16(h, g), _mm512_set1_epi8(16)); }
-INLINE vi sixth_lo(vi h, int g) { return _mm512_and_si512(_mm512_slli_epi16(h, 5 - g), _mm512_set1_epi8(32)); }
-INLINE vi sixth_hi(vi h, int g) {
-    return _mm512_and_si512(g <= 1 ? _mm512_slli_epi16(h, 1 - g) : _mm512_srli_epi16(h, g - 1), _mm512_set1_epi8(32));
+/* Q6_K: a plane byte's pair t (bits 2t, 2t + 1) to bits 4, 5 (no bit of the other byte lands there). */
+INLINE vi pair_bits(vi h, int t) {
+    const vi s = t < 2 ? _mm512_slli_epi16(h, 4 - 2 * t) : t == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
 }
+/* maddubs products summed in int16 (exact while the caller keeps the sum in range), then to int32. */
+INLINE vi mul16(vi w, vi x) { return _mm512_maddubs_epi16(w, x); }
+INLINE vi add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+INLINE vi fold16(vi acc, vi p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
 INLINE vi ori(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vfl cvt_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INLINE vfl cvt_s8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -563,10 +573,13 @@ INLINE vi lo_nib(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 INLINE vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 INLINE vi fifth_lo(vi h, int g) { return _mm256_and_si256(_mm256_slli_epi16(h, 4 - g), _mm256_set1_epi8(16)); }
 INLINE vi fifth_hi(vi h, int g) { return _mm256_and_si256(_mm256_srli_epi16(h, g), _mm256_set1_epi8(16)); }
-INLINE vi sixth_lo(vi h, int g) { return _mm256_and_si256(_mm256_slli_epi16(h, 5 - g), _mm256_set1_epi8(32)); }
-INLINE vi sixth_hi(vi h, int g) {
-    return _mm256_and_si256(g <= 1 ? _mm256_slli_epi16(h, 1 - g) : _mm256_srli_epi16(h, g - 1), _mm256_set1_epi8(32));
+INLINE vi pair_bits(vi h, int t) {
+    const vi s = t < 2 ? _mm256_slli_epi16(h, 4 - 2 * t) : t == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
 }
+INLINE vi mul16(vi w, vi x) { return _mm256_maddubs_epi16(w, x); }
+INLINE vi add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
+INLINE vi fold16(vi acc, vi p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
 INLINE vi ori(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vfl cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE vfl cvt_s8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -611,11 +624,19 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         for (int i = 0; i < m; ++i)
             for (int v = 0; v < V; ++v) isum[i][v] = isum1[i][v] = zeroi();
         if (nibbles(fmt)) {
-            vi h5[V], h6[V]; /* the fifth (sixth) bits: a column's 4 bytes, bit g of byte e group g's */
-            if (fifth_bits(fmt))
+            vi h5[V], h6[V]; /* fifth bits (bit g of byte e: group g's), or Q6_K's two pair planes */
+            if (fifth_bits(fmt) || high_pairs(fmt))
                 for (int v = 0; v < V; ++v) h5[v] = loadi(qs + nibble_bytes() + v * VW * 4);
-            if (sixth_bits(fmt))
+            if (high_pairs(fmt))
                 for (int v = 0; v < V; ++v) h6[v] = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+            /* maddubs without VNNI: its int16 products summed in int16 before widening, exact while
+             * |sum| <= 32767: a product pair is at most 2 * 127 * (15, 31, 63) for 4-, 5-, 6-bit
+             * quants, so an int16 sum takes 8, 4 or 2 of them; folded into int32 every `every` groups. */
+            const int per_group = two_scales(fmt) ? 1 : 2;
+            const int every = (high_pairs(fmt) ? 2 : fifth_bits(fmt) ? 4 : 8) / per_group;
+            vi p0[MR][V], p1[MR][V];
+            for (int i = 0; i < m; ++i)
+                for (int v = 0; v < V; ++v) p0[i][v] = p1[i][v] = zeroi(); /* (set before use below) */
             for (int g = 0; g < 4; ++g) {
                 vi lo[V], hi[V];
                 for (int v = 0; v < V; ++v) {
@@ -626,19 +647,34 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
                         lo[v] = ori(lo[v], fifth_lo(h5[v], g));
                         hi[v] = ori(hi[v], fifth_hi(h5[v], g));
                     }
-                    if (sixth_bits(fmt)) {
-                        lo[v] = ori(lo[v], sixth_lo(h6[v], g));
-                        hi[v] = ori(hi[v], sixth_hi(h6[v], g));
+                    if (high_pairs(fmt)) {
+                        lo[v] = ori(lo[v], pair_bits(h5[v], g));
+                        hi[v] = ori(hi[v], pair_bits(h6[v], g));
                     }
                 }
                 for (int i = 0; i < m; ++i) {
                     const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
                     for (int v = 0; v < V; ++v) {
-                        isum[i][v] = vnni ? dot_vnni(isum[i][v], lo[v], xl) : dot_bw(isum[i][v], lo[v], xl);
-                        if (two_scales(fmt)) /* Q6_K: groups g + 4 are the block's second 16 */
-                            isum1[i][v] = vnni ? dot_vnni(isum1[i][v], hi[v], xh) : dot_bw(isum1[i][v], hi[v], xh);
-                        else
-                            isum[i][v] = vnni ? dot_vnni(isum[i][v], hi[v], xh) : dot_bw(isum[i][v], hi[v], xh);
+                        if (vnni) {
+                            isum[i][v] = dot_vnni(isum[i][v], lo[v], xl);
+                            if (two_scales(fmt)) /* Q6_K: groups g + 4 are the block's second 16 */
+                                isum1[i][v] = dot_vnni(isum1[i][v], hi[v], xh);
+                            else
+                                isum[i][v] = dot_vnni(isum[i][v], hi[v], xh);
+                            continue;
+                        }
+                        const vi a = mul16(lo[v], xl), c = mul16(hi[v], xh);
+                        const int first = g % every == 0;
+                        if (two_scales(fmt)) {
+                            p0[i][v] = first ? a : add16(p0[i][v], a);
+                            p1[i][v] = first ? c : add16(p1[i][v], c);
+                        } else {
+                            p0[i][v] = first ? add16(a, c) : add16(p0[i][v], add16(a, c));
+                        }
+                        if (g % every == every - 1) {
+                            isum[i][v] = fold16(isum[i][v], p0[i][v]);
+                            if (two_scales(fmt)) isum1[i][v] = fold16(isum1[i][v], p1[i][v]);
+                        }
                     }
                 }
             }
