@@ -49,10 +49,11 @@ FORMATS = {
     "Q4_K": 2,
     "Q5_K": 3,
     "Q6_K": 4,
+    "Q3_K": 4,
 }
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
-BLOCK_K = {f: 16 if f == "Q6_K" else 32 for f in FORMATS}  # weights a scale
-SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K")  # quants stored as int8 bits
+BLOCK_K = {f: 16 if f in ("Q6_K", "Q3_K") else 32 for f in FORMATS}  # weights a scale
+SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K", "Q3_K")  # quants stored as int8 bits
 # IQ4_NL's nibble -> its int8 value (ggml's kvalues_iq4nl); the weight is d * value
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
@@ -75,6 +76,7 @@ _BLOCK_BYTES = {
     "Q4_K": 144,
     "Q5_K": 176,
     "Q6_K": 210,
+    "Q3_K": 110,
 }
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -266,10 +268,12 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
-def _super(blocks: np.ndarray, sc: np.ndarray, mn: np.ndarray | None, with_dmin: bool) -> SuperScales:
-    """The file's super-block scales (``SuperScales``) of blocks ``[n, supers, bytes]``."""
+def _super(
+    blocks: np.ndarray, sc: np.ndarray, mn: np.ndarray | None, with_dmin: bool, at: int = 0
+) -> SuperScales:
+    """The file's super-block scales (``SuperScales``) of blocks ``[n, supers, bytes]``, ``d`` at
+    byte ``at`` (``dmin`` after it where ``with_dmin``)."""
     n, supers = blocks.shape[:2]
-    at = 208 if not with_dmin else 0
     dsup = np.zeros((n, supers, 2), np.int16)
     dsup[..., 0] = blocks[..., at : at + 2].copy().view(np.int16)[..., 0]
     if with_dmin:
@@ -325,10 +329,29 @@ def _read_q6_k(blocks):
     high = (qh.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
     scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    return q.reshape(*lead, QK_K), _f16(blocks, 208) * scales, None, _super(blocks, scales, None, False)
+    return q.reshape(*lead, QK_K), _f16(blocks, 208) * scales, None, _super(blocks, scales, None, False, 208)
 
 
-_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
+def _read_q3_k(blocks):
+    """Q3_K (ggml-common.h): 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d.
+    Value 32j + i (j = 0..7) takes bits 2(j % 4), 2(j % 4) + 1 of pair byte 32(j // 4) + i and bit j
+    of high byte i; the quant is ``low - 4`` where that bit is clear, ``low`` where set (-4..3).
+    The 16 scales: low nibbles of bytes 0-7 (scales 0-7) then their high nibbles (8-15), each with 2
+    high bits from bytes 8-11 (byte 8 + t % 4, bits 2(t // 4)), minus 32."""
+    lead = blocks.shape[:-1]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    low = (qs.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 2, 4, 32]
+    high = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
+    q = low.reshape(*lead, 8, 32).astype(np.int8) - 4 * (1 - high.astype(np.int8))
+    lo = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)
+    hi = (packed[..., 8:12][..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 4, 4]
+    scales = (lo | (hi.reshape(*lead, 16) << 4)).astype(np.int16) - 32
+    scales = scales.astype(np.float32)
+    d = _f16(blocks, 108) * scales
+    return q.view(np.uint8).reshape(*lead, QK_K), d, None, _super(blocks, scales, None, False, 108)
+
+
+_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k, "Q3_K": _read_q3_k}
 
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> QuantizedWeight:

@@ -44,6 +44,7 @@ FORMATS = {
     "Q4_K": 2,
     "Q5_K": 3,
     "Q6_K": 4,
+    "Q3_K": 4,
     "Q5_0": 5,
     "Q5_1": 6,
     "IQ4_NL": 0,
@@ -52,9 +53,9 @@ HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
 # The K-quants served from their super-blocks (quant_int8act.c's FMT_K forms): the math of the
 # expanded form above, the weight read at the file's size (Q4_K 0.58 bytes a weight against 0.75
 # as Q4_1, Q5_K 0.70 against 1.25, Q6_K 0.82 against 1.25).
-K_FORMATS = {"Q4_K": 16 | 2, "Q5_K": 16 | 6, "Q6_K": 16 | 4}
+K_FORMATS = {"Q4_K": 16 | 2, "Q5_K": 16 | 6, "Q6_K": 16 | 4, "Q3_K": 16 | 8 | 4}
 QK_K = 256
-SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
+SUB_BLOCK = {"Q6_K": 16, "Q3_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -184,7 +185,7 @@ class Int8ActLinear:
             raise ValueError(f"{weight.fmt}: rows of {k} are not whole super-blocks of {QK_K}")
         dsup = sup.dsup.contiguous().view(torch.float16).float()  # [n, k/256, 2]
         per = weight.d.shape[1] // (k // QK_K)  # scales a super-block: 8 (Q6_K: 16)
-        sc = sup.sc.view(torch.int8) if weight.fmt == "Q6_K" else sup.sc
+        sc = sup.sc.view(torch.int8) if weight.fmt in SUB_BLOCK else sup.sc
         d = (dsup[..., :1] * sc.float().view(n, -1, per)).view(n, -1)
         ok = torch.equal(d, weight.d.float())
         if sup.mn is not None:

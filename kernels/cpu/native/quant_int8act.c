@@ -74,6 +74,7 @@ enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FM
        FMT_HALF = 8, FMT_K = 16, FMT_COUNT = 32 };
 /* The K-quants served from their super-blocks (FMT_K + the form whose math they share):
  *   Q4_K = FMT_K | FMT_Q4_1   Q5_K = FMT_K | FMT_Q5_1   Q6_K = FMT_K | FMT_I8_16
+ *   Q3_K = FMT_K | FMT_HALF | FMT_I8_16 (I8_16's math with quants -4..3 stored + 4, offset 4)
  * Per panel and super-block of 256 k steps (8 blocks of 32): a header, then the 8 blocks' quants,
  *   Q4_K, Q5_K: d[NC], dmin[NC] (fp16), sc[8][NC], mn[8][NC] (the 6-bit integers, a byte each)
  *   Q6_K:       d[NC] (fp16), sc[16][NC] (int8)
@@ -88,7 +89,9 @@ INLINE int form(int fmt) { return fmt & 7; }
 INLINE int is_k(int fmt) { return (fmt & FMT_K) != 0; }
 INLINE int known(int fmt) {
     if (fmt < 0 || fmt >= FMT_COUNT) return 0;
-    if (is_k(fmt)) return fmt == (FMT_K | FMT_Q4_1) || fmt == (FMT_K | FMT_Q5_1) || fmt == (FMT_K | FMT_I8_16);
+    if (is_k(fmt))
+        return fmt == (FMT_K | FMT_Q4_1) || fmt == (FMT_K | FMT_Q5_1) || fmt == (FMT_K | FMT_I8_16) ||
+               fmt == (FMT_K | FMT_HALF | FMT_I8_16);
     return form(fmt) <= FMT_Q5_1;
 }
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
@@ -96,13 +99,14 @@ INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U
 INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
 INLINE int fifth_bits(int fmt) { return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1; }
 INLINE int high_pairs(int fmt) { return fmt == (FMT_K | FMT_I8_16); } /* Q6_K: 2 high bits a quant */
+INLINE int q3k(int fmt) { return fmt == (FMT_K | FMT_HALF | FMT_I8_16); }
 INLINE int nibbles(int fmt) {
     return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt) || is_k(fmt);
 }
 INLINE int offset(int fmt) {
     return form(fmt) == FMT_Q8_0    ? 128
            : form(fmt) == FMT_Q4_0  ? 8
-           : form(fmt) == FMT_I8_16 ? 32
+           : form(fmt) == FMT_I8_16 ? (q3k(fmt) ? 4 : 32)
            : form(fmt) == FMT_Q5_0  ? 16
                                     : 0;
 }
@@ -199,7 +203,10 @@ static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
             }
         } else if (nibbles(fmt))
             for (int g = 0; g < 4; ++g)
-                qs[(g * NC + c) * 4 + e] = src ? (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4)) : 0;
+                qs[(g * NC + c) * 4 + e] =
+                    !src     ? 0
+                    : q3k(fmt) ? (uint8_t)(((int8_t)src[4 * g + e] + 4) | (((int8_t)src[4 * (g + 4) + e] + 4) << 4))
+                             : (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4));
         else
             for (int g = 0; g < 8; ++g)
                 qs[(g * NC + c) * 4 + e] = src ? (uint8_t)(form(fmt) == FMT_Q8_0    ? src[4 * g + e] ^ 0x80
@@ -210,8 +217,8 @@ static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
 }
 
 /* The K forms from a file's super-blocks, unpacked one value a byte: q n x k quants (Q4_K 0..15,
- * Q5_K 0..31, Q6_K int8 bits -32..31); dsup n x k/256 x 2 fp16 bits (d, dmin; Q6_K's dmin unused);
- * sc n x k/32 (Q6_K: k/16, int8 bits) and mn n x k/32 (NULL for Q6_K) the sub-blocks' integer
+ * Q5_K 0..31, Q6_K int8 bits -32..31, Q3_K -4..3); dsup n x k/256 x 2 fp16 bits (d, dmin; Q6_K's
+ * and Q3_K's dmin unused); sc n x k/32 (Q6_K, Q3_K: k/16, int8 bits) and mn n x k/32 (NULL for Q6_K, Q3_K) the sub-blocks' integer
  * scales and mins. Returns 0, or -1 (not a K form, k not whole super-blocks). */
 int32_t llmserve_qi8_pack_k(int32_t fmt, const uint8_t *q, const uint16_t *dsup, const uint8_t *sc,
                             const uint8_t *mn, int64_t n, int64_t k, uint8_t *packed) {
@@ -608,6 +615,8 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[MR];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
+    vfl kd[V], kdm[V]; /* K forms: the current super-block's d and dmin */
+    for (int v = 0; v < V; ++v) kd[v] = kdm[v] = zerof();
     for (int64_t b = 0; b < x->nb; ++b) {
         const uint8_t *blk = panel + b * stride;
         const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
@@ -633,7 +642,8 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
              * |sum| <= 32767: a product pair is at most 2 * 127 * (15, 31, 63) for 4-, 5-, 6-bit
              * quants, so an int16 sum takes 8, 4 or 2 of them; folded into int32 every `every` groups. */
             const int per_group = two_scales(fmt) ? 1 : 2;
-            const int every = (high_pairs(fmt) ? 2 : fifth_bits(fmt) ? 4 : 8) / per_group;
+            const int terms = (high_pairs(fmt) ? 2 : fifth_bits(fmt) ? 4 : 8) / per_group;
+            const int every = terms < 4 ? terms : 4; /* a block's 4 groups at most */
             vi p0[MR][V], p1[MR][V];
             for (int i = 0; i < m; ++i)
                 for (int v = 0; v < V; ++v) p0[i][v] = p1[i][v] = zeroi(); /* (set before use below) */
@@ -708,14 +718,18 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         if (is_k(fmt)) { /* block b's scales from its super-block's (exact products) */
             const uint8_t *h = panel + (b / KB) * k_stride(fmt);
             const int j = (int)(b % KB);
+            if (j == 0) /* the super-block's d (and dmin), once */
+                for (int v = 0; v < V; ++v) {
+                    kd[v] = loadh(h + 2 * v * VW);
+                    if (!two_scales(fmt)) kdm[v] = loadh(h + NC * 2 + 2 * v * VW);
+                }
             for (int v = 0; v < V; ++v) {
-                const vfl d = loadh(h + 2 * v * VW);
                 if (two_scales(fmt)) {
-                    dw[v] = d * cvt_s8(h + NC * 2 + 2 * j * NC + v * VW);
-                    mw[v] = d * cvt_s8(h + NC * 2 + (2 * j + 1) * NC + v * VW);
+                    dw[v] = kd[v] * cvt_s8(h + NC * 2 + 2 * j * NC + v * VW);
+                    mw[v] = kd[v] * cvt_s8(h + NC * 2 + (2 * j + 1) * NC + v * VW);
                 } else {
-                    dw[v] = d * cvt_u8(h + NC * 4 + j * NC + v * VW);
-                    mw[v] = -(loadh(h + NC * 2 + 2 * v * VW) * cvt_u8(h + NC * 4 + KB * NC + j * NC + v * VW));
+                    dw[v] = kd[v] * cvt_u8(h + NC * 4 + j * NC + v * VW);
+                    mw[v] = -(kdm[v] * cvt_u8(h + NC * 4 + KB * NC + j * NC + v * VW));
                 }
             }
         } else
@@ -795,13 +809,26 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     DEFINE_ITEM(PREFIX##q4_k, FMT_Q4_1 | FMT_K, VNNI)                                                    \
     DEFINE_ITEM(PREFIX##q5_k, FMT_Q5_1 | FMT_K, VNNI)                                                    \
     DEFINE_ITEM(PREFIX##q6_k, FMT_I8_16 | FMT_K, VNNI)                                                   \
+    DEFINE_ITEM(PREFIX##q3_k, FMT_I8_16 | FMT_K | FMT_HALF, VNNI)                                        \
     static const item_fn PREFIX##items[FMT_COUNT] = {                                                    \
-        PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,   PREFIX##u8_1,   PREFIX##i8_16,                   \
-        PREFIX##q5_0,   PREFIX##q5_1,   NULL,                                                            \
-        PREFIX##q8_0_h, PREFIX##q4_0_h, PREFIX##q4_1_h, PREFIX##u8_1_h, PREFIX##i8_16_h,                 \
-        PREFIX##q5_0_h, PREFIX##q5_1_h, NULL,                                                            \
-        NULL,           NULL,           PREFIX##q4_k,   NULL,           PREFIX##q6_k,                    \
-        NULL,           PREFIX##q5_k,   NULL,           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+        [FMT_Q8_0] = PREFIX##q8_0,                                                                       \
+        [FMT_Q4_0] = PREFIX##q4_0,                                                                       \
+        [FMT_Q4_1] = PREFIX##q4_1,                                                                       \
+        [FMT_U8_1] = PREFIX##u8_1,                                                                       \
+        [FMT_I8_16] = PREFIX##i8_16,                                                                     \
+        [FMT_Q5_0] = PREFIX##q5_0,                                                                       \
+        [FMT_Q5_1] = PREFIX##q5_1,                                                                       \
+        [FMT_Q8_0 | FMT_HALF] = PREFIX##q8_0_h,                                                          \
+        [FMT_Q4_0 | FMT_HALF] = PREFIX##q4_0_h,                                                          \
+        [FMT_Q4_1 | FMT_HALF] = PREFIX##q4_1_h,                                                          \
+        [FMT_U8_1 | FMT_HALF] = PREFIX##u8_1_h,                                                          \
+        [FMT_I8_16 | FMT_HALF] = PREFIX##i8_16_h,                                                        \
+        [FMT_Q5_0 | FMT_HALF] = PREFIX##q5_0_h,                                                          \
+        [FMT_Q5_1 | FMT_HALF] = PREFIX##q5_1_h,                                                          \
+        [FMT_Q4_1 | FMT_K] = PREFIX##q4_k,                                                               \
+        [FMT_Q5_1 | FMT_K] = PREFIX##q5_k,                                                               \
+        [FMT_I8_16 | FMT_K] = PREFIX##q6_k,                                                              \
+        [FMT_I8_16 | FMT_K | FMT_HALF] = PREFIX##q3_k};
 DEFINE_ITEMS(plain_, 0)
 #ifdef VW
 DEFINE_ITEMS(vnni_, 1)
