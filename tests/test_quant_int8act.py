@@ -276,7 +276,9 @@ def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
     q = torch.roll(q, shifts=1, dims=0) ^ (torch.arange(k) % 2)[None, :]
     if fmt in ("Q3_K", "Q6_K"):
         q = q - top // 2
-    qw = quant_gemm.QuantizedWeight(fmt, q.to(torch.int8).view(torch.uint8).contiguous(), qw.d, qw.m, sup=qw.sup)
+    qw = quant_gemm.QuantizedWeight(
+        fmt, q.to(torch.int8).view(torch.uint8).contiguous(), qw.d, qw.m, sup=qw.sup
+    )
     lin = quant_int8act.Int8ActLinear(qw, isa=isa)
     expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
     assert lin.code == quant_int8act.K_FORMATS[fmt] and expanded.code != lin.code

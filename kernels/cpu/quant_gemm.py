@@ -280,9 +280,9 @@ def _super(
         dsup[..., 1] = blocks[..., 2:4].copy().view(np.int16)[..., 0]
     return SuperScales(
         torch.from_numpy(dsup),
-        torch.from_numpy(np.ascontiguousarray(sc.astype(np.int8 if not with_dmin else np.uint8)).reshape(n, -1)).view(
-            torch.uint8
-        ),
+        torch.from_numpy(
+            np.ascontiguousarray(sc.astype(np.int8 if not with_dmin else np.uint8)).reshape(n, -1)
+        ).view(torch.uint8),
         None if mn is None else torch.from_numpy(np.ascontiguousarray(mn.astype(np.uint8)).reshape(n, -1)),
     )
 

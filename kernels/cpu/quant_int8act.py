@@ -131,7 +131,8 @@ class Int8ActLinear:
             raise ValueError(f"rows of {self.in_features} are not whole blocks of {QK}")
         if isinstance(weight, MixedRows):
             parts = [
-                Int8ActLinear(p, isa=isa, half_scales=half_scales, super_blocks=super_blocks) for p in weight.parts
+                Int8ActLinear(p, isa=isa, half_scales=half_scales, super_blocks=super_blocks)
+                for p in weight.parts
             ]
             self.code = SEGMENTS
             self.half_scales = all(p.half_scales for p in parts)
@@ -189,7 +190,9 @@ class Int8ActLinear:
         d = (dsup[..., :1] * sc.float().view(n, -1, per)).view(n, -1)
         ok = torch.equal(d, weight.d.float())
         if sup.mn is not None:
-            ok = ok and torch.equal(-(dsup[..., 1:] * sup.mn.float().view(n, -1, per)).view(n, -1), weight.m.float())
+            ok = ok and torch.equal(
+                -(dsup[..., 1:] * sup.mn.float().view(n, -1, per)).view(n, -1), weight.m.float()
+            )
         if not ok:
             raise ValueError(f"{weight.fmt}: the super-block scales do not make the weight's scales")
         q = weight.q.contiguous()
