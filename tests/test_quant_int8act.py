@@ -233,10 +233,10 @@ def test_bad_input_is_refused(isa):
         )
     assert torch.all(y == 7.0)  # a refused call writes nothing
     q6 = quant_gemm.from_gguf_blocks("Q6_K", random_k_blocks(4, 256, "Q6_K", 0), (4, 256))
-    q3 = quant_gemm.QuantizedWeight("Q3_K", q6.q, q6.d, None)  # a format with no int8 form
-    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q3_K")
-    with pytest.raises(ValueError, match="no int8-activation kernel for Q3_K"):
-        quant_int8act.Int8ActLinear(q3, isa=isa)
+    q2 = quant_gemm.QuantizedWeight("Q2_K", q6.q, q6.d, None)  # a format with no int8 form
+    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q2_K")
+    with pytest.raises(ValueError, match="no int8-activation kernel for Q2_K"):
+        quant_int8act.Int8ActLinear(q2, isa=isa)
 
 
 @pytest.mark.parametrize("fmt,file_bytes", [("Q5_0", 22), ("Q5_1", 24)])
