@@ -8,9 +8,11 @@ dequantized weight) but the documented quantized math, the same bits on every in
 a row alone or in any batch, at any thread count. ``reference`` is an independent float64 statement
 of it for tests.
 
-Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants brought to their forms at load (Q4_K as
-Q4_1, Q5_K as U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step
-block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants, whose math is that of expanded forms (Q4_K
+as Q4_1, Q5_K as U8_1, Q6_K and Q3_K as I8_16: int8 quants with a scale per 16 weights, so a
+32-step block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) *
+isum1``), served from their super-blocks (``K_FORMATS``: the file's fp16 scales and integer
+sub-block scales, each block's scale made in the kernel as an exact product, the file's bytes).
 Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
 bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
 IQ4_NL runs as Q8_0 (its table's int8 values, one byte each).

@@ -1,7 +1,9 @@
 /* y = x . W^T (+ bias) with W in quantized blocks and x quantized per call to int8: integer block
  * dot products (vpdpbusd where the CPU has AVX-512 VNNI or AVX-VNNI, else maddubs), as llama.cpp does. The
  * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1, the U8_1 form of Q5_K and the I8_16 form of Q6_K:
- * int8 quants -32..31 with a scale per 16 weights; Q4_K runs as Q4_1).
+ * int8 quants -32..31 with a scale per 16 weights; Q4_K runs as Q4_1), Q5_0 / Q5_1 as nibbles plus
+ * a fifth-bit plane, and the K forms (FMT_K, below): Q3_K..Q6_K served from their super-blocks with
+ * the math of those expanded forms.
  *
  * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
  *
