@@ -7,7 +7,8 @@ blocks the small float models do not reach:
   two formats, run as row segments), o and down Q5_1, the LM head Q5_0 (Qwen2.5's Q4_K_M files
   keep most of their linears in Q5_0, and half their layers' v in Q8_0);
 
-each on fp32 activations (quant_gemm.c) and on the int8 default (quant_int8act.c). Every request's
+each on fp32 activations (quant_gemm.c) and on the int8 default (quant_int8act.c; the K-quants
+there served from their super-blocks). Every request's
 result must equal its solo run, logprobs bit for bit, with chunked prefills, preemptions, prefix
 hits and forks."""
 
@@ -81,4 +82,6 @@ def test_random_mixes_equal_their_solo_runs_on_quantized_blocks(quant_file, acti
     for name, linear in linears.items():
         int8 = activations == "int8" and quant_int8act.supports(linear.fmt)
         assert type(linear).__name__ == ("Int8ActLinear" if int8 else "QuantLinear"), name
+        if int8 and linear.fmt in quant_int8act.K_FORMATS:  # served from the file's super-blocks
+            assert linear.code == quant_int8act.K_FORMATS[linear.fmt], name
     explore(path, max(6, EXAMPLES // 4), extra, REQUIRED)

@@ -16,7 +16,7 @@ from tests.gguf_files import random_k_blocks
 
 ISAS = native_build.supported_isas()
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
-K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
+K_FORMATS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
 MIXED = ("Q5_0+Q8_0",)  # a fused projection whose rows are Q5_0 then Q8_0 (MixedRows)
 
 

@@ -18,8 +18,10 @@ from kernels.cpu import native_build, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 # "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K")
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+FORMATS = (
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K"
+)  # fmt: skip
+K_QUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
 VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
@@ -186,10 +188,10 @@ def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
     assert half.packed.numel() < full.packed.numel()
     x = activations(11, 96, seed=5)
     assert torch.equal(half(x), full(x))
-    k_quant = weight("Q4_K", 8, 256, seed=1)  # d = d_super * scale6: not fp16 values
-    assert not quant_int8act.Int8ActLinear(k_quant, isa=isa).half_scales
+    k_quant = weight("Q4_K", 8, 256, seed=1)  # expanded, d = d_super * scale6: not fp16 values
+    assert not quant_int8act.Int8ActLinear(k_quant, isa=isa, super_blocks=False).half_scales
     with pytest.raises(ValueError, match="not all fp16 values"):
-        quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True)
+        quant_int8act.Int8ActLinear(k_quant, isa=isa, half_scales=True, super_blocks=False)
 
 
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "Q5_0", "Q5_0+Q8_0"))
@@ -231,10 +233,10 @@ def test_bad_input_is_refused(isa):
         )
     assert torch.all(y == 7.0)  # a refused call writes nothing
     q6 = quant_gemm.from_gguf_blocks("Q6_K", random_k_blocks(4, 256, "Q6_K", 0), (4, 256))
-    q3 = quant_gemm.QuantizedWeight("Q3_K", q6.q, q6.d, None)  # a format with no int8 form
-    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q3_K")
-    with pytest.raises(ValueError, match="no int8-activation kernel for Q3_K"):
-        quant_int8act.Int8ActLinear(q3, isa=isa)
+    q2 = quant_gemm.QuantizedWeight("Q2_K", q6.q, q6.d, None)  # a format with no int8 form
+    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q2_K")
+    with pytest.raises(ValueError, match="no int8-activation kernel for Q2_K"):
+        quant_int8act.Int8ActLinear(q2, isa=isa)
 
 
 @pytest.mark.parametrize("fmt,file_bytes", [("Q5_0", 22), ("Q5_1", 24)])
@@ -253,6 +255,43 @@ def test_5_bit_blocks_are_packed_at_the_files_size(isa, fmt, file_bytes):
     assert lin.half_scales and lin.packed.numel() == n * (k // 32) * file_bytes
     x = activations(5, k, seed=9)
     np.testing.assert_array_equal(lin(x).numpy(), quant_int8act.reference(x, qw))
+
+
+# bytes a super-block of 256 weights: the file's, and the kernel's (a column's header + quants;
+# Q3_K's 3-bit quants take a nibble each)
+K_BYTES = {"Q3_K": (110, 146), "Q4_K": (144, 148), "Q5_K": (176, 180), "Q6_K": (210, 210)}
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
+    """Q4_K / Q5_K / Q6_K packed from the file's super-block scales (fp16 d, dmin and the 6- or
+    8-bit integers; the kernel makes each block's scales) at about the file's size, not as the
+    expanded Q4_1 / U8_1 / I8_16 forms; every quant value in every position of a super-block comes
+    back (a misplaced nibble or high bit changes sums), bit-equal to the expanded form and to the
+    reference. A scale set that does not make the weight's scales is refused."""
+    n, k = 64, 512  # whole panels of 32 columns
+    qw = weight(fmt, n, k, seed=6)
+    top = {"Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[fmt]
+    q = torch.arange(n * k).remainder(top).reshape(n, k)
+    q = torch.roll(q, shifts=1, dims=0) ^ (torch.arange(k) % 2)[None, :]
+    if fmt in ("Q3_K", "Q6_K"):
+        q = q - top // 2
+    qw = quant_gemm.QuantizedWeight(
+        fmt, q.to(torch.int8).view(torch.uint8).contiguous(), qw.d, qw.m, sup=qw.sup
+    )
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
+    assert lin.code == quant_int8act.K_FORMATS[fmt] and expanded.code != lin.code
+    file_bytes, ours = K_BYTES[fmt]
+    assert lin.packed.numel() == n * (k // 256) * ours and ours <= file_bytes * 1.33
+    assert expanded.packed.numel() > 1.25 * lin.packed.numel()
+    x = activations(6, k, seed=8)
+    got = lin(x)
+    np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw))
+    assert torch.equal(got, expanded(x))
+    bad = quant_gemm.QuantizedWeight(fmt, qw.q, qw.d * 2, qw.m, sup=qw.sup)
+    with pytest.raises(ValueError, match="super-block scales do not make"):
+        quant_int8act.Int8ActLinear(bad, isa=isa)
 
 
 def segments_header(packed: torch.Tensor) -> torch.Tensor:

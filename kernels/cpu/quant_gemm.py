@@ -49,10 +49,11 @@ FORMATS = {
     "Q4_K": 2,
     "Q5_K": 3,
     "Q6_K": 4,
+    "Q3_K": 4,
 }
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
-BLOCK_K = {f: 16 if f == "Q6_K" else 32 for f in FORMATS}  # weights a scale
-SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K")  # quants stored as int8 bits
+BLOCK_K = {f: 16 if f in ("Q6_K", "Q3_K") else 32 for f in FORMATS}  # weights a scale
+SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K", "Q3_K")  # quants stored as int8 bits
 # IQ4_NL's nibble -> its int8 value (ggml's kvalues_iq4nl); the weight is d * value
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
@@ -75,6 +76,7 @@ _BLOCK_BYTES = {
     "Q4_K": 144,
     "Q5_K": 176,
     "Q6_K": 210,
+    "Q3_K": 110,
 }
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -104,6 +106,20 @@ def unusable_reason(device: torch.device) -> str | None:
 
 
 @dataclass
+class SuperScales:
+    """A K-quant file's super-block scales as the file holds them, beside the fp32 products in
+    ``QuantizedWeight.d`` / ``m``: so that a kernel can serve the super-blocks natively
+    (``quant_int8act.py``) and make ``d * sc`` and ``-(dmin * mn)`` itself (exact products)."""
+
+    dsup: torch.Tensor  # [n, k / 256, 2] fp16 bits (int16): d, dmin (Q6_K: dmin 0)
+    sc: torch.Tensor  # [n, k / BLOCK_K] uint8: the sub-blocks' 6-bit scales (Q6_K: int8 bits, k / 16)
+    mn: torch.Tensor | None  # [n, k / 32] uint8: the 6-bit mins (Q4_K, Q5_K)
+
+    def rows(self, index) -> SuperScales:
+        return SuperScales(self.dsup[index], self.sc[index], None if self.mn is None else self.mn[index])
+
+
+@dataclass
 class QuantizedWeight:
     fmt: str  # a key of FORMATS
     q: torch.Tensor  # [n, k] uint8 (int8 bits for Q8_0 / Q5_0 / Q6_K; 0..15 for Q4*; 0..31 for Q5_1 / Q5_K)
@@ -111,6 +127,8 @@ class QuantizedWeight:
     m: torch.Tensor | None  # [n, k / BLOCK_K] fp32 (Q4_1, Q5_1, Q4_K, Q5_K)
     # what the linear multiplies the blocks by: "fp32" (QuantLinear) or "int8" (quant_int8act.py)
     activations: str = "fp32"
+    # a K-quant's super-block scales as read from the file (None: made otherwise)
+    sup: SuperScales | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,7 +137,8 @@ class QuantizedWeight:
     def rows(self, index) -> QuantizedWeight:
         """Rows ``index`` (a slice or an index tensor), e.g. a permutation."""
         m = None if self.m is None else self.m[index]
-        return QuantizedWeight(self.fmt, self.q[index], self.d[index], m)
+        sup = None if self.sup is None else self.sup.rows(index)
+        return QuantizedWeight(self.fmt, self.q[index], self.d[index], m, sup=sup)
 
     def dequantize(self) -> torch.Tensor:
         """fp32, rounded as the gguf package rounds (``d * q``, ``d * (q - 8)``, ``d * q + m``)."""
@@ -169,7 +188,12 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | MixedRows:
     for run in runs:
         m = None if run[0].m is None else torch.cat([p.m for p in run])
         q, d = torch.cat([p.q for p in run]), torch.cat([p.d for p in run])
-        fused.append(QuantizedWeight(run[0].fmt, q, d, m))
+        sup = None
+        if all(p.sup is not None for p in run):
+            sups = [p.sup for p in run]
+            mn = None if sups[0].mn is None else torch.cat([s.mn for s in sups])
+            sup = SuperScales(torch.cat([s.dsup for s in sups]), torch.cat([s.sc for s in sups]), mn)
+        fused.append(QuantizedWeight(run[0].fmt, q, d, m, sup=sup))
     return fused[0] if len(fused) == 1 else MixedRows(fused)
 
 
@@ -200,12 +224,13 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
         raise ValueError(f"rows of {k} are not whole {fmt} blocks")
     blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, _BLOCK_BYTES[fmt])
     if fmt.endswith("_K"):
-        q, d, m = _K_READERS[fmt](blocks)
+        q, d, m, sup = _K_READERS[fmt](blocks)
         return QuantizedWeight(
             fmt,
             torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
             torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // BLOCK_K[fmt])),
             None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // BLOCK_K[fmt])),
+            sup=sup,
         )
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = None
@@ -243,6 +268,25 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
+def _super(
+    blocks: np.ndarray, sc: np.ndarray, mn: np.ndarray | None, with_dmin: bool, at: int = 0
+) -> SuperScales:
+    """The file's super-block scales (``SuperScales``) of blocks ``[n, supers, bytes]``, ``d`` at
+    byte ``at`` (``dmin`` after it where ``with_dmin``)."""
+    n, supers = blocks.shape[:2]
+    dsup = np.zeros((n, supers, 2), np.int16)
+    dsup[..., 0] = blocks[..., at : at + 2].copy().view(np.int16)[..., 0]
+    if with_dmin:
+        dsup[..., 1] = blocks[..., 2:4].copy().view(np.int16)[..., 0]
+    return SuperScales(
+        torch.from_numpy(dsup),
+        torch.from_numpy(
+            np.ascontiguousarray(sc.astype(np.int8 if not with_dmin else np.uint8)).reshape(n, -1)
+        ).view(torch.uint8),
+        None if mn is None else torch.from_numpy(np.ascontiguousarray(mn.astype(np.uint8)).reshape(n, -1)),
+    )
+
+
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes. Sub-blocks 0-3
     have theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 have their low 4 bits
@@ -263,7 +307,7 @@ def _low_nibbles_by_pair(qs: np.ndarray) -> np.ndarray:
 def _read_q4_k(blocks):
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _scales_and_mins(blocks[..., 4:16])
-    return _low_nibbles_by_pair(blocks[..., 16:144]), d * sc, -(dmin * mn)
+    return _low_nibbles_by_pair(blocks[..., 16:144]), d * sc, -(dmin * mn), _super(blocks, sc, mn, True)
 
 
 def _read_q5_k(blocks):
@@ -272,7 +316,7 @@ def _read_q5_k(blocks):
     high = blocks[..., 16:48]  # bit j of byte i: the fifth bit of sub-block j's element i
     bits = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
     q = _low_nibbles_by_pair(blocks[..., 48:176]) | (bits.reshape(*blocks.shape[:-1], QK_K) << 4)
-    return q, d * sc, -(dmin * mn)
+    return q, d * sc, -(dmin * mn), _super(blocks, sc, mn, True)
 
 
 def _read_q6_k(blocks):
@@ -285,10 +329,29 @@ def _read_q6_k(blocks):
     high = (qh.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
     scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    return q.reshape(*lead, QK_K), _f16(blocks, 208) * scales, None
+    return q.reshape(*lead, QK_K), _f16(blocks, 208) * scales, None, _super(blocks, scales, None, False, 208)
 
 
-_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
+def _read_q3_k(blocks):
+    """Q3_K (ggml-common.h): 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d.
+    Value 32j + i (j = 0..7) takes bits 2(j % 4), 2(j % 4) + 1 of pair byte 32(j // 4) + i and bit j
+    of high byte i; the quant is ``low - 4`` where that bit is clear, ``low`` where set (-4..3).
+    The 16 scales: low nibbles of bytes 0-7 (scales 0-7) then their high nibbles (8-15), each with 2
+    high bits from bytes 8-11 (byte 8 + t % 4, bits 2(t // 4)), minus 32."""
+    lead = blocks.shape[:-1]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    low = (qs.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 2, 4, 32]
+    high = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
+    q = low.reshape(*lead, 8, 32).astype(np.int8) - 4 * (1 - high.astype(np.int8))
+    lo = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)
+    hi = (packed[..., 8:12][..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 4, 4]
+    scales = (lo | (hi.reshape(*lead, 16) << 4)).astype(np.int16) - 32
+    scales = scales.astype(np.float32)
+    d = _f16(blocks, 108) * scales
+    return q.view(np.uint8).reshape(*lead, QK_K), d, None, _super(blocks, scales, None, False, 108)
+
+
+_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k, "Q3_K": _read_q3_k}
 
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> QuantizedWeight:

@@ -8,9 +8,11 @@ dequantized weight) but the documented quantized math, the same bits on every in
 a row alone or in any batch, at any thread count. ``reference`` is an independent float64 statement
 of it for tests.
 
-Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants brought to their forms at load (Q4_K as
-Q4_1, Q5_K as U8_1, Q6_K as I8_16: int8 quants -32..31 with a scale per 16 weights, so a 32-step
-block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) * isum1``).
+Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants, whose math is that of expanded forms (Q4_K
+as Q4_1, Q5_K as U8_1, Q6_K and Q3_K as I8_16: int8 quants with a scale per 16 weights, so a
+32-step block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) *
+isum1``), served from their super-blocks (``K_FORMATS``: the file's fp16 scales and integer
+sub-block scales, each block's scale made in the kernel as an exact product, the file's bytes).
 Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
 bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
 IQ4_NL runs as Q8_0 (its table's int8 values, one byte each).
@@ -44,17 +46,24 @@ FORMATS = {
     "Q4_K": 2,
     "Q5_K": 3,
     "Q6_K": 4,
+    "Q3_K": 4,
     "Q5_0": 5,
     "Q5_1": 6,
     "IQ4_NL": 0,
 }
 HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
-SUB_BLOCK = {"Q6_K": 16}  # weights a scale, where not a whole block of 32
+# The K-quants served from their super-blocks (quant_int8act.c's FMT_K forms): the math of the
+# expanded form above, the weight read at the file's size (Q4_K 0.58 bytes a weight against 0.75
+# as Q4_1, Q5_K 0.70 against 1.25, Q6_K 0.82 against 1.25).
+K_FORMATS = {"Q4_K": 16 | 2, "Q5_K": 16 | 6, "Q6_K": 16 | 4, "Q3_K": 16 | 8 | 4}
+QK_K = 256
+SUB_BLOCK = {"Q6_K": 16, "Q3_K": 16}  # weights a scale, where not a whole block of 32
 QK = 32
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
     "llmserve_qi8_pack": ([_I32, _P, _P, _P, _I64, _I64, _P], _I32),
+    "llmserve_qi8_pack_k": ([_I32, _P, _P, _P, _P, _I64, _I64, _P], _I32),
     "llmserve_qi8_packed_bytes": ([_I32, _I64, _I64], _I64),
     "llmserve_qi8_gemm": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
@@ -105,9 +114,13 @@ class Int8ActLinear:
         *,
         isa: str | None = None,
         half_scales: bool | None = None,
+        super_blocks: bool = True,
     ):
         """``half_scales``: pack the scales as fp16 (None: where they all are fp16 values). A
-        ``MixedRows`` packs each part in its own format (``quant_gemm.pack_segments``)."""
+        ``MixedRows`` packs each part in its own format (``quant_gemm.pack_segments``).
+        ``super_blocks``: a K-quant that carries its file's super-block scales (``weight.sup``) is
+        served from its super-blocks (``K_FORMATS``); False packs it in the expanded form (the
+        same results, more bytes: for tests)."""
         if not supports(weight.fmt):
             raise ValueError(f"no int8-activation kernel for {weight.fmt}")
         lib = library(isa)
@@ -119,10 +132,17 @@ class Int8ActLinear:
         if self.in_features % QK:
             raise ValueError(f"rows of {self.in_features} are not whole blocks of {QK}")
         if isinstance(weight, MixedRows):
-            parts = [Int8ActLinear(p, isa=isa, half_scales=half_scales) for p in weight.parts]
+            parts = [
+                Int8ActLinear(p, isa=isa, half_scales=half_scales, super_blocks=super_blocks)
+                for p in weight.parts
+            ]
             self.code = SEGMENTS
             self.half_scales = all(p.half_scales for p in parts)
             self.packed = pack_segments([(p.code, p.out_features, p.packed) for p in parts])
+        elif super_blocks and weight.fmt in K_FORMATS and weight.sup is not None:
+            self.code = K_FORMATS[weight.fmt]
+            self.half_scales = True
+            self._pack_super(lib, weight)
         else:
             self.code = FORMATS[weight.fmt]
             self._pack(lib, weight, half_scales)
@@ -159,6 +179,40 @@ class Int8ActLinear:
         )
         if rc != 0:
             raise RuntimeError(f"quant_int8act refused to pack {self.fmt} {weight.shape}")
+
+    def _pack_super(self, lib, weight: QuantizedWeight) -> None:
+        """The K form from the file's super-block scales; refused where they do not make the
+        weight's fp32 scales exactly (a ``sup`` that does not belong to these rows)."""
+        sup, n, k = weight.sup, self.out_features, self.in_features
+        if k % QK_K:
+            raise ValueError(f"{weight.fmt}: rows of {k} are not whole super-blocks of {QK_K}")
+        dsup = sup.dsup.contiguous().view(torch.float16).float()  # [n, k/256, 2]
+        per = weight.d.shape[1] // (k // QK_K)  # scales a super-block: 8 (Q6_K: 16)
+        sc = sup.sc.view(torch.int8) if weight.fmt in SUB_BLOCK else sup.sc
+        d = (dsup[..., :1] * sc.float().view(n, -1, per)).view(n, -1)
+        ok = torch.equal(d, weight.d.float())
+        if sup.mn is not None:
+            ok = ok and torch.equal(
+                -(dsup[..., 1:] * sup.mn.float().view(n, -1, per)).view(n, -1), weight.m.float()
+            )
+        if not ok:
+            raise ValueError(f"{weight.fmt}: the super-block scales do not make the weight's scales")
+        q = weight.q.contiguous()
+        self.packed = torch.empty(lib.llmserve_qi8_packed_bytes(self.code, n, k), dtype=torch.uint8)
+        mn = None if sup.mn is None else sup.mn.contiguous()
+        dbits, scb = sup.dsup.contiguous(), sup.sc.contiguous()
+        rc = lib.llmserve_qi8_pack_k(
+            self.code,
+            q.data_ptr(),
+            dbits.data_ptr(),
+            scb.data_ptr(),
+            None if mn is None else mn.data_ptr(),
+            n,
+            k,
+            self.packed.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"quant_int8act refused to pack {self.fmt} {weight.shape} from super-blocks")
 
     def native_entry(self) -> NativeEntry:
         return native_entry(self, self.code)

@@ -1,7 +1,9 @@
 /* y = x . W^T (+ bias) with W in quantized blocks and x quantized per call to int8: integer block
  * dot products (vpdpbusd where the CPU has AVX-512 VNNI or AVX-VNNI, else maddubs), as llama.cpp does. The
  * weight forms are quant_gemm.c's (Q8_0, Q4_0, Q4_1, the U8_1 form of Q5_K and the I8_16 form of Q6_K:
- * int8 quants -32..31 with a scale per 16 weights; Q4_K runs as Q4_1).
+ * int8 quants -32..31 with a scale per 16 weights; Q4_K runs as Q4_1), Q5_0 / Q5_1 as nibbles plus
+ * a fifth-bit plane, and the K forms (FMT_K, below): Q3_K..Q6_K served from their super-blocks with
+ * the math of those expanded forms.
  *
  * Activations: each row of x, per block b of 32 k steps (all fp32, IEEE-rounded, every ISA alike):
  *
@@ -71,19 +73,42 @@
 /* A format code is the weight form, + FMT_HALF where its scales (and minimums) are fp16 values
  * (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks): stored as fp16, read back exactly, fewer bytes to stream. */
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FMT_Q5_0 = 5, FMT_Q5_1 = 6,
-       FMT_HALF = 8, FMT_COUNT = 16 };
+       FMT_HALF = 8, FMT_K = 16, FMT_COUNT = 32 };
+/* The K-quants served from their super-blocks (FMT_K + the form whose math they share):
+ *   Q4_K = FMT_K | FMT_Q4_1   Q5_K = FMT_K | FMT_Q5_1   Q6_K = FMT_K | FMT_I8_16
+ *   Q3_K = FMT_K | FMT_HALF | FMT_I8_16 (I8_16's math with quants -4..3 stored + 4, offset 4)
+ * Per panel and super-block of 256 k steps (8 blocks of 32): a header, then the 8 blocks' quants,
+ *   Q4_K, Q5_K: d[NC], dmin[NC] (fp16), sc[8][NC], mn[8][NC] (the 6-bit integers, a byte each)
+ *   Q6_K:       d[NC] (fp16), sc[16][NC] (int8)
+ * and each block's quants as the nibble forms hold theirs (Q5_K: + the fifth-bit plane; Q6_K: the
+ * quant + 32, 0..63, as nibbles + a fifth-bit and a sixth-bit plane). Block j's scales are made in
+ * the kernel: dw = d * sc[j], mw = -(dmin * mn[j]) (Q6_K: dw0, dw1 = d * sc[2j], d * sc[2j + 1]),
+ * fp32 products of an fp16 value and an integer below 256: exact, so they are the gguf package's
+ * fp32 scales bit for bit and the math is the expanded forms' (Q4_1, Q5_1, I8_16) unchanged. */
+#define KB 8 /* blocks of QK a super-block */
 
 INLINE int form(int fmt) { return fmt & 7; }
-INLINE int known(int fmt) { return fmt >= 0 && fmt < FMT_COUNT && form(fmt) <= FMT_Q5_1; }
+INLINE int is_k(int fmt) { return (fmt & FMT_K) != 0; }
+INLINE int known(int fmt) {
+    if (fmt < 0 || fmt >= FMT_COUNT) return 0;
+    if (is_k(fmt))
+        return fmt == (FMT_K | FMT_Q4_1) || fmt == (FMT_K | FMT_Q5_1) || fmt == (FMT_K | FMT_I8_16) ||
+               fmt == (FMT_K | FMT_HALF | FMT_I8_16);
+    return form(fmt) <= FMT_Q5_1;
+}
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
 INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1; }
 INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
 INLINE int fifth_bits(int fmt) { return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1; }
-INLINE int nibbles(int fmt) { return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt); }
+INLINE int high_pairs(int fmt) { return fmt == (FMT_K | FMT_I8_16); } /* Q6_K: 2 high bits a quant */
+INLINE int q3k(int fmt) { return fmt == (FMT_K | FMT_HALF | FMT_I8_16); }
+INLINE int nibbles(int fmt) {
+    return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt) || is_k(fmt);
+}
 INLINE int offset(int fmt) {
     return form(fmt) == FMT_Q8_0    ? 128
            : form(fmt) == FMT_Q4_0  ? 8
-           : form(fmt) == FMT_I8_16 ? 32
+           : form(fmt) == FMT_I8_16 ? (q3k(fmt) ? 4 : 32)
            : form(fmt) == FMT_Q5_0  ? 16
                                     : 0;
 }
@@ -100,10 +125,47 @@ INLINE float scale_at(int fmt, const uint8_t *p, int c) {
     memcpy(&f, p + 4 * c, 4);
     return f;
 }
-/* Nibble forms: QK / 2 bytes a column; the 5-bit forms add a column's 32 fifth bits (4 bytes). */
+/* Nibble forms: QK / 2 bytes a column; the 5-bit forms add a column's 32 fifth bits (4 bytes), Q6_K
+ * two planes of the high bit pairs (8 bytes): byte e of plane h holds groups 4h..4h+3's pair, group
+ * 4h + t's at bits 2t, 2t + 1. */
 INLINE int64_t nibble_bytes(void) { return (int64_t)NC * (QK / 2); }
-INLINE int64_t quant_bytes(int fmt) { return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) : (int64_t)NC * QK; }
+INLINE int64_t quant_bytes(int fmt) {
+    return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) + (high_pairs(fmt) ? NC * 8 : 0)
+                        : (int64_t)NC * QK;
+}
 INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
+/* K forms: the super-block header (above) and a super-block's bytes, per panel. */
+INLINE int64_t k_header(int fmt) { return two_scales(fmt) ? NC * 2 + 2 * KB * NC : NC * 4 + 2 * KB * NC; }
+INLINE int64_t k_stride(int fmt) { return k_header(fmt) + KB * quant_bytes(fmt); }
+/* A panel's bytes for nb blocks of k. */
+INLINE int64_t panel_bytes(int fmt, int64_t nb) { return is_k(fmt) ? nb / KB * k_stride(fmt) : nb * block_stride(fmt); }
+/* Block b's quants in a panel. */
+INLINE const uint8_t *block_qs(int fmt, const uint8_t *panel, int64_t b) {
+    if (is_k(fmt)) return panel + (b / KB) * k_stride(fmt) + k_header(fmt) + (b % KB) * quant_bytes(fmt);
+    return panel + b * block_stride(fmt) + scale_bytes(fmt);
+}
+INLINE float half_at(const uint8_t *p, int c) {
+    _Float16 h;
+    memcpy(&h, p + 2 * c, 2);
+    return (float)h;
+}
+/* A K form's block b scales for column c (the header comment's products): dw, and mw (Q4_K, Q5_K)
+ * or dw1 (Q6_K). */
+INLINE void k_scales_at(int fmt, const uint8_t *panel, int64_t b, int c, float *dw, float *second) {
+    const uint8_t *h = panel + (b / KB) * k_stride(fmt);
+    const int j = (int)(b % KB);
+    const float d = half_at(h, c);
+    if (two_scales(fmt)) {
+        const int8_t *sc = (const int8_t *)(h + NC * 2);
+        *dw = d * (float)sc[(2 * j) * NC + c];
+        *second = d * (float)sc[(2 * j + 1) * NC + c];
+    } else {
+        const uint8_t *sc = h + NC * 4, *mn = sc + KB * NC;
+        const float dmin = half_at(h + NC * 2, c);
+        *dw = d * (float)sc[j * NC + c];
+        *second = -(dmin * (float)mn[j * NC + c]);
+    }
+}
 
 /* A float that must be rounded on its own: the empty asm hides it from -ffp-contract=fast. */
 #if defined(__x86_64__) || defined(__i386__)
@@ -117,8 +179,76 @@ INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt
 int32_t llmserve_qi8_panel_width(void) { return NC; }
 
 int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
-    if (!known(fmt)) return -1;
-    return ((n + NC - 1) / NC) * (k / QK) * block_stride(fmt);
+    if (!known(fmt) || (is_k(fmt) && k % (QK * KB))) return -1;
+    return ((n + NC - 1) / NC) * panel_bytes(fmt, k / QK);
+}
+
+/* One block's quants of column c into the panel's block at qs: src the column's 32 quants (NULL:
+ * a padding column, zeros), one byte each as llmserve_qi8_pack takes them. */
+static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
+    for (int e = 0; e < 4; ++e) {
+        if (fifth_bits(fmt) || high_pairs(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1, Q5_K 0..31
+                                                   * as is; Q6_K -32..31 + 32 */
+            uint8_t v[8], hb = 0, hp[2] = {0, 0};
+            for (int g = 0; g < 8; ++g) {
+                const int8_t s = src ? (int8_t)src[4 * g + e] : 0;
+                v[g] = src ? (uint8_t)(form(fmt) == FMT_Q5_0 ? s + 16 : high_pairs(fmt) ? s + 32 : src[4 * g + e]) : 0;
+                hb |= (uint8_t)(((v[g] >> 4) & 1) << g);
+                hp[g / 4] |= (uint8_t)(((v[g] >> 4) & 3) << (2 * (g % 4)));
+            }
+            for (int g = 0; g < 4; ++g) qs[(g * NC + c) * 4 + e] = (uint8_t)((v[g] & 15) | ((v[g + 4] & 15) << 4));
+            if (high_pairs(fmt)) {
+                qs[nibble_bytes() + c * 4 + e] = hp[0];
+                qs[nibble_bytes() + NC * 4 + c * 4 + e] = hp[1];
+            } else {
+                qs[nibble_bytes() + c * 4 + e] = hb;
+            }
+        } else if (nibbles(fmt))
+            for (int g = 0; g < 4; ++g)
+                qs[(g * NC + c) * 4 + e] =
+                    !src     ? 0
+                    : q3k(fmt) ? (uint8_t)(((int8_t)src[4 * g + e] + 4) | (((int8_t)src[4 * (g + 4) + e] + 4) << 4))
+                             : (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4));
+        else
+            for (int g = 0; g < 8; ++g)
+                qs[(g * NC + c) * 4 + e] = src ? (uint8_t)(form(fmt) == FMT_Q8_0    ? src[4 * g + e] ^ 0x80
+                                                           : form(fmt) == FMT_I8_16 ? (int8_t)src[4 * g + e] + 32
+                                                                                    : src[4 * g + e])
+                                               : 0;
+    }
+}
+
+/* The K forms from a file's super-blocks, unpacked one value a byte: q n x k quants (Q4_K 0..15,
+ * Q5_K 0..31, Q6_K int8 bits -32..31, Q3_K -4..3); dsup n x k/256 x 2 fp16 bits (d, dmin; Q6_K's
+ * and Q3_K's dmin unused); sc n x k/32 (Q6_K, Q3_K: k/16, int8 bits) and mn n x k/32 (NULL for Q6_K, Q3_K) the sub-blocks' integer
+ * scales and mins. Returns 0, or -1 (not a K form, k not whole super-blocks). */
+int32_t llmserve_qi8_pack_k(int32_t fmt, const uint8_t *q, const uint16_t *dsup, const uint8_t *sc,
+                            const uint8_t *mn, int64_t n, int64_t k, uint8_t *packed) {
+    if (!known(fmt) || !is_k(fmt) || k % (QK * KB) || (!two_scales(fmt) && !mn)) return -1;
+    const int64_t panels = (n + NC - 1) / NC, supers = k / (QK * KB), nsc = two_scales(fmt) ? 2 * KB : KB;
+    uint8_t *out = packed;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t s = 0; s < supers; ++s) {
+            memset(out, 0, k_header(fmt));
+            uint16_t *d = (uint16_t *)out;
+            uint8_t *scs = out + (two_scales(fmt) ? NC * 2 : NC * 4), *mns = scs + KB * NC;
+            for (int c = 0; c < NC; ++c) {
+                const int64_t j = p * NC + c;
+                if (j < n) {
+                    d[c] = dsup[2 * (j * supers + s)];
+                    if (!two_scales(fmt)) d[NC + c] = dsup[2 * (j * supers + s) + 1];
+                    for (int t = 0; t < nsc; ++t) {
+                        scs[t * NC + c] = sc[j * supers * nsc + s * nsc + t];
+                        if (!two_scales(fmt)) mns[t * NC + c] = mn[j * supers * KB + s * KB + t];
+                    }
+                }
+                for (int b = 0; b < KB; ++b)
+                    pack_block_quants(fmt, j < n ? q + j * k + (s * KB + b) * QK : NULL,
+                                      out + k_header(fmt) + b * quant_bytes(fmt), c);
+            }
+            out += k_stride(fmt);
+        }
+    return 0;
 }
 
 /* q: n x k quants, one byte each (int8 bits for Q8_0 and I8_16, 0..15 for Q4, 0..31 for U8_1); d, m:
@@ -126,7 +256,7 @@ int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
  * n x k/16, m unused). Returns 0, or -1 (unknown format, partial block). */
 int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const void *m, int64_t n, int64_t k,
                           uint8_t *packed) {
-    if (!known(fmt) || k % QK) return -1;
+    if (!known(fmt) || is_k(fmt) || k % QK) return -1;
     const int64_t panels = (n + NC - 1) / NC, blocks = k / QK, sb = scale_bytes(fmt);
     uint8_t *out = packed;
     for (int64_t p = 0; p < panels; ++p)
@@ -149,31 +279,7 @@ int32_t llmserve_qi8_pack(int32_t fmt, const uint8_t *q, const void *d, const vo
                     memset(ms + es * c, 0, es);
                     if (j < n) memcpy(ms + es * c, (const uint8_t *)m + es * (j * blocks + b), es);
                 }
-                const uint8_t *src = j < n ? q + j * k + b * QK : NULL;
-                for (int e = 0; e < 4; ++e) {
-                    if (fifth_bits(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1 0..31 as is */
-                        uint8_t v[8], hb = 0;
-                        for (int g = 0; g < 8; ++g) {
-                            v[g] = src ? (uint8_t)(form(fmt) == FMT_Q5_0 ? (int8_t)src[4 * g + e] + 16
-                                                                         : src[4 * g + e])
-                                       : 0;
-                            hb |= (uint8_t)(((v[g] >> 4) & 1) << g);
-                        }
-                        for (int g = 0; g < 4; ++g)
-                            qs[(g * NC + c) * 4 + e] = (uint8_t)((v[g] & 15) | ((v[g + 4] & 15) << 4));
-                        qs[nibble_bytes() + c * 4 + e] = hb;
-                    } else if (nibbles(fmt))
-                        for (int g = 0; g < 4; ++g)
-                            qs[(g * NC + c) * 4 + e] =
-                                src ? (uint8_t)((src[4 * g + e] & 15) | (src[4 * (g + 4) + e] << 4)) : 0;
-                    else
-                        for (int g = 0; g < 8; ++g)
-                            qs[(g * NC + c) * 4 + e] =
-                                src ? (uint8_t)(form(fmt) == FMT_Q8_0    ? src[4 * g + e] ^ 0x80
-                                                : form(fmt) == FMT_I8_16 ? (int8_t)src[4 * g + e] + 32
-                                                                         : src[4 * g + e])
-                                    : 0;
-                }
+                pack_block_quants(fmt, j < n ? q + j * k + b * QK : NULL, qs, c);
             }
             out += block_stride(fmt);
         }
@@ -340,7 +446,7 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
         for (int c = 0; c < NC; ++c) acc[i][c] = 0.0f;
     const int off = offset(fmt), min = has_min(fmt);
     for (int64_t b = 0; b < x->nb; ++b) {
-        const uint8_t *blk = panel + b * block_stride(fmt), *qs = blk + scale_bytes(fmt);
+        const uint8_t *blk = panel + b * block_stride(fmt), *qs = block_qs(fmt, panel, b);
         for (int i = 0; i < m; ++i) {
             const int64_t r = r0 + i;
             const int8_t *xq = x->q + r * x->k + b * QK;
@@ -354,6 +460,8 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                             const uint8_t v = qs[((g & 3) * NC + c) * 4 + e];
                             w = g < 4 ? v & 15 : v >> 4;
                             if (fifth_bits(fmt)) w |= ((qs[nibble_bytes() + c * 4 + e] >> g) & 1) << 4;
+                            if (high_pairs(fmt))
+                                w |= ((qs[nibble_bytes() + (g / 4) * NC * 4 + c * 4 + e] >> (2 * (g % 4))) & 3) << 4;
                         } else {
                             w = qs[(g * NC + c) * 4 + e];
                         }
@@ -363,14 +471,22 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
             if (two_scales(fmt)) {
                 const int32_t c0 = off * x->sh[2 * (r * x->nb + b)], c1 = off * x->sh[2 * (r * x->nb + b) + 1];
                 for (int c = 0; c < NC; ++c) {
-                    const float dw0 = scale_at(fmt, blk, c), dw1 = scale_at(fmt, blk + scale_row(fmt), c);
+                    float dw0, dw1;
+                    if (is_k(fmt))
+                        k_scales_at(fmt, panel, b, c, &dw0, &dw1);
+                    else
+                        dw0 = scale_at(fmt, blk, c), dw1 = scale_at(fmt, blk + scale_row(fmt), c);
                     acc[i][c] = acc[i][c] + block_term2(dw0, dw1, dx, isum[0][c] - c0, isum[1][c] - c1);
                 }
                 continue;
             }
             const int32_t corr = off * x->sx[r * x->nb + b];
             for (int c = 0; c < NC; ++c) {
-                const float dw = scale_at(fmt, blk, c), mw = min ? scale_at(fmt, blk + scale_row(fmt), c) : 0.0f;
+                float dw, mw;
+                if (is_k(fmt))
+                    k_scales_at(fmt, panel, b, c, &dw, &mw);
+                else
+                    dw = scale_at(fmt, blk, c), mw = min ? scale_at(fmt, blk + scale_row(fmt), c) : 0.0f;
                 const float t = block_term(dw, mw, dx, dxs, isum[0][c] + isum[1][c] - corr, min);
                 acc[i][c] = acc[i][c] + t;
             }
@@ -415,7 +531,18 @@ INLINE vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512
  * the 16-bit shifts move no bit across a byte into bit 4. */
 INLINE vi fifth_lo(vi h, int g) { return _mm512_and_si512(_mm512_slli_epi16(h, 4 - g), _mm512_set1_epi8(16)); }
 INLINE vi fifth_hi(vi h, int g) { return _mm512_and_si512(_mm512_srli_epi16(h, g), _mm512_set1_epi8(16)); }
+/* Q6_K: a plane byte's pair t (bits 2t, 2t + 1) to bits 4, 5 (no bit of the other byte lands there). */
+INLINE vi pair_bits(vi h, int t) {
+    const vi s = t < 2 ? _mm512_slli_epi16(h, 4 - 2 * t) : t == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
+}
+/* maddubs products summed in int16 (exact while the caller keeps the sum in range), then to int32. */
+INLINE vi mul16(vi w, vi x) { return _mm512_maddubs_epi16(w, x); }
+INLINE vi add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+INLINE vi fold16(vi acc, vi p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
 INLINE vi ori(vi a, vi b) { return _mm512_or_si512(a, b); }
+INLINE vfl cvt_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INLINE vfl cvt_s8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INLINE vfl loadf(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
@@ -455,7 +582,16 @@ INLINE vi lo_nib(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 INLINE vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 INLINE vi fifth_lo(vi h, int g) { return _mm256_and_si256(_mm256_slli_epi16(h, 4 - g), _mm256_set1_epi8(16)); }
 INLINE vi fifth_hi(vi h, int g) { return _mm256_and_si256(_mm256_srli_epi16(h, g), _mm256_set1_epi8(16)); }
+INLINE vi pair_bits(vi h, int t) {
+    const vi s = t < 2 ? _mm256_slli_epi16(h, 4 - 2 * t) : t == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
+}
+INLINE vi mul16(vi w, vi x) { return _mm256_maddubs_epi16(w, x); }
+INLINE vi add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
+INLINE vi fold16(vi acc, vi p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
 INLINE vi ori(vi a, vi b) { return _mm256_or_si256(a, b); }
+INLINE vfl cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE vfl cvt_s8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE vfl loadf(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
@@ -481,17 +617,38 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[MR];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
+    vfl kd[V], kdm[V]; /* K forms: the current super-block's d and dmin */
+    for (int v = 0; v < V; ++v) kd[v] = kdm[v] = zerof();
     for (int64_t b = 0; b < x->nb; ++b) {
         const uint8_t *blk = panel + b * stride;
-        for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, 3);
-        const uint8_t *qs = blk + sb;
+        const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
+        if (is_k(fmt)) { /* the next super-block's header at its start, the quants PREFETCH_BLOCKS ahead */
+            if (b % KB == 0)
+                for (int64_t o = 0; o < k_header(fmt); o += 64)
+                    __builtin_prefetch(panel + (b / KB + 1) * k_stride(fmt) + o, 0, 3);
+            for (int64_t o = 0; o < quant_bytes(fmt); o += 64)
+                __builtin_prefetch(qs + PREFETCH_BLOCKS * quant_bytes(fmt) + o, 0, 3);
+        } else {
+            for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, 3);
+        }
         vi isum[MR][V], isum1[MR][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
         for (int i = 0; i < m; ++i)
             for (int v = 0; v < V; ++v) isum[i][v] = isum1[i][v] = zeroi();
         if (nibbles(fmt)) {
-            vi h5[V]; /* the 5-bit forms' fifth bits: a column's 4 bytes, bit g of byte e group g's */
-            if (fifth_bits(fmt))
+            vi h5[V], h6[V]; /* fifth bits (bit g of byte e: group g's), or Q6_K's two pair planes */
+            if (fifth_bits(fmt) || high_pairs(fmt))
                 for (int v = 0; v < V; ++v) h5[v] = loadi(qs + nibble_bytes() + v * VW * 4);
+            if (high_pairs(fmt))
+                for (int v = 0; v < V; ++v) h6[v] = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+            /* maddubs without VNNI: its int16 products summed in int16 before widening, exact while
+             * |sum| <= 32767: a product pair is at most 2 * 127 * (15, 31, 63) for 4-, 5-, 6-bit
+             * quants, so an int16 sum takes 8, 4 or 2 of them; folded into int32 every `every` groups. */
+            const int per_group = two_scales(fmt) ? 1 : 2;
+            const int terms = (high_pairs(fmt) ? 2 : fifth_bits(fmt) ? 4 : 8) / per_group;
+            const int every = terms < 4 ? terms : 4; /* a block's 4 groups at most */
+            vi p0[MR][V], p1[MR][V];
+            for (int i = 0; i < m; ++i)
+                for (int v = 0; v < V; ++v) p0[i][v] = p1[i][v] = zeroi(); /* (set before use below) */
             for (int g = 0; g < 4; ++g) {
                 vi lo[V], hi[V];
                 for (int v = 0; v < V; ++v) {
@@ -502,12 +659,34 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
                         lo[v] = ori(lo[v], fifth_lo(h5[v], g));
                         hi[v] = ori(hi[v], fifth_hi(h5[v], g));
                     }
+                    if (high_pairs(fmt)) {
+                        lo[v] = ori(lo[v], pair_bits(h5[v], g));
+                        hi[v] = ori(hi[v], pair_bits(h6[v], g));
+                    }
                 }
                 for (int i = 0; i < m; ++i) {
                     const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
                     for (int v = 0; v < V; ++v) {
-                        isum[i][v] = vnni ? dot_vnni(isum[i][v], lo[v], xl) : dot_bw(isum[i][v], lo[v], xl);
-                        isum[i][v] = vnni ? dot_vnni(isum[i][v], hi[v], xh) : dot_bw(isum[i][v], hi[v], xh);
+                        if (vnni) {
+                            isum[i][v] = dot_vnni(isum[i][v], lo[v], xl);
+                            if (two_scales(fmt)) /* Q6_K: groups g + 4 are the block's second 16 */
+                                isum1[i][v] = dot_vnni(isum1[i][v], hi[v], xh);
+                            else
+                                isum[i][v] = dot_vnni(isum[i][v], hi[v], xh);
+                            continue;
+                        }
+                        const vi a = mul16(lo[v], xl), c = mul16(hi[v], xh);
+                        const int first = g % every == 0;
+                        if (two_scales(fmt)) {
+                            p0[i][v] = first ? a : add16(p0[i][v], a);
+                            p1[i][v] = first ? c : add16(p1[i][v], c);
+                        } else {
+                            p0[i][v] = first ? add16(a, c) : add16(p0[i][v], add16(a, c));
+                        }
+                        if (g % every == every - 1) {
+                            isum[i][v] = fold16(isum[i][v], p0[i][v]);
+                            if (two_scales(fmt)) isum1[i][v] = fold16(isum1[i][v], p1[i][v]);
+                        }
                     }
                 }
             }
@@ -538,6 +717,24 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
             }
         }
         vfl dw[V], mw[V];
+        if (is_k(fmt)) { /* block b's scales from its super-block's (exact products) */
+            const uint8_t *h = panel + (b / KB) * k_stride(fmt);
+            const int j = (int)(b % KB);
+            if (j == 0) /* the super-block's d (and dmin), once */
+                for (int v = 0; v < V; ++v) {
+                    kd[v] = loadh(h + 2 * v * VW);
+                    if (!two_scales(fmt)) kdm[v] = loadh(h + NC * 2 + 2 * v * VW);
+                }
+            for (int v = 0; v < V; ++v) {
+                if (two_scales(fmt)) {
+                    dw[v] = kd[v] * cvt_s8(h + NC * 2 + 2 * j * NC + v * VW);
+                    mw[v] = kd[v] * cvt_s8(h + NC * 2 + (2 * j + 1) * NC + v * VW);
+                } else {
+                    dw[v] = kd[v] * cvt_u8(h + NC * 4 + j * NC + v * VW);
+                    mw[v] = -(kdm[v] * cvt_u8(h + NC * 4 + KB * NC + j * NC + v * VW));
+                }
+            }
+        } else
         for (int v = 0; v < V; ++v) {
             const int64_t at = half_scales(fmt) ? 2 * v * VW : 4 * v * VW;
             dw[v] = half_scales(fmt) ? loadh(blk + at) : loadf((const float *)(blk + at));
@@ -611,11 +808,29 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     DEFINE_ITEM(PREFIX##q5_1, FMT_Q5_1, VNNI)                                                            \
     DEFINE_ITEM(PREFIX##q5_0_h, FMT_Q5_0 | FMT_HALF, VNNI)                                               \
     DEFINE_ITEM(PREFIX##q5_1_h, FMT_Q5_1 | FMT_HALF, VNNI)                                               \
+    DEFINE_ITEM(PREFIX##q4_k, FMT_Q4_1 | FMT_K, VNNI)                                                    \
+    DEFINE_ITEM(PREFIX##q5_k, FMT_Q5_1 | FMT_K, VNNI)                                                    \
+    DEFINE_ITEM(PREFIX##q6_k, FMT_I8_16 | FMT_K, VNNI)                                                   \
+    DEFINE_ITEM(PREFIX##q3_k, FMT_I8_16 | FMT_K | FMT_HALF, VNNI)                                        \
     static const item_fn PREFIX##items[FMT_COUNT] = {                                                    \
-        PREFIX##q8_0,   PREFIX##q4_0,   PREFIX##q4_1,   PREFIX##u8_1,   PREFIX##i8_16,                   \
-        PREFIX##q5_0,   PREFIX##q5_1,   NULL,                                                            \
-        PREFIX##q8_0_h, PREFIX##q4_0_h, PREFIX##q4_1_h, PREFIX##u8_1_h, PREFIX##i8_16_h,                 \
-        PREFIX##q5_0_h, PREFIX##q5_1_h, NULL};
+        [FMT_Q8_0] = PREFIX##q8_0,                                                                       \
+        [FMT_Q4_0] = PREFIX##q4_0,                                                                       \
+        [FMT_Q4_1] = PREFIX##q4_1,                                                                       \
+        [FMT_U8_1] = PREFIX##u8_1,                                                                       \
+        [FMT_I8_16] = PREFIX##i8_16,                                                                     \
+        [FMT_Q5_0] = PREFIX##q5_0,                                                                       \
+        [FMT_Q5_1] = PREFIX##q5_1,                                                                       \
+        [FMT_Q8_0 | FMT_HALF] = PREFIX##q8_0_h,                                                          \
+        [FMT_Q4_0 | FMT_HALF] = PREFIX##q4_0_h,                                                          \
+        [FMT_Q4_1 | FMT_HALF] = PREFIX##q4_1_h,                                                          \
+        [FMT_U8_1 | FMT_HALF] = PREFIX##u8_1_h,                                                          \
+        [FMT_I8_16 | FMT_HALF] = PREFIX##i8_16_h,                                                        \
+        [FMT_Q5_0 | FMT_HALF] = PREFIX##q5_0_h,                                                          \
+        [FMT_Q5_1 | FMT_HALF] = PREFIX##q5_1_h,                                                          \
+        [FMT_Q4_1 | FMT_K] = PREFIX##q4_k,                                                               \
+        [FMT_Q5_1 | FMT_K] = PREFIX##q5_k,                                                               \
+        [FMT_I8_16 | FMT_K] = PREFIX##q6_k,                                                              \
+        [FMT_I8_16 | FMT_K | FMT_HALF] = PREFIX##q3_k};
 DEFINE_ITEMS(plain_, 0)
 #ifdef VW
 DEFINE_ITEMS(vnni_, 1)
@@ -703,7 +918,7 @@ void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, in
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
  * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). fmt
  * SEGMENTS: a projection of row ranges in different formats (row_segments.h). */
-static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % QK == 0 && k > 0; }
+static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % (is_k(fmt) ? QK * KB : QK) == 0 && k > 0; }
 
 int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
                           int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
@@ -724,7 +939,7 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
 #endif
     parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
-    j.pb = nb * block_stride(fmt);
+    j.pb = panel_bytes(fmt, nb);
     parallel_for(num_threads, big, (m + MC - 1) / MC * j.panels, 1, qi8_items, &j);
     return 0;
 }
