@@ -64,7 +64,7 @@ $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	else echo "npm not found: the Node.js client test will skip"; fi
 
 test: install model $(NODE_STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 bench: install
 	$(PY) -m benchmarks.run_all

@@ -31,8 +31,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # While sequences decode, a step that also computes prompt chunks costs at most this many times
     # their decode step alone (step_cost.py: the work rule plus the step's fixed cost), so that
-    # streams keep their inter-token latency while a long prompt is prefilled. None: 3 on CPU, off
-    # on CUDA; 0: off (a prompt chunk takes the whole work budget).
+    # streams keep their inter-token latency while a long prompt is prefilled. None or 0: off (a
+    # prompt chunk takes the whole work budget); 3 keeps them within about 3x.
     decode_stall_factor: float | None = None
     # The step's work budget (engine_svc/step_cost.py): attention work per context token relative
     # to a token's linear work. None: derived from the model's config; 0: tokens alone count.

@@ -80,7 +80,10 @@ class StepCost:
 
 # A step's fixed cost in token-equivalents (see the module's docstring), per device type.
 STEP_FLOOR = {"cpu": 16.0, "cuda": 256.0}
-DECODE_STALL_FACTOR = {"cpu": 3.0}  # the default per device type; absent: off
+# The default factor per device type (absent: off). Off everywhere for now: with it on, speculative
+# decoding verified almost no drafts in the batch-invariance mixes (not understood yet), and a
+# burst's admissions slow down beside many decodes; opt in with --decode-stall-factor 3.
+DECODE_STALL_FACTOR: dict[str, float] = {}
 
 
 def decode_cap(decode_work: float, factor: float, floor: float) -> float:

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from gateway.api_stream import Encoder, EventStream, Output, collect, run_options, sse
 from gateway.errors import FieldViolation, RequestError
-from gateway.openai_protocol import BodyReader, status_of
+from gateway.openai_protocol import BodyReader, BodyTooLarge, status_of
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import Names
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
@@ -69,13 +69,11 @@ class AnthropicApi:
         ]
 
     async def _guarded(self, request: Request, handler) -> Response:
-        from gateway.http_api import _TooLarge
-
         try:
             identity = self.api._identity(request)
             body = await self.api._body(request)
             return await handler(request, identity, body)
-        except _TooLarge as e:
+        except BodyTooLarge as e:
             err = RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request body is over {e.cap} bytes (max_message_bytes)",

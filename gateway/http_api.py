@@ -34,6 +34,7 @@ from gateway.openai_protocol import (
     FINISH,
     TOKENIZE_FIELDS,
     BodyReader,
+    BodyTooLarge,
     chat_request,
     completion_requests,
     error_body,
@@ -99,12 +100,12 @@ class HttpApi:
         cap = self.s.limits.max_message_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
-            raise _TooLarge(cap)
+            raise BodyTooLarge(cap)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
-                raise _TooLarge(cap)
+                raise BodyTooLarge(cap)
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
@@ -124,7 +125,7 @@ class HttpApi:
             identity = self._identity(request)
             body = await self._body(request) if request.method == "POST" else None
             return await handler(request, identity, body)
-        except _TooLarge as e:
+        except BodyTooLarge as e:
             err = RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request body is over {e.cap} bytes (max_message_bytes)",
@@ -274,11 +275,6 @@ class HttpApi:
             return JSONResponse({"prompt": out.text})
 
         return await self._guarded(request, handler)
-
-
-class _TooLarge(Exception):
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
 
 
 async def _wait_disconnect(receive) -> None:

@@ -53,6 +53,13 @@ def _is_num(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+class BodyTooLarge(Exception):
+    """An HTTP request body over ``max_message_bytes``: refused with 413 before it is read whole."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+
+
 class BodyReader:
     """Typed access to a JSON object's fields; every type error is collected, then raised at once."""
 

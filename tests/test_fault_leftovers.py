@@ -43,7 +43,14 @@ def stale_socket_dir(root: Path) -> Path:
     return d
 
 
-def test_the_sweep_removes_only_directories_of_dead_launchers(tmp_path):
+def test_the_sweep_removes_only_directories_of_dead_launchers():
+    # A short directory of its own: a socket's path must fit AF_UNIX's 108 bytes, and pytest's
+    # tmp_path under a parallel worker (pytest-of-USER/pytest-N/popen-gwK/...) can pass that.
+    with tempfile.TemporaryDirectory(prefix="lsw-") as tmp:
+        _sweep_case(Path(tmp))
+
+
+def _sweep_case(tmp_path: Path) -> None:
     stale = stale_socket_dir(tmp_path)
     live = tmp_path / f"llmserve-{os.getpid()}-live_abc"
     live.mkdir()

@@ -32,7 +32,7 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
         "--decode-stall-factor",
         float,
         "while sequences decode, a step with prompt chunks costs at most this many times their decode "
-        "step alone, by the work rule (default: 3 on CPU, off on CUDA; 0: off)",
+        "step alone, by the work rule (default: off; 3 keeps streams within about 3x)",
     ),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--no-prefix-caching", None, "turn prefix caching off"),
