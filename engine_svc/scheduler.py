@@ -10,8 +10,9 @@ its blocks are released and it goes back to the front of the waiting queue, to b
 later (cheaply, from the prefix cache).
 
 When more sequences may run than a step computes (``max_seqs_per_step``), the step's seats go
-round the clients that sent them (``_sitting_out``): a stream is never slowed by another client's
-hundreds of streams beyond one seat per client per round.
+round the clients that sent them, running and waiting sequences alike (``_seats``): a stream is
+never slowed, nor a request kept waiting, by another client's hundreds of streams beyond one seat
+per client per round.
 
 ``update_from_output()``: everything that follows a forward pass — advance the counters, publish
 full blocks to the prefix cache, record prompt logprobs, append sampled tokens, fork ``n > 1``
@@ -164,7 +165,7 @@ class Scheduler:
         verify = self.spec is not None and len(running) <= self.spec.max_batch
         propose = verify and (self.governor is None or self.governor.allow(len(running)))
         self.num_steps += 1
-        out_this_step = self._sitting_out() if len(running) > self.max_per_step else ()
+        out_this_step, seated_waiting = self._seats()
         self._capped = False
         if self.stall_factor:
             cap = self._decode_cap(out_this_step)
@@ -204,12 +205,18 @@ class Scheduler:
                     self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget = self._admit(out, budget, propose)
+            budget = self._admit(out, budget, propose, seated_waiting)
         if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
             out.all_decoding = False
         step = self.num_steps
         for seq in out.seqs:
             seq.last_step = step
+        # A seat given is a turn taken, used or not: a waiting sequence the pool, the budgets or
+        # max_num_seqs kept out goes behind the running ones that sat out for it, which are then
+        # seated first (they may be what frees the room it needs).
+        for seq in seated_waiting or ():
+            if seq.status == SeqStatus.WAITING:
+                seq.last_step = step
         out.layout = (
             LogitsLayout.decodes(out.seqs)
             if out.only_decodes
@@ -238,34 +245,49 @@ class Scheduler:
             return None
         return decode_cap(decode_work, self.stall_factor, self.step_floor)
 
-    def _sitting_out(self) -> set[Sequence]:
-        """The running sequences that take no seat this step, when more may run than
-        ``max_seqs_per_step``. Seats go in rounds: each client (``Request.client``) with runnable
-        sequences takes one seat a round, its least recently stepped sequence; within a round the
-        clients stepped least recently go first. Under the priority policy a more urgent sequence
-        is seated before any less urgent one, in rounds within each priority. Deterministic: the
-        ties fall by position in the running list."""
+    def _seats(self) -> tuple[set[Sequence], list[Sequence] | None]:
+        """Who takes the step's ``max_seqs_per_step`` seats, when more sequences could: the running
+        ones that sit this step out, and the waiting ones that may be admitted into it, in order
+        (None: seats are no limit; admit in the queue's order).
+
+        Running and waiting sequences share the seats, in rounds over the clients
+        (``Request.client``) that sent them: each client with a sequence to compute takes one seat
+        a round, the one it was given a seat least recently (a new one has never had a seat; the
+        waiting before the running on a tie, in the queue's order); within a round the clients
+        stepped least recently go first. A seat a waiting sequence could not use (the pool, the
+        budgets or ``max_num_seqs`` kept it out) counts as its turn, so the running ones that sat
+        out for it come first next step and nothing waits on itself. So a client's first request is admitted in the next step however many
+        another client has queued or running, and admissions count against the seats like any
+        sequence. Under the priority policy a more urgent sequence is seated before any less
+        urgent one, in rounds within each priority. Deterministic: ties fall by position in the
+        running list (waiting ones: in the queue)."""
         runnable = [s for s in self.running if not s.request.paused]
+        waiting = self.waiting.ready
         cap = self.max_per_step
-        if len(runnable) <= cap:
-            return set()
+        if len(runnable) + len(waiting) <= cap:
+            return set(), None
         prio = self.priority
-
-        def urgency(j: int) -> tuple[int, int, int]:
-            s = runnable[j]
-            return (s.request.priority if prio else 0, s.last_step, j)
-
+        # (level, last_step, kind, position): kind 0 waiting (queue order), 1 running
+        candidates = [
+            ((s.request.priority if prio else 0, s.last_step, 0, j), s)
+            for j, s in enumerate(waiting)
+            if not s.request.waiting_for_grammar
+        ]
+        candidates += [
+            ((s.request.priority if prio else 0, s.last_step, 1, j), s) for j, s in enumerate(runnable)
+        ]
+        candidates.sort(key=lambda item: item[0])
         taken: dict[tuple[int, str], int] = {}  # (priority, client) -> seats its earlier sequences hold
         ranked = []
-        for j in sorted(range(len(runnable)), key=urgency):
-            s = runnable[j]
-            level = s.request.priority if prio else 0
+        for (level, last, kind, j), s in candidates:
             group = (level, s.request.client)
             depth = taken.get(group, 0)
             taken[group] = depth + 1
-            ranked.append(((level, depth, s.last_step, j), s))
+            ranked.append(((level, depth, last, kind, j), s))
         ranked.sort(key=lambda item: item[0])
-        return {s for _, s in ranked[cap:]}
+        seated = ranked[:cap]
+        out = {s for _, s in ranked[cap:] if s.status == SeqStatus.RUNNING}
+        return out, [s for _, s in seated if s.status == SeqStatus.WAITING]
 
     def _drafting(self, seq: Sequence) -> bool:
         """Whether ``seq`` still speculates: it may, and its drafts have not stopped paying."""
@@ -302,16 +324,20 @@ class Scheduler:
         out.only_decodes = False
         return 1 + len(draft)
 
-    def _admit(self, out: SchedulerOutput, budget: int, propose: bool) -> int:
-        waiting, j = self.waiting.ready, 0  # paused requests' sequences are not in it
-        if not waiting:
+    def _admit(self, out: SchedulerOutput, budget: int, propose: bool, seated: list[Sequence] | None) -> int:
+        """Admit waiting sequences while the token and work budgets, ``max_num_seqs`` and the pool
+        allow: ``seated`` (those given seats this step, in order), or with None the queue's ready
+        ones in its order (paused requests' sequences are not in it)."""
+        order = list(self.waiting.ready) if seated is None else seated
+        j = 0
+        if not order:
             return budget
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
         publish = self.kv.enable_prefix_caching
         adapters = self.running_adapters() if self.max_loras else None
-        while j < len(waiting) and budget > 0 and seats > 0:
-            seq = waiting[j]
+        while j < len(order) and budget > 0 and seats > 0:
+            seq = order[j]
             request = seq.request
             if request.waiting_for_grammar:
                 j += 1
@@ -324,8 +350,9 @@ class Scheduler:
                 try:
                     seq.matcher = request.grammar.result()
                 except Exception as e:  # noqa: BLE001 - reported to the caller as the request's end
-                    self.waiting.take(j)
+                    self.waiting.discard(seq)
                     self._fail(seq, f"structured output: {e}", out)
+                    j += 1
                     continue
             cached = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
@@ -348,13 +375,13 @@ class Scheduler:
                 budget += out.unschedule(victim)
                 self._preempt(victim, out)
                 adapters = self.running_adapters() if self.max_loras else None
-                j = 0
-                continue  # the pool and the queue changed: look again
+                continue  # the pool changed: this sequence again
             if cached:
                 seq.num_computed_tokens = len(cached) * self.kv.block_size
             if lora is not None:
                 adapters.add(lora)
-            self.waiting.take(j)
+            self.waiting.discard(seq)
+            j += 1
             if publish:  # its prompt's blocks, to the requests admitted after it in this very step
                 self.kv.register_computed_blocks(seq, scheduled=num_new)
                 out.published_early.add(seq)

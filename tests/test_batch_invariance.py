@@ -186,14 +186,17 @@ class Coverage:
             return out
 
         engine.scheduler.schedule = observed
-        sitting_out = engine.scheduler._sitting_out
+        seats = engine.scheduler._seats
 
         def rotated():
-            out = sitting_out()
+            out, seated_waiting = seats()
             counts["seats taken in turns"] += bool(out)
-            return out
+            counts["admissions bounded by seats"] += seated_waiting is not None and (
+                len(seated_waiting) < len(engine.scheduler.waiting.ready)
+            )
+            return out, seated_waiting
 
-        engine.scheduler._sitting_out = rotated
+        engine.scheduler._seats = rotated
 
 
 def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> dict[str, Result]:
@@ -322,6 +325,7 @@ ALL_CASES = (
     "aborts",
     "structured-output samples",
     "seats taken in turns",
+    "admissions bounded by seats",
 )
 # Speculation is in the mixes (SPECULATE, DRAFT_MODEL) and counted, but not required here: in the
 # whole suite run two files at a time (make test) the same 25 derandomized examples verified no

@@ -113,6 +113,90 @@ def test_paused_sequences_take_no_seat():
         assert sorted(step) == ["f8", "f9", "x1", "x2"]
 
 
+def admitted_in_each_step(sched: Scheduler, steps: int) -> list[list[str]]:
+    """The request ids each step admitted (sequences waiting before it, computed in it)."""
+    seen = []
+    for _ in range(steps):
+        before = {id(s) for s in sched.waiting.ready}
+        out = sched.schedule()
+        seen.append([s.request.request_id for s in out.seqs if id(s) in before])
+        sched.update_from_output(out, fake_result(out))
+    return seen
+
+
+def test_a_burst_is_admitted_a_seat_at_a_time_not_all_in_one_step():
+    """Admissions take seats like running sequences: a burst of short prompts, which the token
+    budget alone would admit in one step, comes in over several, no step computing more than its
+    seats."""
+    sched = make(cap=8)
+    for k in range(30):
+        add_from(sched, "flood", f"f{k}")
+    counts = []
+    for _ in range(12):
+        out = sched.schedule()
+        assert len(out.seqs) <= 8
+        counts.append(sum(1 for s in out.seqs if s.num_computed_tokens == 0))
+        sched.update_from_output(out, fake_result(out))
+    assert counts[:3] == [8, 8, 8] and sum(counts) == 30
+    # Waiting before running within the client: the burst's first 8 sat out while the rest came in.
+    assert not sched.waiting.ready
+
+
+def test_a_new_clients_request_is_admitted_next_step_beside_another_clients_queue():
+    """The waiting queue is first come first served within a client, not across clients: a
+    request that arrives behind another client's 200 queued prompts takes the next step's seat."""
+    sched = make(cap=8)
+    for k in range(200):
+        add_from(sched, "flood", f"f{k}")
+    run(sched, 2)  # the flood is queued and partly running
+    assert len(sched.waiting.ready) > 150
+    add_from(sched, "normal", "n")
+    seen = admitted_in_each_step(sched, 1)
+    assert "n" in seen[0] and len(seen[0]) <= 8
+    # ... and computed in every step after it, as the flood keeps coming in and taking turns.
+    for step in run(sched, 20):
+        assert "n" in step and len(step) <= 8
+
+
+def test_a_sequence_waiting_for_its_grammar_takes_no_seat():
+    from concurrent.futures import Future
+
+    sched = make(cap=4)
+    compiling = add_from(sched, "g", "grammar")
+    compiling.grammar = Future()  # never done in this test
+    for k in range(6):
+        add_from(sched, f"c{k}", f"r{k}")
+    out = sched.schedule()
+    assert len(out.seqs) == 4 and "grammar" not in [s.request.request_id for s in out.seqs]
+
+
+def test_seats_given_to_waiting_sequences_that_cannot_come_in_go_back_to_the_running():
+    """A waiting sequence seated while ``max_num_seqs`` or a dry pool keeps it out must not keep
+    the running ones (whose end would let it in) out of every step: everything finishes."""
+    for config in ({"max_num_seqs": 3}, {"blocks": 6}):
+        blocks = config.get("blocks", 4096)
+        sched = Scheduler(
+            EngineConfig(
+                model="unused",
+                block_size=BS,
+                max_num_seqs=config.get("max_num_seqs", 256),
+                max_seqs_per_step=2,
+                max_num_batched_tokens=4096,
+            ),
+            KVCacheManager(blocks, BS, enable_prefix_caching=False),
+        )
+        requests = []
+        for k in range(8):
+            requests.append(add(sched, f"r{k}", [3 + k, 4, 5, 6], max_tokens=20, ignore_eos=True))
+            requests[-1].client = f"c{k % 3}"
+        for _ in range(400):
+            if all(r.finished for r in requests):
+                break
+            out = sched.schedule()
+            sched.update_from_output(out, fake_result(out))
+        assert all(r.finished for r in requests), config
+
+
 def test_the_default_seats_a_step():
     import torch
 
