@@ -32,7 +32,7 @@ _DERIVED = {"rope_freqs.weight"}
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType[name]: name
-    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS Q2_K Q3_K Q4_K Q5_K Q6_K".split()
 }
 
 

@@ -1,5 +1,5 @@
-"""Quantized weights for the model's linears: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1 and the
-K-quants Q4_K, Q5_K, Q6_K), kept (``attach_gguf_blocks``),
+"""Quantized weights for the model's linears: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL, IQ4_XS and the K-quants Q2_K..Q6_K: ``quant_gemm.FORMATS``), kept (``attach_gguf_blocks``),
 or blocks made at load from the float weights (``quantize_linears``: ``int8`` -> Q8_0, ``int4`` ->
 Q4_1, 32 weights a block). Each block set is attached to the fused parameter it stands for
 (``param.quantized``), and ``kernels.cpu.linear.make_linear`` builds that projection on the quantized
