@@ -12,6 +12,7 @@ stored for norms of that style. Each architecture's names and quirks are its dec
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -93,6 +94,19 @@ class GGUFCheckpoint:
                     f"types: {', '.join(SUPPORTED_TYPES.values())}"
                 )
         self._by_name = {t.name: t for t in self.reader.tensors}
+
+    def tensor(self, hf_name: str) -> GGUFTensor | None:
+        """The tensor of that HF name, or None."""
+        return next((t for t in self.tensors() if t.hf_name == hf_name), None)
+
+    def release_resident_pages(self) -> None:
+        """Drop this process's resident pages of the file's mapping (``madvise(MADV_DONTNEED)``):
+        once the load has packed the blocks it serves, the mapping is read again only where the
+        embedding lookup reads its rows, and a page read again comes back from the page cache. The
+        mapping is shared and read-only, so nothing is lost; RSS stops counting the whole file."""
+        release = getattr(self.reader, "release_resident_pages", None)
+        if release is not None:
+            release()
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -231,6 +245,12 @@ class _ValidatingReader(GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:
         self._plain = mapped.view(np.ndarray)  # shares the mapping, which it keeps alive
+        self._mapping = getattr(mapped, "_mmap", None)
+
+    def release_resident_pages(self) -> None:
+        mapping = getattr(self, "_mapping", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _build_tensors(self, start_offs, fields):
         end = len(self.data)

@@ -129,6 +129,12 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         out[key] = quant_gemm.concat_rows([parts[n] for n in names])
     if not tied and EMBED_NAME in parts:
         out[EMBED] = parts[EMBED_NAME]
+    embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
+    if embed is not None:  # the lookup reads the file's own bytes (block_embedding.py), not a copy
+        raw = embed._reader_tensor.data
+        key = "lm_head" if tied else EMBED
+        if key in out and embed._permute_heads is None:
+            out[key].raw = raw.reshape(out[key].shape[0], -1)
     return out, skipped
 
 

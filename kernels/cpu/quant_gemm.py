@@ -138,6 +138,9 @@ class QuantizedWeight:
     activations: str = "fp32"
     # a K-quant's super-block scales as read from the file (None: made otherwise)
     sup: SuperScales | None = None
+    # the file's own block bytes ``[n, row bytes]`` (a view of its mapping) where a reader of rows
+    # keeps them instead of this expanded form (the embedding lookup: block_embedding.py)
+    raw: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
