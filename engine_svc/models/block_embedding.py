@@ -31,7 +31,9 @@ class BlockEmbedding:
         self._raw = blocks.raw
         if self._raw is not None:
             if self._raw.shape[0] != self.num_embeddings:
-                raise ValueError(f"the file's blocks hold {self._raw.shape[0]} rows, the table {blocks.shape}")
+                raise ValueError(
+                    f"the file's blocks hold {self._raw.shape[0]} rows, the table {blocks.shape}"
+                )
             self._q = self._d = self._m = None
             return
         # fp16 scales where they are fp16 values (a GGUF file's are): read back exactly.

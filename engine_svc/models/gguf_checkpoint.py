@@ -217,9 +217,18 @@ def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
     return _ValidatingReader(path)
 
 
+def forget_readers() -> None:
+    """Drop the cached readers (``_open_reader``): their parsed metadata is Python objects by the
+    hundred thousand (Qwen2.5's 151,936 tokens and merges: about 250 MiB), needed only while a
+    model is set up. A view of a file's mapping (the embedding lookup's blocks) keeps the mapping
+    alive without them; a later reader of the file parses it again."""
+    _cached_reader.cache_clear()
+
+
 def _open_reader(path: Path):
-    """One reader per file per process (spec, weights and tokenizer share it); parsing the metadata
-    of a large vocabulary takes seconds, so it is done once."""
+    """One reader per file per process while a model is set up (spec and weights share it; the load
+    forgets it once done: ``forget_readers``); parsing the metadata of a large vocabulary takes
+    seconds, so it is done once a load."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
