@@ -10,6 +10,7 @@ import torch
 from engine_svc.config import EngineConfig
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import free_packed_float_weights
+from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
@@ -80,6 +81,10 @@ def load_model(
     model.prepare_linears(backend)
     freed = free_packed_float_weights(model)
     _check_unread_freed(model, unread)
+    if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident
+        GGUFCheckpoint(where.gguf).release_resident_pages()
+    if is_gguf:  # the metadata's parsed objects: the model is set up
+        forget_readers()
     model.quantization = quant
     model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except

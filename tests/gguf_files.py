@@ -23,7 +23,8 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ALL_TYPES = FLOAT_TYPES + BLOCK_TYPES + K_TYPES
 
 # byte offsets of the fp16 scale fields in one 256-value K-quant block (ggml-common.h layouts)
-# IQ4_NL: no quantizer in the gguf package either; random nibbles, a sane fp16 scale
+# IQ4_NL, IQ4_XS: no quantizer in the gguf package either; random nibbles (and IQ4_XS's 6-bit
+# sub-block scales), a sane fp16 scale
 _K_SCALE_FIELDS = {
     "Q2_K": (80, 82),
     "Q3_K": (108,),
@@ -31,6 +32,7 @@ _K_SCALE_FIELDS = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),
     "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }
 
 _GGUF_ARCH = {

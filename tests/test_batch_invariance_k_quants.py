@@ -3,6 +3,8 @@ blocks the small float models do not reach:
 
 - K-quants: a 256-wide model (a K-quant super-block is 256 weights) whose q/k/v are Q4_K, o and
   down Q6_K, gate/up Q5_K and the LM head (and the embedding) Q4_K;
+- Q2_K and IQ4_XS: q/k and gate/up Q2_K, v (so q/k/v is two formats), o, down and the LM head
+  IQ4_XS (the low-bit files' types);
 - 5-bit blocks: the same model with q/k and gate/up Q5_0, v Q8_0 (so q/k/v is one projection of
   two formats, run as row segments), o and down Q5_1, the LM head Q5_0 (Qwen2.5's Q4_K_M files
   keep most of their linears in Q5_0, and half their layers' v in Q8_0);
@@ -49,6 +51,19 @@ FILES = {
             "ffn_down": "Q5_1",
         },
         {"qkv": "Q5_0+Q8_0", "o": "Q5_1", "gate_up": "Q5_0", "down": "Q5_1", "lm_head": "Q5_0"},
+    ),
+    "2_bit": (
+        "IQ4_XS",
+        {
+            "attn_q": "Q2_K",
+            "attn_k": "Q2_K",
+            "attn_v": "IQ4_XS",
+            "attn_output": "IQ4_XS",
+            "ffn_gate": "Q2_K",
+            "ffn_up": "Q2_K",
+            "ffn_down": "IQ4_XS",
+        },
+        {"qkv": "Q2_K+IQ4_XS", "o": "IQ4_XS", "gate_up": "Q2_K", "down": "IQ4_XS", "lm_head": "IQ4_XS"},
     ),
 }
 REQUIRED = ("chunked prefills", "preemptions", "prefix-hit tokens", "forks", "general steps")

@@ -6,6 +6,9 @@ except a GGUF file's: its lookup reads the file's blocks (engine_svc/models/bloc
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +129,7 @@ def test_a_tied_gguf_embedding_is_looked_up_in_its_blocks(tied_llama, tmp_path, 
     ids = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(0))
     got = model._embed(ids)
     assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32))
+    _assert_reads_the_files_bytes(model, path)
     shaped = model._embed(ids.view(4, -1))
     assert torch.equal(shaped.view(torch.int32), want[ids].view(4, -1, 64).view(torch.int32))
     for bad in (-1, want.shape[0]):
@@ -194,4 +198,44 @@ def test_an_untied_gguf_embedding_is_looked_up_in_its_blocks(tiny_llama, tmp_pat
     want = table.dequantize()
     ids = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(0))
     assert torch.equal(model._embed(ids).view(torch.int32), want[ids].view(torch.int32))
+    _assert_reads_the_files_bytes(model, path)
     _assert_blocks_path_gives_the_float_tokens(path, vocab=1000)
+
+
+def _assert_reads_the_files_bytes(model, path) -> None:
+    """The lookup holds no copy: its blocks are the file's bytes, a view of its mapping."""
+    lookup = model.embed_blocks
+    table = next(t for t in GGUFCheckpoint(path).tensors() if t.hf_name == "model.embed_tokens.weight")
+    assert lookup.reads_the_file and lookup.nbytes == table._reader_tensor.data.nbytes
+    base = lookup._raw
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, mmap.mmap)  # a view of the file's mapping, not a copy
+    assert np.array_equal(lookup._raw.reshape(-1), table._reader_tensor.data.reshape(-1))
+
+
+def _mapped_rss(path) -> int:
+    """This process's resident bytes of the mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = len(head) >= 6 and head[5] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_the_loaded_file_is_not_kept_resident(tiny_llama, tmp_path):
+    """Once its blocks are packed, the file's mapping is dropped from this process's resident pages
+    (RSS counts the packed copy, not the file twice); a later read of it (the embedding lookup's
+    rows) pages back in what it reads, the same bytes."""
+    path = write_gguf(tiny_llama, tmp_path / "resident-Q8_0.gguf", "Q8_0")
+    ckpt = GGUFCheckpoint(path)
+    assert int(ckpt.reader.data.sum(dtype=np.int64)) >= 0  # every page read: resident
+    assert _mapped_rss(path) >= path.stat().st_size // 2
+    engine = make_engine(path)
+    assert _mapped_rss(path) < path.stat().st_size // 4
+    ids = torch.arange(16)
+    want = next(t for t in ckpt.tensors() if t.hf_name == "model.embed_tokens.weight").dequantize()
+    assert torch.equal(engine.model._embed(ids), want[ids])

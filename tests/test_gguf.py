@@ -347,9 +347,11 @@ def test_sentencepiece_style_vocabulary(hf_dirs, tmp_path):
     assert tok.eos_token_id == 2 and ModelSpec.from_path(out).eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize("type_name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+)
 def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama, tmp_path, type_name):
-    """A K-quant (or Q5_0, Q5_1, IQ4_NL) file's blocks run on the quantized GEMM (auto), bit-equal
+    """A K-quant (or Q5_0, Q5_1, IQ4_NL, IQ4_XS) file's blocks run on the quantized GEMM (auto), bit-equal
     to the fp32 GEMM on the gguf package's dequantization of them (``quantization="none"``: the
     loader dequantizes with it)."""
     path = write_gguf(wide_llama, tmp_path / f"wide-{type_name}.gguf", type_name)

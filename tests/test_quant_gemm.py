@@ -6,6 +6,8 @@ and at any thread count, only its own outputs written."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,8 @@ from tests.gguf_files import random_k_blocks
 
 ISAS = native_build.supported_isas()
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
-K_FORMATS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: rows a multiple of 256
+# 256-weight super-blocks: rows a multiple of 256
+K_FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 MIXED = ("Q5_0+Q8_0",)  # a fused projection whose rows are Q5_0 then Q8_0 (MixedRows)
 
 
@@ -128,10 +131,16 @@ def test_bad_input_is_refused(isa):
         == -1
     )
     assert torch.all(y == 7.0)  # an unknown format writes nothing
+    # U8_16 (Q2_K's form) takes whole blocks of 16
+    rc = lib.llmserve_qgemm(5, x.data_ptr(), 1, 24, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1)
+    assert rc == -1
+    assert torch.all(y == 7.0)
     with pytest.raises(ValueError, match="multiple of 32"):
         quant_gemm.quantize_rows(torch.randn(4, 40), "Q8_0")
     with pytest.raises(ValueError, match="no quantized kernel"):
-        quant_gemm.from_gguf_blocks("Q2_K", np.zeros((1, 84), np.uint8), (1, 256))
+        quant_gemm.from_gguf_blocks("IQ2_XXS", np.zeros((1, 66), np.uint8), (1, 256))
+    with pytest.raises(ValueError, match="not whole IQ4_XS blocks"):
+        quant_gemm.from_gguf_blocks("IQ4_XS", np.zeros((1, 136), np.uint8), (1, 288))
     with pytest.raises(ValueError, match="not whole Q4_K blocks"):
         quant_gemm.from_gguf_blocks("Q4_K", np.zeros((1, 288), np.uint8), (1, 576))
 
@@ -150,3 +159,15 @@ def test_load_time_quantization_matches_the_gguf_quantizer(fmt, gguf_type):
     step = (w.reshape(64, 8, 32).abs().amax(-1) / (127 if fmt == "Q8_0" else 7)).repeat_interleave(32, 1)
     assert torch.all((ours - theirs.reshape(64, 256)).abs() <= step + 1e-6)
     assert (ours - w).abs().mean() < (0.004 if fmt == "Q8_0" else 0.02) * w.abs().mean() * 25
+
+
+@pytest.mark.parametrize("name", ["quant_gemm", "quant_int8act"])
+def test_every_instruction_set_build_compiles(name):
+    """The AVX-512 build (and the others) compiles on any x86-64 machine with the compiler, whether
+    or not this CPU runs it: the paths a CI machine without AVX-512 cannot run are at least built
+    (they run where the CPU has them: the tests above take every ISA ``supported_isas`` lists)."""
+    if native_build.compiler() is None:
+        pytest.fail("no C compiler on this machine")
+    isas = ["avx512", "avx2", "generic"] if platform.machine() in ("x86_64", "AMD64") else ["generic"]
+    for isa in isas:
+        assert native_build.build(name, isa).exists()

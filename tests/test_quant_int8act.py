@@ -19,9 +19,10 @@ from tests.gguf_files import random_k_blocks
 
 # "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
 FORMATS = (
-    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0+Q8_0", "Q5_0+Q6_K"
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+    "Q5_0+Q8_0", "Q5_0+Q6_K", "Q2_K+IQ4_XS",
 )  # fmt: skip
-K_QUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256-weight super-blocks
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
 VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
@@ -224,7 +225,8 @@ def test_bad_input_is_refused(isa):
     lib = quant_int8act.library(isa)
     y = torch.full((1, 8), 7.0)
     x = torch.randn(1, 64)
-    for fmt, k in ((7, 64), (15, 64), (16, 64), (-1, 64), (0, 48), (5, 48)):  # 7, 15: no such form
+    # 7, 15, 24, 31: no such form; 16 (IQ4_XS), 23 (Q2_K): not whole super-blocks
+    for fmt, k in ((7, 64), (15, 64), (16, 64), (23, 288), (24, 256), (31, 256), (-1, 64), (0, 48), (5, 48)):
         assert (
             lib.llmserve_qi8_gemm(
                 fmt, x.data_ptr(), 1, k, 64, lin.packed.data_ptr(), 8, None, y.data_ptr(), 8, 1
@@ -233,10 +235,15 @@ def test_bad_input_is_refused(isa):
         )
     assert torch.all(y == 7.0)  # a refused call writes nothing
     q6 = quant_gemm.from_gguf_blocks("Q6_K", random_k_blocks(4, 256, "Q6_K", 0), (4, 256))
-    q2 = quant_gemm.QuantizedWeight("Q2_K", q6.q, q6.d, None)  # a format with no int8 form
-    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("Q2_K")
-    with pytest.raises(ValueError, match="no int8-activation kernel for Q2_K"):
-        quant_int8act.Int8ActLinear(q2, isa=isa)
+    other = quant_gemm.QuantizedWeight("IQ2_XXS", q6.q, q6.d, None)  # a format with no int8 form
+    assert quant_int8act.supports("Q6_K") and not quant_int8act.supports("IQ2_XXS")
+    with pytest.raises(ValueError, match="no int8-activation kernel for IQ2_XXS"):
+        quant_int8act.Int8ActLinear(other, isa=isa)
+    q2 = weight("Q2_K", 4, 256, seed=0)  # Q2_K has no expanded form: its super-blocks or nothing
+    assert quant_int8act.supports("Q2_K")
+    for bare in (quant_gemm.QuantizedWeight("Q2_K", q2.q, q2.d, q2.m), q2):
+        with pytest.raises(ValueError, match="Q2_K runs from its file's super-block scales only"):
+            quant_int8act.Int8ActLinear(bare, isa=isa, super_blocks=bare is not q2)
 
 
 @pytest.mark.parametrize("fmt,file_bytes", [("Q5_0", 22), ("Q5_1", 24)])
@@ -259,7 +266,14 @@ def test_5_bit_blocks_are_packed_at_the_files_size(isa, fmt, file_bytes):
 
 # bytes a super-block of 256 weights: the file's, and the kernel's (a column's header + quants;
 # Q3_K's 3-bit quants take a nibble each)
-K_BYTES = {"Q3_K": (110, 146), "Q4_K": (144, 148), "Q5_K": (176, 180), "Q6_K": (210, 210)}
+K_BYTES = {
+    "Q2_K": (84, 84),
+    "Q3_K": (110, 146),
+    "Q4_K": (144, 148),
+    "Q5_K": (176, 180),
+    "Q6_K": (210, 210),
+    "IQ4_XS": (136, 138),
+}
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)
@@ -271,27 +285,36 @@ def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
     reference. A scale set that does not make the weight's scales is refused."""
     n, k = 64, 512  # whole panels of 32 columns
     qw = weight(fmt, n, k, seed=6)
-    top = {"Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[fmt]
+    top = {"Q2_K": 4, "Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64, "IQ4_XS": 16}[fmt]
     q = torch.arange(n * k).remainder(top).reshape(n, k)
     q = torch.roll(q, shifts=1, dims=0) ^ (torch.arange(k) % 2)[None, :]
     if fmt in ("Q3_K", "Q6_K"):
         q = q - top // 2
+    if fmt == "IQ4_XS":  # every table entry in every position
+        q = torch.from_numpy(quant_gemm.IQ4_NL_VALUES.astype(np.int64))[q]
     qw = quant_gemm.QuantizedWeight(
         fmt, q.to(torch.int8).view(torch.uint8).contiguous(), qw.d, qw.m, sup=qw.sup
     )
     lin = quant_int8act.Int8ActLinear(qw, isa=isa)
-    expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
-    assert lin.code == quant_int8act.K_FORMATS[fmt] and expanded.code != lin.code
     file_bytes, ours = K_BYTES[fmt]
+    assert lin.code == quant_int8act.K_FORMATS[fmt]
     assert lin.packed.numel() == n * (k // 256) * ours and ours <= file_bytes * 1.33
-    assert expanded.packed.numel() > 1.25 * lin.packed.numel()
     x = activations(6, k, seed=8)
     got = lin(x)
     np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw))
-    assert torch.equal(got, expanded(x))
+    if fmt not in quant_int8act.K_ONLY:  # the expanded form: the same bits, more bytes
+        expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
+        assert expanded.code != lin.code
+        assert expanded.packed.numel() > 1.25 * lin.packed.numel()
+        assert torch.equal(got, expanded(x))
     bad = quant_gemm.QuantizedWeight(fmt, qw.q, qw.d * 2, qw.m, sup=qw.sup)
     with pytest.raises(ValueError, match="super-block scales do not make"):
         quant_int8act.Int8ActLinear(bad, isa=isa)
+    if fmt in ("Q2_K", "IQ4_XS"):  # a quant its packed form cannot hold (a crumb, a table index)
+        odd = qw.q.clone()
+        odd[5, 300] = 4 if fmt == "Q2_K" else 0  # 0 is no IQ4_NL table value
+        with pytest.raises(RuntimeError, match="refused to pack"):
+            quant_int8act.Int8ActLinear(quant_gemm.QuantizedWeight(fmt, odd, qw.d, qw.m, sup=qw.sup), isa=isa)
 
 
 def segments_header(packed: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,7 @@ def free_packed_float_weights(model) -> str:
                 continue
             model.embed_blocks = lookup
             nbytes += _release(param, f"the lookup reads the file's {blocks.fmt} blocks")
-            mib = lookup.nbytes / 2**20
-            notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({mib:.0f} MiB)")
+            notes.append(_lookup_note(lookup, blocks.fmt))
         elif kind not in PACKED_KINDS:
             kept.add(f"{kind} linears (they read them)")
         else:
@@ -75,12 +74,16 @@ def free_packed_float_weights(model) -> str:
         if lookup is not None:
             model.embed_blocks = lookup
             nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks")
-            mib = lookup.nbytes / 2**20
-            notes.append(f"the embedding lookup reads its {blocks.fmt} blocks ({mib:.0f} MiB)")
+            notes.append(_lookup_note(lookup, blocks.fmt))
     _return_freed_memory()
     summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
     summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
     return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else "")
+
+
+def _lookup_note(lookup, fmt: str) -> str:
+    where = "in the file's mapping" if lookup.reads_the_file else "(a copy)"
+    return f"the embedding lookup reads its {fmt} blocks {where} ({lookup.nbytes / 2**20:.0f} MiB)"
 
 
 def _release(param: torch.nn.Parameter, why: str) -> int:

@@ -12,6 +12,7 @@ stored for norms of that style. Each architecture's names and quirks are its dec
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ _DERIVED = {"rope_freqs.weight"}
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType[name]: name
-    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS Q2_K Q3_K Q4_K Q5_K Q6_K".split()
 }
 
 
@@ -93,6 +94,19 @@ class GGUFCheckpoint:
                     f"types: {', '.join(SUPPORTED_TYPES.values())}"
                 )
         self._by_name = {t.name: t for t in self.reader.tensors}
+
+    def tensor(self, hf_name: str) -> GGUFTensor | None:
+        """The tensor of that HF name, or None."""
+        return next((t for t in self.tensors() if t.hf_name == hf_name), None)
+
+    def release_resident_pages(self) -> None:
+        """Drop this process's resident pages of the file's mapping (``madvise(MADV_DONTNEED)``):
+        once the load has packed the blocks it serves, the mapping is read again only where the
+        embedding lookup reads its rows, and a page read again comes back from the page cache. The
+        mapping is shared and read-only, so nothing is lost; RSS stops counting the whole file."""
+        release = getattr(self.reader, "release_resident_pages", None)
+        if release is not None:
+            release()
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -203,9 +217,18 @@ def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
     return _ValidatingReader(path)
 
 
+def forget_readers() -> None:
+    """Drop the cached readers (``_open_reader``): their parsed metadata is Python objects by the
+    hundred thousand (Qwen2.5's 151,936 tokens and merges: about 250 MiB), needed only while a
+    model is set up. A view of a file's mapping (the embedding lookup's blocks) keeps the mapping
+    alive without them; a later reader of the file parses it again."""
+    _cached_reader.cache_clear()
+
+
 def _open_reader(path: Path):
-    """One reader per file per process (spec, weights and tokenizer share it); parsing the metadata
-    of a large vocabulary takes seconds, so it is done once."""
+    """One reader per file per process while a model is set up (spec and weights share it; the load
+    forgets it once done: ``forget_readers``); parsing the metadata of a large vocabulary takes
+    seconds, so it is done once a load."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -231,6 +254,12 @@ class _ValidatingReader(GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:
         self._plain = mapped.view(np.ndarray)  # shares the mapping, which it keeps alive
+        self._mapping = getattr(mapped, "_mmap", None)
+
+    def release_resident_pages(self) -> None:
+        mapping = getattr(self, "_mapping", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _build_tensors(self, start_offs, fields):
         end = len(self.data)

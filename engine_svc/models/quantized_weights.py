@@ -1,5 +1,5 @@
-"""Quantized weights for the model's linears: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1 and the
-K-quants Q4_K, Q5_K, Q6_K), kept (``attach_gguf_blocks``),
+"""Quantized weights for the model's linears: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL, IQ4_XS and the K-quants Q2_K..Q6_K: ``quant_gemm.FORMATS``), kept (``attach_gguf_blocks``),
 or blocks made at load from the float weights (``quantize_linears``: ``int8`` -> Q8_0, ``int4`` ->
 Q4_1, 32 weights a block). Each block set is attached to the fused parameter it stands for
 (``param.quantized``), and ``kernels.cpu.linear.make_linear`` builds that projection on the quantized
@@ -129,6 +129,12 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         out[key] = quant_gemm.concat_rows([parts[n] for n in names])
     if not tied and EMBED_NAME in parts:
         out[EMBED] = parts[EMBED_NAME]
+    embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
+    if embed is not None:  # the lookup reads the file's own bytes (block_embedding.py), not a copy
+        raw = embed._reader_tensor.data
+        key = "lm_head" if tied else EMBED
+        if key in out and embed._permute_heads is None:
+            out[key].raw = raw.reshape(out[key].shape[0], -1)
     return out, skipped
 
 

@@ -17,7 +17,11 @@ expanded scales and byte quants take more memory than the file's blocks (Q4_K 0.
 weight against 0.5625, Q5_K and Q6_K 1.25 against 0.69 and 0.82).
 
 IQ4_NL (Q4_0's blocks whose nibbles index a table of 16 int8 values) is read into the Q8_0 form,
-``w = d * value``, for both kernels (1.0625 bytes a weight against the file's 0.5625).
+``w = d * value``, for both kernels (1.0625 bytes a weight against the file's 0.5625). IQ4_XS (the
+same table, 256-weight super-blocks with a 6-bit scale per 32) is read into the Q8_0 form too,
+``d = d_super * (scale - 32)`` (exact). Q2_K (2-bit quants, a 4-bit scale and minimum per 16) is
+read into U8_16 (bytes, a scale and a minimum per 16). The int8-activation kernel serves both from
+their super-blocks (``sup``) at the file's size.
 
 Q5_0 and Q5_1 (32-weight blocks of 5-bit quants, fp16 scale, Q5_1 an fp16 minimum) are read into
 the same form: Q5_0's quants as int8 ``q - 16`` (-16..15, so ``w = d * q``, the Q8_0 form here),
@@ -50,10 +54,12 @@ FORMATS = {
     "Q5_K": 3,
     "Q6_K": 4,
     "Q3_K": 4,
+    "Q2_K": 5,
+    "IQ4_XS": 0,
 }
 QK = 32  # the weights per block of the formats made at load (quantize_rows)
-BLOCK_K = {f: 16 if f in ("Q6_K", "Q3_K") else 32 for f in FORMATS}  # weights a scale
-SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K", "Q3_K")  # quants stored as int8 bits
+BLOCK_K = {f: 16 if f in ("Q6_K", "Q3_K", "Q2_K") else 32 for f in FORMATS}  # weights a scale
+SIGNED = ("Q8_0", "Q5_0", "IQ4_NL", "Q6_K", "Q3_K", "IQ4_XS")  # quants stored as int8 bits
 # IQ4_NL's nibble -> its int8 value (ggml's kvalues_iq4nl); the weight is d * value
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 SEGMENTS = 64  # row_segments.h's code: a fused projection of row ranges in different formats
@@ -65,7 +71,7 @@ QK_K = 256  # weights per K-quant super-block
 # nibble indexing IQ4_NL_VALUES (read into the Q8_0 form: int8 values, w = d * q).
 # K-quants (ggml-common.h): Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 nibble
 # bytes; Q5_K = the same + 32 bytes of fifth bits before the nibbles; Q6_K = 128 bytes of low
-# nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d.
+# nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d. Q2_K and IQ4_XS: their readers' docstrings.
 _BLOCK_BYTES = {
     "Q8_0": 34,
     "Q4_0": 18,
@@ -77,7 +83,10 @@ _BLOCK_BYTES = {
     "Q5_K": 176,
     "Q6_K": 210,
     "Q3_K": 110,
+    "Q2_K": 84,
+    "IQ4_XS": 136,
 }
+SUPER_BLOCK_FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256 weights a block
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -129,6 +138,9 @@ class QuantizedWeight:
     activations: str = "fp32"
     # a K-quant's super-block scales as read from the file (None: made otherwise)
     sup: SuperScales | None = None
+    # the file's own block bytes ``[n, row bytes]`` (a view of its mapping) where a reader of rows
+    # keeps them instead of this expanded form (the embedding lookup: block_embedding.py)
+    raw: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -219,11 +231,11 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
     if fmt not in _BLOCK_BYTES:
         raise ValueError(f"no quantized kernel for GGUF type {fmt}")
     n, k = shape
-    per_block = QK_K if fmt.endswith("_K") else QK
+    per_block = QK_K if fmt in SUPER_BLOCK_FORMATS else QK
     if k % per_block:
         raise ValueError(f"rows of {k} are not whole {fmt} blocks")
     blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, _BLOCK_BYTES[fmt])
-    if fmt.endswith("_K"):
+    if fmt in SUPER_BLOCK_FORMATS:
         q, d, m, sup = _K_READERS[fmt](blocks)
         return QuantizedWeight(
             fmt,
@@ -277,7 +289,7 @@ def _super(
     dsup = np.zeros((n, supers, 2), np.int16)
     dsup[..., 0] = blocks[..., at : at + 2].copy().view(np.int16)[..., 0]
     if with_dmin:
-        dsup[..., 1] = blocks[..., 2:4].copy().view(np.int16)[..., 0]
+        dsup[..., 1] = blocks[..., at + 2 : at + 4].copy().view(np.int16)[..., 0]
     return SuperScales(
         torch.from_numpy(dsup),
         torch.from_numpy(
@@ -351,7 +363,48 @@ def _read_q3_k(blocks):
     return q.view(np.uint8).reshape(*lead, QK_K), d, None, _super(blocks, scales, None, False, 108)
 
 
-_K_READERS = {"Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k, "Q3_K": _read_q3_k}
+def _read_q2_k(blocks):
+    """Q2_K (ggml-common.h): 16 bytes of sub-block scales (low nibble) and mins (high nibble), 64
+    bytes of 2-bit quants, f16 d, f16 dmin. Value 128h + 32j + i (h = 0, 1; j = 0..3) is bits 2j,
+    2j + 1 of quant byte 32h + i; sub-block t is values 16t .. 16t + 15, its weight
+    ``d * sc_t * q - dmin * mn_t`` (each product rounded to fp32: here ``d`` and ``m = -(dmin * mn)``
+    per 16, the U8_16 form)."""
+    lead = blocks.shape[:-1]
+    packed, qs = blocks[..., 0:16], blocks[..., 16:80]
+    q = (qs.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 2, 4, 32]
+    sc, mn = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    return q.reshape(*lead, QK_K), d * sc, -(dmin * mn), _super(blocks, sc, mn, True, 80)
+
+
+def _read_iq4_xs(blocks):
+    """IQ4_XS (ggml-common.h): f16 d, a little-endian uint16 of the 8 sub-blocks' high scale bits
+    (2 each, sub-block j at bits 2j), 4 bytes of their low scale bits (sub-block j: the low nibble
+    of byte j // 2 for even j, the high for odd), then 8 x 16 bytes of nibbles laid out as IQ4_NL's
+    blocks (byte t: value t low, t + 16 high), each indexing ``IQ4_NL_VALUES``. Sub-block j's weight
+    is ``d * (scale_j - 32) * value`` with ``d * (scale_j - 32)`` rounded to fp32 (exact): read into
+    the Q8_0 form, a scale per 32."""
+    lead = blocks.shape[:-1]
+    high = blocks[..., 2:4].copy().view("<u2")  # [.., 1]
+    low = blocks[..., 4:8]
+    lo = np.stack([low & 15, low >> 4], axis=-1).reshape(*lead, 8)
+    hi = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    scales = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32  # -32..31
+    nib = blocks[..., 8:136].reshape(*lead, 8, 16)
+    idx = np.concatenate([nib & 15, nib >> 4], axis=-1)  # [.., 8, 32]
+    q = IQ4_NL_VALUES[idx].view(np.uint8).reshape(*lead, QK_K)
+    sc = scales.astype(np.float32)
+    return q, _f16(blocks, 0) * sc, None, _super(blocks, sc, None, False, 0)
+
+
+_K_READERS = {
+    "Q4_K": _read_q4_k,
+    "Q5_K": _read_q5_k,
+    "Q6_K": _read_q6_k,
+    "Q3_K": _read_q3_k,
+    "Q2_K": _read_q2_k,
+    "IQ4_XS": _read_iq4_xs,
+}
 
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> QuantizedWeight:

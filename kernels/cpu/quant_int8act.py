@@ -13,6 +13,10 @@ as Q4_1, Q5_K as U8_1, Q6_K and Q3_K as I8_16: int8 quants with a scale per 16 w
 32-step block of activations meets two weight sub-blocks: ``(dw0 * dx) * isum0 + (dw1 * dx) *
 isum1``), served from their super-blocks (``K_FORMATS``: the file's fp16 scales and integer
 sub-block scales, each block's scale made in the kernel as an exact product, the file's bytes).
+Q2_K (2-bit quants, a scale and a minimum per 16 weights: I8_16's math plus each half's minimum
+term ``mw_h * (dx * sh_h)``) is served from its super-blocks only, at the file's 84 bytes per 256
+weights. IQ4_XS is Q8_0's math on IQ4_NL's table values with a scale per 32 (``d * (scale - 32)``,
+exact), served from its super-blocks: nibble indices looked up in the kernel.
 Q5_0 and Q5_1 are packed as the file holds them, nibbles plus a plane of fifth bits (0.69 and 0.75
 bytes a weight with their fp16 scales): Q5_0 is Q4_0's math with quants ``q - 16``, Q5_1 Q4_1's.
 IQ4_NL runs as Q8_0 (its table's int8 values, one byte each).
@@ -50,14 +54,20 @@ FORMATS = {
     "Q5_0": 5,
     "Q5_1": 6,
     "IQ4_NL": 0,
+    "IQ4_XS": 0,
 }
 HALF = 8  # + to a format code: its scales (and minimums) packed as fp16
 # The K-quants served from their super-blocks (quant_int8act.c's FMT_K forms): the math of the
 # expanded form above, the weight read at the file's size (Q4_K 0.58 bytes a weight against 0.75
 # as Q4_1, Q5_K 0.70 against 1.25, Q6_K 0.82 against 1.25).
-K_FORMATS = {"Q4_K": 16 | 2, "Q5_K": 16 | 6, "Q6_K": 16 | 4, "Q3_K": 16 | 8 | 4}
+# Q2_K (a scale and a minimum per 16 weights, 2-bit quants) has no expanded form here: it is served
+# from its super-blocks only (the file's 0.33 bytes a weight). IQ4_XS is Q8_0's math on its table's
+# values (its nibbles looked up in the kernel: 0.54 bytes a weight, the expanded Q8_0 form 1.13).
+K_FORMATS = {"Q4_K": 16 | 2, "Q5_K": 16 | 6, "Q6_K": 16 | 4, "Q3_K": 16 | 8 | 4, "Q2_K": 16 | 7, "IQ4_XS": 16}
+K_ONLY = ("Q2_K",)
 QK_K = 256
-SUB_BLOCK = {"Q6_K": 16, "Q3_K": 16}  # weights a scale, where not a whole block of 32
+SUB_BLOCK = {"Q6_K": 16, "Q3_K": 16, "Q2_K": 16}  # weights a scale, where not a whole block of 32
+SIGNED_SCALES = ("Q6_K", "Q3_K", "IQ4_XS")  # super-block integer scales stored as int8 bits
 QK = 32
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -83,7 +93,7 @@ def _library(isa: str):
 
 def supports(fmt: str) -> bool:
     """Whether the kernel runs ``fmt`` (a ``MixedRows``' ``Q5_0+Q8_0``: every part's)."""
-    return all(f in FORMATS for f in fmt.split("+"))
+    return all(f in FORMATS or f in K_ONLY for f in fmt.split("+"))
 
 
 def unusable_reason(device: torch.device) -> str | None:
@@ -143,6 +153,8 @@ class Int8ActLinear:
             self.code = K_FORMATS[weight.fmt]
             self.half_scales = True
             self._pack_super(lib, weight)
+        elif weight.fmt in K_ONLY:
+            raise ValueError(f"{weight.fmt} runs from its file's super-block scales only (weight.sup)")
         else:
             self.code = FORMATS[weight.fmt]
             self._pack(lib, weight, half_scales)
@@ -187,8 +199,8 @@ class Int8ActLinear:
         if k % QK_K:
             raise ValueError(f"{weight.fmt}: rows of {k} are not whole super-blocks of {QK_K}")
         dsup = sup.dsup.contiguous().view(torch.float16).float()  # [n, k/256, 2]
-        per = weight.d.shape[1] // (k // QK_K)  # scales a super-block: 8 (Q6_K: 16)
-        sc = sup.sc.view(torch.int8) if weight.fmt in SUB_BLOCK else sup.sc
+        per = weight.d.shape[1] // (k // QK_K)  # scales a super-block: 8 (Q6_K, Q3_K, Q2_K: 16)
+        sc = sup.sc.view(torch.int8) if weight.fmt in SIGNED_SCALES else sup.sc
         d = (dsup[..., :1] * sc.float().view(n, -1, per)).view(n, -1)
         ok = torch.equal(d, weight.d.float())
         if sup.mn is not None:
@@ -243,8 +255,9 @@ def reference(
     zeros where ``dx`` is below the smallest normal float),
     integer block dot products in int64, then per output over the blocks in order
     ``acc += fp32(fp32(dw * dx) * isum) [+ fp32(mw * fp32(dx * sx))]`` each step rounded to fp32
-    (Q6_K, a scale per 16: ``acc += fp32(t0 + t1)``, ``t_h = fp32(fp32(dw_h * dx) * isum_h)`` over
-    the block's two halves), and ``+ bias``. Returns fp32 ``[m, n]``."""
+    (Q6_K, Q3_K, a scale per 16: ``acc += fp32(t0 + t1)``, ``t_h = fp32(fp32(dw_h * dx) * isum_h)``
+    over the block's two halves; Q2_K, a minimum per 16 too: ``t_h += fp32(mw_h * fp32(dx * sh_h))``,
+    ``sh_h`` the half's sum of q), and ``+ bias``. Returns fp32 ``[m, n]``."""
     f32 = np.float32
     if isinstance(weight, MixedRows):  # each part's outputs are its own kernel's
         outs, r0 = [], 0
@@ -272,14 +285,17 @@ def reference(
     acc = np.zeros((m, qw.shape[0]), f32)
     if weight.fmt in SUB_BLOCK:  # two scales a block: one integer sum and one term per half
         halves = np.einsum("mbhk,nbhk->mnbh", qx.reshape(m, nb, 2, QK // 2), qw.reshape(-1, nb, 2, QK // 2))
+        # Q2_K: a minimum per half too, times dx * (the half's sum of q)
+        dxh = (dx[..., None] * qx.reshape(m, nb, 2, QK // 2).sum(-1).astype(f32)).astype(f32)
         for b in range(nb):
-            t0, t1 = (
-                (
-                    (dw[None, :, 2 * b + h] * dx[:, None, b]).astype(f32) * halves[:, :, b, h].astype(f32)
-                ).astype(f32)
-                for h in (0, 1)
-            )
-            acc = (acc + (t0 + t1).astype(f32)).astype(f32)
+            t = []
+            for h in (0, 1):
+                th = (dw[None, :, 2 * b + h] * dx[:, None, b]).astype(f32) * halves[:, :, b, h].astype(f32)
+                th = th.astype(f32)
+                if mw is not None:
+                    th = (th + (mw[None, :, 2 * b + h] * dxh[:, None, b, h]).astype(f32)).astype(f32)
+                t.append(th)
+            acc = (acc + (t[0] + t[1]).astype(f32)).astype(f32)
         if bias is not None:
             acc = (acc + bias.detach().float().numpy()[None, :]).astype(f32)
         return acc

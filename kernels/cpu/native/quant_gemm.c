@@ -1,5 +1,5 @@
 /* y = x . W^T (+ bias) with W held in quantized blocks, dequantized in registers; fp32 activations.
- * The blocks are GGUF's (Q8_0 / Q4_0 / Q4_1, and the K-quants Q4_K / Q5_K / Q6_K brought to the
+ * The blocks are GGUF's (Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K..Q6_K and IQ4_XS brought to the
  * forms below at load by kernels/cpu/quant_gemm.py), or made at load from an HF checkpoint.
  *
  * A decode step reads every weight once, so its time is the weight bytes over memory bandwidth:
@@ -13,6 +13,7 @@
  *   Q4_1   nibbles 0..15, minimums                  w = d * q (rounded) + m      (also Q4_K)
  *   U8_1   bytes 0..255, minimums                   w = d * q (rounded) + m      (Q5_K: 0..31)
  *   Q8_16  int8 quants, a scale per 16 k steps      w = d * q                    (Q6_K: -32..31)
+ *   U8_16  bytes, a scale and minimum per 16 k steps w = d * q (rounded) + m     (Q2_K: 0..3)
  *
  * Nibble formats pack the k steps 2t and 2t + 1 of a column into the low and high nibble of one
  * byte. Columns past N are zero. Each weight is dequantized exactly as the gguf package does it
@@ -31,7 +32,7 @@
 #define PREFETCH_BLOCKS 2
 #endif
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_Q8_16 = 4, FMT_COUNT = 5 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_Q8_16 = 4, FMT_U8_16 = 5, FMT_COUNT = 6 };
 
 typedef int8_t vi8 __attribute__((vector_size(W), aligned(1), may_alias));
 typedef uint8_t vu8 __attribute__((vector_size(W), aligned(1), may_alias));
@@ -83,8 +84,8 @@ INLINE void from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
 
 int32_t llmserve_qgemm_panel_width(void) { return NB; }
 
-INLINE int block_k(int fmt) { return fmt == FMT_Q8_16 ? 16 : 32; }
-INLINE int has_min(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_U8_1; }
+INLINE int block_k(int fmt) { return fmt == FMT_Q8_16 || fmt == FMT_U8_16 ? 16 : 32; }
+INLINE int has_min(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_U8_1 || fmt == FMT_U8_16; }
 INLINE int nibbles(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1; }
 INLINE int64_t scale_bytes(int fmt) { return (int64_t)NB * 4 * (has_min(fmt) ? 2 : 1); }
 INLINE int64_t quant_bytes(int fmt) { return (int64_t)NB * (nibbles(fmt) ? block_k(fmt) / 2 : block_k(fmt)); }
@@ -96,7 +97,7 @@ int64_t llmserve_qgemm_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
     return ((n + NB - 1) / NB) * (k / block_k(fmt)) * block_stride(fmt);
 }
 
-/* q: n x k quants, one byte each (int8 bits for Q8_0 / Q8_16, 0..15 for Q4, 0..255 for U8_1);
+/* q: n x k quants, one byte each (int8 bits for Q8_0 / Q8_16, 0..15 for Q4, 0..255 for U8_1 / U8_16);
  * d, m: n x k/BK fp32 (m only where the format has minimums). */
 void llmserve_qgemm_pack(int32_t fmt, const uint8_t *q, const float *d, const float *m, int64_t n, int64_t k,
                          uint8_t *packed) {
@@ -144,12 +145,13 @@ INLINE qblock qblock_begin(const int fmt, const uint8_t *panel, int64_t g) {
     return s;
 }
 
-typedef qblock q8_0_group, q4_0_group, q4_1_group, u8_1_group, q8_16_group;
+typedef qblock q8_0_group, q4_0_group, q4_1_group, u8_1_group, q8_16_group, u8_16_group;
 INLINE qblock q8_0_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q8_0, panel, g); }
 INLINE qblock q4_0_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q4_0, panel, g); }
 INLINE qblock q4_1_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q4_1, panel, g); }
 INLINE qblock u8_1_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_U8_1, panel, g); }
 INLINE qblock q8_16_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_Q8_16, panel, g); }
+INLINE qblock u8_16_begin(const uint8_t *panel, int64_t k, int64_t g) { (void)k; return qblock_begin(FMT_U8_16, panel, g); }
 
 INLINE void q8_0_weights(const qblock *s, int t, vf w[1][V]) {
     for (int v = 0; v < V; ++v) w[0][v] = from_i8(s->qs + t * NB + v * W) * s->d[v];
@@ -158,6 +160,7 @@ INLINE void q8_16_weights(const qblock *s, int t, vf w[1][V]) { q8_0_weights(s, 
 INLINE void u8_1_weights(const qblock *s, int t, vf w[1][V]) {
     for (int v = 0; v < V; ++v) w[0][v] = rounded(from_u8(s->qs + t * NB + v * W) * s->d[v]) + s->m[v];
 }
+INLINE void u8_16_weights(const qblock *s, int t, vf w[1][V]) { u8_1_weights(s, t, w); }
 INLINE void q4_0_weights(const qblock *s, int t, vf w[2][V]) {
     for (int v = 0; v < V; ++v) {
         vf lo, hi;
@@ -220,8 +223,9 @@ DEFINE_QUANT_FORMAT(q4_0, 32, 2)
 DEFINE_QUANT_FORMAT(q4_1, 32, 2)
 DEFINE_QUANT_FORMAT(u8_1, 32, 1)
 DEFINE_QUANT_FORMAT(q8_16, 16, 1)
+DEFINE_QUANT_FORMAT(u8_16, 16, 1)
 
-static const panel_all_rows_fn ITEMS[FMT_COUNT] = {q8_0_item, q4_0_item, q4_1_item, u8_1_item, q8_16_item};
+static const panel_all_rows_fn ITEMS[FMT_COUNT] = {q8_0_item, q4_0_item, q4_1_item, u8_1_item, q8_16_item, u8_16_item};
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL); k a whole number
  * of the format's blocks. Returns 0, or -1 for an unknown format or a partial block (nothing written).

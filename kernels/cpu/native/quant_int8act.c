@@ -73,18 +73,29 @@
 /* A format code is the weight form, + FMT_HALF where its scales (and minimums) are fp16 values
  * (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks): stored as fp16, read back exactly, fewer bytes to stream. */
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_U8_1 = 3, FMT_I8_16 = 4, FMT_Q5_0 = 5, FMT_Q5_1 = 6,
-       FMT_HALF = 8, FMT_K = 16, FMT_COUNT = 32 };
+       FMT_Q2 = 7, FMT_HALF = 8, FMT_K = 16, FMT_COUNT = 32 };
 /* The K-quants served from their super-blocks (FMT_K + the form whose math they share):
  *   Q4_K = FMT_K | FMT_Q4_1   Q5_K = FMT_K | FMT_Q5_1   Q6_K = FMT_K | FMT_I8_16
  *   Q3_K = FMT_K | FMT_HALF | FMT_I8_16 (I8_16's math with quants -4..3 stored + 4, offset 4)
+ *   Q2_K = FMT_K | FMT_Q2     (quants 0..3, a scale and a minimum per 16 k steps; the math below)
+ *   IQ4_XS = FMT_K | FMT_Q8_0 (Q8_0's math: the quant is IQ4_NL's table value, a scale per 32)
  * Per panel and super-block of 256 k steps (8 blocks of 32): a header, then the 8 blocks' quants,
  *   Q4_K, Q5_K: d[NC], dmin[NC] (fp16), sc[8][NC], mn[8][NC] (the 6-bit integers, a byte each)
  *   Q6_K:       d[NC] (fp16), sc[16][NC] (int8)
+ *   Q2_K:       d[NC], dmin[NC] (fp16), sm[16][NC] (the file's byte: scale | min << 4, 4 bits each)
+ *   IQ4_XS:     d[NC] (fp16), sc[8][NC] (int8: the file's 6-bit scale - 32)
  * and each block's quants as the nibble forms hold theirs (Q5_K: + the fifth-bit plane; Q6_K: the
- * quant + 32, 0..63, as nibbles + a fifth-bit and a sixth-bit plane). Block j's scales are made in
- * the kernel: dw = d * sc[j], mw = -(dmin * mn[j]) (Q6_K: dw0, dw1 = d * sc[2j], d * sc[2j + 1]),
+ * quant + 32, 0..63, as nibbles + a fifth-bit and a sixth-bit plane; IQ4_XS: the table index, the
+ * kernel looks the value up). Q2_K's are 2-bit crumbs, 8 bytes a column and block: [slot s 0..1]
+ * [column][4], slot s holding groups s, s + 2, s + 4, s + 6 at bits 0-1, 2-3, 4-5, 6-7 (the file's
+ * 0.33 bytes a weight, headers included). Block j's scales are made in
+ * the kernel: dw = d * sc[j], mw = -(dmin * mn[j]) (Q6_K: dw0, dw1 = d * sc[2j], d * sc[2j + 1];
+ * Q2_K: dw_h = d * (sm[2j + h] & 15), mw_h = -(dmin * (sm[2j + h] >> 4)); IQ4_XS: dw = d * sc[j]),
  * fp32 products of an fp16 value and an integer below 256: exact, so they are the gguf package's
- * fp32 scales bit for bit and the math is the expanded forms' (Q4_1, Q5_1, I8_16) unchanged. */
+ * fp32 scales bit for bit and the math is the expanded forms' (Q4_1, Q5_1, I8_16, Q8_0) unchanged.
+ *
+ * Q2_K's block term, a scale and a minimum per half h of the block (sh_h: the half's sum of q_x):
+ *   t_h = (dw_h * dx) * isum_h + mw_h * (dx * sh_h)      acc += t_0 + t_1 */
 #define KB 8 /* blocks of QK a super-block */
 
 INLINE int form(int fmt) { return fmt & 7; }
@@ -93,18 +104,25 @@ INLINE int known(int fmt) {
     if (fmt < 0 || fmt >= FMT_COUNT) return 0;
     if (is_k(fmt))
         return fmt == (FMT_K | FMT_Q4_1) || fmt == (FMT_K | FMT_Q5_1) || fmt == (FMT_K | FMT_I8_16) ||
-               fmt == (FMT_K | FMT_HALF | FMT_I8_16);
+               fmt == (FMT_K | FMT_HALF | FMT_I8_16) || fmt == (FMT_K | FMT_Q2) || fmt == (FMT_K | FMT_Q8_0);
     return form(fmt) <= FMT_Q5_1;
 }
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
-INLINE int has_min(int fmt) { return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1; }
-INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16; } /* a scale per 16: two a block */
+INLINE int q2k(int fmt) { return form(fmt) == FMT_Q2; } /* Q2_K (only a K form) */
+INLINE int iq4xs(int fmt) { return fmt == (FMT_K | FMT_Q8_0); }
+INLINE int has_min(int fmt) {
+    return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1 || q2k(fmt);
+}
+INLINE int two_scales(int fmt) { return form(fmt) == FMT_I8_16 || q2k(fmt); } /* a scale per 16: two a block */
 INLINE int fifth_bits(int fmt) { return form(fmt) == FMT_Q5_0 || form(fmt) == FMT_Q5_1; }
 INLINE int high_pairs(int fmt) { return fmt == (FMT_K | FMT_I8_16); } /* Q6_K: 2 high bits a quant */
 INLINE int q3k(int fmt) { return fmt == (FMT_K | FMT_HALF | FMT_I8_16); }
 INLINE int nibbles(int fmt) {
-    return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt) || is_k(fmt);
+    return form(fmt) == FMT_Q4_0 || form(fmt) == FMT_Q4_1 || fifth_bits(fmt) || (is_k(fmt) && !q2k(fmt));
 }
+/* IQ4_NL's table (ggml's kvalues_iq4nl) + 128, as the kernel stores a Q8_0 quant: IQ4_XS's nibble
+ * indexes it. */
+static const uint8_t IQ4_STORED[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 INLINE int offset(int fmt) {
     return form(fmt) == FMT_Q8_0    ? 128
            : form(fmt) == FMT_Q4_0  ? 8
@@ -130,12 +148,18 @@ INLINE float scale_at(int fmt, const uint8_t *p, int c) {
  * 4h + t's at bits 2t, 2t + 1. */
 INLINE int64_t nibble_bytes(void) { return (int64_t)NC * (QK / 2); }
 INLINE int64_t quant_bytes(int fmt) {
+    if (q2k(fmt)) return (int64_t)NC * 8; /* crumbs */
     return nibbles(fmt) ? nibble_bytes() + (fifth_bits(fmt) ? NC * 4 : 0) + (high_pairs(fmt) ? NC * 8 : 0)
                         : (int64_t)NC * QK;
 }
 INLINE int64_t block_stride(int fmt) { return scale_bytes(fmt) + quant_bytes(fmt); }
 /* K forms: the super-block header (above) and a super-block's bytes, per panel. */
-INLINE int64_t k_header(int fmt) { return two_scales(fmt) ? NC * 2 + 2 * KB * NC : NC * 4 + 2 * KB * NC; }
+/* Bytes a column: d (+ dmin), then the scale rows (Q4_K, Q5_K: + their min rows). */
+INLINE int64_t k_scale_rows(int fmt) { return two_scales(fmt) ? 2 * KB : KB; }
+INLINE int64_t k_scales_at_byte(int fmt) { return has_min(fmt) ? NC * 4 : NC * 2; }
+INLINE int64_t k_header(int fmt) {
+    return k_scales_at_byte(fmt) + k_scale_rows(fmt) * NC + (has_min(fmt) && !q2k(fmt) ? KB * NC : 0);
+}
 INLINE int64_t k_stride(int fmt) { return k_header(fmt) + KB * quant_bytes(fmt); }
 /* A panel's bytes for nb blocks of k. */
 INLINE int64_t panel_bytes(int fmt, int64_t nb) { return is_k(fmt) ? nb / KB * k_stride(fmt) : nb * block_stride(fmt); }
@@ -150,12 +174,15 @@ INLINE float half_at(const uint8_t *p, int c) {
     return (float)h;
 }
 /* A K form's block b scales for column c (the header comment's products): dw, and mw (Q4_K, Q5_K)
- * or dw1 (Q6_K). */
+ * or dw1 (Q6_K, Q3_K; Q2_K's are k_q2_scales_at's); IQ4_XS: dw only. */
 INLINE void k_scales_at(int fmt, const uint8_t *panel, int64_t b, int c, float *dw, float *second) {
     const uint8_t *h = panel + (b / KB) * k_stride(fmt);
     const int j = (int)(b % KB);
     const float d = half_at(h, c);
-    if (two_scales(fmt)) {
+    if (iq4xs(fmt)) {
+        *dw = d * (float)((const int8_t *)(h + NC * 2))[j * NC + c];
+        *second = 0.0f;
+    } else if (two_scales(fmt)) {
         const int8_t *sc = (const int8_t *)(h + NC * 2);
         *dw = d * (float)sc[(2 * j) * NC + c];
         *second = d * (float)sc[(2 * j + 1) * NC + c];
@@ -164,6 +191,19 @@ INLINE void k_scales_at(int fmt, const uint8_t *panel, int64_t b, int c, float *
         const float dmin = half_at(h + NC * 2, c);
         *dw = d * (float)sc[j * NC + c];
         *second = -(dmin * (float)mn[j * NC + c]);
+    }
+}
+
+/* Q2_K's block b scales and minimums for column c: dw[h], mw[h] for the block's halves h. */
+INLINE void k_q2_scales_at(const uint8_t *panel, int64_t b, int c, float dw[2], float mw[2]) {
+    const int fmt = FMT_K | FMT_Q2;
+    const uint8_t *h = panel + (b / KB) * k_stride(fmt);
+    const int j = (int)(b % KB);
+    const float d = half_at(h, c), dmin = half_at(h + NC * 2, c);
+    for (int s = 0; s < 2; ++s) {
+        const uint8_t sm = h[NC * 4 + (2 * j + s) * NC + c];
+        dw[s] = d * (float)(sm & 15);
+        mw[s] = -(dmin * (float)(sm >> 4));
     }
 }
 
@@ -185,9 +225,26 @@ int64_t llmserve_qi8_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
 
 /* One block's quants of column c into the panel's block at qs: src the column's 32 quants (NULL:
  * a padding column, zeros), one byte each as llmserve_qi8_pack takes them. */
+static int iq4_index(uint8_t stored) { /* the table entry of a value (+ 128); -1 if none */
+    for (int t = 0; t < 16; ++t)
+        if (IQ4_STORED[t] == stored) return t;
+    return -1;
+}
+
 static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
     for (int e = 0; e < 4; ++e) {
-        if (fifth_bits(fmt) || high_pairs(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1, Q5_K 0..31
+        if (q2k(fmt)) { /* crumbs: slot s holds groups s, s + 2, s + 4, s + 6 */
+            for (int s = 0; s < 2; ++s) {
+                uint8_t v = 0;
+                for (int t = 0; t < 4; ++t) v |= (uint8_t)((src ? src[4 * (s + 2 * t) + e] & 3 : 0) << (2 * t));
+                qs[(s * NC + c) * 4 + e] = v;
+            }
+        } else if (iq4xs(fmt)) { /* the table index of the value (checked by the caller) */
+            for (int g = 0; g < 4; ++g)
+                qs[(g * NC + c) * 4 + e] =
+                    !src ? 0
+                         : (uint8_t)(iq4_index(src[4 * g + e] ^ 0x80) | (iq4_index(src[4 * (g + 4) + e] ^ 0x80) << 4));
+        } else if (fifth_bits(fmt) || high_pairs(fmt)) { /* Q5_0 int8 -16..15 stored + 16; Q5_1, Q5_K 0..31
                                                    * as is; Q6_K -32..31 + 32 */
             uint8_t v[8], hb = 0, hp[2] = {0, 0};
             for (int g = 0; g < 8; ++g) {
@@ -219,27 +276,39 @@ static void pack_block_quants(int fmt, const uint8_t *src, uint8_t *qs, int c) {
 }
 
 /* The K forms from a file's super-blocks, unpacked one value a byte: q n x k quants (Q4_K 0..15,
- * Q5_K 0..31, Q6_K int8 bits -32..31, Q3_K -4..3); dsup n x k/256 x 2 fp16 bits (d, dmin; Q6_K's
- * and Q3_K's dmin unused); sc n x k/32 (Q6_K, Q3_K: k/16, int8 bits) and mn n x k/32 (NULL for Q6_K, Q3_K) the sub-blocks' integer
- * scales and mins. Returns 0, or -1 (not a K form, k not whole super-blocks). */
+ * Q5_K 0..31, Q6_K int8 bits -32..31, Q3_K -4..3, Q2_K 0..3, IQ4_XS int8 bits of IQ4_NL's table
+ * values); dsup n x k/256 x 2 fp16 bits (d, dmin; Q6_K's, Q3_K's and IQ4_XS's dmin unused); sc
+ * n x k/32 (Q6_K, Q3_K, Q2_K: k/16; int8 bits for Q6_K, Q3_K, IQ4_XS) and mn (Q4_K, Q5_K: n x k/32,
+ * Q2_K: n x k/16; NULL for the others) the sub-blocks' integer scales and mins (Q2_K's both 0..15).
+ * Returns 0, or -1 (not a K form, k not whole super-blocks, a quant or Q2_K scale out of range). */
 int32_t llmserve_qi8_pack_k(int32_t fmt, const uint8_t *q, const uint16_t *dsup, const uint8_t *sc,
                             const uint8_t *mn, int64_t n, int64_t k, uint8_t *packed) {
-    if (!known(fmt) || !is_k(fmt) || k % (QK * KB) || (!two_scales(fmt) && !mn)) return -1;
-    const int64_t panels = (n + NC - 1) / NC, supers = k / (QK * KB), nsc = two_scales(fmt) ? 2 * KB : KB;
+    if (!known(fmt) || !is_k(fmt) || k % (QK * KB) || (has_min(fmt) && !mn)) return -1;
+    const int64_t panels = (n + NC - 1) / NC, supers = k / (QK * KB), nsc = k_scale_rows(fmt);
+    if (q2k(fmt) || iq4xs(fmt)) /* values the packed form cannot hold are refused, nothing written */
+        for (int64_t i = 0; i < n * k; ++i)
+            if (q2k(fmt) ? q[i] > 3 : iq4_index(q[i] ^ 0x80) < 0) return -1;
+    if (q2k(fmt))
+        for (int64_t i = 0; i < n * supers * nsc; ++i)
+            if (sc[i] > 15 || mn[i] > 15) return -1;
     uint8_t *out = packed;
     for (int64_t p = 0; p < panels; ++p)
         for (int64_t s = 0; s < supers; ++s) {
             memset(out, 0, k_header(fmt));
             uint16_t *d = (uint16_t *)out;
-            uint8_t *scs = out + (two_scales(fmt) ? NC * 2 : NC * 4), *mns = scs + KB * NC;
+            uint8_t *scs = out + k_scales_at_byte(fmt), *mns = scs + KB * NC;
             for (int c = 0; c < NC; ++c) {
                 const int64_t j = p * NC + c;
                 if (j < n) {
                     d[c] = dsup[2 * (j * supers + s)];
-                    if (!two_scales(fmt)) d[NC + c] = dsup[2 * (j * supers + s) + 1];
+                    if (has_min(fmt)) d[NC + c] = dsup[2 * (j * supers + s) + 1];
                     for (int t = 0; t < nsc; ++t) {
-                        scs[t * NC + c] = sc[j * supers * nsc + s * nsc + t];
-                        if (!two_scales(fmt)) mns[t * NC + c] = mn[j * supers * KB + s * KB + t];
+                        const int64_t at = j * supers * nsc + s * nsc + t;
+                        if (q2k(fmt))
+                            scs[t * NC + c] = (uint8_t)(sc[at] | (mn[at] << 4));
+                        else
+                            scs[t * NC + c] = sc[at];
+                        if (has_min(fmt) && !q2k(fmt)) mns[t * NC + c] = mn[j * supers * KB + s * KB + t];
                     }
                 }
                 for (int b = 0; b < KB; ++b)
@@ -429,6 +498,28 @@ INLINE float block_term2(float dw0, float dw1, float dx, int32_t isum0, int32_t 
     return t;
 }
 
+/* Q2_K's: each half's term with its minimum's, each rounded, then their sum (the reference order). */
+INLINE float block_term2m(const float dw[2], const float mw[2], float dx, const int32_t sh[2], int32_t isum0,
+                          int32_t isum1) {
+    float t[2];
+    for (int h = 0; h < 2; ++h) {
+        float a = dw[h] * dx;
+        KEEP(a);
+        float u = a * (float)(h ? isum1 : isum0);
+        KEEP(u);
+        float dxs = dx * (float)sh[h];
+        KEEP(dxs);
+        float v = mw[h] * dxs;
+        KEEP(v);
+        u = u + v;
+        KEEP(u);
+        t[h] = u;
+    }
+    float sum = t[0] + t[1];
+    KEEP(sum);
+    return sum;
+}
+
 INLINE void store_rows(float acc[][NC], int m, const float *bias, float *y, int64_t ldy, int cols) {
     for (int i = 0; i < m; ++i)
         for (int c = 0; c < cols; ++c) {
@@ -456,9 +547,12 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                 for (int c = 0; c < NC; ++c)
                     for (int e = 0; e < 4; ++e) {
                         int w;
-                        if (nibbles(fmt)) {
+                        if (q2k(fmt)) {
+                            w = (qs[((g & 1) * NC + c) * 4 + e] >> (2 * (g >> 1))) & 3;
+                        } else if (nibbles(fmt)) {
                             const uint8_t v = qs[((g & 3) * NC + c) * 4 + e];
                             w = g < 4 ? v & 15 : v >> 4;
+                            if (iq4xs(fmt)) w = IQ4_STORED[w];
                             if (fifth_bits(fmt)) w |= ((qs[nibble_bytes() + c * 4 + e] >> g) & 1) << 4;
                             if (high_pairs(fmt))
                                 w |= ((qs[nibble_bytes() + (g / 4) * NC * 4 + c * 4 + e] >> (2 * (g % 4))) & 3) << 4;
@@ -468,6 +562,15 @@ static void rows_generic(const int fmt, const qrows *x, int64_t r0, int m, const
                         isum[g >= 4][c] += w * xq[4 * g + e];
                     }
             const float dx = x->dx[r * x->nb + b], dxs = x->dxs[r * x->nb + b];
+            if (q2k(fmt)) {
+                const int32_t *sh = x->sh + 2 * (r * x->nb + b);
+                for (int c = 0; c < NC; ++c) {
+                    float dw[2], mw[2];
+                    k_q2_scales_at(panel, b, c, dw, mw);
+                    acc[i][c] = acc[i][c] + block_term2m(dw, mw, dx, sh, isum[0][c], isum[1][c]);
+                }
+                continue;
+            }
             if (two_scales(fmt)) {
                 const int32_t c0 = off * x->sh[2 * (r * x->nb + b)], c1 = off * x->sh[2 * (r * x->nb + b) + 1];
                 for (int c = 0; c < NC; ++c) {
@@ -543,6 +646,19 @@ INLINE vi fold16(vi acc, vi p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(
 INLINE vi ori(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vfl cvt_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INLINE vfl cvt_s8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* Q2_K: a byte's low and high nibbles (its scale and minimum) as floats. */
+INLINE vfl cvt_lo4(const uint8_t *p) {
+    const vi v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+}
+INLINE vfl cvt_hi4(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), 4));
+}
+/* Q2_K: bits 2t, 2t + 1 of each byte (the 16-bit shift moves no bit of the other byte there). */
+INLINE vi crumb(vi v, int t) { return _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3)); }
+/* IQ4_XS: each byte's index (0..15) to the table entry, per 128-bit lane. */
+INLINE vi iq4_table(void) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_STORED)); }
+INLINE vi lookup(vi table, vi idx) { return _mm512_shuffle_epi8(table, idx); }
 INLINE vfl loadf(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
@@ -592,6 +708,16 @@ INLINE vi fold16(vi acc, vi p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(
 INLINE vi ori(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vfl cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE vfl cvt_s8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE vfl cvt_lo4(const uint8_t *p) {
+    const vi v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
+INLINE vfl cvt_hi4(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4));
+}
+INLINE vi crumb(vi v, int t) { return _mm256_and_si256(_mm256_srli_epi16(v, 2 * t), _mm256_set1_epi8(3)); }
+INLINE vi iq4_table(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_STORED)); }
+INLINE vi lookup(vi table, vi idx) { return _mm256_shuffle_epi8(table, idx); }
 INLINE vfl loadf(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vfl loadh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
@@ -634,7 +760,46 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         vi isum[MR][V], isum1[MR][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
         for (int i = 0; i < m; ++i)
             for (int v = 0; v < V; ++v) isum[i][v] = isum1[i][v] = zeroi();
-        if (nibbles(fmt)) {
+        if (q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
+            for (int sl = 0; sl < 2; ++sl) {
+                vi raw[V];
+                for (int v = 0; v < V; ++v) raw[v] = loadi(qs + (sl * NC + v * VW) * 4);
+                for (int t = 0; t < 4; ++t) {
+                    const int g = sl + 2 * t;
+                    vi w[V];
+                    for (int v = 0; v < V; ++v) w[v] = crumb(raw[v], t);
+                    for (int i = 0; i < m; ++i) {
+                        const vi xb = bcast4(xr[i] + b * QK + 4 * g);
+                        for (int v = 0; v < V; ++v) {
+                            vi *s = g < 4 ? &isum[i][v] : &isum1[i][v];
+                            *s = vnni ? dot_vnni(*s, w[v], xb) : dot_bw(*s, w[v], xb);
+                        }
+                    }
+                }
+            }
+        } else if (iq4xs(fmt)) { /* nibble indices to Q8_0's stored bytes, then Q8_0's dot */
+            const vi table = iq4_table();
+            for (int g = 0; g < 4; ++g) {
+                vi lo[V], hi[V];
+                for (int v = 0; v < V; ++v) {
+                    const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+                    lo[v] = lookup(table, lo_nib(raw));
+                    hi[v] = lookup(table, hi_nib(raw));
+                }
+                for (int i = 0; i < m; ++i) {
+                    const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
+                    for (int v = 0; v < V; ++v) {
+                        if (vnni) {
+                            isum[i][v] = dot_vnni(isum[i][v], lo[v], xl);
+                            isum[i][v] = dot_vnni(isum[i][v], hi[v], xh);
+                        } else {
+                            isum[i][v] = dot_bw_signed(isum[i][v], lo[v], xl);
+                            isum[i][v] = dot_bw_signed(isum[i][v], hi[v], xh);
+                        }
+                    }
+                }
+            }
+        } else if (nibbles(fmt)) {
             vi h5[V], h6[V]; /* fifth bits (bit g of byte e: group g's), or Q6_K's two pair planes */
             if (fifth_bits(fmt) || high_pairs(fmt))
                 for (int v = 0; v < V; ++v) h5[v] = loadi(qs + nibble_bytes() + v * VW * 4);
@@ -716,17 +881,25 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
                 }
             }
         }
-        vfl dw[V], mw[V];
+        vfl dw[V], mw[V], dw1[V], mw1[V]; /* dw1, mw1: Q2_K's second half */
         if (is_k(fmt)) { /* block b's scales from its super-block's (exact products) */
             const uint8_t *h = panel + (b / KB) * k_stride(fmt);
             const int j = (int)(b % KB);
             if (j == 0) /* the super-block's d (and dmin), once */
                 for (int v = 0; v < V; ++v) {
                     kd[v] = loadh(h + 2 * v * VW);
-                    if (!two_scales(fmt)) kdm[v] = loadh(h + NC * 2 + 2 * v * VW);
+                    if (has_min(fmt)) kdm[v] = loadh(h + NC * 2 + 2 * v * VW);
                 }
             for (int v = 0; v < V; ++v) {
-                if (two_scales(fmt)) {
+                if (q2k(fmt)) {
+                    const uint8_t *sm = h + NC * 4 + 2 * j * NC + v * VW;
+                    dw[v] = kd[v] * cvt_lo4(sm);
+                    mw[v] = -(kdm[v] * cvt_hi4(sm));
+                    dw1[v] = kd[v] * cvt_lo4(sm + NC);
+                    mw1[v] = -(kdm[v] * cvt_hi4(sm + NC));
+                } else if (iq4xs(fmt)) {
+                    dw[v] = kd[v] * cvt_s8(h + NC * 2 + j * NC + v * VW);
+                } else if (two_scales(fmt)) {
                     dw[v] = kd[v] * cvt_s8(h + NC * 2 + 2 * j * NC + v * VW);
                     mw[v] = kd[v] * cvt_s8(h + NC * 2 + (2 * j + 1) * NC + v * VW);
                 } else {
@@ -746,6 +919,21 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
             const int64_t at = (r0 + i) * x->nb + b;
             const vfl dx = setf(x->dx[at]);
             const vfl dxs = setf(x->dxs[at]);
+            if (q2k(fmt)) { /* block_term2m's order, lane by lane */
+                float s0 = x->dx[at] * (float)x->sh[2 * at], s1 = x->dx[at] * (float)x->sh[2 * at + 1];
+                KEEP(s0);
+                KEEP(s1);
+                const vfl dxs0 = setf(s0), dxs1 = setf(s1);
+                for (int v = 0; v < V; ++v) {
+                    vfl t = keepv(keepv(dw[v] * dx) * cvt(isum[i][v]));
+                    t = keepv(t + keepv(mw[v] * dxs0));
+                    vfl u = keepv(keepv(dw1[v] * dx) * cvt(isum1[i][v]));
+                    u = keepv(u + keepv(mw1[v] * dxs1));
+                    t = keepv(t + u);
+                    acc[i][v] = acc[i][v] + t;
+                }
+                continue;
+            }
             if (two_scales(fmt)) {
                 const int32_t c0 = off * x->sh[2 * at], c1 = off * x->sh[2 * at + 1];
                 for (int v = 0; v < V; ++v) {
@@ -812,6 +1000,8 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     DEFINE_ITEM(PREFIX##q5_k, FMT_Q5_1 | FMT_K, VNNI)                                                    \
     DEFINE_ITEM(PREFIX##q6_k, FMT_I8_16 | FMT_K, VNNI)                                                   \
     DEFINE_ITEM(PREFIX##q3_k, FMT_I8_16 | FMT_K | FMT_HALF, VNNI)                                        \
+    DEFINE_ITEM(PREFIX##q2_k, FMT_Q2 | FMT_K, VNNI)                                                      \
+    DEFINE_ITEM(PREFIX##iq4_xs, FMT_Q8_0 | FMT_K, VNNI)                                                  \
     static const item_fn PREFIX##items[FMT_COUNT] = {                                                    \
         [FMT_Q8_0] = PREFIX##q8_0,                                                                       \
         [FMT_Q4_0] = PREFIX##q4_0,                                                                       \
@@ -830,7 +1020,9 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
         [FMT_Q4_1 | FMT_K] = PREFIX##q4_k,                                                               \
         [FMT_Q5_1 | FMT_K] = PREFIX##q5_k,                                                               \
         [FMT_I8_16 | FMT_K] = PREFIX##q6_k,                                                              \
-        [FMT_I8_16 | FMT_K | FMT_HALF] = PREFIX##q3_k};
+        [FMT_I8_16 | FMT_K | FMT_HALF] = PREFIX##q3_k,                                                   \
+        [FMT_Q2 | FMT_K] = PREFIX##q2_k,                                                                 \
+        [FMT_Q8_0 | FMT_K] = PREFIX##iq4_xs};
 DEFINE_ITEMS(plain_, 0)
 #ifdef VW
 DEFINE_ITEMS(vnni_, 1)
