@@ -509,14 +509,24 @@ class LLMEngine:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
             blocks = c.kv_cache_memory // per_block
+            budget = f"kv_cache_memory {c.kv_cache_memory} bytes"
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             blocks = int(free - (1 - c.gpu_memory_utilization) * total) // per_block
+            budget = (
+                f"the device's free memory ({free >> 20} MiB of {total >> 20} MiB) less the "
+                f"{1 - c.gpu_memory_utilization:.0%} that gpu_memory_utilization {c.gpu_memory_utilization} "
+                "leaves to others (another engine in this process may hold the rest)"
+            )
         else:
             enough = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)
             blocks = min(enough, CPU_DEFAULT_KV_BYTES // per_block)
+            budget = f"{CPU_DEFAULT_KV_BYTES} bytes"
         if blocks < 1:
-            raise ValueError(f"the KV budget holds no block of {per_block} bytes; give more kv_cache_memory")
+            raise ValueError(
+                f"the KV budget, {budget}, holds no block of {per_block} bytes; give more "
+                "kv_cache_memory (or num_kv_blocks)"
+            )
         return int(blocks)
 
 

@@ -228,6 +228,18 @@ def section_decode_bandwidth(device: str, peak: float | None) -> dict:
     return dict(runs=runs, best_fraction_of_peak=max((r["fraction_of_peak"] or 0.0) for r in runs) or None)
 
 
+def release_gpu_memory() -> None:
+    """Free what finished engines held (their reference cycles first), before the next one sizes
+    its KV cache from the memory left."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def section_tiny_hf_equality(
     device: str, workdir: Path, seed: int, prompt_lengths: tuple[int, ...] = (1, 7, 33, 100, 300, 700)
 ) -> dict:
@@ -425,6 +437,10 @@ def section_lora(
         ) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             tokens[backend] = [o.outputs[0].token_ids for o in outs]
+        # An engine on CUDA takes gpu_memory_utilization of the memory left for its KV cache: the
+        # next one finds none while this one (held by `llm` and its reference cycles) lives.
+        del llm, outs
+        release_gpu_memory()
     result["equal_to_torch_twin"] = tokens[kernel_backend] == tokens["torch"]
     result["throughput"] = _lora_throughput(
         device, workdir, seed, kernel_backend, perf_cfg, perf_requests, perf_lengths
@@ -587,7 +603,7 @@ def run(args: argparse.Namespace) -> dict:
                     traceback=traceback.format_exc(),
                 )
             finally:
-                torch.cuda.empty_cache()
+                release_gpu_memory()
             report_path.write_text(json.dumps(report, indent=2))
             print(
                 f"[gpu_check] {name}: {report['sections'][name]['status']} "

@@ -22,6 +22,7 @@ tests/test_batch_invariance.py``.
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
@@ -354,7 +355,17 @@ def explore(model, examples: int, extra: dict, required: tuple[str, ...]) -> Non
     print("coverage:", dict(coverage.counts), "near-ties:", notes)
     missing = [case for case in SPECULATION_CASES if not coverage.counts[case]]
     if missing:
-        print(f"not exercised in these {examples} examples (not required): {missing}")
+        # Shown in the run's warnings summary, to find what the whole suite's order changes.
+        import warnings
+
+        import torch
+
+        warnings.warn(
+            f"not exercised in these {examples} examples (not required): {missing}; coverage "
+            f"{dict(coverage.counts)}; torch threads {torch.get_num_threads()}; worker "
+            f"{os.environ.get('PYTEST_XDIST_WORKER')}; modules {len(sys.modules)}",
+            stacklevel=1,
+        )
     for case in required:
         assert coverage.counts[case] > 0, (
             f"no {case} happened in {examples} examples: {dict(coverage.counts)}"

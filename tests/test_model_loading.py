@@ -78,3 +78,10 @@ def test_kv_cache_sized_from_a_byte_budget(tiny_llama):
     spec = engine.spec
     per_block = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 16
     assert engine.stats().kv_blocks_total == (1 << 20) // per_block
+
+
+def test_a_kv_budget_too_small_for_one_block_is_refused_naming_it(tiny_llama):
+    import pytest
+
+    with pytest.raises(ValueError, match=r"the KV budget, kv_cache_memory 100 bytes, holds no block of \d+ bytes"):
+        make_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory=100, block_size=16)
