@@ -18,9 +18,7 @@ are refused unless neutral. See docs/ollama.md.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
 from datetime import UTC, datetime
 from importlib import metadata
@@ -36,12 +34,10 @@ from gateway.embeddings_api import check_dimensions
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.generation_service import merge_tool_calls
 from gateway.openai_protocol import chat_request, completion_requests, status_of
-from gateway.stall_sweep import StreamControl
+from gateway.streamed_response import NDJSON, Encoder, Item, StreamedResponse, peer
 from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import embeddings_pb2 as epb
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
-
-log = logging.getLogger("gateway.ollama")
 
 # Ollama option -> the OpenAI body's field (gateway.openai_protocol reads it).
 OPTIONS = {
@@ -101,13 +97,13 @@ def ollama_field(field: str) -> str:
     return field
 
 
-def ollama_error(e: RequestError) -> JSONResponse:
+def ollama_error(e: RequestError, status: int | None = None) -> JSONResponse:
     """Ollama's error shape, each field as the Ollama client spells it."""
     if e.violations:
         message = "; ".join(f"{ollama_field(v.field)}: {v.description}" for v in e.violations)
     else:
         message = e.message
-    status = status_of(e.code)
+    status = status or status_of(e.code)
     headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else {}
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -330,100 +326,25 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else {}
 
 
-class _NdjsonResponse(Response):
-    """Newline-delimited JSON, one object per stream message as the generation path yields it (the
-    next is taken once uvicorn has written this one). A disconnect cancels the handler task, whose
-    generator aborts the engine request; the stall sweep can end it the same way."""
+class _Lines(Encoder):
+    """Ollama's stream: an object per message that shows something, the last with ``done``; an
+    error after the stream began is one ``{"error"}`` line, and the stream ends there."""
 
-    media_type = "application/x-ndjson"
+    def __init__(self, reply: _Reply) -> None:
+        self.reply = reply
 
-    def __init__(self, api, identity, req: pb.GenerateRequest, reply: _Reply) -> None:
-        super().__init__(status_code=200)
-        self.api, self.identity, self.req, self.reply = api, identity, req, reply
+    def message(self, p: int, msg: pb.GenerateResponse) -> list[Item]:
+        chunk = self.reply.add(msg)
+        return [] if chunk is None else [chunk]
 
-    async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        state = {"done": False, "disconnected": False}
+    def end(self) -> list[Item]:
+        return [self.reply.final()]
 
-        async def watch() -> None:
-            await _wait_disconnect(receive)
-            if not state["done"]:
-                state["disconnected"] = True
-                task.cancel()
+    def error(self, e: RequestError) -> list[Item]:
+        return [{"error": json.loads(ollama_error(e).body)["error"]}]
 
-        control = StreamControl(task, _HttpStreamContext(), log_id="")
-        gen = self.api.service.run(
-            self.req,
-            self.identity,
-            control=control,
-            client=_peer(scope),
-            fill_context=True,
-            tool_names=HTTP_NAMES,
-        )
-        watcher = asyncio.ensure_future(watch())
-        started = False
-
-        async def line(obj: dict, more: bool = True) -> None:
-            nonlocal started
-            if not started:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"application/x-ndjson"),
-                            (b"cache-control", b"no-cache"),
-                        ],
-                    }
-                )
-                started = True
-            await send(
-                {"type": "http.response.body", "body": json.dumps(obj).encode() + b"\n", "more_body": more}
-            )
-
-        try:
-            try:
-                async for msg in gen:
-                    chunk = self.reply.add(msg)
-                    if chunk is not None:
-                        await line(chunk)
-            except RequestError as e:
-                state["done"] = True
-                if not started:  # refused before any output: a plain error response
-                    await ollama_error(e)(scope, receive, send)
-                    return
-                await line({"error": json.loads(ollama_error(e).body)["error"]}, more=False)
-                return
-            finally:
-                await gen.aclose()
-            state["done"] = True
-            await line(self.reply.final(), more=False)
-        except asyncio.CancelledError:
-            if state["disconnected"] or control.stalled:
-                return  # the connection is gone or is being dropped; the engine request was aborted
-            raise
-        finally:
-            state["done"] = True
-            watcher.cancel()
-
-
-class _HttpStreamContext:
-    """What the stall sweep needs of a call: ``abort`` (the stream is ended by closing it)."""
-
-    async def abort(self, code, message):
-        raise asyncio.CancelledError(message)
-
-
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _peer(scope) -> str | None:
-    client = scope.get("client")
-    return f"http:{client[0]}:{client[1]}" if client else None  # as gateway.http_api names it
+    def refusal(self, e: RequestError) -> Response:
+        return ollama_error(e)
 
 
 # --- routes ---------------------------------------------------------------------------------------
@@ -459,23 +380,13 @@ def routes(api) -> list[Route]:
         }
 
     def guarded(handler, method: str = "POST"):
+        async def checked(request: Request, identity: Identity, body) -> Response:
+            if method == "POST" and not isinstance(body, dict):
+                raise _bad("body", "must be a JSON object")
+            return await handler(request, identity, body)
+
         async def endpoint(request: Request) -> Response:
-            try:
-                identity = api._identity(request)
-                body = await api._body(request) if method == "POST" else None
-                if method == "POST" and not isinstance(body, dict):
-                    raise _bad("body", "must be a JSON object")
-                return await handler(request, identity, body)
-            except RequestError as e:
-                return ollama_error(e)
-            except Exception as e:
-                cap = getattr(e, "cap", None)  # http_api's body-too-large signal (it imports this module)
-                if isinstance(cap, int):
-                    return JSONResponse(
-                        {"error": f"body: the limit is max_message_bytes={cap}"}, status_code=413
-                    )
-                log.exception("Ollama API request failed")  # a bug: still Ollama's shape
-                return JSONResponse({"error": "internal error"}, status_code=500)
+            return await api._guarded(request, checked, ollama_error)
 
         return endpoint
 
@@ -496,9 +407,10 @@ def routes(api) -> list[Route]:
             req.model, req.lora = "", lora
         reply = _Reply(chat, body.get("model") or tagged(), stream)
         if stream:
-            return _NdjsonResponse(api, identity, req, reply)
+            options = {"fill_context": True, "tool_names": HTTP_NAMES}
+            return StreamedResponse(api.service, identity, [(req, options)], _Lines(reply), NDJSON)
         async for msg in api.service.run(
-            req, identity, client=_peer(request.scope), fill_context=True, tool_names=HTTP_NAMES
+            req, identity, client=peer(request.scope), fill_context=True, tool_names=HTTP_NAMES
         ):
             reply.add(msg)
         return JSONResponse(reply.final())
@@ -531,7 +443,7 @@ def routes(api) -> list[Route]:
             raise _bad("dimensions", "must be an integer")
         if body.get("truncate") is not None and not isinstance(body["truncate"], bool):
             raise _bad("truncate", "must be true or false")
-        sinks = await embeddings.embed(req, identity, client=_peer(request.scope), field=field)
+        sinks = await embeddings.embed(req, identity, client=peer(request.scope), field=field)
         vectors = [vector(x) for x in sinks]
         for v in vectors:
             check_dimensions(dimensions, len(v))
