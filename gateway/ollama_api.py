@@ -206,6 +206,23 @@ def _translated(read, body: dict):
         raise invalid([FieldViolation(ollama_field(v.field), v.description) for v in e.violations]) from None
 
 
+def _think(think, model: str, can_think: bool) -> bool:
+    """Ollama's ``think``: whether the reply shows the model's thinking. As Ollama: true on a model
+    that does not think (here: no --reasoning-parser splits its thinking out) is refused, false is
+    always accepted, and the levels ("high", "medium", "low") are gpt-oss's only."""
+    if think is None:
+        return True
+    if isinstance(think, str):
+        raise _bad("think", f"value {think[:32]!r} is not supported for this model (true or false)")
+    if not isinstance(think, bool):
+        raise _bad("think", "must be true or false")
+    if think and not can_think:
+        raise _bad(
+            "think", f"{model!r} does not support thinking (the server runs without --reasoning-parser)"
+        )
+    return think
+
+
 def _refuse_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     for name in fields:
         if body.get(name):
@@ -257,8 +274,9 @@ class _Reply:
     """The stream's messages as Ollama's objects, for /api/chat (``message``) or /api/generate
     (``response``), with the counts and durations of the last."""
 
-    def __init__(self, chat: bool, model: str, stream: bool) -> None:
+    def __init__(self, chat: bool, model: str, stream: bool, thinking: bool = True) -> None:
         self.chat, self.model, self.stream = chat, model, stream
+        self.show_thinking = thinking  # think: false: the model's thinking is not returned
         self.started = time.monotonic_ns()
         self.first: int | None = None
         self.text: list[str] = []
@@ -270,6 +288,7 @@ class _Reply:
 
     def _body(self, content: str, thinking: str, calls=None) -> dict:
         out: dict = {"model": self.model, "created_at": _now()}
+        thinking = thinking if self.show_thinking else ""
         if self.chat:
             message: dict = {"role": "assistant", "content": content}
             if thinking:
@@ -295,7 +314,7 @@ class _Reply:
             self.text.append(msg.text)
             self.thinking.append(msg.reasoning_content)
             return None
-        if not msg.text and not msg.reasoning_content:
+        if not msg.text and not (msg.reasoning_content and self.show_thinking):
             return None
         return {**self._body(msg.text, msg.reasoning_content), "done": False}
 
@@ -369,15 +388,21 @@ def routes(api) -> list[Route]:
         return s.model_name if ":" in s.model_name else f"{s.model_name}:latest"
 
     def details() -> dict:
-        # The gateway knows the served name and the engine's facts, not the file's format or family.
+        """The engine's facts about the served files (engine_svc/model_card.py), as Ollama lists them."""
+        info = s.engine.info
+        family = info.model_family if info else ""
         return {
             "parent_model": "",
-            "format": "",
-            "family": "",
-            "families": None,
-            "parameter_size": "",
-            "quantization_level": "",
+            "format": info.model_format if info else "",
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": info.parameter_size if info else "",
+            "quantization_level": info.quantization_level if info else "",
         }
+
+    def size() -> int:
+        info = s.engine.info
+        return info.model_size_bytes if info else 0
 
     def guarded(handler, method: str = "POST"):
         async def checked(request: Request, identity: Identity, body) -> Response:
@@ -401,11 +426,14 @@ def routes(api) -> list[Route]:
             out = {"model": model or s.model_name, "created_at": _now(), "done": True, "done_reason": "load"}
             out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
             return JSONResponse(out)
+        thinking = _think(
+            body.get("think"), body.get("model") or tagged(), bool(s.tool_options.reasoning_parser)
+        )
         req = chat_body(body, model, s.limits) if chat else generate_body(body, model, s.limits)
         lora = s.lora_for_model(model)
         if lora:
             req.model, req.lora = "", lora
-        reply = _Reply(chat, body.get("model") or tagged(), stream)
+        reply = _Reply(chat, body.get("model") or tagged(), stream, thinking)
         if stream:
             options = {"fill_context": True, "tool_names": HTTP_NAMES}
             return StreamedResponse(api.service, identity, [(req, options)], _Lines(reply), NDJSON)
@@ -467,7 +495,7 @@ def routes(api) -> list[Route]:
             "name": tagged(),
             "model": tagged(),
             "modified_at": _STARTED,
-            "size": 0,
+            "size": size(),
             "digest": "",
             "details": details(),
         }
@@ -478,7 +506,7 @@ def routes(api) -> list[Route]:
         card = {
             "name": tagged(),
             "model": tagged(),
-            "size": 0,
+            "size": size(),
             "digest": "",
             "details": details(),
             "expires_at": "2318-01-01T00:00:00Z",  # served until the server stops: no keep_alive
@@ -498,18 +526,21 @@ def routes(api) -> list[Route]:
             capabilities.append("tools")
         if s.tool_options.reasoning_parser:
             capabilities.append("thinking")
+        family = info.model_family or "llmserve"
         return JSONResponse(
             {
                 "modelfile": "",
                 "parameters": "",
-                "template": "",  # the model's chat template is Jinja, not an Ollama (Go) template
+                # The model's chat template as it is (Jinja, where Ollama's own are Go templates).
+                "template": s.tokenizer.chat_template_text if s.tokenizer is not None else "",
                 "details": details(),
-                # "<architecture>.context_length" is where Ollama clients read the context size.
+                # "<general.architecture>.context_length" is where Ollama clients read the context size.
                 "model_info": {
-                    "general.architecture": "llmserve",
+                    "general.architecture": family,
                     "general.name": s.model_name,
-                    "llmserve.context_length": info.max_model_len,
-                    "llmserve.vocab_size": info.vocab_size,
+                    "general.parameter_count": info.parameter_count,
+                    f"{family}.context_length": info.max_model_len,
+                    f"{family}.vocab_size": info.vocab_size,
                 },
                 "capabilities": capabilities,
                 "modified_at": _STARTED,
