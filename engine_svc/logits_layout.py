@@ -4,9 +4,10 @@ The forward pass computes hidden states for every scheduled token; only some of 
 rows: the last token of each sequence that reaches its end (it samples; a prompt of an ``n > 1``
 request that completes samples ``n`` rows, one per sequence it forks; a sequence verifying ``k``
 drafts samples ``k + 1`` rows, one per position), and every prompt token of a request that asked
-for prompt logprobs. The layout is built once from the schedule. The model
-runner writes the rows in this order and the sampler and the scheduler read them in this order;
-nobody re-derives it: all sample rows come first, then the prompt-logprob rows, chunk by chunk.
+for prompt logprobs. An embedding request's prompt has no row: it samples nothing. The layout is
+built once from the schedule. The model runner writes the rows in this order and the sampler and
+the scheduler read them in this order; nobody re-derives it: all sample rows come first, then the
+prompt-logprob rows, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class LogitsLayout:
     # Per sampled sequence: the drafts it verifies this step (its rows are its last token's position
     # and the drafts' positions, in order), or None. None as a whole when nobody drafted.
     drafts: list[list[int] | None] | None = None
+    # Embedding requests whose prompt ends this step: they sample nothing (no row); their pooled
+    # vector ends them (engine_svc/pooling.py).
+    pooled: list[Sequence] = field(default_factory=list)
 
     @classmethod
     def decodes(cls, seqs: list[Sequence]) -> LogitsLayout:
@@ -54,6 +58,7 @@ class LogitsLayout:
         fans: list[int] = []
         plp_rows: list[int] = []
         chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first, count, offset among plp rows)
+        pooled: list[Sequence] = []
         start = 0  # the sequence's first token in the flat batch
         for seq, n in zip(seqs, num_new, strict=True):
             c, request = seq.num_computed_tokens, seq.request
@@ -64,6 +69,8 @@ class LogitsLayout:
                 sampled.append(seq)
                 fans.append(n)
                 draft_of.append(draft)
+            elif end == len(seq.token_ids) and request.params.pooling is not None:
+                pooled.append(seq)  # an embedding: its prompt's hidden states are all it needs
             elif end == len(seq.token_ids):
                 fan = 1 if request.forked else request.params.n
                 sample_rows.extend([start + n - 1] * fan)
@@ -84,6 +91,7 @@ class LogitsLayout:
             num_sample_rows,
             [PromptChunk(s, first, count, num_sample_rows + off) for s, first, count, off in chunks],
             draft_of if drafts else None,
+            pooled,
         )
 
 

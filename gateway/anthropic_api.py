@@ -18,14 +18,14 @@ import json
 import time
 import uuid
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api_stream import Encoder, EventStream, Output, collect, run_options, sse
-from gateway.errors import FieldViolation, RequestError
-from gateway.openai_protocol import BodyReader, BodyTooLarge, status_of
+from gateway.api_stream import Output, collect, run_options
+from gateway.errors import RequestError
+from gateway.openai_protocol import BodyReader, status_of
+from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import Names
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
@@ -68,31 +68,11 @@ class AnthropicApi:
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
         ]
 
-    async def _guarded(self, request: Request, handler) -> Response:
-        try:
-            identity = self.api._identity(request)
-            body = await self.api._body(request)
-            return await handler(request, identity, body)
-        except BodyTooLarge as e:
-            err = RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the request body is over {e.cap} bytes (max_message_bytes)",
-                [FieldViolation("body", f"the limit is max_message_bytes={e.cap}")],
-            )
-            return error_response(err, 413)
-        except RequestError as e:
-            return error_response(e)
-        except Exception:
-            import logging
-
-            logging.getLogger("gateway.http").exception("HTTP request failed")
-            return error_response(RequestError(grpc.StatusCode.INTERNAL, "internal error"), 500)
-
     async def messages(self, request: Request) -> Response:
-        return await self._guarded(request, self._messages)
+        return await self.api._guarded(request, self._messages, error_response)
 
     async def count_tokens(self, request: Request) -> Response:
-        return await self._guarded(request, self._count_tokens)
+        return await self.api._guarded(request, self._count_tokens, error_response)
 
     async def _messages(self, request: Request, identity, body) -> Response:
         s = self.api.s
@@ -105,7 +85,7 @@ class AnthropicApi:
         prompt: list[int] = []
         options = run_options(NAMES, max_tokens, lambda ids: prompt.append(len(ids)))
         if body.get("stream"):
-            return EventStream(self.api, identity, req, options, _Events(meta, prompt))
+            return StreamedResponse(self.api.service, identity, [(req, options)], _Events(meta, prompt), SSE)
         out = await collect(self.api, request, identity, req, options)
         if out is None:
             return Response(status_code=499)
@@ -374,7 +354,7 @@ class _Events(Encoder):
         self.meta, self.prompt, self.out = meta, prompt, Output()
         self.started = time.monotonic()
 
-    def start(self) -> list[bytes]:
+    def start(self) -> list[Item]:
         n = self.prompt[0] if self.prompt else 0
         start = {
             **self.meta,
@@ -386,11 +366,11 @@ class _Events(Encoder):
             "usage": {"input_tokens": n, "output_tokens": 0},
         }
         return [
-            sse("message_start", {"type": "message_start", "message": start}),
-            sse("ping", {"type": "ping"}),
+            ("message_start", {"type": "message_start", "message": start}),
+            ("ping", {"type": "ping"}),
         ]
 
-    def message(self, msg: pb.GenerateResponse) -> list[bytes]:
+    def message(self, p: int, msg: pb.GenerateResponse) -> list[Item]:
         chunks = []
         for ev in self.out.feed(msg):
             b = self.out.blocks[ev[1]]
@@ -402,7 +382,7 @@ class _Events(Encoder):
                 else:
                     first = {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {}}
                 data = {"type": "content_block_start", "index": ev[1], "content_block": first}
-                chunks.append(sse("content_block_start", data))
+                chunks.append(("content_block_start", data))
             elif ev[0] == "delta":
                 if b.kind == "thinking":
                     delta = {"type": "thinking_delta", "thinking": ev[2]}
@@ -411,7 +391,7 @@ class _Events(Encoder):
                 else:
                     delta = {"type": "input_json_delta", "partial_json": ev[2]}
                 data = {"type": "content_block_delta", "index": ev[1], "delta": delta}
-                chunks.append(sse("content_block_delta", data))
+                chunks.append(("content_block_delta", data))
             else:
                 if b.kind == "thinking":  # the SDKs expect a signature; there is none to give
                     data = {
@@ -419,22 +399,21 @@ class _Events(Encoder):
                         "index": ev[1],
                         "delta": {"type": "signature_delta", "signature": ""},
                     }
-                    chunks.append(sse("content_block_delta", data))
-                chunks.append(sse("content_block_stop", {"type": "content_block_stop", "index": ev[1]}))
+                    chunks.append(("content_block_delta", data))
+                chunks.append(("content_block_stop", {"type": "content_block_stop", "index": ev[1]}))
         return chunks
 
-    def end(self) -> list[bytes]:
+    def end(self) -> list[Item]:
         reason, sequence = _stop(self.out)
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": _usage(self.out),
         }
-        return [sse("message_delta", delta), sse("message_stop", {"type": "message_stop"})]
+        return [("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
-    def error(self, e: RequestError) -> bytes:
-        body = json.loads(error_response(e).body)
-        return sse("error", body)
+    def error(self, e: RequestError) -> list[Item]:
+        return [("error", json.loads(error_response(e).body))]
 
     def refusal(self, e: RequestError) -> Response:
         return error_response(e)

@@ -2,7 +2,7 @@
 generation path (``GenerationService.run``, as the chat completions route takes it), whole or as a
 stream of server-sent events, and its output cut into the ordered blocks both APIs speak of
 (reasoning, text, tool calls), so that a streamed reply and a whole one are built from the same
-pieces.
+pieces. The stream itself is ``gateway.streamed_response.StreamedResponse`` with each API's encoder.
 
 A client that leaves cancels the run (its engine request is aborted); a stream whose client stops
 reading is held up by uvicorn's send and ended by the stall sweep, as chat completions' are.
@@ -11,14 +11,10 @@ reading is held up by uvicorn's send and ended by the stall sweep, as chat compl
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from starlette.responses import Response
-
-from gateway.errors import RequestError
-from gateway.stall_sweep import StreamControl
+from gateway.streamed_response import peer, wait_disconnect
 from gateway.tool_request import Names
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
@@ -101,16 +97,14 @@ def run_options(names: Names, max_tokens: int | None, on_prompt: Callable | None
 
 async def collect(api, request, identity, req: pb.GenerateRequest, options: dict) -> Output | None:
     """The whole output of one request (None: the client left, and the run was cancelled)."""
-    from gateway.http_api import _peer, _wait_disconnect
-
     out = Output()
 
     async def one() -> None:
-        async for msg in api.service.run(req, identity, client=_peer(request.scope), **options):
+        async for msg in api.service.run(req, identity, client=peer(request.scope), **options):
             out.feed(msg)
 
     task = asyncio.ensure_future(one())
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:
@@ -121,95 +115,3 @@ async def collect(api, request, identity, req: pb.GenerateRequest, options: dict
         watcher.cancel()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-def sse(event: str, data: dict) -> bytes:
-    """A named server-sent event (both APIs name theirs after the ``type`` in the data)."""
-    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event}\ndata: {body}\n\n".encode()
-
-
-class Encoder:
-    """What an API makes of a stream: its events before the first output, per message, at the end,
-    and for an error after the stream began; ``refusal`` is the plain error response for a request
-    refused before any output."""
-
-    def start(self) -> list[bytes]:
-        raise NotImplementedError
-
-    def message(self, msg: pb.GenerateResponse) -> list[bytes]:
-        raise NotImplementedError
-
-    def end(self) -> list[bytes]:
-        raise NotImplementedError
-
-    def error(self, e: RequestError) -> bytes:
-        raise NotImplementedError
-
-    def refusal(self, e: RequestError) -> Response:
-        raise NotImplementedError
-
-
-class EventStream(Response):
-    """One request streamed as server-sent events, each sent once the generation path yields its
-    message; the next is taken only once uvicorn has written this one. A disconnect cancels it."""
-
-    def __init__(self, api, identity, req: pb.GenerateRequest, options: dict, encoder: Encoder) -> None:
-        super().__init__(status_code=200)
-        self.api, self.identity, self.req, self.options, self.encoder = api, identity, req, options, encoder
-
-    async def __call__(self, scope, receive, send) -> None:
-        from gateway.http_api import _START, _HttpStreamContext, _peer, _wait_disconnect
-
-        task = asyncio.current_task()
-        state = {"done": False, "disconnected": False}
-
-        async def watch() -> None:
-            await _wait_disconnect(receive)
-            if not state["done"]:
-                state["disconnected"] = True
-                task.cancel()
-
-        async def body(chunks: list[bytes]) -> None:
-            if chunks:
-                await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
-
-        control = StreamControl(task, _HttpStreamContext(), log_id="")
-        gen = self.api.service.run(
-            self.req, self.identity, control=control, client=_peer(scope), **self.options
-        )
-        watcher = asyncio.ensure_future(watch())
-        started = False
-        try:
-            try:
-                async for msg in gen:
-                    if not started:
-                        await send(_START)
-                        started = True
-                        await body(self.encoder.start())
-                    await body(self.encoder.message(msg))
-            except RequestError as e:
-                if not started:  # refused before any output: a plain error response
-                    state["done"] = True
-                    await self.encoder.refusal(e)(scope, receive, send)
-                    return
-                await body([self.encoder.error(e)])
-                state["done"] = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            finally:
-                await gen.aclose()
-            if not started:
-                await send(_START)
-                await body(self.encoder.start())
-            state["done"] = True
-            await send(
-                {"type": "http.response.body", "body": b"".join(self.encoder.end()), "more_body": False}
-            )
-        except asyncio.CancelledError:
-            if state["disconnected"] or control.stalled:
-                return  # the connection is gone or is being dropped; the engine request was aborted
-            raise
-        finally:
-            state["done"] = True
-            watcher.cancel()

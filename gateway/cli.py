@@ -126,6 +126,13 @@ def _add_serve(sub) -> None:
         "--tool-call-parser", help="the model's call format: hermes, llama3_json, mistral, pythonic"
     )
     t.add_argument(
+        "--tool-call-forms",
+        choices=["on", "off"],
+        default="off",
+        help='with tool_choice "auto": also read calls the model writes as fenced or bare JSON or pythonic '
+        "calls of the request's tools (arguments valid by the schema); off: only --tool-call-parser's format",
+    )
+    t.add_argument(
         "--reasoning-parser", help="split <think>...</think> out as reasoning_content: deepseek_r1, qwen3"
     )
     p.add_argument("--log-level", default="INFO")
@@ -314,6 +321,7 @@ def _serve(args) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            tool_call_forms=args.tool_call_forms == "on",
         )
         if args.chat_template is not None and not Path(args.chat_template).is_file():
             raise ValueError(f"--chat-template {args.chat_template}: no such file")

@@ -20,6 +20,7 @@ from gateway.auth import Identity
 from gateway.embedding_service import EmbeddingService, vector
 from gateway.errors import FieldViolation, invalid
 from gateway.openai_protocol import BodyReader
+from gateway.streamed_response import peer
 from llmserve_proto.llmserve.v1 import embeddings_pb2 as pb
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "normalize", "pooling", "request_id"}
@@ -88,7 +89,7 @@ def routes(api) -> list[Route]:
         embed_inputs(body.get("input"), "input", req)
         api.s.check_serving()
         api.s.check_model(req.model)
-        sinks = await service.embed(req, identity, client=_peer(request), field="input")
+        sinks = await service.embed(req, identity, client=peer(request.scope), field="input")
         data = []
         for i, sink in enumerate(sinks):
             vec = vector(sink)
@@ -109,8 +110,3 @@ def routes(api) -> list[Route]:
         return await api._guarded(request, handler)
 
     return [Route("/v1/embeddings", embeddings, methods=["POST"])]
-
-
-def _peer(request: Request) -> str | None:
-    client = request.scope.get("client")
-    return f"http:{client[0]}:{client[1]}" if client else None  # as gateway.http_api names it

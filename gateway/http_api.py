@@ -43,23 +43,12 @@ from gateway.openai_protocol import (
     status_of,
 )
 from gateway.responses_api import ResponsesApi
-from gateway.stall_sweep import StreamControl
+from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse, peer, wait_disconnect
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
-
-
-class _HttpStreamContext:
-    """What the stall sweep needs of a call: ``abort`` (the stream is ended by closing it)."""
-
-    async def abort(self, code, message):
-        raise asyncio.CancelledError(message)
-
-
-class _Disconnected(Exception):
-    pass
 
 
 class HttpApi:
@@ -120,7 +109,11 @@ class HttpApi:
             headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
         return JSONResponse(error_body(e, status), status_code=status, headers=headers)
 
-    async def _guarded(self, request: Request, handler) -> Response:
+    async def _guarded(self, request: Request, handler, error=None) -> Response:
+        """``handler(request, identity, body)`` with the caller's credentials checked and the body
+        read (POST), every refusal answered in the API's own error shape: ``error(e, status=None)``
+        (default OpenAI's)."""
+        error = error or self._error
         try:
             identity = self._identity(request)
             body = await self._body(request) if request.method == "POST" else None
@@ -131,12 +124,12 @@ class HttpApi:
                 f"the request body is over {e.cap} bytes (max_message_bytes)",
                 [FieldViolation("body", f"the limit is max_message_bytes={e.cap}")],
             )
-            return self._error(err, 413)
+            return error(err, 413)
         except RequestError as e:
-            return self._error(e)
-        except Exception:  # a bug: still OpenAI's shape, and the traceback in the log
-            log.exception("HTTP request failed")
-            return self._error(RequestError(grpc.StatusCode.INTERNAL, "internal error"), 500)
+            return error(e)
+        except Exception:  # a bug: still the API's shape, and the traceback in the log
+            log.exception("HTTP request failed: %s", request.url.path)
+            return error(RequestError(grpc.StatusCode.INTERNAL, "internal error"), 500)
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -174,7 +167,9 @@ class HttpApi:
         fmt = _Formatter(self.s.tokenizer, chat, meta, n, reqs[0].return_token_ids)
         if body.get("stream"):
             options = body.get("stream_options") or {}
-            return _SseResponse(self, identity, reqs, fmt, bool(options.get("include_usage")))
+            runs = [(r, fmt.run_options(p)) for p, r in enumerate(reqs)]
+            events = _ChatEvents(fmt, bool(options.get("include_usage")))
+            return StreamedResponse(self.service, identity, runs, events, SSE)
         return await self._whole(request, identity, reqs, fmt)
 
     async def _whole(self, request: Request, identity, reqs, fmt: _Formatter) -> Response:
@@ -183,12 +178,12 @@ class HttpApi:
 
         async def one(p: int, req: pb.GenerateRequest) -> None:
             async for msg in self.service.run(
-                req, identity, client=_peer(request.scope), **fmt.run_options(p)
+                req, identity, client=peer(request.scope), **fmt.run_options(p)
             ):
                 fmt.add(p, msg)
 
         tasks = [asyncio.ensure_future(one(p, r)) for p, r in enumerate(reqs)]
-        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             pending = set(tasks)
             while pending:
@@ -275,13 +270,6 @@ class HttpApi:
             return JSONResponse({"prompt": out.text})
 
         return await self._guarded(request, handler)
-
-
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class _Formatter:
@@ -494,137 +482,28 @@ def _finite(x: float) -> float:
     return x if x > -9999.0 else -9999.0
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+class _ChatEvents(Encoder):
+    """OpenAI's stream: one ``data:`` chunk per message, the usage chunk if asked, ``[DONE]``; an
+    error after the stream began is one more event, then the end."""
 
+    def __init__(self, fmt: _Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+        self.seen: set[int] = set()  # choices that had their first chunk
 
-class _SseResponse(Response):
-    """A raw ASGI streaming response: each stream message becomes one ``data:`` event as soon as
-    the generation path yields it; the next is taken only once uvicorn has written this one (its
-    send waits while the socket buffer is full). A disconnect cancels the handler task."""
+    def message(self, p: int, msg: pb.GenerateResponse) -> list[Item]:
+        key = p * self.fmt.n + msg.index
+        first = key not in self.seen
+        self.seen.add(key)
+        return [self.fmt.chunk(p, msg, first)]
 
-    def __init__(self, api: HttpApi, identity, reqs, fmt: _Formatter, include_usage: bool) -> None:
-        super().__init__(status_code=200)
-        self.api, self.identity, self.reqs, self.fmt = api, identity, reqs, fmt
-        self.include_usage = include_usage
+    def end(self) -> list[Item]:
+        return ([self.fmt.usage_chunk()] if self.include_usage else []) + ["[DONE]"]
 
-    async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        state = {"done": False, "disconnected": False}
+    def error(self, e: RequestError) -> list[Item]:
+        return [error_body(e), *self.end()]
 
-        async def watch() -> None:
-            await _wait_disconnect(receive)
-            if not state["done"]:
-                state["disconnected"] = True
-                task.cancel()
-
-        controls = []
-        gens = []
-        for p, r in enumerate(self.reqs):
-            control = StreamControl(task, _HttpStreamContext(), log_id="")
-            controls.append(control)
-            gens.append(
-                self.api.service.run(
-                    r, self.identity, control=control, client=_peer(scope), **self.fmt.run_options(p)
-                )
-            )
-        watcher = asyncio.ensure_future(watch())
-        started = False
-        try:
-            merged = _merge(gens) if len(gens) > 1 else _single(gens[0])
-            try:
-                first_seen: set[int] = set()
-                async for p, msg in merged:
-                    if not started:
-                        await send(_START)
-                        started = True
-                    key = p * self.fmt.n + msg.index
-                    first = key not in first_seen
-                    first_seen.add(key)
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": _sse(self.fmt.chunk(p, msg, first)),
-                            "more_body": True,
-                        }
-                    )
-            except RequestError as e:
-                if not started:  # refused before any output: a plain error response
-                    state["done"] = True
-                    await self.api._error(e)(scope, receive, send)
-                    return
-                await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
-            finally:
-                await merged.aclose()
-            if not started:
-                await send(_START)
-            if self.include_usage:
-                await send(
-                    {"type": "http.response.body", "body": _sse(self.fmt.usage_chunk()), "more_body": True}
-                )
-            state["done"] = True
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        except asyncio.CancelledError:
-            if state["disconnected"] or any(c.stalled for c in controls):
-                return  # the connection is gone or is being dropped; the engine requests were aborted
-            raise
-        finally:
-            state["done"] = True
-            watcher.cancel()
-
-
-_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [
-        (b"content-type", b"text/event-stream; charset=utf-8"),
-        (b"cache-control", b"no-cache"),
-        (b"x-accel-buffering", b"no"),
-    ],
-}
-
-
-async def _single(gen):
-    try:
-        async for msg in gen:
-            yield 0, msg
-    finally:
-        await gen.aclose()
-
-
-async def _merge(gens):
-    """Several prompts' streams as one, in arrival order; each pump waits until its message is taken."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-    END = object()
-
-    async def pump(p: int, gen) -> None:
-        try:
-            async for msg in gen:
-                await queue.put((p, msg))
-        except asyncio.CancelledError:
-            raise  # the consumer is gone: nobody would take a report
-        except Exception as e:  # handed to the consumer
-            await queue.put((p, e))
-            return
-        finally:
-            await gen.aclose()
-        await queue.put((p, END))
-
-    tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(gens)]
-    live = len(tasks)
-    try:
-        while live:
-            p, item = await queue.get()
-            if item is END:
-                live -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield p, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def refusal(self, e: RequestError) -> Response:
+        return HttpApi._error(e)
 
 
 def ssl_options(tls) -> dict:
@@ -678,9 +557,3 @@ class HttpServer:
         if self._main is not None:
             await asyncio.gather(self._main, return_exceptions=True)
         await self.server.shutdown()
-
-
-def _peer(scope) -> str | None:
-    """The client's connection (host:port), for admission's share kept for new clients."""
-    client = scope.get("client")
-    return f"http:{client[0]}:{client[1]}" if client else None

@@ -18,9 +18,7 @@ are refused unless neutral. See docs/ollama.md.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
 from datetime import UTC, datetime
 from importlib import metadata
@@ -36,12 +34,10 @@ from gateway.embeddings_api import check_dimensions
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.generation_service import merge_tool_calls
 from gateway.openai_protocol import chat_request, completion_requests, status_of
-from gateway.stall_sweep import StreamControl
+from gateway.streamed_response import NDJSON, Encoder, Item, StreamedResponse, peer
 from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import embeddings_pb2 as epb
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
-
-log = logging.getLogger("gateway.ollama")
 
 # Ollama option -> the OpenAI body's field (gateway.openai_protocol reads it).
 OPTIONS = {
@@ -101,13 +97,13 @@ def ollama_field(field: str) -> str:
     return field
 
 
-def ollama_error(e: RequestError) -> JSONResponse:
+def ollama_error(e: RequestError, status: int | None = None) -> JSONResponse:
     """Ollama's error shape, each field as the Ollama client spells it."""
     if e.violations:
         message = "; ".join(f"{ollama_field(v.field)}: {v.description}" for v in e.violations)
     else:
         message = e.message
-    status = status_of(e.code)
+    status = status or status_of(e.code)
     headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else {}
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -210,6 +206,23 @@ def _translated(read, body: dict):
         raise invalid([FieldViolation(ollama_field(v.field), v.description) for v in e.violations]) from None
 
 
+def _think(think, model: str, can_think: bool) -> bool:
+    """Ollama's ``think``: whether the reply shows the model's thinking. As Ollama: true on a model
+    that does not think (here: no --reasoning-parser splits its thinking out) is refused, false is
+    always accepted, and the levels ("high", "medium", "low") are gpt-oss's only."""
+    if think is None:
+        return True
+    if isinstance(think, str):
+        raise _bad("think", f"value {think[:32]!r} is not supported for this model (true or false)")
+    if not isinstance(think, bool):
+        raise _bad("think", "must be true or false")
+    if think and not can_think:
+        raise _bad(
+            "think", f"{model!r} does not support thinking (the server runs without --reasoning-parser)"
+        )
+    return think
+
+
 def _refuse_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     for name in fields:
         if body.get(name):
@@ -261,8 +274,9 @@ class _Reply:
     """The stream's messages as Ollama's objects, for /api/chat (``message``) or /api/generate
     (``response``), with the counts and durations of the last."""
 
-    def __init__(self, chat: bool, model: str, stream: bool) -> None:
+    def __init__(self, chat: bool, model: str, stream: bool, thinking: bool = True) -> None:
         self.chat, self.model, self.stream = chat, model, stream
+        self.show_thinking = thinking  # think: false: the model's thinking is not returned
         self.started = time.monotonic_ns()
         self.first: int | None = None
         self.text: list[str] = []
@@ -274,6 +288,7 @@ class _Reply:
 
     def _body(self, content: str, thinking: str, calls=None) -> dict:
         out: dict = {"model": self.model, "created_at": _now()}
+        thinking = thinking if self.show_thinking else ""
         if self.chat:
             message: dict = {"role": "assistant", "content": content}
             if thinking:
@@ -299,7 +314,7 @@ class _Reply:
             self.text.append(msg.text)
             self.thinking.append(msg.reasoning_content)
             return None
-        if not msg.text and not msg.reasoning_content:
+        if not msg.text and not (msg.reasoning_content and self.show_thinking):
             return None
         return {**self._body(msg.text, msg.reasoning_content), "done": False}
 
@@ -330,100 +345,25 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else {}
 
 
-class _NdjsonResponse(Response):
-    """Newline-delimited JSON, one object per stream message as the generation path yields it (the
-    next is taken once uvicorn has written this one). A disconnect cancels the handler task, whose
-    generator aborts the engine request; the stall sweep can end it the same way."""
+class _Lines(Encoder):
+    """Ollama's stream: an object per message that shows something, the last with ``done``; an
+    error after the stream began is one ``{"error"}`` line, and the stream ends there."""
 
-    media_type = "application/x-ndjson"
+    def __init__(self, reply: _Reply) -> None:
+        self.reply = reply
 
-    def __init__(self, api, identity, req: pb.GenerateRequest, reply: _Reply) -> None:
-        super().__init__(status_code=200)
-        self.api, self.identity, self.req, self.reply = api, identity, req, reply
+    def message(self, p: int, msg: pb.GenerateResponse) -> list[Item]:
+        chunk = self.reply.add(msg)
+        return [] if chunk is None else [chunk]
 
-    async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        state = {"done": False, "disconnected": False}
+    def end(self) -> list[Item]:
+        return [self.reply.final()]
 
-        async def watch() -> None:
-            await _wait_disconnect(receive)
-            if not state["done"]:
-                state["disconnected"] = True
-                task.cancel()
+    def error(self, e: RequestError) -> list[Item]:
+        return [{"error": json.loads(ollama_error(e).body)["error"]}]
 
-        control = StreamControl(task, _HttpStreamContext(), log_id="")
-        gen = self.api.service.run(
-            self.req,
-            self.identity,
-            control=control,
-            client=_peer(scope),
-            fill_context=True,
-            tool_names=HTTP_NAMES,
-        )
-        watcher = asyncio.ensure_future(watch())
-        started = False
-
-        async def line(obj: dict, more: bool = True) -> None:
-            nonlocal started
-            if not started:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"application/x-ndjson"),
-                            (b"cache-control", b"no-cache"),
-                        ],
-                    }
-                )
-                started = True
-            await send(
-                {"type": "http.response.body", "body": json.dumps(obj).encode() + b"\n", "more_body": more}
-            )
-
-        try:
-            try:
-                async for msg in gen:
-                    chunk = self.reply.add(msg)
-                    if chunk is not None:
-                        await line(chunk)
-            except RequestError as e:
-                state["done"] = True
-                if not started:  # refused before any output: a plain error response
-                    await ollama_error(e)(scope, receive, send)
-                    return
-                await line({"error": json.loads(ollama_error(e).body)["error"]}, more=False)
-                return
-            finally:
-                await gen.aclose()
-            state["done"] = True
-            await line(self.reply.final(), more=False)
-        except asyncio.CancelledError:
-            if state["disconnected"] or control.stalled:
-                return  # the connection is gone or is being dropped; the engine request was aborted
-            raise
-        finally:
-            state["done"] = True
-            watcher.cancel()
-
-
-class _HttpStreamContext:
-    """What the stall sweep needs of a call: ``abort`` (the stream is ended by closing it)."""
-
-    async def abort(self, code, message):
-        raise asyncio.CancelledError(message)
-
-
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _peer(scope) -> str | None:
-    client = scope.get("client")
-    return f"http:{client[0]}:{client[1]}" if client else None  # as gateway.http_api names it
+    def refusal(self, e: RequestError) -> Response:
+        return ollama_error(e)
 
 
 # --- routes ---------------------------------------------------------------------------------------
@@ -448,34 +388,30 @@ def routes(api) -> list[Route]:
         return s.model_name if ":" in s.model_name else f"{s.model_name}:latest"
 
     def details() -> dict:
-        # The gateway knows the served name and the engine's facts, not the file's format or family.
+        """The engine's facts about the served files (engine_svc/model_card.py), as Ollama lists them."""
+        info = s.engine.info
+        family = info.model_family if info else ""
         return {
             "parent_model": "",
-            "format": "",
-            "family": "",
-            "families": None,
-            "parameter_size": "",
-            "quantization_level": "",
+            "format": info.model_format if info else "",
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": info.parameter_size if info else "",
+            "quantization_level": info.quantization_level if info else "",
         }
 
+    def size() -> int:
+        info = s.engine.info
+        return info.model_size_bytes if info else 0
+
     def guarded(handler, method: str = "POST"):
+        async def checked(request: Request, identity: Identity, body) -> Response:
+            if method == "POST" and not isinstance(body, dict):
+                raise _bad("body", "must be a JSON object")
+            return await handler(request, identity, body)
+
         async def endpoint(request: Request) -> Response:
-            try:
-                identity = api._identity(request)
-                body = await api._body(request) if method == "POST" else None
-                if method == "POST" and not isinstance(body, dict):
-                    raise _bad("body", "must be a JSON object")
-                return await handler(request, identity, body)
-            except RequestError as e:
-                return ollama_error(e)
-            except Exception as e:
-                cap = getattr(e, "cap", None)  # http_api's body-too-large signal (it imports this module)
-                if isinstance(cap, int):
-                    return JSONResponse(
-                        {"error": f"body: the limit is max_message_bytes={cap}"}, status_code=413
-                    )
-                log.exception("Ollama API request failed")  # a bug: still Ollama's shape
-                return JSONResponse({"error": "internal error"}, status_code=500)
+            return await api._guarded(request, checked, ollama_error)
 
         return endpoint
 
@@ -490,15 +426,19 @@ def routes(api) -> list[Route]:
             out = {"model": model or s.model_name, "created_at": _now(), "done": True, "done_reason": "load"}
             out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
             return JSONResponse(out)
+        thinking = _think(
+            body.get("think"), body.get("model") or tagged(), bool(s.tool_options.reasoning_parser)
+        )
         req = chat_body(body, model, s.limits) if chat else generate_body(body, model, s.limits)
         lora = s.lora_for_model(model)
         if lora:
             req.model, req.lora = "", lora
-        reply = _Reply(chat, body.get("model") or tagged(), stream)
+        reply = _Reply(chat, body.get("model") or tagged(), stream, thinking)
         if stream:
-            return _NdjsonResponse(api, identity, req, reply)
+            options = {"fill_context": True, "tool_names": HTTP_NAMES}
+            return StreamedResponse(api.service, identity, [(req, options)], _Lines(reply), NDJSON)
         async for msg in api.service.run(
-            req, identity, client=_peer(request.scope), fill_context=True, tool_names=HTTP_NAMES
+            req, identity, client=peer(request.scope), fill_context=True, tool_names=HTTP_NAMES
         ):
             reply.add(msg)
         return JSONResponse(reply.final())
@@ -531,7 +471,7 @@ def routes(api) -> list[Route]:
             raise _bad("dimensions", "must be an integer")
         if body.get("truncate") is not None and not isinstance(body["truncate"], bool):
             raise _bad("truncate", "must be true or false")
-        sinks = await embeddings.embed(req, identity, client=_peer(request.scope), field=field)
+        sinks = await embeddings.embed(req, identity, client=peer(request.scope), field=field)
         vectors = [vector(x) for x in sinks]
         for v in vectors:
             check_dimensions(dimensions, len(v))
@@ -555,7 +495,7 @@ def routes(api) -> list[Route]:
             "name": tagged(),
             "model": tagged(),
             "modified_at": _STARTED,
-            "size": 0,
+            "size": size(),
             "digest": "",
             "details": details(),
         }
@@ -566,7 +506,7 @@ def routes(api) -> list[Route]:
         card = {
             "name": tagged(),
             "model": tagged(),
-            "size": 0,
+            "size": size(),
             "digest": "",
             "details": details(),
             "expires_at": "2318-01-01T00:00:00Z",  # served until the server stops: no keep_alive
@@ -586,18 +526,21 @@ def routes(api) -> list[Route]:
             capabilities.append("tools")
         if s.tool_options.reasoning_parser:
             capabilities.append("thinking")
+        family = info.model_family or "llmserve"
         return JSONResponse(
             {
                 "modelfile": "",
                 "parameters": "",
-                "template": "",  # the model's chat template is Jinja, not an Ollama (Go) template
+                # The model's chat template as it is (Jinja, where Ollama's own are Go templates).
+                "template": s.tokenizer.chat_template_text if s.tokenizer is not None else "",
                 "details": details(),
-                # "<architecture>.context_length" is where Ollama clients read the context size.
+                # "<general.architecture>.context_length" is where Ollama clients read the context size.
                 "model_info": {
-                    "general.architecture": "llmserve",
+                    "general.architecture": family,
                     "general.name": s.model_name,
-                    "llmserve.context_length": info.max_model_len,
-                    "llmserve.vocab_size": info.vocab_size,
+                    "general.parameter_count": info.parameter_count,
+                    f"{family}.context_length": info.max_model_len,
+                    f"{family}.vocab_size": info.vocab_size,
                 },
                 "capabilities": capabilities,
                 "modified_at": _STARTED,

@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api_stream import Encoder, EventStream, Output, collect, run_options
+from gateway.api_stream import Output, collect, run_options
 from gateway.errors import FieldViolation, RequestError
 from gateway.openai_protocol import BodyReader, error_body, status_of
+from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse
 from gateway.token_only import refuse_text_call
 from gateway.tool_request import Names
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
@@ -67,7 +68,7 @@ class ResponsesApi:
         meta = _meta(body, s.model_name, max_tokens)
         options = run_options(NAMES, max_tokens)
         if body.get("stream"):
-            return EventStream(self.api, identity, req, options, _Events(meta))
+            return StreamedResponse(self.api.service, identity, [(req, options)], _Events(meta), SSE)
         out = await collect(self.api, request, identity, req, options)
         if out is None:
             return Response(status_code=499)
@@ -325,18 +326,16 @@ class _Events(Encoder):
     def __init__(self, meta: dict) -> None:
         self.meta, self.out, self.ids, self.seq = meta, Output(), _Ids(), 0
 
-    def _ev(self, kind: str, **data) -> bytes:
-        from gateway.api_stream import sse
-
+    def _ev(self, kind: str, **data) -> Item:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        return sse(kind, payload)
+        return kind, payload
 
-    def start(self) -> list[bytes]:
+    def start(self) -> list[Item]:
         head = {**self.meta, "status": "in_progress", "output": [], "usage": None}
         return [self._ev("response.created", response=head), self._ev("response.in_progress", response=head)]
 
-    def message(self, msg: pb.GenerateResponse) -> list[bytes]:
+    def message(self, p: int, msg: pb.GenerateResponse) -> list[Item]:
         chunks = []
         for ev in self.out.feed(msg):
             i = ev[1]
@@ -418,14 +417,14 @@ class _Events(Encoder):
                 chunks.append(self._ev("response.output_item.done", output_index=i, item=item))
         return chunks
 
-    def end(self) -> list[bytes]:
+    def end(self) -> list[Item]:
         whole = response(self.meta, self.out, self.ids)
         kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
         return [self._ev(kind, response=whole)]
 
-    def error(self, e: RequestError) -> bytes:
+    def error(self, e: RequestError) -> list[Item]:
         err = error_body(e)["error"]
-        return self._ev("error", code=err["code"], message=err["message"], param=err["param"])
+        return [self._ev("error", code=err["code"], message=err["message"], param=err["param"])]
 
     def refusal(self, e: RequestError) -> Response:
         e = _as_input(e)

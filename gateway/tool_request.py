@@ -18,6 +18,7 @@ from gateway.errors import FieldViolation
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 from tokenizer_svc.tool_parsers import ToolParser, get_parser
 from tokenizer_svc.tool_parsers.schemas import schema_error, without_noops
+from tokenizer_svc.tool_parsers.written_forms import WrittenForms
 
 MAX_TOOLS = 128
 log = logging.getLogger("gateway.tools")
@@ -30,6 +31,9 @@ class ToolOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # --tool-call-forms: with tool_choice "auto", calls the model wrote in a form its template does
+    # not ask for (fenced or bare JSON, pythonic) are read as calls too (tool_parsers/written_forms.py)
+    tool_call_forms: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -40,6 +44,10 @@ class ToolOptions:
             get_reasoning_parser(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_forms and not self.enable_auto_tool_choice:
+            raise ValueError(
+                "--tool-call-forms on needs --enable-auto-tool-choice (it reads tool_choice auto's output)"
+            )
 
 
 @dataclass
@@ -163,7 +171,7 @@ def plan_tools(
                     '"auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
                 )
                 return plan
-            plan.parser = parser
+            plan.parser = WrittenForms(parser, tools) if options.tool_call_forms else parser
             if not has_constraint:  # free text or well-formed calls (where the format can say)
                 parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
                 for i, why in unusable.items():  # its calls are still JSON objects, just not checked

@@ -119,3 +119,42 @@ def test_embedding_params_are_checked():
         SamplingParams(max_tokens=1, pooling="cls").validate(VOCAB)
     with pytest.raises(ValueError, match="normalize"):
         SamplingParams(max_tokens=1, pooling="mean", normalize="yes").validate(VOCAB)
+
+
+def test_an_embedding_request_samples_no_token(tiny_llama):
+    """An embedding request computes its prompt and ends: no logits row, no sampled token, no decode
+    step (a sampler spy and the model's logits both see only the generation beside it)."""
+    engine = make_engine(tiny_llama, max_num_batched_tokens=16)
+    runner = engine.runner
+    sampled, logit_rows = [], []
+    sampler, compute_logits = runner.sampler, runner.forward.model.compute_logits
+
+    def spy_sampler(logits, batch):
+        sampled.append(len(logits))
+        return sampler(logits, batch)
+
+    def spy_logits(hidden):
+        logit_rows.append(len(hidden))
+        return compute_logits(hidden)
+
+    runner.sampler, runner.forward.model.compute_logits = spy_sampler, spy_logits
+    p = random_prompts([40, 9, 12], VOCAB, seed=21)
+    engine.add_request("e-last", p[0], embed_params("last"))
+    engine.add_request("e-mean", p[1], embed_params("mean"))
+    steps = 0
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+        steps += 1
+    assert sampled == [] and logit_rows == [], "an embedding request sampled or made logits"
+    assert steps == 4  # 49 prompt tokens in steps of 16: no step after the prompts
+    assert all(d.new_token_ids == [] and d.finish_reason == "stop" for d in deltas)
+    assert {d.request_id for d in deltas if d.embedding is not None} == {"e-last", "e-mean"}
+    assert engine.num_generation_tokens == 0
+    # beside a generation: only its rows are sampled
+    engine.add_request("e-again", p[2], embed_params("last"))
+    engine.add_request("g", p[1], SamplingParams(max_tokens=3, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sum(sampled) == 3 == engine.num_generation_tokens
+    assert_pool_whole(engine)

@@ -190,7 +190,16 @@ def test_ollama_models_version_and_errors(oll, service):
     assert model.model == "default:latest"
     assert [m.model for m in oll.ps().models] == ["default:latest"]
     show = oll.show("default")
-    assert show.modelinfo["llmserve.context_length"] == 8192 and "embedding" in show.capabilities
+    assert show.modelinfo["general.architecture"] == "llama"  # SmolLM2's GGUF
+    assert show.modelinfo["llama.context_length"] == 8192 and "embedding" in show.capabilities
+    assert show.modelinfo["general.parameter_count"] == 134515008
+    assert "<|im_start|>" in show.template  # the model's own chat template (Jinja)
+    want = dict(
+        format="gguf", family="llama", families=["llama"], parameter_size="135M", quantization_level="Q4_1"
+    )
+    for d in (show.details, model.details, oll.ps().models[0].details):
+        assert {k: getattr(d, k) for k in want} == want
+    assert model.size == GGUF.stat().st_size
     assert httpx.get(service.http_url + "/api/version").json()["version"]
     cases = [
         (dict(model="nope", messages=[{"role": "user", "content": "x"}]), 404, "'nope' is not served"),
@@ -334,3 +343,20 @@ def test_a_streamed_chat_whose_client_leaves_is_aborted_in_the_engine(service):
         30,
         "no cancelled line",
     )
+
+
+def test_ollama_think_as_ollama_answers_it(oll):
+    """This server splits out no thinking (no --reasoning-parser): think true is refused as Ollama
+    refuses it for a model without the capability, false is accepted, levels are refused."""
+    msgs = [{"role": "user", "content": "Say hi."}]
+    with pytest.raises(ollama.ResponseError) as e:
+        oll.chat(model="default", messages=msgs, think=True, options={"num_predict": 4})
+    assert (
+        e.value.status_code == 400 and "think" in str(e.value) and "does not support thinking" in str(e.value)
+    )
+    with pytest.raises(ollama.ResponseError) as e:
+        oll.generate(model="default", prompt="Say hi.", think="high", options={"num_predict": 4})
+    assert e.value.status_code == 400 and "think" in str(e.value)
+    r = oll.chat(model="default", messages=msgs, think=False, options={"temperature": 0, "num_predict": 4})
+    assert r.done and r.message.content and not r.message.thinking
+    assert "thinking" not in oll.show("default").capabilities

@@ -157,3 +157,22 @@ def test_replies_stream_pieces_and_end_with_counts_and_calls():
     assert all(whole.add(m) is None for m in messages)
     out = whole.final()
     assert out["response"] == "Hello" and "message" not in out and json.dumps(out)
+
+
+def test_think_false_hides_the_thinking_of_a_model_that_thinks():
+    from gateway.ollama_api import _Reply, _think
+    from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+
+    assert _think(None, "m", True) is True and _think(False, "m", True) is False
+    assert _think(True, "m", True) is True and _think(False, "m", False) is False
+    for stream in (True, False):
+        reply = _Reply(chat=True, model="m", stream=stream, thinking=False)
+        chunks = [
+            reply.add(pb.GenerateResponse(reasoning_content="hmm")),
+            reply.add(pb.GenerateResponse(text="Hi")),
+        ]
+        last = reply.final()
+        shown = [c for c in chunks if c is not None]
+        assert all("thinking" not in c["message"] for c in [*shown, last])
+        assert (shown[0]["message"]["content"] if stream else last["message"]["content"]) == "Hi"
+        assert len(shown) == (1 if stream else 0)  # the thought alone is no chunk

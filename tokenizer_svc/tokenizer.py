@@ -69,6 +69,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's Jinja text ("" when there is none; the default of several named)."""
+        t = self._hf.chat_template
+        if isinstance(t, dict):
+            t = t.get("default") or next(iter(t.values()), "")
+        return t or ""
+
     def encode(
         self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True
     ) -> list[int]:

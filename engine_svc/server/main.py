@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from engine_svc.model_card import model_card
 from engine_svc.rpc.defaults import ENGINE_TCP_PORT
 from engine_svc.rpc.engine_options import add_engine_options
 from engine_svc.rpc.grpc_options import Keepalive, message_size_options
@@ -151,6 +152,7 @@ def warm_up(engine) -> None:
 
 def engine_info(engine) -> pb.EngineInfo:
     mi = engine.model_info
+    card = model_card(engine.config.model)
     return pb.EngineInfo(
         model_name=mi.model_name,
         vocab_size=mi.vocab_size,
@@ -161,6 +163,12 @@ def engine_info(engine) -> pb.EngineInfo:
         max_logprobs=mi.max_logprobs,
         max_loras=engine.config.max_loras if engine.config.enable_lora else 0,
         max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else 0,
+        model_format=card.format,
+        model_family=card.family,
+        parameter_count=card.parameter_count,
+        parameter_size=card.parameter_size,
+        quantization_level=card.quantization_level,
+        model_size_bytes=card.size_bytes,
     )
 
 
