@@ -26,7 +26,6 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
-from engine_svc.pooling import end_embeddings
 from engine_svc.request_limits import (
     RequestLimits,
     Violation,
@@ -407,8 +406,6 @@ class LLMEngine:
         if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)
-            if out.layout.pooled:  # embedding requests whose prompt ended: their vector, no token
-                stepped += end_embeddings(self.scheduler, out.layout.pooled, result.pooled)
             self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
             deltas += stepped
             self.num_generation_tokens += sum(len(d.new_token_ids) for d in stepped)

@@ -5,7 +5,7 @@ token's row; "mean": the mean of every prompt token's row), L2-normalised unless
 An embedding request is an ordinary request with ``params.pooling`` set (and ``max_tokens`` 1, which
 it never uses): it runs its prompt (in chunks, after a prefix-cache hit, recomputed after a
 preemption, like any other), but the step that ends its prompt gives it no logits row and samples
-nothing: ``end_embeddings`` finishes it there with its vector on a delta that holds no token.
+nothing: the scheduler's update finishes it there with its vector on a delta that holds no token.
 
 Bitwise: a row's hidden state has the same bits whatever shares its step and however the prompt
 was chunked (the CPU kernels' contract, docs/design/batch-invariance.md), and each vector is
@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_svc.outputs import RequestDelta
-from engine_svc.sequence import FinishReason, Sequence
+from engine_svc.sequence import Sequence
 
 
 class PoolingPlan:
@@ -71,31 +70,6 @@ class PoolingPlan:
                 vector = vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)
             out[request.request_id] = vector.numpy().astype("<f4").tobytes()
         return out
-
-
-def end_embeddings(scheduler, seqs: list[Sequence], vectors: dict[str, bytes]) -> list[RequestDelta]:
-    """The embedding requests whose prompt ended this step (``layout.pooled``), once the scheduler
-    has applied the step (their counters moved and their blocks were published for prefix hits):
-    each finishes (``stop``) with its vector and no token, and its blocks go back."""
-    deltas = []
-    for seq in seqs:
-        request = seq.request
-        seq.finish_reason = FinishReason.STOP
-        request.ended.add(seq.index)
-        scheduler.remove(seq)
-        deltas.append(
-            RequestDelta(
-                request.request_id,
-                seq.index,
-                [],
-                finish_reason=seq.finish_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                request_finished=True,
-                embedding=vectors[request.request_id],
-            )
-        )
-    return deltas
 
 
 def decode_vector(data: bytes) -> np.ndarray:

@@ -256,11 +256,11 @@ class Scheduler:
         waiting before the running on a tie, in the queue's order); within a round the clients
         stepped least recently go first. A seat a waiting sequence could not use (the pool, the
         budgets or ``max_num_seqs`` kept it out) counts as its turn, so the running ones that sat
-        out for it come first next step and nothing waits on itself. So a client's first request is admitted in the next step however many
-        another client has queued or running, and admissions count against the seats like any
-        sequence. Under the priority policy a more urgent sequence is seated before any less
-        urgent one, in rounds within each priority. Deterministic: ties fall by position in the
-        running list (waiting ones: in the queue)."""
+        out for it come first next step and nothing waits on itself. So a client's first request
+        is admitted in the next step however many another client has queued or running, and
+        admissions count against the seats like any sequence. Under the priority policy a more
+        urgent sequence is seated before any less urgent one, in rounds within each priority.
+        Deterministic: ties fall by position in the running list (waiting ones: in the queue)."""
         runnable = [s for s in self.running if not s.request.paused]
         waiting = self.waiting.ready
         cap = self.max_per_step
@@ -594,7 +594,27 @@ class Scheduler:
                 if request in done:
                     delta.request_finished = True
                     done.discard(request)
+        for seq in layout.pooled:  # embedding requests whose prompt ended: their vector, no token
+            deltas.append(self._end_embedding(seq, result.pooled[seq.request.request_id]))
         return deltas
+
+    def _end_embedding(self, seq: Sequence, vector: bytes) -> RequestDelta:
+        """An embedding request whose prompt this step ended (its counters moved and its blocks
+        were published above, for prefix hits) finishes with its vector and no token."""
+        request = seq.request
+        seq.finish_reason = FinishReason.STOP
+        request.ended.add(seq.index)
+        self.remove(seq)
+        return RequestDelta(
+            request.request_id,
+            seq.index,
+            [],
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            request_finished=True,
+            embedding=vector,
+        )
 
     def _keep_drafts(self, out: SchedulerOutput, proposed: dict[int, list[int]]) -> None:
         """Now that their tokens are in: each sequence that sampled keeps the drafts proposed after

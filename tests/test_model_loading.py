@@ -83,5 +83,6 @@ def test_kv_cache_sized_from_a_byte_budget(tiny_llama):
 def test_a_kv_budget_too_small_for_one_block_is_refused_naming_it(tiny_llama):
     import pytest
 
-    with pytest.raises(ValueError, match=r"the KV budget, kv_cache_memory 100 bytes, holds no block of \d+ bytes"):
+    refused = r"the KV budget, kv_cache_memory 100 bytes, holds no block of \d+ bytes"
+    with pytest.raises(ValueError, match=refused):
         make_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory=100, block_size=16)
