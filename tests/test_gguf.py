@@ -366,3 +366,17 @@ def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama,
             assert torch.equal(getattr(a, name)(inp), getattr(b, name)(inp)), name
     x = torch.randn(5, blocks.spec.hidden_size)
     assert torch.equal(blocks.model.compute_logits(x), floats.model.compute_logits(x))
+
+
+def test_the_load_log_names_each_tensor_left_without_a_kernel(wide_llama, tmp_path, caplog):
+    """A mixed file: the tensors of a type no kernel runs (F16 here) are named in the log, each with
+    its type; those served from their blocks are not reported as dequantized."""
+    import logging
+
+    f16 = {"blk.0.ffn_down.weight": "F16", "blk.0.attn_output.weight": "F16"}
+    path = write_gguf(wide_llama, tmp_path / "mixed.gguf", "Q8_0", types=f16)
+    with caplog.at_level(logging.INFO, logger="engine_svc.models.quantized_weights"):
+        make_engine(path, num_kv_blocks=16)
+    dequantized = [r.getMessage() for r in caplog.records if "dequantized, no kernel" in r.getMessage()]
+    assert sorted(m.split()[1] for m in dequantized) == sorted(f16), dequantized
+    assert all("(F16 " in m and m.endswith("no kernel for F16") for m in dequantized), dequantized

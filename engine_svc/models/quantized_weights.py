@@ -113,7 +113,10 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
             continue
         if t.type_name not in quant_gemm.FORMATS:
             skipped[t.type_name] += 1
+            name, kind = t.gguf_name, t.type_name
+            log.info("tensor %s (%s %s): dequantized, no kernel for %s", name, kind, t.shape, kind)
             continue
+        log.debug("tensor %s (%s %s): served from its blocks", t.gguf_name, t.type_name, t.shape)
         qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data, t.shape)
         if t._permute_heads is not None:
             order = _unpermute_rows(torch.arange(t.shape[0]), t._permute_heads)
