@@ -63,8 +63,9 @@ class AttentionInputs:
     group_tables: torch.Tensor | None = None
 
     def of_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot mapping, block tables) a layer of KV cache group ``group`` reads and writes."""
-        if group == 0:
+        """(slot mapping, block tables) a layer of KV cache group ``group`` reads and writes
+        (without group tables, group 0's: one table every layer reads, each with a cache of its own)."""
+        if group == 0 or self.group_slots is None:
             return self.slot_mapping, self.block_tables
         return self.group_slots[group], self.group_tables[group]
 

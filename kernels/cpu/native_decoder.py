@@ -420,7 +420,7 @@ class NativeDecoderLoop:
             or not slots.is_contiguous()
             or positions.shape != (t,)
             or slots.shape != ((groups, t) if grouped else (t,))
-            or groups <= max(self._groups)
+            or (grouped and groups <= max(self._groups))
             or not self._bind_caches(kv_caches)
         ):
             return None
@@ -439,7 +439,7 @@ class NativeDecoderLoop:
                 raise ValueError(f"group block tables of shape {tuple(tables.shape)} for {groups} groups")
         st = self._step
         st.num_groups = groups
-        st.slot_group_stride = t
+        st.slot_group_stride = t if grouped else 0  # one table: every layer reads it
         st.table_group_stride = tables.stride(0) if grouped else 0
         out = torch.empty(t, h, dtype=torch.float32)
         st.tokens = t
