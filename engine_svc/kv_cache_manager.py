@@ -5,9 +5,10 @@ The manager owns request -> blocks: each sequence's block table and how many of 
 it has published live here, and nowhere else. A model with sliding-window layers has more than one
 KV cache group (``kv_groups.py``): one table per group, all drawing pages from one pool; a window
 group releases the blocks its window has passed (``NULL_BLOCK`` in their entries). It reads a
-sequence's tokens and counter but never writes them (the scheduler owns ``num_computed_tokens``). What changed since the last step (table
-entries, copy-on-write copies, tables released) is handed out once, by ``take_step_changes``, for
-the scheduler to put into its ``SchedulerOutput``; ``pending_changes`` only looks."""
+sequence's tokens and counter but never writes them (the scheduler owns ``num_computed_tokens``).
+What changed since the last step (table entries, copy-on-write copies, tables released) is handed
+out once, by ``take_step_changes``, for the scheduler to put into its ``SchedulerOutput``;
+``pending_changes`` only looks."""
 
 from __future__ import annotations
 
