@@ -20,6 +20,7 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # kept with the hash: a hit is accepted only if these match
     parent_hash: int = 0  # of the block before it in its chain (KV events, snapshots)
     salt_hash: int = 0
+    listed: bool = True  # announced in KV events (a window group's pages are not: they follow group 0's)
 
 
 class BlockPool:
@@ -80,15 +81,17 @@ class BlockPool:
         token_ids: tuple[int, ...],
         parent_hash: int = 0,
         salt_hash: int = 0,
+        listed: bool = True,
     ) -> None:
-        """Publish a full, computed block as a prefix-cache entry (first writer wins)."""
+        """Publish a full, computed block as a prefix-cache entry (first writer wins); ``listed``
+        False: kept out of KV events (the pages of a model's other KV cache groups)."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
-        block.parent_hash, block.salt_hash = parent_hash, salt_hash
+        block.parent_hash, block.salt_hash, block.listed = parent_hash, salt_hash, listed
         self.cached[block_hash] = block_id
-        if self.events is not None:
+        if self.events is not None and listed:
             self.events.stored(block_hash, parent_hash, salt_hash)
 
     def reset_prefix_cache(self) -> None:
@@ -103,7 +106,7 @@ class BlockPool:
         both are cached)."""
         log = KvEventLog(block_size)
         log.cleared()
-        cached = {h: self.blocks[b] for h, b in self.cached.items()}
+        cached = {h: self.blocks[b] for h, b in self.cached.items() if self.blocks[b].listed}
         done: set[int] = set()
         for h in cached:
             chain = []  # h and its cached ancestors not yet emitted, child first
@@ -123,7 +126,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-                if self.events is not None and not quiet:
+                if self.events is not None and not quiet and block.listed:
                     self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, None
 

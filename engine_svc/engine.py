@@ -16,6 +16,7 @@ from engine_svc.config import CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREA
 from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
+from engine_svc.kv_groups import layout_of
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
 from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
@@ -122,7 +123,13 @@ class LLMEngine:
             self.spec, shard, num_blocks, config.block_size, self.act_dtype, self.device
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_layout = layout_of(self.spec)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            tuple(g.window for g in self.kv_layout.groups),
+        )
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio
         seats = seqs_per_step(config, self.device)
@@ -156,6 +163,7 @@ class LLMEngine:
             grammar_executor=self.grammars.executor if self.grammars is not None else None,
             lora=self.lora,
             lora_in_use=self.scheduler.running_adapters if self.lora is not None else None,
+            kv_groups=len(self.kv_layout.groups),
         )
         for name, path in (config.lora_modules or {}).items():
             self.lora.load(name, path)
@@ -277,7 +285,8 @@ class LLMEngine:
             self.max_model_len,
             self.config.max_logprobs,
             block_size=self.config.block_size,
-            num_kv_blocks=self.kv.pool.num_blocks,
+            num_kv_blocks=self.kv.num_blocks,
+            kv_pages=self._kv_pages if self.kv_layout.windowed else None,
             eos_token_ids=tuple(self.spec.eos_token_ids),
         )
         v = token_id_violations(prompt, "prompt_token_ids", limits.vocab_size, first_only=True)
@@ -427,8 +436,8 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.kv.pool.num_used,
-            kv_blocks_total=self.kv.pool.num_blocks,
+            kv_blocks_used=self.kv.num_used,
+            kv_blocks_total=self.kv.num_blocks,
             prefix_queried_tokens=self.kv.queried_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
@@ -474,30 +483,42 @@ class LLMEngine:
         )
         # The input batch as of the last step: a sequence with changes pending (the next step
         # carries them) may differ from its entry ``first`` on, and every other one is exact.
-        batch, pending = self.runner.batch, self.kv.pending_changes()
-        tables = dict(self.kv.holders())
-        for seq in live:
-            row, table = batch.row_of.get(seq.seq_id), tables.get(seq)
-            first = pending.get(seq)
-            if first == 0:
-                continue  # new, released or rewritten since the last step
-            if first is None and table is None:
-                assert row is None, f"sequence {seq.seq_id} holds no block but keeps an input-batch row"
-                continue
-            assert table is not None and row is not None, f"sequence {seq.seq_id} lacks its input-batch row"
-            n = len(table) if first is None else first
-            assert (first is not None or batch.num_blocks[row] == n) and batch.block_tables[
-                row, :n
-            ].tolist() == table[:n], f"the input batch's block table of sequence {seq.seq_id} differs"
+        batch = self.runner.batch
+        for g in range(self.kv.num_groups):  # each KV cache group's tables
+            pending = self.kv.pending_changes(g)
+            tables = self.kv.group_tables[g]
+            for seq in live:
+                row, table = batch.row_of.get(seq.seq_id), tables.get(seq)
+                first = pending.get(seq)
+                if first == 0:
+                    continue  # new, released or rewritten since the last step
+                if first is None and table is None:
+                    assert row is None, f"sequence {seq.seq_id} holds no block but keeps an input-batch row"
+                    continue
+                assert table is not None and row is not None, (
+                    f"sequence {seq.seq_id} lacks its input-batch row"
+                )
+                n = len(table) if first is None else first
+                assert (first is not None or batch.group_num_blocks[g][row] == n) and batch.group_tables[g][
+                    row, :n
+                ].tolist() == table[:n], f"the input batch's block table {g} of sequence {seq.seq_id} differs"
+        pending = self.kv.pending_changes()
         live_seq_ids = {s.seq_id for s in live} | {s.seq_id for s in pending}
         assert set(batch.row_of) <= live_seq_ids, "an input-batch row outlives its sequence"
         assert len(batch.free_rows) + batch.num_rows == len(batch.num_blocks), "an input-batch row is lost"
 
     # --- sizing -------------------------------------------------------------------------------
+    def _kv_pages(self, num_tokens: int) -> int:
+        """Pages a request of ``num_tokens`` tokens holds at most, over every KV cache group."""
+        c = self.config
+        return self.kv_layout.blocks_per_seq(num_tokens, c.block_size, c.max_num_batched_tokens)
+
     def _num_kv_blocks(self, shard: Shard) -> int:
         c = self.config
         itemsize = self.act_dtype.itemsize
-        per_token = 2 * self.spec.num_layers * shard.kv_heads(self.spec) * self.spec.head_dim * itemsize
+        # A block id is one page of ``slots`` layers (every layer without sliding windows).
+        layout = layout_of(self.spec)
+        per_token = 2 * layout.slots * shard.kv_heads(self.spec) * self.spec.head_dim * itemsize
         if self.draft_spec is not None:  # the draft model's cache has the same blocks
             d = self.draft_spec
             per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * itemsize
@@ -516,7 +537,8 @@ class LLMEngine:
                 "leaves to others (another engine in this process may hold the rest)"
             )
         else:
-            enough = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)
+            per_seq = layout.blocks_per_seq(self.max_model_len, c.block_size, c.max_num_batched_tokens)
+            enough = c.max_num_seqs * per_seq + int(layout.windowed)  # (+ the null page)
             blocks = min(enough, CPU_DEFAULT_KV_BYTES // per_block)
             budget = f"{CPU_DEFAULT_KV_BYTES} bytes"
         if blocks < 1:

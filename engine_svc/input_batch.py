@@ -22,13 +22,24 @@ NUM_FLAGS = 6
 
 
 class InputBatch:
-    def __init__(self, max_blocks_per_seq: int, rows: int = 64):
-        self.block_tables = np.zeros((rows, max(1, max_blocks_per_seq)), dtype=np.int32)
-        self.num_blocks = np.zeros(rows, dtype=np.int32)
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64, groups: int = 1):
+        """``groups``: KV cache groups (``engine_svc/kv_groups.py``), one block table each."""
+        width = max(1, max_blocks_per_seq)
+        self.group_tables = [np.zeros((rows, width), dtype=np.int32) for _ in range(groups)]
+        self.group_num_blocks = [np.zeros(rows, dtype=np.int32) for _ in range(groups)]
         self.sampling = np.zeros((rows, NUM_SAMPLING_COLS), dtype=np.float32)
         self.flags = np.zeros((rows, NUM_FLAGS), dtype=bool)
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.free_rows = list(range(rows - 1, -1, -1))  # a stack: the lowest row is reused first
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        """Group 0's tables (the only group of a model without sliding windows)."""
+        return self.group_tables[0]
+
+    @property
+    def num_blocks(self) -> np.ndarray:
+        return self.group_num_blocks[0]
 
     @property
     def num_rows(self) -> int:
@@ -49,11 +60,11 @@ class InputBatch:
             if row is None:
                 assert first == 0, f"sequence {seq.seq_id} joins the batch with a partial table"
                 row = self._add(seq)
-            n = first + len(ids)
+            n, g = first + len(ids), update.group
             if n > self.block_tables.shape[1]:
                 self._widen(n)
-            self.block_tables[row, first:n] = ids
-            self.num_blocks[row] = n
+            self.group_tables[g][row, first:n] = ids
+            self.group_num_blocks[g][row] = n
 
     def rows(self, seqs) -> list[int]:
         row_of = self.row_of
@@ -63,6 +74,12 @@ class InputBatch:
         """[len(rows), width] block tables, width the longest of them."""
         width = int(self.num_blocks[rows].max())
         return self.block_tables[rows, :width]
+
+    def gather_group_tables(self, rows: np.ndarray) -> np.ndarray:
+        """[groups, len(rows), width] block tables of every KV cache group (all groups of a
+        sequence have the same length between steps)."""
+        width = max(int(n[rows].max()) for n in self.group_num_blocks)
+        return np.stack([t[rows, :width] for t in self.group_tables])
 
     def _add(self, seq: Sequence) -> int:
         if not self.free_rows:
@@ -91,16 +108,20 @@ class InputBatch:
 
     def _grow(self) -> None:
         old = len(self.num_blocks)
-        self.block_tables = _resize(self.block_tables, 2 * old)
-        self.num_blocks = _resize(self.num_blocks, 2 * old)
+        self.group_tables = [_resize(t, 2 * old) for t in self.group_tables]
+        self.group_num_blocks = [_resize(n, 2 * old) for n in self.group_num_blocks]
         self.sampling = _resize(self.sampling, 2 * old)
         self.flags = _resize(self.flags, 2 * old)
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _widen(self, width: int) -> None:
-        wider = np.zeros((self.block_tables.shape[0], max(width, 2 * self.block_tables.shape[1])), np.int32)
-        wider[:, : self.block_tables.shape[1]] = self.block_tables
-        self.block_tables = wider
+        rows, old = self.block_tables.shape
+        widened = []
+        for table in self.group_tables:
+            wider = np.zeros((rows, max(width, 2 * old)), np.int32)
+            wider[:, :old] = table
+            widened.append(wider)
+        self.group_tables = widened
 
 
 def _resize(array: np.ndarray, rows: int) -> np.ndarray:

@@ -2,10 +2,13 @@
 lookups over chained block hashes, copy-on-write for shared partial blocks, and release.
 
 The manager owns request -> blocks: each sequence's block table and how many of its leading blocks
-it has published live here, and nowhere else. It reads a sequence's tokens and counter but never
-writes them (the scheduler owns ``num_computed_tokens``). What changed since the last step (table
-entries, copy-on-write copies, tables released) is handed out once, by ``take_step_changes``, for
-the scheduler to put into its ``SchedulerOutput``; ``pending_changes`` only looks."""
+it has published live here, and nowhere else. A model with sliding-window layers has more than one
+KV cache group (``kv_groups.py``): one table per group, all drawing pages from one pool; a window
+group releases the blocks its window has passed (``NULL_BLOCK`` in their entries). It reads a
+sequence's tokens and counter but never writes them (the scheduler owns ``num_computed_tokens``).
+What changed since the last step (table entries, copy-on-write copies, tables released) is handed
+out once, by ``take_step_changes``, for the scheduler to put into its ``SchedulerOutput``;
+``pending_changes`` only looks."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import numpy as np
 
 from engine_svc.block_hash import chain_hash, root_hash, salt_hash
 from engine_svc.block_pool import BlockPool
+from engine_svc.kv_groups import NULL_BLOCK
 from engine_svc.sequence import Sequence
 
 _NO_BLOCKS: tuple[int, ...] = ()
@@ -26,12 +30,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class BlockUpdate:
-    """A sequence's block table from entry ``first`` on, as it is now: new blocks, and replaced ones
-    (copy-on-write, a prefix hit, a fork); entries before ``first`` are unchanged."""
+    """A sequence's block table (of KV cache group ``group``) from entry ``first`` on, as it is
+    now: new blocks, and replaced ones (copy-on-write, a prefix hit, a fork, a window passing);
+    entries before ``first`` are unchanged."""
 
     seq: Sequence
     first: int
     block_ids: list[int]
+    group: int = 0
 
 
 @dataclass
@@ -43,33 +49,95 @@ class StepChanges:
     copies: np.ndarray  # [C, 2] int64 (src, dst) block copies to run before the forward
 
 
+@dataclass
+class PrefixHit:
+    """A prefix-cache hit of ``num_blocks`` blocks over several KV cache groups: group g takes
+    ``blocks[g]`` as its entries from ``skip[g]`` on (a window group only the blocks its window
+    still reads at the hit's end; the entries before are ``NULL_BLOCK``)."""
+
+    num_blocks: int
+    blocks: list[list[int]]
+    skip: list[int]
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a block's page in KV cache group ``group`` (group 0: the hash)."""
+    return block_hash if group == 0 else chain_hash(block_hash, (-group,))
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        windows: tuple[int | None, ...] = (None,),
+    ):
+        """``windows``: per KV cache group, its sliding window (None: full attention)."""
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.tables: dict[Sequence, list[int]] = {}  # only sequences that hold blocks
+        self.windows = tuple(windows)
+        self.windowed = [g for g, w in enumerate(self.windows) if w is not None]
+        self.null_block = None
+        if self.windowed:  # the page a released entry names; never handed out, never read
+            (self.null_block,) = self.pool.allocate(1)
+            assert self.null_block == NULL_BLOCK
+        groups = len(self.windows)
+        # Per group: sequence -> its block table (only sequences that hold blocks).
+        self.group_tables: list[dict[Sequence, list[int]]] = [{} for _ in range(groups)]
+        self.tables = self.group_tables[0]
+        # Per group: sequence -> leading entries released as its window passed (window groups).
+        self._passed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
         self.registered: dict[Sequence, int] = {}  # leading blocks published to the prefix cache
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
         self._copies: list[tuple[int, int]] = []
-        # Sequence -> first index of its block table changed since last taken: the input batch
-        # rewrites only that much of its persistent copy.
-        self._changed: dict[Sequence, int] = {}
+        # Per group: sequence -> first index of its block table changed since last taken: the
+        # input batch rewrites only that much of its persistent copy.
+        self._group_changed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.num_window_released = 0  # blocks released because every window had passed them
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages requests can hold (the pool's, less the reserved null page)."""
+        return self.pool.num_blocks - (self.null_block is not None)
+
+    @property
+    def num_used(self) -> int:
+        """Pages requests hold now (or the prefix cache keeps alive by their references)."""
+        return self.pool.num_used - (self.null_block is not None)
 
     # --- reading -------------------------------------------------------------------------------
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The sequence's blocks (empty when it holds none). Read it, never change it."""
-        return self.tables.get(seq, [])
+    def block_table(self, seq: Sequence, group: int = 0) -> list[int]:
+        """The sequence's blocks in ``group`` (empty when it holds none). Read it, never change it."""
+        return self.group_tables[group].get(seq, [])
 
     def holders(self):
-        """(sequence, its block table) for every sequence that holds blocks."""
+        """(sequence, its block table) for every sequence that holds blocks (group 0)."""
         return self.tables.items()
 
-    def pending_changes(self) -> dict[Sequence, int]:
+    def all_holders(self):
+        """(group, sequence, its block table in that group) for every table held."""
+        for g, tables in enumerate(self.group_tables):
+            for seq, table in tables.items():
+                yield g, seq, table
+
+    def num_released(self, group: int, seq: Sequence) -> int:
+        """Leading entries of ``seq``'s table in a window group released as its window passed."""
+        return self._passed[group].get(seq, 0)
+
+    def pending_changes(self, group: int = 0) -> dict[Sequence, int]:
         """What ``take_step_changes`` would hand out (a copy: checks read, they do not consume)."""
-        return dict(self._changed)
+        return dict(self._group_changed[group])
 
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -91,37 +159,81 @@ class KVCacheManager:
             salt_hash(seq.request.cache_salt), None if lora is None else f"{lora.name}@{lora.version}"
         )
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence):
         """Cached blocks holding the longest prefix of ``seq`` (never its last token: that one must be
-        computed so the step has logits to sample from). Nothing is taken yet."""
+        computed so the step has logits to sample from). Nothing is taken yet. One group: the
+        block ids; several: a ``PrefixHit``, whose length every group agrees on: a full group
+        needs every block before it, a window group only those its window reads from there."""
         if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        found = []
-        for i, h in enumerate(self.block_hashes(seq, max_blocks)):
-            block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
+        hashes = self.block_hashes(seq, max_blocks)
+        if len(self.windows) == 1:
+            found = []
+            for i, h in enumerate(hashes):
+                block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                if block_id is None:
+                    break
+                found.append(block_id)
+            return found
+        seen: dict[tuple[int, int], int | None] = {}
+
+        def look(g: int, i: int) -> int | None:
+            if (g, i) not in seen:
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                seen[g, i] = self.pool.lookup(group_key(hashes[i], g), tokens)
+            return seen[g, i]
+
+        n = max_blocks
+        for g, w in enumerate(self.windows):
+            if w is None:
+                k = 0
+                while k < n and look(g, k) is not None:
+                    k += 1
+                n = k
+        moved = True
+        while moved and n:  # a shorter hit needs other blocks of a window group: check again
+            moved = False
+            for g in self.windowed:
+                for i in range(n - 1, self._first_read(g, n * bs) - 1, -1):
+                    if look(g, i) is None:
+                        n, moved = i, True
+                        break
+        if not n:
+            return []
+        skip = [0 if w is None else self._first_read(g, n * bs) for g, w in enumerate(self.windows)]
+        return PrefixHit(n, [[look(g, i) for i in range(skip[g], n)] for g in range(len(self.windows))], skip)
+
+    def _first_read(self, group: int, position: int) -> int:
+        """The first block a query at ``position`` (or after it) reads in a window group."""
+        return max(0, position - self.windows[group] + 1) // self.block_size
 
     # --- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks=None) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix,
-        which the scheduler then counts as computed).
+        which the scheduler then counts as computed); a window group first releases the blocks
+        its window has passed.
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing else, when the pool cannot supply the blocks.
         """
+        if len(self.windows) > 1:
+            return self._allocate_groups(seq, num_new_tokens, cached_blocks)
         bs = self.block_size
         start = seq.num_computed_tokens
         table = self.tables.get(seq, _NO_BLOCKS)
         if not cached_blocks and start % bs and start + num_new_tokens <= len(table) * bs:
             # The common decode case: the slots exist in the last block; only a shared one needs work.
             if self.pool.blocks[table[start // bs]].ref_count == 1:
+                if self.windowed:
+                    self._release_passed(seq, start)
                 return True
         cached_blocks = cached_blocks or []
+        if isinstance(cached_blocks, PrefixHit):
+            cached_blocks = cached_blocks.blocks[0]
         start += len(cached_blocks) * bs
+        if self.windowed:
+            self._release_passed(seq, start)
         have = len(table) + len(cached_blocks)
         need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
         # The first block written to is shared (a fork's partial prompt block): it must be copied.
@@ -141,27 +253,100 @@ class KVCacheManager:
             self.registered[seq] = 0
         first_changed = len(table)
         if cached_blocks:
-            self._take_cached(seq, table, cached_blocks)
+            self._take_cached(seq, 0, table, cached_blocks, 0, len(cached_blocks))
             first_changed = 0
         if cow:
             first_changed = min(first_changed, write_block)
-            (copy,) = self.pool.allocate(1)
-            old = table[write_block]
-            self._copies.append((old, copy))
-            self.pool.release([old])
-            table[write_block] = copy
+            self._copy_on_write(table, write_block)
         if need_new:
             table.extend(self.pool.allocate(need_new))
         if first_changed < len(table):
             self._note_change(seq, first_changed)
         return True
 
-    def _take_cached(self, seq: Sequence, table: list[int], cached_blocks: list[int]) -> None:
+    def _allocate_groups(self, seq: Sequence, num_new: int, hit) -> bool:
+        """``allocate`` over several KV cache groups: the same logical blocks in each, a window
+        group's entries before its window released."""
+        bs, pool = self.block_size, self.pool
+        start = seq.num_computed_tokens
+        if isinstance(hit, list):  # block ids of one group: no use here
+            assert not hit, "a multi-group prefix hit is a PrefixHit"
+            hit = None
+        num_hit = len(hit) if hit else 0
+        start += num_hit * bs
+        self._release_passed(seq, start)
+        end = cdiv(start + num_new, bs)
+        write_block = start // bs
+        plans, needed, revived = [], 0, 0
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(seq, _NO_BLOCKS)
+            have = num_hit if hit else len(table)
+            need_new = max(0, end - have)
+            cow = (
+                start % bs != 0 and write_block < len(table) and pool.blocks[table[write_block]].ref_count > 1
+            )
+            if hit:
+                revived += sum(1 for b in hit.blocks[g] if pool.blocks[b].ref_count == 0)
+            needed += need_new + int(cow)
+            plans.append((table, need_new, cow))
+        if needed > pool.num_free - revived:
+            return False
+        if not needed and not hit:
+            return True
+        if seq not in self.registered:
+            self.registered[seq] = 0
+        for g, (table, need_new, cow) in enumerate(plans):
+            if table is _NO_BLOCKS:
+                table = self.group_tables[g][seq] = []
+            first_changed = len(table)
+            if hit:
+                self._take_cached(seq, g, table, hit.blocks[g], hit.skip[g], num_hit)
+                first_changed = 0
+            if cow:
+                first_changed = min(first_changed, write_block)
+                self._copy_on_write(table, write_block)
+            if need_new:
+                table.extend(pool.allocate(need_new))
+            if first_changed < len(table):
+                self._note_change(seq, first_changed, g)
+        return True
+
+    def _copy_on_write(self, table: list[int], write_block: int) -> None:
+        (copy,) = self.pool.allocate(1)
+        old = table[write_block]
+        self._copies.append((old, copy))
+        self.pool.release([old])
+        table[write_block] = copy
+
+    def _release_passed(self, seq: Sequence, start: int) -> None:
+        """Window groups: release the blocks no query from position ``start`` on can read (the
+        counter only moves forward while a sequence holds blocks, so none is read again)."""
+        for g in self.windowed:
+            table = self.group_tables[g].get(seq)
+            if table is None:
+                continue
+            passed = self._passed[g]
+            done = passed.get(seq, 0)
+            first = min(self._first_read(g, start), len(table))
+            if first <= done:
+                continue
+            self.pool.release(table[done:first])
+            table[done:first] = [NULL_BLOCK] * (first - done)
+            passed[seq] = first
+            self.num_window_released += first - done
+            self._note_change(seq, done, g)
+
+    def _take_cached(
+        self, seq: Sequence, group: int, table: list[int], blocks: list[int], skip: int, n: int
+    ) -> None:
         assert not table and seq.num_computed_tokens == 0
-        for block_id in cached_blocks:
+        for block_id in blocks:
             self.pool.touch(block_id)
-        table.extend(cached_blocks)
-        self.registered[seq] = len(cached_blocks)
+        table.extend([NULL_BLOCK] * skip)
+        table.extend(blocks)
+        if skip:
+            self._passed[group][seq] = skip
+        self.registered[seq] = n
 
     def note_admission(self, seq: Sequence, num_hit_blocks: int) -> None:
         self.queried_tokens += seq.num_tokens
@@ -172,7 +357,9 @@ class KVCacheManager:
         computes (those wholly before token ``upto`` only, when given: a draft model's cache may lag
         one token), so that later requests can reuse them. The scheduler publishes a prompt's blocks
         as soon as it schedules them: every layer writes the step's K/V before any attention reads
-        it, so a request admitted later in the same step may already share them."""
+        it, so a request admitted later in the same step may already share them. Each group's
+        page is published under its own key (``group_key``); a window group's released entries
+        were published before they were released."""
         if not self.enable_prefix_caching:
             return
         computed = seq.num_computed_tokens + scheduled
@@ -183,47 +370,62 @@ class KVCacheManager:
         if full <= done:
             return
         bs = self.block_size
-        table = self.tables[seq]
         hashes = self.block_hashes(seq, full)
         salt_h = salt_hash(seq.request.cache_salt)
+        tables = [t[seq] for t in self.group_tables]
+        null = self.null_block  # None: no group releases entries
         for i in range(done, full):
             parent = hashes[i - 1] if i else self.root_of(seq)
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            self.pool.register(table[i], hashes[i], block_tokens, parent, salt_h)
+            if tables[0][i] != null:
+                self.pool.register(tables[0][i], hashes[i], block_tokens, parent, salt_h)
+            for g in range(1, len(tables)):
+                block_id = tables[g][i]
+                if block_id != null:
+                    self.pool.register(block_id, group_key(hashes[i], g), block_tokens, listed=False)
         self.registered[seq] = full
 
     def trim(self, seq: Sequence, extra: int = 0) -> None:
         """Release the blocks past the next token's slot (and ``extra`` slots after it): lookahead
         slots of rejected drafts, and those that no proposal still needs."""
         keep = cdiv(len(seq.token_ids) + extra, self.block_size)
-        table = self.tables.get(seq, _NO_BLOCKS)
-        if len(table) > keep:
-            self.pool.release(list(reversed(table[keep:])))
-            del table[keep:]
-            self._note_change(seq, keep)
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(seq, _NO_BLOCKS)
+            if len(table) > keep:
+                self.pool.release([b for b in reversed(table[keep:]) if b != self.null_block])
+                del table[keep:]
+                self._note_change(seq, keep, g)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` by reference (its counter is the scheduler's)."""
-        table = self.tables.get(parent, [])
-        for block_id in table:
-            self.pool.touch(block_id)
-        self.tables[child] = list(table)
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(parent, [])
+            for block_id in table:
+                if block_id != self.null_block:
+                    self.pool.touch(block_id)
+            tables[child] = list(table)
+            if parent in self._passed[g]:
+                self._passed[g][child] = self._passed[g][parent]
+            self._note_change(child, 0, g)
         self.registered[child] = self.registered.get(parent, 0)
         child.block_hashes = list(parent.block_hashes)
-        self._note_change(child, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; the scheduler resets its counter."""
-        table = self.tables.pop(seq, None)
         self.registered.pop(seq, None)
-        if table is None:
-            return
-        # Tail blocks first, so that they are evicted before the (more shareable) head of the prefix.
-        self.pool.release(list(reversed(table)))
-        self._note_change(seq, 0)
+        for g, tables in enumerate(self.group_tables):
+            table = tables.pop(seq, None)
+            self._passed[g].pop(seq, None)
+            if table is None:
+                continue
+            # Tail blocks first, so that they are evicted before the (more shareable) head of the prefix.
+            if self.null_block is not None:
+                table = [b for b in table if b != NULL_BLOCK]
+            self.pool.release(list(reversed(table)))
+            self._note_change(seq, 0, g)
 
-    def _note_change(self, seq: Sequence, first: int) -> None:
-        changed = self._changed
+    def _note_change(self, seq: Sequence, first: int, group: int = 0) -> None:
+        changed = self._group_changed[group]
         if first < changed.get(seq, first + 1):
             changed[seq] = first
 
@@ -232,13 +434,16 @@ class KVCacheManager:
         """The changes since the last take, as they stand now (a sequence freed and re-admitted in
         between simply gets its new table); each is handed out once."""
         updates, released = [], []
-        tables = self.tables
-        for seq, first in self._changed.items():
-            table = tables.get(seq)
-            if table is None:
-                released.append(seq.seq_id)
-            else:
-                updates.append(BlockUpdate(seq, first, table[first:]))
+        for g, changed in enumerate(self._group_changed):
+            tables = self.group_tables[g]
+            for seq, first in changed.items():
+                table = tables.get(seq)
+                if table is None:
+                    if g == 0:
+                        released.append(seq.seq_id)
+                else:
+                    updates.append(BlockUpdate(seq, first, table[first:], g))
+            self._group_changed[g] = {}
         copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
-        self._changed, self._copies = {}, []
+        self._copies = []
         return StepChanges(updates, released, copies)

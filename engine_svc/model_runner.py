@@ -76,7 +76,8 @@ class ModelForward:
             return
         src = to_device(np.ascontiguousarray(copies[:, 0]), self.device)
         dst = to_device(np.ascontiguousarray(copies[:, 1]), self.device)
-        for cache in self.kv_caches:
+        # A page's layers in every cache tensor (layers of several KV cache groups share one).
+        for cache in {id(c): c for c in self.kv_caches}.values():
             cache[:, dst] = cache[:, src]
 
 
@@ -91,6 +92,7 @@ class ModelRunner:
         grammar_executor=None,
         lora=None,
         lora_in_use=None,
+        kv_groups: int = 1,
     ):
         self.forward = forward
         self.proposer = proposer  # spec_decode.proposer.Proposer, with speculative decoding
@@ -99,7 +101,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # The logit controls, applied by the sampler in this order (engine_svc/logits_processors/).
         self.logits_processors = default_processors(grammar_executor)
-        self.batch = InputBatch(max_blocks_per_seq)
+        self.batch = InputBatch(max_blocks_per_seq, groups=kv_groups)
         self.lora = lora  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
         self.lora_in_use = lora_in_use  # () -> {(name, version)} of the adapters running requests use
 

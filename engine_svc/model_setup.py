@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.kv_groups import layout_of
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
@@ -145,9 +146,13 @@ def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> No
 def allocate_kv_caches(
     spec: ModelSpec, shard: Shard, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One tensor per layer, ``[2 (k, v), num_blocks, block_size, local kv heads, head_dim]``.
+    """Per layer, its cache ``[2 (k, v), num_blocks, block_size, local kv heads, head_dim]``: one
+    tensor per layer, or with sliding-window layers one per slot of a page (``kv_groups.py``),
+    which the layers of the same slot in every KV cache group share (a page belongs to one group).
 
     Zeroed, not empty: padded reads of never-written slots must not bring NaNs into masked math.
     """
     shape = (2, num_blocks, block_size, shard.kv_heads(spec), spec.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    layout = layout_of(spec)
+    slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.slots)]
+    return [slots[j] for j in layout.layer_slot()]

@@ -11,6 +11,7 @@ name the client sent: the gateway's proto names equal ``SamplingParams``' for ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -46,6 +47,8 @@ class RequestLimits:
     max_stop_token_ids: int | None = None
     block_size: int = 0  # with num_kv_blocks: the whole KV pool a request must fit (0: unchecked)
     num_kv_blocks: int = 0
+    # Pages a request of n tokens holds (KV cache groups: engine_svc/kv_groups.py); None: one per block.
+    kv_pages: Callable[[int], int] | None = None
     # The model's end-of-sequence ids (banned with the stop ids until min_tokens): a request whose
     # allowed_token_ids are all among them could never start. Empty: the check uses stop ids alone.
     eos_token_ids: tuple[int, ...] = ()
@@ -97,12 +100,14 @@ def prompt_violations(
             )
         ]
     bs, blocks = limits.block_size, limits.num_kv_blocks
-    if bs and blocks and -(-total // bs) > blocks:
+    pages = limits.kv_pages
+    if bs and blocks and (-(-total // bs) if pages is None else pages(total)) > blocks:
         # A request that could never fit the whole KV cache would be queued forever.
         return [
             Violation(
                 "max_tokens" if prompt_len < blocks * bs else field,
-                f"with the prompt ({prompt_len} tokens) needs {-(-total // bs)} KV blocks; the whole "
+                f"with the prompt ({prompt_len} tokens) needs "
+                f"{-(-total // bs) if pages is None else pages(total)} KV blocks; the whole "
                 f"cache has {blocks} blocks of {bs} tokens",
             )
         ]

@@ -486,16 +486,25 @@ class Scheduler:
         verified); the pool's ref counts equal the tables' references."""
         queued = {id(s) for s in self.running} | {id(s) for s in self.waiting}
         bs = self.kv.block_size
-        holders: dict[int, int] = {}
-        for seq, table in self.kv.holders():
+        null = self.kv.null_block  # the page released window entries name: held by the manager
+        holders: dict[int, int] = {} if null is None else {null: 1}
+        tables0 = self.kv.tables
+        for g, seq, table in self.kv.all_holders():
             assert id(seq) in queued, f"sequence {seq.seq_id} holds blocks but is in no queue"
             # Only a draft model's drafts keep slots past the next token (their K/V is written).
             need = len(seq.token_ids) + (len(seq.spec_token_ids) if self.num_lookahead else 0)
             assert len(table) <= cdiv(need, bs), (
                 f"sequence {seq.seq_id} holds {len(table)} blocks for {need} tokens and drafts"
             )
+            assert len(table) == len(tables0.get(seq, ())), f"sequence {seq.seq_id}'s groups differ in length"
+            if self.kv.windows[g] is not None:  # released entries lead, held ones follow
+                k = self.kv.num_released(g, seq)
+                assert all(b == null for b in table[:k]) and null not in table[k:], (
+                    f"sequence {seq.seq_id}: group {g}'s table mixes released and held entries"
+                )
             for block_id in table:
-                holders[block_id] = holders.get(block_id, 0) + 1
+                if block_id != null:
+                    holders[block_id] = holders.get(block_id, 0) + 1
         self.kv.pool.check_invariants(holders)
 
     def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:

@@ -37,8 +37,13 @@ class StepInputs:
     max_seq_len: int
     lora: object = None  # engine_svc.lora.batch.LoRABatch of this step (its token slots are packed)
     lora_slots: np.ndarray | None = None  # unpacked by a tensor-parallel worker: [T] slot per token
+    # With several KV cache groups (sliding-window layers): every group's slots [G, T] and block
+    # tables [G, B, width]; ``slots`` and ``block_tables`` are then group 0's.
+    group_slots: np.ndarray | None = None
+    group_tables: np.ndarray | None = None
 
     def attention(self, device: torch.device) -> AttentionInputs:
+        grouped = self.group_slots is not None
         return AttentionInputs(
             slot_mapping=to_device(self.slots, device),
             block_tables=to_device(self.block_tables, device),
@@ -46,11 +51,15 @@ class StepInputs:
             query_start_loc=to_device(self.query_start, device),
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            group_slots=to_device(self.group_slots, device) if grouped else None,
+            group_tables=to_device(self.group_tables, device) if grouped else None,
         )
 
     # --- wire form for tensor-parallel workers ------------------------------------------------
     def pack(self) -> tuple[list[int], np.ndarray]:
         """(header, payload): the header's fixed fields say how to cut the payload."""
+        if self.group_slots is not None:
+            raise ValueError("tensor parallelism does not take several KV cache groups (sliding windows)")
         b, width = self.block_tables.shape
         lora_slots = self.lora.token_slots_host if self.lora is not None else np.empty(0, np.int64)
         payload = np.concatenate(
@@ -109,17 +118,19 @@ def paged_inputs(
     """Sequence i computes ``counts[i]`` tokens from position ``starts[i]`` on (``input_ids`` holds
     them, sequence after sequence); each writes its K/V into its own blocks (``batch``'s tables)."""
     rows = np.array(batch.rows(seqs), dtype=np.int64)
-    tables = batch.gather_tables(rows)
+    grouped = _grouped_tables(batch, rows)
+    tables = batch.gather_tables(rows) if grouped is None else grouped[0]
     query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start[1:])
     token_rows = np.repeat(np.arange(len(seqs)), counts)
     # Position of each token: its sequence's start plus its offset within the sequence's span.
     positions = np.arange(int(query_start[-1]), dtype=np.int64) + np.repeat(starts - query_start[:-1], counts)
     seq_lens = (starts + counts).astype(np.int32)
+    slots = _slots(tables if grouped is None else grouped, token_rows, positions, block_size)
     return StepInputs(
         input_ids,
         positions,
-        _slots(tables, token_rows, positions, block_size),
+        slots if grouped is None else slots[0],
         tables,
         seq_lens,
         query_start,
@@ -127,6 +138,8 @@ def paged_inputs(
         copies,
         max_query_len=int(counts.max()),
         max_seq_len=int(seq_lens.max()),
+        group_slots=None if grouped is None else slots,
+        group_tables=grouped,
     )
 
 
@@ -137,12 +150,14 @@ def decode_inputs(
     logits), with no ragged arrays: the steady decode step takes this path."""
     count = len(seqs)
     rows = np.array(batch.rows(seqs), dtype=np.int64)
-    tables = batch.gather_tables(rows)
+    grouped = _grouped_tables(batch, rows)
+    tables = batch.gather_tables(rows) if grouped is None else grouped[0]
     seq_lens = (positions + 1).astype(np.int32)
+    slots = _slots(tables if grouped is None else grouped, np.arange(count), positions, block_size)
     return StepInputs(
         input_ids,
         positions,
-        _slots(tables, np.arange(count), positions, block_size),
+        slots if grouped is None else slots[0],
         tables,
         seq_lens,
         np.arange(count + 1, dtype=np.int32),
@@ -150,12 +165,21 @@ def decode_inputs(
         copies,
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
+        group_slots=None if grouped is None else slots,
+        group_tables=grouped,
     )
 
 
+def _grouped_tables(batch: InputBatch, rows: np.ndarray) -> np.ndarray | None:
+    """[G, B, width] tables of every KV cache group, or None with one group."""
+    return batch.gather_group_tables(rows) if len(batch.group_tables) > 1 else None
+
+
 def _slots(tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The cache slot of each token: its block (from its sequence's table) and its offset in it."""
-    return tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    """The cache slot of each token: its block (from its sequence's table) and its offset in it;
+    with tables [G, B, width], one row of slots per KV cache group."""
+    blocks = tables[..., token_rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

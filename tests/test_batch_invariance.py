@@ -170,6 +170,7 @@ class Coverage:
     def watch(self, engine) -> None:
         schedule = engine.scheduler.schedule
         counts = self.counts
+        counts["_window_seen"] = 0  # this engine's window-release counter starts at 0
 
         def observed():
             out = schedule()
@@ -184,6 +185,10 @@ class Coverage:
             counts["draft verifications"] += len(out.drafts)
             drafting_model = engine.scheduler.draft_model
             counts["draft-model verifications"] += len(out.drafts) if drafting_model else 0
+            # sliding-window layers: blocks released as every window passed them (since the last step)
+            released = engine.kv.num_window_released
+            counts["window blocks released"] += released - counts.get("_window_seen", 0)
+            counts["_window_seen"] = released
             return out
 
         engine.scheduler.schedule = observed
@@ -336,7 +341,9 @@ ALL_CASES = (
 SPECULATION_CASES = ("draft verifications", "draft-model verifications")
 
 
-def explore(model, examples: int, extra: dict, required: tuple[str, ...]) -> None:
+def explore(model, examples: int, extra: dict, required: tuple[str, ...], kv_groups: int = 1) -> None:
+    """``kv_groups``: the model's KV cache groups (sliding-window layers): the drawn pool, sized in
+    blocks of one table, is scaled to pages of every group (plus the null page)."""
     coverage, notes = Coverage(), []
 
     @settings(
@@ -349,6 +356,8 @@ def explore(model, examples: int, extra: dict, required: tuple[str, ...]) -> Non
     @given(mix=mix_st())
     def check(mix):
         specs, config = mix
+        if kv_groups > 1:
+            config = {**config, "num_kv_blocks": config["num_kv_blocks"] * kv_groups + 1}
         check_mix(model, specs, {**config, **extra}, coverage, notes)
 
     check()

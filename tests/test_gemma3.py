@@ -116,8 +116,9 @@ def test_requests_equal_their_solo_runs(gemma):
 
     # A few examples (the mixes' machinery is tested on Llama); a budget of 16 so that prompts chunk.
     required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
+    required += ("window blocks released",)
     extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(gemma[0], max(4, EXAMPLES // 6), extra, required)
+    explore(gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=7)  # 1 full + 6 window groups
 
 
 @pytest.mark.parametrize(

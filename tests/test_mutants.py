@@ -117,8 +117,8 @@ MUTANTS = [
         "a new block id dropped from the scheduler output",
         KVCacheManager,
         "take_step_changes",
-        "updates.append(BlockUpdate(seq, first, table[first:]))",
-        "updates.append(BlockUpdate(seq, first, table[first:-1] if len(table) > 1 else table[first:]))",
+        "updates.append(BlockUpdate(seq, first, table[first:], g))",
+        "updates.append(BlockUpdate(seq, first, table[first:-1] if len(table) > 1 else table[first:], g))",
     ),
     (
         "a released table not carried to the input batch",

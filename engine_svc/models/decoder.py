@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.kv_groups import layout_of
 from engine_svc.models import layer_progress
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
@@ -56,6 +57,17 @@ class AttentionInputs:
     query_start_loc: torch.Tensor  # [B+1] int32
     max_query_len: int
     max_seq_len: int
+    # Several KV cache groups (engine_svc/kv_groups.py): every group's slots [G, T] and tables
+    # [G, B, max_blocks] (slot_mapping and block_tables are group 0's); None with one group.
+    group_slots: torch.Tensor | None = None
+    group_tables: torch.Tensor | None = None
+
+    def of_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot mapping, block tables) a layer of KV cache group ``group`` reads and writes
+        (without group tables, group 0's: one table every layer reads, each with a cache of its own)."""
+        if group == 0 or self.group_slots is None:
+            return self.slot_mapping, self.block_tables
+        return self.group_slots[group], self.group_tables[group]
 
 
 class DecoderLayer(_TracksLayout, nn.Module):
@@ -97,6 +109,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         kind = spec.layer_attention[index] if spec.layer_attention else None
         self.window = None if kind is None else kind.window  # sliding-window attention: its width
+        self.kv_group = layout_of(spec).layer_group()[index]  # whose block table it reads
         self.rope_index = 0  # which of the model's rotary tables (set by the model)
         self.index = index  # this layer's place in the stack (LoRA wrappers read their stacks by it)
         self._kv_of, self._kv_views = None, ()
@@ -148,7 +161,8 @@ class DecoderLayer(_TracksLayout, nn.Module):
             qkv = self._norm_qk(k, qkv)
         # rotary and the cache write in one call on the fused rows
         heads = (self.num_heads, self.num_kv_heads)
-        q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, *heads)
+        slots, tables = attn.of_group(self.kv_group)
+        q = k.rotate_and_store(qkv, positions, cos_sin, k_cache, v_cache, slots, *heads)
         q_size = self.num_heads * self.head_dim
         # The window only where the layer has one: a kernel bundle without windows serves the rest.
         window = {} if self.window is None else {"window": self.window}
@@ -156,7 +170,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
             q,
             k_cache,
             v_cache,
-            attn.block_tables,
+            tables,
             attn.seq_lens,
             attn.query_start_loc,
             self.scale,
@@ -284,6 +298,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                     layer.mlp_out_norm,
                     None if layer.rope_index == 0 else tables[layer.rope_index],
                     layer.window,
+                    layer.kv_group,
                 )
                 for layer in self.layers
             ]

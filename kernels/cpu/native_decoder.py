@@ -64,6 +64,7 @@ class _Layer(ctypes.Structure):
         ("mlp_out_norm", _P),
         ("cos_sin", _P),
         ("window", _I64),
+        ("group", _I64),
     ]
 
 
@@ -102,6 +103,9 @@ class _Step(ctypes.Structure):
         ("query_start_loc", _P),
         ("block_table_stride", _I64),
         ("block_table_width", _I64),
+        ("num_groups", _I64),
+        ("slot_group_stride", _I64),
+        ("table_group_stride", _I64),
         ("num_seqs", _I32),
         ("num_threads", _I32),
         ("x", _P),
@@ -182,6 +186,7 @@ class LayerParts:
     mlp_out_norm: torch.Tensor | None = None
     cos_sin: torch.Tensor | None = None  # this layer's rotary table (None: the model's)
     window: int | None = None
+    kv_group: int = 0  # its KV cache group (engine_svc/kv_groups.py)
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,7 @@ def build(
         if parts.window is not None and parts.window < 1:
             return f"layer {i}'s window {parts.window} is not a positive number of positions"
         desc.window = parts.window or 0
+        desc.group = parts.kv_group
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
@@ -305,6 +311,7 @@ class NativeDecoderLoop:
     def __init__(self, shape: Shape, layers: list[LayerParts], descs, final_norm, cos_sin, progress: int = 0):
         self.shape = shape
         self._parts = layers  # kept alive: the descriptors point into them
+        self._groups = tuple(p.kv_group for p in layers) or (0,)
         self._descs = descs
         self._final_norm, self._cos_sin = final_norm, cos_sin
         self._model = _Model(
@@ -396,7 +403,9 @@ class NativeDecoderLoop:
             return None
         kernels = _kernel_pointers()
         t = x.shape[0]
-        slots = attn.slot_mapping
+        grouped = attn.group_slots is not None
+        slots = attn.group_slots if grouped else attn.slot_mapping
+        groups = slots.shape[0] if grouped else 1
         h = self.shape.hidden
         if (
             kernels is None
@@ -410,7 +419,8 @@ class NativeDecoderLoop:
             or not positions.is_contiguous()
             or not slots.is_contiguous()
             or positions.shape != (t,)
-            or slots.shape != (t,)
+            or slots.shape != ((groups, t) if grouped else (t,))
+            or (grouped and groups <= max(self._groups))
             or not self._bind_caches(kv_caches)
         ):
             return None
@@ -423,12 +433,20 @@ class NativeDecoderLoop:
         i32 = native_attention.as_int32
         tables, lens, qsl = i32(attn.block_tables), i32(attn.seq_lens), i32(attn.query_start_loc)
         native_attention.check_layout(tables, lens, qsl)
-        out = torch.empty(t, h, dtype=torch.float32)
+        if grouped:  # every group's tables, one after another, each laid out as group 0's
+            tables = i32(attn.group_tables)
+            if tables.dim() != 3 or tables.shape[0] != groups or tables.shape[1:] != attn.block_tables.shape:
+                raise ValueError(f"group block tables of shape {tuple(tables.shape)} for {groups} groups")
         st = self._step
+        st.num_groups = groups
+        st.slot_group_stride = t if grouped else 0  # one table: every layer reads it
+        st.table_group_stride = tables.stride(0) if grouped else 0
+        out = torch.empty(t, h, dtype=torch.float32)
         st.tokens = t
         st.positions, st.slots = positions.data_ptr(), slots.data_ptr()
         st.block_tables, st.seq_lens, st.query_start_loc = tables.data_ptr(), lens.data_ptr(), qsl.data_ptr()
-        st.block_table_stride, st.block_table_width = tables.stride(0), tables.shape[1]
+        st.block_table_stride = tables.stride(-2)
+        st.block_table_width = tables.shape[-1]
         st.num_seqs = lens.shape[0]
         st.num_threads = torch.get_num_threads()
         st.x, st.out = x.data_ptr(), out.data_ptr()

@@ -46,6 +46,8 @@ def paged_attention(
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
     check_window(window)
+    if window is not None:
+        block_tables = window_tables(block_tables, lens, starts, window, k_cache.shape[1])
     for group in length_groups(decodes, lens):
         _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale, window)
     for b in prefills:
@@ -59,6 +61,20 @@ def paged_attention(
             mask &= torch.ones(q_len, ctx, dtype=torch.bool).triu(diagonal=ctx - q_len - window + 1)
         out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
     return out
+
+
+def window_tables(
+    block_tables: torch.Tensor, lens: list[int], starts: list[int], window: int, block_size: int
+):
+    """The tables with each row's entries before the first block its window reads (from its first
+    query's) replaced by that block: a sliding-window layer's cache may have released them (a null
+    entry), and the masked positions then read a block the row holds (their weights are 0)."""
+    tables = block_tables.clone()
+    for b, ctx in enumerate(lens):
+        first = max(0, ctx - (starts[b + 1] - starts[b]) + 1 - window) // block_size
+        if 0 < first < tables.shape[1]:
+            tables[b, :first] = tables[b, first]
+    return tables
 
 
 def check_window(window: int | None) -> None:

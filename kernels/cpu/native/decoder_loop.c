@@ -55,6 +55,7 @@ typedef struct {
      * model's), its sliding window. */
     const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm, *cos_sin;
     int64_t window;
+    int64_t group; /* its KV cache group: which of the step's slot rows and block tables it uses */
 } Layer;
 
 typedef struct {
@@ -74,6 +75,9 @@ typedef struct {
     const int64_t *positions, *slots;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t block_table_stride, block_table_width;
+    /* KV cache groups (sliding-window layers keep tables of their own): group g's slots start at
+     * slots + g * slot_group_stride, its tables at block_tables + g * table_group_stride */
+    int64_t num_groups, slot_group_stride, table_group_stride;
     int32_t num_seqs, num_threads;
     const float *x;
     float *out, *residual, *normed, *qkv, *q, *attn, *hidden, *gate_up, *act;
@@ -105,10 +109,11 @@ static int32_t check_step(const Model *md, const Step *s, int64_t *failure) {
             failure[1] = BAD_POSITION, failure[2] = s->positions[t];
             return CHECK_FAILED;
         }
-        if (s->slots[t] >= capacity) {
-            failure[1] = BAD_SLOT, failure[2] = s->slots[t];
-            return CHECK_FAILED;
-        }
+        for (int64_t g = 0; g < s->num_groups; ++g)
+            if (s->slots[g * s->slot_group_stride + t] >= capacity) {
+                failure[1] = BAD_SLOT, failure[2] = s->slots[g * s->slot_group_stride + t];
+                return CHECK_FAILED;
+            }
     }
     const int32_t *qsl = s->query_start_loc;
     for (int32_t b = 0; b <= s->num_seqs; ++b) {
@@ -124,12 +129,14 @@ static int32_t check_step(const Model *md, const Step *s, int64_t *failure) {
             failure[1] = BAD_CONTEXT, failure[2] = ctx;
             return CHECK_FAILED;
         }
-        const int32_t *row = s->block_tables + b * s->block_table_stride;
-        for (int64_t j = 0; j * bs < ctx; ++j)
-            if (row[j] < 0 || row[j] >= md->num_blocks) {
-                failure[1] = BAD_BLOCK, failure[2] = row[j];
-                return CHECK_FAILED;
-            }
+        for (int64_t g = 0; g < s->num_groups; ++g) {
+            const int32_t *row = s->block_tables + g * s->table_group_stride + b * s->block_table_stride;
+            for (int64_t j = 0; j * bs < ctx; ++j)
+                if (row[j] < 0 || row[j] >= md->num_blocks) {
+                    failure[1] = BAD_BLOCK, failure[2] = row[j];
+                    return CHECK_FAILED;
+                }
+        }
     }
     return 0;
 }
@@ -166,11 +173,13 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
                 norm(row, 0, L->q_norm, md->eps, hq, d, row, 0, threads);
                 norm(row + hq * d, 0, L->k_norm, md->eps, hk, d, row + hq * d, 0, threads);
             }
+        const int64_t *slots = s->slots + L->group * s->slot_group_stride;
+        const int32_t *tables = s->block_tables + L->group * s->table_group_stride;
         ((rotary_store_fn)md->rotary_store_kv)(s->qkv, L->qkv.n, t, hq, hk, d, s->positions,
-                                               L->cos_sin ? L->cos_sin : md->cos_sin, s->slots, s->q,
+                                               L->cos_sin ? L->cos_sin : md->cos_sin, slots, s->q,
                                                L->k_cache, L->v_cache, threads);
         stage = STAGE_ATTENTION;
-        rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, s->block_tables,
+        rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, tables,
                                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->num_seqs,
                                            (int32_t)hq, (int32_t)hk, (int32_t)d, (int32_t)md->block_size,
                                            md->scale, s->attn, threads, (int32_t)L->window);

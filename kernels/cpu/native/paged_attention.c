@@ -383,11 +383,15 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
             for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = 0.0f;
     }
     const int longest = limit[(nvec - 1) / W][(nvec - 1) % W];
+    /* The tile's first query sees the earliest position (rows rise, and their windows with them):
+     * blocks wholly before it are never read, as no lane sees them (a sliding-window layer's
+     * cache may have released them). Their positions would add exact zeros to every sum. */
+    const int first_blk = low[0][0] / bs, first_pos = first_blk * bs;
     const vf neg_inf = (vf){0} - INFINITY;
     vf m[T];
     for (int t = 0; t < T; ++t) m[t] = neg_inf;
     /* st[p * T + t] = the tile's scores at position p (masked past each lane's limit) */
-    for (int blk = 0; blk * bs < longest; ++blk) {
+    for (int blk = first_blk; blk * bs < longest; ++blk) {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D);
         const int p0 = blk * bs;
         const int n = longest - p0 < bs ? longest - p0 : bs;
@@ -416,9 +420,10 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
     vf part[W][T];
     for (int l = 0; l < W; ++l)
         for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
-    for (int p0 = 0; p0 < longest; p0 += W)
+    for (int p0 = first_pos - first_pos % W; p0 < longest; p0 += W)
         for (int l = 0; l < W && p0 + l < longest; ++l) {
             const int p = p0 + l;
+            if (p < first_pos) continue;
             for (int t = 0; t < T; ++t) {
                 float e[W];
                 for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(st[p * T + t][j] - m[t][j]);
@@ -437,7 +442,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         vf acc[PV_ELEMS][T];
         for (int i = 0; i < PV_ELEMS; ++i)
             for (int t = 0; t < T; ++t) acc[i][t] = (vf){0};
-        for (int blk = 0; blk * bs < longest; ++blk) {
+        for (int blk = first_blk; blk * bs < longest; ++blk) {
             const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + dc;
             const int p0 = blk * bs;
             const int n = longest - p0 < bs ? longest - p0 : bs;
