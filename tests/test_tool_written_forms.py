@@ -13,6 +13,7 @@ import pytest
 
 from gateway.tool_request import ToolOptions, plan_tools
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tests.test_tool_parsers import _stream  # the stricter reader: names once, in order
 from tokenizer_svc.tool_parsers import ToolCallStream, get_parser
 from tokenizer_svc.tool_parsers.written_forms import WrittenForms
 
@@ -89,19 +90,6 @@ CASES = CALLS + [(t, t, []) for t in TEXTS]
 
 def _parser():
     return WrittenForms(get_parser("hermes"), TOOLS)
-
-
-def _stream(parser, pieces):
-    s = ToolCallStream(parser)
-    deltas = [s.feed(p) for p in pieces] + [s.finish()]
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, list] = {}
-    for d in deltas:
-        for c in d.calls:
-            if c.index not in calls:
-                calls[c.index] = [c.name, ""]
-            calls[c.index][1] += c.arguments
-    return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
