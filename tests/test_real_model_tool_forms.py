@@ -15,15 +15,8 @@ import pytest
 
 from tests.conftest import catalogue_model_path
 from tests.service_process import ServiceProcess
+from tests.test_ollama_embeddings_service import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASK = "How's the weather in Tokyo today?"  # the 0.5B answers with a ```json fence
 EXAMPLE = "Give me an example JSON object describing a user with a name and an age."
 
