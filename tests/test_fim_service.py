@@ -239,3 +239,25 @@ def test_a_model_without_fim_tokens_says_what_is_missing_at_every_door(plain):
             pb.GenerateRequest(infill=pb.Infill(prefix="def f(")), timeout=120
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and missing in e.value.details()
+
+
+def test_the_docs_examples_run_as_written(coder):
+    """docs/fill-in-the-middle.md's examples, one per door, with this server's address; each
+    completes the Fibonacci call (greedy)."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    sp, _ = coder
+    page = Path(__file__).resolve().parents[1] / "docs" / "fill-in-the-middle.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 4
+    for code in blocks:
+        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{sp.http_port}").replace(
+            "127.0.0.1:50051", sp.target
+        )
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, str(page), "exec"), {})
+        assert "fibonacci(n - 1)" in out.getvalue(), (code, out.getvalue())
