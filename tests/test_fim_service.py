@@ -196,6 +196,7 @@ def test_a_client_that_leaves_stops_its_infill(coder):
     request is aborted (not run to its 3000 tokens)."""
     sp, _ = coder
     body = json.dumps({"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 3000, "ignore_eos": True})
+    cancelled = sp.log_tail(1 << 20).count('outcome="cancelled"')
     host, port = sp.http_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(
@@ -205,6 +206,10 @@ def test_a_client_that_leaves_stops_its_infill(coder):
     wait_for(lambda: sp.engine_stats().load.num_running == 1, 120, "the infill request did not start")
     sock.close()
     assert_engine_clean(sp, within_s=60)
+    # ended by the client leaving, not by running out its tokens
+    wait_for(
+        lambda: sp.log_tail(1 << 20).count('outcome="cancelled"') > cancelled, 60, "no cancelled outcome"
+    )
 
 
 # --- a model without FIM tokens -----------------------------------------------------------------------
