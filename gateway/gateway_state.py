@@ -39,6 +39,8 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     prompt_log: PromptLogPolicy = field(default_factory=PromptLogPolicy)
     tool_options: ToolOptions = field(default_factory=ToolOptions)  # --tool-call-parser and friends
+    # The served model's fill-in-the-middle format, or why it has none (gateway/infill.py).
+    fim: object = None
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight

@@ -25,6 +25,15 @@ from gateway.embed_sink import EmbedSink
 from gateway.engine_client import EngineUnavailable
 from gateway.errors import FieldViolation, RequestError, invalid, refuse, unavailable
 from gateway.gateway_state import GatewayState, ServerAborting
+from gateway.infill import (
+    PROTO_NAMES,
+    InfillNames,
+    check_infill,
+    cut_step,
+    fim_pieces,
+    infill_ids,
+    spec_or_refuse,
+)
 from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
 from gateway.quoting import clip
@@ -228,6 +237,31 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
         return plan
 
+    def _plan_infill(self, request: pb.GenerateRequest, v, names: InfillNames):
+        """A fill-in-the-middle request: the model's format (or the refusal that names what it
+        lacks), the pieces checked and laid out, and the format's end tokens added to the stops."""
+        if v.prompt_kind != "infill":
+            return None
+        spec = spec_or_refuse(self.s.fim, names)
+        pieces = fim_pieces(spec, check_infill(request.infill, self.s.limits, names), names)
+        stops = v.params.stop_token_ids
+        stops.extend(t for t in spec.end_ids if t not in stops)
+        return spec, pieces
+
+    async def _infill_ids(self, fim, v, fill: bool) -> list[int]:
+        spec, pieces = fim
+        s = self.s
+        info = s.engine.info
+        # The room the prompt may take: the context less what is asked for (less a reserve when
+        # max_tokens is the rest of the context), within --max-prompt-tokens.
+        reserve = v.params.max_tokens
+        if fill:
+            reserve = min(max(s.limits.default_max_tokens, 256), s.max_model_len // 4)
+        room = min(s.max_model_len - reserve, s.limits.prompt_token_limit(s.max_model_len))
+        room = max(room, 1)
+        step = cut_step(info.block_size if info else 16, room)
+        return await self._tokenized(infill_ids(spec, pieces, s.tokenization.encode, room, step), "infill")
+
     @staticmethod
     async def _tokenized(call, field: str) -> list[int]:
         try:
@@ -278,6 +312,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         tool_names: Names | None = None,
         embed: EmbedSink | None = None,
         max_tokens_cap: int | None = None,
+        infill_names: InfillNames = PROTO_NAMES,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one generation path, for any front end (gRPC here, HTTP in ``http_api``): one
         request's log lines (its id on each), metrics and outcome, around ``_generate``.
@@ -292,7 +327,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         prompt runs with its pooling and the vector lands in ``embed``.
         ``max_tokens_cap`` (with ``fill_context`` and max_tokens unset): the
         client's max_tokens, clamped to the context the prompt leaves (Anthropic's Messages API,
-        whose clients ask for more than a small model holds)."""
+        whose clients ask for more than a small model holds). ``infill_names``: how violations of a
+        fill-in-the-middle request name its pieces (the door's own names; default the proto's)."""
         rid = request.request_id or uuid.uuid4().hex
         rm = self.s.metrics.request()
         outcome = "internal"
@@ -329,6 +365,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     tool_names,
                     embed,
                     max_tokens_cap,
+                    infill_names,
                 )
                 async for msg in stream:
                     if msg.finish_reason:
@@ -372,6 +409,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         tool_names: Names | None = None,
         embed: EmbedSink | None = None,
         max_tokens_cap: int | None = None,
+        infill_names: InfillNames = PROTO_NAMES,
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.s
         fill = fill_context and not request.HasField("max_tokens")
@@ -390,6 +428,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if embed is not None:
             v.params.pooling, v.params.normalize = embed.pooling, embed.normalize
         plan = self._plan_tools(request, v, tool_names)
+        fim = self._plan_infill(request, v, infill_names)
         if rid in s.inflight:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -401,7 +440,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             async with s.admission.slot(client) as slot:
                 encode = s.tokenization.encode if s.tokenization is not None else None  # token-only: no words
                 await complete_constraints(v.params, list(request.bad_words), encode)
-                prompt = await self._prompt_ids(v, plan.tools if plan is not None else None)
+                if fim is not None:
+                    prompt = await self._infill_ids(fim, v, fill)
+                else:
+                    prompt = await self._prompt_ids(v, plan.tools if plan is not None else None)
                 max_prompt = s.limits.max_prompt_tokens
                 info = s.engine.info
                 if fill:

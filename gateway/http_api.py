@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import embeddings_api, ollama_api
+from gateway import embeddings_api, infill_api, ollama_api
 from gateway.anthropic_api import AnthropicApi
 from gateway.auth import Identity
 from gateway.errors import FieldViolation, RequestError, invalid
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService, merge_tool_calls
+from gateway.infill import InfillNames
 from gateway.openai_protocol import (
     FINISH,
     TOKENIZE_FIELDS,
@@ -49,6 +50,8 @@ from gateway.tool_request import HTTP_NAMES
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
+# `suffix` on completions: the prompt is the prefix, and the refusals name these fields.
+COMPLETION_INFILL_NAMES = InfillNames(whole="suffix", prefix="prompt", suffix="suffix")
 
 
 class HttpApi:
@@ -58,6 +61,7 @@ class HttpApi:
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/infill", self.infill, methods=["POST"]),  # llama.cpp's fill-in-the-middle
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -139,9 +143,16 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._guarded(request, self._chat)
 
+    async def infill(self, request: Request) -> Response:
+        return await self._guarded(request, self._infill, infill_api.error)
+
     async def _completions(self, request: Request, identity: Identity, body) -> Response:
         reqs = completion_requests(body, self.s.limits)
         return await self._respond(request, identity, body, reqs, chat=False)
+
+    async def _infill(self, request: Request, identity: Identity, body) -> Response:
+        """llama.cpp's ``/infill`` (gateway/infill_api.py)."""
+        return await infill_api.respond(self, request, identity, body)
 
     async def _chat(self, request: Request, identity: Identity, body) -> Response:
         if self.s.token_only:  # before the body is read as a chat: there is no template to render it
@@ -165,6 +176,8 @@ class HttpApi:
             "model": model,
         }
         fmt = _Formatter(self.s.tokenizer, chat, meta, n, reqs[0].return_token_ids)
+        if reqs[0].WhichOneof("prompt") == "infill":  # `suffix`: violations name this API's fields
+            fmt.infill_names = COMPLETION_INFILL_NAMES
         if body.get("stream"):
             options = body.get("stream_options") or {}
             runs = [(r, fmt.run_options(p)) for p, r in enumerate(reqs)]
@@ -287,6 +300,7 @@ class _Formatter:
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
         self._token_cache: dict[int, str] = {}
+        self.infill_names: InfillNames | None = None
 
     def run_options(self, p: int) -> dict:
         """What ``GenerationService.run`` takes for prompt ``p`` of this request."""
@@ -295,6 +309,8 @@ class _Formatter:
             self.prompt_ids[p] = list(ids)
 
         options = {"fill_context": True, "on_prompt": keep if self.want_prompt_ids else None}
+        if self.infill_names is not None:
+            options["infill_names"] = self.infill_names
         if self.chat:
             options["tool_names"] = HTTP_NAMES  # violations name this API's fields
         return options

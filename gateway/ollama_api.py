@@ -74,6 +74,9 @@ _RENAMES = {
     "chat.tool_choice": "tools",  # Ollama has no tool_choice: the tools themselves are refused
     "tool_choice": "tools",
     "chat": "messages",
+    "infill.prefix": "prompt",
+    "infill.suffix": "suffix",
+    "infill": "suffix",
 }
 _OPTION_FIELDS = {
     "temperature",
@@ -227,7 +230,6 @@ def _refuse_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     for name in fields:
         if body.get(name):
             why = {
-                "suffix": "is not supported (fill-in-the-middle)",
                 "images": "is not supported: the served model reads text only",
                 "template": "is not supported: the model's chat template is used (raw: true: none)",
                 "context": "is not supported: send the conversation as /api/chat messages",
@@ -249,16 +251,23 @@ def chat_body(body: dict, model: str, limits) -> pb.GenerateRequest:
 
 
 def generate_body(body: dict, model: str, limits) -> pb.GenerateRequest:
-    _refuse_unsupported(body, ("suffix", "images", "template", "context", "logprobs"))
-    prompt, system = body.get("prompt"), body.get("system")
+    _refuse_unsupported(body, ("images", "template", "context", "logprobs"))
+    prompt, system, suffix = body.get("prompt"), body.get("system"), body.get("suffix")
     if not isinstance(prompt, str):
         raise _bad("prompt", "must be a string")
     if system is not None and not isinstance(system, str):
         raise _bad("system", "must be a string")
+    if suffix is not None and not isinstance(suffix, str):
+        raise _bad("suffix", "must be a string")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw", "must be true or false")
     openai = {"model": model, **openai_options(body)}
+    if suffix:  # fill-in-the-middle: the prompt is the code before the cursor, in the model's FIM format
+        if system:
+            raise _bad("system", "is not used with suffix (a fill-in-the-middle prompt has no system turn)")
+        body_ = {**openai, "prompt": prompt, "suffix": suffix}
+        return _translated(lambda b: completion_requests(b, limits)[0], body_)
     if raw:  # the prompt as it is: no template
         return _translated(lambda b: completion_requests(b, limits)[0], {**openai, "prompt": prompt})
     messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -421,7 +430,7 @@ def routes(api) -> list[Route]:
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise _bad("stream", "must be true or false")
-        empty = not body.get("messages") if chat else not body.get("prompt")
+        empty = not body.get("messages") if chat else not (body.get("prompt") or body.get("suffix"))
         if empty and not (not chat and body.get("system")):  # Ollama's "load the model" request
             out = {"model": model or s.model_name, "created_at": _now(), "done": True, "done_reason": "load"}
             out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})

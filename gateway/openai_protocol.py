@@ -235,8 +235,7 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
         base.logprobs = logprobs
     if r.bool("echo"):
         r.bad("echo", "is not supported")
-    if r.str("suffix"):
-        r.bad("suffix", "is not supported")
+    suffix = r.str("suffix")  # with it, each prompt is the code before the cursor (fill-in-the-middle)
     prompt = body.get("prompt")
     prompts: list = []
     if isinstance(prompt, str):
@@ -252,6 +251,8 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
             r.bad("prompt", "must be a string, a list of token ids, or a list of either")
     else:
         r.bad("prompt", "is required: a string, a list of token ids, or a list of either")
+    if suffix is not None and any(not isinstance(p, str) for p in prompts):
+        r.bad("suffix", "needs a text prompt (the code before the cursor), not token ids")
     r.done()
     out = []
     for i, p in enumerate(prompts):
@@ -259,7 +260,9 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
         req.CopyFrom(base)
         if req.request_id and len(prompts) > 1:
             req.request_id = f"{base.request_id}-{i}"
-        if isinstance(p, str):
+        if suffix is not None:
+            req.infill.prefix, req.infill.suffix = p, suffix
+        elif isinstance(p, str):
             req.text = p
         else:
             if any(not -(2**31) <= t < 2**31 for t in p):  # the vocabulary is checked by validation

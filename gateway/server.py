@@ -25,6 +25,7 @@ from gateway.engine_client import EngineClient
 from gateway.gateway_state import GatewayState
 from gateway.generation_service import GenerationService
 from gateway.http_api import HttpApi, HttpServer
+from gateway.infill import model_fim
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.models_service import ModelsService
@@ -153,6 +154,7 @@ class GatewayServer:
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
             tool_options=o.tool_options,
+            fim=model_fim(o.model_dir, tokenizer) if tokenizer is not None else None,
         )
         self.stall_sweeper = StallSweeper(
             self.state.streams, o.limits.stream_stall_timeout_s, o.limits.max_paused_streams

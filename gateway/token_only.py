@@ -19,6 +19,8 @@ def check_generate(req: pb.GenerateRequest) -> None:
         bad.append(FieldViolation("text", f"{WHY}: send the prompt as token_ids"))
     elif kind == "chat":
         bad.append(FieldViolation("chat", f"{WHY}: render the chat yourself and send token_ids"))
+    elif kind == "infill":
+        bad.append(FieldViolation("infill", f"{WHY}: write the fill-in-the-middle prompt and send token_ids"))
     if req.stop:
         bad.append(FieldViolation("stop", f"{WHY}: stop strings need text; use stop_token_ids"))
     if req.bad_words:

@@ -1,0 +1,201 @@
+"""Editor autocomplete: a keystroke session of fill-in-the-middle requests, ours against llama-server.
+
+    python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
+
+The session: a real source file nobody here wrote (a module of Python's standard library), the
+cursor at the start of one of its lines with about 1.5k tokens before it, two more standard-library
+modules as other files of the project (``input_extra``). The "user" types that line's real text one
+character a keystroke; each keystroke is one ``POST /infill`` (greedy, ``n_predict`` 32), sent when
+the previous answer is in, to our server and to llama.cpp's ``llama-server`` (same GGUF file, same
+threads, one slot). Per server: the cold request, p50 and p95 over the keystrokes after it, the
+prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``; llama.cpp:
+``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import RESULTS_DIR, percentile, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = ROOT / "benchmarks" / ".llamacpp" / "bin" / "llama-server"
+MODEL = ROOT / "models" / "qwen2.5-coder-0.5b"
+
+
+def stdlib_source(module: str) -> tuple[str, str]:
+    path = Path(importlib.util.find_spec(module).origin)
+    return f"Lib/{path.name}", path.read_text()
+
+
+def session(keystrokes: int, prefix_chars: int) -> dict:
+    """The file, the line typed and the context files (the same for both servers)."""
+    name, text = stdlib_source("textwrap")
+    lines = text.splitlines(keepends=True)
+    at, pos = 0, 0
+    for i, line in enumerate(lines):  # the first long line after prefix_chars of text
+        if pos >= prefix_chars and len(line.strip()) > keystrokes + 8:
+            at = i
+            break
+        pos += len(line)
+    line = lines[at]
+    indent = len(line) - len(line.lstrip())
+    before = "".join(lines[:at]) + line[:indent]
+    typed = line[indent:]
+    after = "".join(lines[at + 1 :])[:2000]
+    extra = [stdlib_source("string"), stdlib_source("shlex")]
+    return {"file": name, "before": before, "typed": typed, "after": after, "extra": extra}
+
+
+def keystroke_bodies(s: dict, keystrokes: int, n_predict: int) -> list[dict]:
+    extra = [{"filename": f, "text": t} for f, t in s["extra"]]
+    out = []
+    for k in range(1, keystrokes + 1):
+        out.append(
+            {
+                "input_prefix": s["before"] + s["typed"][:k],
+                "input_suffix": "\n" + s["after"],
+                "input_extra": extra,
+                "n_predict": n_predict,
+                "temperature": 0,
+                "top_k": 1,
+                "cache_prompt": True,
+                "samplers": ["top_k"],
+            }
+        )
+    return out
+
+
+def continues(completion: str, rest: str) -> bool:
+    n = min(len(completion), len(rest), 10)
+    return n > 0 and completion[:n] == rest[:n]
+
+
+def run_session(url: str, bodies: list[dict], s: dict, ours: bool) -> dict:
+    latencies, computed, hits = [], [], 0
+    with httpx.Client(timeout=1800) as client:
+        for k, body in enumerate(bodies, start=1):
+            t0 = time.perf_counter()
+            r = client.post(url + "/infill", json=body)
+            latencies.append(time.perf_counter() - t0)
+            r.raise_for_status()
+            out = r.json()
+            if ours:
+                computed.append(out["tokens_evaluated"] - out["tokens_cached"])
+            else:
+                computed.append(out["timings"]["prompt_n"])
+            rest = s["typed"][k:] + "\n" + s["after"]
+            hits += continues(out["content"], rest)
+    warm = latencies[1:]
+    return {
+        "cold_s": latencies[0],
+        "p50_s": percentile(warm, 50),
+        "p95_s": percentile(warm, 95),
+        "computed_cold": computed[0],
+        "computed_per_keystroke_mean": statistics.mean(computed[1:]),
+        "computed_per_keystroke": computed,
+        "latencies_s": latencies,
+        "continues_real_text": hits,
+        "keystrokes": len(bodies),
+    }
+
+
+class Ours:
+    def __init__(self, gguf: Path, threads: int, ctx: int) -> None:
+        from tests.service_process import ServiceProcess
+
+        args = ["--http-port", "0", "--torch-threads", str(threads), "--max-model-len", str(ctx)]
+        self.sp = ServiceProcess(gguf, *args, startup_timeout_s=900).start()
+        self.url = self.sp.http_url
+
+    def close(self) -> None:
+        self.sp.kill()
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int) -> None:
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "1", "-c", str(ctx)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("llama-server did not become healthy in 300 s")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=MODEL, help="a GGUF file or a folder with one")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keystrokes", type=int, default=20)
+    ap.add_argument("--n-predict", type=int, default=32)
+    ap.add_argument("--prefix-chars", type=int, default=6000, help="about 1.5k tokens before the cursor")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args()
+    gguf = args.model if args.model.is_file() else next(args.model.glob("*.gguf"))
+    s = session(args.keystrokes, args.prefix_chars)
+    bodies = keystroke_bodies(s, args.keystrokes, args.n_predict)
+    result: dict = {
+        "model": gguf.name,
+        "threads": args.threads,
+        "file": s["file"],
+        "line": s["typed"].strip(),
+    }
+    sides = [("ours", lambda: Ours(gguf, args.threads, args.ctx))]
+    if not args.skip_llama_server:
+        sides.append(("llama_server", lambda: LlamaServer(args.llama_server, gguf, args.threads, args.ctx)))
+    for name, start in sides:
+        server = start()
+        try:
+            result[name] = run_session(server.url, bodies, s, ours=name == "ours")
+        finally:
+            server.close()
+        r = result[name]
+        print(
+            f"{name}: cold {r['cold_s']:.2f}s ({r['computed_cold']} tokens), p50 {r['p50_s']:.2f}s, "
+            f"p95 {r['p95_s']:.2f}s, {r['computed_per_keystroke_mean']:.0f} tokens computed a keystroke, "
+            f"{r['continues_real_text']}/{r['keystrokes']} continue the real text"
+        )
+    if "llama_server" in result:
+        o, p = result["ours"], result["llama_server"]
+        result["ratios"] = {
+            "p50": o["p50_s"] / p["p50_s"],
+            "p95": o["p95_s"] / p["p95_s"],
+            "cold": o["cold_s"] / p["cold_s"],
+            "computed_per_keystroke": o["computed_per_keystroke_mean"] / p["computed_per_keystroke_mean"],
+        }
+        print("ours / llama-server: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+    print(write_result("autocomplete", result, args.results_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Fill-in-the-middle through the real service, spoken by real clients: the ``openai`` SDK's
+completions with ``suffix``, the ``ollama`` client's ``generate`` with ``suffix``, httpx on
+llama.cpp's ``/infill`` (whole and streamed), and gRPC ``Generate`` with ``infill``.
+
+On Qwen2.5-Coder 0.5B (a catalogue GGUF; skipped with the reason where absent): the prompt each door
+builds is the model card's layout (tokenizer_svc/fim.py, checked against the ids the service reports),
+and the greedy output is bit-equal to the same prompt through ``LLM.generate`` (the FIM path is a
+prompt, not a second engine). On the default model (SmolLM2, no FIM tokens): every door answers
+with the error that names what is missing. A client that leaves stops its /infill request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import grpc
+import httpx
+import ollama
+import openai
+import pytest
+
+from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from llmserve_proto.llmserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import catalogue_model_path
+from tests.fault_helpers import assert_engine_clean, wait_for
+from tests.service_process import ServiceProcess
+
+CODER = "qwen2.5-coder-0.5b"
+PREFIX = "def fibonacci(n):\n    if n < 2:\n        return n\n    return "
+SUFFIX = "\n\n\nprint(fibonacci(10))\n"
+FILES = [("util.py", "def add(a, b):\n    return a + b\n")]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def coder():
+    path = catalogue_model_path(CODER)
+    args = ["--http-port", "0", "--served-model-name", "coder", "--max-model-len", "4096"]
+    with ServiceProcess(path, *args, startup_timeout_s=600) as sp:
+        yield sp, path
+
+
+@pytest.fixture(scope="module")
+def coder_fim(coder):
+    from tokenizer_svc.fim import find_fim
+    from tokenizer_svc.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(coder[1])
+    spec = find_fim(tok.token_to_id, tok.bos_token_id, None, tok.convert_ids_to_tokens)
+    return tok, spec
+
+
+@pytest.fixture(scope="module")
+def offline(coder):
+    """The same prompt through the offline API: the reference the service must equal."""
+    from engine_svc.llm import LLM
+    from engine_svc.sampling_params import SamplingParams
+
+    llm = LLM(model=str(coder[1]), max_model_len=4096)
+
+    def generate(ids: list[int], stops) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=N, stop_token_ids=list(stops))
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    yield generate
+    llm.shutdown()
+
+
+def _expected_prompt(coder_fim, prefix, suffix, files=(), path=""):
+    from tokenizer_svc.fim import FimInput, build_ids
+
+    tok, spec = coder_fim
+    enc = lambda t: tok.encode(t, add_special_tokens=False, parse_special_tokens=False)  # noqa: E731
+    return build_ids(spec, FimInput(prefix, suffix, list(files), path), enc)
+
+
+def test_openai_completions_with_suffix_is_the_fim_prompt_and_the_offline_output(coder, coder_fim, offline):
+    sp, _ = coder
+    oai = openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    r = oai.completions.create(
+        model="coder",
+        prompt=PREFIX,
+        suffix=SUFFIX,
+        max_tokens=N,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    choice = r.choices[0]
+    prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX)
+    assert choice.model_extra["prompt_token_ids"] == prompt
+    tokens = choice.model_extra["token_ids"]
+    expected = offline(prompt, coder_fim[1].end_ids)
+    assert tokens == expected
+    assert "fibonacci(n - 1)" in choice.text  # the model does fill the middle
+    # streamed: the same text
+    streamed = "".join(
+        c.choices[0].text
+        for c in oai.completions.create(
+            model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=N, temperature=0, stream=True
+        )
+    )
+    assert streamed == choice.text
+
+
+def test_ollama_generate_with_suffix(coder, coder_fim, offline):
+    sp, _ = coder
+    oll = ollama.Client(host=sp.http_url, timeout=600)
+    r = oll.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": N}
+    )
+    tok, spec = coder_fim
+    expected = offline(_expected_prompt(coder_fim, PREFIX, SUFFIX), spec.end_ids)
+    assert r.response == tok.decode(expected)
+    assert r.prompt_eval_count == len(_expected_prompt(coder_fim, PREFIX, SUFFIX))
+    pieces = [c.response for c in oll.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": N}, stream=True
+    )]  # fmt: skip
+    assert "".join(pieces) == r.response
+
+
+def test_infill_with_extra_files_whole_and_streamed(coder, coder_fim, offline):
+    sp, _ = coder
+    body = {
+        "input_prefix": PREFIX,
+        "input_suffix": SUFFIX,
+        "input_extra": [{"filename": f, "text": t} for f, t in FILES],
+        "n_predict": N,
+        "temperature": 0,
+        "return_tokens": True,
+    }
+    r = httpx.post(sp.http_url + "/infill", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES)
+    assert out["tokens"] == offline(prompt, coder_fim[1].end_ids)
+    assert out["stop"] is True and out["tokens_evaluated"] == len(prompt)
+    assert out["stop_type"] in ("eos", "limit") and out["tokens_predicted"] == len(out["tokens"])
+    # the second identical request reuses the cached prompt (all but the block being written)
+    again = httpx.post(sp.http_url + "/infill", json=body, timeout=600).json()
+    assert again["tokens"] == out["tokens"] and again["tokens_cached"] >= len(prompt) - 16
+    text, last = "", None
+    with httpx.stream("POST", sp.http_url + "/infill", json={**body, "stream": True}, timeout=600) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                text += event["content"]
+                last = event
+    assert text == out["content"] and last["stop"] is True
+
+
+def test_grpc_generate_with_infill(coder, coder_fim, offline):
+    sp, _ = coder
+    req = pb.GenerateRequest(
+        infill=pb.Infill(
+            prefix=PREFIX, suffix=SUFFIX, files=[pb.InfillFile(path=p, text=t) for p, t in FILES]
+        ),
+        max_tokens=N,
+        temperature=0,
+        return_token_ids=True,
+    )
+    with grpc.insecure_channel(sp.target) as ch:
+        r = pb_grpc.GenerationStub(ch).Generate(req, timeout=600)
+    prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES)
+    assert list(r.token_ids) == offline(prompt, coder_fim[1].end_ids)
+    assert r.usage.prompt_tokens == len(prompt)
+
+
+def test_bad_infill_inputs_name_their_fields(coder):
+    sp, _ = coder
+    url = sp.http_url + "/infill"
+    cases = [
+        ({"input_prefix": 3}, "input_prefix"),
+        ({"input_prefix": "a", "input_extra": [{"filename": "x"}]}, "input_extra[0]"),
+        ({"input_prefix": "a", "n_predict": 0}, "n_predict"),
+        ({"input_prefix": "", "input_suffix": ""}, "input_prefix"),
+        (
+            {"input_prefix": "a", "input_extra": [{"filename": "a\nb", "text": "t"}]},
+            "input_extra[0].filename",
+        ),
+    ]
+    for body, field in cases:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"].startswith(field + ":"), r.text
+    oai = openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="coder", prompt=[1, 2, 3], suffix="x", max_tokens=2)
+    assert e.value.body["param"] == "suffix"
+
+
+def test_a_client_that_leaves_stops_its_infill(coder):
+    """An editor drops the previous keystroke's request by closing its connection: the engine
+    request is aborted (not run to its 3000 tokens)."""
+    sp, _ = coder
+    body = json.dumps({"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 3000, "ignore_eos": True})
+    cancelled = sp.log_tail(1 << 20).count('outcome="cancelled"')
+    host, port = sp.http_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        f"POST /infill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    wait_for(lambda: sp.engine_stats().load.num_running == 1, 120, "the infill request did not start")
+    sock.close()
+    assert_engine_clean(sp, within_s=60)
+    # ended by the client leaving, not by running out its tokens
+    wait_for(
+        lambda: sp.log_tail(1 << 20).count('outcome="cancelled"') > cancelled, 60, "no cancelled outcome"
+    )
+
+
+# --- a model without FIM tokens -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(default_model_dir):
+    with ServiceProcess(default_model_dir, "--http-port", "0", "--served-model-name", "plain") as sp:
+        yield sp
+
+
+def test_a_model_without_fim_tokens_says_what_is_missing_at_every_door(plain):
+    missing = "no fill-in-the-middle tokens"
+    oai = openai.OpenAI(base_url=plain.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="plain", prompt="def f(", suffix=")\n", max_tokens=4)
+    assert e.value.body["param"] == "suffix" and missing in e.value.body["message"]
+    assert "<|fim_prefix|>" in e.value.body["message"]
+
+    oll = ollama.Client(host=plain.http_url, timeout=120)
+    with pytest.raises(ollama.ResponseError) as e:
+        oll.generate(model="plain", prompt="def f(", suffix=")\n")
+    assert e.value.status_code == 400 and e.value.error.startswith("suffix:") and missing in e.value.error
+
+    r = httpx.post(
+        plain.http_url + "/infill", json={"input_prefix": "def f(", "input_suffix": ")"}, timeout=120
+    )
+    assert r.status_code == 400 and missing in r.json()["error"]["message"]
+
+    with grpc.insecure_channel(plain.target) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GenerationStub(ch).Generate(
+            pb.GenerateRequest(infill=pb.Infill(prefix="def f(")), timeout=120
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and missing in e.value.details()
+
+
+def test_the_docs_examples_run_as_written(coder):
+    """docs/fill-in-the-middle.md's examples, one per door, with this server's address; each
+    completes the Fibonacci call (greedy)."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    sp, _ = coder
+    page = Path(__file__).resolve().parents[1] / "docs" / "fill-in-the-middle.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 4
+    for code in blocks:
+        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{sp.http_port}").replace(
+            "127.0.0.1:50051", sp.target
+        )
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, str(page), "exec"), {})
+        assert "fibonacci(n - 1)" in out.getvalue(), (code, out.getvalue())
