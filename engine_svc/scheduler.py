@@ -261,9 +261,10 @@ class Scheduler:
         admissions count against the seats like any sequence. Under the priority policy a more
         urgent sequence is seated before any less urgent one, in rounds within each priority.
         Deterministic: ties fall by position in the running list (waiting ones: in the queue)."""
+        waiting, cap = self.waiting.ready, self.max_per_step
+        if len(self.running) + len(waiting) <= cap:  # the steady state: no list built per step
+            return set(), None
         runnable = [s for s in self.running if not s.request.paused]
-        waiting = self.waiting.ready
-        cap = self.max_per_step
         if len(runnable) + len(waiting) <= cap:
             return set(), None
         prio = self.priority
