@@ -98,19 +98,25 @@ def run_options(names: Names, max_tokens: int | None, on_prompt: Callable | None
 async def collect(api, request, identity, req: pb.GenerateRequest, options: dict) -> Output | None:
     """The whole output of one request (None: the client left, and the run was cancelled)."""
     out = Output()
+    return out if await run_whole(api, request, identity, req, options, out.feed) else None
+
+
+async def run_whole(api, request, identity, req: pb.GenerateRequest, options: dict, feed) -> bool:
+    """Run one request to its end, each message to ``feed``; False when the client left first (the
+    run is cancelled, and its generator aborts the engine request). A refusal or failure raises."""
 
     async def one() -> None:
         async for msg in api.service.run(req, identity, client=peer(request.scope), **options):
-            out.feed(msg)
+            feed(msg)
 
     task = asyncio.ensure_future(one())
     watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:
-            return None
+            return False
         task.result()  # a refusal or failure
-        return out
+        return True
     finally:
         watcher.cancel()
         task.cancel()

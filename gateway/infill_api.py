@@ -15,16 +15,16 @@ Unset, sampling takes llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.9
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.api_stream import run_whole
 from gateway.errors import RequestError
 from gateway.infill import InfillNames
 from gateway.openai_protocol import BodyReader, status_of
-from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse, peer, wait_disconnect
+from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 FIELDS = {
@@ -218,21 +218,7 @@ async def respond(api, request: Request, identity, body) -> Response:
     if stream:
         return StreamedResponse(api.service, identity, [(req, options)], _Events(reply), SSE)
     # Not streamed: the whole reply. A client that leaves (an editor's next keystroke drops the
-    # previous request) ends the run at once, and its generator aborts the engine request.
-
-    async def run() -> None:
-        async for msg in api.service.run(req, identity, client=peer(request.scope), **options):
-            reply.add(msg)
-
-    task = asyncio.ensure_future(run())
-    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        task.result()
-    finally:
-        watcher.cancel()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    # previous request) ends the run at once.
+    if not await run_whole(api, request, identity, req, options, reply.add):
+        return Response(status_code=499)  # nobody reads it: the client is gone
     return JSONResponse(reply.final())
