@@ -9,11 +9,13 @@ MAX_LORAS = 256
 MAX_LORA_RANK = 512
 
 
-# A step's seats on CPU when max_seqs_per_step is not set (docs/slow-readers.md): this many per
-# engine thread, and at least the floor. Past about that many rows a CPU step's rate per token no
-# longer rises, while its duration -- every stream's inter-token latency -- keeps growing.
-CPU_SEQS_PER_STEP_PER_THREAD = 16
-CPU_MIN_SEQS_PER_STEP = 32
+# A step's seats on CPU when max_seqs_per_step is not set (docs/slow-readers.md#measured): this many
+# per engine thread, and at least the floor. Past about that many rows a CPU step's rate per token
+# no longer rises (64 streams decoding, 2 threads: 16, 32 and 64 seats give the same tokens/s on
+# SmolLM2 and Qwen2.5-Coder-0.5B), while its duration -- every stream's inter-token latency, and a
+# normal request's beside hundreds of another client's streams -- keeps growing.
+CPU_SEQS_PER_STEP_PER_THREAD = 8
+CPU_MIN_SEQS_PER_STEP = 16
 
 
 @dataclass

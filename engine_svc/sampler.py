@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_svc.outputs import TokenLogprob
@@ -37,23 +38,63 @@ class SamplingBatch:
     processors: list[tuple[object, object]] = field(default_factory=list)
 
 
+# A row with top-p or min-p but no top-k is first ranked over its best PARTIAL_RANKS tokens only:
+# that settles it whenever the last of them is already dropped, as it is for nearly every real
+# distribution; the others are sorted whole (a full sort of a 49k row costs ~2.5 ms on the CPU).
+PARTIAL_RANKS = 256
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p (nucleus) and min-p exclude; ``logits`` already tempered."""
+    """Mask (to -inf) what top-k, top-p (nucleus) and min-p exclude; ``logits`` already tempered.
+
+    Only rows with a filter on are touched; a row with top-k is ranked by ``topk`` over its k best
+    (top-p and min-p then apply within them, renormalized), a row without by its best
+    ``PARTIAL_RANKS`` where they settle it. Rows are grouped by their k and each row's path depends
+    on its own values only, so a row's result does not depend on what else shares the batch."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    active = (k < vocab) | (top_p < 1) | (min_p > 0)
+    if not bool(active.any()):
+        return logits
+    mask = torch.zeros_like(logits, dtype=torch.bool)
+    groups: dict[int, list[int]] = {}
+    for r, (row_k, on) in enumerate(zip(k.tolist(), active.tolist())):
+        if on:
+            groups.setdefault(row_k, []).append(r)
+    for group_k, group in groups.items():
+        rows = torch.tensor(group)
+        sub, p, m = logits[rows], top_p[rows], min_p[rows]
+        if group_k < vocab:
+            ranked, order = sub.topk(group_k, dim=-1)  # descending; what it leaves out is dropped
+            mask[rows] = _mask_from_ranks(order, _drops(ranked.softmax(dim=-1), p, m), vocab)
+            continue
+        width = min(PARTIAL_RANKS, vocab)
+        ranked, order = sub.topk(width, dim=-1)
+        drop = _drops((ranked - sub.logsumexp(dim=-1, keepdim=True)).exp(), p, m)
+        mask[rows] = _mask_from_ranks(order, drop, vocab)
+        unsettled = (~drop[:, -1]).nonzero().squeeze(1) if width < vocab else []
+        if len(unsettled):  # the best `width` do not reach top_p / min_p: rank the whole row
+            ranked, order = sub[unsettled].sort(dim=-1, descending=True)
+            drop = _drops(ranked.softmax(dim=-1), p[unsettled], m[unsettled])
+            mask[rows[unsettled]] = _mask_from_ranks(order, drop, vocab)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _drops(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which of the ranked ``probs [R, n]`` (descending) top-p and min-p drop."""
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    drop = mass_before >= top_p[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    mask = torch.zeros_like(drop).scatter(1, order, drop)
-    return logits.masked_fill(mask, float("-inf"))
+    return drop
+
+
+def _mask_from_ranks(order: torch.Tensor, drop: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The vocabulary mask of rows ranked by ``order [R, n]``: ranked tokens as ``drop`` says, the rest dropped."""
+    return torch.ones(order.shape[0], vocab, dtype=torch.bool, device=order.device).scatter(1, order, drop)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -106,7 +147,11 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [r for r, key in enumerate(b.noise_keys) if key is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            # From torch's global RNG (torch.manual_seed decides them) through numpy's generator:
+            # torch's exponential_ costs 4x as much on the CPU (1.2 ms for a 49k row).
+            rng = np.random.default_rng(int(torch.randint(0, 2**62, (1,))))
+            drawn = rng.standard_exponential((len(unseeded), probs.shape[1]), dtype=np.float32)
+            noise[unseeded] = torch.from_numpy(drawn).to(probs.device)
         for r, key in enumerate(b.noise_keys):
             if key is not None:
                 noise[r] = torch.from_numpy(draw_noise(key, probs.shape[1])).to(probs.device)

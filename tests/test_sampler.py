@@ -160,3 +160,46 @@ def test_a_row_that_bans_take_the_last_allowed_token_from_is_a_dead_end_not_toke
         assert tokens[:2] == [DEAD_END_TOKEN, DEAD_END_TOKEN]
         assert lps[:2] == [None, None]
         assert tokens[2] != 2 and (temperature or tokens[2] == 3)
+
+
+def test_a_row_without_filters_keeps_every_token():
+    # One dominant logit: in fp32 the mass before every tail token rounds to exactly 1.0, which a
+    # top_p of 1.0 compared with ">=" would drop; a row that asks for no filter is not filtered.
+    logits = torch.tensor([[30.0] + [0.0] * 1000])
+    masked = filter_logits(logits.clone(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert torch.equal(masked, logits)
+
+
+def test_mixed_filters_in_one_batch_each_row_as_alone():
+    gen = torch.Generator().manual_seed(7)
+    vocab = 50
+    settings = [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.1), (3, 0.9, 0.0), (0, 1.0, 0.3), (60, 1.0, 0.0)]
+    logits = torch.randn(len(settings), vocab, generator=gen) * 2
+    k, p, m = (torch.tensor(col) for col in zip(*settings))
+    together = filter_logits(logits.clone(), k, p, m)
+    for r, (kr, pr, mr) in enumerate(settings):
+        alone = filter_logits(logits[r : r + 1].clone(), k[r : r + 1], p[r : r + 1], m[r : r + 1])
+        assert torch.equal(together[r], alone[0])
+        kept = {i for i in range(vocab) if together[r, i] != float("-inf")}
+        assert kept == _reference_keep(logits[r].tolist(), kr if kr < vocab else 0, pr, mr)
+
+
+def test_rows_the_partial_ranking_cannot_settle_are_ranked_whole(monkeypatch):
+    import engine_svc.sampler as sampler
+
+    monkeypatch.setattr(sampler, "PARTIAL_RANKS", 8)
+    gen = torch.Generator().manual_seed(11)
+    vocab = 300
+    peaked = torch.randn(vocab, generator=gen) * 6  # top-p 0.9 settled within the best 8
+    flat = torch.randn(vocab, generator=gen) * 0.1  # needs far more than 8 tokens
+    settings = [(peaked, 0.9, 0.0), (flat, 0.9, 0.0), (flat, 1.0, 0.5), (peaked, 1.0, 0.01), (flat, 0.02, 0.0)]
+    logits = torch.stack([row for row, _, _ in settings])
+    p = torch.tensor([s[1] for s in settings])
+    m = torch.tensor([s[2] for s in settings])
+    masked = filter_logits(logits.clone(), torch.zeros(len(settings), dtype=torch.int64), p, m)
+    sizes = []
+    for r, (row, pr, mr) in enumerate(settings):
+        kept = {i for i in range(vocab) if masked[r, i] != float("-inf")}
+        assert kept == _reference_keep(row.tolist(), 0, pr, mr)
+        sizes.append(len(kept))
+    assert sizes[0] <= 8 and sizes[1] > 8 and sizes[2] > 8  # both paths taken
