@@ -151,7 +151,9 @@ def run(model: Path, forms: str, max_tokens: int) -> dict:
             r = ask(prompt)
             ok = any(c["name"] == tool and value in c["arguments"].lower() for c in r["calls"])
             right += ok
-            rows.append({"prompt": prompt, "kind": "tool", "issue": n < ISSUE_TOOL, "want": tool, "right": ok, **r})
+            rows.append(
+                {"prompt": prompt, "kind": "tool", "issue": n < ISSUE_TOOL, "want": tool, "right": ok, **r}
+            )
             print(f"  [{'right' if ok else 'miss '}] {prompt!r}: {r['calls'] or r['content']!r}", flush=True)
         false = 0
         for n, prompt in enumerate(PLAIN_PROMPTS):
@@ -180,12 +182,18 @@ def main() -> None:
     for forms in args.forms.split(","):
         print(f"[tool_calls_real] {args.model.name}, --tool-call-forms {forms}", flush=True)
         figures[forms] = res = run(args.model, forms, args.max_tokens)
-        print(f"  issue's prompts: right calls {res['issue_right_calls']}/{ISSUE_TOOL}, false calls "
-              f"{res['issue_false_calls']}/{ISSUE_PLAIN}; all: right calls {res['right_calls']}/"
-              f"{len(TOOL_PROMPTS)}, false calls {res['false_calls']}/{len(PLAIN_PROMPTS)}", flush=True)  # fmt: skip
+        r, f = res["issue_right_calls"], res["issue_false_calls"]
+        issue = f"{r}/{ISSUE_TOOL} right, {f}/{ISSUE_PLAIN} false"
+        r, f = res["right_calls"], res["false_calls"]
+        every = f"{r}/{len(TOOL_PROMPTS)} right, {f}/{len(PLAIN_PROMPTS)} false"
+        print(f"  the issue's prompts: {issue}; all: {every}", flush=True)
         if forms == "on":
-            targets.append(target(f"right calls (of the issue's {ISSUE_TOOL})", res["issue_right_calls"], ">=", 5))
-            targets.append(target(f"false calls (of the issue's {ISSUE_PLAIN})", res["issue_false_calls"], "<=", 0))
+            targets.append(
+                target(f"right calls (of the issue's {ISSUE_TOOL})", res["issue_right_calls"], ">=", 5)
+            )
+            targets.append(
+                target(f"false calls (of the issue's {ISSUE_PLAIN})", res["issue_false_calls"], "<=", 0)
+            )
             targets.append(target(f"false calls (of all {len(PLAIN_PROMPTS)})", res["false_calls"], "<=", 0))
     doc = {
         "benchmark": "tool_calls_real",
