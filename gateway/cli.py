@@ -129,8 +129,9 @@ def _add_serve(sub) -> None:
         "--tool-call-forms",
         choices=["on", "off"],
         default="off",
-        help='with tool_choice "auto": also read calls the model writes as fenced or bare JSON or pythonic '
-        "calls of the request's tools (arguments valid by the schema); off: only --tool-call-parser's format",
+        help='with tool_choice "auto": also read a reply of nothing but fenced or bare JSON or pythonic '
+        "calls of the request's tools (arguments valid by the schema, holding a value the conversation "
+        "said); off: only --tool-call-parser's format",
     )
     t.add_argument(
         "--reasoning-parser", help="split <think>...</think> out as reasoning_content: deepseek_r1, qwen3"

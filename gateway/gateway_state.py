@@ -14,6 +14,7 @@ from gateway.errors import RequestError, invalid, unavailable
 from gateway.input_bounds import check_model_name
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
+from gateway.model_digest import ModelDigest
 from gateway.prompt_log import PromptLogPolicy
 from gateway.quoting import quote
 from gateway.stall_sweep import StreamControl
@@ -41,6 +42,8 @@ class GatewayState:
     tool_options: ToolOptions = field(default_factory=ToolOptions)  # --tool-call-parser and friends
     # The served model's fill-in-the-middle format, or why it has none (gateway/infill.py).
     fim: object = None
+    # The served model's digest (gateway/model_digest.py), worked out once in the background.
+    model_digest: ModelDigest | None = None
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight

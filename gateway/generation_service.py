@@ -142,7 +142,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             plan = plan_tools(chat, self.s.tool_options, False, marker_for(self.s.tokenizer))
             if v or plan.violations:
                 raise invalid(v + plan.violations)
-            ids = await self._chat_ids(messages, add, plan.tools)
+            ids = await self._chat_ids(messages, add, plan.tools, _thinking(request.chat))
         else:
             raise invalid([FieldViolation("input", "one of text or chat is required")])
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self._max_model_len())
@@ -188,16 +188,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         if v.prompt_kind == "text":
             encoding = self.s.tokenization.encode(v.text, parse_special_tokens=v.allow_special_tokens)
             return await self._tokenized(encoding, "text")
-        return await self._chat_ids(v.chat, v.add_generation_prompt, tools)
+        return await self._chat_ids(v.chat, v.add_generation_prompt, tools, v.enable_thinking)
 
     async def _chat_ids(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         pool = self.s.tokenization
-        return await self._tokenized(
-            pool.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools),
-            "chat",
+        ids = pool.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            enable_thinking=enable_thinking,
         )
+        return await self._tokenized(ids, "chat")
 
     def _plan_tools(self, request: pb.GenerateRequest, v, names: Names | None) -> ToolPlan | None:
         """A chat's tools: checked, and what they change (the grammar of a forced call, special
@@ -590,3 +597,8 @@ def _rest_of_context(num_prompt_tokens: int, params, max_model_len: int, info) -
     if info.block_size and info.num_kv_blocks:
         rest = min(rest, info.block_size * info.num_kv_blocks - num_prompt_tokens)
     return max(rest, params.min_tokens, 1)
+
+
+def _thinking(chat: pb.Chat) -> bool | None:
+    """The chat template's ``enable_thinking`` the request sets (None: not passed)."""
+    return chat.enable_thinking if chat.HasField("enable_thinking") else None

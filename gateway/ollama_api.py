@@ -211,8 +211,9 @@ def _translated(read, body: dict):
 
 def _think(think, model: str, can_think: bool) -> bool:
     """Ollama's ``think``: whether the reply shows the model's thinking. As Ollama: true on a model
-    that does not think (here: no --reasoning-parser splits its thinking out) is refused, false is
-    always accepted, and the levels ("high", "medium", "low") are gpt-oss's only."""
+    that does not think (here: no --reasoning-parser splits its thinking out) is refused with
+    Ollama's words (a 400, ``"<model>" does not support thinking``), false is always accepted, and
+    the levels ("high", "medium", "low") are gpt-oss's only."""
     if think is None:
         return True
     if isinstance(think, str):
@@ -220,10 +221,17 @@ def _think(think, model: str, can_think: bool) -> bool:
     if not isinstance(think, bool):
         raise _bad("think", "must be true or false")
     if think and not can_think:
-        raise _bad(
-            "think", f"{model!r} does not support thinking (the server runs without --reasoning-parser)"
-        )
+        why = "does not support thinking (the server runs without --reasoning-parser)"
+        raise _bad("think", f"{json.dumps(model)} {why}")
     return think
+
+
+def switch_thinking(req: pb.GenerateRequest, think, has_switch: bool) -> None:
+    """``think`` set, on a chat whose template has Qwen3's ``enable_thinking`` switch: passed to the
+    template (Ollama passes its ``think`` to the template the same way), so that false renders the
+    turn without thinking rather than only hiding it. A raw prompt has no template to switch."""
+    if isinstance(think, bool) and has_switch and req.WhichOneof("prompt") == "chat":
+        req.chat.enable_thinking = think
 
 
 def _refuse_unsupported(body: dict, fields: tuple[str, ...]) -> None:
@@ -439,6 +447,7 @@ def routes(api) -> list[Route]:
             body.get("think"), body.get("model") or tagged(), bool(s.tool_options.reasoning_parser)
         )
         req = chat_body(body, model, s.limits) if chat else generate_body(body, model, s.limits)
+        switch_thinking(req, body.get("think"), s.tokenizer is not None and s.tokenizer.has_thinking_switch)
         lora = s.lora_for_model(model)
         if lora:
             req.model, req.lora = "", lora
@@ -499,13 +508,16 @@ def routes(api) -> list[Route]:
     async def legacy_embeddings(request, identity, body):
         return await embed(request, identity, body, legacy=True)
 
+    async def digest() -> str:
+        return await s.model_digest.get() if s.model_digest is not None else ""
+
     async def tags(request, identity, body):
         card = {
             "name": tagged(),
             "model": tagged(),
             "modified_at": _STARTED,
             "size": size(),
-            "digest": "",
+            "digest": await digest(),
             "details": details(),
         }
         return JSONResponse({"models": [card]})
@@ -516,7 +528,7 @@ def routes(api) -> list[Route]:
             "name": tagged(),
             "model": tagged(),
             "size": size(),
-            "digest": "",
+            "digest": await digest(),
             "details": details(),
             "expires_at": "2318-01-01T00:00:00Z",  # served until the server stops: no keep_alive
             "size_vram": 0,

@@ -28,6 +28,7 @@ from gateway.http_api import HttpApi, HttpServer
 from gateway.infill import model_fim
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
+from gateway.model_digest import ModelDigest
 from gateway.models_service import ModelsService
 from gateway.prompt_log import PromptLogPolicy
 from gateway.replica_set import connect_engines
@@ -155,6 +156,7 @@ class GatewayServer:
             prompt_log=PromptLogPolicy(o.log_prompts),
             tool_options=o.tool_options,
             fim=model_fim(o.model_dir, tokenizer) if tokenizer is not None else None,
+            model_digest=ModelDigest(o.model_dir),
         )
         self.stall_sweeper = StallSweeper(
             self.state.streams, o.limits.stream_stall_timeout_s, o.limits.max_paused_streams

@@ -171,7 +171,12 @@ def plan_tools(
                     '"auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
                 )
                 return plan
-            plan.parser = WrittenForms(parser, tools) if options.tool_call_forms else parser
+            if options.tool_call_forms:  # a written call must draw on what the conversation says
+                said = [m.content for m in chat.messages if m.HasField("content")]
+                said += [c.arguments for m in chat.messages for c in m.tool_calls]
+                plan.parser = WrittenForms(parser, tools, said)
+            else:
+                plan.parser = parser
             if not has_constraint:  # free text or well-formed calls (where the format can say)
                 parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
                 for i, why in unusable.items():  # its calls are still JSON objects, just not checked

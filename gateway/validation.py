@@ -29,6 +29,7 @@ class ValidatedRequest:
     return_token_ids: bool
     priority: int
     allow_special_tokens: bool = False  # parse special-token strings in `text` (unsafe; opt-in)
+    enable_thinking: bool | None = None  # the chat template's enable_thinking; None: not passed
 
     @property
     def n(self) -> int:
@@ -120,6 +121,9 @@ def validate_generate(
         return_token_ids=req.return_token_ids,
         priority=req.priority,
         allow_special_tokens=req.allow_special_tokens,
+        enable_thinking=(
+            req.chat.enable_thinking if kind == "chat" and req.chat.HasField("enable_thinking") else None
+        ),
     )
 
 

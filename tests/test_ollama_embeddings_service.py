@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import json
 import re
@@ -200,6 +201,9 @@ def test_ollama_models_version_and_errors(oll, service):
     for d in (show.details, model.details, oll.ps().models[0].details):
         assert {k: getattr(d, k) for k in want} == want
     assert model.size == GGUF.stat().st_size
+    # the digest is the GGUF file's sha256, read here by hashlib on its own
+    digest = hashlib.sha256(GGUF.read_bytes()).hexdigest()
+    assert model.digest == oll.ps().models[0].digest == digest
     assert httpx.get(service.http_url + "/api/version").json()["version"]
     cases = [
         (dict(model="nope", messages=[{"role": "user", "content": "x"}]), 404, "'nope' is not served"),

@@ -176,3 +176,61 @@ def test_think_false_hides_the_thinking_of_a_model_that_thinks():
         assert all("thinking" not in c["message"] for c in [*shown, last])
         assert (shown[0]["message"]["content"] if stream else last["message"]["content"]) == "Hi"
         assert len(shown) == (1 if stream else 0)  # the thought alone is no chunk
+
+
+# A chat template with Qwen3's thinking switch (the generation prompt's part of it, in this test's words).
+SWITCHED = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def test_think_is_passed_to_a_template_that_has_the_switch():
+    """think true/false sets the chat's enable_thinking where the template has the switch; unset,
+    or a template without it, or a raw prompt: nothing is passed."""
+    from gateway.ollama_api import generate_body, switch_thinking
+
+    def chat(think, switch):
+        req = chat_body({"messages": [{"role": "user", "content": "hi"}]}, "m", Limits())
+        switch_thinking(req, think, switch)
+        return req.chat.enable_thinking if req.chat.HasField("enable_thinking") else None
+
+    assert (chat(False, True), chat(True, True), chat(None, True)) == (False, True, None)
+    assert chat(False, False) is None
+    req = generate_body({"prompt": "hi"}, "m", Limits())
+    switch_thinking(req, False, True)
+    assert req.chat.enable_thinking is False
+    raw = generate_body({"prompt": "hi", "raw": True}, "m", Limits())
+    switch_thinking(raw, False, True)
+    assert raw.WhichOneof("prompt") == "text"
+
+
+def test_enable_thinking_reaches_the_template_in_process_and_in_a_worker():
+    """The tokenizer renders the switch (its ids equal the rendered text's), the worker protocol
+    carries it, and a template without the switch is told apart from one with it."""
+    from transformers import AutoTokenizer
+
+    from llmserve_proto.tokenizer.v1 import tokenizer_pb2 as tpb
+    from tests.conftest import shared_tokenizer
+    from tokenizer_svc.tokenizer import Tokenizer, load_tokenizer
+    from tokenizer_svc.worker import handle
+
+    hf = AutoTokenizer.from_pretrained(str(shared_tokenizer("qwen2")))
+    tok = Tokenizer(hf, chat_template=SWITCHED)
+    msgs = [{"role": "user", "content": "hi"}]
+    off = tok.render_chat(msgs, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = off[: -len("<think>\n\n</think>\n\n")]
+    assert tok.render_chat(msgs, enable_thinking=True) == tok.render_chat(msgs) == plain
+    text = hf.apply_chat_template(
+        msgs, chat_template=SWITCHED, add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+    expected = hf(text, add_special_tokens=False)["input_ids"]  # HF's own reading, not ours
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == list(expected)
+    request = tpb.WorkerRequest(chat=tpb.ChatRequest(add_generation_prompt=True, enable_thinking=False))
+    request.chat.messages.add(role="user", content="hi")
+    assert list(handle(tok, request).token_ids.ids) == list(expected)
+    assert tok.has_thinking_switch
+    assert not load_tokenizer(shared_tokenizer("qwen2")).has_thinking_switch

@@ -24,13 +24,33 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 
 
+# Qwen3's thinking switch, added after the hermes template's generation prompt (it acts only where a
+# request passes enable_thinking, so the other tests here see the hermes template as it is).
+SWITCH = (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def client(default_model_dir):
+def template(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "hermes_with_thinking_switch.jinja"
+    path.write_text((TEMPLATES / "tool_chat_template_hermes.jinja").read_text() + SWITCH)
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(default_model_dir, template):
     args = ["--num-kv-blocks", "512", "--http-port", "0", "--served-model-name", "default"]
-    args += ["--chat-template", str(TEMPLATES / "tool_chat_template_hermes.jinja")]
+    args += ["--chat-template", str(template)]
     args += ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     with ServiceProcess(default_model_dir, *args) as sp:
-        yield openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield sp
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=service.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_schema_answer_after_optional_thinking(client):
@@ -70,3 +90,26 @@ def test_required_call_with_reasoning_on(client):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
     else:
         assert choice.finish_reason == "length"  # still thinking at max_tokens
+
+
+def test_ollama_think_false_switches_thinking_off_in_the_template(service, default_model_dir, template):
+    """Ollama's think: false reaches the template as enable_thinking=false (the turn is rendered
+    with an empty thought, as Qwen3's template does), true and unset leave it on; the prompt the
+    engine gets is the one the template renders in process with that switch."""
+    import ollama
+
+    from tokenizer_svc.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir, template)
+    msgs = [{"role": "user", "content": "Say hi."}]
+    counts = {think: len(tok.apply_chat_template(msgs, enable_thinking=think)) for think in (False, None)}
+    assert counts[False] > counts[None]  # the switch changes the prompt
+    oll = ollama.Client(host=service.http_url, timeout=120)
+    options = {"temperature": 0, "num_predict": 2}
+    off = oll.chat(model="default", messages=msgs, think=False, options=options)
+    on = oll.chat(model="default", messages=msgs, think=True, options=options)
+    unset = oll.chat(model="default", messages=msgs, options=options)
+    assert off.prompt_eval_count == counts[False] and not off.message.thinking
+    assert on.prompt_eval_count == unset.prompt_eval_count == counts[None]
+    gen = oll.generate(model="default", prompt="Say hi.", think=False, options=options)
+    assert gen.prompt_eval_count == counts[False]

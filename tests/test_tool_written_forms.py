@@ -1,8 +1,9 @@
 """Calls in the forms models write beside their template's (``--tool-call-forms on``): fenced and bare
 JSON, pythonic; and everything that must stay text (a JSON example of something else, an unknown
-tool, arguments the schema refuses, code, a call inside a sentence, a form cut short). Each case is
-parsed whole and streamed cut at every character (and in random pieces): the pieces joined equal
-the whole-text parse, and the parser never takes back content it sent."""
+tool, arguments the schema refuses, code, a call inside a sentence or beside an answer, a call whose
+every value the conversation never said, a form cut short). Each case is parsed whole and streamed
+cut at every character (and in random pieces): the pieces joined equal the whole-text parse, and the
+parser never takes back content it sent."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def _fn(name, props, required):
 
 
 TOOLS = [
-    _fn("get_weather", {"city": {"type": "string"}}, ["city"]),
+    _fn("get_weather", {"city": {"type": "string", "description": "a city, e.g. London"}}, ["city"]),
     _fn("get_stock_price", {"symbol": {"type": "string"}}, ["symbol"]),
     _fn("convert", {"amount": {"type": "number"}, "to": {"type": "string"}}, ["amount", "to"]),
+    _fn("now", {}, []),
 ]
+# The conversation the calls must draw on (a written call is one only if it holds a value said here).
+SAID = ["What's the weather in Paris? And the price of AAPL.", "Also convert 100 dollars to EUR."]
 PARIS = '{"city": "Paris"}'
 FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
 TWO = [("get_weather", PARIS), ("get_stock_price", '{"symbol": "AAPL"}')]
@@ -36,9 +40,6 @@ TWO = [("get_weather", PARIS), ("get_stock_price", '{"symbol": "AAPL"}')]
 CALLS = [
     (FENCED, "", [("get_weather", PARIS)]),  # Qwen2.5-Coder-1.5B's answer
     ('{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", PARIS)]),  # 0.5B's
-    (f"Let me check.\n{FENCED}", "Let me check.", [("get_weather", PARIS)]),
-    (f"{FENCED}\nI will tell you when it answers.", "I will tell you when it answers.",
-     [("get_weather", PARIS)]),
     ('```\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n```', "", [("get_weather", PARIS)]),
     ('```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
      '{"name": "get_stock_price", "arguments": {"symbol": "AAPL"}}]\n```', "", TWO),
@@ -51,8 +52,11 @@ CALLS = [
     ("```python\nget_weather(city='Paris')\nget_stock_price(symbol='AAPL')\n```", "", TWO),
     ('  {"name": "convert", "arguments": {"amount": 100, "to": "EUR"}}  ', "",
      [("convert", '{"amount": 100, "to": "EUR"}')]),
-    (f'{FENCED}\n```js\nx = {{"name": "get_weather", "arguments": {PARIS}}}\n```',
-     f'```js\nx = {{"name": "get_weather", "arguments": {PARIS}}}\n```', [("get_weather", PARIS)]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "paris"}}\n```', "",  # case aside
+     [("get_weather", '{"city": "paris"}')]),
+    ('{"name": "convert", "arguments": {"amount": 100, "to": "JPY"}}', "",  # 100 was said, JPY not
+     [("convert", '{"amount": 100, "to": "JPY"}')]),
+    ('{"name": "now", "arguments": {}}', "", [("now", "{}")]),  # no value to have been said
     # the template's own format still goes through the server's parser
     (f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>', "",
      [("get_weather", PARIS)]),
@@ -78,6 +82,19 @@ TEXTS = [
     "get_weather(city) takes a city.",
     "get_weather('Paris')",  # positional: not a call's shape
     "[1] is a citation, not a call.",
+    # beside an answer or a sentence, a well-formed call of a tool is still text
+    f"Let me check.\n{FENCED}",
+    f"{FENCED}\nI will tell you when it answers.",
+    f'{FENCED}\n```js\nx = {{"name": "get_weather", "arguments": {PARIS}}}\n```',
+    f'Paris is the capital of France.\n{{"name": "get_weather", "arguments": {PARIS}}}',
+    # every value the model's own: never said in the conversation (only in a tool's description)
+    '{"name": "get_weather", "arguments": {"city": "London"}}',
+    '{"name": "get_weather", "arguments": {"city": "Pari"}}',  # a part of a word is not the word
+    '{"name": "convert", "arguments": {"amount": 12, "to": "GBP"}}',
+    "get_weather(city='Madrid')",
+    # one of two calls a guess: the reply is text
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '{"name": "get_stock_price", "arguments": {"symbol": "MSFT"}}',
     "To sort, use `sorted()`:\n```python\nnumbers = [5, 2, 8]\nprint(sorted(numbers))\n```\nDone.",
     '```json\n{"name": "get_weather", "arguments": {"city": "Par',  # cut short by the token limit
     '{"name": "get_weather", "arguments": {"city": "Paris"',
@@ -89,7 +106,7 @@ CASES = CALLS + [(t, t, []) for t in TEXTS]
 
 
 def _parser():
-    return WrittenForms(get_parser("hermes"), TOOLS)
+    return WrittenForms(get_parser("hermes"), TOOLS, SAID)
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
@@ -161,4 +178,36 @@ def test_the_option_needs_auto_tool_choice():
 def test_a_schema_jsonschema_refuses_trusts_no_written_call():
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}
     text = '{"name": "f", "arguments": {}}'
-    assert WrittenForms(get_parser("hermes"), [bad]).parse(text).content == text
+    assert WrittenForms(get_parser("hermes"), [bad], SAID).parse(text).content == text
+
+
+def test_the_plan_draws_on_every_message_and_earlier_call():
+    """The plan's parser reads the request's own conversation: its messages' contents (any role)
+    and the arguments of earlier calls; the tools' descriptions are not part of it."""
+    on = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="hermes", tool_call_forms=True)
+    chat = _chat()
+    chat.messages[0].content = "What is the capital of France?"
+    assert plan_tools(chat, on, False, _marker).parser.parse(FENCED).content == FENCED
+    turn = chat.messages.add(role="assistant")
+    turn.tool_calls.add(id="call_1", name="get_stock_price", arguments='{"symbol": "PARIS"}')
+    assert plan_tools(chat, on, False, _marker).parser.parse(FENCED).calls
+    chat = _chat()
+    chat.messages[0].content = "Hi"
+    chat.messages.add(role="assistant", content="Paris is lovely.")
+    chat.messages.add(role="user", content="How is it there today?")
+    assert plan_tools(chat, on, False, _marker).parser.parse(FENCED).calls
+
+
+def test_text_before_a_form_streams_at_once_and_keeps_the_form_text():
+    s = ToolCallStream(_parser())
+    assert s.feed("Sure").content == "Sure"
+    assert s.feed(f".\n{FENCED}").content == f".\n{FENCED}"
+    assert s.finish().calls == []
+
+
+def test_a_reply_of_forms_is_held_until_it_ends():
+    """A call followed by anything but blank space is text, so the calls come only at the end."""
+    s = ToolCallStream(_parser())
+    assert s.feed(FENCED + "\n").content == "" and not s.feed("").calls
+    done = s.finish()
+    assert done.content == "" and [(c.name, c.arguments) for c in done.calls] == [("get_weather", PARIS)]

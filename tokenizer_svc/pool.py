@@ -79,17 +79,27 @@ class TokenizerPool:
         return WorkerProcess.start(self.model_dir, index, self._on_death, chat_template=self.chat_template)
 
     async def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         if self._local is not None:
             return self._local.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                enable_thinking=enable_thinking,
             )
         validate_messages(messages)
         validate_tools(tools)
         pb_messages, pb_tools = to_proto(messages, tools)
         chat = pb.ChatRequest(
-            messages=pb_messages, tools=pb_tools, add_generation_prompt=add_generation_prompt
+            messages=pb_messages,
+            tools=pb_tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
         )
         return list((await self._call(pb.WorkerRequest(chat=chat))).token_ids.ids)
 

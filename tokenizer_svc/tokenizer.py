@@ -70,6 +70,11 @@ class Tokenizer:
         return bool(self._hf.chat_template)
 
     @property
+    def has_thinking_switch(self) -> bool:
+        """Whether the chat template reads an ``enable_thinking`` variable (Qwen3's switch)."""
+        return "enable_thinking" in self.chat_template_text
+
+    @property
     def chat_template_text(self) -> str:
         """The chat template's Jinja text ("" when there is none; the default of several named)."""
         t = self._hf.chat_template
@@ -103,14 +108,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
     ) -> str:
         """The prompt text the model's chat template (or ``chat_template``) makes of ``messages``
-        (and ``tools``, which the template reads as its ``tools`` variable: HF's convention)."""
+        (and ``tools``, which the template reads as its ``tools`` variable: HF's convention;
+        ``enable_thinking``, where set, as its ``enable_thinking`` variable: Qwen3's switch)."""
         if chat_template is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; send a text prompt instead")
         validate_messages(messages)
         validate_tools(tools)
         extra = {"tools": tools} if tools else {}
+        if enable_thinking is not None:
+            extra["enable_thinking"] = enable_thinking
         try:
             return self._hf.apply_chat_template(
                 messages,
@@ -130,6 +139,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         """The template's markers are special tokens; every string of the messages and tools is
         plain text (chat_encoding.py). The template writes BOS itself; adding special tokens again
@@ -138,7 +148,9 @@ class Tokenizer:
         validate_tools(tools)
         return encode_chat(
             messages,
-            lambda msgs, tls: self.render_chat(msgs, add_generation_prompt, chat_template, tls),
+            lambda msgs, tls: self.render_chat(
+                msgs, add_generation_prompt, chat_template, tls, enable_thinking
+            ),
             self._specials,
             lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
             self._backend.token_to_id,

@@ -30,8 +30,12 @@ def handle(tok: Tokenizer, request: pb.WorkerRequest) -> pb.WorkerResponse:
             response.token_ids.ids.extend(ids)
         elif kind == "chat":
             messages, tools = from_proto(request.chat)
+            think = request.chat.enable_thinking if request.chat.HasField("enable_thinking") else None
             ids = tok.apply_chat_template(
-                messages, add_generation_prompt=request.chat.add_generation_prompt, tools=tools
+                messages,
+                add_generation_prompt=request.chat.add_generation_prompt,
+                tools=tools,
+                enable_thinking=think,
             )
             response.token_ids.ids.extend(ids)
         elif kind == "decode":

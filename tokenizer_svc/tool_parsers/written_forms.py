@@ -1,16 +1,26 @@
 """Tool calls in the forms models write when they do not use their template's markers
 (``--tool-call-forms on``): a fenced (```` ```json ````) or bare JSON object
 ``{"name": ..., "arguments": {...}}`` (or a list of them), or a pythonic call ``get_weather(city="Paris")``
-(or a list of them), each standing on lines of its own.
+(or a list of them).
 
 ``WrittenForms`` wraps the server's parser (``--tool-call-parser``): the calls in the template's
-format are read by that parser first; what it leaves as content is read here. A form becomes a
-call only if every call in it names one of the request's tools and its arguments validate against
-that tool's schema (``jsonschema``); anything else -- a JSON example of something else, an unknown
-name, arguments that fail the schema, code, a call written inside a sentence -- stays text, as it
-was written. Where a form can be told from text early (its first key is not ``name``, its name is
-not a tool's), the text is released then; otherwise it is held until the form closes, and a call
-comes whole.
+format are read by that parser first; what it leaves as content is read here. Written forms become
+calls only when all three hold:
+
+- the reply is nothing but calls: every content run is written forms and blank space (an answer
+  with a call after it, or a sentence that shows a call, stays text: Ollama likewise reads calls
+  only where the reply opens with one);
+- every call names one of the request's tools and its arguments validate against that tool's
+  schema (``jsonschema``);
+- every call's arguments hold a value the conversation holds (a message's words or a number in
+  it; the tools' own descriptions do not count): a call whose every value is the model's own
+  (``get_weather(city="Paris")`` for "What is the capital of France?") is a guess, not a request.
+  A call with no argument values is not checked.
+
+Anything else -- a JSON example of something else, an unknown name, arguments that fail the schema,
+code, prose -- stays text, as it was written. Streamed, text is released as soon as the reply is
+known not to be calls alone (its first word or key is no tool's or call's); a reply of forms is held
+until it ends, and its calls come whole.
 """
 
 from __future__ import annotations
@@ -38,10 +48,13 @@ WAIT, TEXT, CALLS = "wait", "text", "calls"
 class WrittenForms(ToolParser):
     """``base``'s calls, and the written forms of calls of ``tools`` (HF-style dicts) in its content."""
 
-    def __init__(self, base: ToolParser, tools: list[dict]) -> None:
+    def __init__(self, base: ToolParser, tools: list[dict], said: list[str]) -> None:
+        """``said``: the conversation's texts (the messages' contents and earlier calls' arguments),
+        which a written call's arguments must draw on."""
         import jsonschema
 
         self.base = base
+        self._said = Said(said)
         self.name = f"{base.name}+forms"
         self.needs_special_tokens = base.needs_special_tokens
         self._validators = {}
@@ -66,39 +79,42 @@ class WrittenForms(ToolParser):
         return self.base.call_id()
 
     def pieces(self, text: str, final: bool) -> list[str | PartialCall]:
-        out: list[str | PartialCall] = []
+        """The base's pieces, with its content runs read for written forms. Runs of forms are held
+        (and everything after them) until the reply ends: text later in the reply makes them text."""
         base = self.base.pieces(text, final)
+        out: list[str | PartialCall] = []
+        found: list[list[PartialCall]] = []  # per content run: its calls (None: not a form run)
         for i, piece in enumerate(base):
-            if isinstance(piece, str):  # a run before a call of the base's is complete
-                out += self._scan(piece, final or i < len(base) - 1)
-            else:
+            if isinstance(piece, PartialCall) or not piece.strip():
+                found.append(None)
+                continue
+            kind, calls = self._run(piece, final or i < len(base) - 1)
+            if kind == TEXT:
+                return base  # the reply holds text: its written forms are text too
+            if kind == WAIT or not final:  # a run of forms, or one that may still be
+                return base[:i]
+            found.append(calls)
+        for piece, calls in zip(base, found, strict=True):
+            if calls is None:
                 out.append(piece)
+            else:
+                out += calls
         return out
 
     # --- the written forms ------------------------------------------------------------------------
 
-    def _scan(self, s: str, final: bool) -> list[str | PartialCall]:
-        """Content and calls of one content run. A form is looked for only where a line begins; a
-        form not yet decided holds the text from its start."""
-        out: list[str | PartialCall] = []
-        text_from = 0  # content not yet put out starts here
-        line = 0
-        while line < len(s):
-            start = _INDENT.match(s, line).end()
-            kind, calls, end = self._form(s, start, final)
-            if kind == WAIT:
-                out.append(s[text_from:start])
-                return out
-            if kind == CALLS:
-                out.append(s[text_from:start])
-                out += calls
-                text_from = end
-            nl = s.find("\n", end)
-            if nl < 0:
-                break
-            line = nl + 1
-        out.append(s[text_from:])
-        return out
+    def _run(self, s: str, final: bool) -> tuple[str, list[PartialCall] | None]:
+        """One content run: ``(CALLS, calls)`` if it is nothing but forms that are calls, ``(TEXT,
+        None)`` if it cannot be, ``(WAIT, None)`` while the text so far cannot tell."""
+        calls: list[PartialCall] = []
+        pos = skip_ws(s, 0)
+        while pos < len(s):
+            kind, found, end = self._form(s, pos, final)
+            if kind != CALLS:
+                return kind, None
+            calls += found
+            pos = skip_ws(s, end)
+        return (CALLS, calls) if final else (WAIT, None)
 
     def _form(self, s: str, i: int, final: bool) -> tuple[str, list[PartialCall], int]:
         """What the line beginning at ``i`` opens: ``(WAIT, [], i)`` not known yet; ``(TEXT, [],
@@ -220,7 +236,10 @@ class WrittenForms(ToolParser):
 
     def _valid(self, name, arguments) -> bool:
         v = self._validators.get(name) if isinstance(name, str) else None
-        return v is not None and isinstance(arguments, dict) and v.is_valid(arguments)
+        if v is None or not isinstance(arguments, dict) or not v.is_valid(arguments):
+            return False
+        values = list(_leaves(arguments))
+        return not values or any(self._said.holds(x) for x in values)
 
     def _json_calls(self, text: str) -> list[PartialCall] | None:
         """A call object, a list of them, or call objects one after another: all valid, or None."""
@@ -280,3 +299,42 @@ def _closing_fence(s: str, body: int) -> int | None:
             return None
         pos = nl + 1
     return None
+
+
+_WORD = re.compile(r"\w+")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+class Said:
+    """What the conversation holds, for a written call's arguments to draw on: its words (case
+    folded, in order) and its numbers."""
+
+    def __init__(self, texts: list[str]) -> None:
+        words, numbers = [], set()
+        for text in texts:
+            words += [w.casefold() for w in _WORD.findall(text)]
+            words.append("")  # a phrase never runs from one message into the next
+            numbers.update(float(n.replace(",", "")) for n in _NUMBER.findall(text))
+        self._words = " " + " ".join(words) + " "
+        self._numbers = numbers
+
+    def holds(self, value) -> bool:
+        """A string whose words stand together in one message, or a number written in one."""
+        if isinstance(value, bool) or value is None:
+            return False
+        if isinstance(value, int | float):
+            return float(value) in self._numbers
+        words = [w.casefold() for w in _WORD.findall(value)]
+        return bool(words) and f" {' '.join(words)} " in self._words
+
+
+def _leaves(value):
+    """The scalar values in an arguments object, nested objects and lists included."""
+    if isinstance(value, dict):
+        for x in value.values():
+            yield from _leaves(x)
+    elif isinstance(value, list):
+        for x in value:
+            yield from _leaves(x)
+    else:
+        yield value
