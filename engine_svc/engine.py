@@ -17,6 +17,8 @@ from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
+from engine_svc.kv_tiers.setup import build_tiers
+from engine_svc.kv_tiers.store import TierStats
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
 from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
@@ -80,6 +82,8 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()  # names, as vLLM's lora_requests_info labels them
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0  # device slots; 0: LoRA off
+    # The prefix cache's tiers below the pool (host, disk), each its own figures (kv_tiers/store.py).
+    kv_tiers: tuple[TierStats, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -124,11 +128,17 @@ class LLMEngine:
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv_layout = layout_of(self.spec)
+        windows = tuple(g.window for g in self.kv_layout.groups)
+        why_not = None
+        if shard.size > 1:
+            why_not = "tensor parallelism (each rank would spill its own shard)"
+        elif self.draft_spec is not None:
+            why_not = "a draft model (its KV cache would have to move with the target's)"
+        self.kv_tiers = build_tiers(
+            config, self.device, kv_caches, windows, self.act_dtype, self.dtype, self.kernels.name, why_not
+        )
         self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            tuple(g.window for g in self.kv_layout.groups),
+            num_blocks, config.block_size, config.enable_prefix_caching, windows, self.kv_tiers
         )
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio
@@ -412,6 +422,8 @@ class LLMEngine:
             )
         started = time.perf_counter()
         result = self.runner.execute(out)  # with nothing scheduled, it only follows the KV changes
+        if result.spilled:  # evicted blocks, read out before the forward: to the lower tiers
+            self.kv.store_spilled(result.spilled)
         if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)
@@ -449,6 +461,7 @@ class LLMEngine:
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
             max_lora=self.config.max_loras if self.lora is not None else 0,
+            kv_tiers=tuple(replace(t) for t in self.kv_tiers.stats()) if self.kv_tiers is not None else (),
         )
 
     # --- KV-cache events (for KV-aware routers) ---------------------------------------------------
