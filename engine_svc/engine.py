@@ -19,6 +19,7 @@ from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
 from engine_svc.kv_tiers.setup import build_tiers
 from engine_svc.kv_tiers.store import TierStats
+from engine_svc.kv_tiers.transfer import run_tier_ops
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
 from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
@@ -261,6 +262,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and the grammar compiler's thread."""
+        if self.kv_tiers is not None:
+            self.flush_tiers()
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.tp_group is not None:
@@ -377,6 +380,8 @@ class LLMEngine:
         self.scheduler.abort(request, indexes)
         if request.finished:
             del self.requests[request_id]
+        if self.kv_tiers is not None and not self.requests:
+            self.flush_tiers()  # the blocks it computed: on disk now, not at the next step
         return True
 
     def request_finished(self, request_id: str) -> bool:
@@ -437,7 +442,16 @@ class LLMEngine:
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
+        if self.kv_tiers is not None and not self.requests:
+            self.flush_tiers()
         return deltas
+
+    def flush_tiers(self) -> None:
+        """Write the blocks computed since the last step down to the tiers now (the next step
+        would; an idle engine takes none)."""
+        ops = self.kv.take_tier_ops()
+        if ops:
+            self.kv.store_spilled(run_tier_ops(self.runner.forward.kv_caches, ops))
 
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -256,6 +256,12 @@ class KVCacheManager:
             if done > first:
                 self._saved[seq] = done
 
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier moves queued since the last step's changes were taken (the engine runs them at
+        once when it goes idle, so that a restart finds every computed block on disk)."""
+        ops, self._tier_ops = self._tier_ops, []
+        return ops
+
     def store_spilled(self, entries) -> None:
         """The blocks' bytes, as the runner read them out: into the tiers."""
         for entry in entries:
@@ -263,6 +269,7 @@ class KVCacheManager:
             self.tiers.put(entry)
 
     def _find_prefix(self, seq: Sequence, hashes: list[int], max_blocks: int, pins: list[int] | None):
+        bs = self.block_size
         if len(self.windows) == 1:
             found = []
             for i in range(len(hashes)):

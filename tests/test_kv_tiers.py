@@ -13,7 +13,7 @@ import pytest
 from engine_svc import SamplingParams
 from engine_svc.kv_tiers.entry import BadEntry, BlockMeta, TierEntry, decode, encode
 from engine_svc.kv_tiers.store import DiskTier, HostTier, TieredStore
-from tests.engine_helpers import make_engine, random_model, random_prompts, run_to_completion
+from tests.engine_helpers import make_engine, random_model, random_prompts
 
 FP = bytes(range(16))
 
@@ -108,9 +108,16 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, trained_tokenizer_dir) -> Path:
     return random_model(
-        tmp_path_factory.mktemp("tiers") / "llama", trained_tokenizer_dir, "llama", seed=77,
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, initializer_range=0.2,
+        tmp_path_factory.mktemp("tiers") / "llama",
+        trained_tokenizer_dir,
+        "llama",
+        seed=77,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
     )
 
 
@@ -167,8 +174,10 @@ def test_blocks_the_pool_evicted_come_back_from_host_memory(model, solo):
     assert _run(engine, {"a": PROMPTS[0]})["a"] == solo[0]
     assert _run(engine, {"d": PROMPTS[3]})["d"] == solo[3]  # evicts prompt 0's blocks
     keys = engine.kv.block_hashes(_seq_of(engine, PROMPTS[0]), 9)
-    in_pool = [engine.kv.pool.lookup(k, tuple(PROMPTS[0][i * BS : (i + 1) * BS])) is not None
-               for i, k in enumerate(keys)]
+    in_pool = [
+        engine.kv.pool.lookup(k, tuple(PROMPTS[0][i * BS : (i + 1) * BS])) is not None
+        for i, k in enumerate(keys)
+    ]
     gone = in_pool.index(False)  # the tail went first; the chain's head may still be in the pool
     assert gone < 9 and not any(in_pool[gone:])
     before = _tiers(engine)["host"].hits
@@ -197,8 +206,9 @@ def test_corrupt_truncated_and_foreign_files_are_skipped_never_used(model, solo,
     data[len(data) // 2] ^= 0x01
     p3.write_bytes(bytes(data))
     p5.write_bytes(p5.read_bytes()[:-100])
-    foreign = make_engine(model, dtype="bfloat16", kv_disk_bytes=1 << 30, kv_disk_dir=str(tmp_path / "x"),
-                          num_kv_blocks=24)
+    foreign = make_engine(
+        model, dtype="bfloat16", kv_disk_bytes=1 << 30, kv_disk_dir=str(tmp_path / "x"), num_kv_blocks=24
+    )
     assert foreign.kv_tiers.fingerprint != disk.fingerprint  # another dtype: another fingerprint
     _run(foreign, {"a": PROMPTS[0]})
     p7.write_bytes(foreign.kv_tiers.disk._path(keys[7]).read_bytes())
@@ -227,3 +237,39 @@ def test_an_engine_of_another_block_size_never_reads_the_entries(model, tmp_path
     assert b.kv_tiers.disk.dir != a.kv_tiers.disk.dir and not b.kv_tiers.disk.index
     _run(b, {"a": PROMPTS[0]})
     assert _tiers(b)["disk"].hits == 0
+
+
+def test_a_sliding_window_model_restores_every_group_from_disk(tmp_path, trained_tokenizer_dir):
+    """Gemma 3's window groups: each group's page is its own entry; after a restart the prompt's
+    pages of every group it reads come back, and the answers equal the solo runs."""
+    from tests.test_gemma3 import GEMMA
+
+    gemma = random_model(
+        tmp_path / "gemma3", trained_tokenizer_dir, "gemma3", seed=31, vocab_size=1032, **GEMMA
+    )
+    prompts = random_prompts([100, 90], 1000, seed=1)
+    solo = [_run(make_engine(gemma), {"s": p})["s"] for p in prompts]
+    tiers = dict(kv_disk_bytes=1 << 30, kv_disk_dir=str(tmp_path / "kv"), num_kv_blocks=200)
+    _run(make_engine(gemma, **tiers), {"a": prompts[0]})
+    again = make_engine(gemma, **tiers)
+    got = _run(again, {"a": prompts[0], "b": prompts[1]})
+    assert got["a"] == solo[0] and got["b"] == solo[1]
+    assert again.stats().prefix_hit_tokens == 6 * BS and _tiers(again)["disk"].hits > 6
+
+
+def test_sizes_and_metrics():
+    from engine_svc.rpc.engine_options import parse_bytes
+    from gateway.metrics import _kv_tier_metrics
+    from llmserve_proto.engine.v1 import engine_pb2 as pb
+
+    assert [parse_bytes(x) for x in ("4096", "512M", "4G", "1.5GiB", "0")] == [
+        4096,
+        512 << 20,
+        4 << 30,
+        3 << 29,
+        0,
+    ]
+    load = pb.Load(kv_tiers=[pb.KVTierLoad(tier="disk", hits=7, bytes=99)])
+    got = {(f.name, s.labels["tier"]): s.value for f in _kv_tier_metrics(load) for s in f.samples}
+    assert got[("llmserve_kv_tier_hit_blocks_total", "disk")] == 7
+    assert got[("llmserve_kv_tier_bytes", "disk")] == 99

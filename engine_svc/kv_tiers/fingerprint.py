@@ -20,8 +20,15 @@ import torch
 _EDGE = 1 << 20
 _WINDOW = 64 << 10
 _WINDOWS = 16
-_FILES = ("*.gguf", "*.safetensors", "*.bin", "config.json", "generation_config.json", "tokenizer.json",
-          "tokenizer_config.json")
+_FILES = (
+    "*.gguf",
+    "*.safetensors",
+    "*.bin",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def file_sample(path: Path, h) -> None:
@@ -52,8 +59,16 @@ def model_files(model: str) -> list[Path]:
     return files
 
 
-def kv_fingerprint(config, cache_shapes, windows, dtype: torch.dtype, device: torch.device,
-                   kernels: str, isa: str, weights_dtype: torch.dtype | None = None) -> bytes:
+def kv_fingerprint(
+    config,
+    cache_shapes,
+    windows,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: str,
+    isa: str,
+    weights_dtype: torch.dtype | None = None,
+) -> bytes:
     """16 bytes naming this engine's KV bytes (``cache_shapes``: each distinct cache tensor's
     shape; ``windows``: per KV cache group, its sliding window; ``dtype``: the cache's,
     ``weights_dtype``: the model's, which may differ: bf16 weights under fp32 activations)."""

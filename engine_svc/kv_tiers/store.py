@@ -115,8 +115,12 @@ class DiskTier:
         self._evict()
         self.stats.entries = len(self.index)
         if found:
-            log.info("KV disk tier %s: %d blocks (%d MiB) from earlier runs", self.dir, len(self.index),
-                     self.stats.bytes >> 20)
+            log.info(
+                "KV disk tier %s: %d blocks (%d MiB) from earlier runs",
+                self.dir,
+                len(self.index),
+                self.stats.bytes >> 20,
+            )
 
     def __contains__(self, key: int) -> bool:
         return key in self.index
