@@ -67,11 +67,11 @@ def main() -> None:
     # The watchdog off: on a loaded 2-core machine a deep prefill chunk may pass its default.
     serve = ["--torch-threads", str(args.threads), "--kv-disk-dir", disk, "--watchdog-timeout", "0"]
     rows = {}
-    with ServiceProcess(args.model, *serve, startup_timeout_s=600).start() as sp:
+    with ServiceProcess(args.model, *serve, startup_timeout_s=600) as sp:
         rows["cold"] = first_token(sp, prompt, args.max_tokens)
         rows["pool"] = first_token(sp, prompt, args.max_tokens)
     on_disk = sum(f.stat().st_size for f in Path(disk).rglob("*.kv"))
-    with ServiceProcess(args.model, *serve, startup_timeout_s=600).start() as sp:
+    with ServiceProcess(args.model, *serve, startup_timeout_s=600) as sp:
         rows["disk after restart"] = first_token(sp, prompt, args.max_tokens)
         stats = sp.engine_stats()
     same = len({tuple(t) for _, t in rows.values()}) == 1

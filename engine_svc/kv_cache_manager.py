@@ -243,18 +243,19 @@ class KVCacheManager:
             return
         bs, null = self.block_size, self.null_block
         for seq in seqs:
+            done = min(self.registered.get(seq, 0), seq.num_computed_tokens // bs)
+            first = self._saved.get(seq, 0)
+            if done <= first:  # a decode inside its last block: the common case, nothing to do
+                continue
             tables = [t.get(seq) for t in self.group_tables]
             if tables[0] is None:
                 continue
-            done = min(self.registered.get(seq, 0), seq.num_computed_tokens // bs)
-            first = self._saved.get(seq, 0)
             for i in range(first, done):
                 for table in tables:
                     block_id = table[i]
                     if block_id != null and self.pool.blocks[block_id].block_hash is not None:
                         self._spill(self.pool.blocks[block_id])
-            if done > first:
-                self._saved[seq] = done
+            self._saved[seq] = done
 
     def take_tier_ops(self) -> list[TierOp]:
         """The tier moves queued since the last step's changes were taken (the engine runs them at
