@@ -270,6 +270,6 @@ def test_sizes_and_metrics():
         0,
     ]
     load = pb.Load(kv_tiers=[pb.KVTierLoad(tier="disk", hits=7, bytes=99)])
-    got = {(f.name, s.labels["tier"]): s.value for f in _kv_tier_metrics(load) for s in f.samples}
+    got = {(s.name, s.labels["tier"]): s.value for f in _kv_tier_metrics(load) for s in f.samples}
     assert got[("llmserve_kv_tier_hit_blocks_total", "disk")] == 7
     assert got[("llmserve_kv_tier_bytes", "disk")] == 99
