@@ -34,6 +34,7 @@ class BlockPool:
         # Called with a cached block about to be evicted (its hash still on it): the KV manager
         # spills it to the lower tiers (kv_tiers/). None: evicted blocks are simply forgotten.
         self.on_evict = None
+        self.on_reset = None
 
     @property
     def num_free(self) -> int:
@@ -103,6 +104,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             self._forget_hash(block, quiet=True)
+        if self.on_reset is not None:  # the host tier below goes too (kv_tiers/: the disk stays)
+            self.on_reset()
         if self.events is not None:
             self.events.cleared()
 

@@ -99,6 +99,7 @@ class KVCacheManager:
         self._pending: set[int] = set()  # keys whose saves are queued and not yet stored
         if self.tiers is not None:
             self.pool.on_evict = self._spill
+            self.pool.on_reset = self.tiers.clear_host
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)

@@ -273,3 +273,14 @@ def test_sizes_and_metrics():
     got = {(s.name, s.labels["tier"]): s.value for f in _kv_tier_metrics(load) for s in f.samples}
     assert got[("llmserve_kv_tier_hit_blocks_total", "disk")] == 7
     assert got[("llmserve_kv_tier_bytes", "disk")] == 99
+
+
+def test_a_reset_of_the_prefix_cache_empties_the_host_tier(model, solo):
+    engine = make_engine(model, kv_offload_bytes=64 << 20)
+    _run(engine, {"a": PROMPTS[0]})
+    assert _tiers(engine)["host"].entries >= 9
+    engine.kv.pool.reset_prefix_cache()
+    assert _tiers(engine)["host"].entries == 0
+    before = engine.stats().prompt_tokens_computed
+    assert _run(engine, {"a": PROMPTS[0]})["a"] == solo[0]
+    assert engine.stats().prompt_tokens_computed - before == len(PROMPTS[0])  # computed again

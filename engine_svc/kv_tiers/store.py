@@ -230,5 +230,11 @@ class TieredStore:
             for old in spilled:
                 self.disk.put(old)
 
+    def clear_host(self) -> None:
+        """Forget the host tier's blocks (a reset of the prefix cache; the disk tier's files stay)."""
+        if self.host is not None:
+            self.host.entries.clear()
+            self.host.stats.bytes = self.host.stats.entries = 0
+
     def stats(self) -> list[TierStats]:
         return [t.stats for t in (self.host, self.disk) if t is not None]
