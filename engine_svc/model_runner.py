@@ -111,7 +111,8 @@ class ModelRunner:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
         ``out.layout``, which is the only place that says what each logits row is for; then draft
         (``out.propose``). The input batch follows the KV changes ``out`` carries first, even when
-        nothing is scheduled."""
+        nothing is scheduled; before that, the moves to and from the prefix cache's lower tiers
+        (``out.tier_ops``, in order), whose read-out blocks go back in the result's ``spilled``."""
         spilled = run_tier_ops(self.forward.kv_caches, out.tier_ops) if out.tier_ops else []
         self.batch.apply(out.updates, out.released)
         if not out.seqs:
