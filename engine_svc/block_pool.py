@@ -31,6 +31,10 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.events: KvEventLog | None = None  # set while a KV-event subscriber listens
+        # Called with a cached block about to be evicted (its hash still on it): the KV manager
+        # spills it to the lower tiers (kv_tiers/). None: evicted blocks are simply forgotten.
+        self.on_evict = None
+        self.on_reset = None
 
     @property
     def num_free(self) -> int:
@@ -48,6 +52,9 @@ class BlockPool:
         for _ in range(count):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
+            if self.on_evict is not None and block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    self.on_evict(block)
             self._forget_hash(block)
             block.ref_count = 1
             out.append(block_id)
@@ -97,6 +104,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             self._forget_hash(block, quiet=True)
+        if self.on_reset is not None:  # the host tier below goes too (kv_tiers/: the disk stays)
+            self.on_reset()
         if self.events is not None:
             self.events.cleared()
 

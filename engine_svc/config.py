@@ -64,6 +64,15 @@ class EngineConfig:
     max_loras: int = 1  # adapter slots on the device: distinct adapters one step can run
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, loaded at start
+    # The prefix cache's tiers below the KV pool (docs/prefix-caching.md#tiers): blocks the pool
+    # evicts spill to host memory (kv_offload_bytes; None: 4 GiB, at most a quarter of the RAM, on
+    # CUDA; 0 on CPU, where the pool is host memory already), whose overflow goes to disk
+    # (kv_disk_bytes under kv_disk_dir; None: $LLMSERVE_CACHE/kv or ~/.cache/llmserve/kv). The
+    # disk tier outlives the engine. 0 turns a tier off; the library's default keeps the disk off,
+    # the server's (llmserve serve) turns it on.
+    kv_offload_bytes: int | None = None
+    kv_disk_bytes: int = 0
+    kv_disk_dir: str | None = None
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -79,6 +88,10 @@ class EngineConfig:
         ratio = self.attention_work_ratio
         if ratio is not None and not (isinstance(ratio, int | float) and 0 <= ratio < float("inf")):
             raise ValueError(f"attention_work_ratio must be a finite number >= 0, got {ratio!r}")
+        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -17,6 +17,9 @@ from engine_svc.gc_freeze import freeze_startup_heap
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
+from engine_svc.kv_tiers.setup import build_tiers
+from engine_svc.kv_tiers.store import TierStats
+from engine_svc.kv_tiers.transfer import run_tier_ops
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
 from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
@@ -80,6 +83,8 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()  # names, as vLLM's lora_requests_info labels them
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0  # device slots; 0: LoRA off
+    # The prefix cache's tiers below the pool (host, disk), each its own figures (kv_tiers/store.py).
+    kv_tiers: tuple[TierStats, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -124,11 +129,17 @@ class LLMEngine:
         )
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv_layout = layout_of(self.spec)
+        windows = tuple(g.window for g in self.kv_layout.groups)
+        why_not = None
+        if shard.size > 1:
+            why_not = "tensor parallelism (each rank would spill its own shard)"
+        elif self.draft_spec is not None:
+            why_not = "a draft model (its KV cache would have to move with the target's)"
+        self.kv_tiers = build_tiers(
+            config, self.device, kv_caches, windows, self.act_dtype, self.dtype, self.kernels.name, why_not
+        )
         self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            tuple(g.window for g in self.kv_layout.groups),
+            num_blocks, config.block_size, config.enable_prefix_caching, windows, self.kv_tiers
         )
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio
@@ -251,6 +262,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and the grammar compiler's thread."""
+        if self.kv_tiers is not None:
+            self.flush_tiers()
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.tp_group is not None:
@@ -367,6 +380,8 @@ class LLMEngine:
         self.scheduler.abort(request, indexes)
         if request.finished:
             del self.requests[request_id]
+        if self.kv_tiers is not None and not self.requests:
+            self.flush_tiers()  # the blocks it computed: on disk now, not at the next step
         return True
 
     def request_finished(self, request_id: str) -> bool:
@@ -412,6 +427,8 @@ class LLMEngine:
             )
         started = time.perf_counter()
         result = self.runner.execute(out)  # with nothing scheduled, it only follows the KV changes
+        if result.spilled:  # evicted blocks, read out before the forward: to the lower tiers
+            self.kv.store_spilled(result.spilled)
         if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)
@@ -425,7 +442,16 @@ class LLMEngine:
         for delta in deltas:
             if delta.request_finished:
                 del self.requests[delta.request_id]
+        if self.kv_tiers is not None and not self.requests:
+            self.flush_tiers()
         return deltas
+
+    def flush_tiers(self) -> None:
+        """Write the blocks computed since the last step down to the tiers now (the next step
+        would; an idle engine takes none)."""
+        ops = self.kv.take_tier_ops()
+        if ops:
+            self.kv.store_spilled(run_tier_ops(self.runner.forward.kv_caches, ops))
 
     # --- facts --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -449,6 +475,7 @@ class LLMEngine:
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
             max_lora=self.config.max_loras if self.lora is not None else 0,
+            kv_tiers=tuple(replace(t) for t in self.kv_tiers.stats()) if self.kv_tiers is not None else (),
         )
 
     # --- KV-cache events (for KV-aware routers) ---------------------------------------------------

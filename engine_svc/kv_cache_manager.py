@@ -8,7 +8,13 @@ group releases the blocks its window has passed (``NULL_BLOCK`` in their entries
 sequence's tokens and counter but never writes them (the scheduler owns ``num_computed_tokens``).
 What changed since the last step (table entries, copy-on-write copies, tables released) is handed
 out once, by ``take_step_changes``, for the scheduler to put into its ``SchedulerOutput``;
-``pending_changes`` only looks."""
+``pending_changes`` only looks.
+
+With lower tiers (``kv_tiers/``), a cached block the pool evicts is spilled (a save the runner
+does before the step's forward, its bytes then kept by the ``TieredStore``), and a lookup that
+misses the pool but finds the block below loads it into a fresh pool block (a load the runner does
+before the forward), published there as any cached block: from then on it is a pool hit. The
+moves travel with the step's changes, in the order they were decided."""
 
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ import numpy as np
 from engine_svc.block_hash import chain_hash, root_hash, salt_hash
 from engine_svc.block_pool import BlockPool
 from engine_svc.kv_groups import NULL_BLOCK
+from engine_svc.kv_tiers.entry import BlockMeta
+from engine_svc.kv_tiers.store import TieredStore
+from engine_svc.kv_tiers.transfer import TierOp
 from engine_svc.sequence import Sequence
 
 _NO_BLOCKS: tuple[int, ...] = ()
@@ -47,6 +56,7 @@ class StepChanges:
     updates: list[BlockUpdate]
     released: list[int]  # seq ids that hold no block anymore (finished, aborted or preempted)
     copies: np.ndarray  # [C, 2] int64 (src, dst) block copies to run before the forward
+    tier_ops: list[TierOp] | None = None  # saves to and loads from the lower tiers, in order, first
 
 
 @dataclass
@@ -75,9 +85,21 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         windows: tuple[int | None, ...] = (None,),
+        tiers: TieredStore | None = None,
     ):
-        """``windows``: per KV cache group, its sliding window (None: full attention)."""
+        """``windows``: per KV cache group, its sliding window (None: full attention); ``tiers``:
+        the host and disk tiers below the pool (None: evicted blocks are forgotten)."""
         self.pool = BlockPool(num_blocks)
+        self.tiers = tiers if tiers is not None and tiers.enabled and enable_prefix_caching else None
+        self._tier_ops: list[TierOp] = []
+        self.num_tier_loads = 0  # blocks loaded back from a lower tier into the pool
+        self.num_tier_saves = 0  # evicted blocks read out for the lower tiers
+        # Per sequence: leading blocks already written through to the tiers (or found there).
+        self._saved: dict[Sequence, int] = {}
+        self._pending: set[int] = set()  # keys whose saves are queued and not yet stored
+        if self.tiers is not None:
+            self.pool.on_evict = self._spill
+            self.pool.on_reset = self.tiers.clear_host
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
@@ -169,10 +191,91 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         hashes = self.block_hashes(seq, max_blocks)
+        if self.tiers is not None:
+            pins: list[int] = []  # blocks this lookup holds, so that a load never evicts them
+            try:
+                return self._find_prefix(seq, hashes, max_blocks, pins)
+            finally:
+                self.pool.release(pins[::-1])  # the tail first back to the LRU end
+        return self._find_prefix(seq, hashes, max_blocks, None)
+
+    def _lookup(self, seq: Sequence, hashes: list[int], i: int, g: int, pins: list[int] | None):
+        """Block ``i`` of ``seq`` in group ``g``: from the pool, else (with ``pins``) loaded from a
+        lower tier into a fresh pool block; held in ``pins`` when found."""
+        bs = self.block_size
+        tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        key = group_key(hashes[i], g)
+        block_id = self.pool.lookup(key, tokens)
+        if pins is None:
+            return block_id
+        if block_id is None:
+            if not self.pool.num_free:
+                return None
+            entry = self.tiers.get(key, tokens)
+            if entry is None:
+                return None
+            (block_id,) = self.pool.allocate(1)  # held: in pins, released after the lookup
+            parent = (hashes[i - 1] if i else self.root_of(seq)) if g == 0 else 0
+            salt_h = salt_hash(seq.request.cache_salt) if g == 0 else 0
+            self.pool.register(block_id, key, tokens, parent, salt_h, listed=g == 0)
+            self._tier_ops.append(TierOp(block_id, entry=entry))
+            self.num_tier_loads += 1
+        else:
+            self.pool.touch(block_id)
+        pins.append(block_id)
+        return block_id
+
+    def _spill(self, block) -> None:
+        """A computed, published ``block`` goes down to the tiers: the runner reads it out before
+        the next forward (unless they hold it already, or its save is queued)."""
+        key = block.block_hash
+        if key in self._pending or key in self.tiers:
+            return
+        meta = BlockMeta(key, block.token_ids, block.parent_hash, block.salt_hash, block.listed)
+        self._tier_ops.append(TierOp(block.block_id, meta=meta))
+        self._pending.add(key)
+        self.num_tier_saves += 1
+
+    def write_through(self, seqs) -> None:
+        """Queue the saves of the blocks ``seqs`` have computed and published since the last call
+        (write-through: the disk then holds a prefix as soon as it is computed, and a restart finds
+        it). A block's bytes never change once it is full and published."""
+        if self.tiers is None:
+            return
+        bs, null = self.block_size, self.null_block
+        for seq in seqs:
+            done = min(self.registered.get(seq, 0), seq.num_computed_tokens // bs)
+            first = self._saved.get(seq, 0)
+            if done <= first:  # a decode inside its last block: the common case, nothing to do
+                continue
+            tables = [t.get(seq) for t in self.group_tables]
+            if tables[0] is None:
+                continue
+            for i in range(first, done):
+                for table in tables:
+                    block_id = table[i]
+                    if block_id != null and self.pool.blocks[block_id].block_hash is not None:
+                        self._spill(self.pool.blocks[block_id])
+            self._saved[seq] = done
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier moves queued since the last step's changes were taken (the engine runs them at
+        once when it goes idle, so that a restart finds every computed block on disk)."""
+        ops, self._tier_ops = self._tier_ops, []
+        return ops
+
+    def store_spilled(self, entries) -> None:
+        """The blocks' bytes, as the runner read them out: into the tiers."""
+        for entry in entries:
+            self._pending.discard(entry.meta.key)
+            self.tiers.put(entry)
+
+    def _find_prefix(self, seq: Sequence, hashes: list[int], max_blocks: int, pins: list[int] | None):
+        bs = self.block_size
         if len(self.windows) == 1:
             found = []
-            for i, h in enumerate(hashes):
-                block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            for i in range(len(hashes)):
+                block_id = self._lookup(seq, hashes, i, 0, pins)
                 if block_id is None:
                     break
                 found.append(block_id)
@@ -181,8 +284,7 @@ class KVCacheManager:
 
         def look(g: int, i: int) -> int | None:
             if (g, i) not in seen:
-                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                seen[g, i] = self.pool.lookup(group_key(hashes[i], g), tokens)
+                seen[g, i] = self._lookup(seq, hashes, i, g, pins)
             return seen[g, i]
 
         n = max_blocks
@@ -412,6 +514,9 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; the scheduler resets its counter."""
+        if self.tiers is not None:
+            self.write_through((seq,))
+            self._saved.pop(seq, None)
         self.registered.pop(seq, None)
         for g, tables in enumerate(self.group_tables):
             table = tables.pop(seq, None)
@@ -446,4 +551,5 @@ class KVCacheManager:
             self._group_changed[g] = {}
         copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
         self._copies = []
-        return StepChanges(updates, released, copies)
+        tier_ops, self._tier_ops = self._tier_ops or None, []
+        return StepChanges(updates, released, copies, tier_ops)

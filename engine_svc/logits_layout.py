@@ -107,3 +107,5 @@ class StepResult:
     drafts: dict[int, list[int]] = field(default_factory=dict)
     # request id -> an embedding request's pooled vector (float32 bytes), in the step its prompt ends.
     pooled: dict[str, bytes] = field(default_factory=dict)
+    # The blocks the step's tier moves read out of the pool (kv_tiers.entry.TierEntry), for the tiers.
+    spilled: list = field(default_factory=list)

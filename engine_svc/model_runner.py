@@ -14,6 +14,7 @@ import torch
 
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
+from engine_svc.kv_tiers.transfer import run_tier_ops
 from engine_svc.logits_layout import LogitsLayout, StepResult
 from engine_svc.logits_processors.processors import default_processors
 from engine_svc.models.decoder import DecoderForCausalLM
@@ -110,10 +111,12 @@ class ModelRunner:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
         ``out.layout``, which is the only place that says what each logits row is for; then draft
         (``out.propose``). The input batch follows the KV changes ``out`` carries first, even when
-        nothing is scheduled."""
+        nothing is scheduled; before that, the moves to and from the prefix cache's lower tiers
+        (``out.tier_ops``, in order), whose read-out blocks go back in the result's ``spilled``."""
+        spilled = run_tier_ops(self.forward.kv_caches, out.tier_ops) if out.tier_ops else []
         self.batch.apply(out.updates, out.released)
         if not out.seqs:
-            return StepResult([], [], [])
+            return StepResult([], [], [], spilled=spilled)
         inputs = self.build_inputs(out)
         pooling = None if out.only_decodes else PoolingPlan.of(out.seqs, out.num_new)
         logits = self._forward(inputs, pooling.rows if pooling is not None else None)
@@ -130,7 +133,7 @@ class ModelRunner:
             )
             for c in layout.prompt_chunks
         ]
-        result = StepResult(tokens, logprobs, plps)
+        result = StepResult(tokens, logprobs, plps, spilled=spilled)
         if pooling is not None:
             result.pooled = pooling.finish(self.forward.pooled)
             self.forward.pooled = None

@@ -226,6 +226,7 @@ class Scheduler:
         # since) travels with the step: the runner's input batch follows them and nothing else.
         changes = self.kv.take_step_changes()
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
+        out.tier_ops = changes.tier_ops
         return out
 
     def _decode_cap(self, sitting_out) -> float | None:
@@ -606,6 +607,8 @@ class Scheduler:
                     done.discard(request)
         for seq in layout.pooled:  # embedding requests whose prompt ended: their vector, no token
             deltas.append(self._end_embedding(seq, result.pooled[seq.request.request_id]))
+        if kv.tiers is not None:  # the blocks this step completed, down to the tiers (next step)
+            kv.write_through(out.seqs)
         return deltas
 
     def _end_embedding(self, seq: Sequence, vector: bytes) -> RequestDelta:

@@ -45,6 +45,8 @@ class SchedulerOutput:
     copies: np.ndarray = field(
         default_factory=lambda: NO_COPIES
     )  # [C, 2] int64 (src, dst) block copies before the forward
+    # Moves between the pool and the lower tiers (kv_tiers/transfer.py), in order, before the copies.
+    tier_ops: list | None = None
     failed: list[RequestDelta] = field(default_factory=list)  # requests that could not start
 
     def add(self, seq: Sequence, n: int) -> None:

@@ -74,6 +74,7 @@ class EngineLoadCollector(Collector):
                 c.add_metric([], float(getattr(load, f)))
                 yield c
         yield from _speculation_metrics(load)
+        yield from _kv_tier_metrics(load)
         if getattr(load, "max_lora", 0):
             # As vLLM serves it: adapter names comma-joined in labels; the value is the time of the
             # figures (dashboards take the latest series).
@@ -123,6 +124,40 @@ _SPEC_COUNTERS = (
         "Draft tokens the target model accepted (speculative decoding)",
     ),
 )
+
+
+# The prefix cache's tiers below the pool (engine.v1 KVTierLoad), labelled by tier: (field, name,
+# help, counter?).
+_KV_TIER_METRICS = (
+    ("hits", "llmserve_kv_tier_hit_blocks", "Blocks loaded back into the KV pool from this tier", True),
+    ("stored", "llmserve_kv_tier_stored_blocks", "Blocks written into this tier", True),
+    ("evicted", "llmserve_kv_tier_evicted_blocks", "Blocks this tier's bound dropped", True),
+    (
+        "rejected",
+        "llmserve_kv_tier_rejected_blocks",
+        "Entries found bad (checksum, truncation, fingerprint): skipped",
+        True,
+    ),
+    (
+        "load_seconds",
+        "llmserve_kv_tier_load_seconds",
+        "Time spent reading and checking the blocks it served",
+        True,
+    ),
+    ("bytes", "llmserve_kv_tier_bytes", "Bytes the tier holds", False),
+    ("capacity_bytes", "llmserve_kv_tier_capacity_bytes", "The tier's bound in bytes", False),
+)
+
+
+def _kv_tier_metrics(load):
+    tiers = list(getattr(load, "kv_tiers", ()))
+    if not tiers:
+        return
+    for field, name, doc, counter in _KV_TIER_METRICS:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["tier"])
+        for t in tiers:
+            family.add_metric([t.tier], float(getattr(t, field)))
+        yield family
 
 
 def _speculation_metrics(load):

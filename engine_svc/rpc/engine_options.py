@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or more strings
+ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or more strings; "bytes": a size
     ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
     ("--block-size", int, "KV cache block size in tokens"),
     ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
@@ -65,6 +65,20 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ("--max-lora-rank", int, "largest LoRA rank accepted (default 16)"),
     ("--lora-modules", "list", "LoRA adapters loaded at start, as name=path (PEFT directories)"),
     (
+        "--kv-offload-bytes",
+        "bytes",
+        "host-memory tier of the prefix cache under the KV pool, in bytes (suffixes K, M, G: 4G): blocks "
+        "the pool evicts spill there (default: 4G, at most a quarter of the RAM, on CUDA; 0 on CPU, "
+        "where the pool is host memory already)",
+    ),
+    (
+        "--kv-disk-bytes",
+        "bytes",
+        "disk tier of the prefix cache, in bytes (suffixes K, M, G; 0: off; default 4G): computed blocks "
+        "are written through to it, checked when read back, and kept across restarts",
+    ),
+    ("--kv-disk-dir", str, "the disk tier's directory (default: $LLMSERVE_CACHE/kv or ~/.cache/llmserve/kv)"),
+    (
         "--torch-threads",
         int,
         "the engine's CPU threads, torch's and the native kernels' (default: every CPU this process "
@@ -79,6 +93,20 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
 ]
 
 
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a whole number, optionally with K, M or G (powers of 1024; KiB, MB... too)."""
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    number = t[:-1] if scale > 1 else t
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4096, 512M, 4G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size in bytes must be >= 0, got {text!r}")
+    return value
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine's own options; the launcher (llmserve serve) accepts and passes on the same flags."""
     g = p.add_argument_group("engine")
@@ -87,6 +115,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action="store_true", help=help_)
         elif kind == "list":
             g.add_argument(flag, nargs="+", help=help_)
+        elif kind == "bytes":
+            g.add_argument(flag, type=parse_bytes, help=help_)
         else:
             g.add_argument(flag, type=kind, help=help_)
 

@@ -394,6 +394,20 @@ class EngineLoop:
             running_lora_adapters=st.running_lora_adapters,
             waiting_lora_adapters=st.waiting_lora_adapters,
             max_lora=st.max_lora,
+            kv_tiers=[
+                pb.KVTierLoad(
+                    tier=t.tier,
+                    capacity_bytes=t.capacity_bytes,
+                    bytes=t.bytes,
+                    entries=t.entries,
+                    hits=t.hits,
+                    stored=t.stored,
+                    evicted=t.evicted,
+                    rejected=t.rejected,
+                    load_seconds=t.load_seconds,
+                )
+                for t in st.kv_tiers
+            ],
         )
 
 

@@ -103,10 +103,16 @@ def engine_config_kwargs(args) -> dict:
         "quantized_activations",
         "max_loras",
         "max_lora_rank",
+        "kv_offload_bytes",
+        "kv_disk_dir",
     ):
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
+    # The server keeps a disk tier by default (the library's default is off: EngineConfig).
+    from engine_svc.kv_tiers.setup import DISK_TIER_BYTES
+
+    kw["kv_disk_bytes"] = DISK_TIER_BYTES if args.kv_disk_bytes is None else args.kv_disk_bytes
     if args.speculative_config:
         try:
             kw["speculative_config"] = json.loads(args.speculative_config)
