@@ -4,7 +4,7 @@ streamed (the packed form holds the file's bytes per weight: Q4_K 4.625 bits, Q6
 
     python -m benchmarks.kquant_gemv [--threads 1,2] [--reps 20] [--shapes 1.5b|0.5b] [--baseline SO]
 
-``--baseline``: another build of the library (a .so of quant_int8act.c, e.g. the cache's file of
+``--lib``: time that build (.so) instead of the source's. ``--baseline``: another build of the library (a .so of quant_int8act.c, e.g. the cache's file of
 the previous commit), timed alternating with this one on the same packed bytes: ``speedup`` is
 baseline time / ours.
 
@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--shapes", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--baseline", help="another build of quant_int8act (.so) to time against")
+    ap.add_argument("--lib", help="time this build (.so) instead of the source's")
     args = ap.parse_args(argv)
-    lib = qa.library()
+    lib = load_baseline(args.lib) if args.lib else qa.library()
     base = load_baseline(args.baseline) if args.baseline else None
     print(f"kernel: {qa.variant()}")
     rng = np.random.default_rng(0)
