@@ -62,6 +62,10 @@
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 4
 #endif
+/* MRK: the nibble K forms' rows a pass (rows_k, one vector of the panel at a time). */
+#ifndef MRK
+#define MRK 4
+#endif
 #if defined(__AVX512F__)
 #define MR 4 /* 4 rows x 2 vectors of int32 sums and of fp32 sums: 16 of the 32 registers */
 #elif defined(__AVX2__)
@@ -958,6 +962,122 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         for (int v = 0; v < V; ++v) storef(out[i] + v * VW, acc[i][v]);
     store_rows(out, m, bias, y, ldy, cols);
 }
+
+/* Rows [0, m) (m <= MRK, a constant at each call site) against one panel of a nibble K form (Q4_K,
+ * Q5_K, Q6_K, Q3_K): a decode step's GEMV (m = 1) and a prefill's GEMM. rows_simd keeps every vector
+ * of the panel live through a block (for Q6_K: two pair planes and, per row, two int16 and two
+ * int32 sums, V of each), more than AVX2's 16 registers; here each vector v of the panel (VW
+ * columns) runs the block's 4 groups for all m rows before the next v, so only its own sums are
+ * live, and its unpacked quants serve the m rows. The integer sums are the same integers and the
+ * float steps the same operations in the same order, lane by lane: bit-equal to rows_simd and to
+ * rows_generic. */
+INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
+                   const float *bias, float *y, int64_t ldy, int cols) {
+    vfl acc[MRK][V];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = zerof();
+    const int off = offset(fmt), min = has_min(fmt), two = two_scales(fmt);
+    const int per_group = two ? 1 : 2;
+    const int terms = (high_pairs(fmt) ? 2 : fifth_bits(fmt) ? 4 : 8) / per_group;
+    const int every = terms < 4 ? terms : 4;
+    const int8_t *xr[MRK];
+    for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
+    const int64_t qb = quant_bytes(fmt), ks = k_stride(fmt), kh = k_header(fmt);
+    for (int64_t s = 0; s < x->nb / KB; ++s) {
+        const uint8_t *h = panel + s * ks;
+        for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, 3);
+        for (int j = 0; j < KB; ++j) {
+            const int64_t b = s * KB + j;
+            const uint8_t *qs = h + kh + j * qb;
+            for (int64_t o = 0; o < qb; o += 64) __builtin_prefetch(qs + PREFETCH_BLOCKS * qb + o, 0, 3);
+#pragma GCC unroll 1
+            for (int v = 0; v < V; ++v) {
+                vi isum[MRK], isum1[MRK], p0[MRK], p1[MRK];
+                for (int i = 0; i < m; ++i) isum[i] = isum1[i] = p0[i] = p1[i] = zeroi();
+                vi h5 = zeroi(), h6 = zeroi();
+                if (fifth_bits(fmt) || high_pairs(fmt)) h5 = loadi(qs + nibble_bytes() + v * VW * 4);
+                if (high_pairs(fmt)) h6 = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+                for (int g = 0; g < 4; ++g) {
+                    const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+                    vi lo = lo_nib(raw), hi = hi_nib(raw);
+                    if (fifth_bits(fmt)) {
+                        lo = ori(lo, fifth_lo(h5, g));
+                        hi = ori(hi, fifth_hi(h5, g));
+                    }
+                    if (high_pairs(fmt)) {
+                        lo = ori(lo, pair_bits(h5, g));
+                        hi = ori(hi, pair_bits(h6, g));
+                    }
+                    for (int i = 0; i < m; ++i) {
+                        const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
+                        if (vnni) {
+                            isum[i] = dot_vnni(isum[i], lo, xl);
+                            if (two)
+                                isum1[i] = dot_vnni(isum1[i], hi, xh);
+                            else
+                                isum[i] = dot_vnni(isum[i], hi, xh);
+                            continue;
+                        }
+                        const vi a = mul16(lo, xl), c = mul16(hi, xh);
+                        const int first = g % every == 0;
+                        if (two) {
+                            p0[i] = first ? a : add16(p0[i], a);
+                            p1[i] = first ? c : add16(p1[i], c);
+                        } else {
+                            p0[i] = first ? add16(a, c) : add16(p0[i], add16(a, c));
+                        }
+                        if (g % every == every - 1) {
+                            isum[i] = fold16(isum[i], p0[i]);
+                            if (two) isum1[i] = fold16(isum1[i], p1[i]);
+                        }
+                    }
+                }
+                /* block b's scales for these VW columns (exact products of the header's values) */
+                const vfl kd = loadh(h + 2 * v * VW);
+                vfl dw, second;
+                if (two) {
+                    dw = kd * cvt_s8(h + NC * 2 + 2 * j * NC + v * VW);
+                    second = kd * cvt_s8(h + NC * 2 + (2 * j + 1) * NC + v * VW);
+                } else {
+                    dw = kd * cvt_u8(h + NC * 4 + j * NC + v * VW);
+                    second = zerof();
+                    if (min) second = -(loadh(h + NC * 2 + 2 * v * VW) * cvt_u8(h + NC * 4 + KB * NC + j * NC + v * VW));
+                }
+                for (int i = 0; i < m; ++i) {
+                    const int64_t at = (r0 + i) * x->nb + b;
+                    const vfl dx = setf(x->dx[at]);
+                    if (two) {
+                        const int32_t c0 = off * x->sh[2 * at], c1 = off * x->sh[2 * at + 1];
+                        vfl t = keepv(keepv(dw * dx) * cvt(subi(isum[i], c0)));
+                        const vfl u = keepv(keepv(second * dx) * cvt(subi(isum1[i], c1)));
+                        t = keepv(t + u);
+                        acc[i][v] = acc[i][v] + t;
+                    } else {
+                        const vi si = off ? subi(isum[i], off * x->sx[at]) : isum[i];
+                        vfl t = keepv(keepv(dw * dx) * cvt(si));
+                        if (min) t = keepv(t + keepv(second * setf(x->dxs[at])));
+                        acc[i][v] = acc[i][v] + t;
+                    }
+                }
+            }
+        }
+    }
+    float out[MRK][NC];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) storef(out[i] + v * VW, acc[i][v]);
+    store_rows(out, m, bias, y, ldy, cols);
+}
+#endif
+
+/* rows_k runs a single row of a nibble K form, and Q6_K's rows KROWS at a time (AVX2: its 4 sums a
+ * row allow 2 in 16 registers); Q4_K's, Q5_K's, Q3_K's pairs of rows stay on rows_simd, which
+ * measured faster there (kquant_gemv: rows_k at 4 rows 0.9x). */
+#define NIBBLE_K(FMT) (is_k(FMT) && nibbles(FMT) && !iq4xs(FMT))
+#define ON_ROWS_K(FMT, M) (NIBBLE_K(FMT) && (high_pairs(FMT) || (M) == 1))
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define KROWS 2
+#else
+#define KROWS MRK
 #endif
 
 typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias,
@@ -965,7 +1085,9 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 
 /* A format's work item: its rows MR at a time, then the rest (each count its own loop). */
 #ifdef VW
-#define ROWS(FMT, VNNI, M) rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
+#define ROWS(FMT, VNNI, M)                                                                        \
+    (ON_ROWS_K(FMT, M) ? rows_k(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)      \
+                       : rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols))
 #else
 #define ROWS(FMT, VNNI, M) rows_generic(FMT, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
 #endif
@@ -973,6 +1095,16 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     static void NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
                      float *y, int64_t ldy, int cols) {                                                  \
         int64_t i = 0;                                                                                   \
+        if (high_pairs(FMT)) { /* Q6_K: KROWS rows a pass (at most 4) */                                  \
+            for (; i + KROWS <= rows; i += KROWS) ROWS(FMT, VNNI, KROWS);                                \
+            switch (rows - i) {                                                                          \
+                case 1: ROWS(FMT, VNNI, 1); break;                                                       \
+                case 2: ROWS(FMT, VNNI, 2 % KROWS); break;                                               \
+                case 3: ROWS(FMT, VNNI, 3 % KROWS); break;                                               \
+                default: break;                                                                          \
+            }                                                                                            \
+            return;                                                                                      \
+        }                                                                                                \
         for (; i + MR <= rows; i += MR) ROWS(FMT, VNNI, MR);                                             \
         switch (rows - i) {                                                                              \
             case 1: ROWS(FMT, VNNI, 1); break;                                                           \
