@@ -277,6 +277,30 @@ def test_run_all_writes_report_with_plots(tmp_path):
     assert "live tokens / allocated KV slots" in report and "hit rate / best possible" in report
     for png in ("targets.png", "kv_usage.png", "prefix_hit_rate.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in report
+    # The serving benchmark's own --quick checks, on the result run_all had it write (its only run
+    # in the suite: a second run in test_bench_service_quick cost ~50 s of a 2-core CI's time).
+    assert latest["benchmarks"]["serving"]["status"] == "ok"
+    check_serving_quick(json.loads((tmp_path / "serving.json").read_text()))
+
+
+def check_serving_quick(r: dict) -> None:
+    """benchmarks.serving --quick: both levels, every path error-free with finite figures, and the
+    gRPC and HTTP clients given the same requests delivered the same tokens."""
+    assert [row["concurrency"] for row in r["levels"]] == [1, 4]
+    assert r["transport"] == "grpc"  # the default transport
+    for row in r["levels"]:
+        for path in ("service", "http", "offline"):
+            assert row[path]["errors"] == 0
+            assert finite(row[path]["output_tok_s"], row[path]["itl_p50_ms"], row[path]["ttft_p50_ms"])
+        assert finite(row["throughput_ratio"], row["http_over_grpc_throughput"])
+        # the same requests: both APIs delivered every token (wall_s is rounded to 1 ms)
+        tokens = {p: row[p]["output_tok_s"] * row[p]["wall_s"] for p in ("service", "http")}
+        assert row["http"]["requests"] == row["service"]["requests"]
+        assert tokens["http"] == pytest.approx(tokens["service"], rel=0.01)
+
+
+def finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
 def test_lora(results):

@@ -1,4 +1,7 @@
-"""The service benchmarks run end to end in their --quick form and write well-formed results."""
+"""The service benchmarks run end to end in their --quick form and write well-formed results.
+
+benchmarks.serving --quick is checked in tests/test_bench_quick.py::test_run_all_writes_report_with_plots,
+which runs it through run_all (one run of it per suite, not two)."""
 
 from __future__ import annotations
 
@@ -24,22 +27,6 @@ def run_bench(name: str, out) -> dict:
 
 def finite(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
-
-
-@pytest.mark.slow
-def test_serving_quick(tmp_path):
-    r = run_bench("serving", tmp_path / "serving.json")
-    assert [row["concurrency"] for row in r["levels"]] == [1, 4]
-    assert r["transport"] == "grpc"  # the default transport
-    for row in r["levels"]:
-        for path in ("service", "http", "offline"):
-            assert row[path]["errors"] == 0
-            assert finite(row[path]["output_tok_s"], row[path]["itl_p50_ms"], row[path]["ttft_p50_ms"])
-        assert finite(row["throughput_ratio"], row["http_over_grpc_throughput"])
-        # the same requests: both APIs delivered every token (wall_s is rounded to 1 ms)
-        tokens = {p: row[p]["output_tok_s"] * row[p]["wall_s"] for p in ("service", "http")}
-        assert row["http"]["requests"] == row["service"]["requests"]
-        assert tokens["http"] == pytest.approx(tokens["service"], rel=0.01)
 
 
 @pytest.mark.slow
