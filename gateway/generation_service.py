@@ -508,7 +508,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         embed: EmbedSink | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         seqs = [
-            SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
+            SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids, v.code_stop)
+            for i in range(v.n)
         ]
         outputs = self._chat_outputs(v, plan)
         remaining = v.n
