@@ -464,6 +464,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.CANCELLED: 499,  # superseded by the client's next request (supersede_key)
 }
 ERROR_TYPE = {
     400: "invalid_request_error",

@@ -153,13 +153,7 @@ def _code_stop(req: pb.GenerateRequest, bad) -> tuple[str, int] | None:
         elif not 1 <= req.stop_indent <= MAX_STOP_INDENT:
             bad("stop_indent", f"must be in [1, {MAX_STOP_INDENT}], got {req.stop_indent}")
     kind = req.WhichOneof("prompt")
-    before = (
-        req.infill.prefix + req.infill.middle
-        if kind == "infill"
-        else req.text
-        if kind == "text"
-        else ""
-    )
+    before = req.infill.prefix + req.infill.middle if kind == "infill" else req.text if kind == "text" else ""
     indent = req.stop_indent if req.HasField("stop_indent") else None
     return rule, block_threshold(before[-4096:], indent)  # the last line's indentation
 

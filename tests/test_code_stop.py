@@ -36,7 +36,13 @@ CASES = [
     # tabs count one each, as spaces do
     ("if x:\n\t", BLOCK, "y()\n\tz()\nw()", "y()\n\tz()", True),
     # C-like code: the closing brace, less indented, ends the block
-    ("int f(void) {\n    int a = 1;\n    ", BLOCK, "a += 2;\n    return a;\n}\n", "a += 2;\n    return a;", True),
+    (
+        "int f(void) {\n    int a = 1;\n    ",
+        BLOCK,
+        "a += 2;\n    return a;\n}\n",
+        "a += 2;\n    return a;",
+        True,
+    ),
     # trailing blank lines with no line after them: released at the end
     ("def f():\n    ", BLOCK, "pass\n\n", "pass\n\n", False),
 ]

@@ -1,6 +1,7 @@
 """One sequence's text, as a client sees it: incremental detokenizing (continuing the prompt's
-text), then stop strings, then a code completion's line or block rule (tokenizer_svc/code_stop.py). The gateway's streams and the offline ``LLM`` both use this, so the same
-tokens give the same text, and the same stop, whichever API asked."""
+text), then stop strings, then a code completion's line or block rule (tokenizer_svc/code_stop.py).
+The gateway's streams and the offline ``LLM`` both use this, so the same tokens give the same text,
+and the same stop, whichever API asked."""
 
 from __future__ import annotations
 
