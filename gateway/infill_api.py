@@ -193,6 +193,9 @@ class _Reply:
                 "predicted_per_second": usage.completion_tokens / (predicted_ms / 1000)
                 if predicted_ms
                 else 0,
+                # as llama.cpp reports its speculation: drafted tokens, and of them accepted
+                "draft_n": usage.draft_tokens,
+                "draft_n_accepted": usage.accepted_draft_tokens,
             },
         }
 

@@ -362,8 +362,8 @@ def test_a_model_without_fim_tokens_says_what_is_missing_at_every_door(plain):
 
 
 def test_the_docs_examples_run_as_written(coder):
-    """docs/fill-in-the-middle.md's examples, one per door, with this server's address; each
-    completes the Fibonacci call (greedy)."""
+    """docs/fill-in-the-middle.md's examples, one per door and one ending at its block, with this
+    server's address; each completes what it is given (greedy)."""
     import contextlib
     import io
     import re
@@ -372,7 +372,7 @@ def test_the_docs_examples_run_as_written(coder):
     sp, _ = coder
     page = Path(__file__).resolve().parents[1] / "docs" / "fill-in-the-middle.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for code in blocks:
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{sp.http_port}").replace(
             "127.0.0.1:50051", sp.target
@@ -380,4 +380,8 @@ def test_the_docs_examples_run_as_written(coder):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(code, str(page), "exec"), {})
-        assert "fibonacci(n - 1)" in out.getvalue(), (code, out.getvalue())
+        # the four doors complete the Fibonacci call; the block example ends with its function body
+        expected = "os.path.exists" if "stop_at" in code else "fibonacci(n - 1)"
+        assert expected in out.getvalue(), (code, out.getvalue())
+        if "stop_at" in code:
+            assert "__main__" not in out.getvalue() and "limit" in out.getvalue()
