@@ -13,9 +13,10 @@ prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``
 ``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
 
 ``--speculation``: instead of llama-server, our server with n-gram prompt lookup
-(``--speculative-config``, the governor deciding) against ours without, the two sides' keystrokes
-alternating (each side's session is whole; one request at a time); per side the drafted and
-accepted tokens (``timings.draft_n``, ``draft_n_accepted``).
+(``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
+other, each keystroke sent by both sides in turn (alternating who goes first), as two tenants so
+that each side has its own prefix cache; per side the drafted and accepted tokens
+(``timings.draft_n``, ``draft_n_accepted``).
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def continues(completion: str, rest: str) -> bool:
 class Session:
     """One server's keystroke session, a keystroke at a time (so that two can alternate)."""
 
-    def __init__(self, url: str, s: dict, ours: bool) -> None:
+    def __init__(self, url: str, s: dict, ours: bool, key: str | None = None) -> None:
         self.url, self.s, self.ours = url, s, ours
-        self.client = httpx.Client(timeout=1800)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(timeout=1800, headers=headers)
         self.latencies: list[float] = []
         self.computed: list[int] = []
         self.hits = self.drafted = self.accepted = 0
@@ -98,7 +100,8 @@ class Session:
         t0 = time.perf_counter()
         r = self.client.post(self.url + "/infill", json=body)
         self.latencies.append(time.perf_counter() - t0)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"keystroke {k}: {self.url} answered {r.status_code}: {r.text[:500]}")
         out = r.json()
         if self.ours:
             self.computed.append(out["tokens_evaluated"] - out["tokens_cached"])
@@ -239,17 +242,21 @@ def main() -> None:
 
 
 def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> None:
-    """Ours with n-gram drafts and without, keystrokes alternating (each side its own server)."""
-    servers = {
-        "plain": Ours(gguf, args.threads, args.ctx),
-        "ngram": Ours(gguf, args.threads, args.ctx, ("--speculative-config", NGRAM)),
-    }
+    """One server with n-gram drafts; per keystroke, alternating, the same request as two tenants
+    (their own prefix caches), one with ``speculative: false``."""
+    import tempfile
+
+    keys = {"ngram": "ngram-side-key-0123456789", "plain": "plain-side-key-0123456789"}
+    with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
+        f.write("".join(f"{name} {key}\n" for name, key in keys.items()))
+    extra = ("--speculative-config", NGRAM, "--api-key-file", f.name)
+    server = Ours(gguf, args.threads, args.ctx, extra)
     try:
-        sessions = {name: Session(server.url, s, ours=True) for name, server in servers.items()}
+        sessions = {name: Session(server.url, s, ours=True, key=key) for name, key in keys.items()}
         for k, body in enumerate(bodies, start=1):
             order = list(sessions.items()) if k % 2 else list(sessions.items())[::-1]
-            for _, session_ in order:
-                session_.keystroke(k, body)
+            for name, session_ in order:
+                session_.keystroke(k, body if name == "ngram" else {**body, "speculative": False})
         same = sessions["plain"].contents == sessions["ngram"].contents
         for name, session_ in sessions.items():
             r = result[name] = session_.result()
@@ -260,8 +267,7 @@ def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> 
                 f"{r['continues_real_text']}/{r['keystrokes']} continue the real text"
             )
     finally:
-        for server in servers.values():
-            server.close()
+        server.close()
     o, p = result["ngram"], result["plain"]
     result["same_completions"] = same  # greedy: speculation changes the speed only
     result["ratios"] = {"p50": o["p50_s"] / p["p50_s"], "p95": o["p95_s"] / p["p95_s"]}

@@ -33,7 +33,7 @@ FIELDS = {
     "input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "temperature", "top_k",
     "top_p", "min_p", "stop", "seed", "stream", "repeat_penalty", "presence_penalty",
     "frequency_penalty", "ignore_eos", "return_tokens", "n_probs", "model", "id_slot",
-    "cache_prompt", "samplers", "t_max_predict_ms", "n_indent", "n_keep", "repeat_last_n",
+    "cache_prompt", "samplers", "t_max_predict_ms", "n_indent", "n_keep", "repeat_last_n", "speculative",
 } | CODE_FIELDS  # fmt: skip
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 NAMES = InfillNames(
@@ -115,6 +115,9 @@ def infill_request(body) -> pb.GenerateRequest:
     if n_indent is not None and n_indent > 0 and not req.stop_at:
         # llama.cpp's rule: a later line indented less than n_indent ends the output.
         req.stop_at, req.stop_indent = pb.STOP_AT_BLOCK, min(n_indent, 2**32 - 1)
+    speculative = r.bool("speculative")  # ours: false, this request never drafts
+    if speculative is not None:
+        req.speculative = speculative
     if r.bool("ignore_eos"):
         req.ignore_eos = True
     if r.bool("return_tokens"):
