@@ -1,6 +1,7 @@
 """Editor autocomplete: a keystroke session of fill-in-the-middle requests, ours against llama-server.
 
     python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
+    python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
 
 The session: a real source file nobody here wrote (a module of Python's standard library), the
 cursor at the start of one of its lines with about 1.5k tokens before it, two more standard-library
@@ -10,6 +11,12 @@ the previous answer is in, to our server and to llama.cpp's ``llama-server`` (sa
 threads, one slot). Per server: the cold request, p50 and p95 over the keystrokes after it, the
 prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``; llama.cpp:
 ``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
+
+``--speculation``: instead of llama-server, our server with n-gram prompt lookup
+(``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
+other, each keystroke sent by both sides in turn (alternating who goes first), as two tenants so
+that each side has its own prefix cache; per side the drafted and accepted tokens
+(``timings.draft_n``, ``draft_n_accepted``).
 """
 
 from __future__ import annotations
@@ -77,21 +84,51 @@ def continues(completion: str, rest: str) -> bool:
     return n > 0 and completion[:n] == rest[:n]
 
 
+class Session:
+    """One server's keystroke session, a keystroke at a time (so that two can alternate)."""
+
+    def __init__(self, url: str, s: dict, ours: bool, key: str | None = None) -> None:
+        self.url, self.s, self.ours = url, s, ours
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(timeout=1800, headers=headers)
+        self.latencies: list[float] = []
+        self.computed: list[int] = []
+        self.hits = self.drafted = self.accepted = 0
+        self.contents: list[str] = []
+
+    def keystroke(self, k: int, body: dict) -> None:
+        t0 = time.perf_counter()
+        r = self.client.post(self.url + "/infill", json=body)
+        self.latencies.append(time.perf_counter() - t0)
+        if r.status_code != 200:
+            raise RuntimeError(f"keystroke {k}: {self.url} answered {r.status_code}: {r.text[:500]}")
+        out = r.json()
+        if self.ours:
+            self.computed.append(out["tokens_evaluated"] - out["tokens_cached"])
+        else:
+            self.computed.append(out["timings"]["prompt_n"])
+        self.drafted += out["timings"].get("draft_n", 0)
+        self.accepted += out["timings"].get("draft_n_accepted", 0)
+        rest = self.s["typed"][k:] + "\n" + self.s["after"]
+        self.hits += continues(out["content"], rest)
+        self.contents.append(out["content"])
+
+    def result(self) -> dict:
+        self.client.close()
+        return summary(self.latencies, self.computed, self.hits) | {
+            "draft_tokens": self.drafted,
+            "accepted_draft_tokens": self.accepted,
+        }
+
+
 def run_session(url: str, bodies: list[dict], s: dict, ours: bool) -> dict:
-    latencies, computed, hits = [], [], 0
-    with httpx.Client(timeout=1800) as client:
-        for k, body in enumerate(bodies, start=1):
-            t0 = time.perf_counter()
-            r = client.post(url + "/infill", json=body)
-            latencies.append(time.perf_counter() - t0)
-            r.raise_for_status()
-            out = r.json()
-            if ours:
-                computed.append(out["tokens_evaluated"] - out["tokens_cached"])
-            else:
-                computed.append(out["timings"]["prompt_n"])
-            rest = s["typed"][k:] + "\n" + s["after"]
-            hits += continues(out["content"], rest)
+    session_ = Session(url, s, ours)
+    for k, body in enumerate(bodies, start=1):
+        session_.keystroke(k, body)
+    return session_.result()
+
+
+def summary(latencies: list[float], computed: list[int], hits: int) -> dict:
     warm = latencies[1:]
     return {
         "cold_s": latencies[0],
@@ -102,15 +139,18 @@ def run_session(url: str, bodies: list[dict], s: dict, ours: bool) -> dict:
         "computed_per_keystroke": computed,
         "latencies_s": latencies,
         "continues_real_text": hits,
-        "keystrokes": len(bodies),
+        "keystrokes": len(latencies),
     }
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+
+
 class Ours:
-    def __init__(self, gguf: Path, threads: int, ctx: int) -> None:
+    def __init__(self, gguf: Path, threads: int, ctx: int, extra: tuple[str, ...] = ()) -> None:
         from tests.service_process import ServiceProcess
 
-        args = ["--http-port", "0", "--torch-threads", str(threads), "--max-model-len", str(ctx)]
+        args = ["--http-port", "0", "--torch-threads", str(threads), "--max-model-len", str(ctx), *extra]
         self.sp = ServiceProcess(gguf, *args, startup_timeout_s=900).start()
         self.url = self.sp.http_url
 
@@ -160,6 +200,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--speculation", action="store_true", help="ours with n-gram drafts against ours without")
     args = ap.parse_args()
     gguf = args.model if args.model.is_file() else next(args.model.glob("*.gguf"))
     s = session(args.keystrokes, args.prefix_chars)
@@ -170,6 +211,9 @@ def main() -> None:
         "file": s["file"],
         "line": s["typed"].strip(),
     }
+    if args.speculation:
+        speculation(gguf, args, s, bodies, result)
+        return
     sides = [("ours", lambda: Ours(gguf, args.threads, args.ctx))]
     if not args.skip_llama_server:
         sides.append(("llama_server", lambda: LlamaServer(args.llama_server, gguf, args.threads, args.ctx)))
@@ -195,6 +239,43 @@ def main() -> None:
         }
         print("ours / llama-server: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
     print(write_result("autocomplete", result, args.results_dir))
+
+
+def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> None:
+    """One server with n-gram drafts; per keystroke, alternating, the same request as two tenants
+    (their own prefix caches), one with ``speculative: false``."""
+    import tempfile
+
+    keys = {"ngram": "ngram-side-key-0123456789", "plain": "plain-side-key-0123456789"}
+    with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
+        f.write("".join(f"{name} {key}\n" for name, key in keys.items()))
+    extra = ("--speculative-config", NGRAM, "--api-key-file", f.name)
+    server = Ours(gguf, args.threads, args.ctx, extra)
+    try:
+        sessions = {name: Session(server.url, s, ours=True, key=key) for name, key in keys.items()}
+        for k, body in enumerate(bodies, start=1):
+            order = list(sessions.items()) if k % 2 else list(sessions.items())[::-1]
+            for name, session_ in order:
+                session_.keystroke(k, body if name == "ngram" else {**body, "speculative": False})
+        same = sessions["plain"].contents == sessions["ngram"].contents
+        for name, session_ in sessions.items():
+            r = result[name] = session_.result()
+            rate = r["accepted_draft_tokens"] / r["draft_tokens"] if r["draft_tokens"] else 0.0
+            print(
+                f"{name}: cold {r['cold_s']:.2f}s, p50 {r['p50_s']:.2f}s, p95 {r['p95_s']:.2f}s, "
+                f"{r['draft_tokens']} drafted, {r['accepted_draft_tokens']} accepted ({rate:.0%}), "
+                f"{r['continues_real_text']}/{r['keystrokes']} continue the real text"
+            )
+    finally:
+        server.close()
+    o, p = result["ngram"], result["plain"]
+    result["same_completions"] = same  # greedy: speculation changes the speed only
+    result["ratios"] = {"p50": o["p50_s"] / p["p50_s"], "p95": o["p95_s"] / p["p95_s"]}
+    print(
+        f"same completions: {same}; ngram / plain: p50 {result['ratios']['p50']:.2f}x, "
+        f"p95 {result['ratios']['p95']:.2f}x"
+    )
+    print(write_result("autocomplete-speculation", result, args.results_dir))
 
 
 if __name__ == "__main__":

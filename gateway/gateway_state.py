@@ -18,6 +18,7 @@ from gateway.model_digest import ModelDigest
 from gateway.prompt_log import PromptLogPolicy
 from gateway.quoting import quote
 from gateway.stall_sweep import StreamControl
+from gateway.supersede import SupersedeKeys
 from gateway.tool_request import ToolOptions
 from tokenizer_svc.pool import TokenizerPool
 from tokenizer_svc.tokenizer import Tokenizer
@@ -47,6 +48,7 @@ class GatewayState:
     draining: bool = False
     inflight: dict[str, RequestHandle | None] = field(default_factory=dict)  # None while tokenizing
     streams: dict[str, StreamControl] = field(default_factory=dict)  # GenerateStream calls in flight
+    supersede: SupersedeKeys = field(default_factory=SupersedeKeys)  # supersede_key -> its request
     _background: set[asyncio.Task] = field(default_factory=set)
 
     @property

@@ -36,9 +36,10 @@ from gateway.infill import (
 )
 from gateway.input_bounds import check_chat, check_lora_name, check_text
 from gateway.metrics import RequestMetrics
-from gateway.quoting import clip
+from gateway.quoting import clip, quote
 from gateway.sequence_output import SequenceOutput
 from gateway.stall_sweep import StreamControl
+from gateway.supersede import Superseded
 from gateway.token_only import check_generate, refuse_text_call
 from gateway.tool_request import Names, ToolPlan, chat_messages, plan_tools
 from gateway.validation import check_prompt_length, validate_generate
@@ -443,6 +444,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 [FieldViolation("request_id", "must be unique among the requests in flight")],
             )
         s.inflight[rid] = None
+        key = request.supersede_key
+        claim = s.supersede.claim(cache_salt, key, rid) if key else None
         try:
             async with s.admission.slot(client) as slot:
                 encode = s.tokenization.encode if s.tokenization is not None else None  # token-only: no words
@@ -470,6 +473,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 rm.prompt(len(prompt))
                 if on_prompt is not None:
                     on_prompt(prompt)
+                if claim is not None and claim.superseded_by is not None:  # while it was tokenized
+                    raise _superseded(claim.superseded_by)
                 try:
                     handle = await s.engine.submit(
                         rid,
@@ -487,6 +492,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         raise invalid([FieldViolation("prompt", e.details())]) from e
                     raise RequestError(e.code(), e.details()) from e
                 s.inflight[rid] = handle
+                if claim is not None:
+                    claim.attach(handle)
                 if control is not None:
                     control.handle = handle
                     s.streams[rid] = control
@@ -503,6 +510,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         handle.finished = True
         finally:
             del s.inflight[rid]
+            if claim is not None:
+                s.supersede.release(cache_salt, key, claim)
 
     async def _stream(
         self,
@@ -515,7 +524,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         embed: EmbedSink | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         seqs = [
-            SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids) for i in range(v.n)
+            SequenceOutput(rid, i, self.s.tokenizer, v.params, prompt, v.return_token_ids, v.code_stop)
+            for i in range(v.n)
         ]
         outputs = self._chat_outputs(v, plan)
         remaining = v.n
@@ -525,6 +535,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 deltas = await handle.next_deltas()
             except EngineUnavailable as e:
                 raise unavailable(str(e)) from e
+            except Superseded as e:
+                raise _superseded(str(e)) from None
             except ServerAborting:
                 for seq in seqs:
                     if not seq.done:
@@ -579,6 +591,12 @@ def merge_tool_calls(whole, pieces) -> None:
             whole.add(index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments)
         else:
             whole[piece.index].arguments += piece.arguments
+
+
+def _superseded(by: str) -> RequestError:
+    return RequestError(
+        grpc.StatusCode.CANCELLED, f"superseded by request {quote(by)} with the same supersede_key"
+    )
 
 
 def _with_max_tokens(request: pb.GenerateRequest, max_tokens: int) -> pb.GenerateRequest:

@@ -10,7 +10,9 @@ stops it). The reply is llama.cpp's ``/completion`` object (``content``, ``stop`
 events (each ``data:`` a piece of ``content``, the last with ``stop: true``) when ``stream`` is true.
 Unset, sampling takes llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) and
 ``n_predict`` -1 is the rest of the context. Options about llama.cpp's own slots and caches
-(``cache_prompt``, ``id_slot``, ``samplers``, ``t_max_predict_ms``, ``n_indent``...) are ignored.
+(``cache_prompt``, ``id_slot``, ``samplers``, ``t_max_predict_ms``...) are ignored; ``n_indent`` is
+llama.cpp's indentation rule, our ``stop_at: "block"`` with ``stop_indent`` (tokenizer_svc/code_stop.py's
+rules, with ``stop_at``, ``stop_indent`` and ``supersede_key`` as on /v1/completions).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.api_stream import run_whole
 from gateway.errors import RequestError
 from gateway.infill import InfillNames
-from gateway.openai_protocol import BodyReader, status_of
+from gateway.openai_protocol import CODE_FIELDS, BodyReader, code_options, status_of
 from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
@@ -31,8 +33,8 @@ FIELDS = {
     "input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "temperature", "top_k",
     "top_p", "min_p", "stop", "seed", "stream", "repeat_penalty", "presence_penalty",
     "frequency_penalty", "ignore_eos", "return_tokens", "n_probs", "model", "id_slot",
-    "cache_prompt", "samplers", "t_max_predict_ms", "n_indent", "n_keep", "repeat_last_n",
-}  # fmt: skip
+    "cache_prompt", "samplers", "t_max_predict_ms", "n_indent", "n_keep", "repeat_last_n", "speculative",
+} | CODE_FIELDS  # fmt: skip
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 NAMES = InfillNames(
     whole="input_prefix",
@@ -108,6 +110,14 @@ def infill_request(body) -> pb.GenerateRequest:
         req.stop.extend(stop)
     elif stop is not None:
         r.bad("stop", "must be a list of strings")
+    code_options(r, req)
+    n_indent = r.int("n_indent", None)
+    if n_indent is not None and n_indent > 0 and not req.stop_at:
+        # llama.cpp's rule: a later line indented less than n_indent ends the output.
+        req.stop_at, req.stop_indent = pb.STOP_AT_BLOCK, min(n_indent, 2**32 - 1)
+    speculative = r.bool("speculative")  # ours: false, this request never drafts
+    if speculative is not None:
+        req.speculative = speculative
     if r.bool("ignore_eos"):
         req.ignore_eos = True
     if r.bool("return_tokens"):
@@ -157,7 +167,8 @@ class _Reply:
         if last.finish_reason == pb.FINISH_REASON_LENGTH:
             stop_type = "limit"
         elif last.finish_reason == pb.FINISH_REASON_STOP:
-            stop_type = "word" if which == "stop_string" else "eos"
+            # llama.cpp's indentation rule says "limit"; so do ours (stop_at).
+            stop_type = "word" if which == "stop_string" else "limit" if which == "stop_rule" else "eos"
         else:
             stop_type = "none"
         computed = usage.prompt_tokens - usage.cached_prompt_tokens
@@ -185,6 +196,9 @@ class _Reply:
                 "predicted_per_second": usage.completion_tokens / (predicted_ms / 1000)
                 if predicted_ms
                 else 0,
+                # as llama.cpp reports its speculation: drafted tokens, and of them accepted
+                "draft_n": usage.draft_tokens,
+                "draft_n_accepted": usage.accepted_draft_tokens,
             },
         }
 

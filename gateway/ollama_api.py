@@ -51,6 +51,10 @@ OPTIONS = {
     "repeat_penalty": "repetition_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    # Editor autocomplete (ours; docs/fill-in-the-middle.md), on /api/generate.
+    "stop_at": "stop_at",
+    "stop_indent": "stop_indent",
+    "supersede_key": "supersede_key",
 }
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}  # refused unless they leave sampling as it is
@@ -65,6 +69,9 @@ _RENAMES = {
     "max_tokens": "options.num_predict",
     "repetition_penalty": "options.repeat_penalty",
     "response_format": "format",
+    "stop_at": "options.stop_at",
+    "stop_indent": "options.stop_indent",
+    "supersede_key": "options.supersede_key",
     "json_schema": "format",
     "json_object": "format",
     "constraint": "format",

@@ -38,7 +38,9 @@ _COMMON = {
     "allowed_token_ids", "bad_words", "request_id", "priority", "best_of", "speculative",
 }  # fmt: skip
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
+# Editor autocomplete: stop_at ("line" / "block"), stop_indent, supersede_key (GenerateRequest's).
+CODE_FIELDS = {"stop_at", "stop_indent", "supersede_key"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"} | CODE_FIELDS
 CHAT_FIELDS = _COMMON | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
     "tools", "tool_choice", "parallel_tool_calls",
@@ -222,6 +224,24 @@ def common_request(r: BodyReader, req: pb.GenerateRequest, limits: Limits) -> No
         r.bad("stream_options.include_usage", "must be true or false")
 
 
+_STOP_AT = {"line": pb.STOP_AT_LINE, "block": pb.STOP_AT_BLOCK}
+
+
+def code_options(r: BodyReader, req: pb.GenerateRequest) -> None:
+    """An editor's completion options: where the output ends (``stop_at`` "line" or "block", with
+    ``stop_indent`` for the block's indentation) and ``supersede_key`` (a new request with the key
+    cancels the one in flight with it). Their limits are checked with the request's."""
+    stop_at = r.get("stop_at", lambda x: x in _STOP_AT, '"line" or "block"')
+    if stop_at is not None:
+        req.stop_at = _STOP_AT[stop_at]
+    indent = r.int("stop_indent")
+    if indent is not None:
+        req.stop_indent = min(indent, 2**32 - 1)
+    key = r.str("supersede_key")
+    if key:
+        req.supersede_key = key
+
+
 def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt (``prompt`` may be a list of prompts)."""
     r = BodyReader(body, COMPLETION_FIELDS, "completions")
@@ -235,6 +255,7 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
         base.logprobs = logprobs
     if r.bool("echo"):
         r.bad("echo", "is not supported")
+    code_options(r, base)
     suffix = r.str("suffix")  # with it, each prompt is the code before the cursor (fill-in-the-middle)
     prompt = body.get("prompt")
     prompts: list = []
@@ -443,6 +464,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.CANCELLED: 499,  # superseded by the client's next request (supersede_key)
 }
 ERROR_TYPE = {
     400: "invalid_request_error",

@@ -6,6 +6,7 @@ from engine_svc.sampling_params import SamplingParams
 from gateway.engine_client import EngineDelta
 from llmserve_proto.engine.v1 import engine_pb2 as engine_pb
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tokenizer_svc.code_stop import CodeStop
 from tokenizer_svc.text_stream import TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -35,6 +36,7 @@ class SequenceOutput:
         params: SamplingParams,
         prompt_ids: list[int],
         return_token_ids: bool,
+        code_stop: tuple[str, int] | None = None,  # stop_at's rule and threshold
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -47,6 +49,7 @@ class SequenceOutput:
                 params.skip_special_tokens,
                 params.stop,
                 params.include_stop_str_in_output,
+                CodeStop(*code_stop) if code_stop is not None else None,
             )
         )
         self._return_ids = return_token_ids
@@ -68,11 +71,11 @@ class SequenceOutput:
         self.num_accepted_draft_tokens = max(self.num_accepted_draft_tokens, d.num_accepted_draft_tokens)
         engine_finished = d.finish_reason != 0
         if self._text is None:
-            text, matched = "", None
+            text, matched, rule = "", None, None
         else:
             stopped = engine_finished and d.stop_token_id is not None
             step = self._text.push(d.token_ids, last=engine_finished, stop_token=stopped)
-            text, matched = step.text, step.stop_string
+            text, matched, rule = step.text, step.stop_string, step.stop_rule
         msg = pb.GenerateResponse(request_id=self.request_id, index=self.index, text=text)
         if self._return_ids:
             msg.token_ids.extend(d.token_ids)
@@ -84,6 +87,9 @@ class SequenceOutput:
         if matched is not None:
             msg.finish_reason = pb.FINISH_REASON_STOP
             msg.stop_string = matched
+        elif rule is not None:
+            msg.finish_reason = pb.FINISH_REASON_STOP
+            msg.stop_rule = rule
         elif engine_finished:
             msg.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_ABORT)
             if d.stop_token_id is not None:

@@ -23,6 +23,8 @@ def check_generate(req: pb.GenerateRequest) -> None:
         bad.append(FieldViolation("infill", f"{WHY}: write the fill-in-the-middle prompt and send token_ids"))
     if req.stop:
         bad.append(FieldViolation("stop", f"{WHY}: stop strings need text; use stop_token_ids"))
+    if req.stop_at != pb.STOP_AT_UNSPECIFIED:
+        bad.append(FieldViolation("stop_at", f"{WHY}: the line and block rules read the text"))
     if req.bad_words:
         bad.append(FieldViolation("bad_words", f"{WHY}: bad words need tokenizing; use logit_bias"))
     constraint = req.WhichOneof("constraint")

@@ -16,6 +16,7 @@ from gateway.input_bounds import check_chat, check_text
 from gateway.limits import Limits
 from gateway.tool_request import Names, chat_messages
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
+from tokenizer_svc.code_stop import BLOCK, LINE, block_threshold
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ValidatedRequest:
     priority: int
     allow_special_tokens: bool = False  # parse special-token strings in `text` (unsafe; opt-in)
     enable_thinking: bool | None = None  # the chat template's enable_thinking; None: not passed
+    code_stop: tuple[str, int] | None = None  # a code completion's rule and threshold (stop_at)
 
     @property
     def n(self) -> int:
@@ -104,6 +106,11 @@ def validate_generate(
     )
     v.extend(_named(params.violations(rules)))
     v.extend(constraint_violations)
+    code_stop = _code_stop(req, bad)
+    if len(req.supersede_key) > MAX_SUPERSEDE_KEY_CHARS:
+        bad("supersede_key", f"at most {MAX_SUPERSEDE_KEY_CHARS} characters, got {len(req.supersede_key)}")
+    elif any(not c.isprintable() for c in req.supersede_key):
+        bad("supersede_key", "must be printable text")
     if v:
         raise invalid(v)
     add_gen = (
@@ -124,7 +131,35 @@ def validate_generate(
         enable_thinking=(
             req.chat.enable_thinking if kind == "chat" and req.chat.HasField("enable_thinking") else None
         ),
+        code_stop=code_stop,
     )
+
+
+MAX_SUPERSEDE_KEY_CHARS = 256
+MAX_STOP_INDENT = 1024
+_STOP_AT = {pb.STOP_AT_LINE: LINE, pb.STOP_AT_BLOCK: BLOCK}
+
+
+def _code_stop(req: pb.GenerateRequest, bad) -> tuple[str, int] | None:
+    """stop_at's rule and, for a block, the indentation below which a line leaves it: stop_indent,
+    else the cursor line's (the last line of the text before the cursor)."""
+    if req.stop_at == pb.STOP_AT_UNSPECIFIED:
+        if req.HasField("stop_indent"):
+            bad("stop_indent", "needs stop_at: block")
+        return None
+    rule = _STOP_AT.get(req.stop_at)
+    if rule is None:
+        bad("stop_at", f"must be STOP_AT_LINE or STOP_AT_BLOCK, got {req.stop_at}")
+        return None
+    if req.HasField("stop_indent"):
+        if rule != BLOCK:
+            bad("stop_indent", "needs stop_at: block")
+        elif not 1 <= req.stop_indent <= MAX_STOP_INDENT:
+            bad("stop_indent", f"must be in [1, {MAX_STOP_INDENT}], got {req.stop_indent}")
+    kind = req.WhichOneof("prompt")
+    before = req.infill.prefix + req.infill.middle if kind == "infill" else req.text if kind == "text" else ""
+    indent = req.stop_indent if req.HasField("stop_indent") else None
+    return rule, block_threshold(before[-4096:], indent)  # the last line's indentation
 
 
 def request_limits(

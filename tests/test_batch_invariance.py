@@ -2,13 +2,16 @@
 
 A mix draws 2-8 requests with options per request (greedy or seeded or unseeded sampling, n up to
 3, logprobs, prompt logprobs, penalties, min_tokens, stop ids, priorities, logit bias, allowed
-token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens
-that may share a prefix or repeat a whole earlier prompt, arrivals mid-run, and aborts of neighbours
-(whole requests or one of their n outputs). The engine gets a small token budget and a small pool,
-so chunked prefill and preemption happen, and speculation in some examples (n-gram drafts, or the
+token ids, bad words, a regex or a choice to follow), prompts of 1-200 tokens that may share a
+prefix or repeat a whole earlier prompt, fill-in-the-middle prompts (one file's keystrokes:
+tokenizer_svc/fim.py's layout of a shared file head, a typed tail and a shared suffix, with another
+file or not, ending at the format's end tokens), arrivals mid-run, and aborts of neighbours (whole
+requests or one of their n outputs). The engine gets a small token budget and a small pool, so
+chunked prefill and preemption happen, and speculation in some examples (n-gram drafts, or the
 target itself as a draft model, whose KV cache then follows every block operation); the test asserts
-that chunking, preemption, prefix hits, forks, aborts, structured output, draft verification (of
-both proposers), the decode-only input path and the general one all happened across its examples.
+that chunking, preemption, prefix hits, forks, aborts, compared FIM requests, structured output,
+draft verification (of both proposers), the decode-only input path and the general one all happened
+across its examples.
 
 Each greedy or seeded request is compared with the same request alone on a fresh engine of the same
 configuration (``tests/differential.py``): tokens, finish and stop reasons, logprobs and top-N,
@@ -61,6 +64,24 @@ def engine_options(model_dir, config: dict) -> dict:
     return config
 
 
+# Fill-in-the-middle prompts: Qwen2.5-Coder's format resolved against control ids at the top of the
+# tiny vocabulary, and a character-level encoding of the code below them.
+_FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|endoftext|>"]
+_FIM_TOKENS += ["<|repo_name|>", "<|file_sep|>"]
+_FIM_VOCAB = {t: VOCAB - 16 + i for i, t in enumerate(_FIM_TOKENS)}
+CODE_CHARS = "abcdefghijklmnopqrstuvwxyz_0123456789 ()[]{}:=+-*/.,'\n    "
+
+
+def fim_spec():
+    from tokenizer_svc.fim import find_fim
+
+    return find_fim(_FIM_VOCAB.get, None)
+
+
+def fim_encode(text: str) -> list[int]:
+    return [3 + ord(c) % (VOCAB - 32) for c in text]
+
+
 @dataclass
 class Spec:
     prompt: list[int]
@@ -69,6 +90,7 @@ class Spec:
     arrive_at: int  # engine step at which it is added
     abort_at: int | None  # step at which it (or one output) is aborted; None: never
     abort_index: int | None  # None: the whole request
+    fim: bool = False  # a fill-in-the-middle prompt (one of a file's keystrokes)
 
     @property
     def compared(self) -> bool:
@@ -124,14 +146,29 @@ def params_st(draw) -> SamplingParams:
 def mix_st(draw):
     prefixes = [draw(st.lists(tokens, min_size=8, max_size=64)) for _ in range(2)]
     specs: list[Spec] = []
+    file: dict[str, str] = {}  # the FIM requests' file, drawn at the first (they are its keystrokes)
     for _ in range(draw(st.integers(2, 8))):
-        shape = draw(st.sampled_from(["own", "own", "prefix", "repeat"]))
+        shape = draw(st.sampled_from(["own", "own", "prefix", "repeat", "fim"]))
+        fim = shape == "fim"
         if shape == "repeat" and specs:
             prompt = list(draw(st.sampled_from(specs)).prompt)  # a full-prompt hit
+        elif fim:
+            from tokenizer_svc.fim import FimInput, build_ids
+
+            code = partial(st.text, alphabet=CODE_CHARS)
+            if not file:
+                file.update(head=draw(code(min_size=8, max_size=48)), suffix=draw(code(max_size=24)))
+                file.update(other=draw(code(min_size=1, max_size=24)))
+            typed = draw(code(max_size=8))  # the keystrokes since the file's head
+            others = [("util.py", file["other"])] if draw(st.booleans()) else []
+            inp = FimInput(file["head"] + typed, file["suffix"], others, "main.py" if others else "")
+            prompt = build_ids(fim_spec(), inp, fim_encode)
         else:
             own = draw(st.lists(tokens, min_size=1, max_size=draw(st.sampled_from([12, 40, 200]))))
             prompt = (draw(st.sampled_from(prefixes)) if shape == "prefix" else []) + own
         params = draw(params_st())
+        if fim:  # the format's end tokens end it, as the gateway adds them
+            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *fim_spec().end_ids]))
         abort_at = draw(st.sampled_from([None, None, None, None, 2, 6, 12]))
         abort_index = None
         if abort_at is not None and params.n > 1 and draw(st.booleans()):
@@ -144,6 +181,7 @@ def mix_st(draw):
                 draw(st.sampled_from([0, 0, 1, 3, 8])),
                 abort_at,
                 abort_index,
+                fim,
             )
         )
     config = dict(
@@ -240,6 +278,7 @@ def check_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage, no
         rid = f"r{i}"
         if not s.compared:
             continue
+        coverage.counts["FIM requests compared"] += s.fim
         ref = solo(fresh, s.prompt, s.params)
         got = results.get(rid, Result())
         if s.abort_index is not None:  # one output aborted: the others are whole, it is a prefix
@@ -332,6 +371,7 @@ ALL_CASES = (
     "structured-output samples",
     "seats taken in turns",
     "admissions bounded by seats",
+    "FIM requests compared",
 )
 # Speculation is in the mixes (SPECULATE, DRAFT_MODEL) and counted, but not required here: in the
 # whole suite run two files at a time (make test) the same 25 derandomized examples verified no

@@ -212,6 +212,121 @@ def test_a_client_that_leaves_stops_its_infill(coder):
     )
 
 
+# --- editor options: where a completion ends, and the next keystroke superseding this one -------------
+
+# A function body (the cursor at its indentation, 4) with a definition after it in the suffix: greedy,
+# the model writes the body, then leaves it (``\n\n\nif __name__``...): the block's right end.
+BODY_PREFIX = "import os\n\n\ndef list_files(path):\n    "
+BODY_SUFFIX = "\n\n\ndef main():\n    print(list_files('.'))\n"
+
+
+def test_stop_at_line_and_block_end_where_the_code_does_at_every_door(coder):
+    from tokenizer_svc.code_stop import BLOCK, LINE, CodeStop
+
+    sp, _ = coder
+    base = {"input_prefix": BODY_PREFIX, "input_suffix": BODY_SUFFIX, "n_predict": 64, "temperature": 0}
+    whole = httpx.post(sp.http_url + "/infill", json=base, timeout=600).json()["content"]
+    # the known stop points in this output: the first line, and the body before the dedented code
+    line = whole[: whole.index("\n")]
+    block = whole[: whole.index("\n\n\nif __name__")]
+    assert line and "\n    " in block and len(block) < len(whole.rstrip())  # each rule has work to do
+
+    def rule(name: str) -> str:  # the rule's own verdict on the whole output, for the same cut
+        stop = CodeStop(name, 4)
+        return stop.push(whole).text
+
+    assert (rule(LINE), rule(BLOCK)) == (line, block)
+
+    r = httpx.post(sp.http_url + "/infill", json={**base, "stop_at": "line"}, timeout=600).json()
+    assert (r["content"], r["stop_type"]) == (line, "limit")
+    r = httpx.post(sp.http_url + "/infill", json={**base, "n_indent": 4}, timeout=600).json()  # llama.cpp's
+    assert (r["content"], r["stop_type"]) == (block, "limit")
+    streamed = ""
+    with httpx.stream(
+        "POST", sp.http_url + "/infill", json={**base, "stop_at": "block", "stream": True}, timeout=600
+    ) as s:
+        for event in s.iter_lines():
+            if event.startswith("data: "):
+                streamed += json.loads(event[6:])["content"]
+    assert streamed == block
+
+    oai = openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    r = oai.completions.create(
+        model="coder", prompt=BODY_PREFIX, suffix=BODY_SUFFIX, max_tokens=64, temperature=0,
+        extra_body={"stop_at": "block"},
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (block, "stop", "block")
+
+    oll = ollama.Client(host=sp.http_url, timeout=600)
+    r = oll.generate(
+        model="coder", prompt=BODY_PREFIX, suffix=BODY_SUFFIX,
+        options={"temperature": 0, "num_predict": 64, "stop_at": "line"},
+    )  # fmt: skip
+    assert (r.response, r.done_reason) == (line, "stop")
+
+    req = pb.GenerateRequest(
+        infill=pb.Infill(prefix=BODY_PREFIX, suffix=BODY_SUFFIX),
+        max_tokens=64,
+        temperature=0,
+        stop_at=pb.STOP_AT_BLOCK,
+    )
+    with grpc.insecure_channel(sp.target) as ch:
+        r = pb_grpc.GenerationStub(ch).Generate(req, timeout=600)
+    assert (r.text, r.finish_reason, r.stop_rule) == (block, pb.FINISH_REASON_STOP, "block")
+
+    bad = httpx.post(sp.http_url + "/infill", json={**base, "stop_at": "word"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("stop_at:")
+    assert_engine_clean(sp, within_s=60)  # each rule's end aborted its request in the engine
+
+
+def test_the_next_request_with_the_same_supersede_key_cancels_the_one_in_flight(coder):
+    """An editor's keystrokes, each with the same key: the newer request cancels the older at once
+    (its client is told CANCELLED, the log says outcome "cancelled"); another key leaves it be."""
+    import threading
+
+    sp, _ = coder
+    cancelled = sp.log_tail(1 << 20).count('outcome="cancelled"')
+    first = pb.GenerateRequest(
+        infill=pb.Infill(prefix=PREFIX, suffix=SUFFIX),
+        max_tokens=3000,
+        ignore_eos=True,
+        supersede_key="editor-1",
+    )
+    ended: dict = {}
+
+    def stream_first():
+        with grpc.insecure_channel(sp.target) as ch:
+            try:
+                for _ in pb_grpc.GenerationStub(ch).GenerateStream(first, timeout=600):
+                    pass
+                ended["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                ended["code"], ended["details"] = e.code(), e.details()
+
+    t = threading.Thread(target=stream_first)
+    t.start()
+    try:
+        wait_for(lambda: sp.engine_stats().load.num_running == 1, 300, "the first request did not start")
+        oai = openai.OpenAI(base_url=sp.http_url + "/v1", api_key="none", max_retries=0, timeout=600)
+        for key in ("editor-2", "editor-1"):  # another key first: the first request runs on
+            r = oai.completions.create(
+                model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=2, temperature=0,
+                extra_body={"supersede_key": key},
+            )  # fmt: skip
+            assert r.choices[0].finish_reason in ("stop", "length")
+            if key == "editor-2":
+                assert "code" not in ended and sp.engine_stats().load.num_running == 1
+    finally:
+        t.join(600)
+    assert ended["code"] == grpc.StatusCode.CANCELLED, ended
+    assert "superseded" in ended["details"] and "supersede_key" in ended["details"]
+    wait_for(
+        lambda: sp.log_tail(1 << 20).count('outcome="cancelled"') > cancelled, 60, "no cancelled outcome"
+    )
+    assert_engine_clean(sp, within_s=60)
+
+
 # --- a model without FIM tokens -----------------------------------------------------------------------
 
 
@@ -247,8 +362,8 @@ def test_a_model_without_fim_tokens_says_what_is_missing_at_every_door(plain):
 
 
 def test_the_docs_examples_run_as_written(coder):
-    """docs/fill-in-the-middle.md's examples, one per door, with this server's address; each
-    completes the Fibonacci call (greedy)."""
+    """docs/fill-in-the-middle.md's examples, one per door and one ending at its block, with this
+    server's address; each completes what it is given (greedy)."""
     import contextlib
     import io
     import re
@@ -257,7 +372,7 @@ def test_the_docs_examples_run_as_written(coder):
     sp, _ = coder
     page = Path(__file__).resolve().parents[1] / "docs" / "fill-in-the-middle.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for code in blocks:
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{sp.http_port}").replace(
             "127.0.0.1:50051", sp.target
@@ -265,4 +380,8 @@ def test_the_docs_examples_run_as_written(coder):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(code, str(page), "exec"), {})
-        assert "fibonacci(n - 1)" in out.getvalue(), (code, out.getvalue())
+        # the four doors complete the Fibonacci call; the block example ends with its function body
+        expected = "os.path.exists" if "stop_at" in code else "fibonacci(n - 1)"
+        assert expected in out.getvalue(), (code, out.getvalue())
+        if "stop_at" in code:
+            assert "__main__" not in out.getvalue() and "limit" in out.getvalue()

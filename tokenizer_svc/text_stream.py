@@ -1,12 +1,14 @@
 """One sequence's text, as a client sees it: incremental detokenizing (continuing the prompt's
-text), then stop strings. The gateway's streams and the offline ``LLM`` both use this, so the same
-tokens give the same text, and the same stop, whichever API asked."""
+text), then stop strings, then a code completion's line or block rule (tokenizer_svc/code_stop.py).
+The gateway's streams and the offline ``LLM`` both use this, so the same tokens give the same text,
+and the same stop, whichever API asked."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenizer_svc.code_stop import CodeStop
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.stop_strings import StopStringMatcher
 
@@ -15,6 +17,7 @@ from tokenizer_svc.stop_strings import StopStringMatcher
 class TextStep:
     text: str  # new text that may be sent now
     stop_string: str | None  # the stop string that ended the sequence with this push, else None
+    stop_rule: str | None = None  # "line" or "block": a code stop rule ended it with this push
 
 
 class TextStream:
@@ -25,10 +28,12 @@ class TextStream:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        code_stop: CodeStop | None = None,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids=prompt_ids)
         self._stop = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
         self._include_stop = include_stop_str_in_output
+        self._code = code_stop
         self.done = False  # a stop string matched, or the last tokens came: nothing more is sent
 
     def push(self, token_ids: Sequence[int], last: bool = False, stop_token: bool = False) -> TextStep:
@@ -50,8 +55,17 @@ class TextStream:
             text, matched = result.text, result.matched
             if matched is None and last:
                 text += self._stop.flush()
-        self.done = last or matched is not None
-        return TextStep(text, matched)
+        rule = None
+        if self._code is not None:
+            # After the stop strings: a stop string's cut text may still hold the line's end.
+            step = self._code.push(text)
+            text = step.text
+            if step.ended:
+                rule, matched = self._code.rule, None
+            elif matched is not None or last:
+                text += self._code.flush()
+        self.done = last or matched is not None or rule is not None
+        return TextStep(text, matched, rule)
 
     def close(self) -> str:
         """The sequence ends early (an abort, a drain): the text held back so far, stop rules kept."""
@@ -62,4 +76,6 @@ class TextStream:
         if self._stop is not None:
             result = self._stop.push(text)
             text = result.text if result.matched is not None else result.text + self._stop.flush()
+        if self._code is not None:
+            text = self._code.push(text).text + self._code.flush()
         return text
