@@ -14,13 +14,27 @@
  * chunk's tile holds 2W query vectors (its rows times those heads, in order) in the lanes of two
  * vectors: q . k at a position is head_dim multiply-adds of the transposed queries by the K row's
  * broadcast values, with no horizontal sums, and the same for the output over V.
+ * Long contexts go partition by partition (PART positions from position 0, an online softmax):
+ * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
+ * as above, and each query merges its partitions' results in order through one function that
+ * decodes and chunks share (merge_partition). A decode's partitions are separate work items
+ * (split-K: a decode at 16k has 64 per KV head to share among threads), merged in a second pass; a
+ * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
+ * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
- * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums), so a
- * row's output depends only on its query and its context: the same bits alone or in a batch, in
- * any split of its chunk, and as the decode of its position (what a recompute after preemption
- * meets: tokens decoded one by one come back as rows of one chunk).
+ * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums, the
+ * partitions and their merge), so a row's output depends only on its query and its context: the
+ * same bits alone or in a batch, in any split of its chunk, at any thread count, and as the decode
+ * of its position (what a recompute after preemption meets: tokens decoded one by one come back as
+ * rows of one chunk).
  *
- * Its (sequence, head, tile) items are shared among threads by parallel.h's pool. */
+ * Measured on the 2-core AVX2 EPYC (one thread, CPU time, Qwen2.5-0.5B's 14 query / 2 KV heads of
+ * 64, ratios to the whole-context kernel before it): a 512-row chunk at 16k of context 2.6x
+ * faster (partitions 1.5x, the groups of four tiles 1.4x more), at 4k 1.3x; a decode 1.2-1.4x.
+ *
+ * Its work items (a decode's partitions, a chunk's groups of tiles) are shared among threads by
+ * parallel.h's pool; a score soft-cap or other per-layer option belongs in Args (one place both
+ * paths read). */
 
 #include <float.h>
 #include <math.h>
