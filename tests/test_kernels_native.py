@@ -97,6 +97,70 @@ def test_a_row_is_bit_equal_alone_in_a_batch_and_in_any_split_of_its_chunk(isa, 
             assert torch.equal(decode[0], whole[lo + i]), f"sequence {b} row {i} differs as a decode"
 
 
+def _attend(batch, q, tables, lens, qsl, window, threads, isa):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _, k_cache, v_cache, *_, scale = batch.args()
+        return native_attention.paged_attention(
+            q, k_cache, v_cache, tables, lens, qsl, scale, window=window, isa=isa
+        )
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_context_rows_are_bit_equal_over_partitions_threads_and_splits(isa, window):
+    """Contexts over several of the kernel's KV partitions (256 positions, merged by an online
+    softmax; a decode's partitions are separate work items, merged after them; a chunk's tiles go
+    in groups of four): a row's bits are the same at one thread and two, alone and in the batch,
+    in any split of its chunk (a chunk whose rows straddle a partition boundary: 1024), and as the
+    decode of its own position; and within tolerance of the reference. The Qwen2.5-0.5B geometry:
+    7 query heads per KV head, head size 64."""
+    case = AttentionCase(((1300, 1), (1050, 60), (700, 1), (600, 9)), 14, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=11)
+    q, _, _, tables, lens, qsl, _ = batch.args()
+    one = _attend(batch, q, tables, lens, qsl, window, 1, isa)
+    assert torch.equal(_attend(batch, q, tables, lens, qsl, window, 2, isa), one), "threads changed a row"
+    torch.testing.assert_close(one, reference_attention(*batch.args(), window=window), rtol=1e-5, atol=1e-5)
+    starts = qsl.tolist()
+
+    def rows_of(b, rows, threads):  # sequence b's chunk rows alone, as a chunk ending at the last
+        lo = starts[b]
+        ctx = int(lens[b]) - (starts[b + 1] - lo) + rows.stop
+        return _attend(
+            batch,
+            q[lo + rows.start : lo + rows.stop],
+            tables[b : b + 1],
+            torch.tensor([ctx], dtype=torch.int32),
+            torch.tensor([0, len(rows)], dtype=torch.int32),
+            window,
+            threads,
+            isa,
+        )
+
+    for b, (_, q_len) in enumerate(case.requests):
+        lo = starts[b]
+        assert torch.equal(rows_of(b, range(q_len), 2), one[lo : lo + q_len]), f"sequence {b} changed alone"
+    lo = starts[1]
+    for cut in (17, 33):
+        parts = torch.cat([rows_of(1, range(0, cut), 1), rows_of(1, range(cut, 60), 2)])
+        assert torch.equal(parts, one[lo : lo + 60]), f"the chunk split at {cut} changed"
+    for i in (0, 32, 33, 34, 59):  # rows before, at and after position 1024
+        assert torch.equal(rows_of(1, range(i, i + 1), 2)[0], one[lo + i]), f"row {i} differs as a decode"
+
+
+def test_the_avx512_attention_builds_on_any_x86_compiler():
+    """The AVX-512 build is chosen at run time where the CPU has it; where it does not (this CI's
+    AVX2 machines) it must still compile, so that a change cannot break it unseen (on a machine
+    with AVX-512 the tests above run it against the reference and the invariants)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX-512 is an x86-64 instruction set")
+    assert native_build.build("paged_attention", "avx512").exists()
+
+
 def test_native_attention_never_reads_outside_a_rows_context(isa):
     case = AttentionCase(((45, 1), (100, 20), (33, 33), (16, 1)), 8, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=3)

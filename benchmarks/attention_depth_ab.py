@@ -1,0 +1,106 @@
+"""The native CPU attention kernel alone at long context, A/B against another build of it: one
+layer's call at Qwen2.5-Coder-0.5B's shape (14 query / 2 KV heads, head size 64, block size 16), a
+decode and a 512-row chunk after DEPTHS positions, CPU time of the calling thread (robust to other
+processes' load; use one thread), the two builds alternated in one process, best of the rounds.
+
+    python -m benchmarks.attention_depth_ab --baseline OLD.so [--threads 1] [--depths 4096,16384]
+
+OLD.so: the kernel built from another tree, e.g. ``git show BASE:kernels/cpu/native/paged_attention.c
+> /tmp/old.c`` then ``cc`` with ``native_build``'s flags for this CPU and ``-I kernels/cpu/native``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import torch
+
+from kernels.cpu import native_attention
+
+HQ, HK, D, BS = 14, 2, 64, 16
+
+
+def _call(fn, q, k, v, tables, lens, qsl) -> torch.Tensor:
+    out = torch.empty_like(q)
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        v.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        qsl.data_ptr(),
+        1,
+        HQ,
+        HK,
+        D,
+        BS,
+        D**-0.5,
+        out.data_ptr(),
+        torch.get_num_threads(),
+        0,
+    )
+    if rc != 0:
+        raise RuntimeError(f"attention failed ({rc})")
+    return out
+
+
+def compare(old, new, depth: int, q_len: int, reps: int, rounds: int) -> dict:
+    ctx = depth + q_len
+    nb = (ctx + BS - 1) // BS
+    k, v = torch.randn(nb + 4, BS, HK, D), torch.randn(nb + 4, BS, HK, D)
+    tables = torch.randperm(nb + 4)[:nb].to(torch.int32)[None].contiguous()
+    q = torch.randn(q_len, HQ, D)
+    args = (
+        q,
+        k,
+        v,
+        tables,
+        torch.tensor([ctx], dtype=torch.int32),
+        torch.tensor([0, q_len], dtype=torch.int32),
+    )
+    diff = (_call(old, *args) - _call(new, *args)).abs().max().item()
+    best = {"old": float("inf"), "new": float("inf")}
+    for _ in range(rounds):
+        for name, fn in (("old", old), ("new", new)):
+            start = time.thread_time()
+            for _ in range(reps):
+                _call(fn, *args)
+            best[name] = min(best[name], (time.thread_time() - start) / reps)
+    return {
+        "depth": depth,
+        "q_len": q_len,
+        "old_ms": best["old"] * 1e3,
+        "new_ms": best["new"] * 1e3,
+        "speedup": best["old"] / best["new"],
+        "max_abs_diff": diff,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="the other build's .so")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--depths", default="4096,16384")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    new = native_attention.library()
+    old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
+    old.restype, old.argtypes = new.restype, new.argtypes
+    for depth in (int(d) for d in args.depths.split(",")):
+        for q_len, reps, rounds in ((1, 20, 3), (512, 1, 2)):
+            r = compare(old, new, depth, q_len, reps, rounds)
+            print(
+                f"depth {depth:6d} q {q_len:4d}: baseline {r['old_ms']:8.2f} ms  this {r['new_ms']:8.2f} ms  "
+                f"speedup {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.2e}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
