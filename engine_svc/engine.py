@@ -116,6 +116,11 @@ class LLMEngine:
                 f"{self.spec.architecture}'s sliding-window layers are not in the Triton kernels yet; "
                 "kernel_backend='torch' (or 'reference') serves them"
             )
+        if self.kernels.name == "triton" and self.spec.attn_logit_softcap is not None:
+            raise ValueError(
+                f"{self.spec.architecture}'s soft-capped attention scores are not in the Triton kernels "
+                "yet; kernel_backend='torch' (or 'reference') serves them"
+            )
         self.speculative = SpeculativeConfig.parse(config.speculative_config)  # parsed here, once
         self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)

@@ -20,6 +20,9 @@
  * any split of its chunk, and as the decode of its position (what a recompute after preemption
  * meets: tokens decoded one by one come back as rows of one chunk).
  *
+ * A layer with soft-capped scores (Gemma 2: `softcap` > 0) caps each scaled score, tanh(s / cap) * cap,
+ * before the mask and the softmax, through one scalar function for decodes and chunks alike.
+ *
  * Its (sequence, head, tile) items are shared among threads by parallel.h's pool. */
 
 #include <math.h>
@@ -149,8 +152,21 @@ typedef struct {
     int32_t num_heads, num_kv_heads, block_size;
     float scale;
     int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
+    float softcap;  /* > 0: every scaled score s becomes tanh(s / softcap) * softcap (Gemma 2) */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
 } Args;
+
+/* A scaled score, soft-capped where the layer caps them. One out-of-line scalar function for the
+ * decode's scores and every lane of a chunk's, so that both are the same bits. */
+__attribute__((noinline)) static float soft_cap(float s, float cap) { return tanhf(s / cap) * cap; }
+
+INLINE float capped(const Args *a, float s) { return a->softcap > 0 ? soft_cap(s, a->softcap) : s; }
+
+INLINE vf capped_v(const Args *a, vf x) {
+    if (a->softcap > 0)
+        for (int l = 0; l < W; ++l) x[l] = soft_cap(x[l], a->softcap);
+    return x;
+}
 
 /* Where sequence b's tokens and blocks are. */
 typedef struct {
@@ -193,12 +209,12 @@ INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const flo
             for (int r = 0; r < R; ++r) acc[j * R + r] = dot_lanes(qr[j], kb + (p + r) * ps, D);
         const v4 s4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
         for (int j = 0; j < G; ++j)
-            for (int r = 0; r < R; ++r) rows[j][p + r] = s4[j * R + r] * a->scale;
+            for (int r = 0; r < R; ++r) rows[j][p + r] = capped(a, s4[j * R + r] * a->scale);
     }
     for (; p < n; ++p)
         for (int j = 0; j < G; ++j) {
             const vf x = dot_lanes(qr[j], kb + p * ps, D);
-            rows[j][p] = hsum4(x, x, x, x)[0] * a->scale;
+            rows[j][p] = capped(a, hsum4(x, x, x, x)[0] * a->scale);
         }
 }
 
@@ -401,7 +417,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
             for (int j = 0; j < TILE_POSITIONS; ++j)
                 for (int t = 0; t < T; ++t) {
                     const int q = p0 + p + j;
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), s.v[j][t] * a->scale, neg_inf);
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[j][t] * a->scale), neg_inf);
                     st[(p0 + p + j) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
@@ -409,7 +425,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         for (; p < n; ++p) { /* the block's last positions: each one pass (ps 0: the same row again) */
             const tile_part s = tile_scores_at(qt, kb + p * ps, 0, D);
             for (int t = 0; t < T; ++t) {
-                const vf x = select_v((p0 + p < limit[t]) & (p0 + p >= low[t]), s.v[0][t] * a->scale, neg_inf);
+                const vf x = select_v((p0 + p < limit[t]) & (p0 + p >= low[t]), capped_v(a, s.v[0][t] * a->scale),
+                                      neg_inf);
                 st[(p0 + p) * T + t] = x;
                 m[t] = select_v(x > m[t], x, m[t]);
             }
@@ -592,11 +609,12 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
                                  int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
                                  int32_t head_dim, int32_t block_size, float scale, float *out,
-                                 int32_t num_threads, int32_t window) {
-    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0) return -1;
+                                 int32_t num_threads, int32_t window, float softcap) {
+    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0 || !(softcap >= 0))
+        return -1;
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, window, out};
+                    block_size, scale, window, softcap, out};
     const int rep = num_heads / num_kv_heads;
     const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
     if (!w) return -2;
