@@ -1,11 +1,12 @@
 """Gemma 2 on the declared architecture (engine_svc/models/arch/gemma2.py): a tiny random
-Gemma2ForCausalLM (fp32, five layers alternating sliding-window (8 positions) and global, GELU-tanh,
-sandwich (1 + w) norms, scaled embedding, an untied head, soft-capped attention scores and final logits) gives HF
-transformers' greedy tokens (its eager attention, which applies the score cap), chunked, batched,
-from cached prefixes and through preemptions; a GGUF of it (llama.cpp's layout, read back by
-transformers' own GGUF loader as the independent reader) gives the same; each request's result is
-bitwise its solo run; the untested features refuse it at start; and the native attention's
-soft-cap equals the reference's, a chunk's row bitwise the decode of the same token."""
+Gemma2ForCausalLM (fp32, five layers alternating sliding-window (8 positions) and global,
+GELU-tanh, sandwich (1 + w) norms, scaled embedding, an untied head, soft-capped attention scores
+and final logits) gives HF transformers' greedy tokens (its eager attention, which applies the
+score cap), chunked, batched, from cached prefixes and through preemptions; a GGUF of it
+(llama.cpp's layout, read back by transformers' own GGUF loader as the independent reader) gives
+the same; each request's result is bitwise its solo run; the untested features refuse it at
+start; and the native attention's soft-cap equals the reference's, a chunk's row bitwise the
+decode of the same token."""
 
 from __future__ import annotations
 
@@ -79,7 +80,12 @@ def test_the_declaration_reads_the_config(gemma):
     spec = engine.spec
     assert [a.window for a in spec.layer_attention] == [WINDOW, None] * 2 + [WINDOW]
     assert len({a.rope_key() for a in spec.layer_attention}) == 1  # one rotary table for both kinds
-    assert (spec.activation, spec.norm_offset, spec.sandwich_norms, spec.qk_norm) == ("gelu_tanh", 1.0, True, False)
+    assert (spec.activation, spec.norm_offset, spec.sandwich_norms, spec.qk_norm) == (
+        "gelu_tanh",
+        1.0,
+        True,
+        False,
+    )
     assert spec.embed_scale == 8.0 and spec.attn_scale == 0.25
     assert (spec.attn_logit_softcap, spec.final_logit_softcap) == (ATTN_CAP, 30.0)
     assert engine.max_model_len == 1024  # the model's context, not its window
@@ -157,7 +163,9 @@ def test_requests_equal_their_solo_runs(gemma):
     required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
     required += ("window blocks released",)
     extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=5)  # 2 full + 3 window groups of one layer
+    explore(
+        gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=5
+    )  # 2 full + 3 window groups of one layer
 
 
 @pytest.mark.parametrize(

@@ -247,7 +247,8 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        ValueError, match=r"architecture 'falcon'; supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3"
+        ValueError,
+        match=r"architecture 'falcon'; supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3",
     ):
         ModelSpec.from_path(out)
 

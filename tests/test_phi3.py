@@ -143,8 +143,10 @@ def test_requests_equal_their_solo_runs(phi3):
 @pytest.mark.parametrize(
     "change,words",
     [
-        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-         "rope_scaling of type 'longrope'"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+            "rope_scaling of type 'longrope'",
+        ),
         ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope_scaling of type 'su'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ],

@@ -2,8 +2,8 @@
 the Llama family (Llama 2/3, Mistral, Qwen2 with its qkv bias, Qwen3 with per-head q/k RMSNorm,
 Phi-3 with its fused projections split at load), Gemma 3 (sandwich norms, GELU-tanh MLP, a sliding
 window and a rotary table per layer kind, a scaled embedding) and Gemma 2 (Gemma 3's parts less the
-q/k norms, plus soft-capped attention scores). Tokens of every request in a step are flattened into one batch; attention reads and
-writes the paged KV cache through the ``kernels`` interface.
+q/k norms, plus soft-capped attention scores). Tokens of every request in a step are flattened
+into one batch; attention reads and writes the paged KV cache through the ``kernels`` interface.
 
 On the CPU, where every op of the layer loop is a native kernel, the loop runs in one native call
 (``kernels/cpu/native_decoder.py``: the same kernels in the same order, the same bits); anything

@@ -100,9 +100,12 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
     if fused is not None:  # one HF tensor, the rows of several slots: each slot's rows placed as its own
         sizes = [slot_shapes(spec)[slot][0] for slot in fused]
         if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"{name}: {tensor.shape[0]} rows, the config needs {sum(sizes)} ({', '.join(fused)})")
+            raise ValueError(
+                f"{name}: {tensor.shape[0]} rows, the config needs {sum(sizes)} ({', '.join(fused)})"
+            )
         return all(
-            _assign_slot(model, layer, slot, part) for slot, part in zip(fused, tensor.split(sizes), strict=True)
+            _assign_slot(model, layer, slot, part)
+            for slot, part in zip(fused, tensor.split(sizes), strict=True)
         )
     slot = decl.layer_weights.get(m.group(2))
     return slot is not None and _assign_slot(model, layer, slot, tensor)

@@ -191,7 +191,15 @@ def paged_attention(
     fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window, softcap=softcap
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            window=window,
+            softcap=softcap,
         )
     out = torch.empty(q.shape, dtype=torch.float32)  # takes(): fp32 on the CPU
     # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a

@@ -56,7 +56,15 @@ def paged_attention(
     cascade, no chunked decode groups)."""
     if window is not None or softcap is not None:
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window, softcap=softcap
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            window=window,
+            softcap=softcap,
         )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()

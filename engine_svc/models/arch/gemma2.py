@@ -36,7 +36,9 @@ def layers(cfg: dict) -> tuple[LayerAttention, ...]:
             if not window or window < 1:
                 raise ValueError(f"layer {i} is sliding_attention but sliding_window is {window!r}")
         else:
-            raise ValueError(f"layer_types[{i}] is {kind!r}; Gemma 2 has full_attention and sliding_attention")
+            raise ValueError(
+                f"layer_types[{i}] is {kind!r}; Gemma 2 has full_attention and sliding_attention"
+            )
         out.append(LayerAttention(window, theta, scaling))
     return tuple(out)
 
