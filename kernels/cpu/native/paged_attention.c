@@ -156,14 +156,13 @@ typedef struct {
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
 } Args;
 
-/* A scaled score, soft-capped where the layer caps them. One out-of-line scalar function for the
+/* A scaled score soft-capped (a layer with `softcap` > 0). One out-of-line scalar function for the
  * decode's scores and every lane of a chunk's, so that both are the same bits. */
 __attribute__((noinline)) static float soft_cap(float s, float cap) { return tanhf(s / cap) * cap; }
 
-INLINE float capped(const Args *a, float s) { return a->softcap > 0 ? soft_cap(s, a->softcap) : s; }
-
-INLINE vf capped_v(const Args *a, vf x) {
-    if (a->softcap > 0)
+/* A tile's scaled scores, soft-capped when CAP (a constant: the uncapped tile has no test). */
+INLINE vf capped_v(const Args *a, vf x, const int CAP) {
+    if (CAP)
         for (int l = 0; l < W; ++l) x[l] = soft_cap(x[l], a->softcap);
     return x;
 }
@@ -209,12 +208,12 @@ INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const flo
             for (int r = 0; r < R; ++r) acc[j * R + r] = dot_lanes(qr[j], kb + (p + r) * ps, D);
         const v4 s4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
         for (int j = 0; j < G; ++j)
-            for (int r = 0; r < R; ++r) rows[j][p + r] = capped(a, s4[j * R + r] * a->scale);
+            for (int r = 0; r < R; ++r) rows[j][p + r] = s4[j * R + r] * a->scale;
     }
     for (; p < n; ++p)
         for (int j = 0; j < G; ++j) {
             const vf x = dot_lanes(qr[j], kb + p * ps, D);
-            rows[j][p] = capped(a, hsum4(x, x, x, x)[0] * a->scale);
+            rows[j][p] = hsum4(x, x, x, x)[0] * a->scale;
         }
 }
 
@@ -299,6 +298,11 @@ INLINE void attend_decode(const Args *a, int b, int h, float *scores, const int 
             decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
         }
     }
+    if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
+        for (int v = 0; v < rep; ++v) {
+            float *row = scores + (int64_t)v * ctx;
+            for (int p = lo; p < ctx; ++p) row[p] = soft_cap(row[p], a->softcap);
+        }
     for (int v = 0; v < rep; ++v) /* the block holding lo was scored whole: mask its head */
         for (int p = lo / bs * bs; p < lo; ++p) scores[(int64_t)v * ctx + p] = -INFINITY;
     float sums[rep];
@@ -378,7 +382,7 @@ INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restric
  * element is the same over V. A lane's sums run over d, then over positions, in order, and a
  * position past a lane's causal limit adds an exact zero: a vector's result does not depend on
  * which vectors share its tile. */
-INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, const int D) {
+INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, const int D, const int CAP) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t ps = (int64_t)a->num_kv_heads * D;
@@ -417,7 +421,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
             for (int j = 0; j < TILE_POSITIONS; ++j)
                 for (int t = 0; t < T; ++t) {
                     const int q = p0 + p + j;
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[j][t] * a->scale), neg_inf);
+                    const vf sc = capped_v(a, s.v[j][t] * a->scale, CAP);
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), sc, neg_inf);
                     st[(p0 + p + j) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
@@ -425,8 +430,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict st, co
         for (; p < n; ++p) { /* the block's last positions: each one pass (ps 0: the same row again) */
             const tile_part s = tile_scores_at(qt, kb + p * ps, 0, D);
             for (int t = 0; t < T; ++t) {
-                const vf x = select_v((p0 + p < limit[t]) & (p0 + p >= low[t]), capped_v(a, s.v[0][t] * a->scale),
-                                      neg_inf);
+                const vf sc = capped_v(a, s.v[0][t] * a->scale, CAP);
+                const vf x = select_v((p0 + p < limit[t]) & (p0 + p >= low[t]), sc, neg_inf);
                 st[(p0 + p) * T + t] = x;
                 m[t] = select_v(x > m[t], x, m[t]);
             }
@@ -591,11 +596,14 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scores;
-            switch (j->head_dim) {
-            case 64: attend_tile(a, b, h, v0, st, 64); break;
-            case 128: attend_tile(a, b, h, v0, st, 128); break;
-            default: attend_tile(a, b, h, v0, st, j->head_dim);
-            }
+            if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
+                attend_tile(a, b, h, v0, st, j->head_dim, 1);
+            else
+                switch (j->head_dim) {
+                case 64: attend_tile(a, b, h, v0, st, 64, 0); break;
+                case 128: attend_tile(a, b, h, v0, st, 128, 0); break;
+                default: attend_tile(a, b, h, v0, st, j->head_dim, 0);
+                }
         }
     }
 }
