@@ -116,6 +116,11 @@ class LLMEngine:
         self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
         self.act_dtype = self.model.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
         self.kernels = select_kernels(self.device, config.kernel_backend)
+        if self.kernels.name == "triton" and self.spec.attn_logit_softcap is not None:
+            raise ValueError(
+                f"{self.spec.architecture}'s soft-capped attention scores are not in the Triton kernels "
+                "yet; kernel_backend='torch' (or 'reference') serves them"
+            )
         if self.kernels.name == "triton" and any(a.window for a in self.spec.layer_attention):
             raise ValueError(
                 f"{self.spec.architecture}'s sliding-window layers are not in the Triton kernels yet; "

@@ -119,7 +119,7 @@ def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> No
     if not unread:
         return
     for key, param in linear_weights(model).items():
-        if param.numel() and unread.intersection(sources(key, model.lm_head is None)):
+        if param.numel() and unread.intersection(sources(key, model.lm_head is None, model.spec.arch)):
             raise RuntimeError(f"{key}: its float weight was left unread for its blocks, yet is still kept")
 
 

@@ -41,12 +41,20 @@ _GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
 }
+_GEMMA = ("gemma2", "gemma3")
 # Gemma 3's names where they differ from the Llama family's (llama.cpp's converter)
 _GEMMA3_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# Phi-3's fused projections (llama.cpp's converter keeps them fused, rows as HF has them)
+_PHI3_NAMES = {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -73,7 +81,9 @@ def gguf_name(hf_name: str, g_arch: str = "llama") -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
-    names = {**_NAMES, **_GEMMA3_NAMES} if g_arch == "gemma3" else _NAMES
+    names = {**_NAMES, **_GEMMA3_NAMES} if g_arch in _GEMMA else _NAMES
+    if g_arch == "phi3":
+        names = {**_NAMES, **_PHI3_NAMES}
     return f"blk.{index}.{names[rest]}"
 
 
@@ -118,8 +128,10 @@ def write_gguf(
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (the local one is 10k)
     w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 1e4))))
-    if g_arch == "gemma3":
+    if g_arch in _GEMMA:
         w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -135,7 +147,7 @@ def write_gguf(
             array = permute_rows(array, heads)
         elif permuted and name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
-        if g_arch == "gemma3" and name.endswith("norm.weight"):
+        if g_arch in _GEMMA and name.endswith("norm.weight"):
             array = array + 1.0  # the converter stores Gemma's (1 + w) norms with the one added
         g_name = gguf_name(name, g_arch)
         kind = (types or {}).get(g_name, type_name) if array.ndim == 2 else "F32"
@@ -169,7 +181,7 @@ def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
         raise ValueError("test tokenizer ids are not dense")
     tokens = [t for t, _ in by_id]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    if cfg["model_type"] == "gemma3_text" and len(tokens) > len(by_id):
+    if cfg["model_type"] in ("gemma3_text", "gemma2") and len(tokens) > len(by_id):
         # transformers' Gemma tokenizer adds a <mask> token where the vocabulary has none
         tokens[len(by_id)] = "<mask>"
         special["<mask>"] = len(by_id)

@@ -239,15 +239,16 @@ def test_mismatched_shape_names_the_tensor(hf_dirs, tmp_path):
 def test_unsupported_architecture_lists_the_supported(tmp_path):
     from gguf import GGUFWriter
 
-    out = tmp_path / "phi.gguf"
-    w = GGUFWriter(str(out), "phi3")
+    out = tmp_path / "falcon.gguf"
+    w = GGUFWriter(str(out), "falcon")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        ValueError, match=r"architecture 'phi3'; supported: gemma3, llama, mistral, qwen2, qwen3"
+        ValueError,
+        match=r"architecture 'falcon'; supported: gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3",
     ):
         ModelSpec.from_path(out)
 

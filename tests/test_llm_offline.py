@@ -118,7 +118,8 @@ def test_dummy_load_format_needs_only_config(tmp_path, tiny_llama):
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    supported = "supported: Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    supported = "supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+    supported += "Phi3ForCausalLM"
     with pytest.raises(ValueError, match=supported):
         LLM(model=str(tmp_path), load_format="dummy")
 

@@ -20,6 +20,10 @@ ARCH_DEFAULTS: dict[str, dict] = {
     "qwen3": {"head_dim": None},  # filled below: Qwen3 carries head_dim explicitly
     # Gemma 3 (text): 5 local layers to 1 global by default; tests name layer_types to mix a few
     "gemma3": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    # Phi-3: fused qkv and gate/up projections; no window served per layer
+    "phi3": {"sliding_window": None},
+    # Gemma 2: local and global layers alternating, soft-capped attention scores and logits
+    "gemma2": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
 }
 # transformers' model_type where it differs from the name here
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
@@ -45,7 +49,7 @@ def make_config(arch: str, **overrides):
         **ARCH_DEFAULTS[arch],
     }
     fields.update(overrides)
-    if arch in ("qwen3", "gemma3") and fields.get("head_dim") is None:
+    if arch in ("qwen3", "gemma3", "gemma2") and fields.get("head_dim") is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     if arch == "qwen2":
         fields.setdefault("use_sliding_window", False)

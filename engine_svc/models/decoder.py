@@ -1,8 +1,9 @@
 """One decoder-only transformer, shaped by the architecture's declaration (``engine_svc/models/arch/``):
-the Llama family (Llama 2/3, Mistral, Qwen2 with its qkv bias, Qwen3 with per-head q/k RMSNorm) and
-Gemma 3 (sandwich norms, GELU-tanh MLP, a sliding window and a rotary table per layer kind, a scaled
-embedding). Tokens of every request in a step are flattened into one batch; attention reads and
-writes the paged KV cache through the ``kernels`` interface.
+the Llama family (Llama 2/3, Mistral, Qwen2 with its qkv bias, Qwen3 with per-head q/k RMSNorm,
+Phi-3 with its fused projections split at load), Gemma 3 (sandwich norms, GELU-tanh MLP, a sliding
+window and a rotary table per layer kind, a scaled embedding) and Gemma 2 (Gemma 3's parts less the
+q/k norms, plus soft-capped attention scores). Tokens of every request in a step are flattened
+into one batch; attention reads and writes the paged KV cache through the ``kernels`` interface.
 
 On the CPU, where every op of the layer loop is a native kernel, the loop runs in one native call
 (``kernels/cpu/native_decoder.py``: the same kernels in the same order, the same bits); anything
@@ -109,6 +110,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         kind = spec.layer_attention[index] if spec.layer_attention else None
         self.window = None if kind is None else kind.window  # sliding-window attention: its width
+        self.softcap = spec.attn_logit_softcap  # the scores' tanh soft-cap (Gemma 2), or None
         self.kv_group = layout_of(spec).layer_group()[index]  # whose block table it reads
         self.rope_index = 0  # which of the model's rotary tables (set by the model)
         self.index = index  # this layer's place in the stack (LoRA wrappers read their stacks by it)
@@ -166,6 +168,8 @@ class DecoderLayer(_TracksLayout, nn.Module):
         q_size = self.num_heads * self.head_dim
         # The window only where the layer has one: a kernel bundle without windows serves the rest.
         window = {} if self.window is None else {"window": self.window}
+        if self.softcap is not None:  # likewise the soft-cap
+            window["softcap"] = self.softcap
         out = k.paged_attention(
             q,
             k_cache,
@@ -299,6 +303,7 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                     None if layer.rope_index == 0 else tables[layer.rope_index],
                     layer.window,
                     layer.kv_group,
+                    layer.softcap,
                 )
                 for layer in self.layers
             ]

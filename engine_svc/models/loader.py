@@ -86,7 +86,6 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
     norm is stored as ``1 + w``."""
     spec, shard = model.spec, model.shard
     decl = spec.arch
-    d = spec.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         target = model.embed if name.startswith("model.") else model.lm_head
         start, end = shard.vocab_range(spec)
@@ -96,10 +95,27 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
     m = _LAYER.match(name)
     if not m or int(m.group(1)) >= len(model.layers):
         return False
-    slot = decl.layer_weights.get(m.group(2))
-    if slot is None:
-        return False
     layer = model.layers[int(m.group(1))]
+    fused = decl.fused_weights.get(m.group(2))
+    if fused is not None:  # one HF tensor, the rows of several slots: each slot's rows placed as its own
+        sizes = [slot_shapes(spec)[slot][0] for slot in fused]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(
+                f"{name}: {tensor.shape[0]} rows, the config needs {sum(sizes)} ({', '.join(fused)})"
+            )
+        return all(
+            _assign_slot(model, layer, slot, part)
+            for slot, part in zip(fused, tensor.split(sizes), strict=True)
+        )
+    slot = decl.layer_weights.get(m.group(2))
+    return slot is not None and _assign_slot(model, layer, slot, tensor)
+
+
+def _assign_slot(model: DecoderForCausalLM, layer, slot: str, tensor: torch.Tensor) -> bool:
+    """Copy this rank's slice of a whole (unsharded) per-layer tensor of ``slot`` into ``layer``."""
+    spec, shard = model.spec, model.shard
+    decl = spec.arch
+    d = spec.head_dim
     heads, kv_heads, inter = layer.num_heads, layer.num_kv_heads, shard.intermediate(spec)
     q_src = shard.rank * heads * d
     kv_src = shard.kv_head_start(spec) * d
@@ -155,19 +171,11 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor) -> bool:
     return True
 
 
-def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
-    """HF name -> unsharded shape, for every weight the model needs (the declaration's weight map,
-    less the slots this model's layer does not have)."""
-    s = model.spec
+def slot_shapes(s) -> dict[str, tuple[int, ...]]:
+    """Each per-layer slot this spec's layer has -> its unsharded shape (as HF stores the tensor)."""
     h, d, inter = s.hidden_size, s.head_dim, s.intermediate_size
     q, kv = s.num_heads * d, s.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (s.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if model.lm_head is not None:
-        shapes["lm_head.weight"] = (s.vocab_size, h)
-    by_slot = {
+    by_slot: dict[str, tuple[int, ...]] = {
         "q_proj.weight": (q, h),
         "k_proj.weight": (kv, h),
         "v_proj.weight": (kv, h),
@@ -186,7 +194,25 @@ def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
         by_slot.update({"q_norm": (d,), "k_norm": (d,)})
     if s.sandwich_norms:
         by_slot.update({"attn_out_norm": (h,), "mlp_out_norm": (h,)})
+    return by_slot
+
+
+def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
+    """HF name -> unsharded shape, for every weight the model needs (the declaration's weight map,
+    less the slots this model's layer does not have)."""
+    s = model.spec
+    h = s.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (s.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if model.lm_head is not None:
+        shapes["lm_head.weight"] = (s.vocab_size, h)
+    by_slot = slot_shapes(s)
     per_layer = {name: by_slot[slot] for name, slot in s.arch.layer_weights.items() if slot in by_slot}
+    for name, slots in s.arch.fused_weights.items():  # a fused tensor: its slots' rows stacked
+        if all(slot in by_slot for slot in slots):
+            per_layer[name] = (sum(by_slot[slot][0] for slot in slots), *by_slot[slots[0]][1:])
     for i in range(s.num_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes

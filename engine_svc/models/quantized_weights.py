@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine_svc.models import arch as archs
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, _unpermute_rows
 from kernels.cpu import quant_gemm, quant_int8act
 
@@ -125,7 +126,7 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
     tied = model.lm_head is None
     out = {}
     for key in linear_weights(model):
-        names = sources(key, tied)
+        names = sources(key, tied, model.spec.arch)
         if not all(n in parts for n in names):
             continue
         # q, k and v in different formats: a MixedRows, each part served by its own kernel
@@ -147,24 +148,30 @@ def served_by_blocks(model, blocks: dict[str, quant_gemm.QuantizedWeight]) -> fr
     linears, except a tied embedding, which the lookup reads (float_weights.py decides it)."""
     tied = model.lm_head is None
     linears = (key for key in blocks if key != EMBED and not (tied and key == "lm_head"))
-    return frozenset(n for key in linears for n in sources(key, tied))
+    return frozenset(n for key in linears for n in sources(key, tied, model.spec.arch))
 
 
-def sources(key: str, tied: bool) -> list[str]:
+# The decoder's fused linears and the weight-map slots whose rows they hold, in order.
+LINEAR_SLOTS = {
+    "qkv_weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+    "o_weight": ("o_proj.weight",),
+    "gate_up_weight": ("gate_proj.weight", "up_proj.weight"),
+    "down_weight": ("down_proj.weight",),
+}
+
+
+def sources(key: str, tied: bool, decl=None) -> list[str]:
+    """The checkpoint names whose rows make the linear ``key`` (``linear_weights``), by the
+    architecture's weight map (``decl``; default: the Llama family's): one fused tensor, or one
+    tensor per slot."""
     if key == "lm_head":
         return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
     _, i, name = key.split(".")
-    p = f"model.layers.{i}."
-    return {
-        "qkv_weight": [
-            p + "self_attn.q_proj.weight",
-            p + "self_attn.k_proj.weight",
-            p + "self_attn.v_proj.weight",
-        ],
-        "o_weight": [p + "self_attn.o_proj.weight"],
-        "gate_up_weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-        "down_weight": [p + "mlp.down_proj.weight"],
-    }[name]
+    decl = decl or archs.by_name("LlamaForCausalLM")
+    names = decl.hf_sources(LINEAR_SLOTS[name])
+    if names is None:
+        raise ValueError(f"{decl.name}'s weight map has no tensors for {name}")
+    return [f"model.layers.{i}.{n}" for n in names]
 
 
 def quantize_linears(model, quantization: str) -> str:

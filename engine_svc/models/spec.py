@@ -43,6 +43,7 @@ class ModelSpec:
     embed_scale: float | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None  # tanh(s / cap) * cap on every layer's scaled scores
 
     @property
     def arch(self) -> Architecture:
@@ -73,7 +74,7 @@ class ModelSpec:
                 f"unsupported architecture {listed or cfg.get('model_type')!r}; supported: "
                 f"{', '.join(archs.names())}"
             )
-        if cfg.get("attn_logit_softcapping"):
+        if cfg.get("attn_logit_softcapping") and not decl.attn_softcap_key:
             raise ValueError(
                 f"{decl.name}: attn_logit_softcapping {cfg['attn_logit_softcapping']} is not supported "
                 "(attention scores are not soft-capped)"
@@ -87,6 +88,7 @@ class ModelSpec:
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         query_scalar = cfg.get(decl.query_scale_key) if decl.query_scale_key else None
         softcap = cfg.get(decl.final_softcap_key) if decl.final_softcap_key else None
+        attn_cap = cfg.get(decl.attn_softcap_key) if decl.attn_softcap_key else None
         return cls(
             architecture=decl.name,
             vocab_size=cfg["vocab_size"],
@@ -114,6 +116,7 @@ class ModelSpec:
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if decl.scale_embedding else None,
             attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
             final_logit_softcap=float(softcap) if softcap else None,
+            attn_logit_softcap=float(attn_cap) if attn_cap else None,
         )
 
 

@@ -23,7 +23,7 @@ from kernels.cpu import native_build
 from kernels.cpu import paged_attention as torch_path
 from kernels.cpu.checked_once import CheckedOnce
 from kernels.cpu.isa_choice import chosen_isa_in
-from kernels.reference.paged_attention import check_window
+from kernels.reference.paged_attention import check_softcap, check_window
 
 # Where the kernel measured faster than the torch path at every shape (benchmarks/cpu_kernels.py).
 # The generic build (SSE2 on x86, no fused multiply-add) ran at 0.4-1.4x of the torch path: machines
@@ -52,7 +52,7 @@ def library(isa: str | None = None):
         return None
     fn = lib.llmserve_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, *(_I32,) * 5, _F32, _P, _I32, _I32]
+    fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, *(_I32,) * 5, _F32, _P, _I32, _I32, _F32]
     return fn
 
 
@@ -180,16 +180,26 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     *,
     isa: str | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention`` (``window``: a
-    sliding-window layer's width)."""
+    sliding-window layer's width; ``softcap``: its scores' tanh soft-cap)."""
     check_window(window)
+    check_softcap(softcap)
     fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            window=window,
+            softcap=softcap,
         )
     out = torch.empty(q.shape, dtype=torch.float32)  # takes(): fp32 on the CPU
     # The engine's metadata is int32 and contiguous already (then no call at all: this runs once a
@@ -211,6 +221,7 @@ def paged_attention(
         out.data_ptr(),
         torch.get_num_threads(),
         window or 0,
+        softcap or 0.0,
     )
     if rc != 0:
         raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")

@@ -65,6 +65,7 @@ class _Layer(ctypes.Structure):
         ("cos_sin", _P),
         ("window", _I64),
         ("group", _I64),
+        ("softcap", _F32),
     ]
 
 
@@ -187,6 +188,7 @@ class LayerParts:
     cos_sin: torch.Tensor | None = None  # this layer's rotary table (None: the model's)
     window: int | None = None
     kv_group: int = 0  # its KV cache group (engine_svc/kv_groups.py)
+    softcap: float | None = None  # its attention scores' tanh soft-cap (Gemma 2)
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,9 @@ def build(
         if parts.window is not None and parts.window < 1:
             return f"layer {i}'s window {parts.window} is not a positive number of positions"
         desc.window = parts.window or 0
+        if parts.softcap is not None and not parts.softcap > 0:
+            return f"layer {i}'s attention soft-cap {parts.softcap} is not positive"
+        desc.softcap = parts.softcap or 0.0
         desc.group = parts.kv_group
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 

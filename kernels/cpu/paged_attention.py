@@ -49,12 +49,22 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention``. A sliding-window layer
-    (``window``) runs the reference's arithmetic (no cascade, no chunked decode groups)."""
-    if window is not None:
+    (``window``) or one with soft-capped scores (``softcap``) runs the reference's arithmetic (no
+    cascade, no chunked decode groups)."""
+    if window is not None or softcap is not None:
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            window=window,
+            softcap=softcap,
         )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()

@@ -5,7 +5,9 @@ its context is ``seq_lens[b]`` tokens long (already-cached prefix plus this step
 K/V were written to the cache before this call) and lives in the blocks ``block_tables[b]``.
 Query i of a request with q_len queries sits at position ``seq_len - q_len + i`` and attends to
 every context position up to and including its own (causal within the chunk); with a ``window`` of
-W, only the last W of those (positions > its own - W: a sliding-window layer).
+W, only the last W of those (positions > its own - W: a sliding-window layer). With a ``softcap``
+(Gemma 2), each scaled score s becomes ``tanh(s / softcap) * softcap`` before the mask and the
+softmax.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D]`` -> ``[T, Hq, D]``; GQA when Hq is a multiple of the caches' Hk.
 
@@ -46,10 +49,11 @@ def paged_attention(
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     prefills = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1]
     check_window(window)
+    check_softcap(softcap)
     if window is not None:
         block_tables = window_tables(block_tables, lens, starts, window, k_cache.shape[1])
     for group in length_groups(decodes, lens):
-        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale, window)
+        _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, group, scale, window, softcap)
     for b in prefills:
         lo, hi, ctx = starts[b], starts[b + 1], lens[b]
         k = gather_context(k_cache, block_tables[b], ctx)
@@ -59,7 +63,7 @@ def paged_attention(
         mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
         if window is not None:  # ... and positions > its own - window
             mask &= torch.ones(q_len, ctx, dtype=torch.bool).triu(diagonal=ctx - q_len - window + 1)
-        out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale)
+        out[lo:hi] = _sdpa(q[lo:hi], k, v, mask.to(q.device), scale, softcap)
     return out
 
 
@@ -82,7 +86,26 @@ def check_window(window: int | None) -> None:
         raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
 
 
-def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale, window=None) -> None:
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not (isinstance(softcap, float | int) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+
+
+def _attention(q, k, v, mask, scale: float, softcap: float | None):
+    """``[..., Hq, Lq, D]`` queries over ``[..., Hk, L, D]`` keys and values: SDPA, or with a
+    soft-cap its arithmetic written out (scores, cap, mask, softmax, weighted values)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _decode_batch(
+    q, out, k_cache, v_cache, block_tables, lens, starts, rows, scale, window=None, softcap=None
+) -> None:
     # One query per request: pad every context to the longest and mask the padding, so the whole
     # decode batch is one attention call instead of one per request.
     max_len = max(lens[b] for b in rows)
@@ -101,15 +124,13 @@ def _decode_batch(q, out, k_cache, v_cache, block_tables, lens, starts, rows, sc
     qb = q[token_idx].unsqueeze(2)  # [B, Hq, 1, D]
     kb = k.transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]; GQA without materialising repeated heads
     vb = v.transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
+    o = _attention(qb, kb, vb, mask[:, None, None, :], scale, softcap)
     out[token_idx] = o.squeeze(2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap=None):
     qh = q.transpose(0, 1)  # [Hq, Lq, D]
     kh = k.transpose(0, 1).to(q.dtype)  # [Hk, L, D]
     vh = v.transpose(0, 1).to(q.dtype)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    o = _attention(qh, kh, vh, mask, scale, softcap)
     return o.transpose(0, 1)

@@ -11,8 +11,9 @@ What an architecture declares:
   ``sqrt(hidden)``), final-logit soft-capping;
 - per layer, its attention (``LayerAttention``: full or a sliding window of W tokens, and the
   rotary base and scaling of that kind), read from the config by ``layers``;
-- one weight map: each HF per-layer tensor suffix to the decoder's slot (``layer_weights``) and
-  each GGUF per-layer suffix to the HF one (``gguf_names``), and what llama.cpp's converter
+- one weight map: each HF per-layer tensor suffix to the decoder's slot (``layer_weights``), each
+  fused HF tensor to the slots its rows hold in order (``fused_weights``: Phi-3's ``qkv_proj`` is
+  q, k, v), and each GGUF per-layer suffix to the HF one (``gguf_names``), and what llama.cpp's converter
   changed on the way (``gguf_permuted_qk``: the q/k row order; ``norm_offset``: norms stored as
   ``1 + w``);
 - which engine features were tested on it (``features``); the others refuse it at start.
@@ -132,19 +133,38 @@ class Architecture:
     # (HF config key of the attention's query scale: scores * key ** -0.5; None: head_dim)
     query_scale_key: str | None = None
     final_softcap_key: str | None = None  # HF config key of the final logits' tanh soft-cap
+    # HF config key of the attention scores' tanh soft-cap (Gemma 2: tanh(s / cap) * cap on the
+    # scaled scores, before the mask and softmax)
+    attn_softcap_key: str | None = None
     # The config's sliding_window: a window this declaration does not serve per layer (then
     # max_model_len stays inside it), or served by ``layers``.
     window_served: bool = False
     layer_weights: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER_WEIGHTS))
+    # A fused HF tensor -> the slots its rows hold, in order (each slot's rows from the geometry)
+    fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_names: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_GGUF_NAMES))
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows (Llama family)
     # GGUF metadata -> HF config keys this architecture needs beyond the common ones
     gguf_config: Callable[[object], dict] = lambda ckpt: {}
     features: frozenset[str] = frozenset(FEATURES)
 
+    def hf_sources(self, slots: tuple[str, ...]) -> list[str] | None:
+        """The HF per-layer suffixes whose rows make the decoder's fused linear of ``slots`` (in
+        that order): one fused tensor holding exactly them, or one tensor per slot; None if the
+        weight map has neither."""
+        for name, held in self.fused_weights.items():
+            if tuple(held) == tuple(slots):
+                return [name]
+        by_slot = {slot: name for name, slot in self.layer_weights.items()}
+        names = [by_slot.get(slot) for slot in slots]
+        return None if None in names else names
+
     def __post_init__(self):
         assert self.activation in ("silu", "gelu_tanh"), self.activation
         assert set(self.layer_weights.values()) <= set(SLOTS), set(self.layer_weights.values()) - set(SLOTS)
+        fused = {slot for slots in self.fused_weights.values() for slot in slots}
+        assert fused <= set(SLOTS), fused - set(SLOTS)
+        assert not fused & set(self.layer_weights.values()), fused & set(self.layer_weights.values())
         assert set(self.features) <= set(FEATURES), self.features
 
 
@@ -157,7 +177,7 @@ def register(arch: Architecture) -> Architecture:
 
 
 def _load_all() -> None:
-    from engine_svc.models.arch import gemma3, llama, mistral, qwen2, qwen3  # noqa: F401  (they register)
+    from engine_svc.models.arch import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3  # noqa: F401
 
 
 def by_name(name: str) -> Architecture | None:

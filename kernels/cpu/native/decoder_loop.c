@@ -31,7 +31,7 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_st
                             const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                             const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
                             int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            float scale, float *out, int32_t num_threads, int32_t window);
+                            float scale, float *out, int32_t num_threads, int32_t window, float softcap);
 typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
 /* (the GELU-tanh-and-multiply kernel has the same signature) */
 
@@ -56,6 +56,7 @@ typedef struct {
     const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm, *cos_sin;
     int64_t window;
     int64_t group; /* its KV cache group: which of the step's slot rows and block tables it uses */
+    float softcap; /* > 0: its attention scores soft-capped (paged_attention.c) */
 } Layer;
 
 typedef struct {
@@ -182,7 +183,7 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         rc = ((attention_fn)md->attention)(s->q, hq * d, d, L->k_cache, L->v_cache, tables,
                                            s->block_table_stride, s->seq_lens, s->query_start_loc, s->num_seqs,
                                            (int32_t)hq, (int32_t)hk, (int32_t)d, (int32_t)md->block_size,
-                                           md->scale, s->attn, threads, (int32_t)L->window);
+                                           md->scale, s->attn, threads, (int32_t)L->window, L->softcap);
         if (rc) break;
         stage = STAGE_O;
         if ((rc = linear(&L->o, s->attn, t, s->hidden, threads))) break;

@@ -32,6 +32,9 @@
  * 64, ratios to the whole-context kernel before it): a 512-row chunk at 16k of context 2.6x
  * faster (partitions 1.5x, the groups of four tiles 1.4x more), at 4k 1.3x; a decode 1.2-1.4x.
  *
+ * A layer with soft-capped scores (Gemma 2: `softcap` > 0) caps each scaled score, tanh(s / cap) * cap,
+ * before the mask and the softmax, through one scalar function for decodes and chunks alike.
+ *
  * Its work items (a decode's partitions, a chunk's groups of tiles) are shared among threads by
  * parallel.h's pool; a score soft-cap or other per-layer option belongs in Args (one place both
  * paths read). */
@@ -165,8 +168,20 @@ typedef struct {
     int32_t num_heads, num_kv_heads, block_size;
     float scale;
     int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
+    float softcap;  /* > 0: every scaled score s becomes tanh(s / softcap) * softcap (Gemma 2) */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
 } Args;
+
+/* A scaled score soft-capped (a layer with `softcap` > 0). One out-of-line scalar function for the
+ * decode's scores and every lane of a chunk's, so that both are the same bits. */
+__attribute__((noinline)) static float soft_cap(float s, float cap) { return tanhf(s / cap) * cap; }
+
+/* A tile's scaled scores, soft-capped when CAP (a constant: the uncapped tile has no test). */
+INLINE vf capped_v(const Args *a, vf x, const int CAP) {
+    if (CAP)
+        for (int l = 0; l < W; ++l) x[l] = soft_cap(x[l], a->softcap);
+    return x;
+}
 
 /* Where sequence b's tokens and blocks are. */
 typedef struct {
@@ -336,6 +351,10 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
             decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
         }
     });
+    if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
+        for (int v = 0; v < rep; ++v)
+            for (int p = r0; p < P1; ++p)
+                scores[(int64_t)v * PART + p - P0] = soft_cap(scores[(int64_t)v * PART + p - P0], a->softcap);
     for (int v = 0; v < rep; ++v) /* a block holding lo was scored whole: mask its head */
         for (int p = r0; p < lo; ++p) scores[(int64_t)v * PART + p - P0] = -INFINITY;
     float *maxima = partial + (int64_t)rep * D, *sums = maxima + rep;
@@ -440,7 +459,7 @@ INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restric
  * an exact zero, and a partition wholly outside merges as nothing: a vector's result does not
  * depend on which vectors share its tile. scratch: PART * T vectors of scores, then D * TILE
  * floats of partition sums and D * TILE of running outputs. */
-INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratch, const int D) {
+INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratch, const int D, const int CAP) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t ps = (int64_t)a->num_kv_heads * D;
@@ -502,7 +521,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
                 for (int j = 0; j < TILE_POSITIONS; ++j)
                     for (int t = 0; t < T; ++t) {
                         const int q = p + i + j;
-                        const vf x = select_v((q < limit[t]) & (q >= low[t]), s.v[j][t] * a->scale, neg_inf);
+                        const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[j][t] * a->scale, CAP), neg_inf);
                         st[(q - P0) * T + t] = x;
                         m[t] = select_v(x > m[t], x, m[t]);
                     }
@@ -511,7 +530,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
                 const tile_part s = tile_scores_at(qt, kb + i * ps, 0, D);
                 const int q = p + i;
                 for (int t = 0; t < T; ++t) {
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), s.v[0][t] * a->scale, neg_inf);
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[0][t] * a->scale, CAP), neg_inf);
                     st[(q - P0) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
@@ -724,11 +743,14 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
-            switch (j->head_dim) {
-            case 64: attend_tile(a, b, h, v0, st, 64); break;
-            case 128: attend_tile(a, b, h, v0, st, 128); break;
-            default: attend_tile(a, b, h, v0, st, j->head_dim);
-            }
+            if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
+                attend_tile(a, b, h, v0, st, j->head_dim, 1);
+            else
+                switch (j->head_dim) {
+                case 64: attend_tile(a, b, h, v0, st, 64, 0); break;
+                case 128: attend_tile(a, b, h, v0, st, 128, 0); break;
+                default: attend_tile(a, b, h, v0, st, j->head_dim, 0);
+                }
         }
     }
 }
@@ -751,11 +773,12 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
                                  int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
                                  int32_t head_dim, int32_t block_size, float scale, float *out,
-                                 int32_t num_threads, int32_t window) {
-    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0) return -1;
+                                 int32_t num_threads, int32_t window, float softcap) {
+    if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0 || !(softcap >= 0))
+        return -1;
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, window, out};
+                    block_size, scale, window, softcap, out};
     const int rep = num_heads / num_kv_heads;
     const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
     if (!w) return -2;

@@ -1,0 +1,170 @@
+"""Phi-3 on the declared architecture (engine_svc/models/arch/phi3.py): a tiny random
+Phi3ForCausalLM (fp32, three layers, fused qkv_proj and gate_up_proj) gives HF transformers' greedy
+tokens, chunked, batched, from cached prefixes and through preemptions; the fused tensors land in
+the decoder's slots as HF splits them; a GGUF of it (llama.cpp's layout: attn_qkv and ffn_up fused,
+read back by transformers' own GGUF loader as the independent reader) gives the same, in F32 and
+from its Q8_0 blocks; each request's result is bitwise its solo run; long-rope and partial rotary
+configs and the untested engine features refuse it at start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine_svc import EngineConfig, SamplingParams
+from engine_svc.engine import LLMEngine
+from engine_svc.models.spec import ModelSpec
+from tests.engine_helpers import (
+    assert_greedy_matches,
+    hf_greedy,
+    make_engine,
+    random_model,
+    random_prompts,
+    run_to_completion,
+)
+
+VOCAB = 1024
+MAX_NEW = 10
+LENGTHS = [1, 5, 8, 9, 17, 40]
+PHI3 = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp("phi3")
+    model_dir = random_model(root / "hf", trained_tokenizer_dir, "phi3", seed=41, vocab_size=VOCAB, **PHI3)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    prompts = random_prompts(LENGTHS, VOCAB, seed=5)
+    shared = random_prompts([20], VOCAB, seed=6)[0]
+    prompts += [shared + tail for tail in random_prompts([3, 12], VOCAB, seed=7)]
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return model_dir, hf, prompts, refs
+
+
+def _check(model, hf, prompts, refs, **options):
+    engine = make_engine(model, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, outputs[(str(i), 0)], ref)
+    return engine
+
+
+def test_fused_tensors_are_split_into_the_decoders_slots(phi3):
+    from engine_svc.models.decoder import DecoderForCausalLM
+    from engine_svc.models.loader import load_weights
+
+    model_dir, hf, _, _ = phi3
+    spec = ModelSpec.from_path(model_dir)
+    assert spec.architecture == "Phi3ForCausalLM"
+    model = DecoderForCausalLM(spec, torch.float32, 64)
+    load_weights(model, model_dir)  # the loader alone: the parameters as placed, before any packing
+    for ours, theirs in zip(model.layers, hf.model.layers, strict=True):
+        # q, k, v rows in HF's order (Phi3Attention slices them so)
+        assert torch.equal(ours.qkv_weight, theirs.self_attn.qkv_proj.weight)
+        gate, up = theirs.mlp.gate_up_proj.weight.chunk(2, dim=0)  # HF: gate first, then up
+        assert torch.equal(ours.gate_up_weight[: PHI3["intermediate_size"]], gate)
+        assert torch.equal(ours.gate_up_weight[PHI3["intermediate_size"] :], up)
+
+
+@pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
+def test_greedy_equals_hf_batched_and_chunked(phi3, block_size, budget):
+    model_dir, hf, prompts, refs = phi3
+    engine = _check(model_dir, hf, prompts, refs, block_size=block_size, max_num_batched_tokens=budget)
+    assert engine.model.native_loop_reason is None  # the native one-call layer loop served it
+
+
+def test_greedy_equals_hf_with_prefix_hits_and_preemption(phi3):
+    model_dir, hf, prompts, refs = phi3
+    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert engine.stats().prefix_hit_tokens > 0
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
+    # a pool too small for every request at once: some are preempted and recomputed
+    tight = _check(model_dir, hf, prompts, refs, block_size=8, num_kv_blocks=12, max_num_batched_tokens=32)
+    assert tight.stats().num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def phi3_gguf(phi3, tmp_path_factory):
+    from tests.gguf_files import write_gguf
+
+    return write_gguf(phi3[0], tmp_path_factory.mktemp("phi3_gguf") / "tiny-phi3-f32.gguf", "F32")
+
+
+def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(phi3, phi3_gguf):
+    model_dir, hf, prompts, refs = phi3
+    # (Phi3Config's default pad id, 32000, is outside the tiny vocabulary: named here)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        phi3_gguf.parent, gguf_file=phi3_gguf.name, dtype=torch.float32, pad_token_id=0
+    ).state_dict()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(theirs[name], tensor), name
+    _check(phi3_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
+
+
+def test_q8_0_file_serves_the_fused_tensors_from_their_blocks(phi3, tmp_path):
+    """The fused attn_qkv and ffn_up blocks are the decoder's qkv and gate/up linears as they are
+    (the weight map names one tensor for each), bit-equal to the dequantized file's fp32 GEMMs."""
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(phi3[0], tmp_path / "tiny-phi3-q8_0.gguf", "Q8_0")
+    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
+    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    for a, b in zip(blocks.model.layers, floats.model.layers, strict=True):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert getattr(a, name).fmt == "Q8_0", name
+            inp = torch.randn(9, getattr(a, name).in_features)
+            assert torch.equal(getattr(a, name)(inp), getattr(b, name)(inp)), name
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = {str(i): (p, params) for i, p in enumerate(phi3[2])}
+    assert run_to_completion(blocks, prompts) == run_to_completion(floats, prompts)
+
+
+def test_requests_equal_their_solo_runs(phi3):
+    from tests.test_batch_invariance import EXAMPLES, explore
+
+    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
+    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
+    explore(phi3[0], max(8, EXAMPLES // 3), extra, required)
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+            "rope_scaling of type 'longrope'",
+        ),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope_scaling of type 'su'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ],
+)
+def test_long_rope_and_partial_rotary_refuse_naming_the_field(phi3, change, words):
+    cfg = {**json.loads((phi3[0] / "config.json").read_text()), **change}
+    with pytest.raises(ValueError, match=words):
+        ModelSpec.from_dict(cfg)
+
+
+@pytest.mark.parametrize(
+    "option,words",
+    [
+        (dict(enable_lora=True), "LoRA adapters"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+        (dict(tensor_parallel_size=2), "tensor parallelism"),
+    ],
+)
+def test_untested_features_refuse_it_at_start(phi3, option, words):
+    with pytest.raises(ValueError, match=f"{words}.*Phi3ForCausalLM"):
+        LLMEngine(EngineConfig(model=str(phi3[0]), num_kv_blocks=64, **option))
