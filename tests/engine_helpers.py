@@ -110,3 +110,22 @@ def assert_greedy_matches(hf_model, prompt: list[int], got: list[int], ref: list
         f"greedy tokens differ from HF at output position {pos} where HF's top-2 gap is {gap:.3g} "
         f"(a bug, not arithmetic)\n engine: {got}\n     hf: {ref}"
     )
+
+
+def hf_reference_prompts(hf_model, lengths, vocab: int, max_new_tokens: int):
+    """The architecture tests' prompts -- ``lengths``, then two sharing a 20-token prefix (a prefix
+    hit) -- and HF's greedy tokens for each."""
+    prompts = random_prompts(lengths, vocab, seed=5)
+    shared = random_prompts([20], vocab, seed=6)[0]
+    prompts += [shared + tail for tail in random_prompts([3, 12], vocab, seed=7)]
+    return prompts, [hf_greedy(hf_model, p, max_new_tokens) for p in prompts]
+
+
+def check_greedy_equals_hf(model, hf_model, prompts, refs, max_new_tokens: int, **options):
+    """Every prompt's greedy tokens from one engine (``options``) equal HF's ``refs``; the engine."""
+    engine = make_engine(model, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf_model, p, outputs[(str(i), 0)], ref)
+    return engine

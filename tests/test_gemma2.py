@@ -18,10 +18,11 @@ from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
 from tests.engine_helpers import (
     assert_greedy_matches,
+    check_greedy_equals_hf,
     hf_greedy,
+    hf_reference_prompts,
     make_engine,
     random_model,
-    random_prompts,
     run_to_completion,
 )
 
@@ -59,20 +60,12 @@ def gemma(tmp_path_factory, trained_tokenizer_dir):
         root / "hf", trained_tokenizer_dir, "gemma2", seed=23, vocab_size=VOCAB + 8, **GEMMA
     )
     hf = _hf(model_dir)
-    prompts = random_prompts(LENGTHS, VOCAB, seed=5)
-    shared = random_prompts([20], VOCAB, seed=6)[0]
-    prompts += [shared + tail for tail in random_prompts([3, 12], VOCAB, seed=7)]
-    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    prompts, refs = hf_reference_prompts(hf, LENGTHS, VOCAB, MAX_NEW)
     return model_dir, hf, prompts, refs
 
 
 def _check(model, hf, prompts, refs, **options):
-    engine = make_engine(model, **options)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, outputs[(str(i), 0)], ref)
-    return engine
+    return check_greedy_equals_hf(model, hf, prompts, refs, MAX_NEW, **options)
 
 
 def test_the_declaration_reads_the_config(gemma):
