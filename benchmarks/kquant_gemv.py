@@ -4,7 +4,8 @@ streamed (the packed form holds the file's bytes per weight: Q4_K 4.625 bits, Q6
 
     python -m benchmarks.kquant_gemv [--threads 1,2] [--reps 20] [--shapes 1.5b|0.5b] [--baseline SO]
 
-``--lib``: time that build (.so) instead of the source's. ``--baseline``: another build of the library (a .so of quant_int8act.c, e.g. the cache's file of
+``--lib``: time that build (.so) instead of the source's. ``--baseline``: another build of the
+library (a .so of quant_int8act.c, e.g. the cache's file of
 the previous commit), timed alternating with this one on the same packed bytes: ``speedup`` is
 baseline time / ours.
 
@@ -46,7 +47,9 @@ def packed_weight(lib, fmt: str, n: int, k: int, rng: np.random.Generator) -> to
         mn = None
     dsup = (rng.random((n, supers, 2), dtype=np.float32) * 1e-3).astype(np.float16).view(np.uint16)
     packed = torch.empty(lib.llmserve_qi8_packed_bytes(code, n, k), dtype=torch.uint8)
-    args = [np.ascontiguousarray(a) for a in (q, dsup, sc)] + [None if mn is None else np.ascontiguousarray(mn)]
+    args = [np.ascontiguousarray(a) for a in (q, dsup, sc)] + [
+        None if mn is None else np.ascontiguousarray(mn)
+    ]
     ptr = [a.ctypes.data_as(ctypes.c_void_p) if a is not None else None for a in args]
     rc = lib.llmserve_qi8_pack_k(code, ptr[0], ptr[1], ptr[2], ptr[3], n, k, packed.data_ptr())
     assert rc == 0, (fmt, n, k)
@@ -95,9 +98,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             plain = np.frombuffer(packed.numpy().tobytes(), dtype=np.int64)
             for t in (int(s) for s in args.threads.split(",")):
 
-                def gemv(t=t, lib=lib):
+                def gemv(t=t, lib=lib):  # noqa: B023 -- timed within this iteration
                     rc = lib.llmserve_qi8_gemm(
-                        code, x.data_ptr(), 1, k, k, packed.data_ptr(), n, None, y.data_ptr(), n, t
+                        code,
+                        x.data_ptr(),
+                        1,
+                        k,
+                        k,
+                        packed.data_ptr(),
+                        n,
+                        None,
+                        y.data_ptr(),
+                        n,
+                        t,  # noqa: B023 (timed within this iteration)
                     )
                     assert rc == 0
 
@@ -110,15 +123,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         bt.append(timed(lambda: gemv(lib=base), args.reps))
                         assert torch.equal(y, y0), "the baseline build gives other bits"
                 tg, ts = statistics.median(g), statistics.median(s)
-                row = dict(fmt=fmt, n=n, k=k, threads=t, mb=nbytes / 1e6, us=tg * 1e6,
-                           gbs=nbytes / tg / 1e9, memsum_gbs=nbytes / ts / 1e9, ratio=ts / tg)
+                row = dict(
+                    fmt=fmt,
+                    n=n,
+                    k=k,
+                    threads=t,
+                    mb=nbytes / 1e6,
+                    us=tg * 1e6,
+                    gbs=nbytes / tg / 1e9,
+                    memsum_gbs=nbytes / ts / 1e9,
+                    ratio=ts / tg,
+                )
                 if bt:
                     row["speedup"] = statistics.median(bt) / tg
                 rows.append(row)
-                print(f"{fmt} {n:>6}x{k:<5} t={t}  {nbytes / 1e6:7.2f} MB  {tg * 1e6:9.1f} us  "
-                      f"{row['gbs']:6.2f} GB/s  (memsum 1t {row['memsum_gbs']:6.2f} GB/s, ratio {row['ratio']:.2f})"
-                      + (f"  speedup over baseline {row['speedup']:.2f}x" if "speedup" in row else ""),
-                      flush=True)
+                print(
+                    f"{fmt} {n:>6}x{k:<5} t={t}  {nbytes / 1e6:7.2f} MB  {tg * 1e6:9.1f} us  "
+                    f"{row['gbs']:6.2f} GB/s  (memsum 1t {row['memsum_gbs']:6.2f} GB/s, "
+                    f"ratio {row['ratio']:.2f})"
+                    + (f"  speedup over baseline {row['speedup']:.2f}x" if "speedup" in row else ""),
+                    flush=True,
+                )
     return rows
 
 

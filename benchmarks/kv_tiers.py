@@ -65,7 +65,16 @@ def main() -> None:
     prompt = long_prompt(Path(args.model), args.prompt_tokens)
     disk = tempfile.mkdtemp(prefix="llmserve-kv-tiers-")
     # The watchdog off: on a loaded 2-core machine a deep prefill chunk may pass its default.
-    serve = ["--torch-threads", str(args.threads), "--kv-disk-dir", disk, "--watchdog-timeout", "0"]
+    serve = [
+        "--torch-threads",
+        str(args.threads),
+        "--kv-disk-bytes",
+        "4G",
+        "--kv-disk-dir",
+        disk,
+        "--watchdog-timeout",
+        "0",
+    ]
     rows = {}
     with ServiceProcess(args.model, *serve, startup_timeout_s=600) as sp:
         rows["cold"] = first_token(sp, prompt, args.max_tokens)

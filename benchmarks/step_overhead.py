@@ -63,7 +63,9 @@ class TimedSampler:
 
 def decode_engine(model, n: int, w: dict):
     """An engine with ``n`` requests all past their prompt, decoding; the model is the stub."""
-    engine = common.make_engine(model, max_num_seqs=max(256, n), num_kv_blocks=n * 64 + 64)
+    engine = common.make_engine(
+        model, max_num_seqs=max(256, n), max_seqs_per_step=max(256, n), num_kv_blocks=n * 64 + 64
+    )
     stub = common.install_stub_model(engine, w["stub_cost_s"])
     sampler = TimedSampler(engine.runner.sampler)
     engine.runner.sampler = sampler
@@ -112,7 +114,7 @@ def mixed_run(model, n: int, w: dict, steps: int) -> dict:
 
     from engine_svc import SamplingParams
 
-    engine = common.make_engine(model, max_num_seqs=n, num_kv_blocks=n * 40 + 256)
+    engine = common.make_engine(model, max_num_seqs=n, max_seqs_per_step=n, num_kv_blocks=n * 40 + 256)
     c = engine.config
     stub = ClonedLogitsStub(
         engine.spec, c.max_num_batched_tokens, max(c.max_num_seqs, c.max_num_batched_tokens), w["stub_cost_s"]

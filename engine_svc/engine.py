@@ -432,8 +432,9 @@ class LLMEngine:
             )
         started = time.perf_counter()
         result = self.runner.execute(out)  # with nothing scheduled, it only follows the KV changes
-        if result.spilled:  # evicted blocks, read out before the forward: to the lower tiers
-            self.kv.store_spilled(result.spilled)
+        self.scheduler.store_spilled(
+            result
+        )  # evicted blocks, read out before the forward: to the lower tiers
         if out.seqs:
             self.num_steps += 1
             stepped = self.scheduler.update_from_output(out, result)

@@ -60,7 +60,7 @@ def filter_logits(
         return logits
     mask = torch.zeros_like(logits, dtype=torch.bool)
     groups: dict[int, list[int]] = {}
-    for r, (row_k, on) in enumerate(zip(k.tolist(), active.tolist())):
+    for r, (row_k, on) in enumerate(zip(k.tolist(), active.tolist(), strict=True)):
         if on:
             groups.setdefault(row_k, []).append(r)
     for group_k, group in groups.items():
@@ -93,7 +93,8 @@ def _drops(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> tor
 
 
 def _mask_from_ranks(order: torch.Tensor, drop: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The vocabulary mask of rows ranked by ``order [R, n]``: ranked tokens as ``drop`` says, the rest dropped."""
+    """The vocabulary mask of rows ranked by ``order [R, n]``: ranked tokens as ``drop`` says, the
+    rest dropped."""
     return torch.ones(order.shape[0], vocab, dtype=torch.bool, device=order.device).scatter(1, order, drop)
 
 

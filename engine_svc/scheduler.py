@@ -516,6 +516,12 @@ class Scheduler:
             self.governor.record(out.num_running, bool(out.drafts), seconds, tokens)
 
     # --- applying a step ------------------------------------------------------------------------
+    def store_spilled(self, result: StepResult) -> None:
+        """The blocks this step evicted, read out by the runner before its forward: to the lower
+        KV tiers (engine_svc/kv_tiers). Called every step, scheduled sequences or not."""
+        if result.spilled:
+            self.kv.store_spilled(result.spilled)
+
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching

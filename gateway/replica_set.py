@@ -363,12 +363,20 @@ class ReplicaSet:
 
 def sum_loads(loads) -> pb.Load:
     """Replicas' loads added up, field by field: counts summed; the LoRA adapter names in use
-    joined (each once); ``max_lora`` (slots per engine) the largest."""
+    joined (each once); ``max_lora`` (slots per engine) the largest; the KV tiers' figures summed
+    tier by tier."""
     total = pb.Load()
     names: dict[str, set[str]] = {}
+    tiers: dict[str, pb.KVTierLoad] = {}
     for load in loads:
         for f in pb.Load.DESCRIPTOR.fields:
-            if _repeated(f):
+            if f.name == "kv_tiers":  # per KV tier: its figures summed over the replicas
+                for t in load.kv_tiers:
+                    into = tiers.setdefault(t.tier, pb.KVTierLoad(tier=t.tier))
+                    for g in pb.KVTierLoad.DESCRIPTOR.fields:
+                        if g.name != "tier":
+                            setattr(into, g.name, getattr(into, g.name) + getattr(t, g.name))
+            elif _repeated(f):
                 names.setdefault(f.name, set()).update(getattr(load, f.name))
             elif f.name == "max_lora":
                 total.max_lora = max(total.max_lora, load.max_lora)
@@ -376,6 +384,7 @@ def sum_loads(loads) -> pb.Load:
                 setattr(total, f.name, getattr(total, f.name) + getattr(load, f.name))
     for name, values in names.items():
         getattr(total, name).extend(sorted(values))
+    total.kv_tiers.extend(tiers[name] for name in sorted(tiers))
     return total
 
 

@@ -25,7 +25,16 @@ def _disk(sp: ServiceProcess):
 
 
 def test_a_restarted_server_serves_the_prefix_from_disk(tiny_llama, tmp_path):
-    args = ("--tokenizer-workers", "0", "--kv-disk-dir", str(tmp_path), "--metrics-port", "0")
+    args = (
+        "--tokenizer-workers",
+        "0",
+        "--kv-disk-bytes",
+        "64M",
+        "--kv-disk-dir",
+        str(tmp_path),
+        "--metrics-port",
+        "0",
+    )
     with ServiceProcess(tiny_llama, *args) as sp:
         first = _ask(sp)
         assert _disk(sp).stored >= 12 and _disk(sp).hits == 0  # written through as computed
@@ -43,4 +52,4 @@ def test_a_restarted_server_serves_the_prefix_from_disk(tiny_llama, tmp_path):
             60.0,
             "the tier's figures did not reach the metrics endpoint",
         )
-        assert s["llmserve_kv_tier_capacity_bytes{tier=disk}"] == 4 << 30
+        assert s["llmserve_kv_tier_capacity_bytes{tier=disk}"] == 64 << 20

@@ -25,7 +25,8 @@ else:
     assert mallopt(malloc_tuning.M_TRIM_THRESHOLD, 1 << 20)
 from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
-engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=512))
+engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=512,
+                                max_seqs_per_step=32))  # all 32 decode every step
 params = SamplingParams(max_tokens=60, ignore_eos=True)
 for i in range(32):
     engine.add_request(f"r{i}", [3 + i + j for j in range(24)], params)

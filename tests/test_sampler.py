@@ -173,9 +173,17 @@ def test_a_row_without_filters_keeps_every_token():
 def test_mixed_filters_in_one_batch_each_row_as_alone():
     gen = torch.Generator().manual_seed(7)
     vocab = 50
-    settings = [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.1), (3, 0.9, 0.0), (0, 1.0, 0.3), (60, 1.0, 0.0)]
+    settings = [
+        (0, 1.0, 0.0),
+        (3, 1.0, 0.0),
+        (0, 0.6, 0.0),
+        (5, 0.8, 0.1),
+        (3, 0.9, 0.0),
+        (0, 1.0, 0.3),
+        (60, 1.0, 0.0),
+    ]
     logits = torch.randn(len(settings), vocab, generator=gen) * 2
-    k, p, m = (torch.tensor(col) for col in zip(*settings))
+    k, p, m = (torch.tensor(col) for col in zip(*settings, strict=True))
     together = filter_logits(logits.clone(), k, p, m)
     for r, (kr, pr, mr) in enumerate(settings):
         alone = filter_logits(logits[r : r + 1].clone(), k[r : r + 1], p[r : r + 1], m[r : r + 1])
@@ -192,7 +200,13 @@ def test_rows_the_partial_ranking_cannot_settle_are_ranked_whole(monkeypatch):
     vocab = 300
     peaked = torch.randn(vocab, generator=gen) * 6  # top-p 0.9 settled within the best 8
     flat = torch.randn(vocab, generator=gen) * 0.1  # needs far more than 8 tokens
-    settings = [(peaked, 0.9, 0.0), (flat, 0.9, 0.0), (flat, 1.0, 0.5), (peaked, 1.0, 0.01), (flat, 0.02, 0.0)]
+    settings = [
+        (peaked, 0.9, 0.0),
+        (flat, 0.9, 0.0),
+        (flat, 1.0, 0.5),
+        (peaked, 1.0, 0.01),
+        (flat, 0.02, 0.0),
+    ]
     logits = torch.stack([row for row, _, _ in settings])
     p = torch.tensor([s[1] for s in settings])
     m = torch.tensor([s[2] for s in settings])

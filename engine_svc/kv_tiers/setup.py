@@ -15,7 +15,6 @@ from engine_svc.kv_tiers.transfer import block_nbytes, distinct_caches
 log = logging.getLogger(__name__)
 
 GPU_HOST_TIER_BYTES = 4 << 30  # at most a quarter of the host's memory
-DISK_TIER_BYTES = 4 << 30  # the server's default (llmserve serve)
 
 
 def default_disk_dir() -> Path:

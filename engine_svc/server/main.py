@@ -109,10 +109,10 @@ def engine_config_kwargs(args) -> dict:
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
-    # The server keeps a disk tier by default (the library's default is off: EngineConfig).
-    from engine_svc.kv_tiers.setup import DISK_TIER_BYTES
-
-    kw["kv_disk_bytes"] = DISK_TIER_BYTES if args.kv_disk_bytes is None else args.kv_disk_bytes
+    # The disk tier is opt-in (--kv-disk-bytes, e.g. 4G): with it on, the service's differential
+    # test still finds a request whose tokens differ from its solo run (docs/prefix-caching.md).
+    if args.kv_disk_bytes is not None:
+        kw["kv_disk_bytes"] = args.kv_disk_bytes
     if args.speculative_config:
         try:
             kw["speculative_config"] = json.loads(args.speculative_config)
