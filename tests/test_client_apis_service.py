@@ -49,11 +49,21 @@ STOPS = [" ", ".", "\n"]
 
 
 @pytest.fixture(scope="module")
-def service(default_model_dir):
+def service(default_model_dir, tmp_path_factory):
+    # The default tiny model with a 16k context: Claude Code's own prompt is 4-5.5k tokens in its
+    # 8k-word vocabulary (it varies from run to run), past the built-in 4,096.
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("long_context") / "model"
+    shutil.copytree(default_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16384
+    (model / "config.json").write_text(json.dumps(cfg))
     args = ["--num-kv-blocks", "1024", "--http-port", "0", "--served-model-name", MODEL]
     args += ["--chat-template", str(TEMPLATES / "tool_chat_template_hermes.jinja")]
     args += ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--max-prompt-chars", "100000"]
-    with ServiceProcess(default_model_dir, *args) as sp:
+    with ServiceProcess(model, *args) as sp:
         yield sp
 
 
