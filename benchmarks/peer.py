@@ -130,7 +130,10 @@ def ours_child(spec_path: str, out_path: str, threads: int) -> int:
         torch.set_num_threads(threads)
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    llm = LLM(spec["model"], dtype="float32", device="cpu", seed=0)
+    # The random benchmark model runs in fp32 on both sides; a real checkpoint at whatever the spec
+    # names ("auto": the engine's default for it).
+    dtype = spec.get("dtype", "float32")
+    llm = LLM(spec["model"], dtype=None if dtype == "auto" else dtype, device="cpu", seed=0)
     startup = time.perf_counter() - t0
 
     def run(prompts, output_lens) -> dict:
@@ -148,11 +151,13 @@ def ours_child(spec_path: str, out_path: str, threads: int) -> int:
     return 0
 
 
-def run_ours(model: Path, workloads: dict, threads: int, work_dir: Path) -> dict:
+def run_ours(
+    model: Path, workloads: dict, threads: int, work_dir: Path, dtype: str = "float32", tag: str = ""
+) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
-    spec, out = work_dir / "ours_workload.json", work_dir / f"ours_result_{threads}.json"
+    spec, out = work_dir / "ours_workload.json", work_dir / f"ours_result{tag}_{threads}.json"
     out.unlink(missing_ok=True)
-    spec.write_text(json.dumps(dict(model=str(model), workloads=workloads)))
+    spec.write_text(json.dumps(dict(model=str(model), workloads=workloads, dtype=dtype)))
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     cmd = [sys.executable, "-m", "benchmarks.peer", "--ours-child", str(spec), str(out), str(threads)]

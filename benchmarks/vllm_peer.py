@@ -74,6 +74,7 @@ def run_vllm_workloads(
     work_dir: Path,
     threads_bind: str | None = None,
     timeout_s: int = 1800,
+    dtype: str = "float32",
 ) -> dict:
     """Every workload (``{name: {prompts, output_lens}}``) through one ``vllm.LLM`` (prefix caching on, as
     its default), a small warm-up first; returns ``{name: {wall_s, output_tokens, output_tok_s}}`` and
@@ -81,7 +82,8 @@ def run_vllm_workloads(
     work_dir.mkdir(parents=True, exist_ok=True)
     spec, out = work_dir / "vllm_workload.json", work_dir / "vllm_result.json"
     out.unlink(missing_ok=True)
-    spec.write_text(json.dumps(dict(model=str(model), workloads=workloads, block_size=VLLM_BLOCK_SIZE)))
+    doc = dict(model=str(model), workloads=workloads, block_size=VLLM_BLOCK_SIZE, dtype=dtype)
+    spec.write_text(json.dumps(doc))
     proc = subprocess.run(
         [python, __file__, str(spec), str(out)],
         capture_output=True,
@@ -157,7 +159,7 @@ def _main(spec_path: str, out_path: str) -> None:  # runs inside the vLLM venv
         enforce_eager=True,
         gpu_memory_utilization=0.2,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         block_size=spec["block_size"],
         seed=0,
     )

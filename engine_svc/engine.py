@@ -26,6 +26,7 @@ from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
 from engine_svc.model_runner import ModelForward, ModelRunner
 from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.arch import refuse_untested
+from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
@@ -45,6 +46,7 @@ from engine_svc.spec_decode.draft_model import DraftModelProposer
 from engine_svc.spec_decode.proposer import NgramProposer, Proposer
 from engine_svc.step_cost import DECODE_STALL_FACTOR, STEP_FLOOR, ratio_for_spec
 from kernels.backend import select_kernels
+from kernels.cpu import native_gemm
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config)
         self.spec = ModelSpec.from_path(config.model)
         refuse_untested(  # the engine features not tested on this architecture refuse it here
             self.spec.arch,
@@ -608,6 +610,25 @@ def resolve_device(name: str | None, rank: int = 0) -> torch.device:
     return device
 
 
+def _stored_dtype(config: EngineConfig | None) -> str | None:
+    if config is None or config.load_format == "dummy":
+        return None
+    try:
+        return resolve_model_path(config.model).stored_dtype
+    except (OSError, ValueError):
+        return None
+
+
+def _native_half_serves(dtype: torch.dtype, config: EngineConfig) -> bool:
+    """The 16-bit weights run on the native GEMM: nothing asked for another linear path or for
+    quantized weights, and the GEMM builds (and measured faster than oneDNN) here."""
+    if config.linear_backend not in (None, "auto", "native"):
+        return False
+    if config.quantization not in (None, "auto", "none"):
+        return False
+    return native_gemm.unusable_reason(dtype) is None
+
+
 def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
     limit = spec.max_position_embeddings
     if spec.sliding_window:  # a window the declaration does not serve per layer: stay inside it
@@ -618,9 +639,19 @@ def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
     return wanted
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str | None, device: torch.device, config: EngineConfig | None = None) -> torch.dtype:
+    """``auto`` (or unset): bf16 on CUDA. On a CPU, a bf16 or fp16 checkpoint's own dtype where the
+    native GEMM serves it (its weights kept 16-bit and widened exactly in registers, fp32 between the
+    ops: the result is the fp32 run on the same weights, at half the bytes), on every instruction
+    set it measured faster on, AVX2 included; else float32 (a GGUF file's float tensors, an fp32
+    checkpoint, a linear backend or quantization asked for that runs only in fp32)."""
     if name is None or name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        stored = DTYPES.get(_stored_dtype(config) or "")
+        if stored in (torch.bfloat16, torch.float16) and _native_half_serves(stored, config):
+            return stored
+        return torch.float32
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
     return DTYPES[name]

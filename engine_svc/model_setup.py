@@ -29,7 +29,7 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
-from kernels.cpu.linear import NATIVE_BF16, resolve_linear_backend
+from kernels.cpu.linear import NATIVE_BF16, NATIVE_F16, NATIVE_HALF, resolve_linear_backend
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,12 @@ def load_model(
     model.quantization = quant
     model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
-    # on the native bf16 path, whose linears are packed from the bf16 weights above and whose
-    # activations are fp32; the other parameters (norms, embedding) go to fp32 exactly.
+    # on the native bf16/fp16 paths, whose linears are packed from the 16-bit weights above and
+    # whose activations are fp32: the norms go to fp32 exactly, and the embedding table stays 16-bit
+    # (its lookup widens the rows it reads, exactly: no fp32 copy of the vocabulary).
     model.activation_dtype = dtype
-    if backend == NATIVE_BF16:
-        model.float()
+    if backend in NATIVE_HALF.values():
+        _widen_all_but_the_embedding(model)
         model.activation_dtype = torch.float32
     isa = native_build.chosen_isa()
     log.info(
@@ -104,6 +105,7 @@ def load_model(
         {
             "native": f"native GEMM, packed ({isa})",
             NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa})",
+            NATIVE_F16: f"native GEMM, fp16 weights packed, fp32 activations ({isa})",
             "onednn": "oneDNN, prepacked",
         }.get(backend, "F.linear"),
         dtype,
@@ -111,6 +113,18 @@ def load_model(
         freed,
     )
     return model
+
+
+def _widen_all_but_the_embedding(model: DecoderForCausalLM) -> None:
+    """Every floating parameter and buffer to fp32 (exact from bf16/fp16), except the embedding
+    table, which the lookup widens row by row (``DecoderForCausalLM._lookup``)."""
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and p is not model.embed and p.is_floating_point():
+                p.data = p.data.float()
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.float()
 
 
 def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> None:
@@ -130,8 +144,10 @@ def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> No
         return
     f = cpu_features()
     isa = f"{f['capability']}, avx512_bf16={f['avx512_bf16']}, amx={f['amx']}"
-    if backend == NATIVE_BF16:
-        log.info("dtype bfloat16 on CPU: bf16 weights, fp32 activations on the native GEMM (%s)", isa)
+    if backend in NATIVE_HALF.values():
+        name = str(dtype).removeprefix("torch.")
+        short = {"bfloat16": "bf16", "float16": "fp16"}[name]
+        log.info("dtype %s on CPU: %s weights, fp32 activations on the native GEMM (%s)", name, short, isa)
     elif dtype == torch.bfloat16:
         if native_bf16():
             log.info("dtype bfloat16 on CPU: native bf16 matmuls (%s)", isa)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -350,13 +351,15 @@ def test_random_mixes_equal_their_solo_runs_on_a_tied_gguf_embedding(trained_tok
     explore(model, max(6, EXAMPLES // 3), {}, ("chunked prefills", "prefix-hit tokens", "general steps"))
 
 
-def test_random_mixes_equal_their_solo_runs_in_bf16(tiny_llama):
-    """dtype bfloat16 on the CPU: bf16 weights on the native GEMM, fp32 activations (the norms,
-    rotary and attention are then the fp32 path's native kernels)."""
-    from kernels.cpu.linear import NATIVE_BF16
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_random_mixes_equal_their_solo_runs_in_half_weights(tiny_llama, dtype):
+    """dtype bfloat16 / float16 on the CPU (what auto takes on such a checkpoint): 16-bit weights on
+    the native GEMM, fp32 activations (the norms, rotary and attention are then the fp32 path's
+    native kernels)."""
+    from kernels.cpu.linear import NATIVE_HALF
 
-    extra = {"dtype": "bfloat16", "linear_backend": "native"}  # what auto takes on AVX2 and AVX-512
-    assert make_engine(tiny_llama, **extra).model.linear_backend == NATIVE_BF16
+    extra = {"dtype": dtype, "linear_backend": "native"}
+    assert make_engine(tiny_llama, **extra).model.linear_backend == NATIVE_HALF[getattr(torch, dtype)]
     required = ("chunked prefills", "prefix-hit tokens", "general steps")
     explore(tiny_llama, max(6, EXAMPLES // 3), extra, required)
 

@@ -118,11 +118,12 @@ def test_auto_takes_the_native_gemm_where_it_measured_faster(monkeypatch):
         assert isinstance(cpu_linear.make_linear(got, torch.randn(8, 4)), native_gemm.NativeLinear)
     else:
         assert got in ("onednn", "dense")
-    # bf16 weights take their own packing (tests/test_bf16_native.py); never fp16, nor CUDA
+    # bf16/fp16 weights take their own packing (tests/test_half_weights.py); never CUDA
     assert cpu_linear.resolve_linear_backend("auto", cpu, torch.bfloat16) != "native"
+    assert cpu_linear.resolve_linear_backend("auto", cpu, torch.float16) != "native"
     assert cpu_linear.resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "dense"
-    with pytest.raises(ValueError, match="'native' is unavailable: .*fp32 or bf16"):
-        cpu_linear.resolve_linear_backend("native", cpu, torch.float16)
+    with pytest.raises(ValueError, match="'native' is unavailable: .*fp32, bf16 or fp16"):
+        cpu_linear.resolve_linear_backend("native", cpu, torch.float64)
 
 
 def test_the_generic_build_runs_only_when_named(monkeypatch):

@@ -200,6 +200,9 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, i) for i in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_blocks = None  # a BlockEmbedding once the load frees a GGUF table (float_weights.py)
+        # What flows between the ops; the load sets fp32 where the linears keep bf16/fp16 weights
+        # (model_setup.py), and the embedding table stays 16-bit: its lookup widens the rows it reads.
+        self.activation_dtype = dtype
         self.lm_head = (
             None
             if spec.tie_word_embeddings
@@ -325,12 +328,12 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         if self.embed_blocks is not None:  # unsharded only
             return self.embed_blocks(input_ids)
         if self.shard.size == 1:
-            return F.embedding(input_ids, self.embed)
+            return F.embedding(input_ids, self.embed).to(self.activation_dtype)
         # Vocabulary-parallel: each rank looks up the ids it holds, zeros elsewhere, then a sum.
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[:, None], 0.0)
-        return self.shard.all_reduce(x)
+        return self.shard.all_reduce(x.to(self.activation_dtype))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

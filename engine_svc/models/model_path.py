@@ -7,6 +7,7 @@ cannot disagree about which file is the model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,19 @@ class ModelPath:
     @property
     def is_gguf(self) -> bool:
         return self.gguf is not None
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """The dtype an HF directory's config names for its weights (``torch_dtype``, or ``dtype`` as
+        newer transformers write it), e.g. ``"bfloat16"``; None for a GGUF file or when unnamed."""
+        if self.is_gguf:
+            return None
+        try:
+            cfg = json.loads((self.root / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        named = cfg.get("torch_dtype") or cfg.get("dtype")
+        return named if isinstance(named, str) else None
 
 
 def resolve_model_path(model: str | Path) -> ModelPath:

@@ -51,7 +51,7 @@ def main() -> None:
     config = EngineConfig(**json.loads(args.config))
     shard = Shard(args.rank, args.world_size)
     device = resolve_device(config.device, args.rank)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config)
     spec = ModelSpec.from_path(config.model)
     torch.manual_seed(config.seed)
     model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)

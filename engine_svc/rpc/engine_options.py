@@ -36,7 +36,7 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ),
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--no-prefix-caching", None, "turn prefix caching off"),
-    ("--dtype", str, "float32, float16 or bfloat16"),
+    ("--dtype", str, "auto (default: on CPU a bf16/fp16 checkpoint as stored), float32, float16, bfloat16"),
     ("--device", str, "cpu or cuda"),
     (
         "--quantization",

@@ -5,11 +5,12 @@ into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear
 path inductor uses for CPU linears; also bf16); plain ``F.linear`` on CUDA, where neither runs, or
 when asked.
 
-In bf16 on a CPU, ``auto`` (and ``native``) resolve to ``native_bf16``: the native GEMM with the
-weights packed as bf16 and fp32 activations, so that the model runs fp32 between its linears (the
-loader converts the other parameters: ``engine_svc/model_setup.py``). That keeps every op on the
-batch-invariant native kernels, reads half of fp32's weight bytes, and makes the result HF's fp32
-forward on the bf16-rounded weights (docs/quantization.md, "bf16 weights"). ``onednn`` keeps bf16
+In bf16 (fp16) on a CPU, ``auto`` (and ``native``) resolve to ``native_bf16`` (``native_f16``): the
+native GEMM with the weights packed as bf16 (fp16) and fp32 activations, so that the model runs fp32
+between its linears (the loader converts the other parameters: ``engine_svc/model_setup.py``). That
+keeps every op on the batch-invariant native kernels, reads half of fp32's weight bytes, and makes
+the result HF's fp32 forward on the bf16 (fp16) weights widened (docs/quantization.md, "bf16 and fp16
+weights"). ``onednn`` keeps bf16
 activations end to end (its kernels change with the row count, so it is not batch invariant).
 
 On a CPU the prepacked GEMM skips the per-call packing of the weight that the default dense path
@@ -46,6 +47,8 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
 
 LINEAR_BACKENDS = ("auto", "native", "onednn", "dense")
 NATIVE_BF16 = "native_bf16"  # what "native" resolves to for bf16 weights (fp32 activations)
+NATIVE_F16 = "native_f16"  # ... and for fp16 weights
+NATIVE_HALF = {torch.bfloat16: NATIVE_BF16, torch.float16: NATIVE_F16}
 
 
 class DenseLinear:
@@ -92,7 +95,8 @@ def onednn_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | No
 
 
 def resolve_linear_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """``"native"``, ``"native_bf16"`` (bf16: the native GEMM on bf16 weights, fp32 activations),
+    """``"native"``, ``"native_bf16"`` / ``"native_f16"`` (the native GEMM on bf16 / fp16 weights, fp32
+    activations),
     ``"onednn"`` or ``"dense"``. ``auto`` (None) takes the native GEMM where it runs and measured
     faster, else oneDNN where it can run; asking for one by name where it cannot run is an error,
     not a silent fallback."""
@@ -106,7 +110,7 @@ def resolve_linear_backend(requested: str | None, device: torch.device, dtype: t
         if reason is None and not _probe_ok(dtype, _PACKED[name]):
             reason = "the load-time probe did not match F.linear"
         if reason is None:
-            return NATIVE_BF16 if name == "native" and dtype == torch.bfloat16 else name
+            return NATIVE_HALF.get(dtype, name) if name == "native" else name
         if requested == name:
             raise ValueError(f"linear_backend {name!r} is unavailable: {reason}")
         log.info("linear layers: not %s (%s)", name, reason)
@@ -126,15 +130,24 @@ def _native_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None):
     return native_gemm.NativeLinear(weight, bias, weight_dtype=torch.bfloat16)
 
 
-_PACKED = {"native": native_gemm.NativeLinear, "onednn": OneDNNLinear, NATIVE_BF16: _native_bf16}
+def _native_f16(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return native_gemm.NativeLinear(weight, bias, weight_dtype=torch.float16)
+
+
+_PACKED = {
+    "native": native_gemm.NativeLinear,
+    "onednn": OneDNNLinear,
+    NATIVE_BF16: _native_bf16,
+    NATIVE_F16: _native_f16,
+}
 
 
 def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The projection's GEMM. A weight with quantized blocks attached (``weight.quantized``, see
     ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM (with int8 activations
     where the blocks say ``activations="int8"``) unless ``dense`` was asked for (then ``F.linear``
-    on the float parameter). ``native_bf16`` packs the weight rounded to bf16 (exact when it was
-    loaded as bf16, whatever its dtype now). A weight freed at load (``weight.released``, see
+    on the float parameter). ``native_bf16`` / ``native_f16`` pack the weight rounded to bf16 / fp16
+    (exact when it was loaded so, whatever its dtype now). A weight freed at load (``weight.released``, see
     ``engine_svc/models/float_weights.py``) is refused: its values are gone."""
     released = getattr(weight, "released", None)
     if released:

@@ -1,8 +1,9 @@
 """The model's linears through the native GEMM (``kernels/cpu/native/small_gemm.c``): the weight
 is packed once into column panels, and each output is one chain of multiply-adds over K in order,
 so a row's result is the same bit for bit whatever else is in the batch. The weight is kept as fp32,
-or as bf16 (``dtype="bfloat16"``: half the bytes to stream, widened to fp32 in registers, so the
-result is bit-equal to the fp32 GEMM on the bf16 values); activations and outputs are fp32.
+or as bf16 or fp16 (a bf16/fp16 checkpoint at ``dtype="auto"``: half the bytes to stream, widened to
+fp32 in registers, exactly, so the result is bit-equal to the fp32 GEMM on the widened values);
+activations and outputs are fp32.
 
 Measured (``python -m benchmarks.cpu_kernels``, weights streamed from memory as in a real step) it
 beats oneDNN's prepacked GEMM at decode sizes (M = 1..64) and matches it on prefills, on AVX-512
@@ -26,9 +27,12 @@ _SIGNATURES = {
     "llmserve_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
     "llmserve_gemm_bf16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
+    "llmserve_gemm_f16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_panel_width": ([], _I32),
 }
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The 16-bit weights' GEMM entry (their packing only moves bits: one function packs both).
+_HALF_GEMM = {torch.bfloat16: "llmserve_gemm_bf16w", torch.float16: "llmserve_gemm_f16w"}
 FASTER_THAN_ONEDNN = ("avx512", "avx2")
 
 
@@ -46,7 +50,7 @@ def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
     """Why the native GEMM would not serve ``dtype`` here (None: it would). ``forced``: asked for by
     name, so a build slower than oneDNN still serves."""
     if dtype not in WEIGHT_DTYPES:
-        return f"{dtype} (the native GEMM keeps fp32 or bf16 weights)"
+        return f"{dtype} (the native GEMM keeps fp32, bf16 or fp16 weights)"
     if library() is None:
         return "no native build (see the log)"
     isa = native_build.chosen_isa()
@@ -57,8 +61,8 @@ def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
 
 class NativeLinear:
     """``F.linear(x, weight, bias)`` on the CPU in fp32, on a weight packed at construction: as fp32,
-    or as bf16 when ``weight`` is bf16 (or ``weight_dtype=torch.bfloat16``: the weight rounded to
-    bf16 first). The output is fp32 either way."""
+    or as bf16 / fp16 when ``weight`` is (or ``weight_dtype`` says: the weight rounded to it first).
+    The output is fp32 either way."""
 
     kind = "native"
 
@@ -76,7 +80,7 @@ class NativeLinear:
         self.weight_dtype = weight_dtype or weight.dtype
         if self.weight_dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise ValueError(
-                "the native GEMM takes a 2-D fp32 or bf16 weight, "
+                "the native GEMM takes a 2-D fp32, bf16 or fp16 weight, "
                 f"got {self.weight_dtype} {tuple(weight.shape)}"
             )
         w = weight.detach().to(self.weight_dtype).contiguous()
@@ -88,7 +92,7 @@ class NativeLinear:
         pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
         pack(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._gemm = lib.llmserve_gemm_f32 if fp32 else lib.llmserve_gemm_bf16w
+        self._gemm = lib.llmserve_gemm_f32 if fp32 else getattr(lib, _HALF_GEMM[self.weight_dtype])
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 

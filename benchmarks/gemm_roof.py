@@ -1,0 +1,221 @@
+"""The linears of a real model against this CPU's compute roof (issue "real-model throughput").
+
+    python -m benchmarks.gemm_roof [--model models/qwen2.5-coder-0.5b] [--hf models/qwen2.5-coder-0.5b-bf16]
+        [--rows 1,16,64,256] [--threads 1,2]
+
+The roof is measured, not looked up: a loop of independent multiply-adds compiled here with the
+same compiler and instruction set as the native kernels (``kernels/cpu/native_build.py``) gives the
+core's fp32 FMA rate (GFLOP/s), and a loop of the int8 dot-product chain the int8-activation kernels
+use (AVX2: ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``; AVX-512 VNNI: ``vpdpbusd``) gives its int8 rate
+(GOP/s, a multiply and an add counted as two ops), each on 1 and 2 threads at once.
+
+Then each linear of the model's first layer and its LM head, as the engine built them from the file
+(the GGUF's blocks on the int8-activation or float kernels; the bf16 directory's weights on the
+native GEMM as the engine's ``auto`` keeps them, and the same weights in fp32), is timed on M rows
+of random activations: achieved GFLOP/s (2 M N K / t) and its fraction of the roof for the
+arithmetic that kernel runs (fp32 FMA for the float kernels, int8 dots for the int8 ones).
+Medians of ``--reps`` calls after a warm-up; the weights of one layer fit the L3 here, which is the
+compute-bound regime this measures (prefill and batched decode); batch-1 streaming is
+``benchmarks/kquant_gemv.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+from kernels.cpu import native_build
+
+PEAK_SRC = r"""
+#include <stdint.h>
+#include <immintrin.h>
+/* fp32: 12 independent chains of 8-wide FMAs (two FMA pipes x their latency in flight), each in
+ * its own register (an array would go through memory). */
+#define F(a) a = _mm256_fmadd_ps(a, x, y)
+double roof_fma(int64_t iters) {
+    __m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.9999f);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
+           a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    for (int64_t it = 0; it < iters; ++it) {
+        __asm__ volatile("" : "+x"(x), "+x"(y));
+        F(a0); F(a1); F(a2); F(a3); F(a4); F(a5); F(a6); F(a7); F(a8); F(a9); F(a10); F(a11);
+        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+        __asm__ volatile("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+    }
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+    return (double)_mm256_cvtss_f32(s);
+}
+/* int8: 6 independent chains of the kernels' 32-byte dot step (u8 x s8 pairs summed to s16, pairs
+ * of those to s32, added), or one vpdpbusd with AVX-512 VNNI; each chain its own operand register,
+ * opaque to the compiler, so that no step is shared or folded. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define D(a, u) a = _mm256_dpbusd_epi32(a, u, s)
+#else
+#define D(a, u) a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
+#endif
+int64_t roof_int8(int64_t iters) {
+    __m256i s = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+    __m256i u0 = _mm256_set1_epi8(3), u1 = u0, u2 = u0, u3 = u0, u4 = u0, u5 = u0;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    (void)ones;
+    for (int64_t it = 0; it < iters; ++it) {
+        __asm__ volatile("" : "+x"(u0), "+x"(u1), "+x"(u2), "+x"(u3), "+x"(u4), "+x"(u5));
+        __asm__ volatile("" : "+x"(s), "+x"(ones));
+        D(a0, u0); D(a1, u1); D(a2, u2); D(a3, u3); D(a4, u4); D(a5, u5);
+        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+    }
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                                 _mm256_add_epi32(a4, a5));
+    return _mm256_extract_epi32(t, 0);
+}
+"""
+FMA_FLOPS_PER_ITER = 12 * 8 * 2
+INT8_OPS_PER_ITER = 6 * 32 * 2
+
+
+def build_roof():
+    isa = native_build.chosen_isa()
+    if isa not in ("avx512", "avx2"):
+        raise SystemExit(f"the roof loops are written for AVX2 / AVX-512; this CPU's build is {isa}")
+    flags = ["-march=native"] if isa == "avx512" else ["-march=x86-64-v3"]
+    out = Path(tempfile.mkdtemp(prefix="llmserve-roof-"))
+    src = out / "roof.c"
+    src.write_text(PEAK_SRC)
+    so = out / "roof.so"
+    cmd = [native_build.compiler(), "-O2", "-shared", "-fPIC", *flags, str(src), "-o", str(so)]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.roof_fma.argtypes, lib.roof_fma.restype = [ctypes.c_int64], ctypes.c_double
+    lib.roof_int8.argtypes, lib.roof_int8.restype = [ctypes.c_int64], ctypes.c_int64
+    return lib, isa
+
+
+def roof(fn, per_iter: int, threads: int, iters: int = 20_000_000) -> float:
+    """Ops/s of ``threads`` copies of the loop at once (ctypes drops the GIL during each call)."""
+    fn(iters // 20)
+    best = 0.0
+    for _ in range(3):
+        ts = [threading.Thread(target=fn, args=(iters,)) for _ in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = max(best, threads * iters * per_iter / (time.perf_counter() - t0))
+    return best
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def model_linears(path: str, dtype: str | None) -> tuple[str, dict]:
+    from engine_svc import EngineConfig
+    from engine_svc.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=path, dtype=dtype, num_kv_blocks=16, device="cpu"))
+    model, layer = engine.model, engine.model.layers[0]
+    lins = {n: getattr(layer, n) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    lins["lm_head"] = model.lm_head_proj
+    return f"{Path(path).name} ({engine.dtype})".replace("torch.", ""), lins
+
+
+def kernel_name(lin) -> tuple[str, bool]:
+    """(what runs, whether its arithmetic is int8 dots)."""
+    kind = getattr(lin, "kind", "dense")
+    if kind == "quantized_int8act":
+        return f"int8act {getattr(lin, 'fmt', getattr(getattr(lin, 'blocks', None), 'fmt', '?'))}", True
+    if kind == "native":
+        return f"native {str(getattr(lin, 'weight_dtype', '')).removeprefix('torch.')}", False
+    return kind, False
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/qwen2.5-coder-0.5b", help="a GGUF file or its folder")
+    ap.add_argument("--hf", default="models/qwen2.5-coder-0.5b-bf16", help="a bf16 HF dir ('' to skip)")
+    ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    lib, isa = build_roof()
+    roofs = {}
+    for t in threads:
+        roofs[t] = dict(
+            fp32_gflops=roof(lib.roof_fma, FMA_FLOPS_PER_ITER, t) / 1e9,
+            int8_gops=roof(lib.roof_int8, INT8_OPS_PER_ITER, t) / 1e9,
+        )
+        print(
+            f"roof ({isa}, {t} thread(s)): fp32 FMA {roofs[t]['fp32_gflops']:.0f} GFLOP/s, "
+            f"int8 dots {roofs[t]['int8_gops']:.0f} GOP/s",
+            flush=True,
+        )
+    models = [(args.model, None)]
+    if args.hf:
+        models += [(args.hf, None), (args.hf, "float32")]
+    figures = []
+    for path, dtype in models:
+        label, lins = model_linears(path, dtype)
+        for name, lin in lins.items():
+            n, k = lin_shape(lin)
+            kname, int8 = kernel_name(lin)
+            for t in threads:
+                torch.set_num_threads(t)
+                peak = roofs[t]["int8_gops" if int8 else "fp32_gflops"]
+                for m in rows:
+                    x = torch.randn(m, k)
+                    s = timed(lambda lin=lin, x=x: lin(x), args.reps)
+                    gf = 2 * m * n * k / s / 1e9
+                    figures.append(
+                        dict(
+                            model=label,
+                            linear=name,
+                            kernel=kname,
+                            n=n,
+                            k=k,
+                            m=m,
+                            threads=t,
+                            gflops=gf,
+                            roof_fraction=gf / peak,
+                        )
+                    )
+                    print(
+                        f"  {label:>40} {name:>12} {kname:>16} N={n:<6} K={k:<5} M={m:<4} t={t}: "
+                        f"{gf:6.1f} GFLOP/s = {gf / peak:5.2f} of the {'int8' if int8 else 'fp32'} roof",
+                        flush=True,
+                    )
+    doc = dict(isa=isa, roofs=roofs, figures=figures)
+    path = common.write_json(args.results_dir / "gemm_roof.json", doc)
+    print(f"wrote {path}")
+    return doc
+
+
+def lin_shape(lin) -> tuple[int, int]:
+    for n_attr, k_attr in (("out_features", "in_features"), ("n", "k")):
+        if hasattr(lin, n_attr) and hasattr(lin, k_attr):
+            return int(getattr(lin, n_attr)), int(getattr(lin, k_attr))
+    return tuple(lin.weight.shape)
+
+
+if __name__ == "__main__":
+    main()
