@@ -49,7 +49,12 @@ _GGUF_ARCH = {
 }
 # Routed experts: each expert's HF tensor -> GGUF's stacked tensor of every expert ([E, rows, cols])
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps"}
+_STACKED = {
+    "gate_proj": "ffn_gate_exps",
+    "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps",
+}
 _STACKED |= {"down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _GEMMA = ("gemma2", "gemma3")
 # Gemma 3's names where they differ from the Llama family's (llama.cpp's converter)

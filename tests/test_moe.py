@@ -11,7 +11,6 @@ not built refuses naming the field or the feature."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -35,10 +34,14 @@ from tests.engine_helpers import (
 VOCAB = 1024
 MAX_NEW = 10
 LENGTHS = [1, 5, 8, 9, 17, 40]
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+SHAPE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+)
 MODELS = {
     # layer 1 dense (mlp_only_layers), layers 0 and 2 with 8 experts of 32, top-2 renormalised
-    "qwen3_moe": dict(SHAPE, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen3_moe": dict(
+        SHAPE, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True
+    ),
     # 6 experts of 64 on every layer, a 16-token sliding window served on each
     "mixtral": dict(SHAPE, intermediate_size=64, num_local_experts=6, sliding_window=16),
 }
@@ -48,7 +51,9 @@ MODELS = {
 def moe(request, tmp_path_factory, trained_tokenizer_dir):
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
-    model_dir = random_model(root / "hf", trained_tokenizer_dir, arch, seed=39, vocab_size=VOCAB, **MODELS[arch])
+    model_dir = random_model(
+        root / "hf", trained_tokenizer_dir, arch, seed=39, vocab_size=VOCAB, **MODELS[arch]
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     prompts, refs = hf_reference_prompts(hf, LENGTHS, VOCAB, MAX_NEW)
     return arch, model_dir, hf, prompts, refs
@@ -71,7 +76,9 @@ def test_each_experts_tensors_land_where_hf_has_them(moe):
     assert kinds == ([True, False, True] if arch == "qwen3_moe" else [True] * 3)
     for ours, theirs in zip(model.layers, hf.model.layers, strict=True):
         if ours.experts is None:
-            assert torch.equal(ours.gate_up_weight, torch.cat([theirs.mlp.gate_proj.weight, theirs.mlp.up_proj.weight]))
+            assert torch.equal(
+                ours.gate_up_weight, torch.cat([theirs.mlp.gate_proj.weight, theirs.mlp.up_proj.weight])
+            )
             continue
         mlp = theirs.mlp  # transformers 5: the experts stacked, gate rows then up rows
         assert torch.equal(ours.experts.router_weight, mlp.gate.weight)
@@ -143,7 +150,9 @@ def test_a_request_is_bitwise_its_solo_run_whatever_its_experts_share(moe, quant
     model = model_dir
     if quantized:
         model = write_gguf(model_dir, tmp_path / f"tiny-{arch}-q8_0.gguf", "Q8_0")
-    options = dict(block_size=8, max_num_batched_tokens=24, quantized_activations="int8" if quantized else "none")
+    options = dict(
+        block_size=8, max_num_batched_tokens=24, quantized_activations="int8" if quantized else "none"
+    )
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     target = prompts[4]  # 17 tokens: chunked under the budget
     seen = _recording_counts(monkeypatch)
@@ -151,8 +160,10 @@ def test_a_request_is_bitwise_its_solo_run_whatever_its_experts_share(moe, quant
     solo_counts = set(seen)
     seen.clear()
     rng = random.Random(7)
-    others = {f"o{i}": (p, SamplingParams(temperature=0.0, max_tokens=rng.randint(2, MAX_NEW), ignore_eos=True))
-              for i, p in enumerate(rng.sample(prompts, 5))}  # fmt: skip
+    others = {
+        f"o{i}": (p, SamplingParams(temperature=0.0, max_tokens=rng.randint(2, MAX_NEW), ignore_eos=True))
+        for i, p in enumerate(rng.sample(prompts, 5))
+    }
     mixed = _tokens_and_logprobs(make_engine(model, **options), {**others, "target": (target, params)})
     assert mixed["target"] == solo["target"]
     assert len(solo["target"][1]) == MAX_NEW
@@ -164,43 +175,51 @@ def test_random_mixes_equal_their_solo_runs(moe):
     from tests.test_batch_invariance import EXAMPLES, explore
 
     required = ("chunked prefills", "prefix-hit tokens", "general steps")
-    explore(moe[1], max(6, EXAMPLES // 4), {"speculative_config": None, "max_num_batched_tokens": 16}, required)
+    explore(
+        moe[1], max(6, EXAMPLES // 4), {"speculative_config": None, "max_num_batched_tokens": 16}, required
+    )
 
 
 @pytest.fixture(scope="module")
-def moe_gguf(moe, tmp_path_factory, trained_tokenizer_dir):
-    """The model as an F32 GGUF file; Qwen3-MoE as llama.cpp's qwen3moe has it (every layer routed:
-    its graph has no dense layers), so a model of that shape is built for it."""
+def moe_gguf(moe, tmp_path_factory):
     from tests.gguf_files import write_gguf
 
     arch, model_dir, hf, prompts, refs = moe
-    root = tmp_path_factory.mktemp(f"{arch}_gguf")
-    if arch == "qwen3_moe":
-        shape = {**MODELS[arch], "mlp_only_layers": []}
-        model_dir = random_model(root / "hf", trained_tokenizer_dir, arch, seed=40, vocab_size=VOCAB, **shape)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-        refs = hf_reference_prompts(hf, LENGTHS, VOCAB, MAX_NEW)[1]
-    path = write_gguf(model_dir, root / f"tiny-{arch}-f32.gguf", "F32")
+    path = write_gguf(model_dir, tmp_path_factory.mktemp(f"{arch}_gguf") / f"tiny-{arch}-f32.gguf", "F32")
     return arch, model_dir, hf, prompts, refs, path
 
 
 def test_gguf_of_it_gives_hfs_tokens(moe_gguf):
-    """Qwen3-MoE: transformers' own GGUF loader (the independent reader) reads the stacked experts
-    back to HF's weights; Mixtral (written as llama with experts, which transformers does not read):
-    HF's tokens on the original weights are the check."""
+    """Our reader of the stacked experts (and, for Qwen3-MoE, of a dense layer among them, which
+    llama.cpp's qwen3moe graph does not have: a layer without ``ffn_gate_inp`` reads as dense)."""
     arch, model_dir, hf, prompts, refs, path = moe_gguf
-    if arch == "qwen3_moe":
-        cfg = json.loads((model_dir / "config.json").read_text())
-        # (transformers' GGUF config for qwen3moe maps no expert width and defaults the pad id)
-        theirs = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, pad_token_id=0,
-            moe_intermediate_size=cfg["moe_intermediate_size"],
-        ).state_dict()  # fmt: skip
-        for name, tensor in hf.state_dict().items():
-            assert torch.equal(theirs[name], tensor), name
     spec = ModelSpec.from_path(path)
     assert spec.architecture == hf.config.architectures[0]
+    assert [e is not None for e in spec.layer_experts] == [
+        e is not None for e in ModelSpec.from_path(model_dir).layer_experts
+    ]
     check_greedy_equals_hf(path, hf, prompts, refs, MAX_NEW, block_size=8, max_num_batched_tokens=16)
+
+
+def test_transformers_reads_the_stacked_experts_back(tmp_path, trained_tokenizer_dir):
+    """The writer checked by an independent reader: transformers' own GGUF loader reads a
+    qwen3moe file (every layer routed, as llama.cpp has it) back to HF's weights. (Mixtral is
+    written as llama with experts, which transformers does not read; its tokens above are the check.)"""
+    from tests.gguf_files import write_gguf
+
+    shape = {**MODELS["qwen3_moe"], "mlp_only_layers": [], "num_hidden_layers": 2}
+    model_dir = random_model(
+        tmp_path / "hf", trained_tokenizer_dir, "qwen3_moe", seed=40, vocab_size=VOCAB, **shape
+    )
+    path = write_gguf(model_dir, tmp_path / "tiny-qwen3moe-f32.gguf", "F32")
+    # (transformers' GGUF config for qwen3moe maps no expert width, and defaults the pad id)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, pad_token_id=0, moe_intermediate_size=32
+    ).state_dict()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").state_dict()
+    assert hf.keys() == theirs.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(theirs[name], tensor), name
 
 
 def test_q8_0_file_serves_each_expert_from_its_row_range_of_the_blocks(moe_gguf, tmp_path):
@@ -213,7 +232,11 @@ def test_q8_0_file_serves_each_expert_from_its_row_range_of_the_blocks(moe_gguf,
     blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
     floats = make_engine(path, num_kv_blocks=64, quantization="none")
     for a, b in zip(blocks.model.layers, floats.model.layers, strict=True):
-        pairs = list(zip(a.experts.gate_up_projs + a.experts.down_projs, b.experts.gate_up_projs + b.experts.down_projs))
+        if a.experts is None:  # Qwen3-MoE's dense layer
+            assert a.gate_up_proj.fmt == "Q8_0"
+            continue
+        ours_all = a.experts.gate_up_projs + a.experts.down_projs
+        pairs = list(zip(ours_all, b.experts.gate_up_projs + b.experts.down_projs, strict=True))
         assert len(pairs) == 2 * a.experts.count
         for ours, theirs in pairs:
             assert ours.fmt == "Q8_0"

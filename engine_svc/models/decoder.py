@@ -105,8 +105,12 @@ class DecoderLayer(_TracksLayout, nn.Module):
         # The MLP: routed experts (a mixture-of-experts layer) or one dense gated MLP
         self.experts = None if experts is None else RoutedExperts(experts, h, dtype, self.gelu)
         dense = experts is None
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, h, dtype=dtype), requires_grad=False) if dense else None
-        self.down_weight = nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False) if dense else None
+        self.gate_up_weight = (
+            nn.Parameter(torch.empty(2 * inter, h, dtype=dtype), requires_grad=False) if dense else None
+        )
+        self.down_weight = (
+            nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False) if dense else None
+        )
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         sandwich = spec.sandwich_norms

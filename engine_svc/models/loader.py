@@ -133,7 +133,9 @@ def _assign_expert(layer, name: str, slot: str, expert: int | None, tensor: torc
             start, rows = {"experts.gate": (0, inter), "experts.up": (inter, inter)}.get(slot, (0, 2 * inter))
             target = experts.gate_up_weights[e].data.narrow(0, start, rows)
         if tuple(part.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: shape {tuple(part.shape)} per expert, the config needs {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(part.shape)} per expert, the config needs {tuple(target.shape)}"
+            )
         _copy(target, part)
     return True
 

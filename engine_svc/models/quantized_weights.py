@@ -125,7 +125,9 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         log.debug("tensor %s (%s %s): served from its blocks", t.gguf_name, t.type_name, t.shape)
         if len(t.shape) == 3:  # stacked experts [E, rows, cols]: each expert its row range of the blocks
             count, rows, cols = t.shape
-            qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data.reshape(count * rows, -1), (count * rows, cols))
+            qw = quant_gemm.from_gguf_blocks(
+                t.type_name, t._reader_tensor.data.reshape(count * rows, -1), (count * rows, cols)
+            )
             parts[t.hf_name] = [qw.rows(slice(e * rows, (e + 1) * rows)) for e in range(count)]
             continue
         qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data, t.shape)

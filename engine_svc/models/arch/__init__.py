@@ -129,7 +129,9 @@ class Experts:
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.count:
-            raise ValueError(f"num_experts_per_tok {self.top_k} must be 1..{self.count} (the number of experts)")
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be 1..{self.count} (the number of experts)"
+            )
 
 
 def no_experts(cfg: dict) -> tuple[Experts | None, ...]:
@@ -231,7 +233,15 @@ def register(arch: Architecture) -> Architecture:
 
 def _load_all() -> None:
     from engine_svc.models.arch import (  # noqa: F401
-        gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe,
+        gemma2,
+        gemma3,
+        llama,
+        mistral,
+        mixtral,
+        phi3,
+        qwen2,
+        qwen3,
+        qwen3_moe,
     )  # fmt: skip
 
 
@@ -255,7 +265,7 @@ def names() -> list[str]:
 
 def gguf_names() -> list[str]:
     _load_all()
-    return sorted(a.gguf for a in _REGISTRY.values() if a.gguf)
+    return sorted({a.gguf for a in _REGISTRY.values() if a.gguf})  # (Mixtral shares llama's)
 
 
 def refuse_untested(arch: Architecture, wanted: dict[str, bool]) -> None:

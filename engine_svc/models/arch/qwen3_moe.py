@@ -47,14 +47,14 @@ def experts(cfg: dict) -> tuple[Experts | None, ...]:
             f"shared_expert_intermediate_size {cfg['shared_expert_intermediate_size']}: a shared expert "
             "(Qwen2-MoE's) is not supported"
         )
-    count = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # (transformers 5 writes the latter)
+    count = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # (transformers 5: the latter)
     step = cfg.get("decoder_sparse_step") or 1
     dense = set(cfg.get("mlp_only_layers") or ())
-    kind = Experts(
-        count, cfg.get("num_experts_per_tok", 1), cfg.get("moe_intermediate_size") or 0, bool(cfg.get("norm_topk_prob"))
-    ) if count else None  # fmt: skip
+    top_k, width = cfg.get("num_experts_per_tok", 1), cfg.get("moe_intermediate_size") or 0
+    kind = Experts(count, top_k, width, bool(cfg.get("norm_topk_prob"))) if count else None
     return tuple(
-        kind if kind and i not in dense and (i + 1) % step == 0 else None for i in range(cfg["num_hidden_layers"])
+        kind if kind and i not in dense and (i + 1) % step == 0 else None
+        for i in range(cfg["num_hidden_layers"])
     )
 
 
