@@ -276,3 +276,27 @@ def test_what_is_not_built_refuses_naming_the_field(change, words):
 def test_untested_features_refuse_it_at_start(moe, option, words):
     with pytest.raises(ValueError, match=f"{words}.*{moe[2].config.architectures[0]}"):
         LLMEngine(EngineConfig(model=str(moe[1]), num_kv_blocks=64, **option))
+
+
+def test_k_quant_experts_are_served_from_their_blocks(tmp_path, trained_tokenizer_dir):
+    """A real MoE GGUF keeps its experts in K-quants (256-value super-blocks): each expert's rows
+    of a stacked Q4_K tensor run on the quantized GEMM, bit-equal to the dequantized file's fp32
+    GEMMs, and the tokens are the same."""
+    from tests.gguf_files import write_gguf
+
+    shape = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, num_experts=4, moe_intermediate_size=256, mlp_only_layers=[])
+    model_dir = random_model(
+        tmp_path / "hf", trained_tokenizer_dir, "qwen3_moe", seed=3, vocab_size=VOCAB, **shape
+    )
+    path = write_gguf(model_dir, tmp_path / "tiny-qwen3moe-q4_k.gguf", "Q4_K")
+    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
+    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    a, b = blocks.model.layers[0].experts, floats.model.layers[0].experts
+    for ours, theirs in zip(a.gate_up_projs + a.down_projs, b.gate_up_projs + b.down_projs, strict=True):
+        assert ours.fmt == "Q4_K"
+        inp = torch.randn(5, ours.in_features)
+        assert torch.equal(ours(inp), theirs(inp))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = {str(i): ([5 + i, 9, 33, 70 + i], params) for i in range(3)}
+    assert run_to_completion(blocks, requests) == run_to_completion(floats, requests)
