@@ -87,6 +87,29 @@ def test_each_experts_tensors_land_where_hf_has_them(moe):
             assert torch.equal(ours.experts.down_weights[e], mlp.experts.down_proj[e])
 
 
+def test_the_stacked_form_transformers_5_holds_loads_the_same(moe, tmp_path):
+    """A checkpoint of transformers 5's in-memory names (``mlp.experts.gate_up_proj`` ``[E, 2W, h]``,
+    ``mlp.experts.down_proj``, Mixtral's router as ``mlp.gate``) loads to the same parameters."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine_svc.models.decoder import DecoderForCausalLM
+    from engine_svc.models.loader import load_weights
+
+    _, model_dir, hf, _, _ = moe
+    stacked = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in stacked)
+    save_file(stacked, str(tmp_path / "model.safetensors"))
+    shutil.copy(model_dir / "config.json", tmp_path / "config.json")
+    spec = ModelSpec.from_path(model_dir)
+    models = [DecoderForCausalLM(spec, torch.float32, 64) for _ in range(2)]
+    load_weights(models[0], model_dir)
+    load_weights(models[1], tmp_path)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
 def test_greedy_equals_hf_batched_and_chunked(moe, block_size, budget):
     engine = _check(moe, block_size=block_size, max_num_batched_tokens=budget)

@@ -141,10 +141,14 @@ def _assign_expert(layer, name: str, slot: str, expert: int | None, tensor: torc
 
 
 def expert_names_covered(model: DecoderForCausalLM, name: str) -> list[str]:
-    """The per-expert names (``full_shapes``' spelling) that the HF tensor ``name`` fills: itself
-    for a per-expert tensor, each expert's for a stacked one; [] for any other tensor."""
+    """The names (``full_shapes``' spelling) that the HF tensor ``name`` fills: itself for a
+    per-expert tensor, each expert's for a stacked one, the router's first spelling for any
+    router; [] for any other tensor."""
     m = _LAYER.match(name)
-    found = model.spec.arch.expert_slot(m.group(2)) if m else None
+    decl = model.spec.arch
+    if m and decl.layer_weights.get(m.group(2)) == "router.weight":  # a router of another spelling
+        return [f"model.layers.{m.group(1)}.{_router_name(decl)}"]
+    found = decl.expert_slot(m.group(2)) if m else None
     if found is None:
         return []
     slot, expert = found

@@ -55,6 +55,7 @@ MIXTRAL = register(
         layer_weights={
             **{k: v for k, v in LLAMA_LAYER_WEIGHTS.items() if k not in _DENSE_MLP},
             "block_sparse_moe.gate.weight": "router.weight",
+            "mlp.gate.weight": "router.weight",  # (transformers 5's spelling)
         },
         gguf_names={
             **{k: v for k, v in LLAMA_GGUF_NAMES.items() if v not in _DENSE_MLP},
