@@ -323,3 +323,19 @@ def test_k_quant_experts_are_served_from_their_blocks(tmp_path, trained_tokenize
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     requests = {str(i): ([5 + i, 9, 33, 70 + i], params) for i in range(3)}
     assert run_to_completion(blocks, requests) == run_to_completion(floats, requests)
+
+
+def test_qwen3_moe_without_renormalisation_and_a_sparse_step_equals_hf(tmp_path, trained_tokenizer_dir):
+    """``norm_topk_prob`` false (the top-k softmax weights as they are) and ``decoder_sparse_step``
+    2 (routed experts on every second layer): still HF's tokens."""
+    shape = {**MODELS["qwen3_moe"], "norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}
+    model_dir = random_model(
+        tmp_path / "hf", trained_tokenizer_dir, "qwen3_moe", seed=5, vocab_size=VOCAB, **shape
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    prompts, refs = hf_reference_prompts(hf, [1, 9, 17], VOCAB, MAX_NEW)
+    engine = check_greedy_equals_hf(
+        model_dir, hf, prompts, refs, MAX_NEW, block_size=8, max_num_batched_tokens=16
+    )
+    assert [layer.experts is not None for layer in engine.model.layers] == [False, True, False]
+    assert not engine.model.layers[1].experts.renormalize
