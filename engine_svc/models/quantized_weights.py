@@ -100,6 +100,9 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
         if key != EMBED:
             made[qw.fmt] += 1
     summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
+    experts = sum(1 for key in blocks if _expert_of(key) is not None)
+    if experts:  # each expert's rows of the file's stacked ffn_*_exps blocks
+        summary += f", of which {experts} routed experts' linears"
     if skipped:
         summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
     return summary
