@@ -11,6 +11,7 @@ pattern of the packed quants is a valid block.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,18 @@ _GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
     "phi3": "phi3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with expert_count
 }
+# Routed experts: each expert's HF tensor -> GGUF's stacked tensor of every expert ([E, rows, cols])
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_STACKED = {
+    "gate_proj": "ffn_gate_exps",
+    "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps",
+}
+_STACKED |= {"down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _GEMMA = ("gemma2", "gemma3")
 # Gemma 3's names where they differ from the Llama family's (llama.cpp's converter)
 _GEMMA3_NAMES = {
@@ -81,6 +93,8 @@ def gguf_name(hf_name: str, g_arch: str = "llama") -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
+    if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):  # a routed-experts layer's router
+        return f"blk.{index}.ffn_gate_inp.weight"
     names = {**_NAMES, **_GEMMA3_NAMES} if g_arch in _GEMMA else _NAMES
     if g_arch == "phi3":
         names = {**_NAMES, **_PHI3_NAMES}
@@ -134,11 +148,26 @@ def write_gguf(
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if g_arch not in _GEMMA and cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        w.add_sliding_window(cfg["sliding_window"])  # (Mixtral's, served on every layer)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, model_dir, cfg)
     weights = load_file(str(model_dir / "model.safetensors"))
     permuted = g_arch == "llama"
+    stacked: dict[str, dict[int, np.ndarray]] = {}
+    for name in [n for n in weights if _EXPERT.match(n)]:
+        layer, expert, proj = _EXPERT.match(name).groups()
+        stacked.setdefault(f"blk.{layer}.{_STACKED[proj]}.weight", {})[int(expert)] = weights.pop(name)
+    for i, (g_name, by_expert) in enumerate(sorted(stacked.items())):
+        array = np.stack([by_expert[e] for e in sorted(by_expert)]).astype(np.float32)
+        _add_tensor(w, g_name, array, (types or {}).get(g_name, type_name), seed=10_000 + i)
     for i, (name, tensor) in enumerate(sorted(weights.items())):
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -150,7 +179,8 @@ def write_gguf(
         if g_arch in _GEMMA and name.endswith("norm.weight"):
             array = array + 1.0  # the converter stores Gemma's (1 + w) norms with the one added
         g_name = gguf_name(name, g_arch)
-        kind = (types or {}).get(g_name, type_name) if array.ndim == 2 else "F32"
+        router = g_name.endswith("ffn_gate_inp.weight")  # llama.cpp keeps the router in F32
+        kind = (types or {}).get(g_name, type_name) if array.ndim == 2 and not router else "F32"
         _add_tensor(w, g_name, array, kind, seed=i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -166,7 +196,9 @@ def _add_tensor(w: GGUFWriter, name: str, array: np.ndarray, type_name: str, see
     elif type_name == "F16":
         w.add_tensor(name, array.astype(np.float16))
     elif type_name in _K_SCALE_FIELDS:
-        w.add_tensor(name, random_k_blocks(*array.shape, type_name, seed), raw_dtype=qtype)
+        rows = int(np.prod(array.shape[:-1]))  # stacked experts: every expert's rows
+        blocks = random_k_blocks(rows, array.shape[-1], type_name, seed)
+        w.add_tensor(name, blocks.reshape(*array.shape[:-1], -1), raw_dtype=qtype)
     else:
         w.add_tensor(name, quants.quantize(array, qtype), raw_dtype=qtype)
 

@@ -24,7 +24,13 @@ ARCH_DEFAULTS: dict[str, dict] = {
     "phi3": {"sliding_window": None},
     # Gemma 2: local and global layers alternating, soft-capped attention scores and logits
     "gemma2": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
-}
+    # routed experts (mixture of experts): 8 of width 32, two a token; layer 1 a dense MLP
+    "qwen3_moe": {
+        "head_dim": None, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+    },
+    "mixtral": {"sliding_window": None, "num_local_experts": 6, "num_experts_per_tok": 2},
+}  # fmt: skip
 # transformers' model_type where it differs from the name here
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 
@@ -49,7 +55,7 @@ def make_config(arch: str, **overrides):
         **ARCH_DEFAULTS[arch],
     }
     fields.update(overrides)
-    if arch in ("qwen3", "gemma3", "gemma2") and fields.get("head_dim") is None:
+    if arch in ("qwen3", "qwen3_moe", "gemma3", "gemma2") and fields.get("head_dim") is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     if arch == "qwen2":
         fields.setdefault("use_sliding_window", False)

@@ -12,6 +12,7 @@ Python loop below."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from engine_svc.kv_groups import layout_of
 from engine_svc.models import layer_progress
+from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.backend import Kernels
@@ -34,6 +36,10 @@ from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 # parameter's storage (``param.data = t``) is not seen: ``prepare_linears`` after it, as after
 # any weight change, rebuilds the loop.
 _LAYOUT = [0]
+log = logging.getLogger(__name__)
+# Why a model with routed experts runs the Python layer loop: the native loop has no routed MLP
+# (docs/architecture.md, "Routed experts"); each expert's GEMMs are native kernels all the same.
+ROUTED_EXPERTS_REASON = "routed experts (mixture of experts): the native layer loop has no routed MLP"
 _NOT_LAYOUT = frozenset(("_kv_of", "_kv_views", "_native_loop", "_native_loop_layout", "native_loop_reason"))
 
 
@@ -94,8 +100,17 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if spec.o_bias else None
         self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False) if spec.qk_norm else None
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, h, dtype=dtype), requires_grad=False)
-        self.down_weight = nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False)
+        experts = spec.layer_experts[index] if spec.layer_experts else None
+        self.gelu = spec.activation == "gelu_tanh"  # else SiLU
+        # The MLP: routed experts (a mixture-of-experts layer) or one dense gated MLP
+        self.experts = None if experts is None else RoutedExperts(experts, h, dtype, self.gelu)
+        dense = experts is None
+        self.gate_up_weight = (
+            nn.Parameter(torch.empty(2 * inter, h, dtype=dtype), requires_grad=False) if dense else None
+        )
+        self.down_weight = (
+            nn.Parameter(torch.empty(h, inter, dtype=dtype), requires_grad=False) if dense else None
+        )
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         sandwich = spec.sandwich_norms
@@ -105,7 +120,6 @@ class DecoderLayer(_TracksLayout, nn.Module):
         self.mlp_out_norm = (
             nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False) if sandwich else None
         )
-        self.gelu = spec.activation == "gelu_tanh"  # else SiLU
         self.eps = spec.rms_norm_eps
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         kind = spec.layer_attention[index] if spec.layer_attention else None
@@ -123,6 +137,10 @@ class DecoderLayer(_TracksLayout, nn.Module):
         then frees the parameters that a packed linear copied (``models/float_weights.py``)."""
         self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
         self.o_proj = make_linear(backend, self.o_weight)
+        if self.experts is not None:
+            self.experts.prepare_linears(backend)
+            self.gate_up_proj = self.down_proj = None
+            return
         self.gate_up_proj = make_linear(backend, self.gate_up_weight)
         self.down_proj = make_linear(backend, self.down_weight)
 
@@ -132,9 +150,12 @@ class DecoderLayer(_TracksLayout, nn.Module):
         if self.attn_out_norm is not None:
             x = k.rms_norm(x, self.attn_out_norm, self.eps)[0]
         x, residual = k.rms_norm(x, self.post_attn_norm, self.eps, residual)
-        gate_up = self.gate_up_proj(x)
-        h = k.gelu_tanh_and_mul(gate_up) if self.gelu else k.silu_and_mul(gate_up)
-        out = self.shard.all_reduce(self.down_proj(h))
+        if self.experts is not None:
+            out = self.experts(k, x)  # unsharded: tensor parallelism refuses experts at start
+        else:
+            gate_up = self.gate_up_proj(x)
+            h = k.gelu_tanh_and_mul(gate_up) if self.gelu else k.silu_and_mul(gate_up)
+            out = self.shard.all_reduce(self.down_proj(h))
         if self.mlp_out_norm is not None:
             out = k.rms_norm(out, self.mlp_out_norm, self.eps)[0]
         return out, residual
@@ -278,6 +299,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
             reason = "no layers"
         elif any(layer.eps != self.spec.rms_norm_eps or layer.scale != first.scale for layer in self.layers):
             reason = "layers differ in eps or scale"
+        elif any(layer.experts is not None for layer in self.layers):
+            reason = ROUTED_EXPERTS_REASON
         else:
             shape = native_decoder.Shape(
                 hidden=self.spec.hidden_size,
@@ -315,6 +338,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
                 reason = built
             else:
                 self._native_loop = built
+        if reason == ROUTED_EXPERTS_REASON and self.native_loop_reason != reason:
+            log.info("layer loop: Python (%s)", reason)
         self.native_loop_reason = reason
         self._native_loop_layout = _LAYOUT[0]
 

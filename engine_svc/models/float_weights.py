@@ -41,6 +41,10 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
     for key, param in linear_weights(model).items():
         if key == "lm_head":
             out.append(("embed" if model.lm_head is None else "lm_head", param, model.lm_head_proj))
+        elif key.count(".") == 4:  # an expert's: layers.{i}.experts.{e}.{gate_up,down}_weight
+            _, i, _, e, weight = key.split(".")
+            linears = getattr(model.layers[int(i)].experts, weight.replace("_weight", "_projs"))
+            out.append((key, param, linears[int(e)]))
         else:
             _, i, weight = key.split(".")
             out.append((key, param, getattr(model.layers[int(i)], weight.replace("_weight", "_proj"))))
@@ -115,8 +119,13 @@ def linear_shapes(model) -> dict[str, tuple[int, int]]:
         inter = layer.shard.intermediate(spec)
         out[f"layers.{i}.qkv_weight"] = (q + 2 * kv, h)
         out[f"layers.{i}.o_weight"] = (h, q)
-        out[f"layers.{i}.gate_up_weight"] = (2 * inter, h)
-        out[f"layers.{i}.down_weight"] = (h, inter)
+        if layer.experts is None:
+            out[f"layers.{i}.gate_up_weight"] = (2 * inter, h)
+            out[f"layers.{i}.down_weight"] = (h, inter)
+        else:
+            for e in range(layer.experts.count):
+                out[f"layers.{i}.experts.{e}.gate_up_weight"] = (2 * layer.experts.inter, h)
+                out[f"layers.{i}.experts.{e}.down_weight"] = (h, layer.experts.inter)
     start, end = model.shard.vocab_range(spec)
     out["lm_head"] = (end - start, h)  # this rank's vocabulary rows
     return out

@@ -81,7 +81,8 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self.reader = _open_reader(self.path)
         self.architecture = self.field("general.architecture")
-        self.declaration = archs.by_gguf(self.architecture)
+        experts = bool(self.field(f"{self.architecture}.expert_count"))  # Mixtral is written as llama
+        self.declaration = archs.by_gguf(self.architecture, experts)
         if self.declaration is None:
             raise ValueError(
                 f"GGUF file {self.path.name} has architecture {self.architecture!r}; supported: "

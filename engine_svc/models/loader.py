@@ -28,12 +28,13 @@ def load_weights(
     where = resolve_model_path(model_path)
     tensors = _read_gguf(where.gguf, unread) if where.is_gguf else _read_safetensors(where.root)
     shapes = full_shapes(model)
-    loaded = set(unread)
+    loaded = set(unread) | {n for name in unread for n in expert_names_covered(model, name)}
     for name, source, tensor in tensors:
         if name in shapes and tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{source}: shape {tuple(tensor.shape)}, the config needs {shapes[name]}")
         if assign(model, name, tensor):
             loaded.add(name)
+            loaded.update(expert_names_covered(model, name))
     missing = set(shapes) - loaded
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
@@ -107,8 +108,59 @@ def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:
             _assign_slot(model, layer, slot, part)
             for slot, part in zip(fused, tensor.split(sizes), strict=True)
         )
+    found = decl.expert_slot(m.group(2))
+    if found is not None:
+        return layer.experts is not None and _assign_expert(layer, name, *found, tensor)
     slot = decl.layer_weights.get(m.group(2))
     return slot is not None and _assign_slot(model, layer, slot, tensor)
+
+
+def _assign_expert(layer, name: str, slot: str, expert: int | None, tensor: torch.Tensor) -> bool:
+    """One expert's tensor (``expert`` its index) or every expert's stacked (``expert`` None) into
+    the layer's routed experts: gate rows then up rows of each expert's gate/up, its down."""
+    experts = layer.experts
+    chosen = range(experts.count) if expert is None else [expert]
+    if expert is not None and expert >= experts.count:
+        raise ValueError(f"{name}: expert {expert}, the config has {experts.count} (num_experts)")
+    if expert is None and tensor.shape[0] != experts.count:
+        raise ValueError(f"{name}: {tensor.shape[0]} experts stacked, the config has {experts.count}")
+    inter = experts.inter
+    for e in chosen:
+        part = tensor if expert is not None else tensor[e]
+        if slot == "experts.down":
+            target = experts.down_weights[e].data
+        else:
+            start, rows = {"experts.gate": (0, inter), "experts.up": (inter, inter)}.get(slot, (0, 2 * inter))
+            target = experts.gate_up_weights[e].data.narrow(0, start, rows)
+        if tuple(part.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(part.shape)} per expert, the config needs {tuple(target.shape)}"
+            )
+        _copy(target, part)
+    return True
+
+
+def expert_names_covered(model: DecoderForCausalLM, name: str) -> list[str]:
+    """The names (``full_shapes``' spelling) that the HF tensor ``name`` fills: itself for a
+    per-expert tensor, each expert's for a stacked one, the router's first spelling for any
+    router; [] for any other tensor."""
+    m = _LAYER.match(name)
+    decl = model.spec.arch
+    if m and decl.layer_weights.get(m.group(2)) == "router.weight":  # a router of another spelling
+        return [f"model.layers.{m.group(1)}.{_router_name(decl)}"]
+    found = decl.expert_slot(m.group(2)) if m else None
+    if found is None:
+        return []
+    slot, expert = found
+    experts = range(model.spec.layer_experts[int(m.group(1))].count) if expert is None else [expert]
+    slots = ("experts.gate", "experts.up") if slot == "experts.gate_up" else (slot,)
+    return [_expert_name(model.spec.arch, int(m.group(1)), sl, e) for sl in slots for e in experts]
+
+
+def _expert_name(decl, layer: int, slot: str, expert: int) -> str:
+    """The declaration's per-expert HF name of ``slot`` (its first ``{e}`` pattern)."""
+    pattern = next(p for p, sl in decl.expert_weights.items() if sl == slot and "{e}" in p)
+    return f"model.layers.{layer}.{pattern.format(e=expert)}"
 
 
 def _assign_slot(model: DecoderForCausalLM, layer, slot: str, tensor: torch.Tensor) -> bool:
@@ -141,6 +193,8 @@ def _assign_slot(model: DecoderForCausalLM, layer, slot: str, tensor: torch.Tens
         return _copy(layer.down_weight, tensor.narrow(1, shard.rank * inter, inter))
     if slot == "o_proj.bias":
         return layer.o_bias is not None and _copy(layer.o_bias, tensor)
+    if slot == "router.weight":
+        return layer.experts is not None and _copy(layer.experts.router_weight, tensor)
     norm = _norm_params(layer).get(slot)
     return norm is not None and _copy(norm, _with_offset(tensor, decl.norm_offset))
 
@@ -213,6 +267,28 @@ def full_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
     for name, slots in s.arch.fused_weights.items():  # a fused tensor: its slots' rows stacked
         if all(slot in by_slot for slot in slots):
             per_layer[name] = (sum(by_slot[slot][0] for slot in slots), *by_slot[slots[0]][1:])
+    dense_mlp = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
     for i in range(s.num_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+        experts = s.layer_experts[i] if s.layer_experts else None
+        # a routed-experts layer has a router and its experts, a dense one its MLP
+        skip = dense_mlp if experts is not None else ("router.weight",)
+        for name, shape in per_layer.items():
+            if s.arch.layer_weights.get(name) not in skip and name not in s.arch.fused_weights:
+                shapes[f"model.layers.{i}.{name}"] = shape
+            elif name in s.arch.fused_weights and not set(s.arch.fused_weights[name]) & set(skip):
+                shapes[f"model.layers.{i}.{name}"] = shape
+        if experts is not None:
+            shapes[f"model.layers.{i}.{_router_name(s.arch)}"] = (experts.count, h)
+            e_shapes = {
+                "experts.gate": (experts.intermediate_size, h),
+                "experts.up": (experts.intermediate_size, h),
+                "experts.down": (h, experts.intermediate_size),
+            }
+            for slot, shape in e_shapes.items():
+                for e in range(experts.count):
+                    shapes[_expert_name(s.arch, i, slot, e)] = shape
     return shapes
+
+
+def _router_name(decl) -> str:
+    return next(name for name, slot in decl.layer_weights.items() if slot == "router.weight")

@@ -74,7 +74,12 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     out = {}
     for i, layer in enumerate(model.layers):
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            out[f"layers.{i}.{name}"] = getattr(layer, name)
+            if getattr(layer, name) is not None:  # a routed-experts layer has no dense MLP
+                out[f"layers.{i}.{name}"] = getattr(layer, name)
+        if layer.experts is not None:  # each expert's gate/up and down: layers.{i}.experts.{e}.{name}
+            for e in range(layer.experts.count):
+                out[f"layers.{i}.experts.{e}.gate_up_weight"] = layer.experts.gate_up_weights[e]
+                out[f"layers.{i}.experts.{e}.down_weight"] = layer.experts.down_weights[e]
     out["lm_head"] = model.embed if model.lm_head is None else model.lm_head
     return out
 
@@ -95,6 +100,9 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
         if key != EMBED:
             made[qw.fmt] += 1
     summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
+    experts = sum(1 for key in blocks if _expert_of(key) is not None)
+    if experts:  # each expert's rows of the file's stacked ffn_*_exps blocks
+        summary += f", of which {experts} routed experts' linears"
     if skipped:
         summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
     return summary
@@ -110,7 +118,7 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
     parts: dict[str, quant_gemm.QuantizedWeight] = {}
     skipped: Counter = Counter()
     for t in ckpt.tensors():
-        if len(t.shape) != 2:
+        if len(t.shape) not in (2, 3):
             continue
         if t.type_name not in quant_gemm.FORMATS:
             skipped[t.type_name] += 1
@@ -118,6 +126,13 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
             log.info("tensor %s (%s %s): dequantized, no kernel for %s", name, kind, t.shape, kind)
             continue
         log.debug("tensor %s (%s %s): served from its blocks", t.gguf_name, t.type_name, t.shape)
+        if len(t.shape) == 3:  # stacked experts [E, rows, cols]: each expert its row range of the blocks
+            count, rows, cols = t.shape
+            qw = quant_gemm.from_gguf_blocks(
+                t.type_name, t._reader_tensor.data.reshape(count * rows, -1), (count * rows, cols)
+            )
+            parts[t.hf_name] = [qw.rows(slice(e * rows, (e + 1) * rows)) for e in range(count)]
+            continue
         qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data, t.shape)
         if t._permute_heads is not None:
             order = _unpermute_rows(torch.arange(t.shape[0]), t._permute_heads)
@@ -127,10 +142,12 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
     out = {}
     for key in linear_weights(model):
         names = sources(key, tied, model.spec.arch)
-        if not all(n in parts for n in names):
+        if not names or not all(n in parts for n in names):
             continue
+        expert = _expert_of(key)
+        found = [parts[n] if expert is None else parts[n][expert] for n in names]
         # q, k and v in different formats: a MixedRows, each part served by its own kernel
-        out[key] = quant_gemm.concat_rows([parts[n] for n in names])
+        out[key] = quant_gemm.concat_rows(found)
     if not tied and EMBED_NAME in parts:
         out[EMBED] = parts[EMBED_NAME]
     embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
@@ -166,12 +183,23 @@ def sources(key: str, tied: bool, decl=None) -> list[str]:
     tensor per slot."""
     if key == "lm_head":
         return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    _, i, name = key.split(".")
     decl = decl or archs.by_name("LlamaForCausalLM")
+    if _expert_of(key) is not None:  # an expert's linear: rows of the GGUF file's stacked tensors
+        _, i, _, _, name = key.split(".")
+        slots = {"gate_up_weight": ("experts.gate", "experts.up"), "down_weight": ("experts.down",)}[name]
+        stacked = {decl.expert_slot(n)[0]: n for n in decl.gguf_names.values() if decl.expert_slot(n)}
+        return [f"model.layers.{i}.{stacked[slot]}" for slot in slots if slot in stacked]
+    _, i, name = key.split(".")
     names = decl.hf_sources(LINEAR_SLOTS[name])
     if names is None:
         raise ValueError(f"{decl.name}'s weight map has no tensors for {name}")
     return [f"model.layers.{i}.{n}" for n in names]
+
+
+def _expert_of(key: str) -> int | None:
+    """The expert index of a ``linear_weights`` key ``layers.{i}.experts.{e}.{name}``, else None."""
+    parts = key.split(".")
+    return int(parts[3]) if len(parts) == 5 and parts[2] == "experts" else None
 
 
 def quantize_linears(model, quantization: str) -> str:

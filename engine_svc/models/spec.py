@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_svc.models import arch as archs
-from engine_svc.models.arch import Architecture, LayerAttention
+from engine_svc.models.arch import Architecture, Experts, LayerAttention
 from engine_svc.models.model_path import resolve_model_path
 
 
@@ -44,6 +44,8 @@ class ModelSpec:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None  # tanh(s / cap) * cap on every layer's scaled scores
+    # per layer, its routed experts (engine_svc/models/routed_experts.py) or None: a dense MLP
+    layer_experts: tuple[Experts | None, ...] = ()
 
     @property
     def arch(self) -> Architecture:
@@ -117,6 +119,7 @@ class ModelSpec:
             attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
             final_logit_softcap=float(softcap) if softcap else None,
             attn_logit_softcap=float(attn_cap) if attn_cap else None,
+            layer_experts=decl.experts(cfg),
         )
 
 

@@ -16,6 +16,11 @@ What an architecture declares:
   q, k, v), and each GGUF per-layer suffix to the HF one (``gguf_names``), and what llama.cpp's converter
   changed on the way (``gguf_permuted_qk``: the q/k row order; ``norm_offset``: norms stored as
   ``1 + w``);
+- per layer, its routed experts (``Experts``: E, top-k, the experts' width and the routing rule;
+  None for a dense MLP layer), read from the config by ``experts``, and where their tensors are
+  (``expert_weights``: an HF suffix with ``{e}`` names one expert's tensor, one without names the
+  tensor of every expert stacked on a leading dimension, as GGUF's ``ffn_*_exps`` and
+  transformers 5's fused ``gate_up_proj`` are);
 - which engine features were tested on it (``features``); the others refuse it at start.
 
 Adding an architecture of a known kind: one module in this package (see ``gemma3.py``) and its
@@ -39,7 +44,11 @@ SLOTS = (
     "attn_out_norm",  # on the attention's output (sandwich norms)
     "mlp_norm",  # before the MLP
     "mlp_out_norm",  # on the MLP's output (sandwich norms)
+    "router.weight",  # a routed-experts layer's router ([E, hidden])
 )  # fmt: skip
+# A routed-experts layer's expert slots: each expert's gate and up rows (or both, gate first) and
+# its down projection.
+EXPERT_SLOTS = ("experts.gate", "experts.up", "experts.gate_up", "experts.down")
 
 # Engine features an architecture may declare tested (the rest refuse it at start).
 FEATURES = ("lora", "speculative", "tensor_parallel")
@@ -105,6 +114,30 @@ class LayerAttention:
         return (self.rope_theta, repr(sorted((self.rope_scaling or {}).items())))
 
 
+@dataclass(frozen=True)
+class Experts:
+    """One layer's routed experts: ``count`` experts of width ``intermediate_size``, ``top_k`` of
+    them per token. The rule (both Qwen3-MoE's and Mixtral's): the router's logits, a softmax in
+    fp32 over all ``count``, the ``top_k`` largest (ties to the lower index, as ``torch.topk``),
+    divided by their sum when ``renormalize`` (Mixtral always; Qwen3-MoE when ``norm_topk_prob``;
+    a softmax over only the top-k logits is the same weights up to rounding)."""
+
+    count: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.count:
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be 1..{self.count} (the number of experts)"
+            )
+
+
+def no_experts(cfg: dict) -> tuple[Experts | None, ...]:
+    return (None,) * cfg["num_hidden_layers"]
+
+
 def rope_of(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling) of a Llama-style config (transformers 4's ``rope_theta``/``rope_scaling``
     or 5's ``rope_parameters``)."""
@@ -147,6 +180,27 @@ class Architecture:
     # GGUF metadata -> HF config keys this architecture needs beyond the common ones
     gguf_config: Callable[[object], dict] = lambda ckpt: {}
     features: frozenset[str] = frozenset(FEATURES)
+    # Per layer, its routed experts or None (a dense MLP), read from the config
+    experts: Callable[[dict], tuple[Experts | None, ...]] = no_experts
+    # HF per-layer suffix -> expert slot (EXPERT_SLOTS): with ``{e}``, one expert's 2-D tensor;
+    # without, every expert's, stacked ([E, rows, cols])
+    expert_weights: Mapping[str, str] = field(default_factory=dict)
+    # A GGUF file of ``gguf`` with ``expert_count`` is this one (llama.cpp writes Mixtral as llama)
+    gguf_experts: bool = False
+
+    def expert_slot(self, suffix: str) -> tuple[str, int | None] | None:
+        """(slot, expert index or None for a stacked tensor) of an HF per-layer suffix, or None."""
+        for pattern, slot in self.expert_weights.items():
+            if "{e}" not in pattern:
+                if suffix == pattern:
+                    return slot, None
+                continue
+            head, tail = pattern.split("{e}")
+            if suffix.startswith(head) and suffix.endswith(tail):
+                index = suffix[len(head) : len(suffix) - len(tail)]
+                if index.isdigit():
+                    return slot, int(index)
+        return None
 
     def hf_sources(self, slots: tuple[str, ...]) -> list[str] | None:
         """The HF per-layer suffixes whose rows make the decoder's fused linear of ``slots`` (in
@@ -166,6 +220,7 @@ class Architecture:
         assert fused <= set(SLOTS), fused - set(SLOTS)
         assert not fused & set(self.layer_weights.values()), fused & set(self.layer_weights.values())
         assert set(self.features) <= set(FEATURES), self.features
+        assert set(self.expert_weights.values()) <= set(EXPERT_SLOTS), self.expert_weights
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -177,7 +232,17 @@ def register(arch: Architecture) -> Architecture:
 
 
 def _load_all() -> None:
-    from engine_svc.models.arch import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3  # noqa: F401
+    from engine_svc.models.arch import (  # noqa: F401
+        gemma2,
+        gemma3,
+        llama,
+        mistral,
+        mixtral,
+        phi3,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+    )  # fmt: skip
 
 
 def by_name(name: str) -> Architecture | None:
@@ -185,9 +250,12 @@ def by_name(name: str) -> Architecture | None:
     return _REGISTRY.get(name)
 
 
-def by_gguf(name: str) -> Architecture | None:
+def by_gguf(name: str, experts: bool = False) -> Architecture | None:
+    """The declaration of GGUF architecture ``name``; ``experts``: the file has routed experts
+    (``<arch>.expert_count``), which picks a declaration marked ``gguf_experts`` of that name."""
     _load_all()
-    return next((a for a in _REGISTRY.values() if a.gguf == name), None)
+    found = [a for a in _REGISTRY.values() if a.gguf == name]
+    return next((a for a in found if a.gguf_experts == experts), found[0] if found else None)
 
 
 def names() -> list[str]:
@@ -197,7 +265,7 @@ def names() -> list[str]:
 
 def gguf_names() -> list[str]:
     _load_all()
-    return sorted(a.gguf for a in _REGISTRY.values() if a.gguf)
+    return sorted({a.gguf for a in _REGISTRY.values() if a.gguf})  # (Mixtral shares llama's)
 
 
 def refuse_untested(arch: Architecture, wanted: dict[str, bool]) -> None:
