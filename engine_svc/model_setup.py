@@ -110,6 +110,7 @@ def load_model(
         device,
         freed,
     )
+    model.finalize()  # the native layer loop's descriptors, over the weights as loaded
     return model
 
 

@@ -75,6 +75,7 @@ def free_packed_float_weights(model) -> str:
             model.embed_blocks = lookup
             nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks")
             notes.append(_lookup_note(lookup, blocks.fmt))
+    model.invalidate()  # parameters' storage swapped (``_release``): the native loop's pointers go
     _return_freed_memory()
     summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
     summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
