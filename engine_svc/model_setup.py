@@ -12,6 +12,7 @@ from engine_svc.kv_groups import layout_of
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
+from engine_svc.models.load_result import LoadResult
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
@@ -41,7 +42,8 @@ def load_model(
     device: torch.device,
     max_model_len: int,
     shard: Shard,
-) -> DecoderForCausalLM:
+) -> tuple[DecoderForCausalLM, LoadResult]:
+    """The model as loaded, and what the load decided (``LoadResult``)."""
     start = time.perf_counter()
     with torch.device(device):  # build in place: no host copy of a large model
         model = DecoderForCausalLM(spec, dtype, max_model_len, shard)
@@ -86,15 +88,14 @@ def load_model(
         GGUFCheckpoint(where.gguf).release_resident_pages()
     if is_gguf:  # the metadata's parsed objects: the model is set up
         forget_readers()
-    model.quantization = quant
-    model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
     # on the native bf16 path, whose linears are packed from the bf16 weights above and whose
     # activations are fp32; the other parameters (norms, embedding) go to fp32 exactly.
-    model.activation_dtype = dtype
+    activation_dtype = dtype
     if backend == NATIVE_BF16:
         model.float()
-        model.activation_dtype = torch.float32
+        activation_dtype = torch.float32
+    result = LoadResult(quant, activations, activation_dtype)
     isa = native_build.chosen_isa()
     log.info(
         "linear layers: %s%s (%s on %s); %s",
@@ -111,7 +112,7 @@ def load_model(
         freed,
     )
     model.finalize()  # the native layer loop's descriptors, over the weights as loaded
-    return model
+    return model, result
 
 
 def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> None:
