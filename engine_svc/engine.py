@@ -588,5 +588,3 @@ def seqs_per_step(config: EngineConfig, device: torch.device, threads: int | Non
         seats = max(CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD * threads)
         return min(config.max_num_seqs, seats)
     return config.max_num_seqs
-
-
