@@ -82,7 +82,7 @@ def load_model(
         blocks += ", fp32 activations"
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
-    freed = free_packed_float_weights(model)
+    freed, released = free_packed_float_weights(model)
     _check_unread_freed(model, unread)
     if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident
         GGUFCheckpoint(where.gguf).release_resident_pages()
@@ -95,7 +95,7 @@ def load_model(
     if backend == NATIVE_BF16:
         model.float()
         activation_dtype = torch.float32
-    result = LoadResult(quant, activations, activation_dtype)
+    result = LoadResult(quant, activations, activation_dtype, released)
     isa = native_build.chosen_isa()
     log.info(
         "linear layers: %s%s (%s on %s); %s",

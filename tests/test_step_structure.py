@@ -216,9 +216,10 @@ def _declared_model_attributes() -> set[str]:
 
 
 def test_what_a_load_decided_is_declared_not_set_on_the_model():
-    """Issue 41, part 4: a load's decisions (quantization path, activations, activation dtype) are
-    fields of its ``LoadResult``; outside its class, code sets on a model only what the class
-    declares (no ``model.quantization = ...`` added after construction)."""
+    """Issue 41, part 4: a load's decisions (quantization path, activations, activation dtype, the
+    parameters it freed) are fields of its ``LoadResult``; outside its class, code sets on a model
+    only what the class declares (no ``model.quantization = ...`` added after construction), and
+    no freed parameter carries a ``released`` attribute."""
     declared = _declared_model_attributes()
     assert {"embed_blocks", "linear_backend"} <= declared
     added = []
@@ -232,4 +233,6 @@ def test_what_a_load_decided_is_declared_not_set_on_the_model():
                 named = getattr(on, "id", None) or getattr(on, "attr", None)
                 if isinstance(t, ast.Attribute) and named == "model" and t.attr not in declared:
                     added.append(f"{path.relative_to(ROOT)}:{node.lineno}: model.{t.attr}")
+                if isinstance(t, ast.Attribute) and t.attr == "released":  # the load's result says
+                    added.append(f"{path.relative_to(ROOT)}:{node.lineno}: {named}.released")
     assert not added, added

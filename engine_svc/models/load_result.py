@@ -4,7 +4,7 @@ was built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,4 +19,8 @@ class LoadResult:
     # What flows between the ops, and what the KV cache and LoRA hold: the weights' dtype, except
     # on the native bf16 path (bf16 weights packed, fp32 activations).
     activation_dtype: torch.dtype
+    # The float parameters the load freed (``float_weights.free_packed_float_weights``: a packed
+    # linear holds its own copy, or the lookup reads the file's blocks), by name
+    # (``float_weights.projections``' names), each with why; their storage is an empty tensor.
+    released: dict[str, str] = field(default_factory=dict)
     # (The linears' backend is the model's own: ``model.linear_backend``, set by ``prepare_linears``.)
