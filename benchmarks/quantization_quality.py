@@ -195,8 +195,8 @@ def engine(
     if fp32_kinds:
         from engine_svc.models.model_path import resolve_model_path
 
-        m = llm.engine.model
-        if m.quantized_activations != "int8" or m.quantization != "gguf":
+        m, load = llm.engine.model, llm.engine.runtime.load
+        if load.quantized_activations != "int8" or load.quantization != "gguf":
             raise ValueError("fp32_kinds needs a GGUF file's blocks on int8 activations")
         put_on_fp32_activations(m, resolve_model_path(model).gguf, tuple(fp32_kinds))
     return llm

@@ -21,16 +21,14 @@ from engine_svc.kv_tiers.setup import build_tiers
 from engine_svc.kv_tiers.store import TierStats
 from engine_svc.kv_tiers.transfer import run_tier_ops
 from engine_svc.lora.adapter import AdapterError, LoRAAdapter
-from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import AdapterInUse, AdapterNotFound, LoRAManager
-from engine_svc.model_runner import ModelForward, ModelRunner
-from engine_svc.model_setup import allocate_kv_caches, load_model
+from engine_svc.model_runner import ModelRunner
 from engine_svc.models.arch import refuse_untested
-from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.spec import ModelSpec
 from engine_svc.outputs import RequestDelta
 from engine_svc.parallel.group import TensorParallelGroup
 from engine_svc.parallel.shard import Shard
+from engine_svc.rank_runtime import RankRuntime, resolve_max_model_len
 from engine_svc.request_limits import (
     RequestLimits,
     Violation,
@@ -45,20 +43,9 @@ from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.draft_model import DraftModelProposer
 from engine_svc.spec_decode.proposer import NgramProposer, Proposer
 from engine_svc.step_cost import DECODE_STALL_FACTOR, STEP_FLOOR, ratio_for_spec
-from kernels.backend import select_kernels
-from kernels.cpu import native_gemm
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -96,8 +83,6 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, config)
         self.spec = ModelSpec.from_path(config.model)
         refuse_untested(  # the engine features not tested on this architecture refuse it here
             self.spec.arch,
@@ -113,11 +98,12 @@ class LLMEngine:
             # the caller's config is left as it was given).
             config = replace(config, max_num_batched_tokens=self.max_model_len)
         self.config = config
-        shard = Shard(0, config.tensor_parallel_size)
-        torch.manual_seed(config.seed)
-        self.model = load_model(config, self.spec, self.dtype, self.device, self.max_model_len, shard)
-        self.act_dtype = self.model.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
-        self.kernels = select_kernels(self.device, config.kernel_backend)
+        # Rank 0: the model, its kernels, KV cache and forward (each worker builds its rank alike).
+        self.runtime = RankRuntime(config, 0, spec=self.spec, max_model_len=self.max_model_len)
+        shard, self.device, self.dtype = self.runtime.shard, self.runtime.device, self.runtime.dtype
+        self.model = self.runtime.model
+        self.act_dtype = self.runtime.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
+        self.kernels = self.runtime.kernels
         if self.kernels.name == "triton" and self.spec.attn_logit_softcap is not None:
             raise ValueError(
                 f"{self.spec.architecture}'s soft-capped attention scores are not in the Triton kernels "
@@ -131,9 +117,7 @@ class LLMEngine:
         self.speculative = SpeculativeConfig.parse(config.speculative_config)  # parsed here, once
         self.draft_spec = self._draft_spec()
         num_blocks = self._num_kv_blocks(shard)
-        kv_caches = allocate_kv_caches(
-            self.spec, shard, num_blocks, config.block_size, self.act_dtype, self.device
-        )
+        kv_caches = self.runtime.allocate_kv_caches(num_blocks)
         self.tp_group = TensorParallelGroup(config, num_blocks, self.device) if shard.size > 1 else None
         self.kv_layout = layout_of(self.spec)
         windows = tuple(g.window for g in self.kv_layout.groups)
@@ -157,7 +141,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.speculative, ratio, seats, (stall, floor))
         self.grammars = self._grammar_compiler()
         self.lora = None
-        lora_step = None
         if config.enable_lora:
             self.lora = LoRAManager(
                 self.spec,
@@ -170,8 +153,8 @@ class LLMEngine:
             )
             if self.tp_group is not None:  # workers load each adapter into the same slot, their part
                 self.lora.slots.on_load = self.tp_group.send_lora_load
-            lora_step = wrap_lora_layers(self.model)  # the model's projections carry the adapters
-        forward = ModelForward(self.model, self.kernels, kv_caches, self.device, lora_step)
+            self.runtime.wrap_lora()  # the model's projections carry the adapters
+        forward = self.runtime.forward()
         self.runner = ModelRunner(
             forward,
             config.block_size,
@@ -250,13 +233,19 @@ class LLMEngine:
             return NgramProposer(self.speculative)
         c = self.config
         draft_config = replace(c, model=self.speculative.model, speculative_config=None)
-        shard = Shard(0, 1)
-        model = load_model(draft_config, self.draft_spec, self.dtype, self.device, self.max_model_len, shard)
-        caches = allocate_kv_caches(
-            self.draft_spec, shard, num_blocks, c.block_size, model.activation_dtype, self.device
+        # A rank of its own (tensor_parallel_size is 1 with a draft model), on the target's context
+        # and kernels, leaving torch's RNG where the target's load left it.
+        draft = RankRuntime(
+            draft_config,
+            0,
+            spec=self.draft_spec,
+            max_model_len=self.max_model_len,
+            seed=False,
+            kernels=self.kernels,
         )
+        draft.allocate_kv_caches(num_blocks)
         log.info("draft model %s: %d layers", self.speculative.model, self.draft_spec.num_layers)
-        return DraftModelProposer(ModelForward(model, self.kernels, caches, self.device), c.block_size)
+        return DraftModelProposer(draft.forward(), c.block_size)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         tokenizer_json = find_tokenizer_json(self.config.model)
@@ -599,59 +588,3 @@ def seqs_per_step(config: EngineConfig, device: torch.device, threads: int | Non
         seats = max(CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD * threads)
         return min(config.max_num_seqs, seats)
     return config.max_num_seqs
-
-
-def resolve_device(name: str | None, rank: int = 0) -> torch.device:
-    if name is None or name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
-    return device
-
-
-def _stored_dtype(config: EngineConfig | None) -> str | None:
-    if config is None or config.load_format == "dummy":
-        return None
-    try:
-        return resolve_model_path(config.model).stored_dtype
-    except (OSError, ValueError):
-        return None
-
-
-def _native_half_serves(dtype: torch.dtype, config: EngineConfig) -> bool:
-    """The 16-bit weights run on the native GEMM: nothing asked for another linear path or for
-    quantized weights, and the GEMM builds (and measured faster than oneDNN) here."""
-    if config.linear_backend not in (None, "auto", "native"):
-        return False
-    if config.quantization not in (None, "auto", "none"):
-        return False
-    return native_gemm.unusable_reason(dtype) is None
-
-
-def resolve_max_model_len(spec: ModelSpec, config: EngineConfig) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window:  # a window the declaration does not serve per layer: stay inside it
-        limit = min(limit, spec.sliding_window)
-    wanted = config.max_model_len or limit
-    if wanted > limit:
-        raise ValueError(f"max_model_len {wanted} exceeds the model's limit {limit}")
-    return wanted
-
-
-def resolve_dtype(name: str | None, device: torch.device, config: EngineConfig | None = None) -> torch.dtype:
-    """``auto`` (or unset): bf16 on CUDA. On a CPU, a bf16 or fp16 checkpoint's own dtype where the
-    native GEMM serves it (its weights kept 16-bit and widened exactly in registers, fp32 between the
-    ops: the result is the fp32 run on the same weights, at half the bytes), on every instruction
-    set it measured faster on, AVX2 included; else float32 (a GGUF file's float tensors, an fp32
-    checkpoint, a linear backend or quantization asked for that runs only in fp32)."""
-    if name is None or name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        stored = DTYPES.get(_stored_dtype(config) or "")
-        if stored in (torch.bfloat16, torch.float16) and _native_half_serves(stored, config):
-            return stored
-        return torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
-    return DTYPES[name]

@@ -12,6 +12,7 @@ from engine_svc.kv_groups import layout_of
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
+from engine_svc.models.load_result import LoadResult
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
@@ -41,7 +42,8 @@ def load_model(
     device: torch.device,
     max_model_len: int,
     shard: Shard,
-) -> DecoderForCausalLM:
+) -> tuple[DecoderForCausalLM, LoadResult]:
+    """The model as loaded, and what the load decided (``LoadResult``)."""
     start = time.perf_counter()
     with torch.device(device):  # build in place: no host copy of a large model
         model = DecoderForCausalLM(spec, dtype, max_model_len, shard)
@@ -80,22 +82,23 @@ def load_model(
         blocks += ", fp32 activations"
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
-    freed = free_packed_float_weights(model)
+    freed, released = free_packed_float_weights(model)
     _check_unread_freed(model, unread)
     if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident
         GGUFCheckpoint(where.gguf).release_resident_pages()
     if is_gguf:  # the metadata's parsed objects: the model is set up
         forget_readers()
-    model.quantization = quant
-    model.quantized_activations = activations
     # What flows between the ops (and what the KV cache and LoRA hold): the weights' dtype, except
     # on the native bf16/fp16 paths, whose linears are packed from the 16-bit weights above and
     # whose activations are fp32: the norms go to fp32 exactly, and the embedding table stays 16-bit
-    # (its lookup widens the rows it reads, exactly: no fp32 copy of the vocabulary).
-    model.activation_dtype = dtype
+    # (its lookup widens the rows it reads to the model's activation dtype, exactly: no fp32 copy
+    # of the vocabulary).
+    activation_dtype = dtype
     if backend in NATIVE_HALF.values():
         _widen_all_but_the_embedding(model)
-        model.activation_dtype = torch.float32
+        activation_dtype = torch.float32
+    model.activation_dtype = activation_dtype  # declared by the model: its lookup reads it
+    result = LoadResult(quant, activations, activation_dtype, released)
     isa = native_build.chosen_isa()
     log.info(
         "linear layers: %s%s (%s on %s); %s",
@@ -112,7 +115,8 @@ def load_model(
         device,
         freed,
     )
-    return model
+    model.finalize()  # the native layer loop's descriptors, over the weights as loaded
+    return model, result
 
 
 def _widen_all_but_the_embedding(model: DecoderForCausalLM) -> None:
@@ -125,6 +129,7 @@ def _widen_all_but_the_embedding(model: DecoderForCausalLM) -> None:
         for name, b in module._buffers.items():
             if b is not None and b.is_floating_point():
                 module._buffers[name] = b.float()
+    model.invalidate()  # storage swapped: the native loop's pointers are rebuilt
 
 
 def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> None:

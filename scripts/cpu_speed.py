@@ -135,7 +135,7 @@ def step_section(model_path: str, rounds: int, systems: dict | None = None) -> d
     models = {}
     for name, (opts, dtype) in systems.items():
         cfg = EngineConfig(model=model_path, linear_backend=opts["linear_backend"])
-        model = load_model(cfg, spec, dtype, torch.device("cpu"), 4096, Shard())
+        model, _ = load_model(cfg, spec, dtype, torch.device("cpu"), 4096, Shard())
         models[name] = (model, select_kernels("cpu", opts["kernel_backend"]), dtype)
     a_name, b_name = list(systems)
     out = {}
@@ -174,7 +174,7 @@ def threads_step_section(model_path: str, rounds: int, threads: dict[str, int]) 
     from kernels.backend import select_kernels
 
     spec = ModelSpec.from_path(model_path)
-    model = load_model(
+    model, _ = load_model(
         EngineConfig(model=model_path), spec, torch.float32, torch.device("cpu"), 4096, Shard()
     )
     kernels = select_kernels("cpu")

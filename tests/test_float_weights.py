@@ -32,8 +32,14 @@ def _projection_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for name, p, _ in projections(model) if name != "embed")
 
 
-def _assert_freed(model):
+def _assert_freed(model, released: dict[str, str] | None = None):
     assert _projection_bytes(model) == 0, "a packed linear's float weight was kept beside it"
+    if released is not None:  # the load's result names exactly the parameters left empty, with why
+        empty = {name for name, p, _ in projections(model) if p.numel() == 0}
+        if model.lm_head is not None and model.embed.numel() == 0:
+            empty.add("embed")
+        assert set(released) == empty, (sorted(released), sorted(empty))
+        assert all(why.startswith("freed at load: ") for why in released.values())
     for name, param, _ in projections(model):
         assert getattr(param, "quantized", None) is None, f"{name}: the load-time blocks were kept"
         if name == "embed":  # tied: the lookup reads it, or the blocks it was dequantized from
@@ -70,7 +76,7 @@ def _assert_blocks_path_gives_the_float_tokens(path, vocab: int) -> None:
 @pytest.mark.parametrize("options", [{}, {"quantized_activations": "none"}], ids=["int8act", "fp32act"])
 def test_gguf_blocks_leave_no_float_copy_and_still_serve(q4_1_file, options):
     engine = make_engine(q4_1_file, **options)
-    _assert_freed(engine.model)
+    _assert_freed(engine.model, engine.runtime.load.released)
     _serves(engine)  # the linears serve without them
 
 
@@ -83,7 +89,7 @@ def test_packed_linears_from_a_float_checkpoint_leave_no_float_copy(tiny_llama, 
     engine = make_engine(tiny_llama, **options)
     if options.get("dtype") == "float32" and engine.model.layers[0].qkv_proj.kind == "dense":
         pytest.fail("the fp32 model did not get a packed linear here: nothing to free")
-    _assert_freed(engine.model)
+    _assert_freed(engine.model, engine.runtime.load.released)
     _serves(engine)
 
 
@@ -98,6 +104,7 @@ def test_dense_linears_keep_the_parameters_they_read(q4_1_file, tiny_llama):
             for (_, p, _), s in zip(projections(model), linear_shapes(model).values(), strict=True)
         )
         assert all(getattr(p, "quantized", None) is None for _, p, _ in projections(model))
+        assert set(engine.runtime.load.released) <= {"embed"}  # no projection (the lookup may read blocks)
         model.prepare_linears("dense")  # still possible: nothing was freed
 
 
@@ -122,7 +129,8 @@ def test_a_tied_gguf_embedding_is_looked_up_in_its_blocks(tied_llama, tmp_path, 
     engine = make_engine(path)
     model = engine.model
     assert model.lm_head is None and model.embed_blocks is not None and model.embed.numel() == 0
-    _assert_freed(model)
+    _assert_freed(model, engine.runtime.load.released)
+    assert "embed" in engine.runtime.load.released
     # Every row, bit for bit, against the gguf package's dequantization of the file's table.
     table = next(t for t in GGUFCheckpoint(path).tensors() if t.hf_name == "model.embed_tokens.weight")
     want = table.dequantize()
@@ -178,7 +186,7 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch
     from engine_svc import model_setup
 
     path = write_gguf(tied_llama, tmp_path / "tied-Q8_0.gguf", "Q8_0")
-    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: "nothing freed")
+    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: ("nothing freed", {}))
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)
 

@@ -369,3 +369,97 @@ def test_both_loops_count_each_layer_for_the_watchdog(monkeypatch):
         model(TORCH_KERNELS, ids, positions, caches, attn)
         assert native_decoder.forwards - forwards == (native == "1")
         assert layer_progress.value() - before == len(model.layers)
+
+
+def _mirror(name: str, fields) -> type:
+    return type(name, (native_decoder.ctypes.Structure,), {"_fields_": fields})
+
+
+def _fields(struct: str) -> list:
+    return list(native_decoder.MIRRORS[struct]._fields_)
+
+
+def test_the_ctypes_mirrors_match_the_c_layout():
+    c = native_decoder.c_layout(native_decoder.library())
+    assert set(c) == set(native_decoder.MIRRORS)
+    assert native_decoder.layout_mismatch(c, native_decoder.MIRRORS) is None
+
+
+def _swapped(fields, a: str, b: str) -> list:
+    i, j = (next(k for k, f in enumerate(fields) if f[0] == n) for n in (a, b))
+    fields[i], fields[j] = fields[j], fields[i]
+    return fields
+
+
+@pytest.mark.parametrize(
+    "struct,fields,named",
+    [
+        # a float field mirrored as a double: its size (and the struct's) differs
+        (
+            "Layer",
+            lambda f: [(n, native_decoder.ctypes.c_double if n == "softcap" else t) for n, t in f],
+            "Layer.softcap",
+        ),
+        # two fields in the wrong order: offsets differ, sizes agree
+        ("Step", lambda f: _swapped(f, "num_groups", "slot_group_stride"), "Step.slot_group_stride"),
+        # an int32 mirrored as int64: the next field moves
+        (
+            "Linear",
+            lambda f: [(n, native_decoder.ctypes.c_int64 if n == "code" else t) for n, t in f],
+            "Linear.code",
+        ),
+        # a field the C struct has and the mirror lacks
+        ("Model", lambda f: [x for x in f if x[0] != "gelu_and_mul"], "Model.gelu_and_mul"),
+        # a field the mirror has and C does not
+        ("Model", lambda f: [*f, ("experts", native_decoder.ctypes.c_void_p)], "Model.experts"),
+    ],
+    ids=["size", "order", "width", "missing", "extra"],
+)
+def test_a_wrong_ctypes_mirror_is_refused_naming_its_field(struct, fields, named, monkeypatch):
+    c = native_decoder.c_layout(native_decoder.library())
+    wrong = {**native_decoder.MIRRORS, struct: _mirror(f"Wrong{struct}", fields(_fields(struct)))}
+    assert named in native_decoder.layout_mismatch(c, wrong)
+    # built with it, the model runs the Python loop and says why
+    monkeypatch.setattr(native_decoder, "MIRRORS", wrong)
+    model = _model("fp32")
+    got, want, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:2])
+    assert forwards == 0 and named in model.native_loop_reason
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_swapped_storage_is_seen_by_the_next_step_after_invalidate(monkeypatch):
+    """``param.data = t`` (what ``float_weights`` does to free a parameter) keeps no pointer: the
+    descriptors still point at the old storage until ``invalidate``. The old tensors are kept alive
+    here, so a loop that was not invalidated reads the old norms (not freed memory) and differs."""
+    model = _model("fp32")
+    first, *_ = _run_both(model, monkeypatch, SCHEDULE[:2])
+    old = []
+    for layer in model.layers:
+        old.append(layer.input_norm.data)
+        layer.input_norm.data = layer.input_norm.data * 1.5  # new storage
+    model.invalidate()
+    second, python, *_, forwards = _run_both(model, monkeypatch, SCHEDULE[:2])
+    assert forwards == 2 and model.native_loop_reason is None
+    assert not torch.equal(first[1], second[1])
+    assert all(torch.equal(a, b) for a, b in zip(second, python, strict=True))
+
+
+def test_every_path_that_changes_weights_invalidates_the_loop(monkeypatch):
+    """What changes a layer's linears or tensors drops the descriptors: preparing the linears,
+    wrapping them for LoRA, freeing packed float weights, a dtype or device move."""
+    from engine_svc.models.float_weights import free_packed_float_weights
+
+    changes = {
+        "prepare_linears": lambda m: m.prepare_linears("native"),
+        "wrap_lora_layers": wrap_lora_layers,
+        "free_packed_float_weights": free_packed_float_weights,
+        "float": lambda m: m.float(),
+        "to": lambda m: m.to(torch.device("cpu")),
+    }
+    for name, change in changes.items():
+        model = _model("fp32")
+        model.finalize()
+        assert model._finalized and model.native_loop_reason is None
+        change(model)
+        assert not model._finalized, f"{name} left the native loop's descriptors in place"
+        assert model._native_loop is None

@@ -109,7 +109,7 @@ def test_int8_activations_are_the_default_and_close_to_the_exact_path(tiny_llama
     default = make_engine(path)
     exact = make_engine(path, quantized_activations="none")
     explicit = make_engine(path, quantized_activations="int8")
-    assert default.model.quantized_activations == "int8"
+    assert default.runtime.load.quantized_activations == "int8"
     layers = default.model.layers
     assert {type(layer.gate_up_proj).__name__ for layer in layers} == {"Int8ActLinear"}
     assert type(default.model.lm_head_proj).__name__ == "Int8ActLinear"

@@ -177,3 +177,62 @@ def test_no_import_circles_and_no_private_names_across_packages():
 def test_the_engine_does_not_run_the_kernels_twins_for_planning():
     for p in (ROOT / "engine_svc").rglob("*.py"):
         assert not [m for m, _ in _imports(p) if m.startswith("kernels.reference.lora")], p
+
+
+def test_a_rank_is_built_in_one_place():
+    """Issue 41, part 4: the engine (rank 0, its draft model) and every tensor-parallel worker
+    build their rank through ``RankRuntime``; nothing else loads a model or allocates its KV
+    cache, and the worker imports nothing from the engine above it."""
+    users = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in (ROOT / "engine_svc").rglob("*.py")
+        for module, names in _imports(path)
+        if module in ("engine_svc.model_setup", "engine_svc")
+        for name in names
+        if name in ("load_model", "allocate_kv_caches", "model_setup")
+    )
+    assert users and all(u.startswith("engine_svc/rank_runtime.py") for u in users), users
+    worker = ROOT / "engine_svc/parallel/worker.py"
+    upward = [m for m, _ in _imports(worker) if m == "engine_svc.engine"]
+    assert not upward, "parallel/worker.py imports the engine"
+    assert any("RankRuntime" in names for _, names in _imports(worker))
+
+
+def _declared_model_attributes() -> set[str]:
+    """What ``DecoderForCausalLM`` sets on itself (``self.x = ...`` in its own methods)."""
+    cls = next(
+        n
+        for n in ast.walk(_tree("engine_svc/models/decoder.py"))
+        if isinstance(n, ast.ClassDef) and n.name == "DecoderForCausalLM"
+    )
+    return {
+        t.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Assign)
+        for e in n.targets
+        for t in (e.elts if isinstance(e, ast.Tuple) else [e])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+def test_what_a_load_decided_is_declared_not_set_on_the_model():
+    """Issue 41, part 4: a load's decisions (quantization path, activations, activation dtype, the
+    parameters it freed) are fields of its ``LoadResult``; outside its class, code sets on a model
+    only what the class declares (no ``model.quantization = ...`` added after construction), and
+    no freed parameter carries a ``released`` attribute."""
+    declared = _declared_model_attributes()
+    assert {"embed_blocks", "linear_backend"} <= declared
+    added = []
+    for path in sorted((ROOT / "engine_svc").rglob("*.py")):
+        if path == ROOT / "engine_svc/models/decoder.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                on = getattr(t, "value", None)
+                named = getattr(on, "id", None) or getattr(on, "attr", None)
+                if isinstance(t, ast.Attribute) and named == "model" and t.attr not in declared:
+                    added.append(f"{path.relative_to(ROOT)}:{node.lineno}: model.{t.attr}")
+                if isinstance(t, ast.Attribute) and t.attr == "released":  # the load's result says
+                    added.append(f"{path.relative_to(ROOT)}:{node.lineno}: {named}.released")
+    assert not added, added

@@ -42,4 +42,5 @@ def wrap_lora_layers(model) -> LoRAStep:
             if isinstance(base, LoRALinear):
                 base = base.base
             setattr(layer, attr, LoRALinear(base, layer.index, fused, step))
+    model.invalidate()  # the native layer loop does not run wrapped projections
     return step

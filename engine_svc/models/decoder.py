@@ -30,28 +30,10 @@ from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
 
-# Bumped by any change to a layer's or the model's attributes (new projections, parameters
-# replaced, ``.to()``): the native loop's descriptors, which hold raw pointers, are then rebuilt.
-# In-place writes to a parameter keep its pointer (the loop reads the new values); swapping a
-# parameter's storage (``param.data = t``) is not seen: ``prepare_linears`` after it, as after
-# any weight change, rebuilds the loop.
-_LAYOUT = [0]
 log = logging.getLogger(__name__)
 # Why a model with routed experts runs the Python layer loop: the native loop has no routed MLP
 # (docs/architecture.md, "Routed experts"); each expert's GEMMs are native kernels all the same.
 ROUTED_EXPERTS_REASON = "routed experts (mixture of experts): the native layer loop has no routed MLP"
-_NOT_LAYOUT = frozenset(("_kv_of", "_kv_views", "_native_loop", "_native_loop_layout", "native_loop_reason"))
-
-
-class _TracksLayout:
-    def __setattr__(self, name, value):
-        if name not in _NOT_LAYOUT:
-            _LAYOUT[0] += 1
-        super().__setattr__(name, value)
-
-    def _apply(self, *args, **kwargs):
-        _LAYOUT[0] += 1
-        return super()._apply(*args, **kwargs)
 
 
 @dataclass
@@ -77,7 +59,7 @@ class AttentionInputs:
         return self.group_slots[group], self.group_tables[group]
 
 
-class DecoderLayer(_TracksLayout, nn.Module):
+class DecoderLayer(nn.Module):
     """Weights hold this rank's shard: its heads and MLP columns (all of them when unsharded).
 
     Norms: ``input_norm`` before attention, ``post_attn_norm`` before the MLP (HF Llama's
@@ -134,7 +116,8 @@ class DecoderLayer(_TracksLayout, nn.Module):
     def prepare_linears(self, backend: str) -> None:
         """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``); call
         again after the weights change (then wrap them for LoRA again: ``lora.layers``). The loader
-        then frees the parameters that a packed linear copied (``models/float_weights.py``)."""
+        then frees the parameters that a packed linear copied (``models/float_weights.py``). Called
+        through the model's ``prepare_linears``, which invalidates its native loop."""
         self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
         self.o_proj = make_linear(backend, self.o_weight)
         if self.experts is not None:
@@ -207,7 +190,7 @@ class DecoderLayer(_TracksLayout, nn.Module):
         return out if self.o_bias is None else out + self.o_bias  # the bias once, after the sum
 
 
-class DecoderForCausalLM(_TracksLayout, nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_positions: int, shard: Shard | None = None):
         super().__init__()
         self.spec = spec
@@ -246,13 +229,33 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         self.num_rope_tables = max(1, len(keys))
         self.linear_backend = "dense"
         self.prepare_linears("dense")
-        self._native_loop = None  # NativeDecoderLoop, or None (then native_loop_reason says why)
-        self._native_loop_layout = -1  # the _LAYOUT it was built at
-        self.native_loop_reason: str | None = "not built yet"
+
+    # The native loop's descriptors hold raw pointers into the layers' linears and tensors, so
+    # they are built once over the weights as they stand (``finalize``) and dropped by every change
+    # to them (``invalidate``): new linears (``prepare_linears``), wrapped ones (LoRA), a
+    # parameter's storage swapped (``param.data = t``, as ``float_weights`` frees them), a dtype or
+    # device move (``_apply``). In-place writes keep the pointers: the loop reads the new values.
+    def finalize(self) -> None:
+        """Build the native layer loop over the weights as they are now (or say why it cannot run:
+        ``native_loop_reason``). Called once the load is done; a forward after an ``invalidate``
+        calls it again."""
+        self._build_native_loop()
+        self._finalized = True
+
+    def invalidate(self) -> None:
+        """The weights changed (any path that changes what a layer holds calls this): the native
+        loop's descriptors are dropped and built again by the next ``finalize``."""
+        self._native_loop, self._finalized = None, False
+        self.native_loop_reason = "not finalized since the weights changed"
+
+    def _apply(self, *args, **kwargs):  # .to(), .float(), ...: every tensor may be new
+        self.invalidate()
+        return super()._apply(*args, **kwargs)
 
     def prepare_linears(self, backend: str) -> None:
         """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
         projection and the LM head; called by ``model_setup.load_model`` once the weights are in place."""
+        self.invalidate()
         for layer in self.layers:
             layer.prepare_linears(backend)
         self.lm_head_proj = make_linear(backend, self.embed if self.lm_head is None else self.lm_head)
@@ -269,8 +272,8 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self._embed(input_ids)
-        if self._native_loop_layout != _LAYOUT[0]:
-            self._build_native_loop()
+        if not self._finalized:
+            self.finalize()
         if self._native_loop is not None:
             out = self._native_loop.run(k, x, positions, kv_caches, attn)
             if out is not None:
@@ -341,7 +344,6 @@ class DecoderForCausalLM(_TracksLayout, nn.Module):
         if reason == ROUTED_EXPERTS_REASON and self.native_loop_reason != reason:
             log.info("layer loop: Python (%s)", reason)
         self.native_loop_reason = reason
-        self._native_loop_layout = _LAYOUT[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._lookup(input_ids)

@@ -51,9 +51,10 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
     return out
 
 
-def free_packed_float_weights(model) -> str:
-    """Free the float parameters that a packed linear made redundant; returns the log's summary."""
-    freed, kept, nbytes, notes = 0, set(), 0, []
+def free_packed_float_weights(model) -> tuple[str, dict[str, str]]:
+    """Free the float parameters that a packed linear made redundant; returns the log's summary
+    and, per parameter freed (``projections``' names), why (the load's ``LoadResult.released``)."""
+    freed, kept, nbytes, notes, released = 0, set(), 0, [], {}
     for name, param, linear in projections(model):
         blocks, param.quantized = getattr(param, "quantized", None), None  # the GEMM reads its own form
         kind = getattr(linear, "kind", "dense")
@@ -64,12 +65,12 @@ def free_packed_float_weights(model) -> str:
                 kept.add("the tied embedding (the lookup reads it)")
                 continue
             model.embed_blocks = lookup
-            nbytes += _release(param, f"the lookup reads the file's {blocks.fmt} blocks")
+            nbytes += _release(param, f"the lookup reads the file's {blocks.fmt} blocks", released, name)
             notes.append(_lookup_note(lookup, blocks.fmt))
         elif kind not in PACKED_KINDS:
             kept.add(f"{kind} linears (they read them)")
         else:
-            nbytes += _release(param, f"{name} runs on its {kind} linear's own copy")
+            nbytes += _release(param, f"{name} runs on its {kind} linear's own copy", released, name)
             freed += 1
     embed = model.embed
     blocks, embed.quantized = getattr(embed, "quantized", None), None
@@ -77,12 +78,13 @@ def free_packed_float_weights(model) -> str:
         lookup = from_table(embed.data, blocks)
         if lookup is not None:
             model.embed_blocks = lookup
-            nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks")
+            nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks", released, "embed")
             notes.append(_lookup_note(lookup, blocks.fmt))
+    model.invalidate()  # parameters' storage swapped (``_release``): the native loop's pointers go
     _return_freed_memory()
     summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
     summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
-    return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else "")
+    return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else ""), released
 
 
 def _lookup_note(lookup, fmt: str) -> str:
@@ -90,11 +92,12 @@ def _lookup_note(lookup, fmt: str) -> str:
     return f"the embedding lookup reads its {fmt} blocks {where} ({lookup.nbytes / 2**20:.0f} MiB)"
 
 
-def _release(param: torch.nn.Parameter, why: str) -> int:
-    """Drop ``param``'s storage (a later read finds ``released``, the reason); returns its bytes."""
+def _release(param: torch.nn.Parameter, why: str, released: dict[str, str], name: str) -> int:
+    """Drop ``param``'s storage (an empty tensor is left) and note why as ``released[name]``;
+    returns its bytes."""
     nbytes = param.numel() * param.element_size()
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    param.released = f"freed at load: {why}"
+    released[name] = f"freed at load: {why}"
     return nbytes
 
 

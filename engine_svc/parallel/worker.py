@@ -13,19 +13,14 @@ import torch
 import torch.distributed as dist
 
 from engine_svc.config import EngineConfig
-from engine_svc.engine import resolve_device, resolve_dtype, resolve_max_model_len
 from engine_svc.lora.adapter import LoRAAdapter
 from engine_svc.lora.batch import LoRABatch
 from engine_svc.lora.geometry import TARGET_MODULES, targets
-from engine_svc.lora.layers import wrap_lora_layers
 from engine_svc.lora.manager import make_slots
-from engine_svc.model_runner import ModelForward
-from engine_svc.model_setup import allocate_kv_caches, load_model
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.group import STEP_TIMEOUT, backend_for
-from engine_svc.parallel.shard import Shard
+from engine_svc.rank_runtime import RankRuntime
 from engine_svc.step_inputs import CMD_LORA_LOAD, CMD_STOP, HEADER_LEN, StepInputs
-from kernels.backend import select_kernels
 
 
 def _exit_with_parent() -> None:
@@ -49,20 +44,19 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     config = EngineConfig(**json.loads(args.config))
-    shard = Shard(args.rank, args.world_size)
-    device = resolve_device(config.device, args.rank)
-    dtype = resolve_dtype(config.dtype, device, config)
-    spec = ModelSpec.from_path(config.model)
-    torch.manual_seed(config.seed)
-    model = load_model(config, spec, dtype, device, resolve_max_model_len(spec, config), shard)
-    dtype = model.activation_dtype  # the KV cache and LoRA hold what flows between the ops
-    kv_caches = allocate_kv_caches(spec, shard, args.num_blocks, config.block_size, dtype, device)
-    kernels = select_kernels(device, config.kernel_backend)
-    slots = lora_step = None
+    if config.tensor_parallel_size != args.world_size:  # the shard is the config's
+        raise ValueError(
+            f"--world-size {args.world_size} against tensor_parallel_size {config.tensor_parallel_size}"
+        )
+    runtime = RankRuntime(config, args.rank)  # as rank 0 builds its own (engine.py)
+    spec, device, kernels = runtime.spec, runtime.device, runtime.kernels
+    dtype = runtime.activation_dtype  # the KV cache and LoRA hold what flows between the ops
+    runtime.allocate_kv_caches(args.num_blocks)
+    slots = None
     if config.enable_lora:
-        slots = make_slots(spec, config.max_loras, config.max_lora_rank, dtype, device, shard)
-        lora_step = wrap_lora_layers(model)
-    forward = ModelForward(model, kernels, kv_caches, device, lora_step)
+        slots = make_slots(spec, config.max_loras, config.max_lora_rank, dtype, device, runtime.shard)
+        runtime.wrap_lora()
+    forward = runtime.forward()
     dist.init_process_group(
         backend_for(device),
         init_method=args.init_method,

@@ -147,11 +147,13 @@ def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = 
     ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM (with int8 activations
     where the blocks say ``activations="int8"``) unless ``dense`` was asked for (then ``F.linear``
     on the float parameter). ``native_bf16`` / ``native_f16`` pack the weight rounded to bf16 / fp16
-    (exact when it was loaded so, whatever its dtype now). A weight freed at load (``weight.released``, see
+    (exact when it was loaded so, whatever its dtype now). A weight freed at load (left empty: see
     ``engine_svc/models/float_weights.py``) is refused: its values are gone."""
-    released = getattr(weight, "released", None)
-    if released:
-        raise RuntimeError(f"cannot build a linear from a freed weight ({released}); load the model again")
+    if weight.numel() == 0:  # no linear has an empty weight: this one's storage was freed
+        raise RuntimeError(
+            "cannot build a linear from a freed weight (the load freed it: its LoadResult.released "
+            "says why); load the model again"
+        )
     blocks = getattr(weight, "quantized", None)
     if blocks is not None and backend != "dense":
         if blocks.activations == "int8":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import operator
 import os
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import torch
 from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu.isa_choice import chosen_isa_in
 from kernels.cpu.native_gemm import NativeEntry, fn_address
+
+log = logging.getLogger(__name__)
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -116,6 +119,65 @@ class _Step(ctypes.Structure):
     ]
 
 
+# The C structs each ctypes class above mirrors (decoder_loop.c's names): checked at load
+# against the layout the library exports (``layout_mismatch``).
+MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "Linear": _Linear,
+    "Layer": _Layer,
+    "Model": _Model,
+    "Step": _Step,
+}
+
+
+class _LayoutEntry(ctypes.Structure):  # decoder_loop.c's LayoutEntry: the table's one struct not checked
+    _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _I64), ("size", _I64)]
+
+
+def c_layout(lib) -> dict[str, dict[str | None, tuple[int, int]]]:
+    """What the library says of its structs: per struct, ``None`` -> (0, its size) and each field
+    -> (its offset, its size), as its compiler laid them out."""
+    fn = lib.llmserve_decoder_loop_layout
+    fn.argtypes, fn.restype = [], ctypes.POINTER(_LayoutEntry)
+    table = fn()
+    out: dict[str, dict[str | None, tuple[int, int]]] = {}
+    i = 0
+    while table[i].type is not None:
+        e = table[i]
+        field = None if e.field is None else e.field.decode()
+        out.setdefault(e.type.decode(), {})[field] = (e.offset, e.size)
+        i += 1
+    return out
+
+
+def layout_mismatch(c: dict, mirrors: dict[str, type[ctypes.Structure]]) -> str | None:
+    """The first difference between the C side's layout ``c`` (``c_layout``) and the ctypes
+    ``mirrors`` (C name -> class), naming the struct and field; None when every struct, field,
+    offset and size agrees."""
+    for name, mirror in mirrors.items():
+        fields = c.get(name)
+        if fields is None:
+            return f"struct {name}: not in decoder_loop.c's layout table"
+        mirrored = [f[0] for f in mirror._fields_]
+        for field in mirrored:
+            desc = getattr(mirror, field)
+            if field not in fields:
+                return f"{name}.{field}: in the ctypes mirror, not in decoder_loop.c's layout table"
+            offset, size = fields[field]
+            if (desc.offset, desc.size) != (offset, size):
+                return (
+                    f"{name}.{field}: offset {desc.offset}, {desc.size} bytes in the ctypes mirror; "
+                    f"offset {offset}, {size} bytes in C"
+                )
+        for field in fields:
+            if field is not None and field not in mirrored:
+                return f"{name}.{field}: in decoder_loop.c, missing from the ctypes mirror"
+        if ctypes.sizeof(mirror) != fields[None][1]:
+            return (
+                f"struct {name}: {ctypes.sizeof(mirror)} bytes in the ctypes mirror, {fields[None][1]} in C"
+            )
+    return None
+
+
 _STAGES = {
     1: "the QKV GEMM",
     2: "paged attention",
@@ -162,6 +224,24 @@ def _library(isa: str):
 
 def library():
     return _library(native_build.chosen_isa())
+
+
+@functools.cache
+def _c_layout(isa: str) -> dict:
+    return c_layout(_library(isa))
+
+
+def layout_error() -> str | None:
+    """Why the ctypes mirrors (``MIRRORS``) may not be passed to the chosen build (None: they may);
+    logged once per difference found."""
+    why = layout_mismatch(_c_layout(native_build.chosen_isa()), MIRRORS)
+    if why is not None and why not in _layout_told:
+        _layout_told.add(why)
+        log.error("native decoder loop off: the ctypes structs differ from decoder_loop.c's: %s", why)
+    return why
+
+
+_layout_told: set[str] = set()
 
 
 # Forwards run by the native loop, in this process (tests read it to see that the loop ran).
@@ -222,6 +302,9 @@ def build(
     address of an int64 the loop adds one to as each layer completes (0: none)."""
     if library() is None:
         return "no native build of decoder_loop"
+    mismatch = layout_error()
+    if mismatch is not None:
+        return f"the ctypes structs differ from decoder_loop.c's: {mismatch}"
     h, d, inter = shape.hidden, shape.head_dim, shape.inter
     q_width = shape.q_heads * d
     if d % 16 or shape.kv_heads < 1 or shape.q_heads % shape.kv_heads:

@@ -14,6 +14,7 @@
  * the kernel's arithmetic on separate buffers). No OpenMP here: each kernel opens its own
  * parallel region with the thread count it is given, as from Python. */
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef void (*gemm_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const void *packed, int64_t n,
@@ -34,6 +35,9 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_st
                             float scale, float *out, int32_t num_threads, int32_t window, float softcap);
 typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
 /* (the GELU-tanh-and-multiply kernel has the same signature) */
+
+/* The structs below are mirrored by ctypes in kernels/cpu/native_decoder.py, which checks its
+ * mirrors against LAYOUT (further down) at load: a field changed here is changed in all three. */
 
 /* One linear: y[m, n] = x[m, k] . W^T + bias through its own GEMM. `coded`: the entry takes the
  * weight's format code first and returns nonzero to refuse (quant_gemm.c, quant_int8act.c);
@@ -84,6 +88,95 @@ typedef struct {
     float *out, *residual, *normed, *qkv, *q, *attn, *hidden, *gate_up, *act;
     int64_t *progress; /* NULL, or a counter another thread reads: one added per layer completed */
 } Step;
+
+/* The structs' layout as this compiler laid them out: each struct's size (field NULL) and each
+ * field's offset and size, for kernels/cpu/native_decoder.py to check its ctypes mirrors against
+ * when it loads this library (a mismatch keeps the loop off, naming the struct and field). A field
+ * added above must be added here too: the check names a mirror field missing from this table. */
+typedef struct {
+    const char *type, *field;
+    int64_t offset, size;
+} LayoutEntry;
+
+#define STRUCT(S) {#S, 0, 0, sizeof(S)}
+#define FIELD(S, f) {#S, #f, offsetof(S, f), sizeof(((S *)0)->f)}
+static const LayoutEntry LAYOUT[] = {
+    STRUCT(Linear),
+    FIELD(Linear, fn),
+    FIELD(Linear, packed),
+    FIELD(Linear, bias),
+    FIELD(Linear, n),
+    FIELD(Linear, k),
+    FIELD(Linear, code),
+    FIELD(Linear, coded),
+    STRUCT(Layer),
+    FIELD(Layer, qkv),
+    FIELD(Layer, o),
+    FIELD(Layer, gate_up),
+    FIELD(Layer, down),
+    FIELD(Layer, input_norm),
+    FIELD(Layer, post_norm),
+    FIELD(Layer, o_bias),
+    FIELD(Layer, k_cache),
+    FIELD(Layer, v_cache),
+    FIELD(Layer, q_norm),
+    FIELD(Layer, k_norm),
+    FIELD(Layer, attn_out_norm),
+    FIELD(Layer, mlp_out_norm),
+    FIELD(Layer, cos_sin),
+    FIELD(Layer, window),
+    FIELD(Layer, group),
+    FIELD(Layer, softcap),
+    STRUCT(Model),
+    FIELD(Model, rms_norm),
+    FIELD(Model, rotary_store_kv),
+    FIELD(Model, attention),
+    FIELD(Model, silu_and_mul),
+    FIELD(Model, cos_sin),
+    FIELD(Model, final_norm),
+    FIELD(Model, hidden),
+    FIELD(Model, q_heads),
+    FIELD(Model, kv_heads),
+    FIELD(Model, head_dim),
+    FIELD(Model, inter),
+    FIELD(Model, block_size),
+    FIELD(Model, rotary_rows),
+    FIELD(Model, num_blocks),
+    FIELD(Model, eps),
+    FIELD(Model, scale),
+    FIELD(Model, gelu_and_mul),
+    STRUCT(Step),
+    FIELD(Step, tokens),
+    FIELD(Step, positions),
+    FIELD(Step, slots),
+    FIELD(Step, block_tables),
+    FIELD(Step, seq_lens),
+    FIELD(Step, query_start_loc),
+    FIELD(Step, block_table_stride),
+    FIELD(Step, block_table_width),
+    FIELD(Step, num_groups),
+    FIELD(Step, slot_group_stride),
+    FIELD(Step, table_group_stride),
+    FIELD(Step, num_seqs),
+    FIELD(Step, num_threads),
+    FIELD(Step, x),
+    FIELD(Step, out),
+    FIELD(Step, residual),
+    FIELD(Step, normed),
+    FIELD(Step, qkv),
+    FIELD(Step, q),
+    FIELD(Step, attn),
+    FIELD(Step, hidden),
+    FIELD(Step, gate_up),
+    FIELD(Step, act),
+    FIELD(Step, progress),
+    {0, 0, 0, 0},
+};
+#undef STRUCT
+#undef FIELD
+
+/* The table above, ended by an entry whose type is NULL. */
+const LayoutEntry *llmserve_decoder_loop_layout(void) { return LAYOUT; }
 
 /* Where a kernel refused (the caller raises with these). */
 enum { STAGE_QKV = 1, STAGE_ATTENTION = 2, STAGE_O = 3, STAGE_GATE_UP = 4, STAGE_DOWN = 5 };
