@@ -108,14 +108,14 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
     return summary
 
 
-def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.QuantizedWeight], Counter]:
+def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Counter]:
     """The file's blocks for each of ``model``'s fused linears (keys as ``linear_weights``) that has
-    them all in formats the kernel runs, in the model's row order (parts of different formats as a
-    ``MixedRows``), and for an untied embedding (key ``EMBED``: its lookup may read them); and the
-    count of tensors left float, by type. Reads only the model's layout, never its weights (they
-    may be freed)."""
+    them all in formats the kernel runs, in the model's row order (parts of different formats read
+    as a ``MixedRows``), and for an untied embedding (key ``EMBED``: its lookup may read them),
+    each as ``LazyBlocks`` over the file's mapping; and the count of tensors left float, by type.
+    Reads only the model's layout, never its weights (they may be freed)."""
     ckpt = GGUFCheckpoint(gguf_path)
-    parts: dict[str, quant_gemm.QuantizedWeight] = {}
+    parts: dict[str, _Part | list[_Part]] = {}
     skipped: Counter = Counter()
     for t in ckpt.tensors():
         if len(t.shape) not in (2, 3):
@@ -128,16 +128,12 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         log.debug("tensor %s (%s %s): served from its blocks", t.gguf_name, t.type_name, t.shape)
         if len(t.shape) == 3:  # stacked experts [E, rows, cols]: each expert its row range of the blocks
             count, rows, cols = t.shape
-            qw = quant_gemm.from_gguf_blocks(
-                t.type_name, t._reader_tensor.data.reshape(count * rows, -1), (count * rows, cols)
-            )
-            parts[t.hf_name] = [qw.rows(slice(e * rows, (e + 1) * rows)) for e in range(count)]
+            data = t._reader_tensor.data.reshape(count * rows, -1)
+            parts[t.hf_name] = [
+                _Part(t.type_name, data[e * rows : (e + 1) * rows], (rows, cols), None) for e in range(count)
+            ]
             continue
-        qw = quant_gemm.from_gguf_blocks(t.type_name, t._reader_tensor.data, t.shape)
-        if t._permute_heads is not None:
-            order = _unpermute_rows(torch.arange(t.shape[0]), t._permute_heads)
-            qw = qw.rows(order)
-        parts[t.hf_name] = qw
+        parts[t.hf_name] = _Part(t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads)
     tied = model.lm_head is None
     out = {}
     for key in linear_weights(model):
@@ -145,11 +141,9 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         if not names or not all(n in parts for n in names):
             continue
         expert = _expert_of(key)
-        found = [parts[n] if expert is None else parts[n][expert] for n in names]
-        # q, k and v in different formats: a MixedRows, each part served by its own kernel
-        out[key] = quant_gemm.concat_rows(found)
+        out[key] = LazyBlocks([parts[n] if expert is None else parts[n][expert] for n in names])
     if not tied and EMBED_NAME in parts:
-        out[EMBED] = parts[EMBED_NAME]
+        out[EMBED] = LazyBlocks([parts[EMBED_NAME]])
     embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
     if embed is not None:  # the lookup reads the file's own bytes (block_embedding.py), not a copy
         raw = embed._reader_tensor.data
@@ -157,6 +151,55 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, quant_gemm.Quan
         if key in out and embed._permute_heads is None:
             out[key].raw = raw.reshape(out[key].shape[0], -1)
     return out, skipped
+
+
+class _Part:
+    """One GGUF tensor's blocks (a view of the file's mapping) as a linear's rows: its format, the
+    raw ``[rows, row bytes]`` bytes, the ``(rows, cols)`` shape and the head permutation to undo."""
+
+    def __init__(self, fmt: str, raw, shape: tuple[int, int], permute_heads):
+        self.fmt, self.raw, self.shape, self.permute_heads = fmt, raw, shape, permute_heads
+
+    def read(self) -> quant_gemm.QuantizedWeight:
+        qw = quant_gemm.from_gguf_blocks(self.fmt, self.raw, self.shape)
+        if self.permute_heads is not None:
+            qw = qw.rows(_unpermute_rows(torch.arange(self.shape[0]), self.permute_heads))
+        return qw
+
+
+class LazyBlocks:
+    """A fused linear's GGUF blocks, read into the kernels' format-neutral form
+    (``quant_gemm.QuantizedWeight``: a byte a weight plus fp32 scales, 1.5-2x the file's bytes)
+    only while its linear is packed: ``kernels.cpu.linear.make_linear`` calls ``materialize()``,
+    packs, then ``release()``. Reading every tensor up front held the whole model in that form at
+    once (measured: Qwen2.5-Coder-1.5B Q4_K_M, 1,066 MiB, peaked at 7.2 GiB while loading).
+    ``fmt`` and ``shape`` come from the file's metadata; any other attribute reads the form."""
+
+    def __init__(self, parts: list[_Part]):
+        self._parts = parts
+        runs = [p.fmt for i, p in enumerate(parts) if i == 0 or parts[i - 1].fmt != p.fmt]
+        self.fmt = runs[0] if len(runs) == 1 else "+".join(runs)  # as concat_rows names it
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.activations = "fp32"
+        self.raw = None
+        self._read = None
+
+    def materialize(self) -> quant_gemm.QuantizedWeight | quant_gemm.MixedRows:
+        if self._read is None:
+            read = quant_gemm.concat_rows([p.read() for p in self._parts])
+            read.activations = self.activations
+            if self.raw is not None:
+                read.raw = self.raw
+            self._read = read
+        return self._read
+
+    def release(self) -> None:
+        self._read = None
+
+    def __getattr__(self, name: str):  # only for what the class does not hold itself
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
 
 
 def served_by_blocks(model, blocks: dict[str, quant_gemm.QuantizedWeight]) -> frozenset[str]:

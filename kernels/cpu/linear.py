@@ -156,13 +156,19 @@ def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = 
         )
     blocks = getattr(weight, "quantized", None)
     if blocks is not None and backend != "dense":
-        if blocks.activations == "int8":
-            from kernels.cpu.quant_int8act import Int8ActLinear
+        # A GGUF file's blocks are read into the kernels' form only for this packing (LazyBlocks)
+        read = blocks.materialize() if hasattr(type(blocks), "materialize") else blocks
+        try:
+            if blocks.activations == "int8":
+                from kernels.cpu.quant_int8act import Int8ActLinear
 
-            return Int8ActLinear(blocks, bias)
-        from kernels.cpu.quant_gemm import QuantLinear
+                return Int8ActLinear(read, bias)
+            from kernels.cpu.quant_gemm import QuantLinear
 
-        return QuantLinear(blocks, bias)
+            return QuantLinear(read, bias)
+        finally:
+            if read is not blocks:
+                blocks.release()
     return _PACKED.get(backend, DenseLinear)(weight, bias)
 
 
