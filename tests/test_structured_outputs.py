@@ -330,3 +330,22 @@ def test_a_constraint_that_leaves_no_token_ends_the_request_and_says_why(tiny_ll
     fresh = partial(make_engine, tiny_llama)
     assert_same_as_solo("plain", results["plain"], solo(fresh, prompt, plain), plain)
     assert_pool_whole(engine)
+
+
+def test_the_grammar_vocabulary_is_built_by_the_first_structured_request(tiny_llama):
+    """Its tables (hundreds of MiB for a real vocabulary) are not held by an engine that never sees
+    a structured request; the first one builds them, on the compile thread."""
+    engine = make_engine(tiny_llama)
+    assert engine.grammars is not None and engine.grammars._tokenizer is None
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    engine.add_request("plain", [5, 6, 7], plain)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.grammars._tokenizer is None
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    engine.add_request("choice", [5, 6, 7], structured)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.grammars._tokenizer is not None and engine.grammars.num_compiled == 1
