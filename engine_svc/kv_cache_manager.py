@@ -416,7 +416,10 @@ class KVCacheManager:
     def _copy_on_write(self, table: list[int], write_block: int) -> None:
         (copy,) = self.pool.allocate(1)
         old = table[write_block]
-        self._copies.append((old, copy))
+        if self.tiers is not None:  # in order with the tiers' moves (kv_tiers/transfer.py)
+            self._tier_ops.append(TierOp(copy, src=old))
+        else:
+            self._copies.append((old, copy))
         self.pool.release([old])
         table[write_block] = copy
 
