@@ -14,7 +14,8 @@ With lower tiers (``kv_tiers/``), a cached block the pool evicts is spilled (a s
 does before the step's forward, its bytes then kept by the ``TieredStore``), and a lookup that
 misses the pool but finds the block below loads it into a fresh pool block (a load the runner does
 before the forward), published there as any cached block: from then on it is a pool hit. The
-moves travel with the step's changes, in the order they were decided."""
+moves travel with the step's changes, in the order they were decided, copy-on-write copies among
+them (a page a queued copy reads or writes may be released and loaded into in the same schedule)."""
 
 from __future__ import annotations
 

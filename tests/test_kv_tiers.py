@@ -382,3 +382,32 @@ def test_a_block_loaded_where_a_copy_on_write_was_queued_holds_the_loaded_bytes(
     assert (copies, preempted, loads) == (1, 2, 4), seen[0]  # the case named above
     assert got["u"] == ref
     assert got_fork == ref_fork
+
+
+def test_the_server_keeps_a_bounded_disk_tier_by_default(model, tmp_path, monkeypatch):
+    """`llmserve serve` without --kv-disk-bytes asks for the default size (None): 4 GiB, never more
+    than a quarter of the disk's free space (the tier's own files counted as free); 0 turns it off.
+    The library's default stays off."""
+    from engine_svc.kv_tiers import setup
+    from engine_svc.server.main import build_parser, engine_config_kwargs
+
+    def kwargs(*argv):
+        return engine_config_kwargs(build_parser().parse_args(["--model", str(model), *argv]))
+
+    assert kwargs()["kv_disk_bytes"] is None
+    assert kwargs("--kv-disk-bytes", "0")["kv_disk_bytes"] == 0
+    assert make_engine(model).kv_tiers is None  # LLMEngine / LLM: off unless asked
+    engine = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    free = setup.free_bytes(tmp_path)
+    assert engine.kv_tiers.disk.stats.capacity_bytes == min(4 << 30, free // 4)
+    _run(engine, {"a": PROMPTS[0]})
+    held = _tiers(engine)["disk"].bytes
+    assert held > 0
+    # A nearly full disk: the default tier takes a quarter of what is free, its own files counted.
+    monkeypatch.setattr(setup, "free_bytes", lambda path: 3 * held)
+    again = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    assert again.kv_tiers.disk.stats.capacity_bytes == held
+    assert _tiers(again)["disk"].bytes == held  # nothing it held was dropped
+    monkeypatch.setattr(setup, "free_bytes", lambda path: held)
+    small = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    assert small.kv_tiers.disk.stats.bytes <= held // 2  # the least recently used files went
