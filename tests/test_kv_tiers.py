@@ -397,9 +397,10 @@ def test_the_server_keeps_a_bounded_disk_tier_by_default(model, tmp_path, monkey
     assert kwargs()["kv_disk_bytes"] is None
     assert kwargs("--kv-disk-bytes", "0")["kv_disk_bytes"] == 0
     assert make_engine(model).kv_tiers is None  # LLMEngine / LLM: off unless asked
+    assert setup.free_bytes(tmp_path / "not" / "made") > 0  # the nearest folder that exists
+    monkeypatch.setattr(setup, "free_bytes", lambda path: 64 << 30)  # not another job's writes
     engine = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
-    free = setup.free_bytes(tmp_path)
-    assert engine.kv_tiers.disk.stats.capacity_bytes == min(4 << 30, free // 4)
+    assert engine.kv_tiers.disk.stats.capacity_bytes == 4 << 30
     _run(engine, {"a": PROMPTS[0]})
     held = _tiers(engine)["disk"].bytes
     assert held > 0
