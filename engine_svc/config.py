@@ -68,10 +68,11 @@ class EngineConfig:
     # evicts spill to host memory (kv_offload_bytes; None: 4 GiB, at most a quarter of the RAM, on
     # CUDA; 0 on CPU, where the pool is host memory already), whose overflow goes to disk
     # (kv_disk_bytes under kv_disk_dir; None: $LLMSERVE_CACHE/kv or ~/.cache/llmserve/kv). The
-    # disk tier outlives the engine. 0 turns a tier off; the library's default keeps the disk off,
-    # the server's (llmserve serve) turns it on.
+    # disk tier outlives the engine. 0 turns a tier off; kv_disk_bytes None is the default size
+    # (kv_tiers/setup.py: 4 GiB, at most a quarter of the disk's free space). The library's default
+    # keeps the disk off, the server's (llmserve serve) is None: on.
     kv_offload_bytes: int | None = None
-    kv_disk_bytes: int = 0
+    kv_disk_bytes: int | None = 0
     kv_disk_dir: str | None = None
 
     def validate(self) -> None:

@@ -14,7 +14,8 @@ With lower tiers (``kv_tiers/``), a cached block the pool evicts is spilled (a s
 does before the step's forward, its bytes then kept by the ``TieredStore``), and a lookup that
 misses the pool but finds the block below loads it into a fresh pool block (a load the runner does
 before the forward), published there as any cached block: from then on it is a pool hit. The
-moves travel with the step's changes, in the order they were decided."""
+moves travel with the step's changes, in the order they were decided, copy-on-write copies among
+them (a page a queued copy reads or writes may be released and loaded into in the same schedule)."""
 
 from __future__ import annotations
 
@@ -416,7 +417,10 @@ class KVCacheManager:
     def _copy_on_write(self, table: list[int], write_block: int) -> None:
         (copy,) = self.pool.allocate(1)
         old = table[write_block]
-        self._copies.append((old, copy))
+        if self.tiers is not None:  # in order with the tiers' moves (kv_tiers/transfer.py)
+            self._tier_ops.append(TierOp(copy, src=old))
+        else:
+            self._copies.append((old, copy))
         self.pool.release([old])
         table[write_block] = copy
 

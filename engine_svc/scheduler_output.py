@@ -45,7 +45,8 @@ class SchedulerOutput:
     copies: np.ndarray = field(
         default_factory=lambda: NO_COPIES
     )  # [C, 2] int64 (src, dst) block copies before the forward
-    # Moves between the pool and the lower tiers (kv_tiers/transfer.py), in order, before the copies.
+    # Moves between the pool and the lower tiers (kv_tiers/transfer.py), in order, before the
+    # forward; with tiers, the copy-on-write copies are among them (and ``copies`` is empty).
     tier_ops: list | None = None
     failed: list[RequestDelta] = field(default_factory=list)  # requests that could not start
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,13 @@ class ServiceProcess:
         ]
         self.startup_timeout_s = startup_timeout_s
         self.env = {**os.environ, **(env or {})}
+        # The server keeps a disk tier of the prefix cache by default. Tests keep it under their
+        # run's own LLMSERVE_CACHE (conftest.py); a benchmark's server, without one, in a folder of
+        # its own removed with it, so that no run is served what an earlier run computed.
+        self._kv_dir = None
+        if "LLMSERVE_CACHE" not in self.env and "--kv-disk-dir" not in args:
+            self._kv_dir = tempfile.mkdtemp(prefix="llmserve-kv-")
+            self.cmd += ["--kv-disk-dir", self._kv_dir]
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.engine_pid: int | None = None
@@ -149,7 +157,12 @@ class ServiceProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         Path(self._log.name).unlink(missing_ok=True)
+        if self._kv_dir is not None:
+            shutil.rmtree(self._kv_dir, ignore_errors=True)
 
     def __enter__(self) -> ServiceProcess:
         return self.start()
@@ -160,4 +173,4 @@ class ServiceProcess:
                 self.terminate(30)
             except subprocess.TimeoutExpired:
                 pass
-        Path(self._log.name).unlink(missing_ok=True)
+        self._remove_files()

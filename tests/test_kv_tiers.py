@@ -100,6 +100,49 @@ def test_store_puts_host_overflow_on_disk_once(tmp_path):
     assert store.disk.stats.hits == 1 and store.host.stats.hits == 0
 
 
+def test_moves_run_in_the_order_they_were_decided():
+    """run_tier_ops on a small cache tensor, read back independently: a copy decided before a load
+    into its destination (or its source) leaves the loaded bytes; a block loaded twice in one
+    list holds the second entry; a save reads the block as it was before a later load."""
+    import torch
+
+    from engine_svc.kv_tiers.transfer import TierOp, run_tier_ops
+
+    cache = torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4)  # [K/V, blocks, page]
+    page = cache[:, 0].numel() * 4
+    before = cache.clone()
+
+    def entry(key: int) -> TierEntry:
+        payload = np.random.default_rng(key).integers(0, 256, page, dtype=np.uint8)
+        return TierEntry(BlockMeta(key, (key,)), payload)
+
+    def page_bytes(block: int, t=cache) -> bytes:
+        return t[:, block].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+    def holds(block: int, e: TierEntry) -> bool:
+        return page_bytes(block) == e.payload.tobytes()
+
+    e1, e2, e3 = entry(1), entry(2), entry(3)
+    ops = [
+        TierOp(4, meta=BlockMeta(9, (9,))),  # a save of block 4 ...
+        TierOp(2, src=1),  # copy-on-write 1 -> 2, then both pages reused:
+        TierOp(2, entry=e1),
+        TierOp(1, entry=e2),
+        TierOp(4, entry=e3),  # ... then block 4 loaded
+        TierOp(3, src=0),
+        TierOp(3, entry=e1),  # block 3 loaded twice: the later entry is what it holds
+        TierOp(3, entry=e2),
+        TierOp(5, src=0),  # a copy after the loads sees none of them
+        TierOp(0, src=5),  # copies in a chain: the second reads what the first wrote
+        TierOp(5, src=4),
+        TierOp(0, src=5),
+    ]
+    (saved,) = run_tier_ops([cache], ops)
+    assert saved.payload.tobytes() == page_bytes(4, before)
+    assert holds(2, e1) and holds(1, e2) and holds(4, e3) and holds(3, e2)
+    assert holds(5, e3) and holds(0, e3)
+
+
 # --- the engine -----------------------------------------------------------------------------------
 BS = 16
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -284,3 +327,88 @@ def test_a_reset_of_the_prefix_cache_empties_the_host_tier(model, solo):
     before = engine.stats().prompt_tokens_computed
     assert _run(engine, {"a": PROMPTS[0]})["a"] == solo[0]
     assert engine.stats().prompt_tokens_computed - before == len(PROMPTS[0])  # computed again
+
+
+def test_a_block_loaded_where_a_copy_on_write_was_queued_holds_the_loaded_bytes(model, tmp_path):
+    """Issue 43's batch-invariance failure with the disk tier on (the service test's priority
+    request off its solo run at its 8th token). In one schedule: a forked request's sequence
+    copies its shared partial block (copy-on-write, a copy queued for before the forward), then
+    an urgent request, its prefix on disk, preempts both forked sequences for room, and its
+    blocks are loaded into the pages they released -- the copy's source and its destination.
+    The moves must run in the order they were decided; the copy run after the loads wrote the
+    forked request's partial block (or the wrong loaded one) over the urgent request's prefix."""
+    urgent = random_prompts([65], 1000, seed=5)[0]  # 4 full blocks and the token computed
+    forked = random_prompts([20], 1000, seed=6)[0]  # block 1 partial: shared after the fork
+    tiers = dict(kv_disk_bytes=1 << 30, kv_disk_dir=str(tmp_path), scheduling_policy="priority")
+    alone = make_engine(model, scheduling_policy="priority")
+    ref = _run(alone, {"u": urgent})["u"]
+    fork_params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3, logprobs=2)
+    alone.add_request("f", forked, fork_params)
+    ref_fork = {}
+    while alone.has_unfinished_requests():
+        for d in alone.step():
+            ref_fork.setdefault(d.index, []).extend(d.new_token_ids)
+    first = make_engine(model, **tiers)
+    _run(first, {"u": urgent})
+    first.shutdown()  # the urgent prompt's blocks on disk; a restart with a pool of 5 blocks
+    engine = make_engine(model, num_kv_blocks=5, **tiers)
+    engine.add_request("f", forked, fork_params, priority=1)
+    got_fork: dict[int, list[int]] = {}
+    for d in engine.step():  # the forked prompt: 2 blocks, shared by both sequences once forked
+        got_fork.setdefault(d.index, []).extend(d.new_token_ids)
+    assert len(engine.scheduler.running) == 2
+    engine.add_request("u", urgent, PARAMS, priority=0)
+    out = engine.scheduler.schedule  # the step that decides the copy, the preemptions and the loads
+
+    def observed():
+        step = out()
+        kinds = [op.kind for op in step.tier_ops or []]
+        seen.append((len(step.copies) + kinds.count("copy"), len(step.preempted), kinds.count("load")))
+        return step
+
+    seen: list = []
+    engine.scheduler.schedule = observed
+    got = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.request_id == "u":
+                toks, lps = got.setdefault("u", ([], []))
+                toks += d.new_token_ids
+                lps += d.logprobs
+            else:
+                got_fork.setdefault(d.index, []).extend(d.new_token_ids)
+        engine.check_invariants()
+    copies, preempted, loads = seen[0]
+    assert (copies, preempted, loads) == (1, 2, 4), seen[0]  # the case named above
+    assert got["u"] == ref
+    assert got_fork == ref_fork
+
+
+def test_the_server_keeps_a_bounded_disk_tier_by_default(model, tmp_path, monkeypatch):
+    """`llmserve serve` without --kv-disk-bytes asks for the default size (None): 4 GiB, never more
+    than a quarter of the disk's free space (the tier's own files counted as free); 0 turns it off.
+    The library's default stays off."""
+    from engine_svc.kv_tiers import setup
+    from engine_svc.server.main import build_parser, engine_config_kwargs
+
+    def kwargs(*argv):
+        return engine_config_kwargs(build_parser().parse_args(["--model", str(model), *argv]))
+
+    assert kwargs()["kv_disk_bytes"] is None
+    assert kwargs("--kv-disk-bytes", "0")["kv_disk_bytes"] == 0
+    assert make_engine(model).kv_tiers is None  # LLMEngine / LLM: off unless asked
+    assert setup.free_bytes(tmp_path / "not" / "made") > 0  # the nearest folder that exists
+    monkeypatch.setattr(setup, "free_bytes", lambda path: 64 << 30)  # not another job's writes
+    engine = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    assert engine.kv_tiers.disk.stats.capacity_bytes == 4 << 30
+    _run(engine, {"a": PROMPTS[0]})
+    held = _tiers(engine)["disk"].bytes
+    assert held > 0
+    # A nearly full disk: the default tier takes a quarter of what is free, its own files counted.
+    monkeypatch.setattr(setup, "free_bytes", lambda path: 3 * held)
+    again = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    assert again.kv_tiers.disk.stats.capacity_bytes == held
+    assert _tiers(again)["disk"].bytes == held  # nothing it held was dropped
+    monkeypatch.setattr(setup, "free_bytes", lambda path: held)
+    small = make_engine(model, kv_disk_bytes=None, kv_disk_dir=str(tmp_path / "kv"))
+    assert small.kv_tiers.disk.stats.bytes <= held // 2  # the least recently used files went

@@ -182,6 +182,13 @@ class DiskTier:
         self._evict()
         self.stats.entries = len(self.index)
 
+    def bound(self, capacity: int) -> None:
+        """A new bound (the default size, once the free space is known): the least recently used
+        files past it go."""
+        self.stats.capacity_bytes = capacity
+        self._evict()
+        self.stats.entries = len(self.index)
+
     def _evict(self) -> None:
         while self.stats.bytes > self.stats.capacity_bytes and self.index:
             key = next(iter(self.index))

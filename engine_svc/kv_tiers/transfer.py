@@ -5,7 +5,10 @@ head_dim]`` each, in ``kv_caches`` order with repeats dropped: the layers of a p
 Loading writes those very bytes back, so a restored block is bitwise the block computed.
 
 The scheduler's output lists the moves in the order the KV manager decided them (``TierOp``): a
-block evicted and then reused in one schedule is read out before anything is written into it.
+block evicted and then reused in one schedule is read out before anything is written into it. With
+tiers, the pool's copy-on-write copies are moves of that list too: a schedule may queue a copy,
+release its pages (the sequence preempted) and load a tier's block into one of them, and only the
+order they were decided in leaves the loaded block holding its own bytes.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from engine_svc.kv_tiers.entry import BlockMeta, TierEntry
 @dataclass
 class TierOp:
     """``save``: read pool block ``block_id`` out (``meta`` names it); ``load``: write
-    ``entry``'s payload into pool block ``block_id``."""
+    ``entry``'s payload into pool block ``block_id``; ``copy``: copy pool block ``src`` into
+    ``block_id`` (copy-on-write)."""
 
     block_id: int
     meta: BlockMeta | None = None
     entry: TierEntry | None = None
+    src: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "load" if self.entry is not None else "copy" if self.src is not None else "save"
 
     @property
     def is_save(self) -> bool:
-        return self.entry is None
+        return self.kind == "save"
 
 
 def distinct_caches(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -41,21 +50,38 @@ def block_nbytes(kv_caches: list[torch.Tensor]) -> int:
 
 
 def run_tier_ops(kv_caches: list[torch.Tensor], ops: list[TierOp]) -> list[TierEntry]:
-    """Do ``ops`` in order (runs of saves and of loads batched); returns the saved entries."""
+    """Do ``ops`` in order (runs of one kind batched); returns the saved entries."""
     caches = distinct_caches(kv_caches)
     saved: list[TierEntry] = []
     i = 0
     while i < len(ops):
-        j = i
-        while j < len(ops) and ops[j].is_save == ops[i].is_save:
+        kind = ops[i].kind
+        j = i + 1
+        while j < len(ops) and ops[j].kind == kind and _independent(ops[j], ops[i:j], kind):
             j += 1
         run = ops[i:j]
-        if run[0].is_save:
+        if kind == "save":
             saved += _save(caches, run)
-        else:
+        elif kind == "load":
             _load(caches, run)
+        else:
+            _copy(caches, run)
         i = j
     return saved
+
+
+def _independent(op: TierOp, run: list[TierOp], kind: str) -> bool:
+    """Whether ``op`` may join ``run`` in one batched write: reads never conflict; a write into a
+    block the run writes (a block loaded twice in one schedule) or reads (a copy's source) must
+    wait for it, as must a copy reading a block the run writes."""
+    if kind == "save":
+        return True
+    written = {o.block_id for o in run}
+    if op.block_id in written:
+        return False
+    if kind == "copy":
+        return op.src not in written and op.block_id not in {o.src for o in run}
+    return True
 
 
 def _save(caches: list[torch.Tensor], ops: list[TierOp]) -> list[TierEntry]:
@@ -80,6 +106,14 @@ def _load(caches: list[torch.Tensor], ops: list[TierOp]) -> None:
         at += n
     if at != rows.shape[1]:
         raise ValueError(f"a KV tier payload of {rows.shape[1]} bytes for pages of {at} bytes")
+
+
+def _copy(caches: list[torch.Tensor], ops: list[TierOp]) -> None:
+    device = caches[0].device
+    src = torch.tensor([op.src for op in ops], dtype=torch.int64, device=device)
+    dst = torch.tensor([op.block_id for op in ops], dtype=torch.int64, device=device)
+    for c in caches:  # a page's layers in every cache tensor
+        c[:, dst] = c[:, src]
 
 
 def _bytes_rows(t: torch.Tensor, n: int) -> torch.Tensor:

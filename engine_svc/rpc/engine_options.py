@@ -74,9 +74,9 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     (
         "--kv-disk-bytes",
         "bytes",
-        "disk tier of the prefix cache, in bytes (suffixes K, M, G, e.g. 4G; default 0: off): "
-        "computed blocks "
-        "are written through to it, checked when read back, and kept across restarts",
+        "disk tier of the prefix cache, in bytes (suffixes K, M, G; 0: off; default 4G, at most a "
+        "quarter of the disk's free space): computed blocks are written through to it, checked when "
+        "read back, and kept across restarts",
     ),
     ("--kv-disk-dir", str, "the disk tier's directory (default: $LLMSERVE_CACHE/kv or ~/.cache/llmserve/kv)"),
     (

@@ -109,10 +109,9 @@ def engine_config_kwargs(args) -> dict:
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
-    # The disk tier is opt-in (--kv-disk-bytes, e.g. 4G): with it on, the service's differential
-    # test still finds a request whose tokens differ from its solo run (docs/prefix-caching.md).
-    if args.kv_disk_bytes is not None:
-        kw["kv_disk_bytes"] = args.kv_disk_bytes
+    # The server keeps a disk tier by default: None is its default size (kv_tiers/setup.py; the
+    # library's default is off: EngineConfig); --kv-disk-bytes 0 turns it off.
+    kw["kv_disk_bytes"] = args.kv_disk_bytes
     if args.speculative_config:
         try:
             kw["speculative_config"] = json.loads(args.speculative_config)
