@@ -51,11 +51,14 @@ def bf16_dir(name: str) -> Path:
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
 
     src = gguf_file(name)
     print(f"writing {out} from {src} (transformers' GGUF loader, dequantized, bf16)", flush=True)
     kw = dict(gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, torch_dtype=torch.bfloat16, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        src.parent, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True), **kw
+    )
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(src.parent, **kw).save_pretrained(partial)

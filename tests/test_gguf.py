@@ -370,17 +370,21 @@ def test_k_quant_blocks_are_served_bit_equal_to_the_dequantized_path(wide_llama,
 
 
 def test_the_load_log_names_each_tensor_left_without_a_kernel(wide_llama, tmp_path, caplog):
-    """A mixed file: the tensors of a type no kernel runs (F16 here) are named in the log, each with
-    its type; those served from their blocks are not reported as dequantized."""
+    """A mixed file: the tensors no kernel runs as they are are named in the log, each with its type
+    (here an F16 part of a fused projection whose other parts are Q8_0); those served from their
+    blocks, and an F16 projection of its own (the native GEMM's 16-bit panels), are not reported as
+    dequantized."""
     import logging
 
-    f16 = {"blk.0.ffn_down.weight": "F16", "blk.0.attn_output.weight": "F16"}
+    f16 = {"blk.0.attn_q.weight": "F16", "blk.0.attn_output.weight": "F16"}
     path = write_gguf(wide_llama, tmp_path / "mixed.gguf", "Q8_0", types=f16)
     with caplog.at_level(logging.INFO, logger="engine_svc.models.quantized_weights"):
-        make_engine(path, num_kv_blocks=16)
+        engine = make_engine(path, num_kv_blocks=16)
     dequantized = [r.getMessage() for r in caplog.records if "dequantized, no kernel" in r.getMessage()]
-    assert sorted(m.split()[1] for m in dequantized) == sorted(f16), dequantized
-    assert all("(F16 " in m and m.endswith("no kernel for F16") for m in dequantized), dequantized
+    assert [m.split()[1] for m in dequantized] == ["blk.0.attn_q.weight"], dequantized
+    assert all("(F16 " in m for m in dequantized), dequantized
+    layer = engine.model.layers[0]
+    assert layer.o_proj.packed.dtype == torch.float16 and layer.qkv_proj.packed.dtype == torch.float32
 
 
 def test_the_load_reads_one_linears_blocks_at_a_time(wide_llama, tmp_path, monkeypatch):
@@ -410,3 +414,26 @@ def test_the_load_reads_one_linears_blocks_at_a_time(wide_llama, tmp_path, monke
     assert len({id(b) for b in made}) >= 4 * layers  # every projection was packed from its blocks
     assert most[0] <= 2, most  # one linear's (and at most the tied embedding's lookup) at a time
     assert all(b._read is None for b in made if id(b) not in live)
+
+
+@pytest.mark.parametrize("type_name", ["F16", "BF16"])
+def test_16_bit_float_files_run_on_the_native_gemm_as_stored(hf_dirs, tmp_path, type_name):
+    """An F16 / BF16 file's linears keep the file's 16-bit values in the native GEMM's panels (no
+    fp32 copy), bit-equal to the fp32 GEMM on the same file dequantized (``quantization="none"``),
+    and the greedy tokens are transformers' on the file."""
+    path = write_gguf(hf_dirs["llama"], tmp_path / f"llama-{type_name}.gguf", type_name)
+    half = make_engine(path, num_kv_blocks=64, dtype=None)
+    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    want = {"F16": torch.float16, "BF16": torch.bfloat16}[type_name]
+    for a, b in zip(half.model.layers, floats.model.layers, strict=True):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert getattr(a, name).packed.dtype == want, name
+            assert getattr(b, name).packed.dtype == torch.float32, name
+            inp = torch.randn(7, getattr(a, name).in_features)
+            assert torch.equal(getattr(a, name)(inp), getattr(b, name)(inp)), name
+    hf = _hf_from_gguf(path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts([5, 40], 1024, seed=31)
+    out = run_to_completion(half, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert_greedy_matches(hf, p, out[(str(i), 0)], hf_greedy(hf, p, 8))

@@ -24,11 +24,12 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine_svc.models import arch as archs
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, _unpermute_rows
-from kernels.cpu import quant_gemm, quant_int8act
+from kernels.cpu import native_gemm, quant_gemm, quant_int8act
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ _MADE = {"int8": "Q8_0", "int4": "Q4_1"}
 ACTIVATIONS = ("auto", "int8", "none")
 EMBED = "embed"  # gguf_blocks' key for an untied embedding's blocks (the lookup's, not a linear's)
 EMBED_NAME = "model.embed_tokens.weight"
+# GGUF's 16-bit float types: a linear whose every part is one of them runs on the native GEMM's
+# 16-bit panels (kernels/cpu/native_gemm.py), its values as stored, widened exactly in registers.
+HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 DEFAULT_ACTIVATIONS = "int8"
 
 
@@ -115,10 +119,15 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
     each as ``LazyBlocks`` over the file's mapping; and the count of tensors left float, by type.
     Reads only the model's layout, never its weights (they may be freed)."""
     ckpt = GGUFCheckpoint(gguf_path)
+    half_gemm = native_gemm.library() is not None
     parts: dict[str, _Part | list[_Part]] = {}
     skipped: Counter = Counter()
     for t in ckpt.tensors():
         if len(t.shape) not in (2, 3):
+            continue
+        if t.type_name in HALF_TYPES and len(t.shape) == 2 and t.hf_name != EMBED_NAME and half_gemm:
+            parts[t.hf_name] = _Part(t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads)
+            parts[t.hf_name].gguf_name = t.gguf_name
             continue
         if t.type_name not in quant_gemm.FORMATS:
             skipped[t.type_name] += 1
@@ -141,7 +150,18 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
         if not names or not all(n in parts for n in names):
             continue
         expert = _expert_of(key)
-        out[key] = LazyBlocks([parts[n] if expert is None else parts[n][expert] for n in names])
+        found = [parts[n] if expert is None else parts[n][expert] for n in names]
+        halves = {p.fmt for p in found if p.fmt in HALF_TYPES}
+        if halves and (len(halves) > 1 or len(halves) < len({p.fmt for p in found})):
+            continue  # 16-bit float parts beside other types: the linear is loaded as float
+        out[key] = LazyBlocks(found)
+    used = {n for key in out for n in sources(key, tied, model.spec.arch)}
+    for n, p in parts.items():
+        if not isinstance(p, list) and p.fmt in HALF_TYPES and n not in used:
+            skipped[p.fmt] += 1
+            name = getattr(p, "gguf_name", n)
+            why = f"no kernel for {p.fmt} beside other types"
+            log.info("tensor %s (%s %s): dequantized, %s", name, p.fmt, p.shape, why)
     if not tied and EMBED_NAME in parts:
         out[EMBED] = LazyBlocks([parts[EMBED_NAME]])
     embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
@@ -160,7 +180,13 @@ class _Part:
     def __init__(self, fmt: str, raw, shape: tuple[int, int], permute_heads):
         self.fmt, self.raw, self.shape, self.permute_heads = fmt, raw, shape, permute_heads
 
-    def read(self) -> quant_gemm.QuantizedWeight:
+    def read(self) -> quant_gemm.QuantizedWeight | torch.Tensor:
+        if self.fmt in HALF_TYPES:  # the values as stored, for the native GEMM's 16-bit panels
+            bits = np.ascontiguousarray(self.raw).view(np.uint8).view("<u2").reshape(self.shape).copy()
+            values = torch.from_numpy(bits).view(HALF_TYPES[self.fmt])
+            if self.permute_heads is not None:
+                values = values[_unpermute_rows(torch.arange(self.shape[0]), self.permute_heads)]
+            return values
         qw = quant_gemm.from_gguf_blocks(self.fmt, self.raw, self.shape)
         if self.permute_heads is not None:
             qw = qw.rows(_unpermute_rows(torch.arange(self.shape[0]), self.permute_heads))
@@ -185,6 +211,8 @@ class LazyBlocks:
         self._read = None
 
     def materialize(self) -> quant_gemm.QuantizedWeight | quant_gemm.MixedRows:
+        if self._read is None and self.fmt in HALF_TYPES:
+            self._read = torch.cat([p.read() for p in self._parts])
         if self._read is None:
             read = quant_gemm.concat_rows([p.read() for p in self._parts])
             read.activations = self.activations

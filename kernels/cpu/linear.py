@@ -159,6 +159,8 @@ def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = 
         # A GGUF file's blocks are read into the kernels' form only for this packing (LazyBlocks)
         read = blocks.materialize() if hasattr(type(blocks), "materialize") else blocks
         try:
+            if isinstance(read, torch.Tensor):  # a GGUF file's F16 / BF16 values, as stored
+                return native_gemm.NativeLinear(read, bias)
             if blocks.activations == "int8":
                 from kernels.cpu.quant_int8act import Int8ActLinear
 
