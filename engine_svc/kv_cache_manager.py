@@ -57,6 +57,8 @@ class StepChanges:
     released: list[int]  # seq ids that hold no block anymore (finished, aborted or preempted)
     copies: np.ndarray  # [C, 2] int64 (src, dst) block copies to run before the forward
     tier_ops: list[TierOp] | None = None  # saves to and loads from the lower tiers, in order, first
+    # (parent, child) seq ids: the child took the parent's table (and what its blocks hold)
+    forks: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -117,6 +119,7 @@ class KVCacheManager:
         self.registered: dict[Sequence, int] = {}  # leading blocks published to the prefix cache
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
         self._copies: list[tuple[int, int]] = []
+        self._forks: list[tuple[int, int]] = []  # (parent, child) seq ids since the last take
         # Per group: sequence -> first index of its block table changed since last taken: the
         # input batch rewrites only that much of its persistent copy.
         self._group_changed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
@@ -510,7 +513,7 @@ class KVCacheManager:
                 self._passed[g][child] = self._passed[g][parent]
             self._note_change(child, 0, g)
         self.registered[child] = self.registered.get(parent, 0)
-        child.block_hashes = list(parent.block_hashes)
+        self._forks.append((parent.seq_id, child.seq_id))
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; the scheduler resets its counter."""
@@ -552,4 +555,5 @@ class KVCacheManager:
         copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
         self._copies = []
         tier_ops, self._tier_ops = self._tier_ops or None, []
-        return StepChanges(updates, released, copies, tier_ops)
+        forks, self._forks = self._forks or None, []
+        return StepChanges(updates, released, copies, tier_ops, forks)

@@ -227,6 +227,8 @@ class Scheduler:
         changes = self.kv.take_step_changes()
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         out.tier_ops = changes.tier_ops
+        if changes.forks:
+            out.forks = changes.forks
         return out
 
     def _decode_cap(self, sitting_out) -> float | None:
@@ -645,8 +647,9 @@ class Scheduler:
                 continue
             seq.spec_token_ids = proposed.get(seq.seq_id) or []
             if seq in drafts:
-                # A block is published once the draft model's cache holds it too.
-                kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
+                # A draft model's cache holds every token the target computed by now (its
+                # proposer's rule, spec_decode/draft_model.py): the blocks are both models'.
+                kv.register_computed_blocks(seq)
             if lookahead or seq in drafts:
                 kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)
 
@@ -693,11 +696,10 @@ class Scheduler:
             if i == 0:
                 child = seq
             else:
-                child = Sequence(request, i, list(seq.token_ids))
+                child = Sequence(request, i, list(seq.token_ids), block_hashes=list(seq.block_hashes))
                 if seq.matcher is not None:
                     child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                 child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
-                child.num_draft_computed = seq.num_draft_computed
                 child.num_computed_tokens = seq.num_computed_tokens
                 self.kv.fork(seq, child)
                 child.status = seq.status
