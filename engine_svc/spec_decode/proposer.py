@@ -2,9 +2,9 @@
 
 The model runner calls ``propose`` once per step, after sampling, with the schedule and the sampled
 tokens; the drafts travel back in the step's result (``StepResult.drafts``), the scheduler's update
-keeps them on their sequences (``Sequence.spec_token_ids``, the scheduler's), and the next ``schedule()`` decides
-whether to verify them (budget, ``max_batch``, the per-sequence cut-off). Nothing flows backwards:
-the scheduler never hands out places for a proposer to fill.
+keeps them on their sequences (``Sequence.spec_token_ids``, the scheduler's), and the next
+``schedule()`` decides whether to verify them (budget, ``max_batch``, the per-sequence cut-off).
+Nothing flows backwards: the scheduler never hands out places for a proposer to fill.
 
 ``out.propose`` says which sequences draft after this step, and at most how many tokens (the
 scheduler's choice: the governor, the cut-off, opted-out requests); a proposer never drafts past a
