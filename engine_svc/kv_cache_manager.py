@@ -315,13 +315,17 @@ class KVCacheManager:
         return max(0, position - self.windows[group] + 1) // self.block_size
 
     # --- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks=None) -> bool:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks=None, num_lookahead: int = 0
+    ) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix,
-        which the scheduler then counts as computed); a window group first releases the blocks
-        its window has passed.
+        which the scheduler then counts as computed) and ``num_lookahead`` slots past them that a
+        proposer writes into (a draft model's drafts; vLLM's lookahead tokens); a window group
+        first releases the blocks its window has passed.
 
         Returns False, changing nothing else, when the pool cannot supply the blocks.
         """
+        num_new_tokens += num_lookahead  # slots are slots: only the count of blocks differs
         if len(self.windows) > 1:
             return self._allocate_groups(seq, num_new_tokens, cached_blocks)
         bs = self.block_size

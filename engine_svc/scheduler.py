@@ -150,13 +150,19 @@ class Scheduler:
 
     # --- planning a step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Each sequence in turn (running ones first, then admissions): plan its share of the step
+        from its state and what is left of the budgets (tokens, drafts to verify, lookahead slots
+        for drafting after it), take the plan's blocks in one allocation (``_take_slots``; on a dry
+        pool, the plan without its speculation, then preemptions), and commit it to the output.
+        The step's flags (``only_decodes``, ``all_decoding``) are derived from what was committed."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._work, self._prefilled = self.cost.budget, False
         cost = self.cost.chunk if self.cost.ratio else None
         i = 0
+        num_decodes = 0  # committed sequences that compute their one last token
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
-        running, allocate = self.running, self.kv.allocate
+        running, take_slots = self.running, self._take_slots
         add_seq, add_num = out.seqs.append, out.num_new.append
         out.num_running = len(running)
         # Drafts proposed after the last step are verified while the batch is small enough; whether
@@ -176,38 +182,58 @@ class Scheduler:
             if seq.request.paused or seq in out_this_step:
                 i += 1
                 continue
+            # The plan: its tokens, and with speculation the drafts it verifies, the drafts the
+            # proposer may make after it and the lookahead slots they need.
             num_tokens = len(seq.token_ids)
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
             decoding = remaining == 1 and num_tokens != seq.request.num_prompt_tokens
-            if not decoding:
-                out.only_decodes = out.all_decoding = False
-                if remaining > 1 and self.config.enable_chunked_prefill:
-                    num_new = self._fit(seq.num_computed_tokens, num_new)
-                    if num_new == 0:  # no work left this step for the rest of its prompt
-                        i += 1
-                        continue
+            if not decoding and remaining > 1 and self.config.enable_chunked_prefill:
+                num_new = self._fit(seq.num_computed_tokens, num_new)
+                if num_new == 0:  # no work left this step for the rest of its prompt
+                    i += 1
+                    continue
+            draft, k = None, 0
             if verify and num_new == remaining and self._drafting(seq):
-                num_new = self._speculate(seq, out, num_new, budget if decoding else 0, propose)
-            while not allocate(seq, num_new):
+                draft, k = self._speculate(seq, budget if decoding else None, propose)
+            # One allocation of the plan (less its speculation on a dry pool), else preemptions.
+            planned = 1 + len(draft) if draft else num_new
+            ahead = self.num_lookahead if k else 0
+            speculating = take_slots(seq, planned, num_new, ahead)
+            while speculating is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
-                    budget += out.unschedule(victim)
+                    unscheduled = out.unschedule(victim)
+                    budget += unscheduled
+                    num_decodes -= unscheduled and self._decodes(victim)
                     i -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            else:
+                if planned != num_new or ahead:  # its speculation took more: the plain tokens alone
+                    draft, k, planned, ahead = None, 0, num_new, 0
+                speculating = take_slots(seq, planned, num_new, ahead)
+            else:  # commit
+                if speculating:
+                    if draft:
+                        out.drafts[seq] = draft
+                        num_new = planned
+                    if k:
+                        out.propose[seq] = k
                 add_seq(seq)
                 add_num(num_new)
+                num_decodes += decoding
                 budget -= num_new
                 if cost is not None:
                     self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget = self._admit(out, budget, propose, seated_waiting)
-        if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
-            out.all_decoding = False
+            budget, num_decodes = self._admit(out, budget, propose, seated_waiting, num_decodes)
+        # The flags, from what was committed: every sequence decodes (admissions never do) with
+        # no drafts to verify; and besides, nothing preempted and no running one left out.
+        decodes = num_decodes == len(out.seqs)
+        out.only_decodes = decodes and not out.drafts
+        out.all_decoding = decodes and not out.preempted and len(out.seqs) == len(running)
         step = self.num_steps
         for seq in out.seqs:
             seq.last_step = step
@@ -306,36 +332,54 @@ class Scheduler:
         request = seq.request
         return (request.forked or request.params.n == 1) and self._drafting(seq)
 
-    def _speculate(
-        self, seq: Sequence, out: SchedulerOutput, num_new: int, budget: int, propose: bool
-    ) -> int:
-        """For a running sequence that samples this step: verify the drafts it holds (a decode with
-        ``budget`` to spare), and let the proposer draft after it (with a draft model's lookahead
-        slots). Returns the tokens it computes; on a dry pool it just computes ``num_new``."""
-        # Never past max_tokens: the last draft's successor is the bonus token.
-        k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
-        draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
-        drafts_after = propose and self._may_draft_after(seq)
-        ahead = self.num_lookahead if drafts_after else 0
-        if draft or ahead:
-            if not self.kv.allocate(seq, (1 + len(draft) if draft else num_new) + ahead):
-                return num_new
-        if drafts_after:
-            out.propose[seq] = self.spec.num_speculative_tokens
-        if not draft:
-            return num_new
-        out.drafts[seq] = draft
-        out.only_decodes = False
-        return 1 + len(draft)
+    def _speculate(self, seq: Sequence, budget: int | None, propose: bool) -> tuple[list[int] | None, int]:
+        """The speculation in the plan of a running sequence that samples this step: the drafts it
+        holds that it verifies (a decode, with ``budget`` tokens left; None: it does not decode),
+        and how many drafts the proposer may make after it (0: none)."""
+        draft = None
+        if budget is not None:
+            # Never past max_tokens: the last draft's successor is the bonus token.
+            k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
+            draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
+        after = self.spec.num_speculative_tokens if propose and self._may_draft_after(seq) else 0
+        return draft, after
 
-    def _admit(self, out: SchedulerOutput, budget: int, propose: bool, seated: list[Sequence] | None) -> int:
+    def _take_slots(
+        self, seq: Sequence, planned: int, plain: int, lookahead: int, cached=None
+    ) -> bool | None:
+        """The one place the scheduler takes KV blocks: for ``seq``'s ``planned`` tokens and
+        ``lookahead`` slots after them, in one allocation; on a dry pool, for its ``plain`` tokens
+        alone (its speculation dropped for this step). True: the plan took its blocks; False: only
+        the plain tokens did; None: not even those (nothing was taken)."""
+        num_new, ahead = planned, lookahead
+        while not self.kv.allocate(seq, num_new, cached, ahead):
+            if num_new == plain and not ahead:
+                return None
+            num_new, ahead = plain, 0
+        return num_new == planned and ahead == lookahead
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """It computes its one last token and has sampled before (no prompt chunk, no fork due)."""
+        num_tokens = len(seq.token_ids)
+        return num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.request.num_prompt_tokens
+
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        propose: bool,
+        seated: list[Sequence] | None,
+        num_decodes: int,
+    ) -> tuple[int, int]:
         """Admit waiting sequences while the token and work budgets, ``max_num_seqs`` and the pool
         allow: ``seated`` (those given seats this step, in order), or with None the queue's ready
-        ones in its order (paused requests' sequences are not in it)."""
+        ones in its order (paused requests' sequences are not in it). Returns the token budget and
+        the decodes scheduled (``num_decodes``, less those a preemption here took out)."""
         order = list(self.waiting.ready) if seated is None else seated
         j = 0
         if not order:
-            return budget
+            return budget, num_decodes
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
         publish = self.kv.enable_prefix_caching
@@ -370,13 +414,15 @@ class Scheduler:
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
             drafts_after = propose and num_new == remaining and self._may_draft_after(seq)
-            if drafts_after and not self.kv.allocate(seq, num_new + self.num_lookahead, cached):
-                drafts_after = False
-            if not drafts_after and not self.kv.allocate(seq, num_new, cached):
+            ahead = self.num_lookahead if drafts_after else 0
+            speculating = self._take_slots(seq, num_new, num_new, ahead, cached)
+            if speculating is None:
                 victim = self._lower_priority_victim(seq, out.published_early)
                 if victim is None:
                     break
-                budget += out.unschedule(victim)
+                unscheduled = out.unschedule(victim)
+                budget += unscheduled
+                num_decodes -= unscheduled and self._decodes(victim)
                 self._preempt(victim, out)
                 adapters = self.running_adapters() if self.max_loras else None
                 continue  # the pool changed: this sequence again
@@ -396,13 +442,12 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
-            if drafts_after:
+            if drafts_after and speculating:
                 out.propose[seq] = self.spec.num_speculative_tokens
-            out.only_decodes = out.all_decoding = False
             budget -= num_new
             self._work -= self.cost.chunk(seq.num_computed_tokens, num_new)
             seats -= 1
-        return budget
+        return budget, num_decodes
 
     def _fit(self, start: int, num_new: int) -> int:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
