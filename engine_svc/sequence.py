@@ -115,7 +115,7 @@ class Request:
                 plp[i] = entry
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: no attribute that is not declared here
 class Sequence:
     request: Request
     index: int

@@ -332,3 +332,54 @@ def test_a_draft_models_lookahead_is_allocated_with_the_step_and_released_when_r
     small.update_from_output(out, result)
     out = small.schedule()
     assert out.drafts == {request.sequences[0]: [1, 2]}, "verification is cut to the budget"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_step_takes_each_sequences_blocks_in_one_allocation(method):
+    """Issue 41: ``schedule()`` plans a sequence's tokens, drafts and lookahead slots, then takes
+    their blocks in one allocation; nothing allocates for it again in that step (a dry pool may
+    refuse a plan, which takes nothing). Driven through verification, lookahead and preemption:
+    every step's successful allocations are counted per sequence by a wrapper around the KV
+    manager, an independent reader of what the scheduler asked for."""
+    from engine_svc.spec_decode.proposer import NgramProposer
+
+    spec = SpeculativeConfig(
+        method=method,
+        model="unused" if method == "draft_model" else None,
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=2,
+        adaptive=False,
+    )
+    sched = make_scheduler(num_blocks=14, block_size=4, budget=24, speculative_config=spec)
+    proposer = NgramProposer(spec)
+    taken: list[Sequence] = []
+    allocate = sched.kv.allocate
+
+    def counting(seq, *args, **kw):
+        ok = allocate(seq, *args, **kw)
+        if ok:
+            taken.append(seq)
+        return ok
+
+    sched.kv.allocate = counting
+    requests = [add(sched, f"r{i}", [5, 6, 7] * (3 + i), max_tokens=12) for i in range(4)]
+    drafted = preempted = 0
+    for _ in range(200):
+        taken.clear()
+        out = sched.schedule()
+        twice = [s.seq_id for s in set(taken) if taken.count(s) > 1]
+        assert not twice, f"sequences allocated more than once in one step: {twice}"
+        drafted += bool(out.drafts)
+        preempted += bool(out.preempted)
+        result = fake_result(out, token=5)
+        for seq, draft in out.drafts.items():  # the fake target accepts the first draft, then 8s
+            j = out.layout.sampled.index(seq)
+            row = sum(out.layout.fans[:j])
+            result.token_ids[row : row + len(draft) + 1] = [draft[0]] + [8] * len(draft)
+        sched.update_from_output(out, with_drafts(result, out, proposer))
+        sched.check_invariants()
+        if all(r.finished for r in requests):
+            break
+    assert all(r.finished for r in requests)
+    assert drafted and preempted, (drafted, preempted)  # the test saw what it checks
