@@ -56,6 +56,9 @@ class DraftModelProposer:
             computed.pop(seq_id, None)
             drafted.pop(seq_id, None)
 
+    def held_ids(self) -> set[int]:
+        return set(self.computed) | set(self.drafted)
+
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
         """Keep the draft cache level with the target's and draft for ``out.propose``. ``out.copies``

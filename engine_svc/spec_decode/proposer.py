@@ -39,6 +39,10 @@ class Proposer(Protocol):
         step, then seq ids that hold no block any more."""
         ...
 
+    def held_ids(self) -> set[int]:
+        """Seq ids it keeps state for (checks read it: none may outlive its sequence)."""
+        ...
+
 
 def room(seq, num_tokens: int, k: int) -> int:
     """Drafts a sequence of ``num_tokens`` tokens may take: the bonus token after the last draft
@@ -61,6 +65,9 @@ class NgramProposer:
         indexes = self.indexes
         for seq_id in released:
             indexes.pop(seq_id, None)
+
+    def held_ids(self) -> set[int]:
+        return set(self.indexes)
 
     def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
         if not out.propose:
