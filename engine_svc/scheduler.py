@@ -24,6 +24,7 @@ the scheduler can be driven by fake step results in tests, with no model at all.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
@@ -59,6 +60,15 @@ def dead_end_error(params) -> str:
         if on
     ]
     return f"{DEAD_END} ({', '.join(used)} left its next token none)" if used else DEAD_END
+
+
+class Speculation(NamedTuple):
+    """The speculative part of a running sequence's plan for a step."""
+
+    draft: list[int] | None  # the drafts it verifies (None: none)
+    after: int  # drafts the proposer may make after the step (0: none)
+    tokens: int  # the tokens it computes with them (1 + len(draft) when it verifies)
+    lookahead: int  # slots past those for a draft model's next drafts
 
 
 class Scheduler:
@@ -160,7 +170,7 @@ class Scheduler:
         self._work, self._prefilled = self.cost.budget, False
         cost = self.cost.chunk if self.cost.ratio else None
         i = 0
-        num_decodes = 0  # committed sequences that compute their one last token
+        others = 0  # committed sequences that do not just decode (prompt chunks, admissions)
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
         running, take_slots = self.running, self._take_slots
         add_seq, add_num = out.seqs.append, out.num_new.append
@@ -179,59 +189,65 @@ class Scheduler:
                 self._work, self._capped = min(self._work, cap), True
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.request.paused or seq in out_this_step:
+            request = seq.request
+            if request.paused or (out_this_step and seq in out_this_step):
                 i += 1
                 continue
             # The plan: its tokens, and with speculation the drafts it verifies, the drafts the
-            # proposer may make after it and the lookahead slots they need.
+            # proposer may make after it and the lookahead slots they need (None: none).
             num_tokens = len(seq.token_ids)
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
-            decoding = remaining == 1 and num_tokens != seq.request.num_prompt_tokens
+            decoding = remaining == 1 and num_tokens != request.num_prompt_tokens
             if not decoding and remaining > 1 and self.config.enable_chunked_prefill:
                 num_new = self._fit(seq.num_computed_tokens, num_new)
                 if num_new == 0:  # no work left this step for the rest of its prompt
                     i += 1
                     continue
-            draft, k = None, 0
+            plan = None
             if verify and num_new == remaining and self._drafting(seq):
-                draft, k = self._speculate(seq, budget if decoding else None, propose)
+                plan = self._speculate(seq, num_new, budget if decoding else None, propose)
             # One allocation of the plan (less its speculation on a dry pool), else preemptions.
-            planned = 1 + len(draft) if draft else num_new
-            ahead = self.num_lookahead if k else 0
-            speculating = take_slots(seq, planned, num_new, ahead)
+            if plan is None:
+                speculating = take_slots(seq, num_new, num_new, 0)
+            else:
+                speculating = take_slots(seq, plan.tokens, num_new, plan.lookahead)
             while speculating is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
                     unscheduled = out.unschedule(victim)
                     budget += unscheduled
-                    num_decodes -= unscheduled and self._decodes(victim)
+                    others -= unscheduled and not self._decodes(victim)
                     i -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                if planned != num_new or ahead:  # its speculation took more: the plain tokens alone
-                    draft, k, planned, ahead = None, 0, num_new, 0
-                speculating = take_slots(seq, planned, num_new, ahead)
+                if plan is not None and (plan.tokens != num_new or plan.lookahead):
+                    plan = None  # its speculation took more: the plain tokens alone
+                if plan is None:
+                    speculating = take_slots(seq, num_new, num_new, 0)
+                else:
+                    speculating = take_slots(seq, plan.tokens, num_new, plan.lookahead)
             else:  # commit
-                if speculating:
-                    if draft:
-                        out.drafts[seq] = draft
-                        num_new = planned
-                    if k:
-                        out.propose[seq] = k
+                if plan is not None and speculating:
+                    if plan.draft:
+                        out.drafts[seq] = plan.draft
+                        num_new = plan.tokens
+                    if plan.after:
+                        out.propose[seq] = plan.after
                 add_seq(seq)
                 add_num(num_new)
-                num_decodes += decoding
+                if not decoding:
+                    others += 1
                 budget -= num_new
                 if cost is not None:
                     self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget, num_decodes = self._admit(out, budget, propose, seated_waiting, num_decodes)
+            budget, others = self._admit(out, budget, propose, seated_waiting, others)
         # The flags, from what was committed: every sequence decodes (admissions never do) with
         # no drafts to verify; and besides, nothing preempted and no running one left out.
-        decodes = num_decodes == len(out.seqs)
+        decodes = not others
         out.only_decodes = decodes and not out.drafts
         out.all_decoding = decodes and not out.preempted and len(out.seqs) == len(running)
         step = self.num_steps
@@ -332,17 +348,23 @@ class Scheduler:
         request = seq.request
         return (request.forked or request.params.n == 1) and self._drafting(seq)
 
-    def _speculate(self, seq: Sequence, budget: int | None, propose: bool) -> tuple[list[int] | None, int]:
-        """The speculation in the plan of a running sequence that samples this step: the drafts it
-        holds that it verifies (a decode, with ``budget`` tokens left; None: it does not decode),
-        and how many drafts the proposer may make after it (0: none)."""
+    def _speculate(
+        self, seq: Sequence, num_new: int, budget: int | None, propose: bool
+    ) -> Speculation | None:
+        """The speculation in the plan of a running sequence that samples this step with its
+        ``num_new`` tokens: the drafts it holds that it verifies (a decode, with ``budget`` tokens
+        left; None: it does not decode), and how many drafts the proposer may make after it (None:
+        neither)."""
         draft = None
         if budget is not None:
             # Never past max_tokens: the last draft's successor is the bonus token.
             k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
             draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
         after = self.spec.num_speculative_tokens if propose and self._may_draft_after(seq) else 0
-        return draft, after
+        if not draft and not after:
+            return None
+        tokens = 1 + len(draft) if draft else num_new
+        return Speculation(draft, after, tokens, self.num_lookahead if after else 0)
 
     def _take_slots(
         self, seq: Sequence, planned: int, plain: int, lookahead: int, cached=None
@@ -351,12 +373,12 @@ class Scheduler:
         ``lookahead`` slots after them, in one allocation; on a dry pool, for its ``plain`` tokens
         alone (its speculation dropped for this step). True: the plan took its blocks; False: only
         the plain tokens did; None: not even those (nothing was taken)."""
-        num_new, ahead = planned, lookahead
+        num_new, ahead, whole = planned, lookahead, True
         while not self.kv.allocate(seq, num_new, cached, ahead):
             if num_new == plain and not ahead:
                 return None
-            num_new, ahead = plain, 0
-        return num_new == planned and ahead == lookahead
+            num_new, ahead, whole = plain, 0, False
+        return whole
 
     @staticmethod
     def _decodes(seq: Sequence) -> bool:
@@ -370,16 +392,17 @@ class Scheduler:
         budget: int,
         propose: bool,
         seated: list[Sequence] | None,
-        num_decodes: int,
+        others: int,
     ) -> tuple[int, int]:
         """Admit waiting sequences while the token and work budgets, ``max_num_seqs`` and the pool
         allow: ``seated`` (those given seats this step, in order), or with None the queue's ready
         ones in its order (paused requests' sequences are not in it). Returns the token budget and
-        the decodes scheduled (``num_decodes``, less those a preemption here took out)."""
+        the scheduled sequences that do not just decode (``others``, with the admitted ones, less
+        those a preemption here took out)."""
         order = list(self.waiting.ready) if seated is None else seated
         j = 0
         if not order:
-            return budget, num_decodes
+            return budget, others
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
         publish = self.kv.enable_prefix_caching
@@ -422,7 +445,7 @@ class Scheduler:
                     break
                 unscheduled = out.unschedule(victim)
                 budget += unscheduled
-                num_decodes -= unscheduled and self._decodes(victim)
+                others -= unscheduled and not self._decodes(victim)
                 self._preempt(victim, out)
                 adapters = self.running_adapters() if self.max_loras else None
                 continue  # the pool changed: this sequence again
@@ -447,7 +470,8 @@ class Scheduler:
             budget -= num_new
             self._work -= self.cost.chunk(seq.num_computed_tokens, num_new)
             seats -= 1
-        return budget, num_decodes
+            others += 1
+        return budget, others
 
     def _fit(self, start: int, num_new: int) -> int:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
