@@ -276,7 +276,18 @@ class Scheduler:
     def _decode_cap(self, sitting_out) -> float | None:
         """The step's work bound while sequences decode in it and prompt work waits (None: none;
         ``step_cost.decode_cap``)."""
-        decode_work, prompt = 0.0, bool(self.waiting.ready)
+        prompt = bool(self.waiting.ready)
+        if not prompt:  # unless a running sequence has prompt work: the steady decode step, no cap
+            for seq in self.running:
+                if seq.request.paused or seq in sitting_out:
+                    continue
+                num_tokens = len(seq.token_ids)
+                if num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.request.num_prompt_tokens:
+                    prompt = True
+                    break
+            if not prompt:
+                return None
+        decode_work = 0.0
         chunk = self.cost.chunk
         for seq in self.running:
             if seq.request.paused or seq in sitting_out:
@@ -284,9 +295,7 @@ class Scheduler:
             num_tokens = len(seq.token_ids)
             if num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.request.num_prompt_tokens:
                 decode_work += chunk(seq.num_computed_tokens, 1)
-            else:
-                prompt = True
-        if not decode_work or not prompt:
+        if not decode_work:
             return None
         return decode_cap(decode_work, self.stall_factor, self.step_floor)
 
