@@ -9,8 +9,8 @@ sampled:
 1. one batched forward computes, for every scheduled sequence, the tokens the target computed this
    step that are real (a prefill chunk, a decode's last token, a verification's accepted drafts),
    plus any the draft cache lacks (``computed``, the proposer's own record per seq id), and, for a
-   sequence that drafts, the tokens just sampled: the last row's argmax is its first draft. A block the target completes
-   thus holds the draft's K/V as well, and a prefix-cache hit serves both;
+   sequence that drafts, the tokens just sampled: the last row's argmax is its first draft. A block
+   the target completes thus holds the draft's K/V as well, and a prefix-cache hit serves both;
 2. k - 1 single-token forwards propose the rest, in the lookahead slots that the scheduler allocated
    with the step (it keeps the blocks they lie in until the drafts are verified).
 
