@@ -50,7 +50,9 @@ def run(engine, prompts, params, wrong: bool) -> dict:
         rid = f"r{i}-{stamp}"
         engine.add_request(rid, p, params)
         if wrong:
-            engine.requests[rid].sequences[0].ngram = WrongDrafts(engine.spec.vocab_size)
+            # The proposer's per-sequence index, which the runner keeps by seq id.
+            seq_id = engine.requests[rid].sequences[0].seq_id
+            engine.runner.proposer.indexes[seq_id] = WrongDrafts(engine.spec.vocab_size)
     s = engine.scheduler
     drafted0, accepted0 = s.num_drafted, s.num_accepted
     tokens, t0 = 0, time.perf_counter()

@@ -496,7 +496,8 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """The pool is whole: every reference is held by a live sequence, and vice versa; a running
         sequence holds no block past its tokens; the input batch mirrors the block tables, up to
-        the changes the next step carries. It only reads: nothing it checks is consumed."""
+        the changes the next step carries, and the proposer keeps state for live sequences only. It
+        only reads: nothing it checks is consumed."""
         for rid, request in self.requests.items():
             assert not request.finished, f"request {rid} has ended but is still held"
         live = [s for r in self.requests.values() for s in r.sequences if s.finish_reason is None]
@@ -529,6 +530,9 @@ class LLMEngine:
         pending = self.kv.pending_changes()
         live_seq_ids = {s.seq_id for s in live} | {s.seq_id for s in pending}
         assert set(batch.row_of) <= live_seq_ids, "an input-batch row outlives its sequence"
+        proposer = self.runner.proposer
+        if proposer is not None:  # its per-sequence state, keyed by id, goes with the sequence
+            assert proposer.held_ids() <= live_seq_ids, "a proposer's state outlives its sequence"
         assert len(batch.free_rows) + batch.num_rows == len(batch.num_blocks), "an input-batch row is lost"
 
     # --- sizing -------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ class StepChanges:
     released: list[int]  # seq ids that hold no block anymore (finished, aborted or preempted)
     copies: np.ndarray  # [C, 2] int64 (src, dst) block copies to run before the forward
     tier_ops: list[TierOp] | None = None  # saves to and loads from the lower tiers, in order, first
+    # (parent, child) seq ids: the child took the parent's table (and what its blocks hold)
+    forks: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -118,6 +120,7 @@ class KVCacheManager:
         self.registered: dict[Sequence, int] = {}  # leading blocks published to the prefix cache
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
         self._copies: list[tuple[int, int]] = []
+        self._forks: list[tuple[int, int]] = []  # (parent, child) seq ids since the last take
         # Per group: sequence -> first index of its block table changed since last taken: the
         # input batch rewrites only that much of its persistent copy.
         self._group_changed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
@@ -313,13 +316,17 @@ class KVCacheManager:
         return max(0, position - self.windows[group] + 1) // self.block_size
 
     # --- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks=None) -> bool:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks=None, num_lookahead: int = 0
+    ) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens (after any ``cached_blocks`` prefix,
-        which the scheduler then counts as computed); a window group first releases the blocks
-        its window has passed.
+        which the scheduler then counts as computed) and ``num_lookahead`` slots past them that a
+        proposer writes into (a draft model's drafts; vLLM's lookahead tokens); a window group
+        first releases the blocks its window has passed.
 
         Returns False, changing nothing else, when the pool cannot supply the blocks.
         """
+        num_new_tokens += num_lookahead  # slots are slots: only the count of blocks differs
         if len(self.windows) > 1:
             return self._allocate_groups(seq, num_new_tokens, cached_blocks)
         bs = self.block_size
@@ -514,7 +521,7 @@ class KVCacheManager:
                 self._passed[g][child] = self._passed[g][parent]
             self._note_change(child, 0, g)
         self.registered[child] = self.registered.get(parent, 0)
-        child.block_hashes = list(parent.block_hashes)
+        self._forks.append((parent.seq_id, child.seq_id))
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; the scheduler resets its counter."""
@@ -556,4 +563,5 @@ class KVCacheManager:
         copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
         self._copies = []
         tier_ops, self._tier_ops = self._tier_ops or None, []
-        return StepChanges(updates, released, copies, tier_ops)
+        forks, self._forks = self._forks or None, []
+        return StepChanges(updates, released, copies, tier_ops, forks)

@@ -115,6 +115,8 @@ class ModelRunner:
         (``out.tier_ops``, in order), whose read-out blocks go back in the result's ``spilled``."""
         spilled = run_tier_ops(self.forward.kv_caches, out.tier_ops) if out.tier_ops else []
         self.batch.apply(out.updates, out.released)
+        if self.proposer is not None and (out.forks or out.released):
+            self.proposer.follow(out.forks, out.released)  # its per-sequence state, keyed by id
         if not out.seqs:
             return StepResult([], [], [], spilled=spilled)
         inputs = self.build_inputs(out)

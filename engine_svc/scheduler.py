@@ -24,6 +24,7 @@ the scheduler can be driven by fake step results in tests, with no model at all.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
@@ -59,6 +60,15 @@ def dead_end_error(params) -> str:
         if on
     ]
     return f"{DEAD_END} ({', '.join(used)} left its next token none)" if used else DEAD_END
+
+
+class Speculation(NamedTuple):
+    """The speculative part of a running sequence's plan for a step."""
+
+    draft: list[int] | None  # the drafts it verifies (None: none)
+    after: int  # drafts the proposer may make after the step (0: none)
+    tokens: int  # the tokens it computes with them (1 + len(draft) when it verifies)
+    lookahead: int  # slots past those for a draft model's next drafts
 
 
 class Scheduler:
@@ -150,13 +160,19 @@ class Scheduler:
 
     # --- planning a step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Each sequence in turn (running ones first, then admissions): plan its share of the step
+        from its state and what is left of the budgets (tokens, drafts to verify, lookahead slots
+        for drafting after it), take the plan's blocks in one allocation (``_take_slots``; on a dry
+        pool, the plan without its speculation, then preemptions), and commit it to the output.
+        The step's flags (``only_decodes``, ``all_decoding``) are derived from what was committed."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._work, self._prefilled = self.cost.budget, False
         cost = self.cost.chunk if self.cost.ratio else None
         i = 0
+        others = 0  # committed sequences that do not just decode (prompt chunks, admissions)
         # The loop below runs once per running sequence per step: locals, not attribute lookups.
-        running, allocate = self.running, self.kv.allocate
+        running, take_slots = self.running, self._take_slots
         add_seq, add_num = out.seqs.append, out.num_new.append
         out.num_running = len(running)
         # Drafts proposed after the last step are verified while the batch is small enough; whether
@@ -173,41 +189,67 @@ class Scheduler:
                 self._work, self._capped = min(self._work, cap), True
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.request.paused or seq in out_this_step:
+            request = seq.request
+            if request.paused or (out_this_step and seq in out_this_step):
                 i += 1
                 continue
+            # The plan: its tokens, and with speculation the drafts it verifies, the drafts the
+            # proposer may make after it and the lookahead slots they need (None: none).
             num_tokens = len(seq.token_ids)
             remaining = num_tokens - seq.num_computed_tokens
             num_new = remaining if remaining < budget else budget
-            decoding = remaining == 1 and num_tokens != seq.request.num_prompt_tokens
-            if not decoding:
-                out.only_decodes = out.all_decoding = False
-                if remaining > 1 and self.config.enable_chunked_prefill:
-                    num_new = self._fit(seq.num_computed_tokens, num_new)
-                    if num_new == 0:  # no work left this step for the rest of its prompt
-                        i += 1
-                        continue
+            decoding = remaining == 1 and num_tokens != request.num_prompt_tokens
+            if not decoding and remaining > 1 and self.config.enable_chunked_prefill:
+                num_new = self._fit(seq.num_computed_tokens, num_new)
+                if num_new == 0:  # no work left this step for the rest of its prompt
+                    i += 1
+                    continue
+            plan = None
             if verify and num_new == remaining and self._drafting(seq):
-                num_new = self._speculate(seq, out, num_new, budget if decoding else 0, propose)
-            while not allocate(seq, num_new):
+                plan = self._speculate(seq, num_new, budget if decoding else None, propose)
+            # One allocation of the plan (less its speculation on a dry pool), else preemptions.
+            if plan is None:
+                speculating = take_slots(seq, num_new, num_new, 0)
+            else:
+                speculating = take_slots(seq, plan.tokens, num_new, plan.lookahead)
+            while speculating is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
-                    budget += out.unschedule(victim)
+                    unscheduled = out.unschedule(victim)
+                    budget += unscheduled
+                    others -= unscheduled and not self._decodes(victim)
                     i -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            else:
+                if plan is not None and (plan.tokens != num_new or plan.lookahead):
+                    plan = None  # its speculation took more: the plain tokens alone
+                if plan is None:
+                    speculating = take_slots(seq, num_new, num_new, 0)
+                else:
+                    speculating = take_slots(seq, plan.tokens, num_new, plan.lookahead)
+            else:  # commit
+                if plan is not None and speculating:
+                    if plan.draft:
+                        out.drafts[seq] = plan.draft
+                        num_new = plan.tokens
+                    if plan.after:
+                        out.propose[seq] = plan.after
                 add_seq(seq)
                 add_num(num_new)
+                if not decoding:
+                    others += 1
                 budget -= num_new
                 if cost is not None:
                     self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget = self._admit(out, budget, propose, seated_waiting)
-        if out.preempted or len(out.seqs) != len(running):  # admissions, preemptions, paused ones
-            out.all_decoding = False
+            budget, others = self._admit(out, budget, propose, seated_waiting, others)
+        # The flags, from what was committed: every sequence decodes (admissions never do) with
+        # no drafts to verify; and besides, nothing preempted and no running one left out.
+        decodes = not others
+        out.only_decodes = decodes and not out.drafts
+        out.all_decoding = decodes and not out.preempted and len(out.seqs) == len(running)
         step = self.num_steps
         for seq in out.seqs:
             seq.last_step = step
@@ -227,12 +269,25 @@ class Scheduler:
         changes = self.kv.take_step_changes()
         out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
         out.tier_ops = changes.tier_ops
+        if changes.forks:
+            out.forks = changes.forks
         return out
 
     def _decode_cap(self, sitting_out) -> float | None:
         """The step's work bound while sequences decode in it and prompt work waits (None: none;
         ``step_cost.decode_cap``)."""
-        decode_work, prompt = 0.0, bool(self.waiting.ready)
+        prompt = bool(self.waiting.ready)
+        if not prompt:  # unless a running sequence has prompt work: the steady decode step, no cap
+            for seq in self.running:
+                if seq.request.paused or seq in sitting_out:
+                    continue
+                num_tokens = len(seq.token_ids)
+                if num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.request.num_prompt_tokens:
+                    prompt = True
+                    break
+            if not prompt:
+                return None
+        decode_work = 0.0
         chunk = self.cost.chunk
         for seq in self.running:
             if seq.request.paused or seq in sitting_out:
@@ -240,9 +295,7 @@ class Scheduler:
             num_tokens = len(seq.token_ids)
             if num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.request.num_prompt_tokens:
                 decode_work += chunk(seq.num_computed_tokens, 1)
-            else:
-                prompt = True
-        if not decode_work or not prompt:
+        if not decode_work:
             return None
         return decode_cap(decode_work, self.stall_factor, self.step_floor)
 
@@ -305,35 +358,60 @@ class Scheduler:
         return (request.forked or request.params.n == 1) and self._drafting(seq)
 
     def _speculate(
-        self, seq: Sequence, out: SchedulerOutput, num_new: int, budget: int, propose: bool
-    ) -> int:
-        """For a running sequence that samples this step: verify the drafts it holds (a decode with
-        ``budget`` to spare), and let the proposer draft after it (with a draft model's lookahead
-        slots). Returns the tokens it computes; on a dry pool it just computes ``num_new``."""
-        # Never past max_tokens: the last draft's successor is the bonus token.
-        k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
-        draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
-        drafts_after = propose and self._may_draft_after(seq)
-        ahead = self.num_lookahead if drafts_after else 0
-        if draft or ahead:
-            if not self.kv.allocate(seq, (1 + len(draft) if draft else num_new) + ahead):
-                return num_new
-        if drafts_after:
-            out.propose[seq] = self.spec.num_speculative_tokens
-        if not draft:
-            return num_new
-        out.drafts[seq] = draft
-        out.only_decodes = False
-        return 1 + len(draft)
+        self, seq: Sequence, num_new: int, budget: int | None, propose: bool
+    ) -> Speculation | None:
+        """The speculation in the plan of a running sequence that samples this step with its
+        ``num_new`` tokens: the drafts it holds that it verifies (a decode, with ``budget`` tokens
+        left; None: it does not decode), and how many drafts the proposer may make after it (None:
+        neither)."""
+        draft = None
+        if budget is not None:
+            # Never past max_tokens: the last draft's successor is the bonus token.
+            k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
+            draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
+        after = self.spec.num_speculative_tokens if propose and self._may_draft_after(seq) else 0
+        if not draft and not after:
+            return None
+        tokens = 1 + len(draft) if draft else num_new
+        return Speculation(draft, after, tokens, self.num_lookahead if after else 0)
 
-    def _admit(self, out: SchedulerOutput, budget: int, propose: bool, seated: list[Sequence] | None) -> int:
+    def _take_slots(
+        self, seq: Sequence, planned: int, plain: int, lookahead: int, cached=None
+    ) -> bool | None:
+        """The one place the scheduler takes KV blocks: for ``seq``'s ``planned`` tokens and
+        ``lookahead`` slots after them, in one allocation; on a dry pool, for its ``plain`` tokens
+        alone (its speculation dropped for this step). True: the plan took its blocks; False: only
+        the plain tokens did; None: not even those (nothing was taken)."""
+        num_new, ahead, whole = planned, lookahead, True
+        while not self.kv.allocate(seq, num_new, cached, ahead):
+            if num_new == plain and not ahead:
+                return None
+            num_new, ahead, whole = plain, 0, False
+        return whole
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """It computes its one last token and has sampled before (no prompt chunk, no fork due)."""
+        num_tokens = len(seq.token_ids)
+        return num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.request.num_prompt_tokens
+
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        propose: bool,
+        seated: list[Sequence] | None,
+        others: int,
+    ) -> tuple[int, int]:
         """Admit waiting sequences while the token and work budgets, ``max_num_seqs`` and the pool
         allow: ``seated`` (those given seats this step, in order), or with None the queue's ready
-        ones in its order (paused requests' sequences are not in it)."""
+        ones in its order (paused requests' sequences are not in it). Returns the token budget and
+        the scheduled sequences that do not just decode (``others``, with the admitted ones, less
+        those a preemption here took out)."""
         order = list(self.waiting.ready) if seated is None else seated
         j = 0
         if not order:
-            return budget
+            return budget, others
         # Paused sequences hold no seat: a client that stops reading must not keep others out.
         seats = self.config.max_num_seqs - sum(1 for s in self.running if not s.request.paused)
         publish = self.kv.enable_prefix_caching
@@ -368,13 +446,15 @@ class Scheduler:
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
             drafts_after = propose and num_new == remaining and self._may_draft_after(seq)
-            if drafts_after and not self.kv.allocate(seq, num_new + self.num_lookahead, cached):
-                drafts_after = False
-            if not drafts_after and not self.kv.allocate(seq, num_new, cached):
+            ahead = self.num_lookahead if drafts_after else 0
+            speculating = self._take_slots(seq, num_new, num_new, ahead, cached)
+            if speculating is None:
                 victim = self._lower_priority_victim(seq, out.published_early)
                 if victim is None:
                     break
-                budget += out.unschedule(victim)
+                unscheduled = out.unschedule(victim)
+                budget += unscheduled
+                others -= unscheduled and not self._decodes(victim)
                 self._preempt(victim, out)
                 adapters = self.running_adapters() if self.max_loras else None
                 continue  # the pool changed: this sequence again
@@ -394,13 +474,13 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
-            if drafts_after:
+            if drafts_after and speculating:
                 out.propose[seq] = self.spec.num_speculative_tokens
-            out.only_decodes = out.all_decoding = False
             budget -= num_new
             self._work -= self.cost.chunk(seq.num_computed_tokens, num_new)
             seats -= 1
-        return budget
+            others += 1
+        return budget, others
 
     def _fit(self, start: int, num_new: int) -> int:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
@@ -645,8 +725,9 @@ class Scheduler:
                 continue
             seq.spec_token_ids = proposed.get(seq.seq_id) or []
             if seq in drafts:
-                # A block is published once the draft model's cache holds it too.
-                kv.register_computed_blocks(seq, seq.num_draft_computed if self.draft_model else None)
+                # A draft model's cache holds every token the target computed by now (its
+                # proposer's rule, spec_decode/draft_model.py): the blocks are both models'.
+                kv.register_computed_blocks(seq)
             if lookahead or seq in drafts:
                 kv.trim(seq, len(seq.spec_token_ids) if lookahead else 0)
 
@@ -693,11 +774,10 @@ class Scheduler:
             if i == 0:
                 child = seq
             else:
-                child = Sequence(request, i, list(seq.token_ids))
+                child = Sequence(request, i, list(seq.token_ids), block_hashes=list(seq.block_hashes))
                 if seq.matcher is not None:
                     child.matcher = seq.matcher.deep_copy()  # before sequence 0 consumes its token
                 child.num_cached_tokens, child.admitted_before = seq.num_cached_tokens, True
-                child.num_draft_computed = seq.num_draft_computed
                 child.num_computed_tokens = seq.num_computed_tokens
                 self.kv.fork(seq, child)
                 child.status = seq.status

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Moves between the pool and the lower tiers (kv_tiers/transfer.py), in order, before the
     # forward; with tiers, the copy-on-write copies are among them (and ``copies`` is empty).
     tier_ops: list | None = None
+    # (parent, child) seq ids of the forks since the last step: a child's runner-side state (its
+    # proposer's) starts from its parent's, as its table does.
+    forks: list[tuple[int, int]] = field(default_factory=list)
     failed: list[RequestDelta] = field(default_factory=list)  # requests that could not start
 
     def add(self, seq: Sequence, n: int) -> None:

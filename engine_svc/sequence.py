@@ -115,7 +115,7 @@ class Request:
                 plp[i] = entry
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: no attribute that is not declared here
 class Sequence:
     request: Request
     index: int
@@ -132,15 +132,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     matcher: object = None  # llguidance.LLMatcher of a structured-output request: its grammar state
-    ngram: object = None  # spec_decode.ngram.NgramIndex, once this sequence drafts
     # The proposer's drafts of the tokens after token_ids (from the step that sampled its last token):
     # the next step may verify them. Replaced by every step that samples for it; never mutated.
     spec_token_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
-    # Draft-model speculation: leading tokens whose K/V the draft model's cache holds (it computes
-    # what the target computes, in the same blocks; see spec_decode/draft_model.py).
-    num_draft_computed: int = 0
+    # A proposer's own state (an n-gram index, how far a draft model's cache holds the sequence)
+    # is not here: the runner's proposer keeps it by seq_id (spec_decode/proposer.py).
 
     @property
     def num_tokens(self) -> int:

@@ -332,3 +332,108 @@ def test_a_draft_models_lookahead_is_allocated_with_the_step_and_released_when_r
     small.update_from_output(out, result)
     out = small.schedule()
     assert out.drafts == {request.sequences[0]: [1, 2]}, "verification is cut to the budget"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_step_takes_each_sequences_blocks_in_one_allocation(method):
+    """Issue 41: ``schedule()`` plans a sequence's tokens, drafts and lookahead slots, then takes
+    their blocks in one allocation; nothing allocates for it again in that step (a dry pool may
+    refuse a plan, which takes nothing). Driven through verification, lookahead and preemption:
+    every step's successful allocations are counted per sequence by a wrapper around the KV
+    manager, an independent reader of what the scheduler asked for."""
+    from engine_svc.spec_decode.proposer import NgramProposer
+
+    spec = SpeculativeConfig(
+        method=method,
+        model="unused" if method == "draft_model" else None,
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=2,
+        adaptive=False,
+    )
+    sched = make_scheduler(num_blocks=14, block_size=4, budget=24, speculative_config=spec)
+    proposer = NgramProposer(spec)
+    taken: list[Sequence] = []
+    allocate = sched.kv.allocate
+
+    def counting(seq, *args, **kw):
+        ok = allocate(seq, *args, **kw)
+        if ok:
+            taken.append(seq)
+        return ok
+
+    sched.kv.allocate = counting
+    requests = [add(sched, f"r{i}", [5, 6, 7] * (3 + i), max_tokens=12) for i in range(4)]
+    drafted = preempted = 0
+    for _ in range(200):
+        taken.clear()
+        out = sched.schedule()
+        twice = [s.seq_id for s in set(taken) if taken.count(s) > 1]
+        assert not twice, f"sequences allocated more than once in one step: {twice}"
+        drafted += bool(out.drafts)
+        preempted += bool(out.preempted)
+        result = fake_result(out, token=5)
+        for seq, draft in out.drafts.items():  # the fake target accepts the first draft, then 8s
+            j = out.layout.sampled.index(seq)
+            row = sum(out.layout.fans[:j])
+            result.token_ids[row : row + len(draft) + 1] = [draft[0]] + [8] * len(draft)
+        sched.update_from_output(out, with_drafts(result, out, proposer))
+        sched.check_invariants()
+        if all(r.finished for r in requests):
+            break
+    assert all(r.finished for r in requests)
+    assert drafted and preempted, (drafted, preempted)  # the test saw what it checks
+
+
+def test_the_step_in_docs_engine_step_md():
+    """docs/engine-step.md follows one step's data end to end; these are its numbers (the doc's
+    reader and this test see the same run)."""
+    from engine_svc.input_batch import InputBatch
+    from engine_svc.spec_decode.proposer import NgramProposer
+    from engine_svc.step_inputs import paged_inputs
+
+    spec = SpeculativeConfig(
+        num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=False
+    )
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=8, speculative_config=spec)
+    proposer, batch = NgramProposer(spec), InputBatch(8)
+    a = add(sched, "a", [11, 12, 13, 11, 12], max_tokens=8).sequences[0]
+    out = sched.schedule()
+    batch.apply(out.updates, out.released)
+    sched.update_from_output(out, with_drafts(fake_result(out, token=13), out, proposer))
+    assert a.spec_token_ids == [11, 12]
+    b = add(sched, "b", list(range(21, 30)), max_tokens=4).sequences[0]
+    out = sched.schedule()
+    assert (out.seqs, out.num_new, out.drafts, out.propose) == ([a, b], [3, 5], {a: [11, 12]}, {a: 2})
+    assert [(u.seq, u.first, u.block_ids) for u in out.updates] == [(b, 0, [2, 3])]
+    assert (out.released, out.copies.shape, out.forks) == ([], (0, 2), [])
+    layout = out.layout
+    assert (layout.token_rows.tolist(), layout.sampled, layout.fans, layout.drafts) == (
+        [0, 1, 2],
+        [a],
+        [3],
+        [[11, 12]],
+    )
+    assert not out.only_decodes and not out.all_decoding
+    batch.apply(out.updates, out.released)
+    inputs = paged_inputs(
+        batch,
+        4,
+        out.seqs,
+        np.array([13, 11, 12, 21, 22, 23, 24, 25]),
+        np.array([5, 0]),
+        np.array(out.num_new),
+        layout.token_rows,
+        out.copies,
+    )
+    assert inputs.positions.tolist() == [5, 6, 7, 0, 1, 2, 3, 4]
+    assert inputs.slots.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert inputs.block_tables.tolist() == [[0, 1], [2, 3]]
+    assert (inputs.seq_lens.tolist(), inputs.query_start.tolist()) == ([8, 5], [0, 3, 8])
+    result = with_drafts(StepResult([11, 12, 99], [None] * 3, []), out, proposer)
+    assert result.drafts == {}
+    (delta,) = sched.update_from_output(out, result)
+    assert (delta.request_id, delta.new_token_ids) == ("a", [11, 12, 99])
+    assert (a.num_computed_tokens, b.num_computed_tokens, a.spec_token_ids) == (8, 5, [])
+    out = sched.schedule()
+    assert [(u.seq, u.first, u.block_ids) for u in out.updates] == [(a, 2, [4]), (b, 2, [5])]

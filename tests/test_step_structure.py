@@ -236,3 +236,102 @@ def test_what_a_load_decided_is_declared_not_set_on_the_model():
                 if isinstance(t, ast.Attribute) and t.attr == "released":  # the load's result says
                     added.append(f"{path.relative_to(ROOT)}:{node.lineno}: {named}.released")
     assert not added, added
+# --- issue 41: one owner per piece of state -------------------------------------------------------
+# The modules on the runner's side of the step, and the engine that drives it: they read sequences,
+# and none of them writes one (the scheduler owns them; its update applies what the runner returns).
+RUNNER_SIDE = (
+    "engine_svc/engine.py",
+    "engine_svc/model_runner.py",
+    "engine_svc/input_batch.py",
+    "engine_svc/step_inputs.py",
+    "engine_svc/logits_layout.py",
+    "engine_svc/sampler.py",
+    "engine_svc/pooling.py",
+    "engine_svc/kv_cache_manager.py",
+    "engine_svc/logits_processors",
+    "engine_svc/spec_decode",
+    "engine_svc/lora",
+    "engine_svc/parallel",
+    "engine_svc/kv_tiers",
+)
+
+
+def _files(entries) -> list[Path]:
+    out = []
+    for entry in entries:
+        path = ROOT / entry
+        out += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return out
+
+
+def _assigned_attributes(tree: ast.AST):
+    """(node, attribute target) for every assignment to an attribute (tuples unpacked)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute):
+                    yield node, t
+
+
+def test_no_sequence_attribute_is_written_outside_the_scheduler():
+    """A proposer's index, a draft model's progress: the runner keeps them by seq id, not on the
+    scheduler's ``Sequence``. Its slots make an undeclared attribute fail at run time; a declared
+    one written on the runner's side fails here."""
+    assert hasattr(Sequence, "__slots__"), "Sequence takes attributes nobody declared"
+    fields = {f.name for f in dataclasses.fields(Sequence)}
+    written = []
+    for path in _files(RUNNER_SIDE):
+        for node, t in _assigned_attributes(ast.parse(path.read_text(), str(path))):
+            if t.attr in fields and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                written.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(t)}")
+    assert not written, f"Sequence attributes written outside the scheduler: {written}"
+
+
+def test_the_scheduler_takes_kv_blocks_in_one_place():
+    """One allocation call for a sequence's step (its tokens and lookahead slots), named once: no
+    alias, no second call for the drafts, none anywhere else."""
+
+    def kv_allocations(path: Path) -> list[int]:
+        return [
+            n.lineno
+            for n in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(n, ast.Attribute)
+            and n.attr == "allocate"
+            and (getattr(n.value, "attr", None) == "kv" or getattr(n.value, "id", None) == "kv")
+        ]
+
+    lines = kv_allocations(ROOT / "engine_svc/scheduler.py")
+    assert len(lines) == 1, f"scheduler.py names the KV manager's allocate at lines {lines}"
+    elsewhere = {
+        str(p.relative_to(ROOT)): kv_allocations(p)
+        for p in (ROOT / "engine_svc").rglob("*.py")
+        if p.name != "scheduler.py"
+    }
+    assert not any(elsewhere.values()), {p: v for p, v in elsewhere.items() if v}
+    allocate = _function(_tree("engine_svc/kv_cache_manager.py"), "allocate")
+    assert "num_lookahead" in [a.arg for a in allocate.args.args], "allocate takes no lookahead"
+
+
+def test_the_step_flags_are_derived_once_from_the_plan():
+    """``only_decodes`` and ``all_decoding`` are set once, from what ``schedule()`` committed, and
+    no budget of 0 stands for something else ('it does not decode: verify nothing')."""
+    tree = _tree("engine_svc/scheduler.py")
+    for flag in ("only_decodes", "all_decoding"):
+        sets = [node.lineno for node, t in _assigned_attributes(tree) if t.attr == flag]
+        assert len(sets) == 1, f"scheduler.py sets {flag} at lines {sets}"
+    sentinels = [
+        n.lineno
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        for n in call.args
+        if isinstance(n, ast.IfExp)
+        and any(isinstance(side, ast.Constant) and side.value == 0 for side in (n.body, n.orelse))
+        and "budget" in ast.unparse(n.body) + ast.unparse(n.orelse)
+    ]
+    assert not sentinels, f"a budget of 0 passed for 'none' at lines {sentinels}"

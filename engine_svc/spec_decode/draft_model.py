@@ -8,15 +8,19 @@ sampled:
 
 1. one batched forward computes, for every scheduled sequence, the tokens the target computed this
    step that are real (a prefill chunk, a decode's last token, a verification's accepted drafts),
-   plus any the draft cache lacks (``Sequence.num_draft_computed``), and, for a sequence that drafts,
-   the tokens just sampled: the last row's argmax is its first draft. A block the target completes
-   thus holds the draft's K/V as well, and a prefix-cache hit serves both;
+   plus any the draft cache lacks (``computed``, the proposer's own record per seq id), and, for a
+   sequence that drafts, the tokens just sampled: the last row's argmax is its first draft. A block
+   the target completes thus holds the draft's K/V as well, and a prefix-cache hit serves both;
 2. k - 1 single-token forwards propose the rest, in the lookahead slots that the scheduler allocated
    with the step (it keeps the blocks they lie in until the drafts are verified).
 
 The drafts go back in the step's result; verification takes the target's own samples, so the
 output is exactly the target's. Drafted positions past what the target accepts are overwritten
-later, as the target's are."""
+later, as the target's are.
+
+By the end of every step the draft cache holds at least every token the target has computed (a
+block the target completes holds the draft's K/V too), so the scheduler publishes blocks without
+asking how far the draft got."""
 
 from __future__ import annotations
 
@@ -36,6 +40,23 @@ class DraftModelProposer:
     def __init__(self, forward: ModelForward, block_size: int):
         self.forward = forward
         self.block_size = block_size
+        # Per seq id, while it holds blocks: leading tokens whose K/V the draft cache holds, and
+        # the drafts proposed after them (the K/V of all but the last lie past those tokens).
+        self.computed: dict[int, int] = {}
+        self.drafted: dict[int, int] = {}
+
+    def follow(self, forks: list[tuple[int, int]], released: list[int]) -> None:
+        """A fork shares its parent's blocks, and so what the draft cache holds in them."""
+        computed, drafted = self.computed, self.drafted
+        for parent, child in forks:
+            if parent in computed:
+                computed[child] = computed[parent]
+        for seq_id in released:
+            computed.pop(seq_id, None)
+            drafted.pop(seq_id, None)
+
+    def held_ids(self) -> set[int]:
+        return set(self.computed) | set(self.drafted)
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
@@ -44,26 +65,29 @@ class DraftModelProposer:
         added = new_tokens(out.layout, out.drafts, token_ids) if out.layout.sampled else {}
         seqs, ids, starts, counts = [], [], [], []
         drafting: list[tuple] = []  # (sequence, drafts it may take, tokens it has after this step)
+        computed, drafted = self.computed, self.drafted
         for seq, n in zip(out.seqs, out.num_new, strict=True):
             c, length = seq.num_computed_tokens, len(seq.token_ids)
             new = added.get(seq, [])
             verified = out.drafts.get(seq)
-            if verified is not None and seq.num_draft_computed == c + 1:
+            held = computed.get(seq.seq_id, 0)
+            if verified is not None and held == c + 1:
                 # The draft cache holds the last token and, from the drafting, the accepted drafts
                 # but the last one proposed (its successor was never drafted from).
                 accepted = len(new) - 1
-                start = c + 1 + min(accepted, len(seq.spec_token_ids) - 1)
+                start = c + 1 + min(accepted, drafted.get(seq.seq_id, 0) - 1)
                 end = c + 1 + accepted
             else:
-                start = min(seq.num_draft_computed, c)
+                start = min(held, c)
                 end = c + n if verified is None else c + len(new)
+            drafted[seq.seq_id] = 0
             k = out.propose.get(seq, 0)
             if k and new and new[-1] != DEAD_END_TOKEN:
                 k = room(seq, length + len(new), k)
                 if k > 0:
                     end = length + len(new)  # and the sampled tokens, to draft from the last one
                     drafting.append((seq, k, end))
-            seq.num_draft_computed = end
+            computed[seq.seq_id] = end
             if end > start:
                 seqs.append(seq)
                 ids += _span(seq.token_ids, new, start, end)
@@ -91,6 +115,8 @@ class DraftModelProposer:
         firsts = logits.argmax(dim=-1).tolist()
         drafts = {s.seq_id: [t] for (s, _, _), t in zip(drafting, firsts, strict=True)}
         self._continue(drafting, drafts, batch)
+        for seq_id, draft in drafts.items():
+            drafted[seq_id] = len(draft)
         return drafts
 
     def _continue(self, drafting: list, drafts: dict, batch: InputBatch) -> None:
