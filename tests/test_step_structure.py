@@ -236,6 +236,8 @@ def test_what_a_load_decided_is_declared_not_set_on_the_model():
                 if isinstance(t, ast.Attribute) and t.attr == "released":  # the load's result says
                     added.append(f"{path.relative_to(ROOT)}:{node.lineno}: {named}.released")
     assert not added, added
+
+
 # --- issue 41: one owner per piece of state -------------------------------------------------------
 # The modules on the runner's side of the step, and the engine that drives it: they read sequences,
 # and none of them writes one (the scheduler owns them; its update applies what the runner returns).
