@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
+from benchmarks.kquant_gemv import timed
 from kernels.cpu import native_build
 
 PEAK_SRC = r"""
@@ -114,16 +114,6 @@ def roof(fn, per_iter: int, threads: int, iters: int = 20_000_000) -> float:
             t.join()
         best = max(best, threads * iters * per_iter / (time.perf_counter() - t0))
     return best
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def model_linears(path: str, dtype: str | None) -> tuple[str, dict]:

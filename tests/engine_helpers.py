@@ -129,3 +129,21 @@ def check_greedy_equals_hf(model, hf_model, prompts, refs, max_new_tokens: int, 
     for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
         assert_greedy_matches(hf_model, p, outputs[(str(i), 0)], ref)
     return engine
+
+
+# The engine features an architecture's declaration refuses at start until they are tested on it
+# (``engine_svc.models.arch.refuse_untested``): (option, words the refusal says).
+UNTESTED_FEATURES = [
+    (dict(enable_lora=True), "LoRA adapters"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+    (dict(tensor_parallel_size=2), "tensor parallelism"),
+]
+
+
+def check_refused_at_start(model_dir, arch_name: str, option: dict, words: str) -> None:
+    """Starting an engine on ``model_dir`` with ``option`` is refused, naming the feature and the
+    architecture."""
+    import pytest
+
+    with pytest.raises(ValueError, match=f"{words}.*{arch_name}"):
+        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, **option))

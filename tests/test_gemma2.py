@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM
 from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
 from tests.engine_helpers import (
+    UNTESTED_FEATURES,
     assert_greedy_matches,
     check_greedy_equals_hf,
+    check_refused_at_start,
     hf_greedy,
     hf_reference_prompts,
     make_engine,
@@ -161,18 +163,14 @@ def test_requests_equal_their_solo_runs(gemma):
     )  # 2 full + 3 window groups of one layer
 
 
-@pytest.mark.parametrize(
-    "option,words",
-    [
-        (dict(enable_lora=True), "LoRA adapters"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
-        (dict(tensor_parallel_size=2), "tensor parallelism"),
-        (dict(kernel_backend="triton"), "soft-capped attention scores"),
-    ],
-)
+@pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
 def test_untested_features_refuse_it_at_start(gemma, option, words):
-    with pytest.raises(ValueError, match=words):
-        LLMEngine(EngineConfig(model=str(gemma[0]), num_kv_blocks=64, **option))
+    check_refused_at_start(gemma[0], "Gemma2ForCausalLM", option, words)
+
+
+def test_the_triton_kernels_refuse_soft_capped_scores(gemma):
+    with pytest.raises(ValueError, match="soft-capped attention scores"):
+        LLMEngine(EngineConfig(model=str(gemma[0]), num_kv_blocks=64, kernel_backend="triton"))
 
 
 @pytest.mark.parametrize("window,cap", [(None, 2.0), (5, 0.5), (None, 50.0)])

@@ -13,11 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import EngineConfig, SamplingParams
-from engine_svc.engine import LLMEngine
+from engine_svc import SamplingParams
 from tests.engine_helpers import (
+    UNTESTED_FEATURES,
     assert_greedy_matches,
     check_greedy_equals_hf,
+    check_refused_at_start,
     hf_reference_prompts,
     make_engine,
     random_model,
@@ -113,17 +114,9 @@ def test_requests_equal_their_solo_runs(gemma):
     explore(gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=7)  # 1 full + 6 window groups
 
 
-@pytest.mark.parametrize(
-    "option,words",
-    [
-        (dict(enable_lora=True), "LoRA adapters"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
-        (dict(tensor_parallel_size=2), "tensor parallelism"),
-    ],
-)
+@pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
 def test_untested_features_refuse_it_at_start(gemma, option, words):
-    with pytest.raises(ValueError, match=f"{words}.*Gemma3ForCausalLM"):
-        LLMEngine(EngineConfig(model=str(gemma[0]), num_kv_blocks=64, **option))
+    check_refused_at_start(gemma[0], "Gemma3ForCausalLM", option, words)
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 21])

@@ -17,14 +17,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import EngineConfig, SamplingParams
-from engine_svc.engine import LLMEngine
+from engine_svc import SamplingParams
 from engine_svc.models.decoder import ROUTED_EXPERTS_REASON
 from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
+    UNTESTED_FEATURES,
     assert_greedy_matches,
     check_greedy_equals_hf,
+    check_refused_at_start,
     hf_reference_prompts,
     make_engine,
     random_model,
@@ -288,17 +289,9 @@ def test_what_is_not_built_refuses_naming_the_field(change, words):
         ModelSpec.from_dict(cfg)
 
 
-@pytest.mark.parametrize(
-    "option,words",
-    [
-        (dict(enable_lora=True), "LoRA adapters"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
-        (dict(tensor_parallel_size=2), "tensor parallelism"),
-    ],
-)
+@pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
 def test_untested_features_refuse_it_at_start(moe, option, words):
-    with pytest.raises(ValueError, match=f"{words}.*{moe[2].config.architectures[0]}"):
-        LLMEngine(EngineConfig(model=str(moe[1]), num_kv_blocks=64, **option))
+    check_refused_at_start(moe[1], moe[2].config.architectures[0], option, words)
 
 
 def test_k_quant_experts_are_served_from_their_blocks(tmp_path, trained_tokenizer_dir):

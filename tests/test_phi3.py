@@ -14,12 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import EngineConfig, SamplingParams
-from engine_svc.engine import LLMEngine
+from engine_svc import SamplingParams
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
+    UNTESTED_FEATURES,
     assert_greedy_matches,
     check_greedy_equals_hf,
+    check_refused_at_start,
     hf_reference_prompts,
     make_engine,
     random_model,
@@ -149,14 +150,6 @@ def test_long_rope_and_partial_rotary_refuse_naming_the_field(phi3, change, word
         ModelSpec.from_dict(cfg)
 
 
-@pytest.mark.parametrize(
-    "option,words",
-    [
-        (dict(enable_lora=True), "LoRA adapters"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
-        (dict(tensor_parallel_size=2), "tensor parallelism"),
-    ],
-)
+@pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
 def test_untested_features_refuse_it_at_start(phi3, option, words):
-    with pytest.raises(ValueError, match=f"{words}.*Phi3ForCausalLM"):
-        LLMEngine(EngineConfig(model=str(phi3[0]), num_kv_blocks=64, **option))
+    check_refused_at_start(phi3[0], "Phi3ForCausalLM", option, words)
