@@ -126,8 +126,9 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
         if len(t.shape) not in (2, 3):
             continue
         if t.type_name in HALF_TYPES and len(t.shape) == 2 and t.hf_name != EMBED_NAME and half_gemm:
-            parts[t.hf_name] = _Part(t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads)
-            parts[t.hf_name].gguf_name = t.gguf_name
+            parts[t.hf_name] = _Part(
+                t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads, t.gguf_name
+            )
             continue
         if t.type_name not in quant_gemm.FORMATS:
             skipped[t.type_name] += 1
@@ -139,10 +140,13 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
             count, rows, cols = t.shape
             data = t._reader_tensor.data.reshape(count * rows, -1)
             parts[t.hf_name] = [
-                _Part(t.type_name, data[e * rows : (e + 1) * rows], (rows, cols), None) for e in range(count)
+                _Part(t.type_name, data[e * rows : (e + 1) * rows], (rows, cols), None, f"{t.gguf_name}[{e}]")
+                for e in range(count)
             ]
             continue
-        parts[t.hf_name] = _Part(t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads)
+        parts[t.hf_name] = _Part(
+            t.type_name, t._reader_tensor.data, tuple(t.shape), t._permute_heads, t.gguf_name
+        )
     tied = model.lm_head is None
     out = {}
     for key in linear_weights(model):
@@ -159,9 +163,8 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
     for n, p in parts.items():
         if not isinstance(p, list) and p.fmt in HALF_TYPES and n not in used:
             skipped[p.fmt] += 1
-            name = getattr(p, "gguf_name", n)
             why = f"no kernel for {p.fmt} beside other types"
-            log.info("tensor %s (%s %s): dequantized, %s", name, p.fmt, p.shape, why)
+            log.info("tensor %s (%s %s): dequantized, %s", p.name, p.fmt, p.shape, why)
     if not tied and EMBED_NAME in parts:
         out[EMBED] = LazyBlocks([parts[EMBED_NAME]])
     embed = ckpt.tensor(EMBED_NAME) if EMBED_NAME in parts else None
@@ -175,10 +178,12 @@ def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Co
 
 class _Part:
     """One GGUF tensor's blocks (a view of the file's mapping) as a linear's rows: its format, the
-    raw ``[rows, row bytes]`` bytes, the ``(rows, cols)`` shape and the head permutation to undo."""
+    raw ``[rows, row bytes]`` bytes, the ``(rows, cols)`` shape, the head permutation to undo and
+    the file's name for it (the log's)."""
 
-    def __init__(self, fmt: str, raw, shape: tuple[int, int], permute_heads):
+    def __init__(self, fmt: str, raw, shape: tuple[int, int], permute_heads, name: str):
         self.fmt, self.raw, self.shape, self.permute_heads = fmt, raw, shape, permute_heads
+        self.name = name
 
     def read(self) -> quant_gemm.QuantizedWeight | torch.Tensor:
         if self.fmt in HALF_TYPES:  # the values as stored, for the native GEMM's 16-bit panels
