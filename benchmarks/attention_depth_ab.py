@@ -42,7 +42,8 @@ def _call(fn, q, k, v, tables, lens, qsl) -> torch.Tensor:
         D**-0.5,
         out.data_ptr(),
         torch.get_num_threads(),
-        0,
+        0,  # no sliding window
+        0.0,  # no soft-cap
     )
     if rc != 0:
         raise RuntimeError(f"attention failed ({rc})")
