@@ -119,11 +119,16 @@ def _add_serve(sub) -> None:
     t.add_argument("--chat-template", help="a Jinja chat template file that replaces the model's")
     t.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model choose to call tools (tool_choice "auto"; needs --tool-call-parser)',
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help='let the model choose to call tools (tool_choice "auto"); default: on where the tool-call '
+        "parser is known (named, or found in the chat template)",
     )
     t.add_argument(
-        "--tool-call-parser", help="the model's call format: hermes, llama3_json, mistral, pythonic"
+        "--tool-call-parser",
+        default="auto",
+        help="the model's call format: hermes, llama3_json, mistral, pythonic; auto (the default): the "
+        "one the chat template writes (<tool_call>: hermes, ipython: llama3_json, [TOOL_CALLS]: mistral)",
     )
     t.add_argument(
         "--tool-call-forms",

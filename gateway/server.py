@@ -139,6 +139,13 @@ class GatewayServer:
         engine.on_step_time = m.step_time.observe
         engine.on_lost = lambda reason: m.engine_lost.labels(reason=reason).inc()
         model_name = o.served_model_name or Path(o.model_dir).resolve().name
+        tool_options = o.tool_options.for_template(tokenizer.chat_template_text if tokenizer is not None else "")
+        if tool_options != o.tool_options:
+            log.info(
+                "tool calls: parser %s, tool_choice auto %s (from the chat template)",
+                tool_options.tool_call_parser,
+                "on" if tool_options.enable_auto_tool_choice else "off",
+            )
         m.watch_engine(lambda: engine.load if engine.ready else None, model_name)
         self.state = GatewayState(
             model_name=model_name,
@@ -154,7 +161,7 @@ class GatewayServer:
             auth=o.auth,
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
-            tool_options=o.tool_options,
+            tool_options=tool_options,
             fim=model_fim(o.model_dir, tokenizer) if tokenizer is not None else None,
             model_digest=ModelDigest(o.model_dir),
         )

@@ -21,14 +21,23 @@ from tokenizer_svc.tool_parsers.schemas import schema_error, without_noops
 from tokenizer_svc.tool_parsers.written_forms import WrittenForms
 
 MAX_TOOLS = 128
+
 log = logging.getLogger("gateway.tools")
+
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class ToolOptions:
-    """The server's tool-calling settings (``llmserve serve`` flags, vLLM's names)."""
+    """The server's tool-calling settings (``llmserve serve`` flags, vLLM's names).
 
-    enable_auto_tool_choice: bool = False
+    ``tool_call_parser`` "auto" and ``enable_auto_tool_choice`` None (``serve``'s defaults) are
+    settled by ``for_template`` once the chat template is known: the parser whose format the
+    template offers, and tool_choice "auto" on where there is one -- as llama-server and Ollama
+    do, with no flag (vLLM asks for both)."""
+
+    enable_auto_tool_choice: bool | None = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     # --tool-call-forms: with tool_choice "auto", calls the model wrote in a form its template does
@@ -36,7 +45,7 @@ class ToolOptions:
     tool_call_forms: bool = False
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None:
+        if self.tool_call_parser not in (None, AUTO):
             get_parser(self.tool_call_parser)  # ValueError with the list of names
         if self.reasoning_parser is not None:
             from tokenizer_svc.reasoning import get_reasoning_parser
@@ -44,10 +53,27 @@ class ToolOptions:
             get_reasoning_parser(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if self.tool_call_forms and not self.enable_auto_tool_choice:
+        if self.tool_call_forms and self.enable_auto_tool_choice is False:
             raise ValueError(
                 "--tool-call-forms on needs --enable-auto-tool-choice (it reads tool_choice auto's output)"
             )
+
+    def for_template(self, template: str) -> ToolOptions:
+        """These options with "auto" and None settled for a chat template's text (empty: none)."""
+        from tokenizer_svc.tool_parsers import PARSERS, parser_for_template
+
+        parser = self.tool_call_parser
+        if parser == AUTO:
+            parser = parser_for_template(template)
+            if parser is None and self.enable_auto_tool_choice:
+                raise ValueError(
+                    "--enable-auto-tool-choice: the model's chat template writes no tool-call format this "
+                    "server knows (" + ", ".join(sorted(PARSERS)) + "); name one with --tool-call-parser"
+                )
+        auto = self.enable_auto_tool_choice
+        if auto is None:
+            auto = parser is not None
+        return ToolOptions(auto, parser, self.reasoning_parser, self.tool_call_forms and auto)
 
 
 @dataclass
@@ -165,11 +191,15 @@ def plan_tools(
     parser = get_parser(options.tool_call_parser) if options.tool_call_parser else None
     if kind == "mode" or kind is None:
         if mode == pb.ToolChoice.MODE_AUTO:
-            if not options.enable_auto_tool_choice or parser is None:
+            if parser is None:
                 bad(
                     names.tool_choice,
-                    '"auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                    '"auto" needs a tool-call parser: the served chat template writes no call format this '
+                    "server knows; start it with --tool-call-parser (hermes, llama3_json, mistral, pythonic)",
                 )
+                return plan
+            if not options.enable_auto_tool_choice:
+                bad(names.tool_choice, '"auto" is off on this server (started with --no-enable-auto-tool-choice)')
                 return plan
             if options.tool_call_forms:  # a written call must draw on what the conversation says
                 said = [m.content for m in chat.messages if m.HasField("content")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,36 @@ def test_serve_refuses_bad_options_at_start(tmp_path, flags, words):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+# --- the defaults of `llmserve serve`: the parser the chat template writes, tool_choice auto on ---
+
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+SERVE_DEFAULTS = ToolOptions(enable_auto_tool_choice=None, tool_call_parser="auto")
+
+
+@pytest.mark.parametrize("template,parser", [("hermes", "hermes"), ("llama3_json", "llama3_json")])
+def test_the_parser_is_the_one_the_template_writes(template, parser):
+    text = (TEMPLATES / f"tool_chat_template_{template}.jinja").read_text()
+    got = SERVE_DEFAULTS.for_template(text)
+    assert (got.tool_call_parser, got.enable_auto_tool_choice) == (parser, True)
+    assert not fields(plan(chat("f"), got))  # tool_choice auto is served, no flag given
+
+
+def test_a_template_without_tools_keeps_auto_off_and_says_why():
+    got = SERVE_DEFAULTS.for_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert (got.tool_call_parser, got.enable_auto_tool_choice) == (None, False)
+    p = plan(chat("f"), got)
+    assert fields(p) == ["chat.tool_choice"] and "--tool-call-parser" in p.violations[0].description
+    with pytest.raises(ValueError, match="writes no tool-call format"):
+        ToolOptions(enable_auto_tool_choice=True, tool_call_parser="auto").for_template("{{ messages }}")
+
+
+def test_named_parser_and_switch_win_over_the_template():
+    hermes = (TEMPLATES / "tool_chat_template_hermes.jinja").read_text()
+    named = ToolOptions(enable_auto_tool_choice=None, tool_call_parser="mistral").for_template(hermes)
+    assert (named.tool_call_parser, named.enable_auto_tool_choice) == ("mistral", True)
+    off = ToolOptions(enable_auto_tool_choice=False, tool_call_parser="auto").for_template(hermes)
+    assert (off.tool_call_parser, off.enable_auto_tool_choice) == ("hermes", False)
+    p = plan(chat("f"), off)
+    assert fields(p) == ["chat.tool_choice"] and "off on this server" in p.violations[0].description

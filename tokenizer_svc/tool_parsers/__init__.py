@@ -30,7 +30,17 @@ __all__ = [
     "ToolCallStream",
     "ToolParser",
     "get_parser",
+    "parser_for_template",
 ]
+
+
+def parser_for_template(template: str) -> str | None:
+    """The name of the parser whose call format ``template`` (a chat template's text) offers the
+    model, by each parser's declared ``template_marks``; None where it offers none we know."""
+    for name, cls in PARSERS.items():
+        if any(mark in template for mark in cls.template_marks):
+            return name
+    return None
 
 
 def get_parser(name: str) -> ToolParser:

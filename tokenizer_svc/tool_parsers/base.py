@@ -84,6 +84,10 @@ class ToolParser(ABC):
     # The format's markers are special tokens in its models' vocabularies: the output must be
     # detokenized with them (skip_special_tokens off) for the parser to see them.
     needs_special_tokens: ClassVar[bool] = False
+    # Strings a chat template writes when it offers this format to the model: the server takes
+    # the parser whose marks the served template holds (``--tool-call-parser auto``, the default).
+    # Empty: never chosen that way (a format a template cannot be told by).
+    template_marks: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def pieces(self, text: str, final: bool) -> list[str | PartialCall]:

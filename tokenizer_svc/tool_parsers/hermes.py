@@ -21,6 +21,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    template_marks = ("<tool_call>",)
 
     def pieces(self, text: str, final: bool) -> list[str | PartialCall]:
         out: list[str | PartialCall] = []

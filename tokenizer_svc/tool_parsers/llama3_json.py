@@ -21,6 +21,7 @@ TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     needs_special_tokens = True  # <|python_tag|>
+    template_marks = ("ipython",)  # Llama 3.1+: "Environment: ipython", tool results as role ipython
 
     def pieces(self, text: str, final: bool) -> list[str | PartialCall]:
         pos = skip_ws(text, 0)

@@ -26,6 +26,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    template_marks = ("[TOOL_CALLS]",)
     needs_special_tokens = True  # [TOOL_CALLS] is a control token of Mistral's vocabularies
 
     def call_id(self) -> str:
