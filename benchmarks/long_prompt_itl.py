@@ -8,6 +8,7 @@ tokens arrives, and the stream's ITL is taken over the steps until that prompt's
 figures are ratios measured in the same round, so a busy machine moves both sides alike.
 
     python -m benchmarks.long_prompt_itl --model models/default --prompt 7000 --rounds 2
+    python -m benchmarks.long_prompt_itl --model models/qwen2.5-coder-0.5b --prompt 18000 --rounds 1 --budgets stall
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
-from engine_svc.step_cost import StepCost
+from engine_svc.step_cost import FloorFit, StepCost
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -28,11 +29,18 @@ def _p(xs: list[float], q: float) -> float:
 
 
 def one_run(
-    engine: LLMEngine, ratio: float, prompt_len: int, alone_steps: int, rng: random.Random, stall: float = 0.0
+    engine: LLMEngine,
+    ratio: float,
+    prompt_len: int,
+    alone_steps: int,
+    rng: random.Random,
+    stall: float = 0.0,
+    fit: FloorFit | None = None,
 ) -> dict:
     cfg = engine.config
     engine.scheduler.cost = StepCost(cfg.max_num_batched_tokens, ratio)
     engine.scheduler.stall_factor = stall
+    engine.scheduler.floor_fit = fit
     vocab = engine.spec.vocab_size
     tag = f"{ratio:g}-{rng.random():.6f}"
     stream = SamplingParams(
@@ -40,12 +48,15 @@ def one_run(
     )
     engine.add_request(f"s-{tag}", [rng.randrange(3, vocab) for _ in range(32)], stream)
     itl_alone: list[float] = []
+    first = True  # the stream's first token comes from its own prompt's step: not a decode
     while len(itl_alone) < alone_steps:
         t0 = time.perf_counter()
         deltas = engine.step()
         dt = time.perf_counter() - t0
-        if any(d.request_id == f"s-{tag}" and d.new_token_ids for d in deltas) and engine.num_steps > 2:
-            itl_alone.append(dt)
+        if any(d.request_id == f"s-{tag}" and d.new_token_ids for d in deltas):
+            if not first:
+                itl_alone.append(dt)
+            first = False
     engine.add_request(
         f"long-{tag}",
         [rng.randrange(3, vocab) for _ in range(prompt_len)],
@@ -67,7 +78,9 @@ def one_run(
     while engine.has_unfinished_requests():
         engine.step()
     alone_p99 = _p(itl_alone, 0.99)
+    floor = fit.floor(engine.scheduler.step_floor) if fit is not None else engine.scheduler.step_floor
     return dict(
+        step_floor=floor,
         ratio=ratio,
         decode_stall_factor=stall,
         itl_alone_p50_ms=1000 * _p(itl_alone, 0.5),
@@ -76,6 +89,7 @@ def one_run(
         itl_long_p99_ms=1000 * _p(itl_long, 0.99),
         itl_long_max_ms=1000 * max(itl_long),
         p99_over_alone=_p(itl_long, 0.99) / alone_p99,
+        p99_over_alone_p50=_p(itl_long, 0.99) / _p(itl_alone, 0.5),
         prefill_steps=steps,
         long_ttft_s=ttft,
     )
@@ -89,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alone-steps", type=int, default=40)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument(
+        "--budgets",
+        default="tokens,work,stall",
+        help="which of tokens / work / stall (work + the stall bound with the floor measured: the "
+        "defaults) / static (the stall bound with the fixed floor) to run",
+    )
     args = ap.parse_args(argv)
     engine = LLMEngine(
         EngineConfig(
@@ -99,17 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     model_ratio = engine.scheduler.cost.ratio
     stall = engine.scheduler.stall_factor or 3.0
+    fit = engine.scheduler.floor_fit or FloorFit()
     rng = random.Random(0)
     one_run(engine, model_ratio, 256, 5, rng)  # warm-up
     rows = []
+    wanted = set(args.budgets.split(","))
     variants = [
-        ("tokens", 0.0, 0.0),
-        ("work", model_ratio, 0.0),
-        (f"work, stall x{stall:g}", model_ratio, stall),
+        (name, ratio, factor, floor_fit)
+        for key, name, ratio, factor, floor_fit in (
+            ("tokens", "tokens", 0.0, 0.0, None),
+            ("work", "work", model_ratio, 0.0, None),
+            ("stall", f"work, stall x{stall:g}", model_ratio, stall, fit),
+            ("static", f"work, stall x{stall:g}, fixed floor", model_ratio, stall, None),
+        )
+        if key in wanted
     ]
     for r in range(args.rounds):
-        for name, ratio, factor in variants if r % 2 == 0 else variants[::-1]:
-            row = one_run(engine, ratio, args.prompt, args.alone_steps, rng, factor)
+        for name, ratio, factor, floor_fit in variants if r % 2 == 0 else variants[::-1]:
+            row = one_run(engine, ratio, args.prompt, args.alone_steps, rng, factor, floor_fit)
             row["round"] = r
             row["budget"] = name
             rows.append(row)

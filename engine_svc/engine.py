@@ -138,7 +138,9 @@ class LLMEngine:
         stall = config.decode_stall_factor
         stall = DECODE_STALL_FACTOR.get(self.device.type, 0.0) if stall is None else stall
         floor = STEP_FLOOR.get(self.device.type, STEP_FLOOR["cpu"])
-        self.scheduler = Scheduler(config, self.kv, self.speculative, ratio, seats, (stall, floor))
+        self.scheduler = Scheduler(
+            config, self.kv, self.speculative, ratio, seats, (stall, floor), measure_floor=True
+        )
         self.grammars = self._grammar_compiler()
         self.lora = None
         if config.enable_lora:

@@ -38,7 +38,7 @@ from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.acceptance import num_accepted
 from engine_svc.spec_decode.config import SpeculativeConfig
 from engine_svc.spec_decode.governor import SpeculationGovernor
-from engine_svc.step_cost import STEP_FLOOR, StepCost, decode_cap
+from engine_svc.step_cost import STEP_FLOOR, FloorFit, StepCost, decode_cap
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,12 @@ class Scheduler:
         attention_work_ratio: float | None = None,
         max_per_step: int | None = None,
         decode_stall: tuple[float, float] | None = None,
+        measure_floor: bool = False,
     ):
         """``decode_stall``: (factor, floor) of ``step_cost.decode_cap``, the engine's for its
-        device (None: the config's factor with the CPU floor; a factor of 0 or None: no cap)."""
+        device (None: the config's factor with the CPU floor; a factor of 0 or None: no cap).
+        ``measure_floor``: the floor is then measured from the step times the engine notes
+        (``step_cost.FloorFit``), ``floor`` until it can be."""
         """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
         self.config = config
         self.kv = kv
@@ -93,6 +96,9 @@ class Scheduler:
         if decode_stall is None:
             decode_stall = (config.decode_stall_factor or 0.0, STEP_FLOOR["cpu"])
         self.stall_factor, self.step_floor = decode_stall
+        # The fixed cost measured from step times (None: the floor as given, e.g. model-free tests).
+        self.floor_fit = FloorFit() if measure_floor and self.stall_factor else None
+        self._planned_work = 0.0  # of the step just planned: its work, for floor_fit
         self._capped = False  # of the step being planned: its work bounded by decodes in it
         self._work = 0.0  # of the step being planned: work left in its budget
         self._prefilled = False  # of the step being planned: whether a prompt chunk is in it
@@ -253,6 +259,9 @@ class Scheduler:
         step = self.num_steps
         for seq in out.seqs:
             seq.last_step = step
+        if self.floor_fit is not None:
+            chunk = self.cost.chunk
+            self._planned_work = sum(chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new))
         # A seat given is a turn taken, used or not: a waiting sequence the pool, the budgets or
         # max_num_seqs kept out goes behind the running ones that sat out for it, which are then
         # seated first (they may be what frees the room it needs).
@@ -297,7 +306,8 @@ class Scheduler:
                 decode_work += chunk(seq.num_computed_tokens, 1)
         if not decode_work:
             return None
-        return decode_cap(decode_work, self.stall_factor, self.step_floor)
+        floor = self.step_floor if self.floor_fit is None else self.floor_fit.floor(self.step_floor)
+        return decode_cap(decode_work, self.stall_factor, floor)
 
     def _seats(self) -> tuple[set[Sequence], list[Sequence] | None]:
         """Who takes the step's ``max_seqs_per_step`` seats, when more sequences could: the running
@@ -590,7 +600,10 @@ class Scheduler:
         self.kv.pool.check_invariants(holders)
 
     def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:
-        """The governor learns from decode steps: how long one took, for how many tokens."""
+        """The governor learns from decode steps: how long one took, for how many tokens; the
+        floor fit from every step with work in it, against the work it planned."""
+        if self.floor_fit is not None and self._planned_work > 0:
+            self.floor_fit.observe(self._planned_work, seconds, not out.all_decoding)
         if self.governor is not None and out.all_decoding and out.num_running <= self.spec.max_batch:
             tokens = sum(len(d.new_token_ids) for d in deltas)
             self.governor.record(out.num_running, bool(out.drafts), seconds, tokens)

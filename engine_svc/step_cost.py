@@ -16,8 +16,10 @@ While sequences decode, that budget is still a long stall for them: a decode ste
 step's fixed cost (reading the weights once), a few token-equivalents of work, and a full prompt
 chunk is a thousand times more. ``decode_cap`` bounds such a step at ``factor`` times the decode
 step alone, counting the fixed cost as ``floor`` token-equivalents: the tokens whose compute takes
-as long as one read of the weights (on a CPU about 16 at every model size measured: SmolLM2-135M
-decodes a token in ~7 ms and prefills ~2,000 tokens/s; Qwen2.5-Coder-1.5B ~60 ms and ~200/s).
+as long as one read of the weights. That balance is the machine's and the weights' (int8 GEMMs on a
+2-core AVX2 CPU: Qwen2.5-Coder-0.5B Q4_K_M decodes a token in ~21 ms and prefills ~212 tokens/s, a
+floor of ~4.5; on an AVX-512 VNNI CPU SmolLM2-135M's was ~14), so it is measured while serving
+(``FloorFit``: step times against their planned work), starting from ``STEP_FLOOR``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,35 @@ STEP_FLOOR = {"cpu": 16.0, "cuda": 256.0}
 # 6,000-token prompt: p99 inter-token latency 2.5x its latency alone, against 53-198x without; the
 # prompt's first token 1.4x later). On CUDA a step's fixed cost dwarfs a chunk's: not measured, off.
 DECODE_STALL_FACTOR: dict[str, float] = {"cpu": 3.0}
+
+
+class FloorFit:
+    """A step's fixed cost in token-equivalents, measured: the line through the mean (planned work,
+    seconds) of recent decode steps and that of recent steps with prompt chunks (exponentially
+    weighted, ``decay`` per step of the kind) gives the seconds of a step of no work (the weights'
+    read) over the seconds of one token-equivalent. Until it has seen both kinds, or where the line
+    is not a cost (a negative part), ``floor()`` returns the default. Only the cap beside decodes
+    reads it: a prompt's chunks alone keep the budget, so nothing but latency depends on timings."""
+
+    def __init__(self, decay: float = 0.1, min_steps: int = 3) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self._means: dict[bool, list[float]] = {}  # with chunks? -> [steps, work, seconds]
+
+    def observe(self, work: float, seconds: float, chunks: bool) -> None:
+        m = self._means.setdefault(chunks, [0, work, seconds])
+        m[0] += 1
+        m[1] += self.decay * (work - m[1])
+        m[2] += self.decay * (seconds - m[2])
+
+    def floor(self, default: float) -> float:
+        d, c = self._means.get(False), self._means.get(True)
+        if d is None or c is None or min(d[0], c[0]) < self.min_steps or c[1] - d[1] < 1.0:
+            return default
+        slope = (c[2] - d[2]) / (c[1] - d[1])
+        fixed = d[2] - slope * d[1]
+        if slope <= 0 or fixed <= 0:
+            return default
+        return min(max(fixed / slope, 1.0), 1024.0)
 
 
 def decode_cap(decode_work: float, factor: float, floor: float) -> float:

@@ -187,3 +187,47 @@ def test_watchdog_thread_follows_layer_progress_in_real_time():
         assert tripped.wait(30.0)
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize(
+    "cpu_per_s,runnable,trips",
+    [
+        (0.05, True, False),  # ready to run, 5% of a core: other processes have the CPU (starved)
+        (0.05, False, True),  # nothing ready to run and little CPU: blocked (a deadlock)
+        (1.0, True, True),  # a core's worth of CPU and no layer done: a loop that never ends
+    ],
+)
+def test_a_starved_engine_is_not_hung(cpu_per_s, runnable, trips):
+    now = [0.0]
+    events = []
+    w = Watchdog(
+        1.0,
+        on_stall=lambda s: events.append(s),
+        on_recover=lambda: None,
+        clock=lambda: now[0],
+        cpu=lambda: (cpu_per_s * now[0], runnable),
+    )
+    w.step_started()
+    assert not w.check()  # the wait begins: the CPU it had so far is noted
+    for t in (0.5, 1.5, 3.0, 10.0):
+        now[0] = t
+        w.check()
+    assert bool(events) == trips and w.tripped == trips
+    if not trips:  # once it gets the CPU back without a layer done, it is hung after all
+        w._cpu = lambda: (0.05 * 10 + 1.0 * (now[0] - 10.0), True)
+        now[0] = 40.0
+        assert w.check() and w.tripped
+
+
+def test_process_cpu_reads_this_process():
+    from engine_svc.server.watchdog import process_cpu
+
+    stop = threading.Event()
+    spin = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)])
+    spin.start()
+    try:
+        cpu, runnable = process_cpu()
+        assert cpu > 0 and runnable  # the spinning thread is running or ready to run
+    finally:
+        stop.set()
+        spin.join()

@@ -147,3 +147,42 @@ def test_beside_decodes_a_prompt_chunk_keeps_the_step_within_the_stall_factor():
     request = add(sched2, "alone", list(range(3, 3 + 4000)))
     out = sched2.schedule()
     assert out.num_new == [2048] and request.sequences[0] is out.seqs[0]
+
+
+def test_the_floor_is_measured_from_step_times():
+    """On a machine whose weight read costs 4 token-equivalents (not the default 16), the fitted
+    floor finds it and keeps a step beside a decode within the factor of the decode alone; the
+    fixed default lets it run ~2.5x over. Step times come from that machine's cost: max(read,
+    compute), the GEMMs' shape, not the line the fit assumes."""
+    read, per_work = 0.020, 0.005  # seconds: one weight read; one token-equivalent of compute
+
+    def seconds(work):
+        return max(read, per_work * work)
+
+    def worst_ratio(measure):
+        ratio = 1.2e-4  # Qwen2.5-Coder-0.5B's attention_work_ratio
+        config = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=2048,
+                              attention_work_ratio=ratio, decode_stall_factor=3.0)  # fmt: skip
+        sched = Scheduler(config, KVCacheManager(2048, BS, True), None, ratio, None, (3.0, 16.0),
+                          measure_floor=measure)  # fmt: skip
+        add(sched, "d", list(range(3, 35)), max_tokens=5000)
+        decode_alone, worst = None, 0.0
+        for _ in range(40):  # the stream alone
+            out = sched.schedule()
+            decode_alone = seconds(planned_work(sched, out))
+            sched.note_step_time(out, decode_alone, sched.update_from_output(out, fake_result(out, 5)))
+        add(sched, "long", list(range(5000, 8000)))
+        beside = []
+        for _ in range(200):
+            out = sched.schedule()
+            t = seconds(planned_work(sched, out))
+            if len(out.seqs) == 2:
+                beside.append(t / decode_alone)
+            sched.note_step_time(out, t, sched.update_from_output(out, fake_result(out, 5)))
+        beside = beside[5:]  # the first steps, planned before there was anything to measure
+        return max(beside), sched
+
+    measured, sched = worst_ratio(True)
+    fixed, _ = worst_ratio(False)
+    assert 3.0 < sched.floor_fit.floor(16.0) < 6.0
+    assert measured <= 3.0 * 1.25 and fixed > 2.0 * 3.0, (measured, fixed)

@@ -32,5 +32,10 @@ class StallDetector:
     def stalled(self, now: float) -> bool:
         return self.timeout_s > 0 and self._pending and now - self._since > self.timeout_s
 
+    @property
+    def since(self) -> float:
+        """When the current wait for progress began."""
+        return self._since
+
     def stalled_for(self, now: float) -> float:
         return now - self._since if self._pending else 0.0

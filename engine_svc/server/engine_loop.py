@@ -77,6 +77,7 @@ class EngineLoop:
             on_stall=self._on_stall,
             on_recover=self._on_recover,
             progress=layer_progress.value,
+            cpu=process_cpu,
         )
 
     # Called from other threads -----------------------------------------------------------------

@@ -1,11 +1,19 @@
 """The engine process's watchdog: ``engine_svc.rpc.stall.StallDetector`` run on a thread of its own
 beside the engine loop, since a loop stuck in a forward pass cannot check itself. Each look also
 reads a progress counter (the decoder layers run: ``engine_svc.models.layer_progress``): while it
-moves, the step in progress is long, not stuck."""
+moves, the step in progress is long, not stuck.
+
+A process that gets no CPU makes no progress either: when other processes take the cores (a busy
+machine, a real-time job), a layer can take longer than the timeout. With a ``cpu`` probe (the
+engine's: ``process_cpu``), a wait past the timeout in which the engine had less than a quarter of
+a core while one of its threads was ready to run is starvation, logged once and waited out; a hang
+is a wait in which it used the CPU (a loop that never finishes a layer) or had nothing to run (a
+deadlock, a blocked call)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +21,32 @@ from collections.abc import Callable
 from engine_svc.rpc.stall import StallDetector
 
 log = logging.getLogger("engine_svc.server")
+
+STARVED_SHARE = 0.25  # of one core, over a wait past the timeout: less is starvation (if runnable)
+
+
+def process_cpu() -> tuple[float, bool]:
+    """This process's CPU seconds (every thread) and whether a thread other than the caller is
+    runnable (state R: running, or ready and waiting for a core)."""
+    t = os.times()
+    me = threading.get_native_id()
+    runnable = False
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return t.user + t.system, False
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R":
+            runnable = True
+            break
+    return t.user + t.system, runnable
 
 
 class Watchdog:
@@ -28,9 +62,13 @@ class Watchdog:
         on_recover: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[], int] | None = None,
+        cpu: Callable[[], tuple[float, bool]] | None = None,
     ) -> None:
         self.detector = StallDetector(timeout_s)
         self._layers = progress
+        self._cpu = cpu
+        self._cpu_mark: tuple[float, float] | None = None  # (wait began, CPU seconds then)
+        self._starved_logged = False
         self._seen = progress() if progress is not None else 0
         self._on_stall, self._on_recover = on_stall, on_recover
         self._clock = clock
@@ -70,16 +108,39 @@ class Watchdog:
                 if seen != self._seen:
                     self._seen = seen
                     self.detector.note_progress(now)
+            if self._cpu is not None and (self._cpu_mark is None or self._cpu_mark[0] != self.detector.since):
+                self._cpu_mark = (self.detector.since, self._cpu()[0])
+                self._starved_logged = False
             if self._tripped or not self.detector.stalled(now):
                 return False
-            self._tripped = True
             waited = self.detector.stalled_for(now)
+            if self._starved(waited):
+                return False
+            self._tripped = True
         log.error(
             "watchdog: no engine step completed for %.1fs while work is pending (nor a layer of the step"
             " in progress)",
             waited,
         )
         self._on_stall(waited)
+        return True
+
+    def _starved(self, waited: float) -> bool:
+        """Whether the wait so far is the engine kept from the CPU (see the module's docstring)."""
+        if self._cpu is None or self._cpu_mark is None:
+            return False
+        cpu, runnable = self._cpu()
+        share = (cpu - self._cpu_mark[1]) / max(waited, 1e-9)
+        if not runnable or share >= STARVED_SHARE:
+            return False
+        if not self._starved_logged:
+            self._starved_logged = True
+            log.warning(
+                "watchdog: no progress for %.1fs, but the engine had %.0f%% of a core with work ready to "
+                "run: other processes have the CPU; not hung, waiting",
+                waited,
+                100 * share,
+            )
         return True
 
     def start(self) -> None:
