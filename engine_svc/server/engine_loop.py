@@ -25,7 +25,7 @@ from engine_svc.rpc.convert import delta_to_proto
 from engine_svc.rpc.shm_ring import TokenRing
 from engine_svc.server.kv_event_feed import KvEventFeed, Subscriber
 from engine_svc.server.throughput import ThroughputWindow
-from engine_svc.server.watchdog import Watchdog
+from engine_svc.server.watchdog import Watchdog, process_cpu
 from llmserve_proto.engine.v1 import engine_pb2 as pb
 
 log = logging.getLogger("engine_svc.server")
