@@ -303,9 +303,14 @@ def perplexity_kl(args) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         text, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
-        text.write_text(english_text(8 * args.n_ctx * args.windows))
+        # ~4 characters a token; llama-perplexity wants 2 n_ctx tokens at least
+        text.write_text(english_text(8 * args.n_ctx * (args.windows + 1)))
         common = ["-c", str(args.n_ctx), "--chunks", str(args.windows), "-t", str(threads)]
-        run_llama_perplexity(["-m", str(f32), "-f", str(text), *common, "--kl-divergence-base", str(base)])
+        out = run_llama_perplexity(
+            ["-m", str(f32), "-f", str(text), *common, "--kl-divergence-base", str(base)]
+        )
+        if not base.exists() or base.stat().st_size <= len(KLD_MAGIC) + 12:
+            raise RuntimeError(f"llama-perplexity wrote no base file: {out[-1000:]}")
         out = run_llama_perplexity(
             ["-m", str(gguf_file(model)), *common, "--kl-divergence-base", str(base), "--kl-divergence"]
         )
