@@ -24,9 +24,16 @@ measured path, and at every scored position the full next-token distributions co
     python -m benchmarks.quantization_quality [--model FILE ...] [--reference FILE] [--windows 6]
         [--n-ctx 512] [--texts english,multilingual] [--paths gguf-int8,gguf-fp32] [--llamacpp]
 
-Our full distributions come from the engine's prompt logprobs with ``max_logprobs`` = the
-vocabulary, so nothing here re-implements the model. At 512 tokens a window costs about 6 s a path
-on two cores (the engine lists every probability of every position).
+Our full distributions are the engine's own prompt-logprob logits rows (``our_logprobs``), so
+nothing here re-implements the model.
+
+``--llama-perplexity``: llama.cpp's ``llama-perplexity`` itself (``benchmarks/.llamacpp/bin``): its
+``--kl-divergence-base`` run on the reference's F32 file (the file dequantized exactly) stores the
+windows it tokenized, then ``--kl-divergence`` on ``--model`` prints its mean KL; ours runs the same
+windows (read from that file) through our fp32 load of the reference and each ``--paths`` entry.
+
+    python -m benchmarks.quantization_quality --llama-perplexity --reference FILE --windows 4 \
+        --paths gguf-int8
 """
 
 from __future__ import annotations
@@ -90,16 +97,32 @@ def targets(window: list[int]) -> torch.Tensor:
 
 def our_logprobs(llm: LLM, windows: list[list[int]], vocab: int) -> list[torch.Tensor]:
     """Per window, ``[scored positions, vocab]`` fp32 log-probabilities of the next token. Each
-    window is its own request (an empty KV cache: no prefix cache under prompt logprobs)."""
-    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab)
+    window is its own request (an empty KV cache: no prefix cache under prompt logprobs). The rows
+    are the engine's own prompt-logprob logits (``model_runner``'s ``prompt_logprobs`` call), taken
+    as one tensor as they pass: the full vocabulary as Python lists held ~3 GB a 512-token window
+    at Qwen2.5's 151,936 tokens."""
+    from engine_svc import model_runner
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    listed = model_runner.prompt_logprobs
     out = []
     for window in windows:
-        (r,) = llm.generate([window], sp, use_tqdm=False)
-        # entry i is token i given the tokens before it: the distribution at position i - 1
-        entries = r.prompt_logprobs[first_scored(window) + 1 :]
-        ids = torch.tensor([e.top_ids for e in entries])
-        lps = torch.tensor([e.top_logprobs for e in entries], dtype=torch.float32)
-        out.append(torch.empty(len(entries), vocab).scatter_(1, ids, lps))
+        rows: list[torch.Tensor] = []
+
+        def capture(logits, next_ids, top_n, rows=rows):
+            rows.append(logits.float().log_softmax(dim=-1))
+            return listed(logits, next_ids, top_n)
+
+        model_runner.prompt_logprobs = capture
+        try:
+            llm.generate([window], sp, use_tqdm=False)
+        finally:
+            model_runner.prompt_logprobs = listed
+        # row i is the distribution at position i (predicting token i + 1), in chunk order
+        lp = torch.cat(rows)
+        if lp.shape != (len(window) - 1, vocab):
+            raise RuntimeError(f"prompt logits {tuple(lp.shape)}, expected {(len(window) - 1, vocab)}")
+        out.append(lp[first_scored(window) :].clone())
     return out
 
 
@@ -234,6 +257,104 @@ def put_on_fp32_activations(model, gguf_path: str | Path, kinds: tuple[str, ...]
     return "fp32 activations: " + ", ".join(f"{n} x {f}" for f, n in sorted(moved.items()))
 
 
+LLAMA_PERPLEXITY = ROOT / "benchmarks" / ".llamacpp" / "bin" / "llama-perplexity"
+KLD_MAGIC = b"_logits_"
+
+
+def kld_tokens(path: Path) -> tuple[int, int, list[list[int]]]:
+    """(n_ctx, n_vocab, windows) from a ``llama-perplexity --kl-divergence-base`` file: its header
+    (the magic, then n_ctx, n_vocab, n_chunk as int32) and the n_chunk x n_ctx token ids it scored."""
+    with open(path, "rb") as f:
+        if f.read(len(KLD_MAGIC)) != KLD_MAGIC:
+            raise ValueError(f"{path}: not a llama-perplexity logits file")
+        n_ctx, n_vocab, n_chunk = np.frombuffer(f.read(12), "<i4").tolist()
+        ids = np.frombuffer(f.read(4 * n_ctx * n_chunk), "<i4").reshape(n_chunk, n_ctx)
+    return n_ctx, n_vocab, ids.tolist()
+
+
+def run_llama_perplexity(args: list[str]) -> str:
+    if not LLAMA_PERPLEXITY.exists():
+        raise SystemExit(f"{LLAMA_PERPLEXITY} missing: `make bench-peer` builds it")
+    done = subprocess.run([str(LLAMA_PERPLEXITY), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return done.stdout + done.stderr
+
+
+def llama_mean_kld(output: str) -> tuple[float, float]:
+    """llama-perplexity's ``Mean    KLD:   x ±  y`` line."""
+    import re
+
+    m = re.search(r"Mean\s+KLD:\s+([-\d.e]+)\s+±\s+([-\d.e]+)", output)
+    if not m:
+        raise ValueError(f"no mean KLD in llama-perplexity's output: {output[-1000:]}")
+    return float(m.group(1)), float(m.group(2))
+
+
+def perplexity_kl(args) -> dict:
+    """``--llama-perplexity``: the file's mean KL against its exact dequantization, by each engine on
+    the same windows (llama.cpp tokenizes the text and stores the windows in its base file; ours
+    reads them from there)."""
+    from benchmarks.requantize_gguf import requantize
+
+    threads = args.threads or torch.get_num_threads()
+    (model,) = args.model or [args.reference]
+    f32 = requantize(gguf_file(args.reference), "F32")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        text, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+        # ~4 characters a token; llama-perplexity wants 2 n_ctx tokens at least
+        text.write_text(english_text(8 * args.n_ctx * (args.windows + 1)))
+        common = ["-c", str(args.n_ctx), "--chunks", str(args.windows), "-t", str(threads)]
+        out = run_llama_perplexity(
+            ["-m", str(f32), "-f", str(text), *common, "--kl-divergence-base", str(base)]
+        )
+        if not base.exists() or base.stat().st_size <= len(KLD_MAGIC) + 12:
+            raise RuntimeError(f"llama-perplexity wrote no base file: {out[-1000:]}")
+        out = run_llama_perplexity(
+            ["-m", str(gguf_file(model)), *common, "--kl-divergence-base", str(base), "--kl-divergence"]
+        )
+        peer, peer_err = llama_mean_kld(out)
+        n_ctx, n_vocab, windows = kld_tokens(base)
+    vocab = model_vocab(args.reference)
+    llm = engine(args.reference, "none", "none", vocab, args.threads)
+    ref = our_logprobs(llm, windows, vocab)
+    llm.shutdown()
+    paths = [p for p in args.paths.split(",") if PATHS[p][0] == "gguf"]
+    for name in paths:
+        quant, activations, kinds = PATHS[name]
+        llm = engine(model, quant, activations, vocab, args.threads, kinds if activations == "int8" else ())
+        figures = compare(ref, our_logprobs(llm, windows, vocab), windows)
+        llm.shutdown()
+        rows.append({"measured": f"ours {name}", **figures, "ratio_to_llamacpp": figures["mean_kl"] / peer})
+        print(
+            f"ours {name}: mean KL {figures['mean_kl']:.5f} ± {figures['mean_kl_stderr']:.5f} "
+            f"({figures['mean_kl'] / peer:.2f}x llama.cpp's)",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows.append(
+        {
+            "measured": "llama.cpp (llama-perplexity --kl-divergence)",
+            "mean_kl": peer,
+            "mean_kl_stderr": peer_err,
+        }
+    )
+    print(f"llama.cpp: mean KL {peer:.5f} ± {peer_err:.5f}", file=sys.stderr)
+    result = {
+        "model": gguf_file(model).name,
+        "reference": f"{f32.name} (each engine's own fp32 run of it)",
+        "windows": len(windows),
+        "n_ctx": n_ctx,
+        "n_vocab": n_vocab,
+        "rows": rows,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def table(result: dict) -> str:
     """The report as one markdown table per text."""
     lines = []
@@ -271,8 +392,17 @@ def main(argv=None) -> dict:
         "every int8-activation path: an ablation",
     )
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same windows")
+    ap.add_argument(
+        "--llama-perplexity",
+        action="store_true",
+        help="llama.cpp's own `llama-perplexity --kl-divergence` (benchmarks/.llamacpp) on --model against "
+        "--reference dequantized exactly (an F32 file), and ours on the same windows (read back from its "
+        "base file): each engine against its own fp32 run",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.llama_perplexity:
+        return perplexity_kl(args)
     paths = args.paths.split(",")
     texts = args.texts.split(",")
     for name in paths:

@@ -16,6 +16,7 @@ from engine_svc.models.load_result import LoadResult
 from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
+    EMBED_NAME,
     attach_gguf_blocks,
     gguf_blocks,
     linear_weights,
@@ -82,7 +83,7 @@ def load_model(
         blocks += ", fp32 activations"
     _log_cpu_dtype(dtype, device, backend)
     model.prepare_linears(backend)
-    freed, released = free_packed_float_weights(model)
+    freed, released = free_packed_float_weights(model, unread)
     _check_unread_freed(model, unread)
     if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident
         GGUFCheckpoint(where.gguf).release_resident_pages()
@@ -140,6 +141,8 @@ def _check_unread_freed(model: DecoderForCausalLM, unread: frozenset[str]) -> No
     for key, param in linear_weights(model).items():
         if param.numel() and unread.intersection(sources(key, model.lm_head is None, model.spec.arch)):
             raise RuntimeError(f"{key}: its float weight was left unread for its blocks, yet is still kept")
+    if EMBED_NAME in unread and model.embed.numel():
+        raise RuntimeError("the embedding's table was left unread for its blocks, yet is still kept")
 
 
 def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> None:

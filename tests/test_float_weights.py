@@ -181,12 +181,16 @@ def test_the_load_never_dequantizes_what_blocks_serve(tied_llama, tmp_path, monk
     assert any("q_proj" in n for n in names)  # dense reads the float weights: they are loaded
 
 
-def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch):
-    """The guard: were an unread (garbage) parameter kept for something to read, the load fails."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_parameter_left_unread_must_be_freed(tied_llama, tiny_llama, tmp_path, monkeypatch, tied):
+    """The guard: were an unread (garbage) parameter kept for something to read, the load fails
+    (untied: the embedding's table, left unread for the lookup's blocks)."""
     from engine_svc import model_setup
 
-    path = write_gguf(tied_llama, tmp_path / "tied-Q8_0.gguf", "Q8_0")
-    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: ("nothing freed", {}))
+    path = write_gguf(tied_llama if tied else tiny_llama, tmp_path / f"{tied}-Q8_0.gguf", "Q8_0")
+    monkeypatch.setattr(
+        model_setup, "free_packed_float_weights", lambda model, *unread: ("nothing freed", {})
+    )
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)
 

@@ -78,9 +78,16 @@ class BlockEmbedding:
         return self.rows(flat).view(*ids.shape, self.embedding_dim)
 
 
-def from_table(table: torch.Tensor, blocks: QuantizedWeight | None) -> BlockEmbedding | None:
-    """A lookup on ``blocks`` if they reproduce ``table`` bit for bit (fp32), else None."""
-    if blocks is None or table.dtype != torch.float32 or tuple(table.shape) != blocks.shape:
+def from_table(table: torch.Tensor | None, blocks: QuantizedWeight | None) -> BlockEmbedding | None:
+    """A lookup on ``blocks`` if they reproduce ``table`` bit for bit (fp32), else None. ``table``
+    None: the load never read it (``quantized_weights.served_by_blocks``), so the file's blocks are
+    the table by definition (its dequantization is the loader's, ``GGUFTensor.dequantize``, bit
+    for bit: tests/test_gguf.py) and nothing is checked."""
+    if blocks is None:
+        return None
+    if table is None:
+        return BlockEmbedding(blocks)
+    if table.dtype != torch.float32 or tuple(table.shape) != blocks.shape:
         return None
     lookup = BlockEmbedding(blocks)
     bits = table.view(torch.int32)

@@ -28,7 +28,7 @@ import ctypes.util
 import torch
 
 from engine_svc.models.block_embedding import from_table
-from engine_svc.models.quantized_weights import linear_weights
+from engine_svc.models.quantized_weights import EMBED_NAME, linear_weights
 
 # The linears whose object holds its own copy of the weight (kernels.cpu.linear's kinds).
 PACKED_KINDS = ("native", "onednn", "quantized", "quantized_int8act")
@@ -51,16 +51,19 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
     return out
 
 
-def free_packed_float_weights(model) -> tuple[str, dict[str, str]]:
+def free_packed_float_weights(model, unread: frozenset[str] = frozenset()) -> tuple[str, dict[str, str]]:
     """Free the float parameters that a packed linear made redundant; returns the log's summary
-    and, per parameter freed (``projections``' names), why (the load's ``LoadResult.released``)."""
+    and, per parameter freed (``projections``' names), why (the load's ``LoadResult.released``).
+    ``unread``: the checkpoint names the load left unread (``quantized_weights.served_by_blocks``):
+    where the embedding is one, its table was never dequantized and the lookup is its blocks'."""
     freed, kept, nbytes, notes, released = 0, set(), 0, [], {}
+    table_unread = EMBED_NAME in unread
     for name, param, linear in projections(model):
         blocks, param.quantized = getattr(param, "quantized", None), None  # the GEMM reads its own form
         kind = getattr(linear, "kind", "dense")
         if name == "embed":
             packed = kind in PACKED_KINDS and model.shard.size == 1
-            lookup = from_table(param.data, blocks) if packed else None
+            lookup = from_table(None if table_unread else param.data, blocks) if packed else None
             if lookup is None:
                 kept.add("the tied embedding (the lookup reads it)")
                 continue
@@ -75,7 +78,7 @@ def free_packed_float_weights(model) -> tuple[str, dict[str, str]]:
     embed = model.embed
     blocks, embed.quantized = getattr(embed, "quantized", None), None
     if model.lm_head is not None and blocks is not None and model.shard.size == 1:  # untied
-        lookup = from_table(embed.data, blocks)
+        lookup = from_table(None if table_unread else embed.data, blocks)
         if lookup is not None:
             model.embed_blocks = lookup
             nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks", released, "embed")

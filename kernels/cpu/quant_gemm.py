@@ -86,6 +86,7 @@ _BLOCK_BYTES = {
     "Q2_K": 84,
     "IQ4_XS": 136,
 }
+_K_ROWS = 4096  # rows a K-quant tensor is unpacked at a time (from_gguf_blocks)
 SUPER_BLOCK_FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256 weights a block
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -236,13 +237,28 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
         raise ValueError(f"rows of {k} are not whole {fmt} blocks")
     blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, _BLOCK_BYTES[fmt])
     if fmt in SUPER_BLOCK_FORMATS:
-        q, d, m, sup = _K_READERS[fmt](blocks)
+        # _K_ROWS rows at a time into the result: the unpacking's intermediates (int16 and uint8
+        # arrays of every quant, several at once) then stay a range's worth, not the tensor's
+        # (Qwen2.5-Coder-1.5B's Q6_K LM head: 233 M quants, ~1.5 GiB of them in the load's peak).
+        q = np.empty((n, k), np.uint8)
+        d = np.empty((n, k // BLOCK_K[fmt]), np.float32)
+        m, sups = None, []
+        for r in range(0, n, _K_ROWS):
+            qr, dr, mr, sup = _K_READERS[fmt](blocks[r : r + _K_ROWS])
+            rows = qr.reshape(-1, k).shape[0]
+            q[r : r + rows] = qr.reshape(rows, k)
+            d[r : r + rows] = dr.reshape(rows, -1)
+            if mr is not None:
+                m = np.empty_like(d) if m is None else m
+                m[r : r + rows] = mr.reshape(rows, -1)
+            sups.append(sup)
+        sup = SuperScales(
+            torch.cat([x.dsup for x in sups]),
+            torch.cat([x.sc for x in sups]),
+            None if sups[0].mn is None else torch.cat([x.mn for x in sups]),
+        )
         return QuantizedWeight(
-            fmt,
-            torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
-            torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // BLOCK_K[fmt])),
-            None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // BLOCK_K[fmt])),
-            sup=sup,
+            fmt, torch.from_numpy(q), torch.from_numpy(d), None if m is None else torch.from_numpy(m), sup=sup
         )
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = None
