@@ -479,9 +479,10 @@ class EngineClient:
                     pending = load.num_running + load.num_waiting - load.num_paused > 0 or any(
                         not h.engine_done and not h.paused for h in self._handles.values()
                     )
-                    # A long step shows as layers run while the step counter stands still.
+                    # A long step shows as layers run while the step counter stands still; a
+                    # starved one (other processes have the CPU) as the engine's word for it.
                     layers = event.heartbeat.layers_run
-                    progressed = load.num_steps != last_steps or layers != last_layers
+                    progressed = load.num_steps != last_steps or layers != last_layers or event.heartbeat.starved
                     self._stall.update(now, pending=pending, progressed=progressed)
                     last_steps, last_layers = load.num_steps, layers
                     if self._stall.stalled(now):

@@ -213,6 +213,7 @@ def test_a_starved_engine_is_not_hung(cpu_per_s, runnable, trips):
         now[0] = t
         w.check()
     assert bool(events) == trips and w.tripped == trips
+    assert w.starved == (not trips)  # what heartbeats tell the gateway, whose rule then waits too
     if not trips:  # once it gets the CPU back without a layer done, it is hung after all
         w._cpu = lambda: (0.05 * 10 + 1.0 * (now[0] - 10.0), True)
         now[0] = 40.0

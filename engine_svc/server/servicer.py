@@ -84,7 +84,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             try:
                 event = s.outbox.get(timeout=self._loop.heartbeat_s)
             except queue.Empty:
-                beat = pb.Heartbeat(load=self._loop.load, layers_run=layer_progress.value())
+                beat = pb.Heartbeat(
+                    load=self._loop.load, layers_run=layer_progress.value(), starved=self._loop.watchdog.starved
+                )
                 event = pb.EngineEvent(heartbeat=beat)
             if event is None:
                 return

@@ -69,6 +69,7 @@ class Watchdog:
         self._cpu = cpu
         self._cpu_mark: tuple[float, float] | None = None  # (wait began, CPU seconds then)
         self._starved_logged = False
+        self._starved_now = False  # the current wait, judged starved at the last look
         self._seen = progress() if progress is not None else 0
         self._on_stall, self._on_recover = on_stall, on_recover
         self._clock = clock
@@ -80,6 +81,11 @@ class Watchdog:
     @property
     def tripped(self) -> bool:
         return self._tripped
+
+    @property
+    def starved(self) -> bool:
+        """Whether the wait in progress is, at the last look, the engine kept from the CPU."""
+        return self._starved_now
 
     def step_started(self) -> None:
         with self._lock:
@@ -110,11 +116,13 @@ class Watchdog:
                     self.detector.note_progress(now)
             if self._cpu is not None and (self._cpu_mark is None or self._cpu_mark[0] != self.detector.since):
                 self._cpu_mark = (self.detector.since, self._cpu()[0])
-                self._starved_logged = False
-            if self._tripped or not self.detector.stalled(now):
-                return False
+                self._starved_logged = self._starved_now = False
             waited = self.detector.stalled_for(now)
-            if self._starved(waited):
+            # Judged from a second into a wait on (the gateway reads it from heartbeats before
+            # either side's timeout), so both watchdogs agree on a starved engine.
+            if self._cpu is not None and waited >= min(1.0, self.detector.timeout_s / 4):
+                self._starved_now = self._starved(waited, log_it=self.detector.stalled(now))
+            if self._tripped or not self.detector.stalled(now) or self._starved_now:
                 return False
             self._tripped = True
         log.error(
@@ -125,15 +133,15 @@ class Watchdog:
         self._on_stall(waited)
         return True
 
-    def _starved(self, waited: float) -> bool:
+    def _starved(self, waited: float, log_it: bool) -> bool:
         """Whether the wait so far is the engine kept from the CPU (see the module's docstring)."""
-        if self._cpu is None or self._cpu_mark is None:
+        if self._cpu_mark is None:
             return False
         cpu, runnable = self._cpu()
         share = (cpu - self._cpu_mark[1]) / max(waited, 1e-9)
         if not runnable or share >= STARVED_SHARE:
             return False
-        if not self._starved_logged:
+        if log_it and not self._starved_logged:
             self._starved_logged = True
             log.warning(
                 "watchdog: no progress for %.1fs, but the engine had %.0f%% of a core with work ready to "
