@@ -17,6 +17,9 @@ from benchmarks import agent_session
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "default"
 BS = 16  # the server's default block size
+# Four server starts and a few hundred-token prefills on the default model: about a minute on a quiet
+# 2-core machine; the suite's 600 s default is too short where other jobs load it heavily.
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,10 @@ def replay(tmp_path_factory):
     out = tmp_path_factory.mktemp("agent") / "agent.json"
     argv = ["--model", str(MODEL), "--prompt-tokens", "700", "--turns", "3", "--sessions", "2"]
     argv += ["--max-tokens", "3", "--threads", "1", "--out", str(out)]
+    # The watchdog and heartbeat judge time: on a machine other jobs load, a starved engine would be
+    # declared hung. This test checks the cache, not those (tests/test_fault_watchdog_unit.py does).
+    argv += ["--ours-arg=--watchdog-timeout", "--ours-arg=0"]
+    argv += ["--ours-arg=--engine-heartbeat-timeout", "--ours-arg=300"]
     if not agent_session.LLAMA_SERVER.exists():
         argv.append("--skip-llama-server")
     result = agent_session.main(argv)
