@@ -108,6 +108,8 @@ class Scheduler:
         self.num_steps = 0  # steps planned: a sequence's last_step is one of these
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Admissions put off because a running sequence was computing the blocks they would compute.
+        self.num_held = 0
         self.priority = config.scheduling_policy == "priority"
         self.spec = speculative
         self.draft_model = self.spec is not None and self.spec.method == "draft_model"
@@ -445,6 +447,10 @@ class Scheduler:
                     j += 1
                     continue
             cached = self.kv.find_cached_prefix(seq)
+            if self._computed_elsewhere(seq, len(cached)):
+                self.num_held += 1  # it waits for those blocks, then hits them (no blocks held)
+                j += 1
+                continue
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
             if not self.config.enable_chunked_prefill:
                 if remaining > budget:
@@ -491,6 +497,37 @@ class Scheduler:
             seats -= 1
             others += 1
         return budget, others
+
+    def _computed_elsewhere(self, seq: Sequence, first: int) -> bool:
+        """Whether the first block a waiting ``seq`` would compute (block ``first``, past its
+        prefix-cache hit) is being computed by a running sequence: the same block of the same
+        prompt (an equal chain hash), full in that sequence's tokens, which it has not computed
+        yet. Then ``seq`` is not admitted this step (two sessions that arrive together with one
+        long system prompt compute it once: the second waits for the first's blocks and hits
+        them). It holds no blocks while it waits, so nothing can deadlock on it, and only a
+        running, unpaused sequence holds it back: one preempted, aborted or finished holds no
+        one. A request that cannot use the cache (prompt logprobs) never waits."""
+        kv = self.kv
+        if not kv.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return False
+        bs = kv.block_size
+        end = (first + 1) * bs  # the tokens up to the end of that block
+        if (seq.num_tokens - 1) // bs <= first:  # no full block left that it could hit
+            return False
+        registered, want = kv.registered, None
+        for other in self.running:
+            if (
+                other.num_computed_tokens >= end  # computed it (or decodes past it)
+                or len(other.token_ids) < end  # it is not full there
+                or registered.get(other, 0) > first  # published (scheduled this step)
+                or other.request.paused
+            ):
+                continue
+            if want is None:
+                want = kv.block_hashes(seq, first + 1)[first]
+            if kv.block_hashes(other, first + 1)[first] == want:
+                return True
+        return False
 
     def _fit(self, start: int, num_new: int) -> int:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token

@@ -11,7 +11,8 @@ chunked prefill and preemption happen, and speculation in some examples (n-gram 
 target itself as a draft model, whose KV cache then follows every block operation); the test asserts
 that chunking, preemption, prefix hits, forks, aborts, compared FIM requests, structured output,
 draft verification (of both proposers), the decode-only input path and the general one all happened
-across its examples.
+across its examples, as did a request waiting for the prefix blocks a request that arrived with it
+was computing (scheduler: shared-prefix compute).
 
 Each greedy or seeded request is compared with the same request alone on a fresh engine of the same
 configuration (``tests/differential.py``): tokens, finish and stop reasons, logprobs and top-N,
@@ -271,6 +272,8 @@ def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> d
     assert_pool_whole(engine)
     stats = engine.stats()
     coverage.counts["prefix-hit tokens"] += stats.prefix_hit_tokens
+    # admissions put off while another request computed the prefix blocks they would compute
+    coverage.counts["shared-prefix waits"] += engine.scheduler.num_held
     return results
 
 
@@ -377,6 +380,7 @@ ALL_CASES = (
     "seats taken in turns",
     "admissions bounded by seats",
     "FIM requests compared",
+    "shared-prefix waits",
 )
 # Speculation is in the mixes (SPECULATE, DRAFT_MODEL) and counted, but not required here: in the
 # whole suite run two files at a time (make test) the same 25 derandomized examples verified no
