@@ -1,5 +1,7 @@
 """Rotary position embedding, neox layout (rotate the two halves of the head dim), with the
-frequency tables of plain, linear-scaled and llama3-scaled RoPE (also as GGUF's per-frequency factors)."""
+frequency tables of plain, linear-scaled and llama3-scaled RoPE (also as GGUF's per-frequency factors),
+and ``none``: a layer without rotary (SmolLM3's NoPE layers), every frequency 0, so its table is
+cos 1, sin 0 and the rotation leaves q and k bit for bit."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
+    if kind == "none":  # no rotary: angle 0 at every position
+        return torch.zeros_like(inv_freq)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "freq_factors":  # GGUF's form of llama3 scaling: one divisor per frequency
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors")
+    raise ValueError(
+        f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors, none"
+    )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
