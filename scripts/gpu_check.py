@@ -10,7 +10,7 @@ For a machine with an NVIDIA GPU (H100/H200 class); finishes in under 8 minutes 
 3. ``decode_bandwidth``: the decode path's achieved memory bandwidth as a fraction of the peak
    (from ``PEAK_BANDWIDTH_TBPS`` by device name, or ``--peak-bandwidth-tbps``).
 4. ``tiny_hf_equality``: the engine's greedy tokens (Triton kernels, fp32) equal HF ``generate`` on
-   the GPU for a small random Llama.
+   the GPU for a small random Llama and a small random Gemma 2 (sliding windows, soft-capped scores).
 5. ``lora``: the batched LoRA kernel against its torch twin in bf16/fp16; a batch mixing the base
    and three adapters (ranks 4-16, different target sets, on two slots: swaps) gives the same
    greedy tokens (fp32) with the Triton kernels as with the torch twins; and, on a 1B-class model
@@ -240,8 +240,52 @@ def release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# The tiny random models the HF-equality section serves with the Triton kernels: a Llama, and a
+# Gemma 2 (sliding-window layers alternating with global ones, soft-capped attention scores: the
+# kernels' per-layer window and cap; HF's eager attention is the one that applies the cap).
+TINY_HF_MODELS = {
+    "llama": (
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024),
+        {},
+    ),
+    "gemma2": (
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=1024,
+            sliding_window=48,
+            query_pre_attn_scalar=64,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
+        ),
+        dict(attn_implementation="eager"),
+    ),
+}
+
+
 def section_tiny_hf_equality(
-    device: str, workdir: Path, seed: int, prompt_lengths: tuple[int, ...] = (1, 7, 33, 100, 300, 700)
+    device: str,
+    workdir: Path,
+    seed: int,
+    prompt_lengths: tuple[int, ...] = (1, 7, 33, 100, 300, 700),
+    archs: tuple[str, ...] = ("llama", "gemma2"),
+) -> dict:
+    """Per architecture of ``TINY_HF_MODELS``, the engine's greedy tokens (Triton kernels, fp32)
+    against HF ``generate``; the Llama's result at the top level, as before."""
+    by_arch = {arch: _tiny_hf_equality(device, workdir, seed, prompt_lengths, arch) for arch in archs}
+    first = by_arch[archs[0]]
+    return dict(
+        all_equal=all(r["all_equal"] for r in by_arch.values()),
+        prompts=first["prompts"],
+        archs={a: r for a, r in by_arch.items() if a != archs[0]},
+    )
+
+
+def _tiny_hf_equality(
+    device: str, workdir: Path, seed: int, prompt_lengths: tuple[int, ...], arch: str
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -249,22 +293,20 @@ def section_tiny_hf_equality(
     from engine_svc import LLM, SamplingParams
     from engine_svc.models.build import build_random_model
 
+    shape, hf_options = TINY_HF_MODELS[arch]
     model_dir = build_random_model(
-        workdir / "tiny_llama",
-        "llama",
+        workdir / f"tiny_{arch}",
+        arch,
         seed=seed,
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
+        **shape,
     )
     max_new = 16
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in prompt_lengths]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **hf_options).to(device).eval()
     llm = LLM(
         model=str(model_dir),
         device=device,
@@ -281,6 +323,7 @@ def section_tiny_hf_equality(
         with torch.no_grad():
             ref = hf.generate(
                 torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=False,

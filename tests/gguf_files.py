@@ -46,6 +46,7 @@ _GGUF_ARCH = {
     "phi3": "phi3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp writes Mixtral as llama with expert_count
+    "smollm3": "smollm3",  # Llama's tensors; the NoPE layers are llama.cpp's fixed every-fourth
 }
 # Routed experts: each expert's HF tensor -> GGUF's stacked tensor of every expert ([E, rows, cols])
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -160,7 +161,7 @@ def write_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, model_dir, cfg)
     weights = load_file(str(model_dir / "model.safetensors"))
-    permuted = g_arch == "llama"
+    permuted = g_arch in ("llama", "smollm3")
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for name in [n for n in weights if _EXPERT.match(n)]:
         layer, expert, proj = _EXPERT.match(name).groups()

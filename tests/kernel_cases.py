@@ -4,6 +4,11 @@ A paged batch is built the way the engine builds one: each request's context is 
 shuffled, non-contiguous physical blocks, its K/V for the whole context are already in the cache,
 and the query tokens are the last ``q_len`` positions of that context (a prefill chunk after a
 cached prefix when ``q_len < seq_len``, a decode when ``q_len == 1``).
+
+A case may name a layer's sliding ``window`` and score ``softcap`` (Gemma 2/3's layers). A windowed
+batch's table is then what the KV manager leaves a window group: the entries wholly before the first
+block its first query's window reads are released, and name a null page (``null_block``, the
+cache's last block) filled with NaN, so a kernel that reads one poisons its output.
 """
 
 from __future__ import annotations
@@ -22,11 +27,22 @@ class AttentionCase:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    window: int | None = None  # a sliding-window layer's width
+    softcap: float | None = None  # the layer's attention-score soft-cap
 
     @property
     def label(self) -> str:
         reqs = ",".join(f"{s}/{q}" for s, q in self.requests)
-        return f"hq{self.num_q_heads}-hk{self.num_kv_heads}-d{self.head_dim}-bs{self.block_size}-[{reqs}]"
+        layer = (f"-w{self.window}" if self.window else "") + (
+            f"-cap{self.softcap:g}" if self.softcap else ""
+        )
+        return (
+            f"hq{self.num_q_heads}-hk{self.num_kv_heads}-d{self.head_dim}-bs{self.block_size}{layer}-[{reqs}]"
+        )
+
+    def layer(self) -> dict:
+        """The layer's options as the kernels take them (only those it has)."""
+        return {k: v for k, v in (("window", self.window), ("softcap", self.softcap)) if v is not None}
 
 
 @dataclass
@@ -40,6 +56,8 @@ class PagedBatch:
     scale: float
     max_query_len: int
     max_seq_len: int
+    layer: dict  # window / softcap, as the kernels take them
+    null_block: int | None = None  # the NaN page a windowed table's released entries name
 
     def args(self) -> tuple:
         return (
@@ -77,6 +95,13 @@ def make_paged_batch(
     shape = (num_blocks, bs, case.num_kv_heads, case.head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
+    null_block = None
+    if case.window is not None:
+        null_block = num_blocks
+        nan_page = torch.full((1, *shape[1:]), float("nan"), dtype=dtype)
+        k_cache, v_cache = torch.cat([k_cache, nan_page]), torch.cat([v_cache, nan_page])
+        for b, (ctx, q_len) in enumerate(case.requests):
+            tables[b, : released_entries(ctx, q_len, case.window, bs)] = null_block
     q_lens = [q for _, q in case.requests]
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
@@ -93,7 +118,15 @@ def make_paged_batch(
         scale=case.head_dim**-0.5,
         max_query_len=max(q_lens),
         max_seq_len=max(s for s, _ in case.requests),
+        layer=case.layer(),
+        null_block=null_block,
     )
+
+
+def released_entries(seq_len: int, q_len: int, window: int, block_size: int) -> int:
+    """Leading table entries a window group has released for a step whose first query sits at
+    ``seq_len - q_len``: the blocks wholly before that query's window (the KV manager's rule)."""
+    return max(0, seq_len - q_len - window + 1) // block_size
 
 
 def dense_causal_reference(batch: PagedBatch) -> torch.Tensor:
@@ -135,4 +168,22 @@ SPLIT_DECODE_CASES: tuple[AttentionCase, ...] = (
     AttentionCase(((613, 1), (5, 1), (300, 1)), 8, 1, 64, 16),
     AttentionCase(((1029, 1), (700, 1)), 4, 4, 128, 32),
     AttentionCase(((777, 1),), 16, 2, 64, 32),
+)
+# Sliding-window and soft-capped layers (Gemma 2/3). The windows: smaller than the context, equal to
+# it (16/1 with window 16) and larger (7/7, 5/5); prefill chunks whose tiles straddle the window's
+# edge (53/19, 90/70: the chunk's first rows see keys its last rows no longer do); decodes past the
+# window; windows not a multiple of the block size; released entries (the NaN page) in every table
+# whose window has passed a block. Soft-caps alone and with a window, as Gemma 2's layers have them.
+WINDOW_CASES: tuple[AttentionCase, ...] = (
+    AttentionCase(((7, 7), (16, 1), (40, 1), (53, 19), (90, 70)), 4, 2, 64, 16, window=16),
+    AttentionCase(((33, 5), (70, 1), (5, 5), (100, 3)), 8, 1, 128, 32, window=20),
+    AttentionCase(((33, 5), (70, 1), (17, 17), (100, 3)), 8, 2, 64, 32, softcap=2.0),
+    AttentionCase(((9, 1), (61, 30), (45, 45)), 4, 4, 64, 16, window=24, softcap=5.0),
+)
+# Windowed / soft-capped decode batches long enough to split: the slices cover only the window (one
+# request's whole context, shorter than it; a slice past a short context stays empty).
+WINDOW_SPLIT_CASES: tuple[AttentionCase, ...] = (
+    AttentionCase(((613, 1), (5, 1), (300, 1)), 8, 1, 64, 16, window=520),
+    AttentionCase(((777, 1),), 16, 2, 64, 32, softcap=30.0),
+    AttentionCase(((1029, 1), (700, 1)), 4, 4, 128, 32, window=600, softcap=50.0),
 )

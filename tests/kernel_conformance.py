@@ -11,7 +11,14 @@ import torch
 
 from kernels.backend import Kernels
 from kernels.reference import activation, kv_write, lora, paged_attention, rmsnorm, rotary
-from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.kernel_cases import (
+    MIXED_CASES,
+    SPLIT_DECODE_CASES,
+    WINDOW_CASES,
+    WINDOW_SPLIT_CASES,
+    AttentionCase,
+    make_paged_batch,
+)
 from tests.lora_cases import LORA_CASES, make_lora_case
 
 # (rtol, atol) per dtype; bf16 keeps 8 mantissa bits, so one rounding step is ~4e-3 relative.
@@ -69,20 +76,22 @@ def check_elementwise(k: Kernels, device: str, dtype: torch.dtype, seed: int = 0
         want_q, want_k = rotary.apply_rotary(positions, q, kk, cache)
         records.append(_record("apply_rotary.q", f"d{head_dim}", dtype, got_q, want_q))
         records.append(_record("apply_rotary.k", f"d{head_dim}", dtype, got_k, want_k))
-    for block_size in (16, 32):
+    for block_size, strided in ((16, False), (32, False), (16, True)):
         caches = [rand(5, block_size, 8, 128) for _ in range(2)]
         ref_caches = [c.clone() for c in caches]
         kn, vn = rand(6, 8, 128), rand(6, 8, 128)
         slots = torch.tensor(
             [5, -1, 3 * block_size, 2 * block_size + 7, 1, 4 * block_size - 1], device=device
         )
+        if strided:  # a KV cache group's row of a windowed model's [G, T] slots (laid out [T, G])
+            slots = torch.stack([slots, slots.flip(0)], dim=1)[:, 0]
         k.write_kv(kn, vn, *caches, slots)
         kv_write.write_kv(kn, vn, *ref_caches, slots)
         exact = torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
         records.append(
             dict(
                 kernel="write_kv",
-                case=f"bs{block_size}",
+                case=f"bs{block_size}" + ("-strided-slots" if strided else ""),
                 dtype=str(dtype).removeprefix("torch."),
                 ok=exact,
                 max_abs_err=0.0 if exact else float("nan"),
@@ -97,13 +106,15 @@ def check_attention(
     k: Kernels,
     device: str,
     dtype: torch.dtype,
-    cases: tuple[AttentionCase, ...] = MIXED_CASES + SPLIT_DECODE_CASES,
+    cases: tuple[AttentionCase, ...] = MIXED_CASES + SPLIT_DECODE_CASES + WINDOW_CASES + WINDOW_SPLIT_CASES,
 ) -> list[dict]:
+    """Each case against the reference; a windowed or soft-capped case (``case.layer()``) passes
+    its window and cap to both."""
     records = []
     for case in cases:
         batch = make_paged_batch(case, dtype, device=device)
-        want = paged_attention.paged_attention(*batch.args())
-        got = k.paged_attention(*batch.args(), **batch.bounds())
+        want = paged_attention.paged_attention(*batch.args(), **batch.layer)
+        got = k.paged_attention(*batch.args(), **batch.bounds(), **batch.layer)
         records.append(_record("paged_attention", case.label, dtype, got, want))
     return records
 

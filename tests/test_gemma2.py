@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import EngineConfig, SamplingParams
-from engine_svc.engine import LLMEngine
+from engine_svc import SamplingParams
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
     assert_greedy_matches,
@@ -168,9 +167,28 @@ def test_untested_features_refuse_it_at_start(gemma, option, words):
     check_refused_at_start(gemma[0], "Gemma2ForCausalLM", option, words)
 
 
-def test_the_triton_kernels_refuse_soft_capped_scores(gemma):
-    with pytest.raises(ValueError, match="soft-capped attention scores"):
-        LLMEngine(EngineConfig(model=str(gemma[0]), num_kv_blocks=64, kernel_backend="triton"))
+def test_the_triton_kernels_serve_windows_and_capped_scores(gemma):
+    """The Triton kernels (run by Triton's interpreter on CPU) give HF's greedy tokens: the window
+    layers' and the cap through the varlen kernel, in chunks whose tiles straddle the window's
+    edge and in decodes, with the window groups' released blocks (null entries) in their tables."""
+    import triton.language  # noqa: F401  (imported first, as in a full run)
+
+    from tests.triton_mode import interpreted_kernels
+
+    model_dir, hf, prompts, refs = gemma
+    longer = [i for i, n in enumerate(LENGTHS) if n > WINDOW]  # (the interpreter is slow: these only)
+    with interpreted_kernels():
+        engine = _check(
+            model_dir,
+            hf,
+            [prompts[i] for i in longer],
+            [refs[i] for i in longer],
+            kernel_backend="triton",
+            block_size=8,
+            max_num_batched_tokens=16,
+        )
+        assert engine.kernels.name == "triton"
+        assert engine.kv.num_window_released > 0
 
 
 @pytest.mark.parametrize("window,cap", [(None, 2.0), (5, 0.5), (None, 50.0)])

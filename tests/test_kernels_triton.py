@@ -22,7 +22,14 @@ from kernels.reference import lora as ref_lora
 from kernels.reference import paged_attention as ref_attention
 from kernels.reference import rmsnorm as ref_rmsnorm
 from kernels.reference import rotary as ref_rotary
-from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.kernel_cases import (
+    MIXED_CASES,
+    SPLIT_DECODE_CASES,
+    WINDOW_CASES,
+    WINDOW_SPLIT_CASES,
+    AttentionCase,
+    make_paged_batch,
+)
 from tests.lora_cases import LORA_CASES, lora_by_token, make_lora_case
 from tests.triton_mode import interpreted_kernels
 
@@ -102,12 +109,15 @@ def test_apply_rotary_llama3(tk, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_write_kv(tk, dtype, block_size):
+@pytest.mark.parametrize("block_size,strided", [(16, False), (32, False), (16, True)])
+def test_write_kv(tk, dtype, block_size, strided):
     hk, d, tokens = 2, 64, 9
     kv = torch.randn(tokens, 2 * hk * d).to(dtype)
     k, v = kv[:, : hk * d].view(tokens, hk, d), kv[:, hk * d :].view(tokens, hk, d)
     slots = torch.tensor([5, -1, 3 * block_size, 2 * block_size + 7, 1, -1, 4 * block_size - 1, 40, 0])
+    if strided:  # one KV cache group's row of the step's [G, T] slots, laid out [T, G] (a Gemma step's)
+        slots = torch.stack([slots, slots.flip(0)], dim=1)[:, 0]
+        assert slots.stride() == (2,)
     caches = [torch.randn(5, block_size, hk, d).to(dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
     tk.kernels.write_kv(k, v, *caches, slots)
@@ -117,8 +127,8 @@ def test_write_kv(tk, dtype, block_size):
 
 def _check_attention(tk, case: AttentionCase, dtype, seed=0, **call):
     batch = make_paged_batch(case, dtype, seed=seed)
-    expected = ref_attention.paged_attention(*batch.args())
-    got = tk.kernels.paged_attention(*batch.args(), **{**batch.bounds(), **call})
+    expected = ref_attention.paged_attention(*batch.args(), **batch.layer)
+    got = tk.kernels.paged_attention(*batch.args(), **{**batch.bounds(), **batch.layer, **call})
     assert got.shape == expected.shape and got.dtype == dtype
     torch.testing.assert_close(got, expected, **ATTN_TOL[dtype])
     return batch
@@ -140,6 +150,52 @@ def test_paged_attention_long_decodes_take_split_kv(tk, case, dtype, monkeypatch
     )
     _check_attention(tk, case, dtype)
     assert taken and taken[0] > 1, "a long decode batch must take the split-KV path"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.label)
+def test_paged_attention_windows_and_softcap(tk, case, dtype):
+    """Sliding windows (smaller than, equal to and larger than the context; chunk tiles straddling
+    the window's edge; decodes) and soft-capped scores equal the reference; the released table
+    entries name a NaN page, so reading one would fail the comparison."""
+    _check_attention(tk, case, dtype)
+
+
+@pytest.mark.parametrize("case", WINDOW_SPLIT_CASES, ids=lambda c: c.label)
+def test_windowed_and_capped_long_decodes_take_split_kv(tk, case, monkeypatch):
+    taken = []
+    real = tk.dispatch.split_kv_decode_attention
+    monkeypatch.setattr(
+        tk.dispatch, "split_kv_decode_attention", lambda *a, **kw: taken.append(a[-1]) or real(*a, **kw)
+    )
+    _check_attention(tk, case, torch.float32)
+    assert taken and taken[0] > 1, "a long decode batch must take the split-KV path"
+
+
+def test_window_and_cap_cases_can_fail():
+    """The cases tell a window from one a position wider or narrower and from none, and a cap from
+    none: a kernel with the window off by one (or ignored), or without the cap, fails them. And the
+    windowed tables hold released entries (the NaN page) for a kernel to avoid."""
+    released = 0
+    for case in WINDOW_CASES + WINDOW_SPLIT_CASES:
+        batch = make_paged_batch(case, torch.float32)
+        want = ref_attention.paged_attention(*batch.args(), **batch.layer)
+        assert torch.isfinite(want).all()
+        mutants = []
+        if case.window is not None:
+            released += int((batch.block_tables == batch.null_block).sum())
+            # finite data on the null page, so that the mutants differ by their arithmetic, not NaN
+            for cache in (batch.k_cache, batch.v_cache):
+                cache[batch.null_block] = torch.randn(
+                    cache.shape[1:], generator=torch.Generator().manual_seed(1)
+                )
+            mutants += [dict(window=case.window + 1), dict(window=case.window - 1), dict(window=None)]
+        if case.softcap is not None:
+            mutants.append(dict(softcap=None))
+        for mutant in mutants:
+            got = ref_attention.paged_attention(*batch.args(), **{**batch.layer, **mutant})
+            assert not torch.allclose(got, want, **ATTN_TOL[torch.float32]), (case.label, mutant)
+    assert released >= 10
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7])

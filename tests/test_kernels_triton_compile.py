@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
-from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, make_paged_batch
+from tests.kernel_cases import (
+    MIXED_CASES,
+    SPLIT_DECODE_CASES,
+    WINDOW_CASES,
+    WINDOW_SPLIT_CASES,
+    make_paged_batch,
+)
 from tests.triton_mode import triton_mode
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on H100/H200 (227 KiB)
@@ -107,9 +113,12 @@ def _drive_every_wrapper(k) -> None:
             kv.clone(),
             torch.tensor([0, 5, -1]),
         )
-        for case in (MIXED_CASES[1], MIXED_CASES[2], SPLIT_DECODE_CASES[0], SPLIT_DECODE_CASES[1]):
+        cases = (MIXED_CASES[1], MIXED_CASES[2], SPLIT_DECODE_CASES[0], SPLIT_DECODE_CASES[1])
+        # sliding windows, soft-caps and both, in the varlen and the split-KV kernels
+        cases += (WINDOW_CASES[0], WINDOW_CASES[2], WINDOW_CASES[3]) + WINDOW_SPLIT_CASES
+        for case in cases:
             batch = make_paged_batch(case, dtype)
-            k.paged_attention(*batch.args(), **batch.bounds())
+            k.paged_attention(*batch.args(), **batch.bounds(), **batch.layer)
         decode_only = make_paged_batch(MIXED_CASES[0], dtype)
         k.paged_attention(*decode_only.args(), max_query_len=1, max_seq_len=64)
     fp32 = make_paged_batch(MIXED_CASES[3], torch.float32)  # fp32: the full-precision dot
@@ -147,4 +156,4 @@ def test_every_launch_compiles_for_sm90(captured_launches):
             )
             assert compiled.asm.get("cubin"), fn.__name__
             assert compiled.metadata.shared <= HOPPER_SHARED_MEMORY, (fn.__name__, compiled.metadata.shared)
-    assert len(seen) >= 14
+    assert len(seen) >= 24

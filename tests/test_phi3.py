@@ -9,6 +9,7 @@ configs and the untested engine features refuse it at start."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -21,9 +22,11 @@ from tests.engine_helpers import (
     assert_greedy_matches,
     check_greedy_equals_hf,
     check_refused_at_start,
+    hf_greedy,
     hf_reference_prompts,
     make_engine,
     random_model,
+    random_prompts,
     run_to_completion,
 )
 
@@ -137,17 +140,135 @@ def test_requests_equal_their_solo_runs(phi3):
     "change,words",
     [
         (
-            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-            "rope_scaling of type 'longrope'",
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7}},
+            "long_factor must list 8 factors",
         ),
-        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "rope_scaling of type 'su'"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "short_factor must list 8"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ],
 )
-def test_long_rope_and_partial_rotary_refuse_naming_the_field(phi3, change, words):
+def test_bad_long_rope_and_partial_rotary_refuse_naming_the_field(phi3, change, words):
     cfg = {**json.loads((phi3[0] / "config.json").read_text()), **change}
     with pytest.raises(ValueError, match=words):
         ModelSpec.from_dict(cfg)
+
+
+# --- long-context rotary (longrope): a tiny model whose original length is 32 of 256 ------------
+ORIGINAL = 32
+LONG_ROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
+LONG_NEW = 14  # prompts of 20..31 tokens cross the original length while generating
+
+
+def hf_each_position_its_table(hf, prompt: list[int], max_new: int) -> list[int]:
+    """HF's own model and cache, fed so that no forward re-rotates a cached key: the prompt's first
+    ORIGINAL tokens in one forward (the short factors), the rest and the generated tokens one a
+    forward (each past the original length: the long factors). The rule the engine serves."""
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt[:ORIGINAL]]), use_cache=True)
+        for token in prompt[ORIGINAL:]:
+            out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens = []
+        for _ in range(max_new):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def phi3_long(tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp("phi3_long")
+    model_dir = random_model(
+        root / "hf",
+        trained_tokenizer_dir,
+        "phi3",
+        seed=47,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        original_max_position_embeddings=ORIGINAL,
+        rope_scaling=LONG_ROPE,
+        **PHI3,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    prompts = random_prompts([1, 9, 20, 25, 31, 40, 57], VOCAB, seed=8)  # within, across, past it
+    prompts.append(prompts[3][:16] + random_prompts([12], VOCAB, seed=9)[0])  # a prefix hit
+    return model_dir, hf, prompts, [hf_each_position_its_table(hf, p, LONG_NEW) for p in prompts]
+
+
+def test_long_rope_table_equals_hfs_rotary_on_both_sides_of_the_switch(phi3_long):
+    from kernels.reference.rotary import rope_table
+
+    model_dir, hf, _, _ = phi3_long
+    spec = ModelSpec.from_path(model_dir)
+    kind = spec.layer_attention[0]
+    assert kind.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(8) / math.log(32)) ** 0.5)
+    ours = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, 256)
+    rotary, x = hf.model.rotary_emb, torch.zeros(1, 1, 16)
+    with torch.no_grad():  # a forward reaching the original length: the short factors
+        cos, sin = rotary(x, torch.arange(ORIGINAL)[None])
+        assert torch.equal(ours[:ORIGINAL, :8], cos[0, :, :8]) and torch.equal(
+            ours[:ORIGINAL, 8:], sin[0, :, :8]
+        )
+        for p in (ORIGINAL, ORIGINAL + 1, 255):  # a forward reaching past it: the long factors
+            cos, sin = rotary(x, torch.tensor([[p]]))
+            assert torch.equal(ours[p, :8], cos[0, 0, :8]) and torch.equal(ours[p, 8:], sin[0, 0, :8])
+
+
+def test_the_long_factors_change_these_tokens_and_hfs_generate_is_another_rule(phi3_long):
+    """HF with the short factors in place of the long ones gives other tokens (an engine that never
+    switched fails the equality tests below); and HF's ``generate`` gives others again: at the
+    step whose input reaches past the original length, Phi-3's ``prepare_inputs_for_generation``
+    drops the cache and re-rotates the whole sequence with the long factors (the documented
+    difference, docs/models.md)."""
+    model_dir, hf, prompts, refs = phi3_long
+    params = {
+        **LONG_ROPE,
+        "long_factor": LONG_ROPE["short_factor"],
+        "original_max_position_embeddings": ORIGINAL,
+    }
+    never = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", rope_parameters=params).eval()
+    assert any(hf_greedy(never, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
+    within = [i for i, p in enumerate(prompts) if len(p) + LONG_NEW <= ORIGINAL + 1]
+    assert all(hf_greedy(hf, prompts[i], LONG_NEW) == refs[i] for i in within)  # no switch: the same
+    assert any(hf_greedy(hf, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
+
+
+@pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
+def test_long_rope_greedy_equals_hf_on_both_sides_of_the_switch(phi3_long, block_size, budget):
+    """Prompts within the original length, crossing it while generating, and longer than it:
+    chunked (chunks straddling the switch), batched, a prefix hit."""
+    model_dir, hf, prompts, refs = phi3_long
+    engine = check_greedy_equals_hf(
+        model_dir, hf, prompts, refs, LONG_NEW, block_size=block_size, max_num_batched_tokens=budget
+    )
+    assert engine.model.native_loop_reason is None
+
+
+def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
+    model_dir, hf, prompts, refs = phi3_long
+    engine = check_greedy_equals_hf(
+        model_dir, hf, prompts, refs, LONG_NEW, block_size=8, max_num_batched_tokens=64
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW, ignore_eos=True)
+    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert engine.stats().prefix_hit_tokens > 0
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
+    tight = check_greedy_equals_hf(
+        model_dir, hf, prompts, refs, LONG_NEW, block_size=8, num_kv_blocks=16, max_num_batched_tokens=32
+    )
+    assert tight.stats().num_preemptions > 0
+
+
+def test_long_rope_requests_equal_their_solo_runs(phi3_long):
+    from tests.test_batch_invariance import EXAMPLES, explore
+
+    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
+    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
+    explore(phi3_long[0], max(8, EXAMPLES // 4), extra, required)
 
 
 @pytest.mark.parametrize("option,words", UNTESTED_FEATURES)

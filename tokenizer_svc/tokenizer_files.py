@@ -87,7 +87,15 @@ def _convert(gguf: Path, out: Path) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:
-        raise ValueError(f"GGUF file {gguf.name}: its tokenizer metadata cannot be converted: {e}") from e
+        # AutoTokenizer first reads the file's model config, which transformers' GGUF reader knows for
+        # a fixed list of architectures (not SmolLM3's); the tokenizer metadata does not depend on
+        # the architecture, and the generic backend converts it alone.
+        from transformers import TokenizersBackend
+
+        try:
+            tok = TokenizersBackend.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception:
+            raise ValueError(f"GGUF file {gguf.name}: its tokenizer metadata cannot be converted: {e}") from e
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tok.save_pretrained(str(tmp))
     # Reloaded under its model-specific class, transformers would rebuild the pre-tokenizer from that

@@ -30,6 +30,8 @@ ARCH_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
     },
     "mixtral": {"sliding_window": None, "num_local_experts": 6, "num_experts_per_tok": 2},
+    # SmolLM3: Llama's layer, no rotary on every fourth layer (NoPE); tied embeddings by default
+    "smollm3": {"pad_token_id": None},
 }  # fmt: skip
 # transformers' model_type where it differs from the name here
 _MODEL_TYPES = {"gemma3": "gemma3_text"}

@@ -28,7 +28,7 @@ from kernels.backend import Kernels
 from kernels.cpu import native_decoder
 from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
-from kernels.reference.rotary import rope_cos_sin_cache, rope_inv_freq
+from kernels.reference.rotary import rope_table
 
 log = logging.getLogger(__name__)
 # Why a model with routed experts runs the Python layer loop: the native loop has no routed MLP
@@ -219,13 +219,13 @@ class DecoderForCausalLM(nn.Module):
         for layer, kind in zip(self.layers, kinds, strict=True):
             if kind.rope_key() not in keys:
                 keys.append(kind.rope_key())
-                inv_freq = rope_inv_freq(spec.head_dim, kind.rope_theta, kind.rope_scaling)
+                table = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, max_positions)
                 name = "cos_sin" if len(keys) == 1 else f"cos_sin_{len(keys) - 1}"
-                self.register_buffer(name, rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+                self.register_buffer(name, table, persistent=False)
             layer.rope_index = keys.index(kind.rope_key())
         if not keys:  # a spec made without its declaration's layers
-            inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-            self.register_buffer("cos_sin", rope_cos_sin_cache(inv_freq, max_positions), persistent=False)
+            table = rope_table(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions)
+            self.register_buffer("cos_sin", table, persistent=False)
         self.num_rope_tables = max(1, len(keys))
         self.linear_backend = "dense"
         self.prepare_linears("dense")

@@ -1,5 +1,13 @@
 """Rotary position embedding, neox layout (rotate the two halves of the head dim), with the
-frequency tables of plain, linear-scaled and llama3-scaled RoPE (also as GGUF's per-frequency factors)."""
+frequency tables of plain, linear-scaled and llama3-scaled RoPE (also as GGUF's per-frequency factors),
+and ``none``: a layer without rotary (SmolLM3's NoPE layers), every frequency 0, so its table is
+cos 1, sin 0 and the rotation leaves q and k bit for bit.
+
+``rope_table`` builds a layer's whole cos/sin table from its declaration; ``longrope`` (Phi-3's
+long-context scaling) is a table of two frequency sets: positions below
+``original_max_position_embeddings`` rotated by the short factors, the rest by the long ones, both
+scaled by ``attention_factor``.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +22,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
+    if kind == "none":  # no rotary: angle 0 at every position
+        return torch.zeros_like(inv_freq)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "freq_factors":  # GGUF's form of llama3 scaling: one divisor per frequency
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors")
+    raise ValueError(
+        f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors, none"
+    )
+
+
+LONG_ROPE = ("longrope", "su")
+
+
+def rope_table(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> torch.Tensor:
+    """``[max_positions, head_dim]`` cos/sin table of one kind of layer (``rope_cos_sin_cache``).
+
+    ``longrope`` (``scaling`` as ``engine_svc/models/arch/phi3.py`` declares it: ``short_factor``,
+    ``long_factor``, ``original_max_position_embeddings``, ``attention_factor``): a position p uses
+    the long factors when p >= the original length, as HF's Phi-3 rotates a token computed in a
+    forward whose sequence reaches p + 1 (its decode steps); a token's rotation depends on its
+    position alone."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in LONG_ROPE:
+        return rope_cos_sin_cache(rope_inv_freq(head_dim, theta, scaling), max_positions)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    original, scale = int(scaling["original_max_position_embeddings"]), float(scaling["attention_factor"])
+
+    def table(factors) -> torch.Tensor:
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponent)
+        return rope_cos_sin_cache(inv_freq, max_positions, scale)
+
+    return torch.cat([table(scaling["short_factor"])[:original], table(scaling["long_factor"])[original:]])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

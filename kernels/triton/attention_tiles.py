@@ -5,9 +5,20 @@ A tile of ``BLOCK_M`` query rows (query tokens x the query heads of one KV head)
 ``block_table[n // BLOCK_SIZE]`` at offset ``n % BLOCK_SIZE``, so a tile may span several blocks
 and the blocks may sit anywhere in the cache. Scores are kept in base 2 (``qk_scale`` includes
 log2(e)) so the exponentials are ``exp2``.
+
+Two per-layer options, each a constexpr so that a layer without it compiles the loop of before:
+
+- ``WINDOWED``: a sliding-window layer (width ``window``) masks the keys at or before
+  ``q_pos - window``; the callers also start ``kv_lo`` at the tile's first visible key, so the
+  blocks a window has passed (released by the KV manager: a null page in the table) are never read.
+- ``SOFTCAP``: soft-capped scores (Gemma 2), ``cap * tanh(s / cap)`` on the scaled score before the
+  mask. Then ``qk_scale`` is ``scale / cap`` and ``cap_scale`` is ``cap * log2(e)``: the tanh takes
+  the natural-units score over the cap, and its result goes to base 2 after.
 """
 
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
@@ -17,6 +28,15 @@ from kernels.triton.reductions import row_max, row_sum
 # Masked scores; the running maximum starts at a finite floor instead, so a row that has seen only
 # masked keys gets exp2(-inf - floor) = 0 rather than exp2(-inf + inf) = nan.
 MAX_FLOOR = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2, stable at both ends (the interpreter has no libdevice tanh): the sign of x
+    times (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]."""
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # -2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -33,6 +53,8 @@ def attend_kv_range(
     kv_lo,
     kv_hi,
     qk_scale,
+    cap_scale,
+    window,
     stride_kb,
     stride_kp,
     stride_kh,
@@ -44,6 +66,8 @@ def attend_kv_range(
     TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_PAD)
@@ -59,9 +83,13 @@ def attend_kv_range(
             k_cache_ptr + k_off[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0
         )
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = tanh(s) * cap_scale
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -80,6 +108,15 @@ def dot_precision(dtype) -> str:
     import torch
 
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(``qk_scale``, ``cap_scale``) for ``attend_kv_range``: base-2 scores, or with a soft-cap the
+    dot product over the cap (tanh's argument) and the cap in base 2 (what tanh's result is
+    multiplied by)."""
+    if softcap is None:
+        return scale * math.log2(math.e), 1.0
+    return scale / softcap, softcap * math.log2(math.e)
 
 
 def group_rows(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    stride_slot,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -31,7 +32,7 @@ def _write_kv_kernel(
     BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
     if slot < 0:  # padding token: nothing to store
         return
     block, pos = slot // block_size, slot % block_size
@@ -55,7 +56,8 @@ def _write_kv_kernel(
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Same contract as ``kernels.reference.kv_write.write_kv``; caches are written in place."""
+    """Same contract as ``kernels.reference.kv_write.write_kv``; caches are written in place. The
+    slot mapping may be a strided view (a KV cache group's row of the step's ``[G, T]`` slots)."""
     tokens, num_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -68,6 +70,7 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        slot_mapping.stride(0),
         k.stride(0),
         k.stride(1),
         v.stride(0),

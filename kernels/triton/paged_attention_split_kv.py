@@ -4,17 +4,26 @@ A batch of decodes has one query token per request: with few requests the varlen
 programs to keep the device busy while each walks a long context. Here each (request, KV head,
 split) program covers one slice of the context and leaves a normalised partial output and its
 log-sum-exp; a second kernel weighs the partials by ``exp(lse_s - max lse)`` into the result.
+
+A sliding-window layer splits only the keys its window sees (the last ``window`` of the context):
+slice s covers ``[kv_start + s * split_len, ...)`` with ``kv_start = max(0, seq_len - window)``, so
+the number of slices follows the window, not the context, and the blocks the window has passed are
+never read. Soft-capped scores: ``attention_tiles``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_tiles import MAX_FLOOR, attend_kv_range, dot_precision, group_rows
+from kernels.triton.attention_tiles import (
+    MAX_FLOOR,
+    attend_kv_range,
+    dot_precision,
+    group_rows,
+    score_scales,
+)
 from kernels.triton.reductions import row_max, row_sum
 
 TILE_N = 64
@@ -41,6 +50,8 @@ def _split_decode_kernel(
     seq_lens_ptr,
     qsl_ptr,
     qk_scale,
+    cap_scale,
+    window,
     split_len,
     stride_qt,
     stride_qh,
@@ -62,6 +73,8 @@ def _split_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -71,7 +84,10 @@ def _split_decode_kernel(
     if tl.load(qsl_ptr + seq + 1) == q_start:  # no query this step
         return
     ctx = tl.load(seq_lens_ptr + seq)
-    kv_lo = split * split_len
+    kv_start = 0
+    if WINDOWED:  # only the window's keys are split; nothing before them is read
+        kv_start = tl.maximum(ctx - window, 0)
+    kv_lo = kv_start + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, ctx)
 
     rows = tl.arange(0, BLOCK_M)
@@ -87,7 +103,8 @@ def _split_decode_kernel(
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], MAX_FLOOR, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    # The one query sits at the last context position, so every key below kv_hi is visible.
+    # The one query sits at the last context position, so every key in [kv_lo, kv_hi) is visible
+    # (its window's too: kv_lo >= kv_start): no mask beyond the range.
     acc, m_i, l_i = attend_kv_range(
         q,
         rows,
@@ -101,6 +118,8 @@ def _split_decode_kernel(
         kv_lo,
         kv_hi,
         qk_scale,
+        cap_scale,
+        window,
         stride_kb,
         stride_kp,
         stride_kh,
@@ -112,6 +131,8 @@ def _split_decode_kernel(
         TILE_N,
         HEAD_PAD,
         False,
+        False,
+        SOFTCAP,
         DOT_PRECISION,
     )
     empty = l_i == 0.0
@@ -191,16 +212,21 @@ def split_kv_decode_attention(
     max_seq_len: int,
     num_splits: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Paged attention for a batch where every request has at most one query token."""
+    """Paged attention for a batch where every request has at most one query token (``window``:
+    a sliding-window layer's width; ``max_seq_len`` bounds the keys split either way)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group, group_pad = group_rows(num_q_heads, num_kv_heads)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), TILE_N) * TILE_N
-    num_splits = triton.cdiv(max_seq_len, split_len)
+    span = max_seq_len if window is None else min(max_seq_len, window)  # keys any request reads
+    split_len = triton.cdiv(triton.cdiv(span, num_splits), TILE_N) * TILE_N
+    num_splits = triton.cdiv(span, split_len)
+    qk_scale, cap_scale = score_scales(scale, softcap)
     part_out = torch.empty(
         (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
     )
@@ -215,7 +241,9 @@ def split_kv_decode_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e),
+        qk_scale,
+        cap_scale,
+        window or 0,
         split_len,
         q.stride(0),
         q.stride(1),
@@ -230,6 +258,8 @@ def split_kv_decode_attention(
         BLOCK_SIZE=k_cache.shape[1],
         TILE_N=TILE_N,
         HEAD_PAD=head_pad,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,

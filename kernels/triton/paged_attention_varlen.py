@@ -5,17 +5,25 @@ times the ``GROUP`` query heads that share a KV head, so K/V are read once per g
 The tiles of every request are numbered back to back without a device-side prefix sum: request b's
 first tile is ``query_start_loc[b] // BLOCK_Q + b``, which leaves room for its ``ceil(q_len / BLOCK_Q)``
 tiles and bounds the grid by ``T // BLOCK_Q + B`` -- all host-side numbers.
+
+A sliding-window layer's tile starts its walk at the first key its first query sees
+(``q_pos - window + 1``), so the blocks the window has passed are never read; later rows of the
+tile mask the keys their own windows have passed. Soft-capped scores: ``attention_tiles``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_tiles import MAX_FLOOR, attend_kv_range, dot_precision, group_rows
+from kernels.triton.attention_tiles import (
+    MAX_FLOOR,
+    attend_kv_range,
+    dot_precision,
+    group_rows,
+    score_scales,
+)
 
 BLOCK_M_PREFILL = 64  # query rows per tile when the batch holds prefill chunks
 TILE_N = 64  # keys per inner step (may span several cache blocks)
@@ -44,6 +52,8 @@ def _varlen_attention_kernel(
     seq_lens_ptr,
     qsl_ptr,
     qk_scale,
+    cap_scale,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -64,6 +74,8 @@ def _varlen_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -91,6 +103,9 @@ def _varlen_attention_kernel(
     # Query i of the chunk sits at context position ctx - q_len + i and sees keys up to it.
     q_pos = ctx - q_len + q_off
     kv_hi = ctx - q_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    kv_lo = 0
+    if WINDOWED:  # the first key the tile's first query sees; nothing before it is read
+        kv_lo = tl.maximum(ctx - q_len + first_q - window + 1, 0)
 
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], MAX_FLOOR, dtype=tl.float32)
@@ -105,9 +120,11 @@ def _varlen_attention_kernel(
         v_cache_ptr,
         tables_ptr + seq.to(tl.int64) * stride_table,
         kv_head,
-        0,
+        kv_lo,
         kv_hi,
         qk_scale,
+        cap_scale,
+        window,
         stride_kb,
         stride_kp,
         stride_kh,
@@ -119,6 +136,8 @@ def _varlen_attention_kernel(
         TILE_N,
         HEAD_PAD,
         True,
+        WINDOWED,
+        SOFTCAP,
         DOT_PRECISION,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -139,6 +158,8 @@ def varlen_paged_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention for any mix of prefill chunks and decodes (contract of the reference)."""
     tokens, num_q_heads, head_dim = q.shape
@@ -153,6 +174,7 @@ def varlen_paged_attention(
         block_q = min(max(1, BLOCK_M_PREFILL // group_pad), triton.next_power_of_2(max_query_len))
     block_m = max(16, block_q * group_pad)
     grid = (tokens // block_q + num_seqs, k_cache.shape[2])
+    qk_scale, cap_scale = score_scales(scale, softcap)
     _varlen_attention_kernel[grid](
         q,
         k_cache,
@@ -161,7 +183,9 @@ def varlen_paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e),
+        qk_scale,
+        cap_scale,
+        window or 0,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -178,6 +202,8 @@ def varlen_paged_attention(
         BLOCK_SIZE=k_cache.shape[1],
         TILE_N=TILE_N,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,

@@ -242,6 +242,7 @@ def _load_all() -> None:
         qwen2,
         qwen3,
         qwen3_moe,
+        smollm3,
     )  # fmt: skip
 
 

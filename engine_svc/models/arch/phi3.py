@@ -1,15 +1,29 @@
-"""Phi-3 (mini, medium): Llama's layer with the q/k/v projections fused into one ``qkv_proj`` and
-the gate/up projections into one ``gate_up_proj`` (gate rows first), both split into the
-decoder's slots by the weight map. Its long-context rotary scaling (``rope_scaling`` of type
-``longrope``, formerly ``su``) picks one of two frequency tables by the sequence's length in HF,
-which a paged cache of already-rotated keys cannot follow: refused, as is a partial rotary
-dimension. A config's ``sliding_window`` is not served per layer (``max_model_len`` stays inside
-it, as Mistral's).
+"""Phi-3 (mini, medium, and the 128k / Phi-3.5 long-context models): Llama's layer with the q/k/v
+projections fused into one ``qkv_proj`` and the gate/up projections into one ``gate_up_proj`` (gate
+rows first), both split into the decoder's slots by the weight map. A partial rotary dimension is
+refused. A config's ``sliding_window`` is not served per layer (``max_model_len`` stays inside it,
+as Mistral's).
+
+Long-context rotary (``rope_scaling`` / ``rope_parameters`` of type ``longrope``, formerly ``su``):
+two frequency sets, ``short_factor`` and ``long_factor`` (one divisor per frequency), and cos/sin
+scaled by an attention factor (the config's ``attention_factor``, else HF's
+``sqrt(1 + ln(s) / ln(original))`` with s the config's ``factor`` or ``max_position_embeddings /
+original_max_position_embeddings``, 1 when s <= 1). HF picks one set for a whole forward by the
+length the sequence reaches in it; here the table is one per position: a position below
+``original_max_position_embeddings`` is rotated by the short factors, one at or past it by the long
+factors (``kernels/reference/rotary.py``: ``rope_table``). That is HF's ``generate`` exactly while
+the prompt fits in the original length (its decode steps past it switch to the long factors, as
+here); a longer prompt HF rotates whole with the long factors, its positions below the original
+length too, which a token's cached key computed before the sequence grew cannot follow: here those
+positions keep the short factors, so a token's rotation depends on its position alone, the same in
+any chunk, batch or recompute, and a cached prefix block is valid for every sequence that holds it.
 
 GGUF (llama.cpp's converter): ``attn_qkv`` and ``ffn_up`` are the fused tensors as HF has them
-(rows not permuted: Phi-3's rotary is the NeoX layout); a long-rope file carries
-``rope_factors_long``/``rope_factors_short`` and is refused for the same reason.
+(rows not permuted: Phi-3's rotary is the NeoX layout); a long-rope file (``rope_factors_long`` /
+``rope_factors_short``) is refused.
 """
+
+import math
 
 from engine_svc.models.arch import (
     LLAMA_GGUF_NAMES,
@@ -29,17 +43,42 @@ LONG_ROPE = ("longrope", "su")
 
 def layers(cfg: dict) -> tuple[LayerAttention, ...]:
     theta, scaling = rope_of(cfg)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind in LONG_ROPE:
-        raise ValueError(
-            f"Phi3ForCausalLM: rope_scaling of type {kind!r} (Phi-3's long-context rotary, a frequency "
-            "table chosen by the sequence's length) is not supported"
-        )
     params = cfg.get("rope_parameters") or {}
     partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"Phi3ForCausalLM: partial_rotary_factor {partial} is not supported (1.0 is)")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in LONG_ROPE:
+        scaling = long_rope(cfg, scaling)
     return (LayerAttention(None, theta, scaling),) * cfg["num_hidden_layers"]
+
+
+def long_rope(cfg: dict, scaling: dict) -> dict:
+    """The long-rope table's declaration (``kernels.reference.rotary.rope_table``): both factor
+    lists, the original length, and the attention factor as HF computes it."""
+    heads = cfg["num_attention_heads"]
+    half = (cfg.get("head_dim") or cfg["hidden_size"] // heads) // 2
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("Phi3ForCausalLM: longrope needs original_max_position_embeddings")
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if not isinstance(factors, list | tuple) or len(factors) != half:
+            raise ValueError(
+                f"Phi3ForCausalLM: rope_scaling {name} must list {half} factors (head_dim / 2), "
+                f"got {factors!r}"
+            )
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling.get("factor") or cfg["max_position_embeddings"] / original
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(f) for f in scaling["short_factor"]),
+        "long_factor": tuple(float(f) for f in scaling["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention),
+    }
 
 
 def gguf_config(ckpt) -> dict:
