@@ -186,7 +186,7 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tmp_path, monkeypatch
     from engine_svc import model_setup
 
     path = write_gguf(tied_llama, tmp_path / "tied-Q8_0.gguf", "Q8_0")
-    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model: ("nothing freed", {}))
+    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model, blocks: ("nothing freed", {}))
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)
 
