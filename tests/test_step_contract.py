@@ -18,6 +18,7 @@ from engine_svc import EngineConfig, SamplingParams
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import StepResult
 from engine_svc.outputs import TokenLogprob
+from engine_svc.runner_state import RequestState, RequestStates
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import FinishReason, Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
@@ -57,8 +58,24 @@ def fake_result(out, token=7) -> StepResult:
 
 
 def with_drafts(result: StepResult, out, proposer) -> StepResult:
-    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them."""
-    result.drafts = proposer.propose(out, result.token_ids, None)
+    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them: the
+    proposer reads the step's plain output and the runner's record of each scheduled sequence (as
+    it stands before the step's tokens: made here from the scheduler's sequences)."""
+    states = RequestStates()
+    for seq in out.seqs:
+        r = seq.request
+        states[seq.seq_id] = RequestState(
+            seq.seq_id,
+            r.request_id,
+            seq.index,
+            list(seq.token_ids),
+            r.num_prompt_tokens,
+            seq.num_computed_tokens,
+            r.length_limit,
+            r.params,
+            0,
+        )
+    result.drafts = proposer.propose(out.output, result.token_ids, states, None)
     return result
 
 
@@ -201,10 +218,10 @@ def test_decode_only_inputs_equal_the_general_path(tiny_llama):
     runner, compared = engine.runner, [0]
     build = runner.build_inputs
 
-    def both(out):
-        inputs = build(out)
+    def both(out, states):
+        inputs = build(out, states)
         if out.only_decodes:
-            general = runner.general_inputs(out, out.copies)
+            general = runner.general_inputs(out, states)
             for name in (
                 "input_ids",
                 "positions",
