@@ -43,6 +43,11 @@ class ScheduledStep:
         """The copy-on-write copies the step runs before its forward (its output's)."""
         return self.output.copies
 
+    @property
+    def tier_ops(self):
+        """The moves to and from the lower KV tiers the step runs before its forward (its output's)."""
+        return self.output.tier_ops
+
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
