@@ -128,10 +128,18 @@ class LLMEngine:
         stall = config.decode_stall_factor
         stall = DECODE_STALL_FACTOR.get(self.device.type, 0.0) if stall is None else stall
         floor = STEP_FLOOR.get(self.device.type, STEP_FLOOR["cpu"])
-        self.scheduler = Scheduler(
-            config, self.kv, self.speculative, ratio, seats, (stall, floor), measure_floor=True
-        )
         self.grammars = self._grammar_compiler()
+        self.scheduler = Scheduler(
+            config,
+            self.kv,
+            self.speculative,
+            ratio,
+            seats,
+            (stall, floor),
+            vocab_size=self.spec.vocab_size,
+            grammar_executor=self.grammars.executor if self.grammars is not None else None,
+            measure_floor=True,
+        )
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(
@@ -153,7 +161,6 @@ class LLMEngine:
             cdiv(self.max_model_len, config.block_size),
             self.tp_group.broadcast if self.tp_group else None,
             proposer=self._proposer(num_blocks),
-            grammar_executor=self.grammars.executor if self.grammars is not None else None,
             lora=self.lora,
             lora_in_use=self.scheduler.running_adapters if self.lora is not None else None,
             kv_groups=len(self.kv_layout.groups),
@@ -414,7 +421,8 @@ class LLMEngine:
                 if s.num_computed_tokens < s.request.num_prompt_tokens
             )
         started = time.perf_counter()
-        result = self.runner.execute(out)  # with nothing scheduled, it only follows the KV changes
+        # The runner reads the plain-data output alone (with nothing scheduled, it only follows it).
+        result = self.runner.execute(out.output)
         self.scheduler.store_spilled(
             result
         )  # evicted blocks, read out before the forward: to the lower tiers
@@ -499,8 +507,11 @@ class LLMEngine:
             "a live sequence is missing from the queues, or a dead one is in them"
         )
         # The input batch as of the last step: a sequence with changes pending (the next step
-        # carries them) may differ from its entry ``first`` on, and every other one is exact.
+        # carries them) may differ from its entry ``first`` on, one the runner was never sent (not
+        # scheduled since it got blocks: its whole tables go with it) has no row, and every other
+        # one is exact.
         batch = self.runner.batch
+        sent = self.scheduler.output_builder.sent
         for g in range(self.kv.num_groups):  # each KV cache group's tables
             pending = self.kv.pending_changes(g)
             tables = self.kv.group_tables[g]
@@ -511,6 +522,9 @@ class LLMEngine:
                     continue  # new, released or rewritten since the last step
                 if first is None and table is None:
                     assert row is None, f"sequence {seq.seq_id} holds no block but keeps an input-batch row"
+                    continue
+                if seq.seq_id not in sent:
+                    assert row is None, f"sequence {seq.seq_id} has an input-batch row it was never sent"
                     continue
                 assert table is not None and row is not None, (
                     f"sequence {seq.seq_id} lacks its input-batch row"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_svc.sequence import Sequence
+from engine_svc.sampling_params import SamplingParams
 
 # Sampling columns, one float32 row per sequence (top_k fits exactly: vocabularies are < 2**24).
 TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
@@ -45,30 +45,38 @@ class InputBatch:
     def num_rows(self) -> int:
         return len(self.row_of)
 
-    def apply(self, updates, released) -> None:
+    def apply(self, updates, released, new=()) -> None:
         """Follow the KV cache's changes as the scheduler's output carries them: ``released`` seq ids
-        lose their rows, and each ``BlockUpdate`` rewrites its sequence's table from ``first`` on
-        (a sequence new to the batch takes a row, and its sampling parameters are written once)."""
+        lose their rows; each sequence of ``new`` (``NewRequestData``) takes a row, its sampling
+        parameters written once and its whole tables; each ``BlockUpdate`` rewrites its sequence's
+        table from ``first`` on."""
         row_of = self.row_of
         for seq_id in released:
             row = row_of.pop(seq_id, None)
             if row is not None:
                 self.free_rows.append(row)
-        for update in updates:
-            seq, first, ids = update.seq, update.first, update.block_ids
-            row = row_of.get(seq.seq_id)
+        for request in new:
+            row = row_of.get(request.seq_id)
             if row is None:
-                assert first == 0, f"sequence {seq.seq_id} joins the batch with a partial table"
-                row = self._add(seq)
-            n, g = first + len(ids), update.group
-            if n > self.block_tables.shape[1]:
-                self._widen(n)
-            self.group_tables[g][row, first:n] = ids
-            self.group_num_blocks[g][row] = n
+                row = self._add(request.seq_id, request.params)
+            for g, ids in enumerate(request.block_ids):
+                self._write(row, g, 0, ids)
+        for update in updates:
+            row = row_of.get(update.seq_id)
+            if row is None:
+                raise KeyError(f"sequence {update.seq_id}'s table changed before the batch held it")
+            self._write(row, update.group, update.first, update.block_ids)
 
-    def rows(self, seqs) -> list[int]:
+    def _write(self, row: int, group: int, first: int, ids: list[int]) -> None:
+        n = first + len(ids)
+        if n > self.block_tables.shape[1]:
+            self._widen(n)
+        self.group_tables[group][row, first:n] = ids
+        self.group_num_blocks[group][row] = n
+
+    def rows(self, seq_ids) -> list[int]:
         row_of = self.row_of
-        return [row_of[s.seq_id] for s in seqs]
+        return [row_of[i] for i in seq_ids]
 
     def gather_tables(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), width] block tables, width the longest of them."""
@@ -81,12 +89,11 @@ class InputBatch:
         width = max(int(n[rows].max()) for n in self.group_num_blocks)
         return np.stack([t[rows, :width] for t in self.group_tables])
 
-    def _add(self, seq: Sequence) -> int:
+    def _add(self, seq_id: int, p: SamplingParams) -> int:
         if not self.free_rows:
             self._grow()
         row = self.free_rows.pop()
-        self.row_of[seq.seq_id] = row
-        p = seq.request.params
+        self.row_of[seq_id] = row
         self.sampling[row] = (
             0.0 if p.greedy else p.temperature,
             p.top_k if p.top_k > 0 else 0,

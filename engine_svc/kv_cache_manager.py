@@ -44,7 +44,7 @@ class BlockUpdate:
     now: new blocks, and replaced ones (copy-on-write, a prefix hit, a fork, a window passing);
     entries before ``first`` are unchanged."""
 
-    seq: Sequence
+    seq_id: int
     first: int
     block_ids: list[int]
     group: int = 0
@@ -558,7 +558,7 @@ class KVCacheManager:
                     if g == 0:
                         released.append(seq.seq_id)
                 else:
-                    updates.append(BlockUpdate(seq, first, table[first:], g))
+                    updates.append(BlockUpdate(seq.seq_id, first, table[first:], g))
             self._group_changed[g] = {}
         copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
         self._copies = []

@@ -1,11 +1,17 @@
 """Turns a scheduler decision into one forward pass: flattened input ids, positions, slot mapping
 and block tables; runs the model; samples, and computes the prompt logprobs asked for, in the rows
-of the step's ``LogitsLayout``; then, with speculative decoding, the proposer drafts what follows
-the sampled tokens, and the drafts go back in the step's result for the next step to verify.
+of the step's layout (``SchedulerOutput.rows``); then, with speculative decoding, the proposer
+drafts what follows the sampled tokens, and the drafts go back in the step's result for the next
+step to verify.
 
-Block tables and sampling parameters come from the persistent ``InputBatch`` (gathered by row);
-only what changes every step (token ids, positions) is read from the sequences. A step where every
-sequence decodes one token builds its inputs on a short path with no per-sequence branching."""
+The runner reads the plain-data ``SchedulerOutput`` alone, never the scheduler's ``Sequence``: it
+keeps its own record of each sequence by seq id (``runner_state.RequestState``: tokens, counter,
+sampling parameters), made from the output's new-request data and advanced by its per-step deltas
+(``update_states``, as vLLM v1's ``_update_states``). Block tables and sampling parameters live in
+the persistent ``InputBatch`` (gathered by row). A step where every sequence decodes one token
+builds its inputs on a short path with no per-sequence branching. A tensor-parallel worker runs the
+same ``update_states`` and ``build_inputs`` on the same output (``follow``), so every rank builds
+the same inputs."""
 
 from __future__ import annotations
 
@@ -15,13 +21,14 @@ import torch
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
 from engine_svc.kv_tiers.transfer import run_tier_ops
-from engine_svc.logits_layout import LogitsLayout, StepResult
+from engine_svc.logits_layout import StepResult
 from engine_svc.logits_processors.processors import default_processors
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.pooling import PoolingPlan
+from engine_svc.runner_state import RequestState, RequestStates
 from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
-from engine_svc.scheduler_output import SchedulerOutput
-from engine_svc.sequence import Sequence, noise_key
+from engine_svc.scheduler_output import SchedulerOutput, StepRows
+from engine_svc.sequence import noise_key
 from engine_svc.step_inputs import StepInputs, decode_inputs, paged_inputs, to_device
 from kernels.backend import Kernels
 
@@ -90,7 +97,6 @@ class ModelRunner:
         max_blocks_per_seq: int,
         tp_broadcast=None,
         proposer=None,
-        grammar_executor=None,
         lora=None,
         lora_in_use=None,
         kv_groups: int = 1,
@@ -98,100 +104,129 @@ class ModelRunner:
         self.forward = forward
         self.proposer = proposer  # spec_decode.proposer.Proposer, with speculative decoding
         self.block_size = block_size
-        self.tp_broadcast = tp_broadcast  # sends each step's inputs to tensor-parallel workers
+        self.tp_broadcast = tp_broadcast  # sends each step's output to tensor-parallel workers
         self.sampler = Sampler()
         # The logit controls, applied by the sampler in this order (engine_svc/logits_processors/).
-        self.logits_processors = default_processors(grammar_executor)
+        self.logits_processors = default_processors()
         self.batch = InputBatch(max_blocks_per_seq, groups=kv_groups)
-        self.lora = lora  # engine_svc.lora.manager.LoRAManager, when LoRA is enabled
+        self.requests = RequestStates()  # seq id -> its RequestState, while it holds blocks
+        # request id -> a "mean" embedding's prompt rows by position (pooling.py), until it ends
+        self.pooled_rows: dict[str, torch.Tensor] = {}
+        # engine_svc.lora.manager.LoRAManager when LoRA is enabled (a worker: its slots' mirror):
+        # ``batch_versions`` makes a step's LoRABatch from its sequences' adapter versions.
+        self.lora = lora
         self.lora_in_use = lora_in_use  # () -> {(name, version)} of the adapters running requests use
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Follow the output: the released sequences go, the new ones come (their tokens, sampling
+        parameters and tables), the cached ones advance (tokens appended, counter) and tables
+        change where the KV cache changed them."""
+        self.requests.follow(out)
+        self.batch.apply(out.updates, out.released, out.new)
+        if out.finished_requests and self.pooled_rows:
+            for request_id in out.finished_requests:
+                self.pooled_rows.pop(request_id, None)
+        if self.proposer is not None and (out.forks or out.released):
+            self.proposer.follow(out.forks, out.released)  # its per-sequence state, keyed by id
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
-        ``out.layout``, which is the only place that says what each logits row is for; then draft
-        (``out.propose``). The input batch follows the KV changes ``out`` carries first, even when
-        nothing is scheduled; before that, the moves to and from the prefix cache's lower tiers
+        ``out.rows``, which is the only place that says what each logits row is for; then draft
+        (``out.propose``). The runner's state follows the output first, even when nothing is
+        scheduled; before that, the moves to and from the prefix cache's lower tiers
         (``out.tier_ops``, in order), whose read-out blocks go back in the result's ``spilled``."""
         spilled = run_tier_ops(self.forward.kv_caches, out.tier_ops) if out.tier_ops else []
-        self.batch.apply(out.updates, out.released)
-        if self.proposer is not None and (out.forks or out.released):
-            self.proposer.follow(out.forks, out.released)  # its per-sequence state, keyed by id
-        if not out.seqs:
+        self.update_states(out)
+        if not out.seq_ids:
             return StepResult([], [], [], spilled=spilled)
-        inputs = self.build_inputs(out)
-        pooling = None if out.only_decodes else PoolingPlan.of(out.seqs, out.num_new)
-        logits = self._forward(inputs, pooling.rows if pooling is not None else None)
-        layout = out.layout
+        requests = self.requests
+        states = [requests[i] for i in out.seq_ids]
+        inputs = self.build_inputs(out, states)
+        pooling = None if out.only_decodes else PoolingPlan.of(states, out.num_scheduled)
+        logits = self._forward(out, inputs, pooling.rows if pooling is not None else None)
+        rows = out.rows
         tokens, logprobs = [], []
-        if layout.sampled:
-            head = logits if layout.num_sample_rows == len(logits) else logits[: layout.num_sample_rows]
-            tokens, logprobs = self.sampler(head, self._sampling_batch(layout, logits.device))
-        plps = [
-            prompt_logprobs(
-                logits[c.row : c.row + c.count],
-                c.seq.token_ids[c.first + 1 : c.first + 1 + c.count],
-                c.seq.params.prompt_logprobs,
+        if rows.sampled:
+            head = logits if rows.num_sample_rows == len(logits) else logits[: rows.num_sample_rows]
+            tokens, logprobs = self.sampler(head, self._sampling_batch(out, logits.device))
+        plps = []
+        for c in rows.prompt_chunks:
+            state = requests[c.seq_id]
+            plps.append(
+                prompt_logprobs(
+                    logits[c.row : c.row + c.count],
+                    state.token_ids[c.first + 1 : c.first + 1 + c.count],
+                    state.params.prompt_logprobs,
+                )
             )
-            for c in layout.prompt_chunks
-        ]
         result = StepResult(tokens, logprobs, plps, spilled=spilled)
         if pooling is not None:
-            result.pooled = pooling.finish(self.forward.pooled)
+            result.pooled = pooling.finish(self.forward.pooled, self.pooled_rows)
             self.forward.pooled = None
         if self.proposer is not None:  # after sampling: what follows the tokens just sampled
-            result.drafts = self.proposer.propose(out, tokens, self.batch)
+            result.drafts = self.proposer.propose(out, tokens, requests, self.batch)
         return result
 
-    def build_inputs(self, out: SchedulerOutput) -> StepInputs:
+    @torch.inference_mode()
+    def follow(self, out: SchedulerOutput) -> None:
+        """A tensor-parallel worker's step: follow the output as rank 0 does and run the same
+        forward (rank 0 samples)."""
+        self.update_states(out)
+        if out.seq_ids:
+            requests = self.requests
+            self.forward(self.build_inputs(out, [requests[i] for i in out.seq_ids]))
+
+    def build_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         if out.only_decodes:
-            inputs = self.decode_inputs(out.seqs, out.copies)
+            inputs = self.decode_inputs(out, states)
         else:
-            inputs = self.general_inputs(out, out.copies)
+            inputs = self.general_inputs(out, states)
         if self.lora is not None and self.lora.adapters:
-            adapters = [s.request.lora for s in out.seqs]
-            num_new = None if out.only_decodes else out.num_new
-            inputs.lora = self.lora.batch(adapters, num_new, self.lora_in_use())
+            num_new = None if out.only_decodes else out.num_scheduled
+            in_use = self.lora_in_use() if self.lora_in_use is not None else set()
+            inputs.lora = self.lora.batch_versions([s.lora for s in states], num_new, in_use)
         return inputs
 
-    def decode_inputs(self, seqs: list[Sequence], copies: np.ndarray) -> StepInputs:
+    def decode_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         """The short path, for a step where every sequence computes its last token and samples its
         next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
-        positions = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        input_ids = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
-        return decode_inputs(self.batch, self.block_size, seqs, input_ids, positions, copies)
+        positions = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
+        return decode_inputs(self.batch, self.block_size, out.seq_ids, input_ids, positions, out.copies)
 
-    def general_inputs(self, out: SchedulerOutput, copies: np.ndarray) -> StepInputs:
+    def general_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         ids: list[int] = []
         starts = []
         drafts = out.drafts
-        for seq, n in zip(out.seqs, out.num_new, strict=True):
-            c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c : c + n])
-            if drafts and seq in drafts:
-                ids.extend(drafts[seq])  # verified in this step: positions after the last token
+        for state, n in zip(states, out.num_scheduled, strict=True):
+            c = state.num_computed_tokens
+            ids.extend(state.token_ids[c : c + n])
+            if drafts and state.seq_id in drafts:
+                ids.extend(drafts[state.seq_id])  # verified in this step: positions after the last token
             starts.append(c)
         return paged_inputs(
             self.batch,
             self.block_size,
-            out.seqs,
+            out.seq_ids,
             np.array(ids, dtype=np.int64),
             np.array(starts, dtype=np.int64),
-            np.array(out.num_new, dtype=np.int64),
-            out.layout.token_rows,
-            copies,
+            np.array(out.num_scheduled, dtype=np.int64),
+            out.rows.token_rows,
+            out.copies,
         )
 
-    def _forward(self, inputs: StepInputs, pool_rows: list[int] | None = None) -> torch.Tensor:
+    def _forward(self, out: SchedulerOutput, inputs: StepInputs, pool_rows=None) -> torch.Tensor:
         if self.tp_broadcast is not None:
-            self.tp_broadcast(inputs)
+            self.tp_broadcast(out)  # every worker builds these inputs from it
         if pool_rows is None:
             return self.forward(inputs)
         return self.forward(inputs, pool_rows)
 
-    def _sampling_batch(self, layout: LogitsLayout, device) -> SamplingBatch:
+    def _sampling_batch(self, out: SchedulerOutput, device) -> SamplingBatch:
         """Sampling parameters of each sample row, gathered from the batch; per-row Python only for
         the features some row uses (seeds, logprobs, and each logit control's ``prepare``)."""
+        layout = out.rows
         rows = np.array(self.batch.rows(layout.sampled), dtype=np.int64)
         if len(rows) < layout.num_sample_rows:
             rows = np.repeat(rows, layout.fans)
@@ -205,19 +240,17 @@ class ModelRunner:
         num_logprobs = [None] * count
         processors = []
         if used.any():
-            row_seqs = _row_sequences(layout)
+            row_states = _row_states(layout, self.requests)
             if used[ib.SEEDED]:
                 noise_keys = [
-                    None
-                    if s.request.params.seed is None
-                    else noise_key(s.request.params.seed, j, len(s.token_ids) + k)
-                    for s, j, k in row_seqs
+                    None if s.params.seed is None else noise_key(s.params.seed, j, len(s.token_ids) + k)
+                    for s, j, k in row_states
                 ]
             if used[ib.LOGPROBS]:
-                num_logprobs = [s.request.params.logprobs for s, *_ in row_seqs]
+                num_logprobs = [s.params.logprobs for s, *_ in row_states]
             for processor in self.logits_processors:
                 if used[processor.flag]:
-                    state = processor.prepare(row_seqs, layout)
+                    state = processor.prepare(row_states, out)
                     if state is not None:
                         processors.append((processor, state))
         return SamplingBatch(
@@ -235,15 +268,16 @@ class ModelRunner:
         )
 
 
-def _row_sequences(layout: LogitsLayout) -> list[tuple[Sequence, int, int]]:
-    """(sequence, index of the noise it draws, position offset) per sample row: a completing n > 1
-    prompt samples its n first tokens, one for each of its sequences; a sequence verifying drafts
-    samples one row per position after its last token."""
-    if len(layout.sampled) == layout.num_sample_rows:
-        return [(s, s.index, 0) for s in layout.sampled]
-    drafts = layout.drafts or [None] * len(layout.sampled)
+def _row_states(layout: StepRows, requests: RequestStates) -> list[tuple[RequestState, int, int]]:
+    """(its sequence's state, index of the noise it draws, position offset) per sample row: a
+    completing n > 1 prompt samples its n first tokens, one for each of its sequences; a sequence
+    verifying drafts samples one row per position after its last token."""
+    sampled = [requests[i] for i in layout.sampled]
+    if len(sampled) == layout.num_sample_rows:
+        return [(s, s.index, 0) for s in sampled]
+    drafts = layout.drafts or [None] * len(sampled)
     rows = []
-    for s, k, draft in zip(layout.sampled, layout.fans, drafts, strict=True):
+    for s, k, draft in zip(sampled, layout.fans, drafts, strict=True):
         if draft is not None:
             rows += [(s, s.index, j) for j in range(k)]
         else:

@@ -17,6 +17,7 @@ from engine_svc.models.loader import init_dummy_weights, load_weights
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.quantized_weights import (
     EMBED_NAME,
+    QuantizedBlocks,
     attach_gguf_blocks,
     gguf_blocks,
     linear_weights,
@@ -70,20 +71,23 @@ def load_model(
         if unread:
             source += f" except the {len(unread)} tensors its blocks serve"
         log.info("weights loaded in %.1fs (%s, to %s)", time.perf_counter() - start, source, dtype)
-    blocks = None
+    blocks, quantized = None, QuantizedBlocks()  # the log's summary; the blocks, by linear
     if found:
-        blocks = f"GGUF blocks ({attach_gguf_blocks(model, found)})"
-        found = None  # the parameters hold them now: the load frees them, then trims the heap
+        quantized, summary = attach_gguf_blocks(model, found)
+        blocks = f"GGUF blocks ({summary})"
+        found = None  # ``quantized`` holds them now: the load frees them, then trims the heap
     elif quant in ("int8", "int4"):
-        blocks = f"quantized blocks ({quantize_linears(model, quant)})"
+        quantized, summary = quantize_linears(model, quant)
+        blocks = f"quantized blocks ({summary})"
     activations = resolve_activations(config.quantized_activations, quant, device)
     if blocks and activations == "int8":
-        blocks += f", {use_int8_activations(model)}"
+        blocks += f", {use_int8_activations(quantized)}"
     elif blocks:
         blocks += ", fp32 activations"
     _log_cpu_dtype(dtype, device, backend)
-    model.prepare_linears(backend)
-    freed, released = free_packed_float_weights(model, unread)
+    model.prepare_linears(backend, quantized)
+    freed, released = free_packed_float_weights(model, quantized, unread)
+    quantized = None  # the packed linears hold their own form
     _check_unread_freed(model, unread)
     if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident
         GGUFCheckpoint(where.gguf).release_resident_pages()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_svc.sequence import Sequence
+from engine_svc.runner_state import RequestState
 
 
 class PoolingPlan:
@@ -28,17 +28,18 @@ class PoolingPlan:
 
     def __init__(self) -> None:
         self.rows: list[int] = []
-        self.parts: list[tuple[Sequence, int, int, bool]] = []  # (seq, first row, count, prompt ends)
+        # (its sequence's RequestState, first row, count, prompt ends)
+        self.parts: list[tuple[RequestState, int, int, bool]] = []
 
     @classmethod
-    def of(cls, seqs: list[Sequence], num_new: list[int]) -> PoolingPlan | None:
+    def of(cls, states: list[RequestState], num_new: list[int]) -> PoolingPlan | None:
         plan = None
         start = 0
-        for seq, n in zip(seqs, num_new, strict=True):
-            params = seq.request.params
+        for seq, n in zip(states, num_new, strict=True):
+            params = seq.params
             if params.pooling is not None:
                 c = seq.num_computed_tokens
-                ends = c + n == seq.request.num_prompt_tokens
+                ends = c + n == seq.num_prompt_tokens
                 if params.pooling == "mean" or ends:
                     plan = plan or cls()
                     first = start if params.pooling == "mean" else start + n - 1
@@ -48,27 +49,30 @@ class PoolingPlan:
             start += n
         return plan
 
-    def finish(self, hidden: torch.Tensor) -> dict[str, bytes]:
-        """``hidden``: the plan's rows, in order. Returns the vectors of the prompts that ended."""
+    def finish(self, hidden: torch.Tensor, kept: dict[str, torch.Tensor]) -> dict[str, bytes]:
+        """``hidden``: the plan's rows, in order; ``kept``: the runner's "mean" rows so far, by
+        request id (kept across a preemption; the runner drops a request's when it ends). Returns
+        the vectors of the prompts that ended."""
         hidden = hidden.float().cpu()
         out = {}
         for seq, row, count, ends in self.parts:
-            request, rows = seq.request, hidden[row : row + count]
-            if request.params.pooling == "mean":
+            params, rows = seq.params, hidden[row : row + count]
+            if params.pooling == "mean":
                 # By position: a chunk computed again (after a preemption) writes the same bits again.
-                if request.pooled_rows is None:
-                    request.pooled_rows = torch.empty(request.num_prompt_tokens, rows.shape[1])
+                pooled = kept.get(seq.request_id)
+                if pooled is None:
+                    pooled = kept[seq.request_id] = torch.empty(seq.num_prompt_tokens, rows.shape[1])
                 c = seq.num_computed_tokens
-                request.pooled_rows[c : c + count] = rows
+                pooled[c : c + count] = rows
                 if not ends:
                     continue
-                vector = request.pooled_rows.mean(dim=0)
-                request.pooled_rows = None
+                vector = pooled.mean(dim=0)
+                del kept[seq.request_id]
             else:
                 vector = rows[0].clone()
-            if request.params.normalize:
+            if params.normalize:
                 vector = vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)
-            out[request.request_id] = vector.numpy().astype("<f4").tobytes()
+            out[seq.request_id] = vector.numpy().astype("<f4").tobytes()
         return out
 
 

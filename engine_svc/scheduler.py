@@ -29,11 +29,12 @@ from typing import NamedTuple
 from engine_svc.config import EngineConfig
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.logits_layout import LogitsLayout, StepResult
+from engine_svc.output_builder import OutputBuilder
 from engine_svc.outputs import RequestDelta
 from engine_svc.request_queue import make_queue
 from engine_svc.request_queue import priority_key as _priority_key
 from engine_svc.sampler import DEAD_END_TOKEN
-from engine_svc.scheduler_output import SchedulerOutput
+from engine_svc.scheduled_step import ScheduledStep
 from engine_svc.sequence import FinishReason, Request, SeqStatus, Sequence
 from engine_svc.spec_decode.acceptance import num_accepted
 from engine_svc.spec_decode.config import SpeculativeConfig
@@ -81,12 +82,16 @@ class Scheduler:
         max_per_step: int | None = None,
         decode_stall: tuple[float, float] | None = None,
         measure_floor: bool = False,
+        vocab_size: int | None = None,
+        grammar_executor=None,
     ):
         """``decode_stall``: (factor, floor) of ``step_cost.decode_cap``, the engine's for its
         device (None: the config's factor with the CPU floor; a factor of 0 or None: no cap).
         ``measure_floor``: the floor is then measured from the step times the engine notes
         (``step_cost.FloorFit``), ``floor`` until it can be."""
-        """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts)."""
+        """``speculative``: the engine's parsed ``config.speculative_config`` (None: no drafts).
+        ``vocab_size`` and ``grammar_executor``: what a structured-output row's mask is filled with
+        (``output_builder.OutputBuilder``)."""
         self.config = config
         self.kv = kv
         # The step's work budget (step_cost.py): the engine passes the model's ratio; without one
@@ -120,6 +125,8 @@ class Scheduler:
         self.num_drafted = self.num_accepted = 0
         # Distinct LoRA adapters the running sequences may use: one device slot each.
         self.max_loras = config.max_loras if config.enable_lora else 0
+        # Builds each step's plain-data output for the runner, and remembers what the runner holds.
+        self.output_builder = OutputBuilder(kv, vocab_size, grammar_executor)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -139,6 +146,7 @@ class Scheduler:
             self.waiting.discard(seq)
         if seq.request.finished:
             self.waiting.forget(seq.request)
+            self.output_builder.request_ended(seq.request.request_id)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -167,13 +175,13 @@ class Scheduler:
             self.remove(seq)
 
     # --- planning a step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """Each sequence in turn (running ones first, then admissions): plan its share of the step
         from its state and what is left of the budgets (tokens, drafts to verify, lookahead slots
         for drafting after it), take the plan's blocks in one allocation (``_take_slots``; on a dry
         pool, the plan without its speculation, then preemptions), and commit it to the output.
         The step's flags (``only_decodes``, ``all_decoding``) are derived from what was committed."""
-        out = SchedulerOutput()
+        out = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         self._work, self._prefilled = self.cost.budget, False
         cost = self.cost.chunk if self.cost.ratio else None
@@ -275,13 +283,9 @@ class Scheduler:
             if out.only_decodes
             else LogitsLayout.build(out.seqs, out.num_new, out.drafts)
         )
-        # Every KV change since the last step (this schedule's, and the last update's and aborts'
-        # since) travels with the step: the runner's input batch follows them and nothing else.
-        changes = self.kv.take_step_changes()
-        out.updates, out.released, out.copies = changes.updates, changes.released, changes.copies
-        out.tier_ops = changes.tier_ops
-        if changes.forks:
-            out.forks = changes.forks
+        # The step as plain data for the runner, with every KV change since the last step (this
+        # schedule's, and the last update's and aborts' since): the runner follows them and nothing else.
+        out.output = self.output_builder.build(out, self.kv.take_step_changes())
         return out
 
     def _decode_cap(self, sitting_out) -> float | None:
@@ -409,7 +413,7 @@ class Scheduler:
 
     def _admit(
         self,
-        out: SchedulerOutput,
+        out: ScheduledStep,
         budget: int,
         propose: bool,
         seated: list[Sequence] | None,
@@ -554,7 +558,7 @@ class Scheduler:
         """(name, version) of the LoRA adapters running sequences use: their slots are pinned."""
         return {(s.request.lora.name, s.request.lora.version) for s in self.running if s.request.lora}
 
-    def _fail(self, seq: Sequence, why: str, out: SchedulerOutput) -> None:
+    def _fail(self, seq: Sequence, why: str, out: ScheduledStep) -> None:
         """End a request that cannot run (its grammar did not compile): an abort delta says why."""
         request = seq.request
         log.warning("request %s ends: %s", request.request_id, why)
@@ -601,7 +605,7 @@ class Scheduler:
             return max(self.running, key=_priority_key)
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
@@ -636,7 +640,7 @@ class Scheduler:
                     holders[block_id] = holders.get(block_id, 0) + 1
         self.kv.pool.check_invariants(holders)
 
-    def note_step_time(self, out: SchedulerOutput, seconds: float, deltas: list[RequestDelta]) -> None:
+    def note_step_time(self, out: ScheduledStep, seconds: float, deltas: list[RequestDelta]) -> None:
         """The governor learns from decode steps: how long one took, for how many tokens; the
         floor fit from every step with work in it, against the work it planned."""
         if self.floor_fit is not None and self._planned_work > 0:
@@ -652,7 +656,7 @@ class Scheduler:
         if result.spilled:
             self.kv.store_spilled(result.spilled)
 
-    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+    def update_from_output(self, out: ScheduledStep, result: StepResult) -> list[RequestDelta]:
         kv, bs = self.kv, self.kv.block_size
         caching = kv.enable_prefix_caching
         registered = kv.registered
@@ -765,7 +769,7 @@ class Scheduler:
             embedding=vector,
         )
 
-    def _keep_drafts(self, out: SchedulerOutput, proposed: dict[int, list[int]]) -> None:
+    def _keep_drafts(self, out: ScheduledStep, proposed: dict[int, list[int]]) -> None:
         """Now that their tokens are in: each sequence that sampled keeps the drafts proposed after
         them (or none), a verified one publishes its blocks, and the blocks past the next token's
         slot go back, but for those a draft model's drafts have their K/V in (verified next)."""
@@ -773,7 +777,12 @@ class Scheduler:
         for seq in out.layout.sampled:
             if seq.finish_reason is not None:
                 continue
-            seq.spec_token_ids = proposed.get(seq.seq_id) or []
+            draft = proposed.get(seq.seq_id) or []
+            if draft and seq.matcher is not None and not lookahead:
+                # Only the n-gram drafts its grammar accepts after the tokens just consumed are
+                # worth verifying (a draft model's stay whole: their K/V is written).
+                draft = draft[: seq.matcher.validate_tokens(draft)]
+            seq.spec_token_ids = draft
             if seq in drafts:
                 # A draft model's cache holds every token the target computed by now (its
                 # proposer's rule, spec_decode/draft_model.py): the blocks are both models'.

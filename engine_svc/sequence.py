@@ -68,7 +68,6 @@ class Request:
     grammar: Future | None = None  # of the first sequence's matcher, compiled off the loop
     lora: object = None  # engine_svc.lora.adapter.LoRAAdapter it runs under; None: the base model
     client: str = ""  # who sent it (the gateway's session and the caller's connection): fair share of a step
-    pooled_rows: object = None  # "mean" pooling: the prompt's hidden rows by position (engine_svc/pooling.py)
 
     def __post_init__(self) -> None:
         # Read for every sequence on every step: fields computed once, not properties.
@@ -82,7 +81,7 @@ class Request:
         # Drafts are verified row by row with the options that do not depend on earlier outputs;
         # those that do (penalties, bad words, min_tokens) never speculate. A grammar's state does
         # depend on them, but its matcher gives each draft position its mask (advanced through the
-        # drafts before it, then rolled back; sampler.apply_grammar_masks).
+        # drafts before it, then rolled back; logits_processors.grammar.fill_grammar_bitmask).
         self.can_speculate = p.speculative and not (
             p.repetition_penalty != 1.0
             or p.presence_penalty

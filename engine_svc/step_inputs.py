@@ -1,5 +1,5 @@
-"""One forward pass's inputs as integer numpy arrays, packable into a single int64 tensor so that
-tensor-parallel workers receive each step with two broadcasts and no pickle.
+"""One forward pass's inputs as integer numpy arrays. Every rank builds its own from the step's
+``SchedulerOutput`` (tensor-parallel workers receive that, not these).
 
 Arrays rather than lists: a tensor made with ``torch.from_numpy`` shares the array's memory, where
 ``torch.tensor(list)`` walks a Python list element by element (tens of microseconds per call at a
@@ -19,9 +19,6 @@ import torch
 from engine_svc.input_batch import InputBatch
 from engine_svc.models.decoder import AttentionInputs
 
-HEADER_LEN = 8
-CMD_STEP, CMD_STOP, CMD_LORA_LOAD = 1, 2, 3
-
 
 @dataclass
 class StepInputs:
@@ -35,8 +32,7 @@ class StepInputs:
     copies: np.ndarray  # [C, 2] int64: copy-on-write (src, dst) block copies before the forward
     max_query_len: int
     max_seq_len: int
-    lora: object = None  # engine_svc.lora.batch.LoRABatch of this step (its token slots are packed)
-    lora_slots: np.ndarray | None = None  # unpacked by a tensor-parallel worker: [T] slot per token
+    lora: object = None  # engine_svc.lora.batch.LoRABatch of this step
     # With several KV cache groups (sliding-window layers): every group's slots [G, T] and block
     # tables [G, B, width]; ``slots`` and ``block_tables`` are then group 0's.
     group_slots: np.ndarray | None = None
@@ -55,74 +51,26 @@ class StepInputs:
             group_tables=to_device(self.group_tables, device) if grouped else None,
         )
 
-    # --- wire form for tensor-parallel workers ------------------------------------------------
-    def pack(self) -> tuple[list[int], np.ndarray]:
-        """(header, payload): the header's fixed fields say how to cut the payload."""
-        if self.group_slots is not None:
-            raise ValueError("tensor parallelism does not take several KV cache groups (sliding windows)")
-        b, width = self.block_tables.shape
-        lora_slots = self.lora.token_slots_host if self.lora is not None else np.empty(0, np.int64)
-        payload = np.concatenate(
-            [
-                self.input_ids,
-                self.positions,
-                self.slots,
-                self.block_tables.reshape(-1),
-                self.seq_lens,
-                self.query_start,
-                self.logit_rows,
-                self.copies.reshape(-1),
-                lora_slots,
-            ]
-        ).astype(np.int64, copy=False)
-        header = [CMD_STEP, len(self.input_ids), b, width, len(self.logit_rows), len(self.copies)]
-        header += [len(payload), len(lora_slots)]
-        return header, payload
-
-    @classmethod
-    def unpack(cls, header: list[int], payload: np.ndarray) -> StepInputs:
-        _, t, b, width, n_logits, n_copies, _, n_lora = header
-        cuts = [t, t, t, b * width, b, b + 1, n_logits, 2 * n_copies, n_lora]
-        parts, at = [], 0
-        for n in cuts:
-            parts.append(payload[at : at + n])
-            at += n
-        ids, pos, slots, tables, seq_lens, qs, rows, copies, lora_slots = parts
-        seq_lens = seq_lens.astype(np.int32)
-        qs = qs.astype(np.int32)
-        return cls(
-            ids,
-            pos,
-            slots,
-            tables.astype(np.int32).reshape(b, width),
-            seq_lens,
-            qs,
-            rows,
-            copies.reshape(n_copies, 2),
-            max_query_len=int(np.diff(qs).max()),
-            max_seq_len=int(seq_lens.max()),
-            lora_slots=lora_slots if n_lora else None,
-        )
-
 
 def paged_inputs(
     batch: InputBatch,
     block_size: int,
-    seqs: list,
+    seq_ids: list[int],
     input_ids: np.ndarray,
     starts: np.ndarray,
     counts: np.ndarray,
     logit_rows: np.ndarray,
     copies: np.ndarray,
 ) -> StepInputs:
-    """Sequence i computes ``counts[i]`` tokens from position ``starts[i]`` on (``input_ids`` holds
-    them, sequence after sequence); each writes its K/V into its own blocks (``batch``'s tables)."""
-    rows = np.array(batch.rows(seqs), dtype=np.int64)
+    """Sequence ``seq_ids[i]`` computes ``counts[i]`` tokens from position ``starts[i]`` on
+    (``input_ids`` holds them, sequence after sequence); each writes its K/V into its own blocks
+    (``batch``'s tables)."""
+    rows = np.array(batch.rows(seq_ids), dtype=np.int64)
     grouped = _grouped_tables(batch, rows)
     tables = batch.gather_tables(rows) if grouped is None else grouped[0]
-    query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
+    query_start = np.zeros(len(seq_ids) + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start[1:])
-    token_rows = np.repeat(np.arange(len(seqs)), counts)
+    token_rows = np.repeat(np.arange(len(seq_ids)), counts)
     # Position of each token: its sequence's start plus its offset within the sequence's span.
     positions = np.arange(int(query_start[-1]), dtype=np.int64) + np.repeat(starts - query_start[:-1], counts)
     seq_lens = (starts + counts).astype(np.int32)
@@ -144,12 +92,17 @@ def paged_inputs(
 
 
 def decode_inputs(
-    batch: InputBatch, block_size: int, seqs: list, input_ids: np.ndarray, positions: np.ndarray, copies
+    batch: InputBatch,
+    block_size: int,
+    seq_ids: list[int],
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    copies,
 ) -> StepInputs:
     """The one-token case of ``paged_inputs`` (every sequence computes one token and needs its
     logits), with no ragged arrays: the steady decode step takes this path."""
-    count = len(seqs)
-    rows = np.array(batch.rows(seqs), dtype=np.int64)
+    count = len(seq_ids)
+    rows = np.array(batch.rows(seq_ids), dtype=np.int64)
     grouped = _grouped_tables(batch, rows)
     tables = batch.gather_tables(rows) if grouped is None else grouped[0]
     seq_lens = (positions + 1).astype(np.int32)

@@ -189,7 +189,7 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tiny_llama, tmp_path,
 
     path = write_gguf(tied_llama if tied else tiny_llama, tmp_path / f"{tied}-Q8_0.gguf", "Q8_0")
     monkeypatch.setattr(
-        model_setup, "free_packed_float_weights", lambda model, *unread: ("nothing freed", {})
+        model_setup, "free_packed_float_weights", lambda model, *args: ("nothing freed", {})
     )
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)

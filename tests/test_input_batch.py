@@ -18,6 +18,7 @@ from engine_svc import SamplingParams
 from engine_svc import input_batch as ib
 from engine_svc.input_batch import InputBatch
 from engine_svc.kv_cache_manager import BlockUpdate
+from engine_svc.scheduler_output import NewRequestData
 from engine_svc.sequence import Request, Sequence
 from tests.engine_helpers import assert_pool_whole, make_engine, random_prompts
 
@@ -75,13 +76,13 @@ class CheckedEngine:
         self.engine = engine
         self.forwards = 0
         self.decode_only_forwards = 0
-        runner = engine.runner
-        execute, forward = runner.execute, runner.forward
+        runner, scheduler = engine.runner, engine.scheduler
+        schedule, forward = scheduler.schedule, runner.forward
         self.current = None
 
-        def checked_execute(out):
-            self.current = out
-            return execute(out)
+        def checked_schedule():  # the scheduler's record of the step: its sequences, read below
+            self.current = schedule()
+            return self.current
 
         def checked_forward(inputs):
             out = self.current
@@ -98,7 +99,7 @@ class CheckedEngine:
             self.decode_only_forwards += out.only_decodes
             return forward(inputs)
 
-        runner.execute = checked_execute
+        scheduler.schedule = checked_schedule
         runner.forward = checked_forward
 
     def step(self):
@@ -109,15 +110,20 @@ class CheckedEngine:
 
 
 def check_rows(engine) -> None:
-    """Every sequence holding blocks has one row, its own, with its table and sampling parameters;
-    sequences without blocks hold none (rows of the ones that finished since are released at the
-    next step's sync, when the KV cache manager's changes are taken)."""
+    """Every sequence holding blocks that the runner was sent (scheduled since it took them) has one
+    row, its own, with its table and sampling parameters; sequences without blocks hold none (rows
+    of the ones that finished since are released at the next step's sync, when the KV cache
+    manager's changes are taken)."""
     batch = engine.runner.batch
     pending = engine.kv.pending_changes()
+    sent = engine.scheduler.output_builder.sent
     live = [s for r in engine.requests.values() for s in r.sequences if engine.kv.block_table(s)]
     for seq in live:
         if seq in pending:
             continue  # changed by this step's emit (a fork): carried by the next step
+        if seq.seq_id not in sent:  # not scheduled since it took blocks: its tables go with it then
+            assert seq.seq_id not in batch.row_of
+            continue
         row = batch.row_of[seq.seq_id]
         table = engine.kv.block_table(seq)
         n = len(table)
@@ -227,21 +233,26 @@ def _seq(i: int) -> Sequence:
     return Sequence(request, 0, [1, 2, 3])
 
 
+def _new(seq: Sequence, table: list[int]) -> NewRequestData:
+    r = seq.request
+    return NewRequestData(seq.seq_id, r.request_id, 0, [1, 2, 3], 3, 0, 7, r.params, [list(table)])
+
+
 def test_apply_adds_grows_rewrites_releases_and_reuses_rows():
     batch = InputBatch(max_blocks_per_seq=2, rows=2)
     seqs = [_seq(i) for i in range(5)]
     tables = {s: [10 * i + 1] for i, s in enumerate(seqs)}
-    batch.apply([BlockUpdate(s, 0, list(t)) for s, t in tables.items()], [])  # more than rows: they grow
+    batch.apply([], [], [_new(s, t) for s, t in tables.items()])  # more than rows: they grow
     assert batch.num_rows == 5 and len(batch.num_blocks) >= 5
     tables[seqs[1]] += [50, 51, 52]  # past the initial width: the tables widen
     tables[seqs[3]][0] = 99  # a copy-on-write replaces an entry in place
-    batch.apply([BlockUpdate(seqs[1], 1, [50, 51, 52]), BlockUpdate(seqs[3], 0, [99])], [])
+    batch.apply([BlockUpdate(seqs[1].seq_id, 1, [50, 51, 52]), BlockUpdate(seqs[3].seq_id, 0, [99])], [])
     released_row = batch.row_of[seqs[2].seq_id]
     del tables[seqs[2]]
     batch.apply([], [seqs[2].seq_id])  # freed
     newcomer = _seq(9)
     tables[newcomer] = [7, 8]
-    batch.apply([BlockUpdate(newcomer, 0, [7, 8])], [])
+    batch.apply([], [], [_new(newcomer, [7, 8])])
     assert batch.row_of[newcomer.seq_id] == released_row, "a released row is reused"
     for s, table in tables.items():
         row = batch.row_of[s.seq_id]
@@ -249,7 +260,7 @@ def test_apply_adds_grows_rewrites_releases_and_reuses_rows():
         assert batch.block_tables[row, : len(table)].tolist() == table
         assert batch.sampling[row, ib.TEMPERATURE] == pytest.approx(s.request.params.temperature)
     live = list(tables)
-    rows = np.array(batch.rows(live))
+    rows = np.array(batch.rows([s.seq_id for s in live]))
     gathered = batch.gather_tables(rows)
     assert gathered.shape == (len(live), 4)
     assert seqs[2].seq_id not in batch.row_of

@@ -117,8 +117,9 @@ MUTANTS = [
         "a new block id dropped from the scheduler output",
         KVCacheManager,
         "take_step_changes",
-        "updates.append(BlockUpdate(seq, first, table[first:], g))",
-        "updates.append(BlockUpdate(seq, first, table[first:-1] if len(table) > 1 else table[first:], g))",
+        "updates.append(BlockUpdate(seq.seq_id, first, table[first:], g))",
+        "updates.append(BlockUpdate(seq.seq_id, first, table[first:-1] if len(table) > 1"
+        " else table[first:], g))",
     ),
     (
         "a released table not carried to the input batch",
@@ -167,8 +168,8 @@ MUTANTS = [
         "the drafts the runner returns in the step result are dropped by the update",
         Scheduler,
         "_keep_drafts",
-        "seq.spec_token_ids = proposed.get(seq.seq_id) or []",
-        "seq.spec_token_ids = []",
+        "draft = proposed.get(seq.seq_id) or []",
+        "draft = []",
         speculation_checks,
     ),
     (

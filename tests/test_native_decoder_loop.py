@@ -88,6 +88,7 @@ def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
         elif name.endswith("bias"):
             p.data.copy_(0.2 * torch.randn(p.shape, generator=g))
     backend = "native"
+    blocks = {}  # the load's QuantizedBlocks: linear_weights key -> blocks
     formats = {
         "gguf_fp32act": ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q5_0+Q8_0"),
         "gguf_int8act": ("Q4_1", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "Q5_1", "Q5_0+Q8_0"),
@@ -96,11 +97,11 @@ def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
     if path == "bf16":
         backend = "native_bf16"
     elif path in ("int8", "int4"):
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             for name in PROJECTIONS:
-                w = getattr(layer, name)
-                w.quantized = quantize_rows(w.data, "Q8_0" if path == "int8" else "Q4_1")
-                w.quantized.activations = "int8"
+                fmt = "Q8_0" if path == "int8" else "Q4_1"
+                qw = blocks[f"layers.{i}.{name}"] = quantize_rows(getattr(layer, name).data, fmt)
+                qw.activations = "int8"
     elif formats:
         for i, layer in enumerate(model.layers):
             for j, name in enumerate(PROJECTIONS):
@@ -109,12 +110,13 @@ def _model(path: str, *, spec=None, o_bias=False, seed=0) -> DecoderForCausalLM:
                 if fmt is None:
                     continue
                 w = getattr(layer, name)
-                w.quantized = _random_blocks(tuple(w.shape), fmt, g, half=(i + j) % 2 == 0)
+                qw = _random_blocks(tuple(w.shape), fmt, g, half=(i + j) % 2 == 0)
+                blocks[f"layers.{i}.{name}"] = qw
                 if path != "gguf_fp32act" and quant_int8act.supports(fmt):
-                    w.quantized.activations = "int8"
+                    qw.activations = "int8"
     else:
         assert path == "fp32"
-    model.prepare_linears(backend)
+    model.prepare_linears(backend, blocks)
     return model
 
 

@@ -18,6 +18,7 @@ from engine_svc import EngineConfig, SamplingParams
 from engine_svc.kv_cache_manager import KVCacheManager
 from engine_svc.logits_layout import StepResult
 from engine_svc.outputs import TokenLogprob
+from engine_svc.runner_state import RequestState, RequestStates
 from engine_svc.scheduler import Scheduler
 from engine_svc.sequence import FinishReason, Request, Sequence
 from engine_svc.spec_decode.config import SpeculativeConfig
@@ -57,8 +58,24 @@ def fake_result(out, token=7) -> StepResult:
 
 
 def with_drafts(result: StepResult, out, proposer) -> StepResult:
-    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them."""
-    result.drafts = proposer.propose(out, result.token_ids, None)
+    """``result`` with the drafts ``proposer`` makes after its tokens, as the runner adds them: the
+    proposer reads the step's plain output and the runner's record of each scheduled sequence (as
+    it stands before the step's tokens: made here from the scheduler's sequences)."""
+    states = RequestStates()
+    for seq in out.seqs:
+        r = seq.request
+        states[seq.seq_id] = RequestState(
+            seq.seq_id,
+            r.request_id,
+            seq.index,
+            list(seq.token_ids),
+            r.num_prompt_tokens,
+            seq.num_computed_tokens,
+            r.length_limit,
+            r.params,
+            0,
+        )
+    result.drafts = proposer.propose(out.output, result.token_ids, states, None)
     return result
 
 
@@ -201,10 +218,10 @@ def test_decode_only_inputs_equal_the_general_path(tiny_llama):
     runner, compared = engine.runner, [0]
     build = runner.build_inputs
 
-    def both(out):
-        inputs = build(out)
+    def both(out, states):
+        inputs = build(out, states)
         if out.only_decodes:
-            general = runner.general_inputs(out, out.copies)
+            general = runner.general_inputs(out, states)
             for name in (
                 "input_ids",
                 "positions",
@@ -388,52 +405,73 @@ def test_a_step_takes_each_sequences_blocks_in_one_allocation(method):
 def test_the_step_in_docs_engine_step_md():
     """docs/engine-step.md follows one step's data end to end; these are its numbers (the doc's
     reader and this test see the same run)."""
-    from engine_svc.input_batch import InputBatch
+    from engine_svc.model_runner import ModelRunner
+    from engine_svc.scheduler_output import SchedulerOutput
     from engine_svc.spec_decode.proposer import NgramProposer
-    from engine_svc.step_inputs import paged_inputs
 
     spec = SpeculativeConfig(
         num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=False
     )
     sched = make_scheduler(num_blocks=16, block_size=4, budget=8, speculative_config=spec)
-    proposer, batch = NgramProposer(spec), InputBatch(8)
+    proposer = NgramProposer(spec)
+    runner = ModelRunner(None, 4, 8, proposer=proposer)  # its state and inputs; no forward here
     a = add(sched, "a", [11, 12, 13, 11, 12], max_tokens=8).sequences[0]
     out = sched.schedule()
-    batch.apply(out.updates, out.released)
+    runner.update_states(out.output)
     sched.update_from_output(out, with_drafts(fake_result(out, token=13), out, proposer))
     assert a.spec_token_ids == [11, 12]
     b = add(sched, "b", list(range(21, 30)), max_tokens=4).sequences[0]
     out = sched.schedule()
+    # The scheduler's own record of the step.
     assert (out.seqs, out.num_new, out.drafts, out.propose) == ([a, b], [3, 5], {a: [11, 12]}, {a: 2})
-    assert [(u.seq, u.first, u.block_ids) for u in out.updates] == [(b, 0, [2, 3])]
-    assert (out.released, out.copies.shape, out.forks) == ([], (0, 2), [])
-    layout = out.layout
-    assert (layout.token_rows.tolist(), layout.sampled, layout.fans, layout.drafts) == (
+    assert not out.only_decodes and not out.all_decoding
+    # What the runner reads: plain data.
+    plain = out.output
+    assert (plain.seq_ids, plain.num_scheduled) == ([a.seq_id, b.seq_id], [3, 5])
+    (new,) = plain.new
+    assert (new.seq_id, new.request_id, new.token_ids, new.num_computed_tokens) == (
+        b.seq_id,
+        "b",
+        list(range(21, 30)),
+        0,
+    )
+    assert (new.num_prompt_tokens, new.length_limit, new.block_ids) == (9, 13, [[2, 3]])
+    cached = plain.cached
+    assert (cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens) == ([a.seq_id], [[13]], [5])
+    assert (plain.drafts, plain.propose) == ({a.seq_id: [11, 12]}, {a.seq_id: 2})
+    assert (plain.updates, plain.released, plain.copies.shape, plain.forks) == ([], [], (0, 2), [])
+    rows = plain.rows
+    assert (rows.token_rows.tolist(), rows.sampled, rows.fans, rows.drafts) == (
         [0, 1, 2],
-        [a],
+        [a.seq_id],
         [3],
         [[11, 12]],
     )
-    assert not out.only_decodes and not out.all_decoding
-    batch.apply(out.updates, out.released)
-    inputs = paged_inputs(
-        batch,
-        4,
-        out.seqs,
-        np.array([13, 11, 12, 21, 22, 23, 24, 25]),
-        np.array([5, 0]),
-        np.array(out.num_new),
-        layout.token_rows,
-        out.copies,
+    wire = plain.to_wire()
+    assert len(wire) == 77  # int64 words; SchedulerOutput.from_wire reads it back
+    runner.update_states(SchedulerOutput.from_wire(wire))
+    state_a, state_b = runner.requests[a.seq_id], runner.requests[b.seq_id]
+    assert (state_a.token_ids, state_a.num_computed_tokens) == ([11, 12, 13, 11, 12, 13], 5)
+    assert (state_b.token_ids, runner.batch.block_tables[runner.batch.row_of[b.seq_id], :2].tolist()) == (
+        list(range(21, 30)),
+        [2, 3],
     )
+    inputs = runner.build_inputs(plain, [state_a, state_b])
+    assert inputs.input_ids.tolist() == [13, 11, 12, 21, 22, 23, 24, 25]
     assert inputs.positions.tolist() == [5, 6, 7, 0, 1, 2, 3, 4]
     assert inputs.slots.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
     assert inputs.block_tables.tolist() == [[0, 1], [2, 3]]
     assert (inputs.seq_lens.tolist(), inputs.query_start.tolist()) == ([8, 5], [0, 3, 8])
+    assert inputs.logit_rows.tolist() == [0, 1, 2]
     result = with_drafts(StepResult([11, 12, 99], [None] * 3, []), out, proposer)
     assert result.drafts == {}
     (delta,) = sched.update_from_output(out, result)
     assert (delta.request_id, delta.new_token_ids) == ("a", [11, 12, 99])
     assert (a.num_computed_tokens, b.num_computed_tokens, a.spec_token_ids) == (8, 5, [])
     out = sched.schedule()
-    assert [(u.seq, u.first, u.block_ids) for u in out.updates] == [(a, 2, [4]), (b, 2, [5])]
+    plain = out.output
+    assert [(u.seq_id, u.first, u.block_ids) for u in plain.updates] == [
+        (a.seq_id, 2, [4]),
+        (b.seq_id, 2, [5]),
+    ]
+    assert plain.cached.new_token_ids == [[11, 12, 99], []] and plain.cached.num_computed_tokens == [8, 5]

@@ -337,3 +337,122 @@ def test_the_step_flags_are_derived_once_from_the_plan():
         and "budget" in ast.unparse(n.body) + ast.unparse(n.orelse)
     ]
     assert not sentinels, f"a budget of 0 passed for 'none' at lines {sentinels}"
+
+
+def test_quantized_blocks_travel_in_a_declared_map_not_on_parameters():
+    """Issue 41, part 4: the blocks a load made or kept for a linear reach ``make_linear`` as an
+    argument (the load's ``QuantizedBlocks``), never as a ``quantized`` attribute added to a
+    parameter after construction (written, or read back with ``getattr``)."""
+    found = []
+    for path in _files(("engine_svc", "kernels")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node, t in _assigned_attributes(tree):
+            if t.attr == "quantized":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(t)} = ...")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "quantized"
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"quantized blocks carried as a parameter attribute: {found}"
+    make_linear = _function(_tree("kernels/cpu/linear.py"), "make_linear")
+    assert "blocks" in [a.arg for a in make_linear.args.args], "make_linear takes no blocks"
+
+
+# --- issue 41, part 1: the scheduler's output is plain data; the runner keeps its own state ------
+def _types_reachable(cls) -> set[type]:
+    """Every class named in ``cls``'s field annotations, and in theirs, recursively."""
+    import typing
+
+    seen: set[type] = set()
+    todo = [cls]
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if dataclasses.is_dataclass(c):
+            hints = typing.get_type_hints(c)
+            stack = list(hints.values())
+            while stack:
+                t = stack.pop()
+                stack += list(typing.get_args(t))
+                origin = typing.get_origin(t)
+                for candidate in (t, origin):
+                    if isinstance(candidate, type) and candidate not in seen:
+                        todo.append(candidate)
+    return seen
+
+
+def test_the_scheduler_output_holds_no_sequence():
+    """Issue 41, part 1: ``SchedulerOutput`` is ids, token ids, block ids and counts: nothing it
+    declares (nor what they declare) is a ``Sequence``, a ``Request`` or a layout over them, and its
+    module imports neither; so it could cross a process boundary, and tensor parallelism sends it."""
+    from engine_svc.logits_layout import LogitsLayout
+    from engine_svc.scheduler_output import SchedulerOutput
+    from engine_svc.sequence import Request
+
+    live = {Sequence, Request, LogitsLayout} & _types_reachable(SchedulerOutput)
+    assert not live, f"SchedulerOutput reaches live scheduler objects: {live}"
+    imported = [
+        name
+        for module, names in _imports(ROOT / "engine_svc/scheduler_output.py")
+        if module in ("engine_svc.sequence", "engine_svc.logits_layout")
+        for name in names
+    ]
+    assert not imported, f"scheduler_output.py imports {imported}"
+
+
+# The runner's side of the step: it reads the plain output and its own per-request state.
+RUNNER_ONLY = (
+    "engine_svc/model_runner.py",
+    "engine_svc/input_batch.py",
+    "engine_svc/step_inputs.py",
+    "engine_svc/runner_state.py",
+    "engine_svc/pooling.py",
+    "engine_svc/logits_processors",
+    "engine_svc/spec_decode/proposer.py",
+    "engine_svc/spec_decode/ngram.py",
+    "engine_svc/spec_decode/draft_model.py",
+    "engine_svc/parallel/worker.py",
+)
+
+
+def test_the_runner_never_touches_a_sequence():
+    """Issue 41, part 1: the runner keeps its own state per seq id (``runner_state.RequestState``)
+    and reads nothing of the scheduler's: no module on its side imports ``Sequence`` or ``Request``,
+    nor reads what only they carry (``.request``, ``.matcher``, ``.spec_token_ids``, ``.seqs``)."""
+    found = []
+    for path in _files(RUNNER_ONLY):
+        rel = path.relative_to(ROOT)
+        for module, names in _imports(path):
+            if module == "engine_svc.sequence" and {"Sequence", "Request"} & set(names):
+                found.append(f"{rel}: imports {sorted({'Sequence', 'Request'} & set(names))}")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in (
+                "request",
+                "matcher",
+                "spec_token_ids",
+                "seqs",
+            ):
+                found.append(f"{rel}:{node.lineno}: .{node.attr}")
+    assert not found, f"the runner's side reads the scheduler's sequences: {found}"
+    execute = _function(_tree("engine_svc/model_runner.py"), "execute")
+    assert ast.unparse(execute.args.args[1].annotation) == "SchedulerOutput"
+
+
+def test_tensor_parallelism_sends_the_scheduler_output():
+    """Issue 41, part 1: one form of a step for every rank: the group broadcasts the output's wire
+    form and the worker follows it with the runner's own code; no second, flattened form."""
+    broadcast = _function(_tree("engine_svc/parallel/group.py"), "broadcast")
+    assert "to_wire" in {n.attr for n in ast.walk(broadcast) if isinstance(n, ast.Attribute)}
+    worker = _tree("engine_svc/parallel/worker.py")
+    attrs = {n.attr for n in ast.walk(worker) if isinstance(n, ast.Attribute)}
+    assert {"from_wire", "follow"} <= attrs, attrs
+    step_inputs = _tree("engine_svc/step_inputs.py")
+    defined = {n.name for n in ast.walk(step_inputs) if isinstance(n, ast.FunctionDef)}
+    assert not defined & {"pack", "unpack"}, "StepInputs still has a wire form of its own"

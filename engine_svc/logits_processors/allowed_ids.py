@@ -12,8 +12,8 @@ class AllowedIds(LogitsProcessor):
     flag = ib.LOGIT_CONTROLS
     constraint = True
 
-    def prepare(self, rows, layout):
-        allowed = [s.request.params.allowed_token_ids for s, *_ in rows]
+    def prepare(self, rows, out):
+        allowed = [s.params.allowed_token_ids for s, *_ in rows]
         return allowed if any(ids is not None for ids in allowed) else None
 
     def apply(self, logits, allowed, batch):

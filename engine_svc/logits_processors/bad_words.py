@@ -7,11 +7,12 @@ from engine_svc import input_batch as ib
 from engine_svc.logits_processors.base import LogitsProcessor, ban
 
 
-def last_tokens_banned_now(seq) -> list[int]:
-    words = seq.request.params.bad_words_token_ids
+def last_tokens_banned_now(state) -> list[int]:
+    """``state``: the runner's ``RequestState`` of the row's sequence."""
+    words = state.params.bad_words_token_ids
     if not words:
         return []
-    output = seq.token_ids[seq.request.num_prompt_tokens :]
+    output = state.output_token_ids
     banned = []
     for word in words:
         k = len(word) - 1
@@ -24,7 +25,7 @@ class BadWords(LogitsProcessor):
     flag = ib.LOGIT_CONTROLS
     constraint = False
 
-    def prepare(self, rows, layout):
+    def prepare(self, rows, out):
         banned = [last_tokens_banned_now(s) for s, *_ in rows]
         return banned if any(banned) else None
 

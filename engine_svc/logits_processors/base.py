@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-# (sequence, index of the noise it draws, position offset) per sample row: model_runner._row_sequences.
+# (the runner's RequestState of its sequence, index of the noise it draws, position offset) per
+# sample row: model_runner._row_states.
 SampleRow = tuple[Any, int, int]
 
 
@@ -21,8 +22,9 @@ class LogitsProcessor:
     flag: int  # the input-batch flag (engine_svc/input_batch.py) of the rows that may use it
     constraint: bool  # True: before logprobs and the dead-end check; False: after them
 
-    def prepare(self, rows: list[SampleRow], layout) -> object | None:
-        """This step's per-row state, or None when no row uses the control."""
+    def prepare(self, rows: list[SampleRow], out) -> object | None:
+        """This step's per-row state (``out``: the step's ``SchedulerOutput``), or None when no row
+        uses the control."""
         raise NotImplementedError
 
     def apply(self, logits: torch.Tensor, state, batch) -> torch.Tensor:

@@ -1,9 +1,15 @@
 """Structured output: each constrained row keeps only the tokens its grammar (an llguidance
 matcher, compiled off the loop) allows next; a sequence verifying drafts gets one mask per
-position."""
+position.
+
+The masks are filled from the grammars' state when the step is planned (``fill_grammar_bitmask``,
+called by the scheduler's ``OutputBuilder``: the matchers are the scheduler's, and nothing advances
+them between planning and sampling) and travel in the step's output as a bitmask; the sampler
+applies them here."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine_svc import input_batch as ib
@@ -14,41 +20,27 @@ class GrammarMask(LogitsProcessor):
     flag = ib.GRAMMAR
     constraint = True
 
-    def __init__(self, executor):
-        self.executor = executor  # llguidance.LLExecutor: fills the rows' masks in parallel
-
-    def prepare(self, rows, layout):
-        matchers = [s.matcher for s, *_ in rows]
-        if all(m is None for m in matchers):
+    def prepare(self, rows, out):
+        if out.grammar_bitmask is None:
             return None
-        return matchers, (_grammar_drafts(layout) if layout.drafts is not None else None)
+        return out.grammar_rows, out.grammar_bitmask
 
     def apply(self, logits, state, batch):
-        matchers, drafts = state
-        apply_grammar_masks(logits, matchers, self.executor, drafts)
+        rows, mask = state
+        apply_grammar_bitmask(logits, rows, mask)
         return logits
 
 
-def _grammar_drafts(layout) -> dict[int, list[int]]:
-    """First sample row of each constrained sequence verifying drafts -> its drafts: rows r + 1 ..
-    r + k get the masks of the states after drafts[:1] .. drafts[:k]."""
-    out, r = {}, 0
-    for s, fan, draft in zip(layout.sampled, layout.fans, layout.drafts, strict=True):
-        if draft is not None and s.matcher is not None:
-            out[r] = draft
-        r += fan
-    return out
-
-
-def apply_grammar_masks(
-    logits: torch.Tensor, matchers: list, executor, drafts: dict[int, list[int]] | None = None
-) -> None:
-    """Each constrained row keeps only the tokens its grammar allows next. The masks of all rows
-    are filled in parallel calls; rows sharing a matcher (an n > 1 prompt about to fork) are
-    filled once and copied. A sequence verifying drafts has a row per position: llguidance
-    advances its matcher through the drafts, fills each position's mask, and rolls it back (a
-    draft the grammar refuses stops the walk there: the rows after it stay unmasked, and are never
-    used, since the target cannot sample a refused draft and verification stops at it)."""
+def fill_grammar_bitmask(
+    matchers: list, executor, vocab_size: int, drafts: dict[int, list[int]] | None = None
+) -> tuple[list[int], np.ndarray]:
+    """(the rows with a matcher, their masks [rows, words] int32) for sample rows whose matchers
+    are ``matchers`` (None: unconstrained). The masks are filled in parallel calls; rows sharing a
+    matcher (an n > 1 prompt about to fork) are filled once and copied. A sequence verifying drafts
+    has a row per position (``drafts``: its first row -> its drafts): llguidance advances its
+    matcher through the drafts, fills each position's mask, and rolls it back (a draft the grammar
+    refuses stops the walk there: the rows after it stay unmasked, and are never used, since the
+    target cannot sample a refused draft and verification stops at it)."""
     import llguidance.torch as lt
 
     drafts = drafts or {}
@@ -58,7 +50,7 @@ def apply_grammar_masks(
     for i, r in enumerate(rows):
         if r not in covered:
             first.setdefault(id(matchers[r]), i)
-    mask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
+    mask = lt.allocate_token_bitmask(len(rows), vocab_size)
     plain = [(matchers[rows[i]], i) for i in first.values() if rows[i] not in drafts]
     if plain:
         lt.fill_next_token_bitmask_par(executor, plain, mask)
@@ -71,7 +63,13 @@ def apply_grammar_masks(
         j = first[id(matchers[r])]
         if j != i:
             mask[i] = mask[j]
-    bits = (mask.to(logits.device).unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1  # [rows, words, 32]
+    return rows, mask.numpy()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], mask: np.ndarray) -> None:
+    """Rows ``rows`` of ``logits`` keep only the tokens their masks allow."""
+    words = torch.from_numpy(mask).to(logits.device)
+    bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1  # [rows, words, 32]
     allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 

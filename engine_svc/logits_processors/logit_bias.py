@@ -12,8 +12,8 @@ class LogitBias(LogitsProcessor):
     flag = ib.LOGIT_CONTROLS
     constraint = True
 
-    def prepare(self, rows, layout):
-        biases = [s.request.params.logit_bias for s, *_ in rows]
+    def prepare(self, rows, out):
+        biases = [s.params.logit_bias for s, *_ in rows]
         return biases if any(biases) else None
 
     def apply(self, logits, biases, batch):

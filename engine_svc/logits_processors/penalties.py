@@ -32,8 +32,8 @@ class Penalties(LogitsProcessor):
     flag = ib.PENALTY
     constraint = False
 
-    def prepare(self, rows, layout):
-        return [s.output_token_ids for s, *_ in rows], [s.request.prompt_token_ids for s, *_ in rows]
+    def prepare(self, rows, out):
+        return [s.output_token_ids for s, *_ in rows], [s.prompt_token_ids for s, *_ in rows]
 
     def apply(self, logits, state, batch):
         return apply_penalties(logits, batch, *state)

@@ -12,5 +12,5 @@ from engine_svc.logits_processors.min_tokens import MinTokens
 from engine_svc.logits_processors.penalties import Penalties
 
 
-def default_processors(grammar_executor=None) -> list[LogitsProcessor]:
-    return [GrammarMask(grammar_executor), AllowedIds(), LogitBias(), MinTokens(), BadWords(), Penalties()]
+def default_processors() -> list[LogitsProcessor]:
+    return [GrammarMask(), AllowedIds(), LogitBias(), MinTokens(), BadWords(), Penalties()]

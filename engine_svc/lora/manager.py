@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ class LoRAManager:
         self.spec, self.max_loras, self.max_rank = spec, max_loras, max_rank
         self.dtype, self.device, self.kernel = dtype, device, kernel
         self.adapters: dict[str, LoRAAdapter] = {}
+        # version -> adapter, while anything holds it (a request keeps its version alive after a
+        # reload or an unload): what a step's sequences name their adapter by.
+        self.by_version: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         # Host adapters are whole; the slots hold this rank's part (all of it without TP).
         self.slots = make_slots(spec, max_loras, max_rank, dtype, device, shard)
         self._versions = itertools.count(1)
@@ -65,6 +69,7 @@ class LoRAManager:
         name, path = adapter.name, adapter.path
         adapter.version = next(self._versions)
         self.adapters[name] = adapter
+        self.by_version[adapter.version] = adapter
         log.info(
             "LoRA adapter %r loaded from %s: rank %d, %d modules (%s), version %d",
             name,
@@ -100,6 +105,12 @@ class LoRAManager:
         token_slots = seq_slots if num_new is None else np.repeat(seq_slots, num_new)
         ranks = {slot_of[(a.name, a.version)]: a.rank for a in wanted}
         return LoRABatch(self.slots, token_slots, ranks, self.kernel, self.device)
+
+    def batch_versions(self, versions: list[int], num_new, in_use: set[tuple[str, int]]):
+        """``batch`` for sequences naming their adapters by version (0: the base model), as the
+        step's output does."""
+        by_version = self.by_version
+        return self.batch([by_version[v] if v else None for v in versions], num_new, in_use)
 
 
 def make_slots(spec, max_loras, max_rank, dtype, device, shard: Shard | None = None) -> AdapterSlots:

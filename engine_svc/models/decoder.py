@@ -113,19 +113,23 @@ class DecoderLayer(nn.Module):
         self._kv_of, self._kv_views = None, ()
         self.prepare_linears("dense")
 
-    def prepare_linears(self, backend: str) -> None:
-        """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``); call
-        again after the weights change (then wrap them for LoRA again: ``lora.layers``). The loader
-        then frees the parameters that a packed linear copied (``models/float_weights.py``). Called
-        through the model's ``prepare_linears``, which invalidates its native loop."""
-        self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias)
-        self.o_proj = make_linear(backend, self.o_weight)
+    def prepare_linears(self, backend: str, blocks=None) -> None:
+        """Build the projections' GEMMs from the weights as loaded (``kernels.cpu.linear``), on the
+        load's quantized blocks where ``blocks`` (``quantized_weights.QuantizedBlocks``) has them;
+        call again after the weights change (then wrap them for LoRA again: ``lora.layers``). The
+        loader then frees the parameters that a packed linear copied (``models/float_weights.py``).
+        Called through the model's ``prepare_linears``, which invalidates its native loop."""
+        blocks = blocks or {}
+        key = f"layers.{self.index}."
+        self.qkv_proj = make_linear(backend, self.qkv_weight, self.qkv_bias, blocks.get(key + "qkv_weight"))
+        self.o_proj = make_linear(backend, self.o_weight, blocks=blocks.get(key + "o_weight"))
         if self.experts is not None:
-            self.experts.prepare_linears(backend)
+            self.experts.prepare_linears(backend, blocks, key + "experts.")
             self.gate_up_proj = self.down_proj = None
             return
-        self.gate_up_proj = make_linear(backend, self.gate_up_weight)
-        self.down_proj = make_linear(backend, self.down_weight)
+        gate_up = blocks.get(key + "gate_up_weight")
+        self.gate_up_proj = make_linear(backend, self.gate_up_weight, blocks=gate_up)
+        self.down_proj = make_linear(backend, self.down_weight, blocks=blocks.get(key + "down_weight"))
 
     def forward(self, k: Kernels, x, residual, positions, cos_sin, kv_cache, attn: AttentionInputs):
         x, residual = k.rms_norm(x, self.input_norm, self.eps, residual)
@@ -252,13 +256,16 @@ class DecoderForCausalLM(nn.Module):
         self.invalidate()
         return super()._apply(*args, **kwargs)
 
-    def prepare_linears(self, backend: str) -> None:
+    def prepare_linears(self, backend: str, blocks=None) -> None:
         """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
-        projection and the LM head; called by ``model_setup.load_model`` once the weights are in place."""
+        projection and the LM head, on the quantized blocks the load made or kept for them
+        (``blocks``: ``quantized_weights.QuantizedBlocks``, by ``linear_weights`` key); called by
+        ``model_setup.load_model`` once the weights are in place."""
         self.invalidate()
         for layer in self.layers:
-            layer.prepare_linears(backend)
-        self.lm_head_proj = make_linear(backend, self.embed if self.lm_head is None else self.lm_head)
+            layer.prepare_linears(backend, blocks)
+        head = self.embed if self.lm_head is None else self.lm_head
+        self.lm_head_proj = make_linear(backend, head, blocks=(blocks or {}).get("lm_head"))
         self.linear_backend = backend
 
     @torch.inference_mode()

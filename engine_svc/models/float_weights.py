@@ -15,9 +15,9 @@ What still reads the parameters once the linears are built, and what is kept for
   (``kernels.cpu.linear.make_linear`` names it); load the model again instead.
 
 Nothing else does: LoRA adds its delta to a projection's output, a draft model is a model of its
-own, tensor-parallel ranks each load their shard, and the quantized blocks attached at load
-(``param.quantized``) were only the linears' input (the packed GEMM holds its own form), so they
-go too.
+own, tensor-parallel ranks each load their shard, and the quantized blocks the load made or kept
+(``quantized_weights.QuantizedBlocks``) were only the linears' input (the packed GEMM holds its own
+form), so the load drops them too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ctypes.util
 import torch
 
 from engine_svc.models.block_embedding import from_table
-from engine_svc.models.quantized_weights import EMBED_NAME, linear_weights
+from engine_svc.models.quantized_weights import EMBED, EMBED_NAME, linear_weights
 
 # The linears whose object holds its own copy of the weight (kernels.cpu.linear's kinds).
 PACKED_KINDS = ("native", "onednn", "quantized", "quantized_int8act")
@@ -51,15 +51,20 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
     return out
 
 
-def free_packed_float_weights(model, unread: frozenset[str] = frozenset()) -> tuple[str, dict[str, str]]:
-    """Free the float parameters that a packed linear made redundant; returns the log's summary
-    and, per parameter freed (``projections``' names), why (the load's ``LoadResult.released``).
-    ``unread``: the checkpoint names the load left unread (``quantized_weights.served_by_blocks``):
-    where the embedding is one, its table was never dequantized and the lookup is its blocks'."""
+def free_packed_float_weights(
+    model, quantized=None, unread: frozenset[str] = frozenset()
+) -> tuple[str, dict[str, str]]:
+    """Free the float parameters that a packed linear made redundant (``quantized``: the load's
+    ``QuantizedBlocks``, whose embedding blocks a lookup may read instead); returns the log's
+    summary and, per parameter freed (``projections``' names), why (the load's
+    ``LoadResult.released``). ``unread``: the checkpoint names the load left unread
+    (``quantized_weights.served_by_blocks``): where the embedding is one, its table was never
+    dequantized and the lookup is its blocks'."""
+    quantized = quantized or {}
     freed, kept, nbytes, notes, released = 0, set(), 0, [], {}
     table_unread = EMBED_NAME in unread
     for name, param, linear in projections(model):
-        blocks, param.quantized = getattr(param, "quantized", None), None  # the GEMM reads its own form
+        blocks = quantized.get("lm_head" if name == "embed" else name)
         kind = getattr(linear, "kind", "dense")
         if name == "embed":
             packed = kind in PACKED_KINDS and model.shard.size == 1
@@ -76,7 +81,7 @@ def free_packed_float_weights(model, unread: frozenset[str] = frozenset()) -> tu
             nbytes += _release(param, f"{name} runs on its {kind} linear's own copy", released, name)
             freed += 1
     embed = model.embed
-    blocks, embed.quantized = getattr(embed, "quantized", None), None
+    blocks = quantized.get(EMBED)
     if model.lm_head is not None and blocks is not None and model.shard.size == 1:  # untied
         lookup = from_table(None if table_unread else embed.data, blocks)
         if lookup is not None:

@@ -1,10 +1,11 @@
 """Quantized weights for the model's linears: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, IQ4_NL, IQ4_XS and the K-quants Q2_K..Q6_K: ``quant_gemm.FORMATS``), kept (``attach_gguf_blocks``),
 or blocks made at load from the float weights (``quantize_linears``: ``int8`` -> Q8_0, ``int4`` ->
-Q4_1, 32 weights a block). Each block set is attached to the fused parameter it stands for
-(``param.quantized``), and ``kernels.cpu.linear.make_linear`` builds that projection on the quantized
-GEMM (``kernels/cpu/quant_gemm.py``). Once built, the linear holds the only copy: the loader frees the
-float parameter and the attached blocks (``engine_svc/models/float_weights.py``; kept with
+Q4_1, 32 weights a block). The load holds them in one declared map, ``QuantizedBlocks`` (fused
+parameter name, as ``linear_weights`` names it -> its blocks), which ``prepare_linears`` hands to
+``kernels.cpu.linear.make_linear``: it builds that projection on the quantized GEMM
+(``kernels/cpu/quant_gemm.py``). Once built, the linear holds the only copy: the loader frees the
+float parameter and drops the blocks (``engine_svc/models/float_weights.py``; kept with
 ``linear_backend="dense"``, and a tied embedding, which the lookup reads).
 
 ``quantization`` (EngineConfig): None = auto (a GGUF file's blocks where the kernel has their
@@ -88,10 +89,18 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight], Counter]) -> str:
-    """Attach the file's blocks (``gguf_blocks``) to every fused linear whose parts all have a
-    format the kernel runs (a part of another format leaves it float), and an untied embedding's
-    to the embedding, for its lookup (``float_weights.py``). Returns a summary for the log
+# What the load made or kept of each linear's weights in quantized blocks: ``linear_weights`` key
+# (and ``EMBED`` for an untied embedding's lookup) -> its blocks. The one channel from the load to
+# ``prepare_linears`` and ``float_weights.free_packed_float_weights``: nothing is set on a parameter.
+QuantizedBlocks = dict
+
+
+def attach_gguf_blocks(
+    model, found: tuple[dict[str, quant_gemm.QuantizedWeight], Counter]
+) -> tuple[QuantizedBlocks, str]:
+    """The file's blocks (``gguf_blocks``) of every fused linear whose parts all have a format the
+    kernel runs (a part of another format leaves it float), and an untied embedding's, for its
+    lookup (``float_weights.py``), checked against the model's shapes; and a summary for the log
     (formats and counts of the linears')."""
     blocks, skipped = found
     targets = {**linear_weights(model), EMBED: model.embed}
@@ -100,7 +109,6 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
         param = targets[key]
         if qw.shape != tuple(param.shape):
             raise ValueError(f"GGUF blocks for {key}: shape {qw.shape}, the model needs {tuple(param.shape)}")
-        param.quantized = qw
         if key != EMBED:
             made[qw.fmt] += 1
     summary = ", ".join(f"{n} x {f}" for f, n in sorted(made.items()))
@@ -109,7 +117,7 @@ def attach_gguf_blocks(model, found: tuple[dict[str, quant_gemm.QuantizedWeight]
         summary += f", of which {experts} routed experts' linears"
     if skipped:
         summary += "; float: " + ", ".join(f"{n} x {f}" for f, n in sorted(skipped.items()))
-    return summary
+    return QuantizedBlocks(blocks), summary
 
 
 def gguf_blocks(model, gguf_path: str | Path) -> tuple[dict[str, LazyBlocks], Counter]:
@@ -296,7 +304,7 @@ def _expert_of(key: str) -> int | None:
     return int(parts[3]) if len(parts) == 5 and parts[2] == "experts" else None
 
 
-def quantize_linears(model, quantization: str) -> str:
+def quantize_linears(model, quantization: str) -> tuple[QuantizedBlocks, str]:
     """Blocks made from the loaded float weights (``int8``: Q8_0, ``int4``: Q4_1) for every linear."""
     fmt = _MADE[quantization]
     for key, param in linear_weights(model).items():
@@ -305,11 +313,10 @@ def quantize_linears(model, quantization: str) -> str:
                 f"quantization={quantization!r}: {key} has rows of {param.shape[1]}, not a multiple of "
                 f"{quant_gemm.QK}"
             )
-    count = 0
-    for param in linear_weights(model).values():
-        param.quantized = quant_gemm.quantize_rows(param.data, fmt)
-        count += 1
-    return f"{count} x {fmt} (made at load from {quantization})"
+    made = QuantizedBlocks(
+        (key, quant_gemm.quantize_rows(param.data, fmt)) for key, param in linear_weights(model).items()
+    )
+    return made, f"{len(made)} x {fmt} (made at load from {quantization})"
 
 
 def resolve_activations(requested: str | None, quantization: str, device) -> str:
@@ -331,14 +338,13 @@ def resolve_activations(requested: str | None, quantization: str, device) -> str
     return "int8"
 
 
-def use_int8_activations(model) -> str:
-    """Mark every attached block set whose format has an int8-activation kernel; the others keep
+def use_int8_activations(blocks: QuantizedBlocks) -> str:
+    """Mark every linear's block set whose format has an int8-activation kernel; the others keep
     fp32 activations. Called at load, before ``prepare_linears``. Returns a summary for the log."""
     made: Counter = Counter()
     kept: Counter = Counter()
-    for param in linear_weights(model).values():
-        qw = getattr(param, "quantized", None)
-        if qw is None:
+    for key, qw in blocks.items():
+        if key == EMBED:  # the lookup's, not a linear's
             continue
         if quant_int8act.supports(qw.fmt):
             qw.activations = "int8"

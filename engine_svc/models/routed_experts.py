@@ -45,10 +45,19 @@ class RoutedExperts(nn.Module):
         self.down_weights = nn.ParameterList(empty(hidden, inter) for _ in range(count))
         self.prepare_linears("dense")
 
-    def prepare_linears(self, backend: str) -> None:
+    def prepare_linears(self, backend: str, blocks=None, prefix: str = "") -> None:
+        """``blocks``: the load's quantized blocks by ``quantized_weights.linear_weights`` key, the
+        experts' under ``prefix`` (``layers.{i}.experts.``)."""
+        blocks = blocks or {}
         self.router = make_linear(backend, self.router_weight)
-        self.gate_up_projs = [make_linear(backend, w) for w in self.gate_up_weights]
-        self.down_projs = [make_linear(backend, w) for w in self.down_weights]
+        self.gate_up_projs = [
+            make_linear(backend, w, blocks=blocks.get(f"{prefix}{e}.gate_up_weight"))
+            for e, w in enumerate(self.gate_up_weights)
+        ]
+        self.down_projs = [
+            make_linear(backend, w, blocks=blocks.get(f"{prefix}{e}.down_weight"))
+            for e, w in enumerate(self.down_weights)
+        ]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert indices ``[T, k]``), ranks in descending weight."""

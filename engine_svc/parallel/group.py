@@ -1,9 +1,10 @@
 """Rank 0's side of tensor parallelism: start the worker processes, join the process group,
-send every step's inputs, and stop the workers.
+send every step's output, and stop the workers.
 
 Workers are separate interpreters (``python -m engine_svc.parallel.worker``): their configuration
-travels as JSON on the command line and each step as two int64 broadcasts, so nothing is pickled.
-gloo serves CPU tensors, NCCL CUDA ones.
+travels as JSON on the command line and each step as two int64 broadcasts, a header and the step's
+``SchedulerOutput`` in its wire form (``to_wire``), the one form every rank reads, so nothing is
+pickled. gloo serves CPU tensors, NCCL CUDA ones.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import torch.distributed as dist
 
 from engine_svc.config import EngineConfig
 from engine_svc.lora.geometry import TARGET_MODULES
-from engine_svc.step_inputs import CMD_LORA_LOAD, CMD_STOP, HEADER_LEN, StepInputs
+from engine_svc.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = timedelta(minutes=10)
+# Every message starts with a header of HEADER_LEN int64: its command, then the command's fields.
+HEADER_LEN = 8
+CMD_STEP, CMD_STOP, CMD_LORA_LOAD = 1, 2, 3
 
 
 def free_port() -> int:
@@ -82,16 +86,17 @@ class TensorParallelGroup:
             raise
         log.info("tensor parallel: %d ranks (%s)", self.size, backend_for(device))
 
-    def broadcast(self, inputs: StepInputs) -> None:
-        header, payload = inputs.pack()
-        self._send(header, payload)
+    def broadcast(self, out: SchedulerOutput) -> None:
+        """The step's output to every worker: each builds its forward's inputs from it."""
+        payload = out.to_wire()
+        self._send([CMD_STEP, len(payload)] + [0] * (HEADER_LEN - 2), payload)
 
     def send_lora_load(self, slot: int, adapter) -> None:
         """Rank 0 put ``adapter`` in ``slot``: the workers do the same with their parts. Its whole
         tensors travel (each worker cuts its own part, as rank 0 does), in the model's dtype."""
         pairs = sorted(adapter.weights)
         index = [v for layer, module in pairs for v in (layer, TARGET_MODULES.index(module))]
-        header = [CMD_LORA_LOAD, slot, adapter.rank, len(pairs), 0, 0, 0, 0]
+        header = [CMD_LORA_LOAD, slot, adapter.rank, len(pairs), adapter.version, 0, 0, 0]
         self._send(header, np.array(index, dtype=np.int64))
         for pair in pairs:
             for tensor in adapter.weights[pair]:

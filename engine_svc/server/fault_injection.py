@@ -52,7 +52,7 @@ def install_from_env(engine, env=os.environ) -> bool:
 
     def faulty_execute(*args, **kwargs):
         nonlocal calls, armed
-        if args and not getattr(args[0], "seqs", True):
+        if args and not getattr(args[0], "seq_ids", True):
             return execute(*args, **kwargs)  # nothing scheduled: the batch follows the KV changes only
         if not armed:
             if not os.path.exists(armed_by):

@@ -19,13 +19,14 @@ def num_accepted(draft: list[int], sampled: list[int]) -> int:
     return accepted
 
 
-def new_tokens(layout, drafts: dict, token_ids: list[int]) -> dict:
-    """Sequence -> the tokens this step adds to it (accepted drafts and the bonus token, or its one
+def new_tokens(rows, drafts: dict[int, list[int]], token_ids: list[int]) -> dict[int, list[int]]:
+    """Seq id -> the tokens this step adds to it (accepted drafts and the bonus token, or its one
     sample), for every sequence that samples one row group of its own (a completing ``n > 1``
-    prompt forks in the update: its sequences do not exist yet, and draft from the next step)."""
+    prompt forks in the update: its sequences do not exist yet, and draft from the next step).
+    ``rows``: the step's ``SchedulerOutput.rows``; ``drafts``: its drafts by seq id."""
     out = {}
     r = 0
-    for seq, fan in zip(layout.sampled, layout.fans, strict=True):
+    for seq, fan in zip(rows.sampled, rows.fans, strict=True):
         draft = drafts.get(seq) if drafts else None
         if draft is not None:
             sampled = token_ids[r : r + fan]

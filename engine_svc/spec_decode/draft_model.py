@@ -29,6 +29,7 @@ import torch
 
 from engine_svc.input_batch import InputBatch
 from engine_svc.model_runner import ModelForward
+from engine_svc.runner_state import RequestStates
 from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import NO_COPIES, SchedulerOutput
 from engine_svc.spec_decode.acceptance import new_tokens
@@ -59,37 +60,40 @@ class DraftModelProposer:
         return set(self.computed) | set(self.drafted)
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
+    def propose(
+        self, out: SchedulerOutput, token_ids: list[int], states: RequestStates, batch: InputBatch
+    ) -> dict[int, list[int]]:
         """Keep the draft cache level with the target's and draft for ``out.propose``. ``out.copies``
         are this step's copy-on-writes: the draft's cache takes them too."""
-        added = new_tokens(out.layout, out.drafts, token_ids) if out.layout.sampled else {}
+        added = new_tokens(out.rows, out.drafts, token_ids) if out.rows.sampled else {}
         seqs, ids, starts, counts = [], [], [], []
-        drafting: list[tuple] = []  # (sequence, drafts it may take, tokens it has after this step)
+        drafting: list[tuple] = []  # (seq id, drafts it may take, tokens it has after this step)
         computed, drafted = self.computed, self.drafted
-        for seq, n in zip(out.seqs, out.num_new, strict=True):
+        for seq_id, n in zip(out.seq_ids, out.num_scheduled, strict=True):
+            seq = states[seq_id]
             c, length = seq.num_computed_tokens, len(seq.token_ids)
-            new = added.get(seq, [])
-            verified = out.drafts.get(seq)
-            held = computed.get(seq.seq_id, 0)
+            new = added.get(seq_id, [])
+            verified = out.drafts.get(seq_id)
+            held = computed.get(seq_id, 0)
             if verified is not None and held == c + 1:
                 # The draft cache holds the last token and, from the drafting, the accepted drafts
                 # but the last one proposed (its successor was never drafted from).
                 accepted = len(new) - 1
-                start = c + 1 + min(accepted, drafted.get(seq.seq_id, 0) - 1)
+                start = c + 1 + min(accepted, drafted.get(seq_id, 0) - 1)
                 end = c + 1 + accepted
             else:
                 start = min(held, c)
                 end = c + n if verified is None else c + len(new)
-            drafted[seq.seq_id] = 0
-            k = out.propose.get(seq, 0)
+            drafted[seq_id] = 0
+            k = out.propose.get(seq_id, 0)
             if k and new and new[-1] != DEAD_END_TOKEN:
                 k = room(seq, length + len(new), k)
                 if k > 0:
                     end = length + len(new)  # and the sampled tokens, to draft from the last one
-                    drafting.append((seq, k, end))
-            computed[seq.seq_id] = end
+                    drafting.append((seq_id, k, end))
+            computed[seq_id] = end
             if end > start:
-                seqs.append(seq)
+                seqs.append(seq_id)
                 ids += _span(seq.token_ids, new, start, end)
                 starts.append(start)
                 counts.append(end - start)
@@ -113,7 +117,7 @@ class DraftModelProposer:
         if not drafting:
             return {}
         firsts = logits.argmax(dim=-1).tolist()
-        drafts = {s.seq_id: [t] for (s, _, _), t in zip(drafting, firsts, strict=True)}
+        drafts = {s: [t] for (s, _, _), t in zip(drafting, firsts, strict=True)}
         self._continue(drafting, drafts, batch)
         for seq_id, draft in drafts.items():
             drafted[seq_id] = len(draft)
@@ -126,10 +130,10 @@ class DraftModelProposer:
             seqs = [s for s, _ in live]
             # Draft j (0-based) is computed from draft j - 1, which sits at position end - 1 + j.
             positions = np.array([end - 1 + j for _, end in live], dtype=np.int64)
-            ids = np.array([drafts[s.seq_id][j - 1] for s in seqs], dtype=np.int64)
+            ids = np.array([drafts[s][j - 1] for s in seqs], dtype=np.int64)
             logits = self.forward(decode_inputs(batch, self.block_size, seqs, ids, positions, NO_COPIES))
-            for seq, token in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
-                drafts[seq.seq_id].append(token)
+            for seq_id, token in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
+                drafts[seq_id].append(token)
 
 
 def _span(tokens: list[int], new: list[int], start: int, end: int) -> list[int]:

@@ -1,14 +1,16 @@
 """Proposers: after a step samples, draft the tokens that may follow, for the next step to verify.
 
-The model runner calls ``propose`` once per step, after sampling, with the schedule and the sampled
-tokens; the drafts travel back in the step's result (``StepResult.drafts``), the scheduler's update
-keeps them on their sequences (``Sequence.spec_token_ids``, the scheduler's), and the next
-``schedule()`` decides whether to verify them (budget, ``max_batch``, the per-sequence cut-off).
-Nothing flows backwards: the scheduler never hands out places for a proposer to fill.
+The model runner calls ``propose`` once per step, after sampling, with the step's output, the
+sampled tokens and its own record of each sequence (``runner_state.RequestState``, by seq id); the
+drafts travel back in the step's result (``StepResult.drafts``), the scheduler's update keeps them
+on their sequences (``Sequence.spec_token_ids``, the scheduler's), and the next ``schedule()``
+decides whether to verify them (budget, ``max_batch``, the per-sequence cut-off). Nothing flows
+backwards: the scheduler never hands out places for a proposer to fill.
 
-``out.propose`` says which sequences draft after this step, and at most how many tokens (the
-scheduler's choice: the governor, the cut-off, opted-out requests); a proposer never drafts past a
-request's ``max_tokens`` (the last draft's successor is the bonus token).
+``out.propose`` says which sequences (by seq id) draft after this step, and at most how many tokens
+(the scheduler's choice: the governor, the cut-off, opted-out requests); a proposer never drafts past
+a request's ``max_tokens`` (the last draft's successor is the bonus token). A structured-output
+request's n-gram drafts are cut to what its grammar accepts by the scheduler, which owns the grammar.
 
 A proposer's per-sequence state (the n-gram index, how far the draft model's cache holds a
 sequence) is its own, keyed by seq id, as vLLM v1's model runner keeps its ``CachedRequestState``:
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from engine_svc.input_batch import InputBatch
+from engine_svc.runner_state import RequestStates
 from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.spec_decode.acceptance import new_tokens
@@ -29,9 +32,12 @@ from engine_svc.spec_decode.ngram import NgramIndex
 
 
 class Proposer(Protocol):
-    def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
+    def propose(
+        self, out: SchedulerOutput, token_ids: list[int], states: RequestStates, batch: InputBatch | None
+    ) -> dict[int, list[int]]:
         """seq_id -> drafts, for sequences in ``out.propose``; ``token_ids`` are the step's samples,
-        in the rows of ``out.layout``; ``batch`` follows this step's block tables."""
+        in the rows of ``out.rows``; ``states`` the runner's record of each sequence as it stood
+        before them; ``batch`` follows this step's block tables."""
         ...
 
     def follow(self, forks: list[tuple[int, int]], released: list[int]) -> None:
@@ -44,16 +50,14 @@ class Proposer(Protocol):
         ...
 
 
-def room(seq, num_tokens: int, k: int) -> int:
+def room(state, num_tokens: int, k: int) -> int:
     """Drafts a sequence of ``num_tokens`` tokens may take: the bonus token after the last draft
-    must still fit under its length limit."""
-    return min(k, seq.request.length_limit - num_tokens - 1)
+    must still fit under its length limit (``state``: its ``RequestState``)."""
+    return min(k, state.length_limit - num_tokens - 1)
 
 
 class NgramProposer:
-    """Prompt lookup (spec_decode/ngram.py) over each sequence's tokens as they stand after the step.
-    A structured-output request's drafts are cut to what its grammar accepts after those tokens:
-    only they are worth verifying."""
+    """Prompt lookup (spec_decode/ngram.py) over each sequence's tokens as they stand after the step."""
 
     def __init__(self, spec: SpeculativeConfig):
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -69,25 +73,26 @@ class NgramProposer:
     def held_ids(self) -> set[int]:
         return set(self.indexes)
 
-    def propose(self, out: SchedulerOutput, token_ids: list[int], batch: InputBatch) -> dict[int, list[int]]:
+    def propose(
+        self, out: SchedulerOutput, token_ids: list[int], states: RequestStates, batch: InputBatch | None
+    ) -> dict[int, list[int]]:
         if not out.propose:
             return {}
-        added = new_tokens(out.layout, out.drafts, token_ids)
+        added = new_tokens(out.rows, out.drafts, token_ids)
         drafts = {}
-        for seq, k in out.propose.items():
-            new = added.get(seq)
+        for seq_id, k in out.propose.items():
+            new = added.get(seq_id)
             if not new or new[-1] == DEAD_END_TOKEN:
                 continue
-            tokens = seq.token_ids + new
-            k = room(seq, len(tokens), k)
+            state = states[seq_id]
+            tokens = state.token_ids + new
+            k = room(state, len(tokens), k)
             if k <= 0:
                 continue
-            index = self.indexes.get(seq.seq_id)
+            index = self.indexes.get(seq_id)
             if index is None:
-                index = self.indexes[seq.seq_id] = NgramIndex(self.lo, self.hi)
+                index = self.indexes[seq_id] = NgramIndex(self.lo, self.hi)
             draft = index.propose(tokens, k)
-            if draft and seq.matcher is not None:  # its matcher has not consumed ``new`` yet
-                draft = draft[: max(0, seq.matcher.validate_tokens(new + draft) - len(new))]
             if draft:
-                drafts[seq.seq_id] = draft
+                drafts[seq_id] = draft
         return drafts

@@ -142,9 +142,10 @@ _PACKED = {
 }
 
 
-def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The projection's GEMM. A weight with quantized blocks attached (``weight.quantized``, see
-    ``engine_svc/models/quantized_weights.py``) runs on the quantized GEMM (with int8 activations
+def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None):
+    """The projection's GEMM. A weight given with its quantized blocks (``blocks``: the load's
+    ``QuantizedBlocks`` entry for it, see ``engine_svc/models/quantized_weights.py``) runs on the
+    quantized GEMM (with int8 activations
     where the blocks say ``activations="int8"``) unless ``dense`` was asked for (then ``F.linear``
     on the float parameter). ``native_bf16`` / ``native_f16`` pack the weight rounded to bf16 / fp16
     (exact when it was loaded so, whatever its dtype now). A weight freed at load (left empty: see
@@ -154,7 +155,6 @@ def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = 
             "cannot build a linear from a freed weight (the load freed it: its LoadResult.released "
             "says why); load the model again"
         )
-    blocks = getattr(weight, "quantized", None)
     if blocks is not None and backend != "dense":
         # A GGUF file's blocks are read into the kernels' form only for this packing (LazyBlocks)
         read = blocks.materialize() if hasattr(type(blocks), "materialize") else blocks

@@ -1,0 +1,132 @@
+"""The scheduler's side of the wire to the runner: a planned step (``ScheduledStep``, over live
+``Sequence`` objects) and the KV changes since the last step become the plain-data
+``SchedulerOutput`` the runner reads.
+
+The builder remembers what the runner holds of each sequence (how many of its tokens it was sent),
+so that a sequence goes out whole once (``NewRequestData``: the first step it is scheduled in, or
+again after the runner forgot it: a release) and as deltas afterwards (the tokens appended since,
+its counter). Block-table changes go out for sequences the runner held before the step; a new one
+carries its whole tables. A structured-output row's allowed-token mask is filled here, from its
+grammar's state, which nothing changes between planning and sampling.
+"""
+
+from __future__ import annotations
+
+from engine_svc.kv_cache_manager import KVCacheManager, StepChanges
+from engine_svc.logits_processors.grammar import fill_grammar_bitmask
+from engine_svc.scheduled_step import ScheduledStep
+from engine_svc.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    PromptRows,
+    SchedulerOutput,
+    StepRows,
+)
+from engine_svc.sequence import Sequence
+
+
+class OutputBuilder:
+    def __init__(self, kv: KVCacheManager, vocab_size: int | None = None, grammar_executor=None):
+        """``vocab_size``: the logits' width (a grammar's mask covers it; None: no grammars)."""
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.grammar_executor = grammar_executor  # llguidance.LLExecutor (None: made on first need)
+        self.sent: dict[int, int] = {}  # seq id -> tokens of it the runner holds
+        self.finished: list[str] = []  # request ids that ended since the last step
+
+    def request_ended(self, request_id: str) -> None:
+        self.finished.append(request_id)
+
+    def build(self, step: ScheduledStep, changes: StepChanges) -> SchedulerOutput:
+        sent = self.sent
+        for seq_id in changes.released:
+            sent.pop(seq_id, None)
+        seqs = step.seqs
+        seq_ids = [s.seq_id for s in seqs]
+        new: list[NewRequestData] = []
+        cached = CachedRequestData()
+        c_ids, c_tokens, c_computed = cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens
+        for seq in seqs:
+            tokens = seq.token_ids
+            held = sent.get(seq.seq_id)
+            if held is None:
+                new.append(self._new(seq))
+            else:
+                c_ids.append(seq.seq_id)
+                c_tokens.append(tokens[held:])
+                c_computed.append(seq.num_computed_tokens)
+            sent[seq.seq_id] = len(tokens)
+        updates = changes.updates
+        if updates and (new or any(u.seq_id not in sent for u in updates)):
+            fresh = {r.seq_id for r in new}  # their whole tables travel with them
+            updates = [u for u in updates if u.seq_id in sent and u.seq_id not in fresh]
+        layout = step.layout
+        if step.only_decodes:
+            rows = StepRows(layout.token_rows, seq_ids, layout.fans, layout.num_sample_rows)
+        else:
+            rows = StepRows(
+                layout.token_rows,
+                [s.seq_id for s in layout.sampled],
+                layout.fans,
+                layout.num_sample_rows,
+                [PromptRows(c.seq.seq_id, c.first, c.count, c.row) for c in layout.prompt_chunks],
+                layout.drafts,
+            )
+        out = SchedulerOutput(
+            seq_ids=seq_ids,
+            num_scheduled=step.num_new,
+            new=new,
+            cached=cached,
+            only_decodes=step.only_decodes,
+            rows=rows,
+            updates=updates,
+            released=changes.released,
+            copies=changes.copies,
+            tier_ops=changes.tier_ops,
+        )
+        if step.drafts:
+            out.drafts = {s.seq_id: d for s, d in step.drafts.items()}
+        if step.propose:
+            out.propose = {s.seq_id: k for s, k in step.propose.items()}
+        if changes.forks:
+            out.forks = changes.forks
+        if self.finished:
+            out.finished_requests, self.finished = self.finished, []
+        matchers = [s.matcher for s in layout.sampled]
+        if matchers.count(None) != len(matchers):
+            self._grammar(out, layout, matchers)
+        return out
+
+    def _new(self, seq: Sequence) -> NewRequestData:
+        request, kv = seq.request, self.kv
+        return NewRequestData(
+            seq_id=seq.seq_id,
+            request_id=request.request_id,
+            index=seq.index,
+            token_ids=list(seq.token_ids),  # the runner's own copy: it appends the deltas to it
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            length_limit=request.length_limit,
+            params=request.params,
+            block_ids=[list(kv.block_table(seq, g)) for g in range(len(kv.group_tables))],
+            lora=request.lora.version if request.lora is not None else 0,
+        )
+
+    def _grammar(self, out: SchedulerOutput, layout, matchers: list) -> None:
+        """Each sample row's matcher (a completing ``n > 1`` prompt's rows share one), and for a
+        sequence verifying drafts, the drafts its rows after the first are masked through."""
+        per_row, drafts = [], {}
+        draft_of = layout.drafts or [None] * len(matchers)
+        for matcher, fan, draft in zip(matchers, layout.fans, draft_of, strict=True):
+            if draft is not None and matcher is not None:
+                drafts[len(per_row)] = draft
+            per_row += [matcher] * fan
+        if self.vocab_size is None:
+            raise ValueError("a structured-output request needs the scheduler's vocab_size")
+        if self.grammar_executor is None:
+            import llguidance
+
+            self.grammar_executor = llguidance.LLExecutor()
+        out.grammar_rows, out.grammar_bitmask = fill_grammar_bitmask(
+            per_row, self.grammar_executor, self.vocab_size, drafts
+        )

@@ -1,0 +1,70 @@
+"""The runner's own record of a sequence, keyed by seq id (vLLM v1's ``CachedRequestState``): made
+from the step output's ``NewRequestData`` the first step the sequence appears in, advanced by each
+later step's deltas (``CachedRequestData``), dropped when the output says the sequence was released.
+The sampler's controls, prompt logprobs, pooling and the proposers read it; nothing on the runner's
+side reads the scheduler's ``Sequence``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_svc.sampling_params import SamplingParams
+from engine_svc.scheduler_output import NewRequestData
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    seq_id: int
+    request_id: str
+    index: int
+    token_ids: list[int]  # the runner's own copy: prompt and outputs, as the scheduler last sent them
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    length_limit: int
+    params: SamplingParams
+    lora: int  # LoRA adapter version (0: none)
+
+    @classmethod
+    def of(cls, new: NewRequestData) -> RequestState:
+        return cls(
+            new.seq_id,
+            new.request_id,
+            new.index,
+            list(new.token_ids),  # its own: the deltas extend it
+            new.num_prompt_tokens,
+            new.num_computed_tokens,
+            new.length_limit,
+            new.params,
+            new.lora,
+        )
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class RequestStates(dict):
+    """seq id -> ``RequestState``: what the runner holds, followed from each step's output."""
+
+    def follow(self, out) -> None:
+        """Apply a ``SchedulerOutput``: forget the released, add the new, advance the cached."""
+        for seq_id in out.released:
+            self.pop(seq_id, None)
+        for new in out.new:
+            self[new.seq_id] = RequestState.of(new)
+        cached = out.cached
+        for seq_id, tokens, computed in zip(
+            cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self[seq_id]
+            if tokens:
+                state.token_ids += tokens
+            state.num_computed_tokens = computed
