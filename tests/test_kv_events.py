@@ -105,13 +105,15 @@ def test_replayed_events_equal_the_pools_cached_set(tiny_llama, subscribe_after_
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     pending = _workload(1024)
     steps = removed = 0
+    finished: list[str] = []  # request ids in the order they finished
+    prompts = {rid: (prompt, salt) for rid, prompt, salt in pending}
     while pending or engine.has_unfinished_requests():
         for rid, prompt, salt in pending[:3]:
             engine.add_request(rid, prompt, params, cache_salt=salt)
         pending = pending[3:]
         if steps == subscribe_after_steps:  # a late subscriber starts from the snapshot
             sub = feed.subscribe(engine)
-        engine.step()
+        finished += [d.request_id for d in engine.step() if d.finish_reason is not None]
         steps += 1
         feed.publish(engine)
         if sub is not None:
@@ -120,8 +122,10 @@ def test_replayed_events_equal_the_pools_cached_set(tiny_llama, subscribe_after_
             removed += max(0, before - len(router.cached))
             assert router.cached == engine.cached_block_hashes(), f"after step {steps}"
     assert removed > 0 or subscribe_after_steps, "the workload must evict"
-    # A router computes a cached prompt's hashes from its token ids and finds them.
-    rid, prompt, salt = _workload(1024)[-1]
+    # A router computes a cached prompt's hashes from its token ids and finds them (the request
+    # that finished last: its blocks are the freshest in the cache, whatever order the scheduler
+    # ran the others in).
+    prompt, salt = prompts[finished[-1]]
     want = prompt_block_hashes(prompt, 16, salt)
     found = [h in router.cached for h in want]
     assert found[0] and found == sorted(found, reverse=True)  # a cached prefix of the chain
