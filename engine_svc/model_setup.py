@@ -10,7 +10,7 @@ import torch
 from engine_svc.config import EngineConfig
 from engine_svc.kv_groups import layout_of
 from engine_svc.models.decoder import DecoderForCausalLM
-from engine_svc.models.float_weights import free_packed_float_weights
+from engine_svc.models.float_weights import Freed, free_layer_weights, free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
 from engine_svc.models.load_result import LoadResult
 from engine_svc.models.loader import init_dummy_weights, load_weights
@@ -85,8 +85,9 @@ def load_model(
     elif blocks:
         blocks += ", fp32 activations"
     _log_cpu_dtype(dtype, device, backend)
-    model.prepare_linears(backend, quantized)
-    freed, released = free_packed_float_weights(model, quantized, unread)
+    done = Freed()  # each layer's float weights go once its linears hold their own copies
+    model.prepare_linears(backend, quantized, after_layer=lambda i: free_layer_weights(model, i, done))
+    freed, released = free_packed_float_weights(model, quantized, unread, done)
     quantized = None  # the packed linears hold their own form
     _check_unread_freed(model, unread)
     if is_gguf and quant == "gguf":  # the blocks are packed: the file's pages need not stay resident

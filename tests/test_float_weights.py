@@ -59,6 +59,34 @@ def q4_1_file(tiny_llama, tmp_path_factory):
     return write_gguf(tiny_llama, tmp_path_factory.mktemp("freed") / "tiny-Q4_1.gguf", "Q4_1")
 
 
+def test_each_layer_is_freed_before_the_next_is_packed(tiny_llama, tmp_path, monkeypatch):
+    """The load's peak holds one layer's weights twice, not the model's: when a layer's linears are
+    built, every earlier layer's float projections (and, last, an untied head's) are freed."""
+    from engine_svc import model_setup
+    from engine_svc.models import float_weights
+
+    seen = []
+
+    def spy(model, index, freed):
+        float_weights.free_layer_weights(model, index, freed)
+        held = {
+            name.split(".")[1] if name.startswith("layers.") else name
+            for name, p, _ in projections(model)
+            if p.numel()
+        }
+        seen.append((index, held))
+
+    monkeypatch.setattr(model_setup, "free_layer_weights", spy)
+    untied = random_model(tmp_path / "untied", tiny_llama, seed=3, tie_word_embeddings=False)
+    engine = make_engine(untied, dtype="bfloat16")
+    assert [i for i, _ in seen] == [*range(len(engine.model.layers)), None]
+    for i, held in seen:
+        later = {str(j) for j in range(len(engine.model.layers)) if i is not None and j > i}
+        assert held <= later | {"embed"} | ({"lm_head"} if i is not None else set()), (i, held)
+    assert "lm_head" not in seen[-1][1]
+    _assert_freed(engine.model, engine.runtime.load.released)
+
+
 def _assert_blocks_path_gives_the_float_tokens(path, vocab: int) -> None:
     """The whole exact path (fp32 activations on the embedding's blocks) gives the float model's
     greedy tokens."""
@@ -188,9 +216,7 @@ def test_a_parameter_left_unread_must_be_freed(tied_llama, tiny_llama, tmp_path,
     from engine_svc import model_setup
 
     path = write_gguf(tied_llama if tied else tiny_llama, tmp_path / f"{tied}-Q8_0.gguf", "Q8_0")
-    monkeypatch.setattr(
-        model_setup, "free_packed_float_weights", lambda model, *args: ("nothing freed", {})
-    )
+    monkeypatch.setattr(model_setup, "free_packed_float_weights", lambda model, *args: ("nothing freed", {}))
     with pytest.raises(RuntimeError, match="left unread for its blocks, yet is still kept"):
         make_engine(path)
 

@@ -86,3 +86,48 @@ def test_a_kv_budget_too_small_for_one_block_is_refused_naming_it(tiny_llama):
     refused = r"the KV budget, kv_cache_memory 100 bytes, holds no block of \d+ bytes"
     with pytest.raises(ValueError, match=refused):
         make_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory=100, block_size=16)
+
+
+def test_safetensors_reader_equals_the_safetensors_library(tmp_path):
+    """The loader reads safetensors files with plain reads (no mapping that would stay resident):
+    every dtype, scalars and empty tensors equal what the safetensors library itself reads, and a
+    cut or lying file is refused naming the tensor."""
+    import pytest
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine_svc.models.loader import read_safetensors_file
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "w.bf16": torch.randn(7, 33, generator=g).to(torch.bfloat16),
+        "w.f16": torch.randn(3, 5, generator=g).half(),
+        "w.f32": torch.randn(64, generator=g),
+        "w.f64": torch.randn(2, 2, generator=g).double(),
+        "i.i64": torch.arange(-5, 6),
+        "i.i8": torch.randint(-128, 127, (9,), generator=g, dtype=torch.int8),
+        "u.u8": torch.randint(0, 255, (4, 4), generator=g, dtype=torch.uint8),
+        "b.bool": torch.rand(6, generator=g) > 0.5,
+        "s.scalar": torch.tensor(3.25),
+        "e.empty": torch.zeros(0, 8),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    got = dict(read_safetensors_file(path))
+    with safe_open(str(path), framework="pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    assert got.keys() == want.keys() == tensors.keys()
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), k
+
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="spans bytes|cut short"):
+        list(read_safetensors_file(tmp_path / "cut.safetensors"))
+    (tmp_path / "short.safetensors").write_bytes(data[:5])
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        list(read_safetensors_file(tmp_path / "short.safetensors"))
+    (tmp_path / "header.safetensors").write_bytes((10**9).to_bytes(8, "little") + data[8:])
+    with pytest.raises(ValueError, match="header of 1000000000 bytes"):
+        list(read_safetensors_file(tmp_path / "header.safetensors"))

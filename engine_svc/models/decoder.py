@@ -256,16 +256,22 @@ class DecoderForCausalLM(nn.Module):
         self.invalidate()
         return super()._apply(*args, **kwargs)
 
-    def prepare_linears(self, backend: str, blocks=None) -> None:
+    def prepare_linears(self, backend: str, blocks=None, after_layer=None) -> None:
         """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
         projection and the LM head, on the quantized blocks the load made or kept for them
         (``blocks``: ``quantized_weights.QuantizedBlocks``, by ``linear_weights`` key); called by
-        ``model_setup.load_model`` once the weights are in place."""
+        ``model_setup.load_model`` once the weights are in place, which frees each layer's float
+        weights its packed linears copied as soon as they are built (``after_layer(index)``, then
+        ``after_layer(None)`` for the LM head)."""
         self.invalidate()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             layer.prepare_linears(backend, blocks)
+            if after_layer is not None:
+                after_layer(i)
         head = self.embed if self.lm_head is None else self.lm_head
         self.lm_head_proj = make_linear(backend, head, blocks=(blocks or {}).get("lm_head"))
+        if after_layer is not None:
+            after_layer(None)
         self.linear_backend = backend
 
     @torch.inference_mode()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,17 +52,41 @@ def projections(model) -> list[tuple[str, torch.nn.Parameter, object]]:
     return out
 
 
+@dataclass
+class Freed:
+    """What the load freed so far: per parameter (``projections``' names) why, and the bytes."""
+
+    released: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+    projections: int = 0
+
+
+def free_layer_weights(model, index: int | None, freed: Freed) -> None:
+    """Free layer ``index``'s projection parameters that its packed linears made redundant (None:
+    an untied LM head's), as soon as they are built (``prepare_linears``' ``after_layer``): the
+    load's peak then holds one layer's weights twice, not the whole model's. A tied embedding is
+    left to ``free_packed_float_weights`` (its lookup may still read it)."""
+    prefix = "lm_head" if index is None else f"layers.{index}."
+    for name, param, linear in projections(model):
+        kind = getattr(linear, "kind", "dense")
+        if name.startswith(prefix) and kind in PACKED_KINDS and name not in freed.released:
+            _release(param, f"{name} runs on its {kind} linear's own copy", freed, name)
+            freed.projections += 1
+
+
 def free_packed_float_weights(
-    model, quantized=None, unread: frozenset[str] = frozenset()
+    model, quantized=None, unread: frozenset[str] = frozenset(), freed: Freed | None = None
 ) -> tuple[str, dict[str, str]]:
     """Free the float parameters that a packed linear made redundant (``quantized``: the load's
     ``QuantizedBlocks``, whose embedding blocks a lookup may read instead); returns the log's
     summary and, per parameter freed (``projections``' names), why (the load's
     ``LoadResult.released``). ``unread``: the checkpoint names the load left unread
     (``quantized_weights.served_by_blocks``): where the embedding is one, its table was never
-    dequantized and the lookup is its blocks'."""
+    dequantized and the lookup is its blocks'. ``freed``: what ``free_layer_weights`` freed
+    already."""
     quantized = quantized or {}
-    freed, kept, nbytes, notes, released = 0, set(), 0, [], {}
+    freed = freed or Freed()
+    kept, notes, released = set(), [], freed.released
     table_unread = EMBED_NAME in unread
     for name, param, linear in projections(model):
         blocks = quantized.get("lm_head" if name == "embed" else name)
@@ -73,25 +98,27 @@ def free_packed_float_weights(
                 kept.add("the tied embedding (the lookup reads it)")
                 continue
             model.embed_blocks = lookup
-            nbytes += _release(param, f"the lookup reads the file's {blocks.fmt} blocks", released, name)
+            _release(param, f"the lookup reads the file's {blocks.fmt} blocks", freed, name)
             notes.append(_lookup_note(lookup, blocks.fmt))
         elif kind not in PACKED_KINDS:
             kept.add(f"{kind} linears (they read them)")
-        else:
-            nbytes += _release(param, f"{name} runs on its {kind} linear's own copy", released, name)
-            freed += 1
+        elif name not in released:
+            _release(param, f"{name} runs on its {kind} linear's own copy", freed, name)
+            freed.projections += 1
     embed = model.embed
     blocks = quantized.get(EMBED)
     if model.lm_head is not None and blocks is not None and model.shard.size == 1:  # untied
         lookup = from_table(None if table_unread else embed.data, blocks)
         if lookup is not None:
             model.embed_blocks = lookup
-            nbytes += _release(embed, f"the lookup reads the file's {blocks.fmt} blocks", released, "embed")
+            _release(embed, f"the lookup reads the file's {blocks.fmt} blocks", freed, "embed")
             notes.append(_lookup_note(lookup, blocks.fmt))
     model.invalidate()  # parameters' storage swapped (``_release``): the native loop's pointers go
     _return_freed_memory()
-    summary = f"float parameters freed: {freed} projections{' and the embedding' if notes else ''}"
-    summary += f" ({nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
+    summary = (
+        f"float parameters freed: {freed.projections} projections{' and the embedding' if notes else ''}"
+    )
+    summary += f" ({freed.nbytes / 2**20:.0f} MiB)" + "".join(f"; {n}" for n in notes)
     return summary + (f"; kept: {', '.join(sorted(kept))}" if kept else ""), released
 
 
@@ -100,13 +127,12 @@ def _lookup_note(lookup, fmt: str) -> str:
     return f"the embedding lookup reads its {fmt} blocks {where} ({lookup.nbytes / 2**20:.0f} MiB)"
 
 
-def _release(param: torch.nn.Parameter, why: str, released: dict[str, str], name: str) -> int:
-    """Drop ``param``'s storage (an empty tensor is left) and note why as ``released[name]``;
-    returns its bytes."""
-    nbytes = param.numel() * param.element_size()
+def _release(param: torch.nn.Parameter, why: str, freed: Freed, name: str) -> None:
+    """Drop ``param``'s storage (an empty tensor is left), note why as ``freed.released[name]``
+    and count its bytes."""
+    freed.nbytes += param.numel() * param.element_size()
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    released[name] = f"freed at load: {why}"
-    return nbytes
+    freed.released[name] = f"freed at load: {why}"
 
 
 def _return_freed_memory() -> None:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint
@@ -76,9 +75,63 @@ def _read_safetensors(d: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {d} (use load_format='dummy' for random weights)")
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f"tensor {name} in {path.name}", f.get_tensor(name)
+        for name, tensor in read_safetensors_file(path):
+            yield name, f"tensor {name} in {path.name}", tensor
+
+
+# safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of one safetensors file, in file order, each read into its
+    own buffer with plain reads: no mapping of the file, whose touched pages would count in the
+    process's resident set until it closed (measured: the 0.5B's 1.2 GB bf16 file doubled the
+    load's peak that way). The format: 8 bytes of little-endian header length, a JSON header
+    (name -> dtype, shape, [start, end) past the header), the data."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header length)")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"{path}: header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))
+        base = 8 + n
+        entries = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda e: e[1]["data_offsets"]
+        )
+        for name, meta in entries:
+            dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name} has dtype {meta['dtype']}, not one torch reads")
+            start, end = meta["data_offsets"]
+            tensor = torch.empty(meta["shape"], dtype=dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if end - start != nbytes or base + end > size:
+                raise ValueError(
+                    f"{path}: tensor {name} ({meta['dtype']} {meta['shape']}) spans bytes {start}-{end}"
+                    f" of a {size - base}-byte data section"
+                )
+            f.seek(base + start)
+            if nbytes and f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != nbytes:
+                raise ValueError(f"{path}: tensor {name} is cut short")
+            yield name, tensor
 
 
 def assign(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> bool:

@@ -85,7 +85,9 @@ class EngineServicer(pb_grpc.EngineServicer):
                 event = s.outbox.get(timeout=self._loop.heartbeat_s)
             except queue.Empty:
                 beat = pb.Heartbeat(
-                    load=self._loop.load, layers_run=layer_progress.value(), starved=self._loop.watchdog.starved
+                    load=self._loop.load,
+                    layers_run=layer_progress.value(),
+                    starved=self._loop.watchdog.starved,
                 )
                 event = pb.EngineEvent(heartbeat=beat)
             if event is None:
