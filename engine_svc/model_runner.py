@@ -182,6 +182,10 @@ class ModelRunner:
             inputs = self.decode_inputs(out, states)
         else:
             inputs = self.general_inputs(out, states)
+        model = self.forward.model
+        if model.rope_switch is not None:  # long-rope: each token's table by its sequence's length
+            lengths = np.repeat([len(s.token_ids) for s in states], np.diff(inputs.query_start))
+            inputs.positions = model.rotary_rows(inputs.positions, lengths)
         if self.lora is not None and self.lora.adapters:
             num_new = None if out.only_decodes else out.num_scheduled
             in_use = self.lora_in_use() if self.lora_in_use is not None else set()

@@ -166,7 +166,8 @@ LONG_NEW = 14  # prompts of 20..31 tokens cross the original length while genera
 def hf_each_position_its_table(hf, prompt: list[int], max_new: int) -> list[int]:
     """HF's own model and cache, fed so that no forward re-rotates a cached key: the prompt's first
     ORIGINAL tokens in one forward (the short factors), the rest and the generated tokens one a
-    forward (each past the original length: the long factors). The rule the engine serves."""
+    forward (each past the original length: the long factors). The rule served before the switch
+    recomputed a sequence; ``generate`` differs from it."""
     with torch.no_grad():
         out = hf(torch.tensor([prompt[:ORIGINAL]]), use_cache=True)
         for token in prompt[ORIGINAL:]:
@@ -195,7 +196,9 @@ def phi3_long(tmp_path_factory, trained_tokenizer_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     prompts = random_prompts([1, 9, 20, 25, 31, 40, 57], VOCAB, seed=8)  # within, across, past it
     prompts.append(prompts[3][:16] + random_prompts([12], VOCAB, seed=9)[0])  # a prefix hit
-    return model_dir, hf, prompts, [hf_each_position_its_table(hf, p, LONG_NEW) for p in prompts]
+    # HF's generate: Phi-3 drops its cache at the step whose input passes the original length
+    # and computes the whole sequence again with the long factors
+    return model_dir, hf, prompts, [hf_greedy(hf, p, LONG_NEW) for p in prompts]
 
 
 def test_long_rope_table_equals_hfs_rotary_on_both_sides_of_the_switch(phi3_long):
@@ -204,25 +207,26 @@ def test_long_rope_table_equals_hfs_rotary_on_both_sides_of_the_switch(phi3_long
     model_dir, hf, _, _ = phi3_long
     spec = ModelSpec.from_path(model_dir)
     kind = spec.layer_attention[0]
+    assert kind.rope_switch == spec.rope_switch == ORIGINAL
     assert kind.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(8) / math.log(32)) ** 0.5)
     ours = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, 256)
+    assert ours.shape == (2 * 256, 16)
     rotary, x = hf.model.rotary_emb, torch.zeros(1, 1, 16)
-    with torch.no_grad():  # a forward reaching the original length: the short factors
+    with torch.no_grad():  # a forward reaching the original length: the short factors (rows 0..)
         cos, sin = rotary(x, torch.arange(ORIGINAL)[None])
         assert torch.equal(ours[:ORIGINAL, :8], cos[0, :, :8]) and torch.equal(
             ours[:ORIGINAL, 8:], sin[0, :, :8]
         )
-        for p in (ORIGINAL, ORIGINAL + 1, 255):  # a forward reaching past it: the long factors
-            cos, sin = rotary(x, torch.tensor([[p]]))
-            assert torch.equal(ours[p, :8], cos[0, 0, :8]) and torch.equal(ours[p, 8:], sin[0, 0, :8])
+        # a forward reaching past it: the long factors at every position (rows 256..)
+        cos, sin = rotary(x, torch.arange(256)[None])
+        assert torch.equal(ours[256:, :8], cos[0, :, :8]) and torch.equal(ours[256:, 8:], sin[0, :, :8])
 
 
-def test_the_long_factors_change_these_tokens_and_hfs_generate_is_another_rule(phi3_long):
+def test_the_long_factors_and_the_recompute_change_these_tokens(phi3_long):
     """HF with the short factors in place of the long ones gives other tokens (an engine that never
-    switched fails the equality tests below); and HF's ``generate`` gives others again: at the
-    step whose input reaches past the original length, Phi-3's ``prepare_inputs_for_generation``
-    drops the cache and re-rotates the whole sequence with the long factors (the documented
-    difference, docs/models.md)."""
+    switched fails the equality tests below), and so does each position rotated by its own table
+    with no recompute (the rule served before: an engine that does not compute a crossing
+    sequence again fails them too)."""
     model_dir, hf, prompts, refs = phi3_long
     params = {
         **LONG_ROPE,
@@ -231,23 +235,26 @@ def test_the_long_factors_change_these_tokens_and_hfs_generate_is_another_rule(p
     }
     never = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", rope_parameters=params).eval()
     assert any(hf_greedy(never, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
-    within = [i for i, p in enumerate(prompts) if len(p) + LONG_NEW <= ORIGINAL + 1]
-    assert all(hf_greedy(hf, prompts[i], LONG_NEW) == refs[i] for i in within)  # no switch: the same
-    assert any(hf_greedy(hf, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
+    crossing = [i for i, p in enumerate(prompts) if len(p) <= ORIGINAL < len(p) + LONG_NEW - 1]
+    assert crossing and any(hf_each_position_its_table(hf, prompts[i], LONG_NEW) != refs[i] for i in crossing)
 
 
 @pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
 def test_long_rope_greedy_equals_hf_on_both_sides_of_the_switch(phi3_long, block_size, budget):
-    """Prompts within the original length, crossing it while generating, and longer than it:
-    chunked (chunks straddling the switch), batched, a prefix hit."""
+    """Prompts within the original length, crossing it while generating (each computed again with
+    the long factors at the crossing), and longer than it: chunked, batched, a prefix hit."""
     model_dir, hf, prompts, refs = phi3_long
     engine = check_greedy_equals_hf(
         model_dir, hf, prompts, refs, LONG_NEW, block_size=block_size, max_num_batched_tokens=budget
     )
     assert engine.model.native_loop_reason is None
+    crossing = sum(len(p) <= ORIGINAL < len(p) + LONG_NEW - 1 for p in prompts)
+    assert engine.scheduler.num_rope_recomputes == crossing
 
 
 def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
+    """Run twice in one engine: the second run's prefix hits find the blocks of their own table
+    only (a short-table block is never served to a sequence past the switch, nor the reverse)."""
     model_dir, hf, prompts, refs = phi3_long
     engine = check_greedy_equals_hf(
         model_dir, hf, prompts, refs, LONG_NEW, block_size=8, max_num_batched_tokens=64
