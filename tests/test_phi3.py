@@ -3,8 +3,10 @@ Phi3ForCausalLM (fp32, three layers, fused qkv_proj and gate_up_proj) gives HF t
 tokens, chunked, batched, from cached prefixes and through preemptions; the fused tensors land in
 the decoder's slots as HF splits them; a GGUF of it (llama.cpp's layout: attn_qkv and ffn_up fused,
 read back by transformers' own GGUF loader as the independent reader) gives the same, in F32 and
-from its Q8_0 blocks; each request's result is bitwise its solo run; long-rope and partial rotary
-configs and the untested engine features refuse it at start."""
+from its Q8_0 blocks; each request's result is bitwise its solo run; bad long-rope and partial
+rotary configs and the untested engine features refuse it at start. Long-rope (a model whose
+original length is 32 of 256) gives HF ``generate``'s tokens within, across and past the switch,
+from HF files and a long-rope GGUF."""
 
 from __future__ import annotations
 
@@ -268,6 +270,40 @@ def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
         model_dir, hf, prompts, refs, LONG_NEW, block_size=8, num_kv_blocks=16, max_num_batched_tokens=32
     )
     assert tight.stats().num_preemptions > 0
+
+
+def test_long_rope_gguf_serves_its_factors_as_hf(phi3_long, tmp_path):
+    """A long-rope GGUF as llama.cpp's converter writes it (``rope_factors_long/short`` tensors, the
+    original length and attention factor in its metadata): gguf's own reader finds the factors as
+    written, the tables equal the HF config's bit for bit, and the file gives HF's tokens for a
+    prompt that crosses the original length and one past it."""
+    from gguf import GGUFReader
+
+    from kernels.reference.rotary import rope_table
+    from tests.gguf_files import write_gguf
+
+    model_dir, hf, prompts, refs = phi3_long
+    path = write_gguf(model_dir, tmp_path / "tiny-phi3-long-f32.gguf", "F32")
+    tensors = {t.name: t.data for t in GGUFReader(path).tensors}
+    for name in ("short", "long"):
+        assert tensors[f"rope_factors_{name}.weight"].tolist() == pytest.approx(LONG_ROPE[f"{name}_factor"])
+    ours, theirs = ModelSpec.from_path(path), ModelSpec.from_path(model_dir)
+    assert ours.rope_switch == ORIGINAL and ours.max_position_embeddings == 256
+    a, b = ours.layer_attention[0], theirs.layer_attention[0]
+    assert torch.equal(
+        rope_table(16, a.rope_theta, a.rope_scaling, 256), rope_table(16, b.rope_theta, b.rope_scaling, 256)
+    )
+    pick = [2, 5]  # 20 tokens (crosses while generating), 40 (past it)
+    engine = check_greedy_equals_hf(
+        path,
+        hf,
+        [prompts[i] for i in pick],
+        [refs[i] for i in pick],
+        LONG_NEW,
+        block_size=8,
+        max_num_batched_tokens=16,
+    )
+    assert engine.scheduler.num_rope_recomputes == 1
 
 
 def test_long_rope_requests_equal_their_solo_runs(phi3_long):
