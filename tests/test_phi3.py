@@ -272,6 +272,43 @@ def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
     assert tight.stats().num_preemptions > 0
 
 
+def test_the_kv_manager_keeps_each_tables_blocks_apart_and_asks_for_the_recompute():
+    """With a switch of 8 tokens (blocks of 4): a sequence's blocks are hashed under its phase, so
+    a sequence past the switch finds none of a short one's blocks (same tokens) and the reverse; a
+    running sequence that grows past the switch needs its blocks computed again, and once released
+    its next lookup finds the long blocks another sequence computed."""
+    from engine_svc.block_hash import prompt_block_hashes
+    from engine_svc.kv_cache_manager import KVCacheManager
+    from engine_svc.sampling_params import SamplingParams
+    from engine_svc.sequence import Request, Sequence
+
+    def seq(tokens, i):
+        request = Request(f"r{i}", list(tokens), SamplingParams(max_tokens=100), 0, None, i, 100)
+        return Sequence(request, 0, list(tokens))
+
+    def compute(kv, s):
+        n = len(s.token_ids) - s.num_computed_tokens
+        assert kv.allocate(s, n)
+        kv.register_computed_blocks(s, scheduled=n)
+        s.num_computed_tokens += n
+
+    kv = KVCacheManager(32, 4, True, rope_switch=8)
+    tokens = list(range(100, 112))
+    short, long = seq(tokens[:8], 0), seq(tokens, 1)  # 8 tokens: the short table; 12: the long
+    compute(kv, short)
+    assert kv.find_cached_prefix(long) == []  # its first 8 tokens are short's, but not its table's
+    compute(kv, long)
+    assert kv.block_hashes(long, 3) == prompt_block_hashes(tokens, 4, rope_phase=1)
+    assert kv.block_hashes(short, 2) == prompt_block_hashes(tokens[:8], 4)
+    assert len(kv.find_cached_prefix(seq(tokens[:7], 2))) == 1  # a short one finds short's
+    assert not kv.needs_recompute(short)
+    short.token_ids.append(tokens[8])  # a sampled token: 9 > 8, the long table now
+    assert kv.needs_recompute(short) and not kv.needs_recompute(long)
+    kv.free(short)
+    short.num_computed_tokens = 0
+    assert len(kv.find_cached_prefix(short)) == 2  # long's blocks (tokens 0..7 of the long table)
+
+
 def test_long_rope_gguf_serves_its_factors_as_hf(phi3_long, tmp_path):
     """A long-rope GGUF as llama.cpp's converter writes it (``rope_factors_long/short`` tensors, the
     original length and attention factor in its metadata): gguf's own reader finds the factors as
