@@ -10,6 +10,9 @@ digest, read as a little-endian integer):
                  its name and the engine's load counter for it, so a reload never meets old KV)
     block_hash = B(u64(parent) + i32(t0) + i32(t1) + ... + i32(t_{block_size-1}))
 
+    root       = ... + b"|rope-phase:" + u8(1)   (a sequence longer than its long-rope model's original
+                 length, whose every position the long factors rotate: docs/models.md, *Long-rope*)
+
 where ``parent`` is ``root`` for a prompt's first block and the previous block's hash after it.
 The salt never leaves the server: only its hash does. (Python's ``hash()`` was used before: it is
 randomized per process for strings, so two replicas disagreed on the same prompt.)
@@ -23,6 +26,7 @@ from functools import lru_cache
 from hashlib import blake2b
 
 _ROOT_TAG = b"llmserve-prefix-root"
+_PHASE_TAG = b"|rope-phase:"
 _SWAP = sys.byteorder != "little"  # the definition is little-endian on every host
 
 
@@ -36,10 +40,13 @@ def salt_hash(salt: str | None) -> int:
 
 
 @lru_cache(maxsize=4096)
-def root_hash(salt_h: int, adapter: str | None = None) -> int:
+def root_hash(salt_h: int, adapter: str | None = None, rope_phase: int = 0) -> int:
     """The parent of a prompt's first block: whatever must keep two prompts' caches apart (the
-    tenant's salt, a LoRA adapter's name@version) is folded in here."""
+    tenant's salt, a LoRA adapter's name@version, the rotary phase of a long-rope sequence) is
+    folded in here."""
     tail = adapter.encode() if adapter else b""
+    if rope_phase:
+        tail += _PHASE_TAG + bytes([rope_phase])
     return _digest64(_ROOT_TAG + salt_h.to_bytes(8, "little") + tail)
 
 
@@ -52,10 +59,10 @@ def chain_hash(parent: int, token_ids) -> int:
 
 
 def prompt_block_hashes(
-    token_ids, block_size: int, salt: str | None = None, adapter: str | None = None
+    token_ids, block_size: int, salt: str | None = None, adapter: str | None = None, rope_phase: int = 0
 ) -> list[int]:
     """Every full block's hash of a token sequence, as the engine computes them (for routers, tests)."""
-    parent, out = root_hash(salt_hash(salt), adapter), []
+    parent, out = root_hash(salt_hash(salt), adapter, rope_phase), []
     for i in range(len(token_ids) // block_size):
         parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -120,7 +120,12 @@ class LLMEngine:
             config, self.device, kv_caches, windows, self.act_dtype, self.dtype, self.kernels.name, why_not
         )
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, windows, self.kv_tiers
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            windows,
+            self.kv_tiers,
+            self.spec.rope_switch,
         )
         ratio = config.attention_work_ratio
         ratio = ratio_for_spec(self.spec) if ratio is None else ratio

@@ -89,9 +89,12 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         windows: tuple[int | None, ...] = (None,),
         tiers: TieredStore | None = None,
+        rope_switch: int | None = None,
     ):
         """``windows``: per KV cache group, its sliding window (None: full attention); ``tiers``:
-        the host and disk tiers below the pool (None: evicted blocks are forgotten)."""
+        the host and disk tiers below the pool (None: evicted blocks are forgotten);
+        ``rope_switch``: the model's rotary switch (``ModelSpec.rope_switch``, long-rope: a
+        sequence longer than it is rotated whole by the long table), or None."""
         self.pool = BlockPool(num_blocks)
         self.tiers = tiers if tiers is not None and tiers.enabled and enable_prefix_caching else None
         self._tier_ops: list[TierOp] = []
@@ -118,6 +121,10 @@ class KVCacheManager:
         # Per group: sequence -> leading entries released as its window passed (window groups).
         self._passed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
         self.registered: dict[Sequence, int] = {}  # leading blocks published to the prefix cache
+        # With a rotary switch: the phase (0, 1) of the table each sequence's blocks were computed
+        # with, from its first block to its release; its hashes' root names that phase.
+        self.rope_switch = rope_switch
+        self._kv_phase: dict[Sequence, int] = {}
         # (src, dst) block copies the model runner must do before the next forward (copy-on-write).
         self._copies: list[tuple[int, int]] = []
         self._forks: list[tuple[int, int]] = []  # (parent, child) seq ids since the last take
@@ -171,19 +178,40 @@ class KVCacheManager:
         salted with the cache salt and the LoRA adapter (deterministic: ``block_hash.py`` defines
         them for routers). They are a pure function of the tokens, cached on the sequence."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        parent = hashes[-1] if hashes else self.root_of(seq)
+        parent = hashes[-1] if hashes else self.root_of(seq, self._phase_of(seq))
         for i in range(len(hashes), num_blocks):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes[:num_blocks]
 
     @staticmethod
-    def root_of(seq: Sequence) -> int:
-        """KV computed under one adapter (or version of it), or one salt, is never served to another."""
+    def root_of(seq: Sequence, rope_phase: int = 0) -> int:
+        """KV computed under one adapter (or version of it), or one salt, or one rotary phase, is
+        never served to another."""
         lora = seq.request.lora
         return root_hash(
-            salt_hash(seq.request.cache_salt), None if lora is None else f"{lora.name}@{lora.version}"
+            salt_hash(seq.request.cache_salt),
+            None if lora is None else f"{lora.name}@{lora.version}",
+            rope_phase,
         )
+
+    # --- the rotary switch (long-rope) --------------------------------------------------------
+    def rope_phase(self, seq: Sequence) -> int:
+        """The rotary phase ``seq``'s length selects now: 1 past the switch, else 0."""
+        return int(self.rope_switch is not None and len(seq.token_ids) > self.rope_switch)
+
+    def _phase_of(self, seq: Sequence) -> int:
+        """The phase of the blocks ``seq`` holds (of its length now when it holds none)."""
+        return self._kv_phase[seq] if seq in self._kv_phase else self.rope_phase(seq)
+
+    def needs_recompute(self, seq: Sequence) -> bool:
+        """``seq`` holds blocks computed with a rotary phase its length no longer selects (it grew
+        past the switch): they must all be computed again (the scheduler releases them)."""
+        return seq in self._kv_phase and self._kv_phase[seq] != self.rope_phase(seq)
+
+    def _note_phase(self, seq: Sequence) -> None:
+        if self.rope_switch is not None:
+            self._kv_phase[seq] = self.rope_phase(seq)
 
     def find_cached_prefix(self, seq: Sequence):
         """Cached blocks holding the longest prefix of ``seq`` (never its last token: that one must be
@@ -219,7 +247,7 @@ class KVCacheManager:
             if entry is None:
                 return None
             (block_id,) = self.pool.allocate(1)  # held: in pins, released after the lookup
-            parent = (hashes[i - 1] if i else self.root_of(seq)) if g == 0 else 0
+            parent = (hashes[i - 1] if i else self.root_of(seq, self._phase_of(seq))) if g == 0 else 0
             salt_h = salt_hash(seq.request.cache_salt) if g == 0 else 0
             self.pool.register(block_id, key, tokens, parent, salt_h, listed=g == 0)
             self._tier_ops.append(TierOp(block_id, entry=entry))
@@ -361,6 +389,7 @@ class KVCacheManager:
         if table is _NO_BLOCKS:
             table = self.tables[seq] = []
             self.registered[seq] = 0
+            self._note_phase(seq)
         first_changed = len(table)
         if cached_blocks:
             self._take_cached(seq, 0, table, cached_blocks, 0, len(cached_blocks))
@@ -405,6 +434,7 @@ class KVCacheManager:
             return True
         if seq not in self.registered:
             self.registered[seq] = 0
+            self._note_phase(seq)
         for g, (table, need_new, cow) in enumerate(plans):
             if table is _NO_BLOCKS:
                 table = self.group_tables[g][seq] = []
@@ -488,7 +518,7 @@ class KVCacheManager:
         tables = [t[seq] for t in self.group_tables]
         null = self.null_block  # None: no group releases entries
         for i in range(done, full):
-            parent = hashes[i - 1] if i else self.root_of(seq)
+            parent = hashes[i - 1] if i else self.root_of(seq, self._phase_of(seq))
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if tables[0][i] != null:
                 self.pool.register(tables[0][i], hashes[i], block_tokens, parent, salt_h)
@@ -521,6 +551,8 @@ class KVCacheManager:
                 self._passed[g][child] = self._passed[g][parent]
             self._note_change(child, 0, g)
         self.registered[child] = self.registered.get(parent, 0)
+        if parent in self._kv_phase:
+            self._kv_phase[child] = self._kv_phase[parent]
         self._forks.append((parent.seq_id, child.seq_id))
 
     def free(self, seq: Sequence) -> None:
@@ -529,6 +561,8 @@ class KVCacheManager:
             self.write_through((seq,))
             self._saved.pop(seq, None)
         self.registered.pop(seq, None)
+        if self._kv_phase.pop(seq, None) not in (None, self.rope_phase(seq)):
+            seq.block_hashes.clear()  # hashes of the old phase's blocks: the next lookup chains anew
         for g, tables in enumerate(self.group_tables):
             table = tables.pop(seq, None)
             self._passed[g].pop(seq, None)

@@ -102,6 +102,10 @@ class ModelRunner:
         kv_groups: int = 1,
     ):
         self.forward = forward
+        # A model whose rotary table changes with the sequence's length (long-rope): each token's
+        # row of its tables (``DecoderForCausalLM.rotary_rows``) goes in as its position.
+        model = getattr(forward, "model", None)
+        self.rotary_rows = model.rotary_rows if getattr(model, "rope_switch", None) is not None else None
         self.proposer = proposer  # spec_decode.proposer.Proposer, with speculative decoding
         self.block_size = block_size
         self.tp_broadcast = tp_broadcast  # sends each step's output to tensor-parallel workers
@@ -182,6 +186,9 @@ class ModelRunner:
             inputs = self.decode_inputs(out, states)
         else:
             inputs = self.general_inputs(out, states)
+        if self.rotary_rows is not None:  # long-rope: each token's table by its sequence's length
+            lengths = np.repeat([len(s.token_ids) for s in states], np.diff(inputs.query_start))
+            inputs.positions = self.rotary_rows(inputs.positions, lengths)
         if self.lora is not None and self.lora.adapters:
             num_new = None if out.only_decodes else out.num_scheduled
             in_use = self.lora_in_use() if self.lora_in_use is not None else set()

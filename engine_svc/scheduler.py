@@ -113,6 +113,7 @@ class Scheduler:
         self.num_steps = 0  # steps planned: a sequence's last_step is one of these
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_rope_recomputes = 0  # sequences computed anew past a long-rope switch
         # Admissions put off because a running sequence was computing the blocks they would compute.
         self.num_held = 0
         self.priority = config.scheduling_policy == "priority"
@@ -198,6 +199,7 @@ class Scheduler:
         propose = verify and (self.governor is None or self.governor.allow(len(running)))
         self.num_steps += 1
         out_this_step, seated_waiting = self._seats()
+        switch = self.kv.rope_switch is not None  # long-rope: a sequence past it is computed anew
         self._capped = False
         if self.stall_factor:
             cap = self._decode_cap(out_this_step)
@@ -208,6 +210,9 @@ class Scheduler:
             request = seq.request
             if request.paused or (out_this_step and seq in out_this_step):
                 i += 1
+                continue
+            if switch and self.kv.needs_recompute(seq):
+                self._recompute(seq, out)  # (it leaves ``running``: the next one is at i now)
                 continue
             # The plan: its tokens, and with speculation the drafts it verifies, the drafts the
             # proposer may make after it and the lookahead slots they need (None: none).
@@ -604,6 +609,17 @@ class Scheduler:
         if self.priority:
             return max(self.running, key=_priority_key)
         return self.running[-1]
+
+    def _recompute(self, seq: Sequence, out: ScheduledStep) -> None:
+        """``seq`` grew past its model's rotary switch (``KVCacheManager.needs_recompute``): its
+        blocks go, and it waits to compute every token again with the table its length selects
+        (as a preemption does; counted apart)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        self.num_rope_recomputes += 1
+        out.preempted.append(seq)
+        self.waiting.requeue(seq)
 
     def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
         self.running.remove(seq)

@@ -10,7 +10,8 @@ For a machine with an NVIDIA GPU (H100/H200 class); finishes in under 8 minutes 
 3. ``decode_bandwidth``: the decode path's achieved memory bandwidth as a fraction of the peak
    (from ``PEAK_BANDWIDTH_TBPS`` by device name, or ``--peak-bandwidth-tbps``).
 4. ``tiny_hf_equality``: the engine's greedy tokens (Triton kernels, fp32) equal HF ``generate`` on
-   the GPU for a small random Llama and a small random Gemma 2 (sliding windows, soft-capped scores).
+   the GPU for a small random Llama, a small random Gemma 2 (sliding windows, soft-capped scores) and
+   a small random Gemma 3 (5:1 local/global, a rotary base per kind, q/k norms).
 5. ``lora``: the batched LoRA kernel against its torch twin in bf16/fp16; a batch mixing the base
    and three adapters (ranks 4-16, different target sets, on two slots: swaps) gives the same
    greedy tokens (fp32) with the Triton kernels as with the torch twins; and, on a 1B-class model
@@ -263,6 +264,22 @@ TINY_HF_MODELS = {
         ),
         dict(attn_implementation="eager"),
     ),
+    # Gemma 3: five sliding-window layers to one global (the default pattern, 7 layers: 0-4 and 6
+    # local), a rotary base per kind (10k local, 1M global), q/k RMSNorm, a tied head.
+    "gemma3": (
+        dict(
+            num_hidden_layers=7,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=1024,
+            sliding_window=48,
+            query_pre_attn_scalar=64,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
 }
 
 
@@ -271,7 +288,7 @@ def section_tiny_hf_equality(
     workdir: Path,
     seed: int,
     prompt_lengths: tuple[int, ...] = (1, 7, 33, 100, 300, 700),
-    archs: tuple[str, ...] = ("llama", "gemma2"),
+    archs: tuple[str, ...] = ("llama", "gemma2", "gemma3"),
 ) -> dict:
     """Per architecture of ``TINY_HF_MODELS``, the engine's greedy tokens (Triton kernels, fp32)
     against HF ``generate``; the Llama's result at the top level, as before."""

@@ -11,6 +11,7 @@ pattern of the packed quants is a valid block.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -149,6 +150,7 @@ def write_gguf(
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    _add_long_rope(w, cfg, head_dim)
     if g_arch not in _GEMMA and cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
         w.add_sliding_window(cfg["sliding_window"])  # (Mixtral's, served on every layer)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -188,6 +190,23 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _add_long_rope(w: GGUFWriter, cfg: dict, head_dim: int) -> None:
+    """Phi-3's long-rope as llama.cpp's converter writes it: the original length, the attention
+    factor it computes from context / original (HF's when the config names none), and both factor
+    lists as F32 tensors of head_dim / 2."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return
+    original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    scale = cfg["max_position_embeddings"] / original
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    for name in ("long", "short"):
+        factors = np.array(rope[f"{name}_factor"], dtype=np.float32)
+        assert factors.size == head_dim // 2
+        w.add_tensor(f"rope_factors_{name}.weight", factors)
 
 
 def _add_tensor(w: GGUFWriter, name: str, array: np.ndarray, type_name: str, seed: int) -> None:

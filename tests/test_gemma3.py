@@ -114,6 +114,31 @@ def test_requests_equal_their_solo_runs(gemma):
     explore(gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=7)  # 1 full + 6 window groups
 
 
+def test_the_triton_kernels_serve_both_rotary_kinds_and_the_qk_norms(gemma):
+    """The Triton kernels (run by Triton's interpreter on CPU, fp32) give HF's greedy tokens: the
+    local and the global layers' rotary tables, the q/k norms, the windows (released blocks in the
+    window groups' tables), in chunks that straddle a window's edge and in decodes."""
+    import triton.language  # noqa: F401  (imported first, as in a full run)
+
+    from tests.triton_mode import interpreted_kernels
+
+    model_dir, hf, prompts, refs = gemma
+    # (the interpreter is slow: one prompt past the window, 17 + 10 tokens, chunked 16 + 1)
+    one = LENGTHS.index(17)
+    with interpreted_kernels():
+        engine = _check(
+            model_dir,
+            hf,
+            [prompts[one]],
+            [refs[one]],
+            kernel_backend="triton",
+            block_size=8,
+            max_num_batched_tokens=16,
+        )
+        assert engine.kernels.name == "triton"
+        assert engine.kv.num_window_released > 0
+
+
 @pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
 def test_untested_features_refuse_it_at_start(gemma, option, words):
     check_refused_at_start(gemma[0], "Gemma3ForCausalLM", option, words)

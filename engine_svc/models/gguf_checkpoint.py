@@ -27,8 +27,9 @@ from engine_svc.models import arch as archs
 from engine_svc.models.arch import GLOBAL_GGUF_NAMES
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Tensors a converter writes that the forward pass derives itself or has no use for.
-_DERIVED = {"rope_freqs.weight"}
+# Tensors a converter writes that the forward pass derives itself or has no use for, or that the
+# config reads (rotary frequency factors: ``_rope_scaling``, Phi-3's ``gguf_long_rope``).
+_DERIVED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 SUPPORTED_TYPES = {

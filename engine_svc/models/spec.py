@@ -51,6 +51,15 @@ class ModelSpec:
     def arch(self) -> Architecture:
         return archs.by_name(self.architecture)
 
+    @property
+    def rope_switch(self) -> int | None:
+        """The sequence length past which the model's rotary table changes for the whole sequence
+        (``LayerAttention.rope_switch``; one for every kind that has one), or None."""
+        switches = {a.rope_switch for a in self.layer_attention} - {None}
+        if len(switches) > 1:
+            raise ValueError(f"{self.architecture}: layer kinds switch rotary tables at {sorted(switches)}")
+        return switches.pop() if switches else None
+
     @classmethod
     def from_path(cls, model: str | Path) -> ModelSpec:
         """An HF directory, a GGUF file, or a directory holding one GGUF file."""

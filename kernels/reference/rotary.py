@@ -4,9 +4,10 @@ and ``none``: a layer without rotary (SmolLM3's NoPE layers), every frequency 0,
 cos 1, sin 0 and the rotation leaves q and k bit for bit.
 
 ``rope_table`` builds a layer's whole cos/sin table from its declaration; ``longrope`` (Phi-3's
-long-context scaling) is a table of two frequency sets: positions below
-``original_max_position_embeddings`` rotated by the short factors, the rest by the long ones, both
-scaled by ``attention_factor``.
+long-context scaling) is two tables stacked, one per frequency set: a sequence of at most
+``original_max_position_embeddings`` tokens is rotated by the short factors, a longer one, whole,
+by the long ones, both scaled by ``attention_factor``; ``rotary_rows`` picks a token's row by its
+position and its sequence's length.
 """
 
 from __future__ import annotations
@@ -39,24 +40,37 @@ LONG_ROPE = ("longrope", "su")
 
 
 def rope_table(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> torch.Tensor:
-    """``[max_positions, head_dim]`` cos/sin table of one kind of layer (``rope_cos_sin_cache``).
+    """``[rope_phases(scaling) * max_positions, head_dim]`` cos/sin table of one kind of layer
+    (``rope_cos_sin_cache``): one block of ``max_positions`` rows per phase, row ``phase *
+    max_positions + position`` (``rotary_rows``).
 
     ``longrope`` (``scaling`` as ``engine_svc/models/arch/phi3.py`` declares it: ``short_factor``,
-    ``long_factor``, ``original_max_position_embeddings``, ``attention_factor``): a position p uses
-    the long factors when p >= the original length, as HF's Phi-3 rotates a token computed in a
-    forward whose sequence reaches p + 1 (its decode steps); a token's rotation depends on its
-    position alone."""
+    ``long_factor``, ``original_max_position_embeddings``, ``attention_factor``): two phases, as
+    HF's Phi-3 rotates a sequence whole by the length it reaches: the short factors at every
+    position for a sequence of at most the original length (phase 0), the long factors at every
+    position for a longer one (phase 1); both times the attention factor."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind not in LONG_ROPE:
         return rope_cos_sin_cache(rope_inv_freq(head_dim, theta, scaling), max_positions)
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    original, scale = int(scaling["original_max_position_embeddings"]), float(scaling["attention_factor"])
+    scale = float(scaling["attention_factor"])
 
     def table(factors) -> torch.Tensor:
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponent)
         return rope_cos_sin_cache(inv_freq, max_positions, scale)
 
-    return torch.cat([table(scaling["short_factor"])[:original], table(scaling["long_factor"])[original:]])
+    return torch.cat([table(scaling["short_factor"]), table(scaling["long_factor"])])
+
+
+def rope_phases(scaling: dict | None) -> int:
+    """How many tables ``rope_table`` stacks for this scaling: 2 for long-rope, else 1."""
+    return 2 if (scaling or {}).get("rope_type", (scaling or {}).get("type")) in LONG_ROPE else 1
+
+
+def rotary_rows(positions, lengths, switch: int, max_positions: int):
+    """The table rows of tokens at ``positions`` of sequences ``lengths`` long (numpy or torch,
+    one entry per token): a sequence longer than ``switch`` reads phase 1's rows."""
+    return positions + (lengths > switch) * max_positions
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -113,6 +113,17 @@ class LayerAttention:
     def rope_key(self) -> tuple:
         return (self.rope_theta, repr(sorted((self.rope_scaling or {}).items())))
 
+    @property
+    def rope_switch(self) -> int | None:
+        """A sequence longer than this many tokens is rotated whole by another table, its earlier
+        positions too (long-rope: the original context length); None: a token's rotation depends
+        on its position alone. The KV cache recomputes a sequence that grows past it and keeps
+        the two tables' blocks apart (docs/models.md, *Long-rope*)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            return int(scaling["original_max_position_embeddings"])
+        return None
+
 
 @dataclass(frozen=True)
 class Experts:

@@ -8,22 +8,22 @@ Long-context rotary (``rope_scaling`` / ``rope_parameters`` of type ``longrope``
 two frequency sets, ``short_factor`` and ``long_factor`` (one divisor per frequency), and cos/sin
 scaled by an attention factor (the config's ``attention_factor``, else HF's
 ``sqrt(1 + ln(s) / ln(original))`` with s the config's ``factor`` or ``max_position_embeddings /
-original_max_position_embeddings``, 1 when s <= 1). HF picks one set for a whole forward by the
-length the sequence reaches in it; here the table is one per position: a position below
-``original_max_position_embeddings`` is rotated by the short factors, one at or past it by the long
-factors (``kernels/reference/rotary.py``: ``rope_table``). That is HF's ``generate`` exactly while
-the prompt fits in the original length (its decode steps past it switch to the long factors, as
-here); a longer prompt HF rotates whole with the long factors, its positions below the original
-length too, which a token's cached key computed before the sequence grew cannot follow: here those
-positions keep the short factors, so a token's rotation depends on its position alone, the same in
-any chunk, batch or recompute, and a cached prefix block is valid for every sequence that holds it.
+original_max_position_embeddings``, 1 when s <= 1). As HF's ``generate``, a sequence's length picks
+one set for all its tokens: at most ``original_max_position_embeddings`` tokens, the short factors;
+more, the long ones at every position (``kernels/reference/rotary.py``: ``rope_table`` stacks both,
+``rotary_rows`` picks a token's row). The layer kind declares the switch (``rope_switch``): a
+sequence that grows past it is computed again (HF drops its cache there), and the prefix cache keeps
+the two tables' blocks apart (docs/models.md, *Long-rope*).
 
 GGUF (llama.cpp's converter): ``attn_qkv`` and ``ffn_up`` are the fused tensors as HF has them
-(rows not permuted: Phi-3's rotary is the NeoX layout); a long-rope file (``rope_factors_long`` /
-``rope_factors_short``) is refused.
+(rows not permuted: Phi-3's rotary is the NeoX layout); a long-rope file's factors are the
+``rope_factors_long`` / ``rope_factors_short`` tensors, with the original length and the attention
+factor in its metadata (``gguf_long_rope``).
 """
 
 import math
+
+from gguf import quants
 
 from engine_svc.models.arch import (
     LLAMA_GGUF_NAMES,
@@ -82,17 +82,46 @@ def long_rope(cfg: dict, scaling: dict) -> dict:
 
 
 def gguf_config(ckpt) -> dict:
-    if any(name.startswith("rope_factors_") for name in ckpt._by_name):
-        raise ValueError(
-            f"GGUF file {ckpt.path.name}: rope_factors_long/short (Phi-3's long-context rope_scaling) "
-            "is not supported"
-        )
     rotary = ckpt.arch_field("rope.dimension_count")
     head_dim = ckpt.arch_field("embedding_length") // ckpt.arch_field("attention.head_count")
     return {
         "sliding_window": ckpt.arch_field("attention.sliding_window"),
         "partial_rotary_factor": None if rotary in (None, head_dim) else rotary / head_dim,
+        **gguf_long_rope(ckpt, (rotary or head_dim) // 2),
     }
+
+
+def gguf_long_rope(ckpt, half: int) -> dict:
+    """A long-rope file as llama.cpp's converter writes it: the two factor lists as F32 tensors
+    ``rope_factors_short`` / ``rope_factors_long`` (rotary dim / 2 each), the original length in
+    ``rope.scaling.original_context_length``, the attention factor it computed in
+    ``rope.scaling.attn_factor`` (HF's, from context_length / original), the model's context in
+    ``context_length``; nothing for a file without the tensors."""
+    tensors = {n: ckpt._by_name.get(f"rope_factors_{n}.weight") for n in ("short", "long")}
+    if not any(tensors.values()):
+        return {}
+    where = f"GGUF file {ckpt.path.name}"
+    factors = {}
+    for name, t in tensors.items():
+        if t is None:
+            other = "long" if name == "short" else "short"
+            raise ValueError(f"{where} has rope_factors_{other} but no rope_factors_{name}")
+        values = quants.dequantize(t.data, t.tensor_type).reshape(-1)
+        if values.size != half:
+            raise ValueError(
+                f"{where}: rope_factors_{name} has {values.size} factors; the rotary needs {half}"
+            )
+        factors[name] = [float(v) for v in values]
+    original = ckpt.arch_field("rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(
+            f"{where}: long-rope factors without {ckpt.architecture}.rope.scaling.original_context_length"
+        )
+    scaling = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"]}
+    attention = ckpt.arch_field("rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return {"rope_scaling": scaling, "original_max_position_embeddings": int(original)}
 
 
 _FUSED_HF = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}
