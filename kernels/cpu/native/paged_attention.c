@@ -98,7 +98,7 @@ INLINE void lane_scores(const vf *restrict qt, const float *restrict k, int64_t 
         for (int t = 0; t < NV; ++t) acc[p][t] = (vf){0};
     for (int d = 0; d < D; ++d)
         for (int p = 0; p < P; ++p) {
-            const vf kd = (vf){0} + k[p * ps + d];
+            const float kd = k[p * ps + d]; /* broadcast by the vector-scalar product */
             for (int t = 0; t < NV; ++t) acc[p][t] += qt[d * NV + t] * kd;
         }
     for (int p = 0; p < P; ++p)
@@ -186,7 +186,7 @@ INLINE const float *query_at(const Args *a, const Seq *s, int row, int head) {
 
 /* A decode's positions scored per pass over its transposed queries: P x NV accumulators in about
  * 12 registers (NV vectors of query heads). */
-#define DECODE_POSITIONS(NV) ((NV) == 1 ? 12 : (NV) == 2 ? 6 : 2)
+#define DECODE_POSITIONS(NV) ((NV) == 1 ? 8 : (NV) == 2 ? 4 : 2)
 
 /* The scaled scores of a decode's rep query heads (NV vectors of their lanes, transposed in qt) at
  * a run's n positions from K row kb, into their score rows (rows[v * row_stride + p]). */
@@ -195,13 +195,15 @@ INLINE void decode_run_scores(const Args *a, const vf *restrict qt, const float 
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const int PM = DECODE_POSITIONS(NV);
     vf out[PM * NV];
+    float lanes[PM * NV * W]; /* the scaled scores, stored whole, then read lane by lane */
     int p = 0;
 #define SCORE_RUN(P)                                                                   \
     for (; p + (P) <= n; p += (P)) {                                                   \
         lane_scores(qt, kb + p * ps, ps, out, (P), NV, D);                             \
+        for (int i = 0; i < (P) * NV; ++i) storev(lanes + i * W, out[i] * a->scale);   \
         for (int i = 0; i < (P); ++i)                                                  \
             for (int v = 0; v < rep; ++v)                                              \
-                rows[(int64_t)v * row_stride + p + i] = out[i * NV + v / W][v % W] * a->scale; \
+                rows[(int64_t)v * row_stride + p + i] = lanes[i * NV * W + v];         \
     }
     SCORE_RUN(PM)
     if (PM > 4) SCORE_RUN(4)
