@@ -86,23 +86,44 @@ INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
 
 INLINE vf select_v(vi keep, vf yes, vf no) { return (vf)(((vi)yes & keep) | ((vi)no & ~keep)); }
 
-/* The scores of NV vectors of query lanes at P K rows from k (ps apart): qt[d * NV + t] holds
- * element d of the lanes' queries, out[p * NV + t] gets their q . k. Each lane's q . k is one chain
- * of fused multiply-adds over d in order, from 0: the same bits whatever P, NV, the lane or the
- * other lanes, so that a query's scores are the same as a decode's lane or as a chunk row's. K
- * values are broadcast (the rows read in place), the P x NV accumulators stay in registers. */
-INLINE void lane_scores(const vf *restrict qt, const float *restrict k, int64_t ps, vf *restrict out, const int P,
-                        const int NV, const int D) {
-    vf acc[P][NV];
-    for (int p = 0; p < P; ++p)
-        for (int t = 0; t < NV; ++t) acc[p][t] = (vf){0};
-    for (int d = 0; d < D; ++d)
-        for (int p = 0; p < P; ++p) {
-            const float kd = k[p * ps + d]; /* broadcast by the vector-scalar product */
-            for (int t = 0; t < NV; ++t) acc[p][t] += qt[d * NV + t] * kd;
-        }
-    for (int p = 0; p < P; ++p)
-        for (int t = 0; t < NV; ++t) out[p * NV + t] = acc[p][t];
+/* The lane sums of four vectors, [a, b, c, d], each in the same fixed tree. */
+#if W >= 8
+#if W == 16
+INLINE v8 fold(vf x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#else
+INLINE v8 fold(vf x) { return x; }
+#endif
+INLINE v4 hsum4(vf a, vf b, vf c, vf d) {
+    const v8 a8 = fold(a), b8 = fold(b), c8 = fold(c), d8 = fold(d);
+    const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v4 acbd = __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
+    return __builtin_shufflevector(acbd, acbd, 0, 2, 1, 3);
+}
+#else
+INLINE v4 hsum4(vf a, vf b, vf c, vf d) {
+    const v4 ab = __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    const v4 cd = __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+}
+#endif
+
+/* q . k's lane partial sums over head size D (a multiple of W): two chains over d's vectors,
+ * added. Every q . k of a decode is this, then hsum4's tree. */
+INLINE vf dot_lanes(const vf *restrict q, const float *restrict k, const int D) {
+    vf even = q[0] * loadv(k), odd = (vf){0};
+    for (int c = 1; c < D / W; c += 2) {
+        odd += q[c] * loadv(k + c * W);
+        if (c + 1 < D / W) even += q[c + 1] * loadv(k + (c + 1) * W);
+    }
+    return even + odd;
 }
 
 /* softmax numerators of s[0, n) in place (their maximum into *max_out), exactly 0 before position lo (outside a sliding window;
@@ -184,31 +205,32 @@ INLINE const float *query_at(const Args *a, const Seq *s, int row, int head) {
     return a->q + (int64_t)(s->start + row) * a->q_stride_token + (int64_t)head * a->q_stride_head;
 }
 
-/* A decode's positions scored per pass over its transposed queries: P x NV accumulators in about
- * 12 registers (NV vectors of query heads). */
-#define DECODE_POSITIONS(NV) ((NV) == 1 ? 8 : (NV) == 2 ? 4 : 2)
+/* Decode queries per K row load: as many as half the registers hold, at most four; a group's
+ * G queries times 4 / G positions are four dot products that reduce together. */
+#define DECODE_GROUP(D) (REGS / 2 * W / (D) >= 4 ? 4 : REGS / 2 * W / (D) >= 2 ? 2 : 1)
 
-/* The scaled scores of a decode's rep query heads (NV vectors of their lanes, transposed in qt) at
- * a run's n positions from K row kb, into their score rows (rows[v * row_stride + p]). */
-INLINE void decode_run_scores(const Args *a, const vf *restrict qt, const float *kb, int n, float *rows,
-                              int64_t row_stride, int rep, const int NV, const int D) {
+/* The scores of G queries (from `head` on) at a block's n positions, into their score rows. */
+INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const float *kb, int n,
+                                float *const *rows, const int G, const int D) {
+    const int R = 4 / G;
     const int64_t ps = (int64_t)a->num_kv_heads * D;
-    const int PM = DECODE_POSITIONS(NV);
-    vf out[PM * NV];
-    float lanes[PM * NV * W]; /* the scaled scores, stored whole, then read lane by lane */
+    vf qr[G][D / W];
+    for (int j = 0; j < G; ++j)
+        for (int c = 0; c < D / W; ++c) qr[j][c] = loadv(query_at(a, s, 0, head + j) + c * W);
     int p = 0;
-#define SCORE_RUN(P)                                                                   \
-    for (; p + (P) <= n; p += (P)) {                                                   \
-        lane_scores(qt, kb + p * ps, ps, out, (P), NV, D);                             \
-        for (int i = 0; i < (P) * NV; ++i) storev(lanes + i * W, out[i] * a->scale);   \
-        for (int i = 0; i < (P); ++i)                                                  \
-            for (int v = 0; v < rep; ++v)                                              \
-                rows[(int64_t)v * row_stride + p + i] = lanes[i * NV * W + v];         \
+    for (; p + R <= n; p += R) {
+        vf acc[4];
+        for (int j = 0; j < G; ++j)
+            for (int r = 0; r < R; ++r) acc[j * R + r] = dot_lanes(qr[j], kb + (p + r) * ps, D);
+        const v4 s4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
+        for (int j = 0; j < G; ++j)
+            for (int r = 0; r < R; ++r) rows[j][p + r] = s4[j * R + r] * a->scale;
     }
-    SCORE_RUN(PM)
-    if (PM > 4) SCORE_RUN(4)
-    SCORE_RUN(1)
-#undef SCORE_RUN
+    for (; p < n; ++p)
+        for (int j = 0; j < G; ++j) {
+            const vf x = dot_lanes(qr[j], kb + p * ps, D);
+            rows[j][p] = hsum4(x, x, x, x)[0] * a->scale;
+        }
 }
 
 /* The largest divisor of n that is at most `most` (a constant where n and most are). */
@@ -305,7 +327,6 @@ INLINE void prefetch_rows(const Args *a, const float *cache, const Seq *s, int h
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
         const float *rb = block_at(a, cache, s, blk, h, D) + off * ps;
-        (void)p;
         for (int i = 0; i < n; ++i)
             for (int e = 0; e < heads * D; e += 64 / (int)sizeof(float)) {
                 if (near)
@@ -326,6 +347,7 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
                                const int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
+    const int G = DECODE_GROUP(D);
     const Seq sq = seq_of(a, b);
     const int ctx = sq.ctx;
     /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
@@ -336,15 +358,6 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
     const int r0 = P0 > lo / bs * bs ? P0 : lo / bs * bs;
     for (int v = 0; v < rep; ++v)
         for (int p = P0; p < (r0 > lo ? r0 : lo); ++p) scores[(int64_t)v * PART + p - P0] = -INFINITY;
-    /* the rep query heads in the lanes of nv vectors, transposed: qt[d * nv + t] (after the scores) */
-    const int nv = (rep + W - 1) / W;
-    vf *restrict qt = (vf *)(scores + (int64_t)rep * PART);
-    for (int d = 0; d < D; ++d)
-        for (int t = 0; t < nv; ++t) qt[d * nv + t] = (vf){0};
-    for (int v = 0; v < rep; ++v) {
-        const float *qv = query_at(a, &sq, 0, h * rep + v);
-        for (int d = 0; d < D; ++d) qt[d * nv + v / W][v % W] = qv[d];
-    }
     /* scores[v * PART + p - P0] = q_v . k_p * scale */
     FOR_RUNS(&(*a), r0, P1, {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * (int64_t)a->num_kv_heads * D;
@@ -356,11 +369,15 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
             prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
         }
 #endif
-        float *rows = scores + p - P0;
-        switch (nv) {
-        case 1: decode_run_scores(a, qt, kb, n, rows, PART, rep, 1, D); break;
-        case 2: decode_run_scores(a, qt, kb, n, rows, PART, rep, 2, D); break;
-        default: decode_run_scores(a, qt, kb, n, rows, PART, rep, nv, D);
+        int v = 0;
+        for (; v + G <= rep; v += G) {
+            float *rows[4];
+            for (int j = 0; j < G; ++j) rows[j] = scores + (int64_t)(v + j) * PART + p - P0;
+            decode_block_scores(a, &sq, h * rep + v, kb, n, rows, G, D);
+        }
+        for (; v < rep; ++v) {
+            float *row = scores + (int64_t)v * PART + p - P0;
+            decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
@@ -407,24 +424,67 @@ static void merge_decode(const Args *a, int b, int h, const float *partials, int
     }
 }
 
-/* Positions whose scores one pass over a chunk tile's queries computes (T x TILE_POSITIONS
- * accumulators; a run's last few go one at a time). */
-#define TILE_POSITIONS 4
+/* Positions whose scores one pass over the tile's queries computes: each query vector loaded
+ * feeds all of them (2 measured faster than 1 and 4). */
+#define TILE_POSITIONS 2
 
-/* A chunk tile's scores at the run's positions i, i + P, ... while P of them are left (inside
- * attend_tile's pass over a partition's K runs; its names). */
-#define TILE_RUN(P)                                                                                        \
-    for (; i + (P) <= n; i += (P)) {                                                                       \
-        lane_scores(&qt[0][0], kb + i * ps, ps, sc, (P), T, D);                                            \
-        for (int j = 0; j < (P); ++j)                                                                      \
-            for (int t = 0; t < T; ++t) {                                                                  \
-                const int q = p + i + j;                                                                   \
-                const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, sc[j * T + t] * a->scale, CAP), neg_inf); \
-                st[(q - P0) * T + t] = x;                                                                  \
-                m[t] = select_v(x > m[t], x, m[t]);                                                        \
-            }                                                                                              \
+/* A tile's T vectors of query lanes at TILE_POSITIONS positions. */
+typedef struct {
+    vf v[TILE_POSITIONS][T];
+} tile_part;
+
+INLINE tile_part tile_add(tile_part x, tile_part y) {
+    for (int p = 0; p < TILE_POSITIONS; ++p)
+        for (int t = 0; t < T; ++t) x.v[p][t] += y.v[p][t];
+    return x;
+}
+
+/* For lanes l and l + W/2 of d: dot_lanes' two chains over d's vectors (even and odd), added,
+ * then the two lanes added: the first level of hsum4's tree, for the K rows k + p * ps. */
+INLINE tile_part tile_first_level(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, int l,
+                                  const int D) {
+    const int nv = D / W;
+    tile_part out;
+    for (int p = 0; p < TILE_POSITIONS; ++p) {
+        const float *kp = k + p * ps;
+        vf lane[2][T];
+        for (int u = 0; u < 2; ++u) {
+            const int d = l + u * (W / 2);
+            for (int t = 0; t < T; ++t) {
+                vf even = qt[d][t] * kp[d], odd = (vf){0};
+                for (int c = 1; c < nv; c += 2) {
+                    odd += qt[c * W + d][t] * kp[c * W + d];
+                    if (c + 1 < nv) even += qt[(c + 1) * W + d][t] * kp[(c + 1) * W + d];
+                }
+                lane[u][t] = even + odd;
+            }
+        }
+        for (int t = 0; t < T; ++t) out.v[p][t] = lane[0][t] + lane[1][t];
     }
+    return out;
+}
 
+/* The scores of a tile's query lanes at TILE_POSITIONS K rows from k (ps apart): each lane's
+ * q . k summed in the order a decode of that query sums it (dot_lanes, then hsum4's tree: lane l
+ * with l + W/2, then l + W/4, ...), so that a query's scores are the same bits whether its token
+ * is a decode or a row of a chunk. The tree's levels are written out (not a loop over an array of
+ * partial sums) so that few partial sums are alive at once and they stay in registers. */
+INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, const int D) {
+#define L1(l) tile_first_level(qt, k, ps, (l), D)
+#if W == 16
+#define L2(i) tile_add(L1(i), L1((i) + 4))
+#define L3(i) tile_add(L2(i), L2((i) + 2))
+    return tile_add(L3(0), L3(1));
+#elif W == 8
+#define L2(i) tile_add(L1(i), L1((i) + 2))
+    return tile_add(L2(0), L2(1));
+#else
+    return tile_add(L1(0), L1(1));
+#endif
+#undef L1
+#undef L2
+#undef L3
+}
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -490,9 +550,25 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
         FOR_RUNS(a, r0, P1, {
             const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
             int i = 0;
-            vf sc[TILE_POSITIONS * T];
-            TILE_RUN(TILE_POSITIONS)
-            TILE_RUN(1)
+            for (; i + TILE_POSITIONS <= n; i += TILE_POSITIONS) {
+                const tile_part s = tile_scores_at(qt, kb + i * ps, ps, D);
+                for (int j = 0; j < TILE_POSITIONS; ++j)
+                    for (int t = 0; t < T; ++t) {
+                        const int q = p + i + j;
+                        const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[j][t] * a->scale, CAP), neg_inf);
+                        st[(q - P0) * T + t] = x;
+                        m[t] = select_v(x > m[t], x, m[t]);
+                    }
+            }
+            for (; i < n; ++i) { /* the run's last position: one pass (ps 0: the same row again) */
+                const tile_part s = tile_scores_at(qt, kb + i * ps, 0, D);
+                const int q = p + i;
+                for (int t = 0; t < T; ++t) {
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[0][t] * a->scale, CAP), neg_inf);
+                    st[(q - P0) * T + t] = x;
+                    m[t] = select_v(x > m[t], x, m[t]);
+                }
+            }
         });
         /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
          * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
