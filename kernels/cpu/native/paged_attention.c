@@ -18,7 +18,9 @@
  * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
  * as above, and each query merges its partitions' results in order through one function that
  * decodes and chunks share (merge_partition). A decode's partitions are separate work items
- * (split-K: a decode at 16k has 64 per KV head to share among threads), merged in a second pass; a
+ * (split-K: a decode at 16k has 64 to share among threads), each for every KV head in turn (the
+ * cache interleaves the heads in a row: the first head's pass reads whole rows from memory, the
+ * others find them in L2; a decode at depth is bound by memory), merged in a second pass; a
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
