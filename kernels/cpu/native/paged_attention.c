@@ -18,7 +18,9 @@
  * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
  * as above, and each query merges its partitions' results in order through one function that
  * decodes and chunks share (merge_partition). A decode's partitions are separate work items
- * (split-K: a decode at 16k has 64 per KV head to share among threads), merged in a second pass; a
+ * (split-K: a decode at 16k has 64 to share among threads), each for every KV head in turn (the
+ * cache interleaves the heads in a row: the first head's pass reads whole rows from memory, the
+ * others find them in L2; a decode at depth is bound by memory), merged in a second pass; a
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
@@ -291,18 +293,20 @@ static __attribute__((noinline)) void merge_partition(float *restrict o, int64_t
 #define DECODE_PV_GROUP (REGS >= 32 ? 4 : 1)
 
 /* The weighted V sums of G queries (from `head` on; their numerators in rows PART apart, from
- * position P0) over positions [r0, P1), into acc (D floats per query), SLICE vectors at a time: a
- * query's sums run over positions in order, whichever queries share its group. */
-INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const float *w, int P0, int r0, int P1,
-                               float *acc_out, const int G, const int D) {
+ * position P0) over positions [s0, s1), added to acc_out (D floats per query; `first`: it holds
+ * nothing yet, the sums start from 0), SLICE vectors at a time: a query's sums run over positions
+ * in order, whichever queries share its group and wherever the positions are cut into calls. */
+INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const float *w, int P0, int s0, int s1,
+                               float *acc_out, int first, const int G, const int D) {
     const int h = head / (a->num_heads / a->num_kv_heads);
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const int nv = D / W, SLICE = largest_divisor_at_most(nv, REGS / 2 / G);
     for (int c0 = 0; c0 < nv; c0 += SLICE) {
         vf acc[G][SLICE];
         for (int j = 0; j < G; ++j)
-            for (int c = 0; c < SLICE; ++c) acc[j][c] = (vf){0};
-        FOR_RUNS(a, r0, P1, {
+            for (int c = 0; c < SLICE; ++c)
+                acc[j][c] = first ? (vf){0} : loadv(acc_out + (int64_t)j * D + (c0 + c) * W);
+        FOR_RUNS(a, s0, s1, {
             const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps + c0 * W;
             for (int i = 0; i < n; ++i) {
                 const float *vp = vb + i * ps;
@@ -317,12 +321,31 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
     }
 }
 
-/* A decode's partition `part`: sequence b's one query, its rep heads that share KV head h. Writes
+/* Fetches the rows of KV heads [h, h + heads) at positions [from, to) of the sequence into cache
+ * ahead of use (`near`: into L1, else L2). The rows of one block are one run of memory the hardware prefetcher
+ * follows, but the next block may be anywhere: a decode asks for it while it works on this one. */
+INLINE void prefetch_rows(const Args *a, const float *cache, const Seq *s, int h, int heads, int from, int to,
+                          int near, const int D) {
+    const int64_t ps = (int64_t)a->num_kv_heads * D;
+    FOR_RUNS(a, from, to, {
+        const float *rb = block_at(a, cache, s, blk, h, D) + off * ps;
+        for (int i = 0; i < n; ++i)
+            for (int e = 0; e < heads * D; e += 64 / (int)sizeof(float)) {
+                if (near)
+                    __builtin_prefetch(rb + i * ps + e, 0, 3);
+                else
+                    __builtin_prefetch(rb + i * ps + e, 0, 2);
+            }
+    });
+}
+
+/* A decode's partition `part`: sequence b's one query, its rep heads that share KV head h (`fetch`:
+ * the KV heads from h whose rows it prefetches as it goes, 0 where they are in cache). Writes
  * the partition's result to partial: rep rows of D weighted V sums, then rep maxima, rep sums. A
  * partition wholly before a sliding window's start writes nothing (the merge skips it). D is a
  * compile-time constant where the caller can make it one (64, 128), so that queries and
  * accumulators stay in registers. */
-INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *scores, float *partial,
+INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *scores, float *partial, int fetch,
                                const int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
@@ -340,6 +363,14 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
     /* scores[v * PART + p - P0] = q_v . k_p * scale */
     FOR_RUNS(&(*a), r0, P1, {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * (int64_t)a->num_kv_heads * D;
+        /* the next block's K rows while this one's are scored, and this one's V rows for the pass
+         * over V after the partition's scores */
+#ifndef NO_PREFETCH
+        if (fetch) {
+            if (p + n < P1) prefetch_rows(a, a->k_cache, &sq, h, fetch, p + n, p + n + bs < P1 ? p + n + bs : P1, 1, D);
+            prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
+        }
+#endif
         int v = 0;
         for (; v + G <= rep; v += G) {
             float *rows[4];
@@ -361,13 +392,18 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
     const int lo_rel = lo > P0 ? lo - P0 : 0;
     for (int v = 0; v < rep; ++v)
         sums[v] = softmax_numerators(scores + (int64_t)v * PART, P1 - P0, lo_rel, maxima + v);
-    int v = 0;
-    for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
-        decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, r0, P1,
-                           partial + (int64_t)v * D, DECODE_PV_GROUP, D);
-    for (; v < rep; ++v)
-        decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, r0, P1, partial + (int64_t)v * D,
-                           1, D);
+    /* the weighted V sums, SUB positions at a time for all the heads: those V rows stay in L1 for
+     * every head's pass (a partition's, once per head, came from L2) */
+    for (int s0 = r0; s0 < P1; s0 += SUB) {
+        const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+        int v = 0;
+        for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
+            decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, s0, s1,
+                               partial + (int64_t)v * D, s0 == r0, DECODE_PV_GROUP, D);
+        for (; v < rep; ++v)
+            decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, s0, s1,
+                               partial + (int64_t)v * D, s0 == r0, 1, D);
+    }
 }
 
 /* A decode's output: its partitions' results merged in order, then divided by the sum. */
@@ -599,7 +635,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
 }
 
 /* The step's work list: items (sequence, KV head, first query vector of a chunk's tile or a
- * decode's partition, the decode's first partial slot), four int32 each, in a fixed order; the
+ * decode's partition, the decode's first partial slot; a decode's item is its partition for every
+ * KV head, head -1, head k's slot k * partitions after head 0's), four int32 each, in a fixed order; the
  * decodes (sequence, KV head, first slot), three each, whose partitions are merged after them; the
  * slots in all and the longest context. Every layer of a step passes the same metadata, so the
  * list is built for the first layer's call and reused by the others: it is kept per thread with a
@@ -642,8 +679,9 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
     int32_t longest = 1;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        const int per_head = q_len == 0 ? 0 : q_len == 1 ? (seq_lens[b] + PART - 1) / PART : (q_len * rep + TG * TILE - 1) / (TG * TILE);
-        num_items += (int64_t)num_kv_heads * per_head;
+        /* a decode: an item per partition, for all its KV heads; a chunk: per KV head and group of tiles */
+        num_items += q_len == 0 ? 0 : q_len == 1 ? (seq_lens[b] + PART - 1) / PART
+                                                 : (int64_t)num_kv_heads * ((q_len * rep + TG * TILE - 1) / (TG * TILE));
         num_merges += q_len == 1 ? num_kv_heads : 0;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
@@ -658,10 +696,11 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
         for (int h = 0; h < num_kv_heads; ++h) {
             if (q_len == 1) {
                 const int parts = (seq_lens[b] + PART - 1) / PART;
-                for (int part = 0; part < parts; ++part) {
-                    int32_t *it = w->items + 4 * n++;
-                    it[0] = b, it[1] = h, it[2] = part, it[3] = (int32_t)slot;
-                }
+                if (h == 0) /* KV head k's slots follow head 0's, k * parts on */
+                    for (int part = 0; part < parts; ++part) {
+                        int32_t *it = w->items + 4 * n++;
+                        it[0] = b, it[1] = -1, it[2] = part, it[3] = (int32_t)slot;
+                    }
                 int32_t *mg = w->merges + 3 * nm++;
                 mg[0] = b, mg[1] = h, mg[2] = (int32_t)slot;
                 slot += parts;
@@ -734,12 +773,18 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
         const int32_t *it = j->items + 4 * i;
         const int b = it[0], h = it[1], v0 = it[2];
-        if (it[3] >= 0) { /* a decode's partition: dot products */
-            float *partial = j->partials + it[3] * per + (int64_t)v0 * per;
-            switch (j->head_dim) {
-            case 64: attend_decode_part(a, b, h, v0, scratch, partial, 64); break;
-            case 128: attend_decode_part(a, b, h, v0, scratch, partial, 128); break;
-            default: attend_decode_part(a, b, h, v0, scratch, partial, j->head_dim);
+        if (it[3] >= 0) { /* a decode's partition v0, every KV head in turn: dot products */
+            const int64_t parts = (a->seq_lens[b] + PART - 1) / PART;
+            for (int kh = 0; kh < a->num_kv_heads; ++kh) {
+                float *partial = j->partials + (it[3] + kh * parts + v0) * per;
+                /* the first head prefetches every head's rows (whole rows of the cache: memory read
+                 * in order, once); the others find them in L2 */
+                const int fetch = kh == 0 ? a->num_kv_heads : 0;
+                switch (j->head_dim) {
+                case 64: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 64); break;
+                case 128: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 128); break;
+                default: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, j->head_dim);
+                }
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
