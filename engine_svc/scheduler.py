@@ -701,7 +701,7 @@ class Scheduler:
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
         if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
-            emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
+            emissions = zip(layout.sampled, [[t] for t in tokens], [[lp] for lp in logprobs], strict=True)
         else:  # forks, or drafts to verify
             emissions = self._expand(layout, tokens, logprobs)
         deltas: list[RequestDelta] = []
