@@ -192,7 +192,11 @@ class ModelRunner:
         next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
         # The counters as the output sent them, when it sent every sequence's (none new).
         cached = out.cached
-        computed = cached.num_computed_tokens if cached.seq_ids == out.seq_ids else [s.num_computed_tokens for s in states]
+        computed = (
+            cached.num_computed_tokens
+            if cached.seq_ids == out.seq_ids
+            else [s.num_computed_tokens for s in states]
+        )
         positions = np.array(computed, dtype=np.int64)
         input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
         return decode_inputs(self.batch, self.block_size, out.seq_ids, input_ids, positions, out.copies)

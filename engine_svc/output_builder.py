@@ -49,14 +49,14 @@ class OutputBuilder:
             tokens = [s.token_ids for s in seqs]
             cached = CachedRequestData(
                 seq_ids,
-                [t[h:] for t, h in zip(tokens, held)],
+                [t[h:] for t, h in zip(tokens, held, strict=True)],
                 [s.num_computed_tokens for s in seqs],
             )
-            sent.update(zip(seq_ids, map(len, tokens)))
+            sent.update(zip(seq_ids, map(len, tokens), strict=True))
         else:
             cached = CachedRequestData()
             c_ids, c_tokens, c_computed = cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens
-            for seq, h in zip(seqs, held):
+            for seq, h in zip(seqs, held, strict=True):
                 tokens = seq.token_ids
                 if h is None:
                     new.append(self._new(seq))

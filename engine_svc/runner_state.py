@@ -63,7 +63,9 @@ class RequestStates(dict):
             self[new.seq_id] = RequestState.of(new)
         cached = out.cached
         states = list(map(self.__getitem__, cached.seq_ids))
-        for state, tokens, computed in zip(states, cached.new_token_ids, cached.num_computed_tokens, strict=True):
+        for state, tokens, computed in zip(
+            states, cached.new_token_ids, cached.num_computed_tokens, strict=True
+        ):
             state.token_ids += tokens
             state.num_computed_tokens = computed
         if cached.seq_ids != out.seq_ids:  # some are new: not every state is in batch order yet

@@ -280,7 +280,9 @@ class Scheduler:
                 self._planned_work = self._work_start - self._work
             else:  # a preemption took back work charged (or tokens alone were not charged): count it
                 chunk = self.cost.chunk
-                self._planned_work = sum(chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new))
+                self._planned_work = sum(
+                    chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new, strict=True)
+                )
         # A seat given is a turn taken, used or not: a waiting sequence the pool, the budgets or
         # max_num_seqs kept out goes behind the running ones that sat out for it, which are then
         # seated first (they may be what frees the room it needs).
@@ -311,7 +313,7 @@ class Scheduler:
         work = self._work_start = min(self.cost.budget, cap)
         if self.cost.ratio:  # the running loop charges its sequences' work (admissions come later)
             chunk = self.cost.chunk
-            for seq, n in zip(out.seqs, out.num_new):
+            for seq, n in zip(out.seqs, out.num_new, strict=True):
                 work -= chunk(seq.num_computed_tokens, n)
         self._work, self._capped = work, True
 

@@ -196,13 +196,17 @@ def test_decodes_alone_pay_no_cap_pass_and_the_floor_fit_gets_each_steps_planned
     ratio = 1.2e-4
     config = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=512,
                           attention_work_ratio=ratio, decode_stall_factor=3.0)  # fmt: skip
-    sched = Scheduler(config, KVCacheManager(40, BS, True), None, ratio, None, (3.0, 16.0), measure_floor=True)
+    sched = Scheduler(
+        config, KVCacheManager(40, BS, True), None, ratio, None, (3.0, 16.0), measure_floor=True
+    )
     passes = []
     original = sched._decode_cap
     monkeypatch.setattr(sched, "_decode_cap", lambda out: passes.append(1) or original(out))
     told = []
     observe = sched.floor_fit.observe
-    monkeypatch.setattr(sched.floor_fit, "observe", lambda work, s, c: told.append(work) or observe(work, s, c))
+    monkeypatch.setattr(
+        sched.floor_fit, "observe", lambda work, s, c: told.append(work) or observe(work, s, c)
+    )
     for k in range(4):
         add(sched, f"d{k}", list(range(3 + k, 40 + k)), max_tokens=400)
     seen = {"decodes": 0, "capped": 0, "preempted": 0}
@@ -217,7 +221,9 @@ def test_decodes_alone_pay_no_cap_pass_and_the_floor_fit_gets_each_steps_planned
             continue
         assert told[-1] == pytest.approx(expected, rel=1e-12, abs=1e-9), i
         if out.only_decodes and not sched.waiting.ready and not out.preempted:
-            assert len(passes) == before, f"step {i}: a step of decodes alone walked the running ones for the cap"
+            assert len(passes) == before, (
+                f"step {i}: a step of decodes alone walked the running ones for the cap"
+            )
             seen["decodes"] += 1
         seen["capped"] += len(passes) > before and any(s.request.request_id == "long" for s in out.seqs)
         seen["preempted"] += bool(out.preempted)
