@@ -436,7 +436,7 @@ class LLMEngine:
             stepped = self.scheduler.update_from_output(out, result)
             self.scheduler.note_step_time(out, time.perf_counter() - started, stepped)
             deltas += stepped
-            self.num_generation_tokens += sum(len(d.new_token_ids) for d in stepped)
+            self.num_generation_tokens += sum([len(d.new_token_ids) for d in stepped])
         else:
             compiling = self._compiling()
             if compiling:  # nothing else can run: wait for a grammar rather than spin against it

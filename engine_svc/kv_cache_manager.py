@@ -32,6 +32,8 @@ from engine_svc.kv_tiers.transfer import TierOp
 from engine_svc.sequence import Sequence
 
 _NO_BLOCKS: tuple[int, ...] = ()
+_NO_COPIES = np.zeros((0, 2), dtype=np.int64)  # most steps copy nothing: one shared, read-only [0, 2]
+_NO_COPIES.flags.writeable = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -594,8 +596,11 @@ class KVCacheManager:
                 else:
                     updates.append(BlockUpdate(seq.seq_id, first, table[first:], g))
             self._group_changed[g] = {}
-        copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
-        self._copies = []
+        if self._copies:
+            copies = np.array(self._copies, dtype=np.int64).reshape(len(self._copies), 2)
+            self._copies = []
+        else:
+            copies = _NO_COPIES
         tier_ops, self._tier_ops = self._tier_ops or None, []
         forks, self._forks = self._forks or None, []
         return StepChanges(updates, released, copies, tier_ops, forks)

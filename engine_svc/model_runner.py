@@ -121,17 +121,18 @@ class ModelRunner:
         self.lora = lora
         self.lora_in_use = lora_in_use  # () -> {(name, version)} of the adapters running requests use
 
-    def update_states(self, out: SchedulerOutput) -> None:
+    def update_states(self, out: SchedulerOutput) -> list[RequestState]:
         """Follow the output: the released sequences go, the new ones come (their tokens, sampling
         parameters and tables), the cached ones advance (tokens appended, counter) and tables
-        change where the KV cache changed them."""
-        self.requests.follow(out)
+        change where the KV cache changed them. Returns the scheduled sequences' states."""
+        states = self.requests.follow(out)
         self.batch.apply(out.updates, out.released, out.new)
         if out.finished_requests and self.pooled_rows:
             for request_id in out.finished_requests:
                 self.pooled_rows.pop(request_id, None)
         if self.proposer is not None and (out.forks or out.released):
             self.proposer.follow(out.forks, out.released)  # its per-sequence state, keyed by id
+        return states
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -141,11 +142,10 @@ class ModelRunner:
         scheduled; before that, the moves to and from the prefix cache's lower tiers
         (``out.tier_ops``, in order), whose read-out blocks go back in the result's ``spilled``."""
         spilled = run_tier_ops(self.forward.kv_caches, out.tier_ops) if out.tier_ops else []
-        self.update_states(out)
+        states = self.update_states(out)
         if not out.seq_ids:
             return StepResult([], [], [], spilled=spilled)
         requests = self.requests
-        states = [requests[i] for i in out.seq_ids]
         inputs = self.build_inputs(out, states)
         pooling = None if out.only_decodes else PoolingPlan.of(states, out.num_scheduled)
         logits = self._forward(out, inputs, pooling.rows if pooling is not None else None)
@@ -176,10 +176,9 @@ class ModelRunner:
     def follow(self, out: SchedulerOutput) -> None:
         """A tensor-parallel worker's step: follow the output as rank 0 does and run the same
         forward (rank 0 samples)."""
-        self.update_states(out)
+        states = self.update_states(out)
         if out.seq_ids:
-            requests = self.requests
-            self.forward(self.build_inputs(out, [requests[i] for i in out.seq_ids]))
+            self.forward(self.build_inputs(out, states))
 
     def build_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         if out.only_decodes:
@@ -198,7 +197,14 @@ class ModelRunner:
     def decode_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         """The short path, for a step where every sequence computes its last token and samples its
         next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
-        positions = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        # The counters as the output sent them, when it sent every sequence's (none new).
+        cached = out.cached
+        computed = (
+            cached.num_computed_tokens
+            if cached.seq_ids == out.seq_ids
+            else [s.num_computed_tokens for s in states]
+        )
+        positions = np.array(computed, dtype=np.int64)
         input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
         return decode_inputs(self.batch, self.block_size, out.seq_ids, input_ids, positions, out.copies)
 

@@ -43,19 +43,28 @@ class OutputBuilder:
             sent.pop(seq_id, None)
         seqs = step.seqs
         seq_ids = [s.seq_id for s in seqs]
+        held = list(map(sent.get, seq_ids))  # tokens of each the runner holds (None: not held)
         new: list[NewRequestData] = []
-        cached = CachedRequestData()
-        c_ids, c_tokens, c_computed = cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens
-        for seq in seqs:
-            tokens = seq.token_ids
-            held = sent.get(seq.seq_id)
-            if held is None:
-                new.append(self._new(seq))
-            else:
-                c_ids.append(seq.seq_id)
-                c_tokens.append(tokens[held:])
-                c_computed.append(seq.num_computed_tokens)
-            sent[seq.seq_id] = len(tokens)
+        if None not in held:  # the runner holds every one (the steady state): deltas only, one pass each
+            tokens = [s.token_ids for s in seqs]
+            cached = CachedRequestData(
+                seq_ids,
+                [t[h:] for t, h in zip(tokens, held, strict=True)],
+                [s.num_computed_tokens for s in seqs],
+            )
+            sent.update(zip(seq_ids, map(len, tokens), strict=True))
+        else:
+            cached = CachedRequestData()
+            c_ids, c_tokens, c_computed = cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens
+            for seq, h in zip(seqs, held, strict=True):
+                tokens = seq.token_ids
+                if h is None:
+                    new.append(self._new(seq))
+                else:
+                    c_ids.append(seq.seq_id)
+                    c_tokens.append(tokens[h:])
+                    c_computed.append(seq.num_computed_tokens)
+                sent[seq.seq_id] = len(tokens)
         updates = changes.updates
         if updates and (new or any(u.seq_id not in sent for u in updates)):
             fresh = {r.seq_id for r in new}  # their whole tables travel with them

@@ -54,17 +54,20 @@ class RequestState:
 class RequestStates(dict):
     """seq id -> ``RequestState``: what the runner holds, followed from each step's output."""
 
-    def follow(self, out) -> None:
-        """Apply a ``SchedulerOutput``: forget the released, add the new, advance the cached."""
+    def follow(self, out) -> list[RequestState]:
+        """Apply a ``SchedulerOutput``: forget the released, add the new, advance the cached.
+        Returns the states of the scheduled sequences, in batch order."""
         for seq_id in out.released:
             self.pop(seq_id, None)
         for new in out.new:
             self[new.seq_id] = RequestState.of(new)
         cached = out.cached
-        for seq_id, tokens, computed in zip(
-            cached.seq_ids, cached.new_token_ids, cached.num_computed_tokens, strict=True
+        states = list(map(self.__getitem__, cached.seq_ids))
+        for state, tokens, computed in zip(
+            states, cached.new_token_ids, cached.num_computed_tokens, strict=True
         ):
-            state = self[seq_id]
-            if tokens:
-                state.token_ids += tokens
+            state.token_ids += tokens
             state.num_computed_tokens = computed
+        if cached.seq_ids != out.seq_ids:  # some are new: not every state is in batch order yet
+            states = list(map(self.__getitem__, out.seq_ids))
+        return states

@@ -106,6 +106,10 @@ class Scheduler:
         self._planned_work = 0.0  # of the step just planned: its work, for floor_fit
         self._capped = False  # of the step being planned: its work bounded by decodes in it
         self._work = 0.0  # of the step being planned: work left in its budget
+        self._work_start = 0.0  # of the step being planned: its budget (the cap, once it applies)
+        # Of the step being planned, until its decode cap is settled (``_settle_cap``): the
+        # running sequences that sit it out (None: settled, or no cap at all).
+        self._cap_sitting_out: set[Sequence] | None = None
         self._prefilled = False  # of the step being planned: whether a prompt chunk is in it
         self.waiting = make_queue(config.scheduling_policy)  # paused requests' sequences held aside
         # Seats of a step (the engine resolves the device's default; model-free tests: the config's).
@@ -200,11 +204,11 @@ class Scheduler:
         self.num_steps += 1
         out_this_step, seated_waiting = self._seats()
         switch = self.kv.rope_switch is not None  # long-rope: a sequence past it is computed anew
-        self._capped = False
-        if self.stall_factor:
-            cap = self._decode_cap(out_this_step)
-            if cap is not None:
-                self._work, self._capped = min(self._work, cap), True
+        # The decode cap (``_decode_cap``) bounds only prompt chunks' work, so it is settled when the
+        # first chunk is fitted (or before a preemption changes the running set it reads): a step of
+        # decodes alone, the steady state, never pays for the pass over the running sequences.
+        self._capped, self._work_start = False, self._work
+        self._cap_sitting_out = out_this_step if self.stall_factor else None
         while i < len(running) and budget > 0:
             seq = running[i]
             request = seq.request
@@ -212,6 +216,7 @@ class Scheduler:
                 i += 1
                 continue
             if switch and self.kv.needs_recompute(seq):
+                self._settle_cap(out)  # before the running set changes
                 self._recompute(seq, out)  # (it leaves ``running``: the next one is at i now)
                 continue
             # The plan: its tokens, and with speculation the drafts it verifies, the drafts the
@@ -221,7 +226,7 @@ class Scheduler:
             num_new = remaining if remaining < budget else budget
             decoding = remaining == 1 and num_tokens != request.num_prompt_tokens
             if not decoding and remaining > 1 and self.config.enable_chunked_prefill:
-                num_new = self._fit(seq.num_computed_tokens, num_new)
+                num_new = self._fit(out, seq.num_computed_tokens, num_new)
                 if num_new == 0:  # no work left this step for the rest of its prompt
                     i += 1
                     continue
@@ -234,6 +239,7 @@ class Scheduler:
             else:
                 speculating = take_slots(seq, plan.tokens, num_new, plan.lookahead)
             while speculating is None:
+                self._settle_cap(out)  # before the running set changes
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already passed this step
                     unscheduled = out.unschedule(victim)
@@ -274,9 +280,15 @@ class Scheduler:
         step = self.num_steps
         for seq in out.seqs:
             seq.last_step = step
+        self._cap_sitting_out = None
         if self.floor_fit is not None:
-            chunk = self.cost.chunk
-            self._planned_work = sum(chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new))
+            if cost is not None and not out.preempted:  # the work charged to the budget as it was planned
+                self._planned_work = self._work_start - self._work
+            else:  # a preemption took back work charged (or tokens alone were not charged): count it
+                chunk = self.cost.chunk
+                self._planned_work = sum(
+                    chunk(s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new, strict=True)
+                )
         # A seat given is a turn taken, used or not: a waiting sequence the pool, the budgets or
         # max_num_seqs kept out goes behind the running ones that sat out for it, which are then
         # seated first (they may be what frees the room it needs).
@@ -292,6 +304,24 @@ class Scheduler:
         # schedule's, and the last update's and aborts' since): the runner follows them and nothing else.
         out.output = self.output_builder.build(out, self.kv.take_step_changes())
         return out
+
+    def _settle_cap(self, out: ScheduledStep) -> None:
+        """Bound the step's work by the decode cap if it has one, once: as if from the start of the
+        planning, with the work of the running sequences committed since charged again, in order
+        (nothing was taken back yet: a preemption settles the cap first)."""
+        sitting_out = self._cap_sitting_out
+        if sitting_out is None:
+            return
+        self._cap_sitting_out = None
+        cap = self._decode_cap(sitting_out)
+        if cap is None:
+            return
+        work = self._work_start = min(self.cost.budget, cap)
+        if self.cost.ratio:  # the running loop charges its sequences' work (admissions come later)
+            chunk = self.cost.chunk
+            for seq, n in zip(out.seqs, out.num_new, strict=True):
+                work -= chunk(seq.num_computed_tokens, n)
+        self._work, self._capped = work, True
 
     def _decode_cap(self, sitting_out) -> float | None:
         """The step's work bound while sequences decode in it and prompt work waits (None: none;
@@ -466,7 +496,7 @@ class Scheduler:
                     break
                 num_new = remaining
             else:
-                num_new = self._fit(len(cached) * self.kv.block_size, min(remaining, budget))
+                num_new = self._fit(out, len(cached) * self.kv.block_size, min(remaining, budget))
                 if num_new == 0:  # the step's work budget is spent
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
@@ -474,6 +504,7 @@ class Scheduler:
             ahead = self.num_lookahead if drafts_after else 0
             speculating = self._take_slots(seq, num_new, num_new, ahead, cached)
             if speculating is None:
+                self._settle_cap(out)  # before the running set changes
                 victim = self._lower_priority_victim(seq, out.published_early)
                 if victim is None:
                     break
@@ -538,13 +569,14 @@ class Scheduler:
                 return True
         return False
 
-    def _fit(self, start: int, num_new: int) -> int:
+    def _fit(self, out: ScheduledStep, start: int, num_new: int) -> int:
         """The tokens of a prompt chunk from position ``start`` (at most ``num_new``, the token
         budget's share) that the step's work budget still takes. Cut by the work budget, a chunk
         ends on a block boundary where it spans one; the step's first chunk gets at least the
         tokens up to the next boundary (beside decodes, one token), so that a prompt always
         advances."""
         self._prefilled, first = True, not self._prefilled
+        self._settle_cap(out)
         if not self.cost.ratio and not self._capped:
             return num_new
         n = self.cost.max_tokens(start, self._work, num_new)
@@ -688,7 +720,7 @@ class Scheduler:
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
         if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
-            emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
+            emissions = zip(layout.sampled, [[t] for t in tokens], [[lp] for lp in logprobs], strict=True)
         else:  # forks, or drafts to verify
             emissions = self._expand(layout, tokens, logprobs)
         deltas: list[RequestDelta] = []

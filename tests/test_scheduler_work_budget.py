@@ -186,3 +186,45 @@ def test_the_floor_is_measured_from_step_times():
     fixed, _ = worst_ratio(False)
     assert 3.0 < sched.floor_fit.floor(16.0) < 6.0
     assert measured <= 3.0 * 1.25 and fixed > 2.0 * 3.0, (measured, fixed)
+
+
+def test_decodes_alone_pay_no_cap_pass_and_the_floor_fit_gets_each_steps_planned_work(monkeypatch):
+    """The decode cap is settled at a step's first prompt chunk (or preemption), so a step of decodes
+    alone never walks the running sequences for it; and the work the floor fit is told of, read from
+    the budget's charges, is each step's planned work: decodes alone, capped beside a prompt, and
+    through preemptions."""
+    ratio = 1.2e-4
+    config = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=512,
+                          attention_work_ratio=ratio, decode_stall_factor=3.0)  # fmt: skip
+    sched = Scheduler(
+        config, KVCacheManager(40, BS, True), None, ratio, None, (3.0, 16.0), measure_floor=True
+    )
+    passes = []
+    original = sched._decode_cap
+    monkeypatch.setattr(sched, "_decode_cap", lambda out: passes.append(1) or original(out))
+    told = []
+    observe = sched.floor_fit.observe
+    monkeypatch.setattr(
+        sched.floor_fit, "observe", lambda work, s, c: told.append(work) or observe(work, s, c)
+    )
+    for k in range(4):
+        add(sched, f"d{k}", list(range(3 + k, 40 + k)), max_tokens=400)
+    seen = {"decodes": 0, "capped": 0, "preempted": 0}
+    for i in range(300):
+        if i == 30:
+            add(sched, "long", list(range(5000, 5400)))  # beside the decodes, then the pool runs dry
+        before = len(passes)
+        out = sched.schedule()
+        expected = planned_work(sched, out)
+        sched.note_step_time(out, 0.01, sched.update_from_output(out, fake_result(out, 5)))
+        if not out.seqs:
+            continue
+        assert told[-1] == pytest.approx(expected, rel=1e-12, abs=1e-9), i
+        if out.only_decodes and not sched.waiting.ready and not out.preempted:
+            assert len(passes) == before, (
+                f"step {i}: a step of decodes alone walked the running ones for the cap"
+            )
+            seen["decodes"] += 1
+        seen["capped"] += len(passes) > before and any(s.request.request_id == "long" for s in out.seqs)
+        seen["preempted"] += bool(out.preempted)
+    assert all(seen.values()), seen
