@@ -34,6 +34,8 @@ def pool():
         ctypes.c_void_p,
     ]
     lib.llmserve_pool_for.restype = None
+    lib.llmserve_pool_for_guided.argtypes = lib.llmserve_pool_for.argtypes
+    lib.llmserve_pool_for_guided.restype = None
     lib.llmserve_pool_threads.restype = ctypes.c_int32
     return lib
 
@@ -62,6 +64,43 @@ def test_every_item_runs_exactly_once(pool, threads, n, grain):
     for _ in range(5):
         counts, _ = run_loop(pool, threads, n, grain)
         assert counts == [1] * n
+
+
+def guided_schedule(threads: int, n: int, min_grain: int, cap: int = 256) -> list[tuple[int, int]]:
+    """The documented claims of a guided loop, written from its statement: each takes
+    ceil(left / (2 * threads)) items, at least min_grain; the table's last claim takes the rest."""
+    out, at = [], 0
+    while at < n:
+        size = max(min_grain, -(-(n - at) // (2 * threads)))
+        if len(out) == cap - 1:
+            size = n - at
+        size = min(size, n - at)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+@pytest.mark.parametrize(
+    ("threads", "n", "min_grain"), [(2, 2, 1), (2, 20, 1), (2, 128, 1), (3, 1000, 7), (8, 4747, 1), (64, 5000, 1)]
+)
+def test_guided_claims_shrink_and_cover_every_item_once(pool, threads, n, min_grain):
+    """A guided loop (a GEMV's panels) claims the documented shrinking ranges, each once, so every
+    item runs exactly once; the last case needs more claims than the pool's table holds."""
+    ranges: list[tuple[int, int]] = []
+    counts = [0] * n
+
+    def fn(_ctx, begin, end):
+        ranges.append((begin, end))
+        for i in range(begin, end):
+            counts[i] += 1
+
+    cb = RANGE_FN(fn)
+    for _ in range(3):
+        ranges.clear()
+        counts[:] = [0] * n
+        pool.llmserve_pool_for_guided(threads, n, min_grain, cb, None)
+        assert counts == [1] * n
+        assert sorted(ranges) == guided_schedule(threads, n, min_grain)
 
 
 def test_pool_threads_take_items_and_are_started_once(pool):

@@ -164,7 +164,12 @@ static void panel_gemm(panel_all_rows_fn all_rows, const float *x, int64_t m, in
                        int64_t ldy, int32_t num_threads) {
     const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
     panel_job j = {all_rows, x, bias, packed, y, m, k, ldx, ldy, n, panel_bytes, panels};
-    parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, panel_items, &j);
+    /* One chunk of rows (a decode's GEMV): the panels in shrinking contiguous ranges, so each thread
+     * streams long runs of the weight (parallel.h; quant_int8act.c does the same). */
+    if (chunks == 1)
+        parallel_for_guided(num_threads, m * n * k > 262144, panels, 1, panel_items, &j);
+    else
+        parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, panel_items, &j);
 }
 
 /* The fp32 decoder: a panel of k rows of NB floats, prefetched this many k steps ahead (12 KB on

@@ -20,6 +20,8 @@ typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
 
 extern void llmserve_pool_for(int32_t num_threads, int64_t n, int64_t grain, range_fn fn, void *ctx)
     __attribute__((weak));
+extern void llmserve_pool_for_guided(int32_t num_threads, int64_t n, int64_t min_grain, range_fn fn, void *ctx)
+    __attribute__((weak));
 
 /* fn over items [0, n), `grain` items a claim, on up to num_threads threads (the caller's among
  * them); on the caller alone where `parallel` is false (too little work to share). */
@@ -30,6 +32,18 @@ static inline void parallel_for(int32_t num_threads, int parallel, int64_t n, in
         llmserve_pool_for(num_threads, n, grain, fn, ctx);
     else
         fn(ctx, 0, n);
+}
+
+/* As parallel_for, the items claimed in ranges that shrink as the loop goes (thread_pool.c's
+ * llmserve_pool_for_guided): for many equal, short items, where a claim an item costs more than the
+ * item's own work spends. */
+static inline void parallel_for_guided(int32_t num_threads, int parallel, int64_t n, int64_t min_grain,
+                                       range_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (parallel && num_threads > 1 && n > min_grain && llmserve_pool_for_guided)
+        llmserve_pool_for_guided(num_threads, n, min_grain, fn, ctx);
+    else
+        parallel_for(num_threads, parallel, n, min_grain, fn, ctx);
 }
 
 #endif

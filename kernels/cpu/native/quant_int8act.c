@@ -1264,6 +1264,12 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
     j.pb = panel_bytes(fmt, nb);
-    parallel_for(num_threads, big, (m + MC - 1) / MC * j.panels, 1, qi8_items, &j);
+    /* A decode's GEMV (one chunk of rows): its panels are equal items of a microsecond or so, claimed
+     * in shrinking ranges (parallel.h); a prefill's (rows, panel) items take long enough to go one
+     * a claim. */
+    if (m <= MC)
+        parallel_for_guided(num_threads, big, j.panels, 1, qi8_items, &j);
+    else
+        parallel_for(num_threads, big, (m + MC - 1) / MC * j.panels, 1, qi8_items, &j);
     return 0;
 }

@@ -51,16 +51,23 @@ static inline uint64_t gen_of(uint64_t s) { return s >> (2 * CLAIM_BITS); }
 static inline int64_t claims_of(uint64_t s) { return (int64_t)((s >> CLAIM_BITS) & CLAIM_MASK); }
 static inline int64_t next_of(uint64_t s) { return (int64_t)(s & CLAIM_MASK); }
 
-/* The loop in progress (written by its caller before it publishes the generation). */
-static range_fn _Atomic job_fn;
+/* The loop in progress (written by its caller before it publishes the generation, read-only while
+ * the loop runs). Each group below has a cache line of its own: the claim word is written by every
+ * claim, and a line it shared with the job's fields (or the counter of finished claims) would move
+ * between the cores on each read of those as well. */
+#define LINE _Alignas(64)
+static LINE range_fn _Atomic job_fn;
 static void *_Atomic job_ctx;
 static _Atomic int64_t job_n, job_grain;
 static _Atomic int job_helpers; /* pool threads that may take part: the caller's num_threads - 1 */
-static _Atomic uint64_t state;  /* gen | claims | next */
-static _Atomic int64_t done;    /* claims finished by pool threads in this loop */
+static _Atomic int job_guided;  /* claims cover job_starts' ranges (llmserve_pool_for_guided) */
+#define MAX_GUIDED 256
+static int64_t job_starts[MAX_GUIDED + 1]; /* claim c: items [job_starts[c], job_starts[c + 1]) */
+static LINE _Atomic uint64_t state; /* gen | claims | next */
+static LINE _Atomic int64_t done;   /* claims finished by pool threads in this loop */
 
 /* Sleeping: threads wait on wake_seq, which each published loop bumps. */
-static _Atomic uint32_t wake_seq;
+static LINE _Atomic uint32_t wake_seq;
 static _Atomic int sleepers;
 
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
@@ -87,9 +94,17 @@ static int run_one(uint64_t s, int64_t *ran) {
     if (next_of(s) >= claims_of(s)) return 0;
     if (!atomic_compare_exchange_weak_explicit(&state, &s, s + 1, memory_order_acquire, memory_order_relaxed))
         return 1; /* lost the race: look again */
-    const int64_t claim = next_of(s), grain = atomic_load_explicit(&job_grain, memory_order_relaxed);
-    const int64_t n = atomic_load_explicit(&job_n, memory_order_relaxed), begin = claim * grain;
-    const int64_t end = begin + grain < n ? begin + grain : n;
+    const int64_t claim = next_of(s);
+    int64_t begin, end;
+    if (atomic_load_explicit(&job_guided, memory_order_relaxed)) {
+        begin = job_starts[claim];
+        end = job_starts[claim + 1];
+    } else {
+        const int64_t grain = atomic_load_explicit(&job_grain, memory_order_relaxed);
+        const int64_t n = atomic_load_explicit(&job_n, memory_order_relaxed);
+        begin = claim * grain;
+        end = begin + grain < n ? begin + grain : n;
+    }
     atomic_load_explicit(&job_fn, memory_order_relaxed)(atomic_load_explicit(&job_ctx, memory_order_relaxed),
                                                         begin, end);
     ++*ran;
@@ -162,24 +177,13 @@ static void start_threads(int wanted) {
     pthread_mutex_unlock(&start_lock);
 }
 
-void llmserve_pool_for(int32_t num_threads, int64_t n, int64_t grain, range_fn fn, void *ctx) {
-    if (grain < 1) grain = 1;
-    if (n <= 0) return;
-    if (num_threads <= 1 || n <= grain || pthread_mutex_trylock(&run_lock) != 0) {
-        fn(ctx, 0, n);
-        return;
-    }
-    if (started < num_threads - 1) start_threads(num_threads - 1);
-    if ((n + grain - 1) / grain > MAX_CLAIMS) grain = (n + MAX_CLAIMS - 1) / MAX_CLAIMS;
-    const int64_t claims = (n + grain - 1) / grain;
-    atomic_store_explicit(&job_fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&job_ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&job_n, n, memory_order_relaxed);
-    atomic_store_explicit(&job_grain, grain, memory_order_relaxed);
+/* Publishes the loop whose fields the caller set (claims of them), runs claims on the caller until
+ * none is left, waits for those the pool threads took, and releases run_lock. */
+static void run_published(int32_t num_threads, int64_t claims) {
     atomic_store_explicit(&job_helpers, num_threads - 1, memory_order_relaxed);
     atomic_store_explicit(&done, 0, memory_order_relaxed);
     gen = (gen + 1) & GEN_MASK;
-    atomic_store(&state, pack(gen, (uint64_t)claims, 0)); /* publishes the fields above */
+    atomic_store(&state, pack(gen, (uint64_t)claims, 0)); /* publishes the fields set before */
     atomic_fetch_add(&wake_seq, 1);
     if (atomic_load(&sleepers) > 0) futex_wake_all(&wake_seq);
     int64_t mine = 0;
@@ -192,6 +196,54 @@ void llmserve_pool_for(int32_t num_threads, int64_t n, int64_t grain, range_fn f
         if ((i & 1023) == 0) sched_yield();
     }
     pthread_mutex_unlock(&run_lock);
+}
+
+void llmserve_pool_for(int32_t num_threads, int64_t n, int64_t grain, range_fn fn, void *ctx) {
+    if (grain < 1) grain = 1;
+    if (n <= 0) return;
+    if (num_threads <= 1 || n <= grain || pthread_mutex_trylock(&run_lock) != 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (started < num_threads - 1) start_threads(num_threads - 1);
+    if ((n + grain - 1) / grain > MAX_CLAIMS) grain = (n + MAX_CLAIMS - 1) / MAX_CLAIMS;
+    atomic_store_explicit(&job_fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&job_ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&job_n, n, memory_order_relaxed);
+    atomic_store_explicit(&job_grain, grain, memory_order_relaxed);
+    atomic_store_explicit(&job_guided, 0, memory_order_relaxed);
+    run_published(num_threads, (n + grain - 1) / grain);
+}
+
+/* As llmserve_pool_for, with claims that shrink as the loop goes (guided scheduling): each takes
+ * ceil(left / (2 * num_threads)) items, at least min_grain, so a loop of many equal, short items (a
+ * GEMV's panels) costs a few dozen claims rather than one a panel (each claim moves the claim word
+ * between the cores), and its last claims are still small enough to end the threads together. The
+ * ranges depend only on n, min_grain and num_threads, and an item's result never depends on who runs
+ * it (parallel.h). */
+void llmserve_pool_for_guided(int32_t num_threads, int64_t n, int64_t min_grain, range_fn fn, void *ctx) {
+    if (min_grain < 1) min_grain = 1;
+    if (n <= 0) return;
+    if (num_threads <= 1 || n <= min_grain || pthread_mutex_trylock(&run_lock) != 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (started < num_threads - 1) start_threads(num_threads - 1);
+    int64_t claims = 0, at = 0;
+    while (at < n) {
+        int64_t size = (n - at + 2 * (int64_t)num_threads - 1) / (2 * (int64_t)num_threads);
+        if (size < min_grain) size = min_grain;
+        if (claims == MAX_GUIDED - 1 || size > n - at) size = n - at; /* the table's last: the rest */
+        job_starts[claims++] = at;
+        at += size;
+    }
+    job_starts[claims] = n;
+    atomic_store_explicit(&job_fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&job_ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&job_n, n, memory_order_relaxed);
+    atomic_store_explicit(&job_grain, min_grain, memory_order_relaxed);
+    atomic_store_explicit(&job_guided, 1, memory_order_relaxed);
+    run_published(num_threads, claims);
 }
 
 /* For tests: the pool threads started so far. */
