@@ -119,6 +119,13 @@ def test_ollama_generate_with_suffix(coder, coder_fim, offline):
         model="coder", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": N}, stream=True
     )]  # fmt: skip
     assert "".join(pieces) == r.response
+    spm = oll.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX,
+        options={"temperature": 0, "num_predict": N, "fim_order": "spm"},
+    )  # fmt: skip
+    spm_prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, order="spm")
+    assert spm.prompt_eval_count == len(spm_prompt)
+    assert spm.response == tok.decode(offline(spm_prompt, spec.end_ids))
 
 
 def test_infill_with_extra_files_whole_and_streamed(coder, coder_fim, offline):
@@ -182,6 +189,11 @@ def test_grpc_generate_with_infill(coder, coder_fim, offline):
     prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES)
     assert list(r.token_ids) == offline(prompt, coder_fim[1].end_ids)
     assert r.usage.prompt_tokens == len(prompt)
+    req.infill.order = pb.FIM_ORDER_SPM  # the suffix first, on request
+    with grpc.insecure_channel(sp.target) as ch:
+        r = pb_grpc.GenerationStub(ch).Generate(req, timeout=600)
+    spm = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES, order="spm")
+    assert list(r.token_ids) == offline(spm, coder_fim[1].end_ids) and r.usage.prompt_tokens == len(spm)
 
 
 def test_bad_infill_inputs_name_their_fields(coder):
