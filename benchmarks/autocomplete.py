@@ -2,6 +2,7 @@
 
     python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
     python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
+    python -m benchmarks.autocomplete --fim-order psm --llama-spm   # the layouts swapped on both sides
 
 The session: a real source file nobody here wrote (a module of Python's standard library), the
 cursor at the start of one of its lines with about 1.5k tokens before it, two more standard-library
@@ -11,6 +12,9 @@ the previous answer is in, to our server and to llama.cpp's ``llama-server`` (sa
 threads, one slot). Per server: the cold request, p50 and p95 over the keystrokes after it, the
 prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``; llama.cpp:
 ``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
+The layout: ours sends ``fim_order`` (``--fim-order``, default spm: the suffix before the prefix, so a
+keystroke recomputes only the changed tail); llama-server runs its default (prefix, suffix, middle),
+or with ``--spm-infill`` (``--llama-spm``). benchmarks/fim_order.py compares how well each completes.
 
 ``--speculation``: instead of llama-server, our server with n-gram prompt lookup
 (``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
@@ -118,6 +122,7 @@ class Session:
         return summary(self.latencies, self.computed, self.hits) | {
             "draft_tokens": self.drafted,
             "accepted_draft_tokens": self.accepted,
+            "completions": self.contents,
         }
 
 
@@ -151,6 +156,9 @@ class Ours:
         from tests.service_process import ServiceProcess
 
         args = ["--http-port", "0", "--torch-threads", str(threads), "--max-model-len", str(ctx), *extra]
+        # Under chrt (the quiet runs) a long prefill step can hold both cores past the gateway's
+        # 5 s heartbeat rule: a silent engine is not a lost one here.
+        args += ["--engine-heartbeat-timeout", "600"]
         self.sp = ServiceProcess(gguf, *args, startup_timeout_s=900).start()
         self.url = self.sp.http_url
 
@@ -159,7 +167,7 @@ class Ours:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int) -> None:
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int, spm: bool = False) -> None:
         import socket
         import subprocess
 
@@ -167,7 +175,7 @@ class LlamaServer:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "1", "-c", str(ctx)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)] + (["--spm-infill"] if spm else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
@@ -199,28 +207,44 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true", help="llama-server alone (a run split in two)")
+    ap.add_argument("--fim-order", choices=["psm", "spm"], default="spm", help="ours: the FIM layout")
+    ap.add_argument("--llama-spm", action="store_true", help="llama-server with --spm-infill")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--speculation", action="store_true", help="ours with n-gram drafts against ours without")
+    ap.add_argument("--orders", action="store_true", help="ours in SPM against ours in PSM (one server)")
     args = ap.parse_args()
     gguf = args.model if args.model.is_file() else next(args.model.glob("*.gguf"))
     s = session(args.keystrokes, args.prefix_chars)
     bodies = keystroke_bodies(s, args.keystrokes, args.n_predict)
+    ours_bodies = [{**b, "fim_order": args.fim_order} for b in bodies]
     result: dict = {
         "model": gguf.name,
         "threads": args.threads,
         "file": s["file"],
         "line": s["typed"].strip(),
+        "n_predict": args.n_predict,
+        "fim_order": {"ours": args.fim_order, "llama_server": "spm" if args.llama_spm else "psm"},
     }
     if args.speculation:
-        speculation(gguf, args, s, bodies, result)
+        speculation(gguf, args, s, ours_bodies, result)
         return
-    sides = [("ours", lambda: Ours(gguf, args.threads, args.ctx))]
+    if args.orders:
+        orders(gguf, args, s, bodies, result)
+        return
+    sides = [] if args.skip_ours else [("ours", lambda: Ours(gguf, args.threads, args.ctx))]
     if not args.skip_llama_server:
-        sides.append(("llama_server", lambda: LlamaServer(args.llama_server, gguf, args.threads, args.ctx)))
+        sides.append(
+            (
+                "llama_server",
+                lambda: LlamaServer(args.llama_server, gguf, args.threads, args.ctx, spm=args.llama_spm),
+            )
+        )
     for name, start in sides:
         server = start()
         try:
-            result[name] = run_session(server.url, bodies, s, ours=name == "ours")
+            ours = name == "ours"
+            result[name] = run_session(server.url, ours_bodies if ours else bodies, s, ours=ours)
         finally:
             server.close()
         r = result[name]
@@ -229,7 +253,7 @@ def main() -> None:
             f"p95 {r['p95_s']:.2f}s, {r['computed_per_keystroke_mean']:.0f} tokens computed a keystroke, "
             f"{r['continues_real_text']}/{r['keystrokes']} continue the real text"
         )
-    if "llama_server" in result:
+    if "llama_server" in result and "ours" in result:
         o, p = result["ours"], result["llama_server"]
         result["ratios"] = {
             "p50": o["p50_s"] / p["p50_s"],
@@ -238,6 +262,9 @@ def main() -> None:
             "computed_per_keystroke": o["computed_per_keystroke_mean"] / p["computed_per_keystroke_mean"],
         }
         print("ours / llama-server: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+        result["same_completions"] = sum(
+            a == b for a, b in zip(o["completions"], p["completions"], strict=True)
+        )
     print(write_result("autocomplete", result, args.results_dir))
 
 
@@ -276,6 +303,31 @@ def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> 
         f"p95 {result['ratios']['p95']:.2f}x"
     )
     print(write_result("autocomplete-speculation", result, args.results_dir))
+
+
+def orders(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> None:
+    """One server; per keystroke, alternating who goes first, the request in SPM and in PSM (the
+    repository's files, before both layouts' code, are computed once and shared)."""
+    server = Ours(gguf, args.threads, args.ctx)
+    try:
+        sessions = {order: Session(server.url, s, ours=True) for order in ("spm", "psm")}
+        for k, body in enumerate(bodies, start=1):
+            order = list(sessions.items()) if k % 2 else list(sessions.items())[::-1]
+            for name, session_ in order:
+                session_.keystroke(k, {**body, "fim_order": name})
+        for name, session_ in sessions.items():
+            r = result[name] = session_.result()
+            print(
+                f"{name}: cold {r['cold_s']:.2f}s ({r['computed_cold']} tokens), p50 {r['p50_s']:.2f}s, "
+                f"p95 {r['p95_s']:.2f}s, {r['computed_per_keystroke_mean']:.0f} tokens computed a keystroke, "
+                f"{r['continues_real_text']}/{r['keystrokes']} continue the real text"
+            )
+    finally:
+        server.close()
+    o, p = result["spm"], result["psm"]
+    result["ratios"] = {"p50": o["p50_s"] / p["p50_s"], "p95": o["p95_s"] / p["p95_s"]}
+    print(f"spm / psm: p50 {result['ratios']['p50']:.2f}x, p95 {result['ratios']['p95']:.2f}x")
+    print(write_result("autocomplete-orders", result, args.results_dir))
 
 
 if __name__ == "__main__":

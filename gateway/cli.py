@@ -18,6 +18,7 @@ from pathlib import Path
 from engine_svc.rpc.defaults import GATEWAY_PORT
 from gateway.limits import Limits
 from gateway.replica_options import add_replica_options, engine_addresses, routing_policy
+from tokenizer_svc.fim import DEFAULT_FIM_ORDER
 
 
 def _add_serve(sub) -> None:
@@ -115,6 +116,14 @@ def _add_serve(sub) -> None:
         help="of --max-concurrent, slots kept for clients (connections) that hold none (-1: an eighth)",
     )
     p.add_argument("--drain-grace-s", type=float, default=10.0)
+    p.add_argument(
+        "--fim-order",
+        choices=["psm", "spm"],
+        default=DEFAULT_FIM_ORDER,
+        help="fill-in-the-middle layout of a request that names none: psm (the default: Qwen2.5-Coder "
+        "completes better from it) or spm (suffix first: a keystroke recomputes only the changed tail); "
+        "a format that takes one order keeps its own",
+    )
     t = p.add_argument_group("chat and tools (vLLM's names)")
     t.add_argument("--chat-template", help="a Jinja chat template file that replaces the model's")
     t.add_argument(
@@ -368,6 +377,7 @@ def _serve(args) -> int:
         skip_tokenizer_init=args.skip_tokenizer_init,
         tool_options=tool_options,
         chat_template=args.chat_template,
+        fim_order=args.fim_order,
     )
     return serve(args, opts)
 

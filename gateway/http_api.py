@@ -51,7 +51,7 @@ from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("gateway.http")
 # `suffix` on completions: the prompt is the prefix, and the refusals name these fields.
-COMPLETION_INFILL_NAMES = InfillNames(whole="suffix", prefix="prompt", suffix="suffix")
+COMPLETION_INFILL_NAMES = InfillNames(whole="suffix", prefix="prompt", suffix="suffix", order="fim_order")
 
 
 class HttpApi:

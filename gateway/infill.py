@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gateway.errors import FieldViolation, invalid
@@ -24,6 +24,7 @@ from tokenizer_svc.fim import FimInput, FimSpec, FimUnavailable, Text, assemble,
 log = logging.getLogger("gateway.infill")
 
 MAX_INFILL_FILES = 256
+ORDERS = {pb.FIM_ORDER_UNSPECIFIED: "", pb.FIM_ORDER_PSM: "psm", pb.FIM_ORDER_SPM: "spm"}
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,16 @@ class InfillNames:
     path: str = "infill.path"
     repo_name: str = "infill.repo_name"
     middle: str = "infill.middle"
+    order: str = "infill.order"
 
 
 PROTO_NAMES = InfillNames()
 
 
-def model_fim(model_dir: str | Path, tokenizer) -> FimSpec | FimUnavailable:
-    """The served model's FIM format, or why it has none (kept, and said to each FIM request)."""
+def model_fim(model_dir: str | Path, tokenizer, order: str = "") -> FimSpec | FimUnavailable:
+    """The served model's FIM format, or why it has none (kept, and said to each FIM request).
+    ``order`` (--fim-order): the layout of a request that names none, where the format can take it
+    (else the family's own)."""
     from engine_svc.models.model_path import resolve_model_path
     from tokenizer_svc.fim import read_gguf_fim_ids
 
@@ -60,7 +64,16 @@ def model_fim(model_dir: str | Path, tokenizer) -> FimSpec | FimUnavailable:
         )
     except FimUnavailable as e:
         return e
-    log.info("fill-in-the-middle: %s format (from the %s)", spec.family.name, spec.source)
+    if order and order not in spec.orders:
+        log.warning("--fim-order %s: the %s format takes only %s", order, spec.family.name, spec.family.order)
+        order = ""
+    spec = replace(spec, order=order)
+    log.info(
+        "fill-in-the-middle: %s format (from the %s), %s order",
+        spec.family.name,
+        spec.source,
+        spec.resolve_order(),
+    )
     return spec
 
 
@@ -79,6 +92,8 @@ def check_infill(infill: pb.Infill, limits: Limits, names: InfillNames = PROTO_N
         )
     if not infill.prefix and not infill.suffix and not infill.middle:
         v.append(FieldViolation(names.prefix, "a prefix or a suffix is required (both are empty)"))
+    if infill.order not in ORDERS:
+        v.append(FieldViolation(names.order, f"unknown order {infill.order}; psm or spm"))
     if len(infill.files) > MAX_INFILL_FILES:
         v.append(
             FieldViolation(names.files, f"has {len(infill.files)} files; the limit is {MAX_INFILL_FILES}")
@@ -101,6 +116,7 @@ def check_infill(infill: pb.Infill, limits: Limits, names: InfillNames = PROTO_N
         path=infill.path,
         repo_name=infill.repo_name,
         middle=infill.middle,
+        order=ORDERS.get(infill.order, ""),
     )
 
 
@@ -112,6 +128,10 @@ def spec_or_refuse(fim, names: InfillNames) -> FimSpec:
 
 
 def fim_pieces(spec: FimSpec, inp: FimInput, names: InfillNames) -> list:
+    try:
+        spec.resolve_order(inp.order)
+    except FimUnavailable as e:
+        raise invalid([FieldViolation(names.order, str(e))]) from None
     try:
         return layout(spec, inp)
     except FimUnavailable as e:

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.api_stream import run_whole
 from gateway.errors import RequestError
 from gateway.infill import InfillNames
-from gateway.openai_protocol import CODE_FIELDS, BodyReader, code_options, status_of
+from gateway.openai_protocol import CODE_FIELDS, BodyReader, code_options, fim_order, status_of
 from gateway.streamed_response import SSE, Encoder, Item, StreamedResponse
 from llmserve_proto.llmserve.v1 import generation_pb2 as pb
 
@@ -42,6 +42,7 @@ NAMES = InfillNames(
     suffix="input_suffix",
     files="input_extra",
     middle="prompt",
+    order="fim_order",
 )
 # The proto's names of sampling fields -> llama.cpp's.
 _RENAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "text": "input_prefix"}
@@ -111,6 +112,9 @@ def infill_request(body) -> pb.GenerateRequest:
     elif stop is not None:
         r.bad("stop", "must be a list of strings")
     code_options(r, req)
+    order = fim_order(r)
+    if order is not None:
+        req.infill.order = order
     n_indent = r.int("n_indent", None)
     if n_indent is not None and n_indent > 0 and not req.stop_at:
         # llama.cpp's rule: a later line indented less than n_indent ends the output.

@@ -55,6 +55,7 @@ OPTIONS = {
     "stop_at": "stop_at",
     "stop_indent": "stop_indent",
     "supersede_key": "supersede_key",
+    "fim_order": "fim_order",
 }
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}  # refused unless they leave sampling as it is
@@ -72,6 +73,8 @@ _RENAMES = {
     "stop_at": "options.stop_at",
     "stop_indent": "options.stop_indent",
     "supersede_key": "options.supersede_key",
+    "fim_order": "options.fim_order",
+    "infill.order": "options.fim_order",
     "json_schema": "format",
     "json_object": "format",
     "constraint": "format",

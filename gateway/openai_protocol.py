@@ -39,7 +39,7 @@ _COMMON = {
 }  # fmt: skip
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
 # Editor autocomplete: stop_at ("line" / "block"), stop_indent, supersede_key (GenerateRequest's).
-CODE_FIELDS = {"stop_at", "stop_indent", "supersede_key"}
+CODE_FIELDS = {"stop_at", "stop_indent", "supersede_key", "fim_order"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix"} | CODE_FIELDS
 CHAT_FIELDS = _COMMON | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
@@ -242,6 +242,16 @@ def code_options(r: BodyReader, req: pb.GenerateRequest) -> None:
         req.supersede_key = key
 
 
+_FIM_ORDER = {"psm": pb.FIM_ORDER_PSM, "spm": pb.FIM_ORDER_SPM}
+
+
+def fim_order(r: BodyReader) -> int | None:
+    """``fim_order`` ("psm" or "spm"): how a fill-in-the-middle prompt is laid out (unset: the
+    server's ``--fim-order``)."""
+    order = r.get("fim_order", lambda x: x in _FIM_ORDER, '"psm" or "spm"')
+    return None if order is None else _FIM_ORDER[order]
+
+
 def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt (``prompt`` may be a list of prompts)."""
     r = BodyReader(body, COMPLETION_FIELDS, "completions")
@@ -274,6 +284,9 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
         r.bad("prompt", "is required: a string, a list of token ids, or a list of either")
     if suffix is not None and any(not isinstance(p, str) for p in prompts):
         r.bad("suffix", "needs a text prompt (the code before the cursor), not token ids")
+    order = fim_order(r)
+    if order is not None and suffix is None:
+        r.bad("fim_order", "goes with suffix (it lays out a fill-in-the-middle prompt)")
     r.done()
     out = []
     for i, p in enumerate(prompts):
@@ -283,6 +296,8 @@ def completion_requests(body, limits: Limits) -> list[pb.GenerateRequest]:
             req.request_id = f"{base.request_id}-{i}"
         if suffix is not None:
             req.infill.prefix, req.infill.suffix = p, suffix
+            if order is not None:
+                req.infill.order = order
         elif isinstance(p, str):
             req.text = p
         else:

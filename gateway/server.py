@@ -90,6 +90,7 @@ class GatewayOptions:
     # outputs are token ids; text fields are refused).
     skip_tokenizer_init: bool = False
     tool_options: ToolOptions = field(default_factory=ToolOptions)
+    fim_order: str = ""  # --fim-order: "" is each FIM family's own
     chat_template: str | None = None  # a Jinja file that replaces the model's chat template
 
 
@@ -162,7 +163,7 @@ class GatewayServer:
             metrics=m,
             prompt_log=PromptLogPolicy(o.log_prompts),
             tool_options=tool_options,
-            fim=model_fim(o.model_dir, tokenizer) if tokenizer is not None else None,
+            fim=model_fim(o.model_dir, tokenizer, o.fim_order) if tokenizer is not None else None,
             model_digest=ModelDigest(o.model_dir),
         )
         self.stall_sweeper = StallSweeper(

@@ -12,6 +12,8 @@ order, BOS and ends.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.conftest import shared_tokenizer
@@ -74,6 +76,60 @@ def test_qwen_coder_repository_layout_is_the_model_cards_string(coder_tok):
         "<|fim_prefix|>from library import Book\n\ndef <|fim_suffix|>\n\nprint(1)\n<|fim_middle|>"
     )
     assert ids == coder_tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
+
+
+def test_qwen_coder_spm_is_llama_cpps_spm_infill_string(coder_tok):
+    """SPM (llama-server --spm-infill): suffix first, then the prefix, the middle token last; the
+    repository's files and the current file's name still come before both."""
+    spec = _spec(coder_tok)
+    files = [("library.py", "class Book:\n    pass\n")]
+    inp = FimInput("from library import Book\n\ndef ", "\n\nprint(1)\n", files, "main.py", "lib", order="spm")
+    card = (
+        "<|repo_name|>lib\n<|file_sep|>library.py\nclass Book:\n    pass\n\n<|file_sep|>main.py\n"
+        "<|fim_suffix|>\n\nprint(1)\n<|fim_prefix|>from library import Book\n\ndef <|fim_middle|>"
+    )
+    assert build_ids(spec, inp, _plain(coder_tok)) == coder_tok.encode(
+        card, add_special_tokens=False, parse_special_tokens=True
+    )
+    # the server's default order is the spec's; a request's own wins
+    spm = replace(spec, order="spm")
+    assert build_ids(spm, FimInput("a", "b"), _plain(coder_tok)) == build_ids(
+        spec, FimInput("a", "b", order="spm"), _plain(coder_tok)
+    )
+    assert build_ids(spm, FimInput("a", "b", order="psm"), _plain(coder_tok))[0] == spec.pre
+
+
+def test_spm_keystrokes_share_all_but_the_changed_tail(coder_tok):
+    """Typing at the end of the prefix: in SPM consecutive prompts differ only after the prefix's
+    changed tokens (the suffix is before them); in PSM the suffix after them differs too."""
+    import inspect
+
+    spec = _spec(coder_tok)
+    source = inspect.getsource(inspect)
+    before, line, suffix = source[:3000], "    return os.path.join(a, b)", source[3000:4500]
+    enc = _plain(coder_tok)
+    for order in ("spm", "psm"):
+        inputs = [FimInput(before + line[:k], suffix, order=order) for k in range(1, 20)]
+        prompts = [build_ids(spec, inp, enc) for inp in inputs]
+        tails = []
+        for a, b in zip(prompts, prompts[1:], strict=False):
+            same = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+            tails.append(len(b) - same)
+        if order == "spm":
+            assert max(tails) <= 4  # the prefix's last token or two, and the middle token
+        else:
+            assert min(tails) > len(enc(suffix))
+
+
+def test_an_order_the_format_cannot_take_is_named():
+    spec = find_fim(_vocab("[PREFIX]", "[SUFFIX]"), 1)  # Codestral: no middle token, SPM only
+    assert spec.orders == ("spm",) and spec.resolve_order() == "spm"
+    with pytest.raises(FimUnavailable, match="only the spm order"):
+        layout(spec, FimInput("a", "b", order="psm"))
+    qwen = find_fim(_vocab("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"), None)
+    assert qwen.orders == ("psm", "spm") and qwen.resolve_order() == "psm"  # the family's own
+    with pytest.raises(FimUnavailable, match="psm"):
+        qwen.resolve_order("mps")
 
 
 def test_client_text_cannot_forge_control_tokens(coder_tok):

@@ -68,12 +68,13 @@ def offline(coder):
     llm.shutdown()
 
 
-def _expected_prompt(coder_fim, prefix, suffix, files=(), path=""):
-    from tokenizer_svc.fim import FimInput, build_ids
+def _expected_prompt(coder_fim, prefix, suffix, files=(), path="", order=""):
+    """The prompt the service must build: the server's default order (--fim-order) unless named."""
+    from tokenizer_svc.fim import DEFAULT_FIM_ORDER, FimInput, build_ids
 
     tok, spec = coder_fim
     enc = lambda t: tok.encode(t, add_special_tokens=False, parse_special_tokens=False)  # noqa: E731
-    return build_ids(spec, FimInput(prefix, suffix, list(files), path), enc)
+    return build_ids(spec, FimInput(prefix, suffix, list(files), path, order=order or DEFAULT_FIM_ORDER), enc)
 
 
 def test_openai_completions_with_suffix_is_the_fim_prompt_and_the_offline_output(coder, coder_fim, offline):
@@ -118,6 +119,13 @@ def test_ollama_generate_with_suffix(coder, coder_fim, offline):
         model="coder", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": N}, stream=True
     )]  # fmt: skip
     assert "".join(pieces) == r.response
+    spm = oll.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX,
+        options={"temperature": 0, "num_predict": N, "fim_order": "spm"},
+    )  # fmt: skip
+    spm_prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, order="spm")
+    assert spm.prompt_eval_count == len(spm_prompt)
+    assert spm.response == tok.decode(offline(spm_prompt, spec.end_ids))
 
 
 def test_infill_with_extra_files_whole_and_streamed(coder, coder_fim, offline):
@@ -140,6 +148,22 @@ def test_infill_with_extra_files_whole_and_streamed(coder, coder_fim, offline):
     # the second identical request reuses the cached prompt (all but the block being written)
     again = httpx.post(sp.http_url + "/infill", json=body, timeout=600).json()
     assert again["tokens"] == out["tokens"] and again["tokens_cached"] >= len(prompt) - 16
+    # the layouts on request: PSM's prompt, and a keystroke after SPM's recomputes only its tail
+    psm = httpx.post(sp.http_url + "/infill", json={**body, "fim_order": "psm"}, timeout=600).json()
+    psm_prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES, order="psm")
+    assert psm["tokens"] == offline(psm_prompt, coder_fim[1].end_ids)
+    assert psm["tokens_evaluated"] == len(psm_prompt)
+    httpx.post(sp.http_url + "/infill", json={**body, "fim_order": "spm"}, timeout=600).raise_for_status()
+    typed = {**body, "input_prefix": PREFIX + "fib", "fim_order": "spm"}
+    key = httpx.post(sp.http_url + "/infill", json=typed, timeout=600).json()
+    before = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES, order="spm")
+    spm_prompt = _expected_prompt(coder_fim, PREFIX + "fib", SUFFIX, FILES, order="spm")
+    assert key["tokens"] == offline(spm_prompt, coder_fim[1].end_ids)
+    changed = len(spm_prompt) - next(
+        i for i, (a, b) in enumerate(zip(before, spm_prompt, strict=False)) if a != b
+    )
+    assert changed <= 4
+    assert key["tokens_evaluated"] - key["tokens_cached"] <= changed + 16  # + the partial block
     text, last = "", None
     with httpx.stream("POST", sp.http_url + "/infill", json={**body, "stream": True}, timeout=600) as s:
         assert s.status_code == 200
@@ -166,6 +190,11 @@ def test_grpc_generate_with_infill(coder, coder_fim, offline):
     prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES)
     assert list(r.token_ids) == offline(prompt, coder_fim[1].end_ids)
     assert r.usage.prompt_tokens == len(prompt)
+    req.infill.order = pb.FIM_ORDER_SPM  # the suffix first, on request
+    with grpc.insecure_channel(sp.target) as ch:
+        r = pb_grpc.GenerationStub(ch).Generate(req, timeout=600)
+    spm = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES, order="spm")
+    assert list(r.token_ids) == offline(spm, coder_fim[1].end_ids) and r.usage.prompt_tokens == len(spm)
 
 
 def test_bad_infill_inputs_name_their_fields(coder):
@@ -180,6 +209,7 @@ def test_bad_infill_inputs_name_their_fields(coder):
             {"input_prefix": "a", "input_extra": [{"filename": "a\nb", "text": "t"}]},
             "input_extra[0].filename",
         ),
+        ({"input_prefix": "a", "fim_order": "mps"}, "fim_order"),
     ]
     for body, field in cases:
         r = httpx.post(url, json=body, timeout=60)
@@ -189,6 +219,9 @@ def test_bad_infill_inputs_name_their_fields(coder):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="coder", prompt=[1, 2, 3], suffix="x", max_tokens=2)
     assert e.value.body["param"] == "suffix"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="coder", prompt="a", max_tokens=2, extra_body={"fim_order": "spm"})
+    assert e.value.body["param"] == "fim_order" and "suffix" in e.value.body["message"]
 
 
 def test_a_client_that_leaves_stops_its_infill(coder):

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The order a server lays FIM prompts out in where the request names none and the format takes
+# both (``llmserve serve --fim-order``; docs/fill-in-the-middle.md has the measurement behind it).
+DEFAULT_FIM_ORDER = "psm"
+
 # GGUF metadata keys (llama.cpp's names): the current ones, then the older CodeLlama-era ones.
 GGUF_KEYS = {
     "pre": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
@@ -134,6 +138,26 @@ class FimSpec:
     sep: int | None
     end_ids: tuple[int, ...]
     source: str = "vocabulary"  # or "gguf metadata"
+    order: str = ""  # the server's default order ("psm", "spm"); "" is the family's own
+
+    @property
+    def orders(self) -> tuple[str, ...]:
+        """The orders this format can lay a prompt out in: both where it has a middle token
+        (the middle token closes either order), else only the family's own."""
+        return ("psm", "spm") if self.mid is not None else (self.family.order,)
+
+    def resolve_order(self, asked: str = "") -> str:
+        """The order a request is laid out in: the one it asks for, else the server's, else the
+        family's. Raises ``FimUnavailable`` for an order the format cannot take."""
+        order = asked or self.order or self.family.order
+        if order not in ("psm", "spm"):
+            raise FimUnavailable(f'the order must be "psm" or "spm", not {order!r}')
+        if order not in self.orders:
+            raise FimUnavailable(
+                f"the served model's FIM format ({self.family.name}) has no middle token: "
+                f"it takes only the {self.family.order} order"
+            )
+        return order
 
     @property
     def takes_files(self) -> bool:
@@ -148,6 +172,7 @@ class FimInput:
     path: str = ""  # the current file's path (repository layout only)
     repo_name: str = ""
     middle: str = ""  # text already chosen after the cursor (llama.cpp's `prompt`)
+    order: str = ""  # "psm", "spm", or "" for the server's default (FimSpec.resolve_order)
 
 
 @dataclass(frozen=True)
@@ -256,9 +281,17 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
             out += [spec.sep, Text(f.file_text.format(path=path, text=text), frozenset({"files"}))]
         if inp.path and spec.family.repo is not None:
             out += [spec.sep, Text(f.current_file_text.format(path=inp.path), frozenset({"path"}))]
-    if f.order == "spm":
+    # SPM puts the suffix before the prefix: a keystroke changes the prompt's tail only (the end
+    # of the prefix), where PSM also recomputes the suffix after it. With a middle token (llama.cpp's
+    # --spm-infill) the prompt ends with it and the middle after it, as in PSM; without one
+    # (Codestral) the middle continues the prefix.
+    if spec.resolve_order(inp.order) == "spm":
         out += [spec.suf, Text(inp.suffix, frozenset({"suffix"}))]
-        out += [spec.pre, Text(inp.prefix + inp.middle, frozenset({"prefix", "middle"}))]
+        if spec.mid is None:
+            out += [spec.pre, Text(inp.prefix + inp.middle, frozenset({"prefix", "middle"}))]
+            return _drop_empty(out)
+        out += [spec.pre, Text(inp.prefix, frozenset({"prefix"})), spec.mid]
+        out.append(Text(inp.middle, frozenset({"middle"})))
         return _drop_empty(out)
     out += [spec.pre, Text(inp.prefix, frozenset({"prefix"}))]
     out += [spec.suf, Text(inp.suffix, frozenset({"suffix"}))]
