@@ -45,9 +45,13 @@ def stdlib_source(module: str) -> tuple[str, str]:
     return f"Lib/{path.name}", path.read_text()
 
 
-def session(keystrokes: int, prefix_chars: int) -> dict:
-    """The file, the line typed and the context files (the same for both servers)."""
-    name, text = stdlib_source("textwrap")
+def session(
+    keystrokes: int, prefix_chars: int, module: str = "textwrap", context=("string", "shlex")
+) -> dict:
+    """The file, the line typed and the context files (the same for both servers): the cursor at the
+    first line after ``prefix_chars`` of ``module``'s source that is long enough to type
+    ``keystrokes`` characters of."""
+    name, text = stdlib_source(module)
     lines = text.splitlines(keepends=True)
     at, pos = 0, 0
     for i, line in enumerate(lines):  # the first long line after prefix_chars of text
@@ -60,7 +64,7 @@ def session(keystrokes: int, prefix_chars: int) -> dict:
     before = "".join(lines[:at]) + line[:indent]
     typed = line[indent:]
     after = "".join(lines[at + 1 :])[:2000]
-    extra = [stdlib_source("string"), stdlib_source("shlex")]
+    extra = [stdlib_source(m) for m in context if m != module]
     return {"file": name, "before": before, "typed": typed, "after": after, "extra": extra}
 
 

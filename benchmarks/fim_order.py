@@ -20,7 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.autocomplete import MODEL, continues, stdlib_source
+from benchmarks.autocomplete import MODEL, continues, session
 from benchmarks.common import RESULTS_DIR, write_result
 
 # (module, characters before the cursor): the first is benchmarks/autocomplete.py's session.
@@ -35,26 +35,6 @@ SESSIONS = (
     ("shutil", 20000),
 )
 CONTEXT = ("string", "shlex")
-
-
-def cursor_session(module: str, prefix_chars: int, keystrokes: int) -> dict:
-    name, text = stdlib_source(module)
-    lines = text.splitlines(keepends=True)
-    at, pos = 0, 0
-    for i, line in enumerate(lines):  # the first long line after prefix_chars of text
-        if pos >= prefix_chars and len(line.strip()) > keystrokes + 8:
-            at = i
-            break
-        pos += len(line)
-    line = lines[at]
-    indent = len(line) - len(line.lstrip())
-    return {
-        "file": name,
-        "before": "".join(lines[:at]) + line[:indent],
-        "typed": line[indent:],
-        "after": "".join(lines[at + 1 :])[:2000],
-        "extra": [stdlib_source(m) for m in CONTEXT if m != module],
-    }
 
 
 def line_done(completion: str, rest_of_line: str) -> bool:
@@ -87,7 +67,7 @@ def main() -> None:
     result: dict = {"model": gguf.name, "keystrokes_per_session": args.keystrokes, "sessions": []}
     totals = {o: {"continues": 0, "line": 0, "same_as_psm": 0} for o in orders}
     for module, chars in SESSIONS[: args.sessions]:
-        s = cursor_session(module, chars, args.keystrokes)
+        s = session(args.keystrokes, chars, module, CONTEXT)
         row: dict = {"file": s["file"], "line": s["typed"].strip(), "orders": {}}
         texts: dict[str, list[str]] = {}
         for order in orders:

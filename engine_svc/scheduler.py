@@ -646,18 +646,16 @@ class Scheduler:
         """``seq`` grew past its model's rotary switch (``KVCacheManager.needs_recompute``): its
         blocks go, and it waits to compute every token again with the table its length selects
         (as a preemption does; counted apart)."""
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = SeqStatus.WAITING
-        self.num_rope_recomputes += 1
-        out.preempted.append(seq)
-        self.waiting.requeue(seq)
+        self._preempt(seq, out, rope_switch=True)
 
-    def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
+    def _preempt(self, seq: Sequence, out: ScheduledStep, rope_switch: bool = False) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
-        self.num_preemptions += 1
+        if rope_switch:
+            self.num_rope_recomputes += 1
+        else:
+            self.num_preemptions += 1
         out.preempted.append(seq)
         self.waiting.requeue(seq)
 
