@@ -166,7 +166,7 @@ def test_the_floor_is_measured_from_step_times():
         sched = Scheduler(config, KVCacheManager(2048, BS, True), None, ratio, None, (3.0, 16.0),
                           measure_floor=measure)  # fmt: skip
         add(sched, "d", list(range(3, 35)), max_tokens=5000)
-        decode_alone, worst = None, 0.0
+        decode_alone = None
         for _ in range(40):  # the stream alone
             out = sched.schedule()
             decode_alone = seconds(planned_work(sched, out))

@@ -153,7 +153,7 @@ def _literal_control_tokens(j: dict, tokens: list[str], types: list[int]) -> lis
     vocab: dict[str, int] = j["model"]["vocab"]
     added = {a["id"]: a for a in j["added_tokens"]}
     fixed = []
-    for i, (text, kind) in enumerate(zip(tokens, types)):
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=False)):
         if kind not in (CONTROL, USER_DEFINED) or (i in added and added[i]["content"] == text):
             continue
         stored = _byte_level_form(text)
