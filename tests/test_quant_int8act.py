@@ -1,6 +1,6 @@
 """The int8-activation quantized GEMM (``kernels/cpu/native/quant_int8act.c`` through
 ``kernels/cpu/quant_int8act.py``) on every instruction set this CPU runs, AVX-512 and AVX2 each
-with and without VNNI. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected
+with and without VNNI, and AVX-512 with AMX tiles where the OS grants them. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected
 result is
 ``quant_int8act.reference``, the documented math in numpy (activations quantized in fp32, integer
 block sums in int64, the float steps in the documented order), bit for bit, and a float64 matmul of
@@ -26,25 +26,53 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256-weight supe
 # (isa, VNNI on): AVX-512 and AVX2 run both the vpdpbusd (AVX-512 VNNI, AVX-VNNI) and the maddubs
 # dot products.
 VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
+# (isa, mode): "vnni" and "plain" as above; "amx": AVX-512 with AMX tiles for 16 rows at a time (the
+# rest of the rows on VNNI), where the kernel's probe found the OS grants them.
 PATHS = [
-    (isa, vnni) for isa in native_build.supported_isas() for vnni in ((1, 0) if isa in VNNI_FLAG else (0,))
+    (isa, mode)
+    for isa in native_build.supported_isas()
+    for mode in (("amx", "vnni", "plain") if isa == "avx512" else ("vnni", "plain") if isa in VNNI_FLAG else ("plain",))
 ]
 
 
-@pytest.fixture(params=PATHS, ids=lambda p: f"{p[0]}{'-vnni' if p[1] else ''}")
+def amx_granted() -> bool:
+    lib = quant_int8act.library("avx512")
+    if lib is None:
+        return False
+    was = lib.llmserve_qi8_amx(-1)
+    granted = bool(lib.llmserve_qi8_amx(1))
+    lib.llmserve_qi8_amx(int(was) if granted else 1)
+    return granted
+
+
+def set_mode(lib, name: str, mode: str) -> None:
+    if name in VNNI_FLAG:
+        lib.llmserve_qi8_vnni(int(mode != "plain"))
+    if name == "avx512":
+        lib.llmserve_qi8_amx(int(mode == "amx"))
+
+
+def reset_mode(lib, name: str) -> None:
+    set_mode(lib, name, "amx")
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: f"{p[0]}{'' if p[1] == 'plain' else '-' + p[1]}")
 def isa(request):
-    name, vnni = request.param
+    name, mode = request.param
     lib = quant_int8act.library(name)
     if lib is None:
         pytest.fail(f"quant_int8act did not build for {name} (a C compiler is on this machine)")
     if name in VNNI_FLAG:
         has_vnni = VNNI_FLAG[name] in native_build.cpu_flags()
-        assert lib.llmserve_qi8_vnni(vnni) == (vnni and has_vnni)
-        if vnni and not has_vnni:
+        assert lib.llmserve_qi8_vnni(int(mode != "plain")) == (mode != "plain" and has_vnni)
+        if mode != "plain" and not has_vnni:
             pytest.skip(f"this CPU has no {VNNI_FLAG[name]}")
+    if mode == "amx" and not amx_granted():
+        pytest.skip("this CPU has no AMX, or the OS does not grant its tiles (the kernel's probe)")
+    set_mode(lib, name, mode)
+    assert lib.llmserve_qi8_amx(-1) == (mode == "amx")
     yield name
-    if name in VNNI_FLAG:
-        lib.llmserve_qi8_vnni(1)
+    reset_mode(lib, name)
 
 
 def weight(fmt: str, n: int, k: int, seed: int) -> quant_gemm.QuantizedWeight:
@@ -161,10 +189,9 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     threads = torch.get_num_threads()
     results = []
     try:
-        for name, vnni in PATHS:
+        for name, mode in PATHS:
             lib = quant_int8act.library(name)
-            if name in VNNI_FLAG:
-                lib.llmserve_qi8_vnni(vnni)
+            set_mode(lib, name, mode)
             lin = quant_int8act.Int8ActLinear(qw, isa=name)
             for t in (1, 2, 3):
                 torch.set_num_threads(t)
@@ -172,8 +199,8 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
                 alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 70, 9)])
                 assert torch.equal(alone, results[-1][0:70:9])
                 assert torch.equal(lin(x[3:20]), results[-1][3:20])
-            if name in VNNI_FLAG:
-                lib.llmserve_qi8_vnni(1)
+                assert torch.equal(lin(x[5:70]), results[-1][5:70])
+            reset_mode(lib, name)
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results)

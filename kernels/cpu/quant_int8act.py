@@ -78,6 +78,7 @@ _SIGNATURES = {
     "llmserve_qi8_gemm": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
     "llmserve_qi8_vnni": ([_I32], _I32),
+    "llmserve_qi8_amx": ([_I32], _I32),
     "llmserve_qi8_panel_width": ([], _I32),
 }
 
@@ -108,7 +109,9 @@ def variant(isa: str | None = None) -> str:
     """What the dot products run on: ``avx512 VNNI``, ``avx512``, ``avx2`` or ``generic``."""
     isa = isa or native_build.chosen_isa()
     lib = library(isa)
-    return f"{isa} VNNI" if lib is not None and lib.llmserve_qi8_vnni(-1) else isa
+    if lib is None or not lib.llmserve_qi8_vnni(-1):
+        return isa
+    return f"{isa} VNNI + AMX" if lib.llmserve_qi8_amx(-1) else f"{isa} VNNI"
 
 
 class Int8ActLinear:

@@ -43,6 +43,7 @@
  *
  * Built per instruction set by native_build.py; OpenMP threads are torch's. */
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1182,6 +1183,337 @@ int32_t llmserve_qi8_vnni(int32_t on) {
     return vnni_active();
 }
 
+/* AMX (Intel's tile matrix unit), where the OS grants it: the same integer block sums as vpdpbusd,
+ * 16 rows x 16 columns x 32 (or 16) k steps an instruction (TDPBSSD: signed activation bytes times
+ * the weight's quants less the format's offset, signed bytes, summed exactly in int32: vpdpbusd's
+ * isum - offset * sx), then the float steps of rows_simd in the same order, lane by lane; so a row's result is the same bits as on every other path. A work item's
+ * rows go 16 at a time (the rest through the VNNI rows); its panel's blocks are unpacked once into the
+ * weight tile's layout, [group of 4 k][column][4] bytes, which is the packed byte forms' own layout.
+ * Whether the OS grants the tiles is found by trying, never assumed: a forked child asks for them
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), runs one product and checks it; a machine that faults on them
+ * loses only the child. LLMSERVE_AMX=0 turns the path off. */
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define AMX_PATH 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
+
+/* Tiles: 0 the first (or only) k range's sums for 16 rows x 16 columns, 1 the second half's (formats
+ * with a scale per 16 k steps); 4 the activations (16 rows x kbytes), 5 the 16 columns' weights. */
+static void amx_configure(int kbytes) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[4] = 16, c.colsb[4] = (uint16_t)kbytes;
+    c.rows[5] = (uint8_t)(kbytes / 4), c.colsb[5] = 64;
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+}
+#define TILE_LOAD(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(base)), "r"((int64_t)(stride)) : "memory")
+#define TILE_STORE(t, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((int64_t)(stride)) : "memory")
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TILE_DP(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define TILE_RELEASE() __asm__ volatile("tilerelease" ::)
+
+static int amx_child_check(void) {
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 2;
+    int8_t a[16 * 32];
+    int8_t w[8 * 64];
+    int32_t got[16 * 16];
+    for (int i = 0; i < 16 * 32; ++i) a[i] = (int8_t)(i * 7 % 255 - 127);
+    for (int i = 0; i < 8 * 64; ++i) w[i] = (int8_t)(i * 13 % 256 - 128);
+    amx_configure(32);
+    TILE_LOAD(4, a, 32);
+    TILE_LOAD(5, w, 64);
+    TILE_ZERO(0);
+    TILE_DP(0, 4, 5);
+    TILE_STORE(0, got, 64);
+    TILE_RELEASE();
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) {
+            int32_t s = 0;
+            for (int e = 0; e < 32; ++e) s += a[r * 32 + e] * w[(e / 4) * 64 + c * 4 + e % 4];
+            if (s != got[r * 16 + c]) return 3;
+        }
+    return 0;
+}
+
+static int amx_granted(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    const char *env = getenv("LLMSERVE_AMX");
+    if (env && env[0] == '0') return 0;
+    const pid_t pid = fork();
+    if (pid == 0) _exit(amx_child_check());
+    if (pid < 0) return 0;
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return 0;
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static int amx_ok = -1;  /* the probe's answer: -1 not asked yet */
+static int use_amx = 1;  /* tests turn it off */
+static int amx_active(void) {
+    if (amx_ok < 0) amx_ok = amx_granted();
+    return amx_ok && use_amx;
+}
+
+/* A thread's buffer for a panel's unpacked weight bytes (a block: 8 groups x NC columns x 4). */
+static uint8_t *amx_weights(size_t bytes) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes)) return NULL;
+        free(buf);
+        buf = grown;
+        cap = bytes;
+    }
+    return buf;
+}
+
+/* Block b of the panel as the weight tile reads it: [group g 0..7][column][4] signed bytes, the
+ * stored quant less the format's offset (so the tile's sum is rows_simd's isum - offset * sx, the same
+ * integer), groups 0-3 the block's first 16 k steps. A byte form without an offset is that already. */
+INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
+    const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
+    const vi off = _mm512_set1_epi8((char)offset(fmt));
+#define PUT(g, v, val) _mm512_storeu_si512((void *)(dst + (g) * NC * 4 + (v) * VW * 4), _mm512_sub_epi8((val), off))
+    if (q2k(fmt)) {
+        for (int sl = 0; sl < 2; ++sl)
+            for (int v = 0; v < V; ++v) {
+                const vi raw = loadi(qs + (sl * NC + v * VW) * 4);
+                for (int t = 0; t < 4; ++t) PUT(sl + 2 * t, v, crumb(raw, t));
+            }
+        return dst;
+    }
+    if (iq4xs(fmt)) {
+        const vi table = iq4_table();
+        for (int g = 0; g < 4; ++g)
+            for (int v = 0; v < V; ++v) {
+                const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+                PUT(g, v, lookup(table, lo_nib(raw)));
+                PUT(g + 4, v, lookup(table, hi_nib(raw)));
+            }
+        return dst;
+    }
+    if (!nibbles(fmt)) {
+        if (!offset(fmt)) return qs;
+        for (int g = 0; g < 8; ++g)
+            for (int v = 0; v < V; ++v) PUT(g, v, loadi(qs + (g * NC + v * VW) * 4));
+        return dst;
+    }
+    for (int v = 0; v < V; ++v) {
+        vi h5 = zeroi(), h6 = zeroi();
+        if (fifth_bits(fmt) || high_pairs(fmt)) h5 = loadi(qs + nibble_bytes() + v * VW * 4);
+        if (high_pairs(fmt)) h6 = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+        for (int g = 0; g < 4; ++g) {
+            const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+            vi lo = lo_nib(raw), hi = hi_nib(raw);
+            if (fifth_bits(fmt)) {
+                lo = ori(lo, fifth_lo(h5, g));
+                hi = ori(hi, fifth_hi(h5, g));
+            }
+            if (high_pairs(fmt)) {
+                lo = ori(lo, pair_bits(h5, g));
+                hi = ori(hi, pair_bits(h6, g));
+            }
+            PUT(g, v, lo);
+            PUT(g + 4, v, hi);
+        }
+    }
+#undef PUT
+    return dst;
+}
+
+/* Block b's scales for the panel's vector v (rows_simd's loads and exact products). */
+INLINE void amx_scales(const int fmt, const uint8_t *panel, int64_t b, int v, vfl *kd, vfl *kdm, vfl *dw, vfl *mw,
+                       vfl *dw1, vfl *mw1) {
+    if (is_k(fmt)) {
+        const uint8_t *hd = panel + (b / KB) * k_stride(fmt);
+        const int j = (int)(b % KB);
+        if (j == 0) {
+            *kd = loadh(hd + 2 * v * VW);
+            if (has_min(fmt)) *kdm = loadh(hd + NC * 2 + 2 * v * VW);
+        }
+        if (q2k(fmt)) {
+            const uint8_t *sm = hd + NC * 4 + 2 * j * NC + v * VW;
+            *dw = *kd * cvt_lo4(sm);
+            *mw = -(*kdm * cvt_hi4(sm));
+            *dw1 = *kd * cvt_lo4(sm + NC);
+            *mw1 = -(*kdm * cvt_hi4(sm + NC));
+        } else if (iq4xs(fmt)) {
+            *dw = *kd * cvt_s8(hd + NC * 2 + j * NC + v * VW);
+        } else if (two_scales(fmt)) {
+            *dw = *kd * cvt_s8(hd + NC * 2 + 2 * j * NC + v * VW);
+            *mw = *kd * cvt_s8(hd + NC * 2 + (2 * j + 1) * NC + v * VW);
+        } else {
+            *dw = *kd * cvt_u8(hd + NC * 4 + j * NC + v * VW);
+            *mw = -(*kdm * cvt_u8(hd + NC * 4 + KB * NC + j * NC + v * VW));
+        }
+        return;
+    }
+    const uint8_t *blk = panel + b * block_stride(fmt);
+    const int64_t at = half_scales(fmt) ? 2 * v * VW : 4 * v * VW;
+    *dw = half_scales(fmt) ? loadh(blk + at) : loadf((const float *)(blk + at));
+    if (has_min(fmt) || two_scales(fmt))
+        *mw = half_scales(fmt) ? loadh(blk + scale_row(fmt) + at) : loadf((const float *)(blk + scale_row(fmt) + at));
+}
+
+/* Rows [0, 16 * groups) of an item against one panel on the tiles: per group of 16 rows and vector v
+ * of the panel (16 columns), the blocks in order, the 16 rows' sums kept in registers; the float
+ * steps are rows_simd's, in its order. */
+INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, const uint8_t *const *wq,
+                     const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
+    const int halves = two_scales(fmt), min = has_min(fmt);
+    amx_configure(halves ? 16 : 32);
+    int32_t sums[2][16][VW] __attribute__((aligned(64)));
+    float out[16][NC] __attribute__((aligned(64)));
+    for (int grp = 0; grp < groups; ++grp) {
+        const int64_t rg = r0 + 16 * grp;
+        for (int v = 0; v < V; ++v) {
+            vfl acc[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) acc[i] = zerof();
+            vfl kd = zerof(), kdm = zerof();
+            for (int64_t b = 0; b < x->nb; ++b) {
+                const int8_t *xa = x->q + rg * x->k + b * QK;
+                const uint8_t *w = wq[b] + v * VW * 4;
+                TILE_LOAD(4, xa, x->k);
+                TILE_LOAD(5, w, NC * 4);
+                TILE_ZERO(0);
+                TILE_DP(0, 4, 5);
+                TILE_STORE(0, &sums[0][0][0], VW * 4);
+                if (halves) {
+                    TILE_LOAD(4, xa + 16, x->k);
+                    TILE_LOAD(5, w + 4 * NC * 4, NC * 4);
+                    TILE_ZERO(1);
+                    TILE_DP(1, 4, 5);
+                    TILE_STORE(1, &sums[1][0][0], VW * 4);
+                }
+                vfl dw = zerof(), mw = zerof(), dw1 = zerof(), mw1 = zerof();
+                amx_scales(fmt, panel, b, v, &kd, &kdm, &dw, &mw, &dw1, &mw1);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; ++i) {
+                    const int64_t at = (rg + i) * x->nb + b;
+                    const vfl dx = setf(x->dx[at]);
+                    const vi s0 = _mm512_load_si512((const void *)sums[0][i]);
+                    vfl t;
+                    if (q2k(fmt)) {
+                        float e0 = x->dx[at] * (float)x->sh[2 * at], e1 = x->dx[at] * (float)x->sh[2 * at + 1];
+                        KEEP(e0);
+                        KEEP(e1);
+                        const vi s1 = _mm512_load_si512((const void *)sums[1][i]);
+                        t = keepv(keepv(dw * dx) * cvt(s0));
+                        t = keepv(t + keepv(mw * setf(e0)));
+                        vfl u = keepv(keepv(dw1 * dx) * cvt(s1));
+                        u = keepv(u + keepv(mw1 * setf(e1)));
+                        t = keepv(t + u);
+                    } else if (halves) {
+                        const vi s1 = _mm512_load_si512((const void *)sums[1][i]);
+                        t = keepv(keepv(dw * dx) * cvt(s0));
+                        const vfl u = keepv(keepv(mw * dx) * cvt(s1));
+                        t = keepv(t + u);
+                    } else {
+                        t = keepv(keepv(dw * dx) * cvt(s0));
+                        if (min) t = keepv(t + keepv(mw * setf(x->dxs[at])));
+                    }
+                    acc[i] = acc[i] + t;
+                }
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) _mm512_store_ps(&out[i][v * VW], acc[i]);
+        }
+        store_rows(out, 16, bias, y + 16 * grp * ldy, ldy, cols);
+    }
+    TILE_RELEASE();
+}
+
+#define DEFINE_AMX_ITEM(NAME, FMT)                                                                        \
+    static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
+                           float *y, int64_t ldy, int cols) {                                              \
+        const int groups = (int)(rows / 16);                                                               \
+        const uint8_t **wq = groups ? (const uint8_t **)amx_weights((size_t)x->nb * (sizeof(void *) + 8 * NC * 4)) \
+                                    : NULL;                                                                \
+        if (groups && wq) {                                                                                \
+            uint8_t *room = (uint8_t *)(wq + x->nb);                                                       \
+            for (int64_t b = 0; b < x->nb; ++b) wq[b] = amx_unpack(FMT, panel, b, room + b * 8 * NC * 4);  \
+            rows_amx(FMT, x, r0, groups, wq, panel, bias, y, ldy, cols);                                  \
+        }                                                                                                  \
+        const int64_t done = groups && wq ? 16 * (int64_t)groups : 0;                                      \
+        if (done < rows) vnni_##NAME(x, r0 + done, rows - done, panel, bias, y + done * ldy, ldy, cols);   \
+    }
+DEFINE_AMX_ITEM(q8_0, FMT_Q8_0)
+DEFINE_AMX_ITEM(q4_0, FMT_Q4_0)
+DEFINE_AMX_ITEM(q4_1, FMT_Q4_1)
+DEFINE_AMX_ITEM(u8_1, FMT_U8_1)
+DEFINE_AMX_ITEM(q8_0_h, FMT_Q8_0 | FMT_HALF)
+DEFINE_AMX_ITEM(q4_0_h, FMT_Q4_0 | FMT_HALF)
+DEFINE_AMX_ITEM(q4_1_h, FMT_Q4_1 | FMT_HALF)
+DEFINE_AMX_ITEM(u8_1_h, FMT_U8_1 | FMT_HALF)
+DEFINE_AMX_ITEM(i8_16, FMT_I8_16)
+DEFINE_AMX_ITEM(i8_16_h, FMT_I8_16 | FMT_HALF)
+DEFINE_AMX_ITEM(q5_0, FMT_Q5_0)
+DEFINE_AMX_ITEM(q5_1, FMT_Q5_1)
+DEFINE_AMX_ITEM(q5_0_h, FMT_Q5_0 | FMT_HALF)
+DEFINE_AMX_ITEM(q5_1_h, FMT_Q5_1 | FMT_HALF)
+DEFINE_AMX_ITEM(q4_k, FMT_Q4_1 | FMT_K)
+DEFINE_AMX_ITEM(q5_k, FMT_Q5_1 | FMT_K)
+DEFINE_AMX_ITEM(q6_k, FMT_I8_16 | FMT_K)
+DEFINE_AMX_ITEM(q3_k, FMT_I8_16 | FMT_K | FMT_HALF)
+DEFINE_AMX_ITEM(q2_k, FMT_Q2 | FMT_K)
+DEFINE_AMX_ITEM(iq4_xs, FMT_Q8_0 | FMT_K)
+static const item_fn amx_items[FMT_COUNT] = {
+    [FMT_Q8_0] = amx_q8_0,
+    [FMT_Q4_0] = amx_q4_0,
+    [FMT_Q4_1] = amx_q4_1,
+    [FMT_U8_1] = amx_u8_1,
+    [FMT_I8_16] = amx_i8_16,
+    [FMT_Q5_0] = amx_q5_0,
+    [FMT_Q5_1] = amx_q5_1,
+    [FMT_Q8_0 | FMT_HALF] = amx_q8_0_h,
+    [FMT_Q4_0 | FMT_HALF] = amx_q4_0_h,
+    [FMT_Q4_1 | FMT_HALF] = amx_q4_1_h,
+    [FMT_U8_1 | FMT_HALF] = amx_u8_1_h,
+    [FMT_I8_16 | FMT_HALF] = amx_i8_16_h,
+    [FMT_Q5_0 | FMT_HALF] = amx_q5_0_h,
+    [FMT_Q5_1 | FMT_HALF] = amx_q5_1_h,
+    [FMT_Q4_1 | FMT_K] = amx_q4_k,
+    [FMT_Q5_1 | FMT_K] = amx_q5_k,
+    [FMT_I8_16 | FMT_K] = amx_q6_k,
+    [FMT_I8_16 | FMT_K | FMT_HALF] = amx_q3_k,
+    [FMT_Q2 | FMT_K] = amx_q2_k,
+    [FMT_Q8_0 | FMT_K] = amx_iq4_xs};
+#endif
+
+/* on: 1 use AMX where the OS grants it, 0 never, -1 leave. Returns whether AMX runs now (a GEMM of
+ * 16 rows or more; it needs VNNI's rows for the rest, so VNNI off turns it off too). */
+int32_t llmserve_qi8_amx(int32_t on) {
+#ifdef AMX_PATH
+    if (on == 0) use_amx = 0;
+    if (on == 1) use_amx = 1;
+    return amx_active() && vnni_active();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+
 /* One call's GEMM (llmserve_qi8_gemm): its rows quantized, then its (row chunk, panel) items. */
 typedef struct {
     qrows xs;
@@ -1260,6 +1592,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     qi8_job j = {{q, dx, dxs, sx, sh, k, nb}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
+#endif
+#ifdef AMX_PATH
+    if (m >= 16 && vnni_active() && amx_active()) j.item = amx_items[fmt];
 #endif
     parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
