@@ -1209,14 +1209,17 @@ typedef struct {
 } __attribute__((packed, aligned(64))) amx_config;
 
 /* Tiles: 0 the first (or only) k range's sums for 16 rows x 16 columns, 1 the second half's (formats
- * with a scale per 16 k steps); 4 the activations (16 rows x kbytes), 5 the 16 columns' weights. */
+ * with a scale per 16 k steps); 4 the activations (16 rows x kbytes), 5 the 16 columns' weights; 2, 3,
+ * 6, 7 the same for a second block in flight. */
 static void amx_configure(int kbytes) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette_id = 1;
-    for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    c.rows[4] = 16, c.colsb[4] = (uint16_t)kbytes;
-    c.rows[5] = (uint8_t)(kbytes / 4), c.colsb[5] = 64;
+    for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    for (int t = 4; t < 8; t += 2) {
+        c.rows[t] = 16, c.colsb[t] = (uint16_t)kbytes;
+        c.rows[t + 1] = (uint8_t)(kbytes / 4), c.colsb[t + 1] = 64;
+    }
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 #define TILE_LOAD(t, base, stride) \
@@ -1287,8 +1290,11 @@ static uint8_t *amx_weights(size_t bytes) {
 }
 
 /* Block b of the panel as the weight tile reads it: [group g 0..7][column][4] signed bytes, the
- * stored quant less the format's offset (so the tile's sum is rows_simd's isum - offset * sx, the same
- * integer), groups 0-3 the block's first 16 k steps. A byte form without an offset is that already. */
+ * stored quant less the format's offset (TDPBSSD's sum is then rows_simd's isum - offset * sx, the
+ * same integer), groups 0-3 the block's first 16 k steps; unpacked once for all the item's rows.
+ * The byte forms (Q8_0, and I8_16, U8_1: K-quants without their super-blocks) stay on VNNI: read in
+ * place, the tiles measured no faster on them (1.00-1.06x at 64-512 rows, slower below), the
+ * float steps being most of their work. */
 INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
     const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
     const vi off = _mm512_set1_epi8((char)offset(fmt));
@@ -1309,12 +1315,6 @@ INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b,
                 PUT(g, v, lookup(table, lo_nib(raw)));
                 PUT(g + 4, v, lookup(table, hi_nib(raw)));
             }
-        return dst;
-    }
-    if (!nibbles(fmt)) {
-        if (!offset(fmt)) return qs;
-        for (int g = 0; g < 8; ++g)
-            for (int v = 0; v < V; ++v) PUT(g, v, loadi(qs + (g * NC + v * VW) * 4));
         return dst;
     }
     for (int v = 0; v < V; ++v) {
@@ -1374,6 +1374,25 @@ INLINE void amx_scales(const int fmt, const uint8_t *panel, int64_t b, int v, vf
         *mw = half_scales(fmt) ? loadh(blk + scale_row(fmt) + at) : loadf((const float *)(blk + scale_row(fmt) + at));
 }
 
+/* Block b's products for 16 rows and the panel's vector v into sums[slot] (two slots, so that the
+ * tiles of block b + 1 run while block b's float steps do): C tiles 0, 1 (slot 0) or 2, 3 (slot 1)
+ * for the block's first and second 16 k steps, activations in tile 4 or 6, weights in 5 or 7. */
+#define AMX_ISSUE(C0, C1, A, B)                                                \
+    do {                                                                       \
+        TILE_LOAD(A, xa, x->k);                                                \
+        TILE_LOAD(B, w, NC * 4);                                               \
+        TILE_ZERO(C0);                                                         \
+        TILE_DP(C0, A, B);                                                     \
+        TILE_STORE(C0, &sums[slot][0][0][0], VW * 4);                          \
+        if (halves) {                                                          \
+            TILE_LOAD(A, xa + 16, x->k);                                       \
+            TILE_LOAD(B, w + 4 * NC * 4, NC * 4);                              \
+            TILE_ZERO(C1);                                                     \
+            TILE_DP(C1, A, B);                                                 \
+            TILE_STORE(C1, &sums[slot][1][0][0], VW * 4);                      \
+        }                                                                      \
+    } while (0)
+
 /* Rows [0, 16 * groups) of an item against one panel on the tiles: per group of 16 rows and vector v
  * of the panel (16 columns), the blocks in order, the 16 rows' sums kept in registers; the float
  * steps are rows_simd's, in its order. */
@@ -1381,7 +1400,7 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
                      const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
     const int halves = two_scales(fmt), min = has_min(fmt);
     amx_configure(halves ? 16 : 32);
-    int32_t sums[2][16][VW] __attribute__((aligned(64)));
+    int32_t sums[2][2][16][VW] __attribute__((aligned(64)));
     float out[16][NC] __attribute__((aligned(64)));
     for (int grp = 0; grp < groups; ++grp) {
         const int64_t rg = r0 + 16 * grp;
@@ -1390,41 +1409,39 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
 #pragma GCC unroll 16
             for (int i = 0; i < 16; ++i) acc[i] = zerof();
             vfl kd = zerof(), kdm = zerof();
-            for (int64_t b = 0; b < x->nb; ++b) {
-                const int8_t *xa = x->q + rg * x->k + b * QK;
-                const uint8_t *w = wq[b] + v * VW * 4;
-                TILE_LOAD(4, xa, x->k);
-                TILE_LOAD(5, w, NC * 4);
-                TILE_ZERO(0);
-                TILE_DP(0, 4, 5);
-                TILE_STORE(0, &sums[0][0][0], VW * 4);
-                if (halves) {
-                    TILE_LOAD(4, xa + 16, x->k);
-                    TILE_LOAD(5, w + 4 * NC * 4, NC * 4);
-                    TILE_ZERO(1);
-                    TILE_DP(1, 4, 5);
-                    TILE_STORE(1, &sums[1][0][0], VW * 4);
+            for (int64_t b = -1; b < x->nb; ++b) {
+                if (b + 1 < x->nb) { /* the next block's products first */
+                    const int64_t n = b + 1;
+                    const int slot = (int)(n & 1);
+                    const int8_t *xa = x->q + rg * x->k + n * QK;
+                    const uint8_t *w = wq[n] + v * VW * 4;
+                    if (slot == 0)
+                        AMX_ISSUE(0, 1, 4, 5);
+                    else
+                        AMX_ISSUE(2, 3, 6, 7);
                 }
+                if (b < 0) continue;
+                const int slot = (int)(b & 1);
                 vfl dw = zerof(), mw = zerof(), dw1 = zerof(), mw1 = zerof();
                 amx_scales(fmt, panel, b, v, &kd, &kdm, &dw, &mw, &dw1, &mw1);
 #pragma GCC unroll 16
                 for (int i = 0; i < 16; ++i) {
                     const int64_t at = (rg + i) * x->nb + b;
                     const vfl dx = setf(x->dx[at]);
-                    const vi s0 = _mm512_load_si512((const void *)sums[0][i]);
+                    const vi s0 = _mm512_load_si512((const void *)sums[slot][0][i]);
                     vfl t;
                     if (q2k(fmt)) {
                         float e0 = x->dx[at] * (float)x->sh[2 * at], e1 = x->dx[at] * (float)x->sh[2 * at + 1];
                         KEEP(e0);
                         KEEP(e1);
-                        const vi s1 = _mm512_load_si512((const void *)sums[1][i]);
+                        const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
                         t = keepv(keepv(dw * dx) * cvt(s0));
                         t = keepv(t + keepv(mw * setf(e0)));
                         vfl u = keepv(keepv(dw1 * dx) * cvt(s1));
                         u = keepv(u + keepv(mw1 * setf(e1)));
                         t = keepv(t + u);
                     } else if (halves) {
-                        const vi s1 = _mm512_load_si512((const void *)sums[1][i]);
+                        const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
                         t = keepv(keepv(dw * dx) * cvt(s0));
                         const vfl u = keepv(keepv(mw * dx) * cvt(s1));
                         t = keepv(t + u);
@@ -1457,16 +1474,13 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
         const int64_t done = groups && wq ? 16 * (int64_t)groups : 0;                                      \
         if (done < rows) vnni_##NAME(x, r0 + done, rows - done, panel, bias, y + done * ldy, ldy, cols);   \
     }
-DEFINE_AMX_ITEM(q8_0, FMT_Q8_0)
+//Xq8_0FMT_Q8_0)
 DEFINE_AMX_ITEM(q4_0, FMT_Q4_0)
 DEFINE_AMX_ITEM(q4_1, FMT_Q4_1)
-DEFINE_AMX_ITEM(u8_1, FMT_U8_1)
-DEFINE_AMX_ITEM(q8_0_h, FMT_Q8_0 | FMT_HALF)
+//Xu8_1FMT_U8_1)
 DEFINE_AMX_ITEM(q4_0_h, FMT_Q4_0 | FMT_HALF)
 DEFINE_AMX_ITEM(q4_1_h, FMT_Q4_1 | FMT_HALF)
-DEFINE_AMX_ITEM(u8_1_h, FMT_U8_1 | FMT_HALF)
-DEFINE_AMX_ITEM(i8_16, FMT_I8_16)
-DEFINE_AMX_ITEM(i8_16_h, FMT_I8_16 | FMT_HALF)
+//Xi8_16FMT_I8_16)
 DEFINE_AMX_ITEM(q5_0, FMT_Q5_0)
 DEFINE_AMX_ITEM(q5_1, FMT_Q5_1)
 DEFINE_AMX_ITEM(q5_0_h, FMT_Q5_0 | FMT_HALF)
@@ -1478,18 +1492,18 @@ DEFINE_AMX_ITEM(q3_k, FMT_I8_16 | FMT_K | FMT_HALF)
 DEFINE_AMX_ITEM(q2_k, FMT_Q2 | FMT_K)
 DEFINE_AMX_ITEM(iq4_xs, FMT_Q8_0 | FMT_K)
 static const item_fn amx_items[FMT_COUNT] = {
-    [FMT_Q8_0] = amx_q8_0,
+    [FMT_Q8_0] = vnni_q8_0, /* a byte form: VNNI */
     [FMT_Q4_0] = amx_q4_0,
     [FMT_Q4_1] = amx_q4_1,
-    [FMT_U8_1] = amx_u8_1,
-    [FMT_I8_16] = amx_i8_16,
+    [FMT_U8_1] = vnni_u8_1, /* a byte form: VNNI */
+    [FMT_I8_16] = vnni_i8_16, /* a byte form: VNNI */
     [FMT_Q5_0] = amx_q5_0,
     [FMT_Q5_1] = amx_q5_1,
-    [FMT_Q8_0 | FMT_HALF] = amx_q8_0_h,
+    [FMT_Q8_0 | FMT_HALF] = vnni_q8_0_h, /* a byte form: VNNI */
     [FMT_Q4_0 | FMT_HALF] = amx_q4_0_h,
     [FMT_Q4_1 | FMT_HALF] = amx_q4_1_h,
-    [FMT_U8_1 | FMT_HALF] = amx_u8_1_h,
-    [FMT_I8_16 | FMT_HALF] = amx_i8_16_h,
+    [FMT_U8_1 | FMT_HALF] = vnni_u8_1_h, /* a byte form: VNNI */
+    [FMT_I8_16 | FMT_HALF] = vnni_i8_16_h, /* a byte form: VNNI */
     [FMT_Q5_0 | FMT_HALF] = amx_q5_0_h,
     [FMT_Q5_1 | FMT_HALF] = amx_q5_1_h,
     [FMT_Q4_1 | FMT_K] = amx_q4_k,
@@ -1594,7 +1608,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
 #ifdef AMX_PATH
-    if (m >= 16 && vnni_active() && amx_active()) j.item = amx_items[fmt];
+    /* the tiles from 32 rows (16 for a scale per 16 k steps): below, their sums stored and reloaded
+     * cost more than VNNI's (measured 0.92-0.97x at 16-24 rows on Q5_0; Q6_K 1.09-1.26x) */
+    if (m >= (two_scales(fmt) ? 16 : 32) && vnni_active() && amx_active()) j.item = amx_items[fmt];
 #endif
     parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
