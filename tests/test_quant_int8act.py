@@ -379,3 +379,39 @@ def test_a_bad_segment_header_is_refused_and_nothing_written(kernel):
     assert call(good, k=48) == -1  # not whole blocks of either format
     assert torch.all(y == 7.0)
     assert call(good) == 0 and torch.equal(y, lin(x))
+
+
+_PROBE = """
+import sys, torch
+from kernels.cpu import quant_int8act
+from tests.test_quant_int8act import activations, weight
+lib = quant_int8act.library("avx512")
+lin = quant_int8act.Int8ActLinear(weight("Q5_0", 64, 256, seed=3), isa="avx512")
+y = lin(activations(48, 256, seed=2))  # 48 rows: the tiles' size, where granted
+print(int(lib.llmserve_qi8_amx(-1)), quant_int8act.variant("avx512"))
+torch.save(y, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("avx512" not in native_build.supported_isas(), reason="the AMX path is in the avx512 build")
+@pytest.mark.parametrize("env", ["LLMSERVE_AMX_PROBE_FAULT", "LLMSERVE_AMX"])
+def test_amx_is_used_only_where_the_probe_succeeds(tmp_path, env):
+    """The probe's child faulting (as on a VM that advertises AMX and faults on it), or
+    ``LLMSERVE_AMX=0``: the process goes on with the tiles off and the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    def run(extra: dict) -> tuple[str, torch.Tensor]:
+        out = tmp_path / f"y{len(extra)}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(out)],
+            env={**os.environ, **extra}, capture_output=True, text=True, check=True,
+        )
+        return done.stdout.strip(), torch.load(out)
+
+    on, y_on = run({})
+    off, y_off = run({env: "1" if env.endswith("FAULT") else "0"})
+    assert off.split()[0] == "0" and "AMX" not in off
+    assert torch.equal(y_on, y_off)
+    assert on.split()[0] == str(int(amx_granted())) and ("AMX" in on) == amx_granted()

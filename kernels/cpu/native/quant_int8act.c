@@ -1231,6 +1231,10 @@ static void amx_configure(int kbytes) {
 #define TILE_RELEASE() __asm__ volatile("tilerelease" ::)
 
 static int amx_child_check(void) {
+    /* LLMSERVE_AMX_PROBE_FAULT=1 (tests): the child faults as on a machine that advertises AMX and
+     * does not grant it, to show the parent goes on without the tiles */
+    const char *fault = getenv("LLMSERVE_AMX_PROBE_FAULT");
+    if (fault && fault[0] == '1') __builtin_trap();
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 2;
     int8_t a[16 * 32];
     int8_t w[8 * 64];
