@@ -38,50 +38,82 @@ from kernels.cpu import native_build
 PEAK_SRC = r"""
 #include <stdint.h>
 #include <immintrin.h>
-/* fp32: 12 independent chains of 8-wide FMAs (two FMA pipes x their latency in flight), each in
- * its own register (an array would go through memory). */
-#define F(a) a = _mm256_fmadd_ps(a, x, y)
-double roof_fma(int64_t iters) {
-    __m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.9999f);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
-           a8 = a0, a9 = a0, a10 = a0, a11 = a0;
-    for (int64_t it = 0; it < iters; ++it) {
-        __asm__ volatile("" : "+x"(x), "+x"(y));
-        F(a0); F(a1); F(a2); F(a3); F(a4); F(a5); F(a6); F(a7); F(a8); F(a9); F(a10); F(a11);
-        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
-        __asm__ volatile("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
-    }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-    return (double)_mm256_cvtss_f32(s);
-}
-/* int8: 6 independent chains of the kernels' 32-byte dot step (u8 x s8 pairs summed to s16, pairs
- * of those to s32, added), or one vpdpbusd with AVX-512 VNNI; each chain its own operand register,
- * opaque to the compiler, so that no step is shared or folded. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define D(a, u) a = _mm256_dpbusd_epi32(a, u, s)
+/* The vector width the kernels run: 512 bits on an AVX-512 build, else 256 (an AVX-512 core's FMA
+ * pipes do 16 lanes an instruction: a 256-bit loop measured half its rate). */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define FMA(a, x, y) _mm512_fmadd_ps(a, x, y)
+#define SETF(v) _mm512_set1_ps(v)
+#define ZEROF() _mm512_setzero_ps()
+#define ADDF(a, b) _mm512_add_ps(a, b)
+#define FIRSTF(s) _mm512_cvtss_f32(s)
+#define SET8(v) _mm512_set1_epi8(v)
+#define SET16(v) _mm512_set1_epi16(v)
+#define ZEROI() _mm512_setzero_si512()
+#define ADD32(a, b) _mm512_add_epi32(a, b)
+#define DOT_BW(a, u, s) _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), ones))
+#define FIRSTI(t) _mm_cvtsi128_si32(_mm512_castsi512_si128(t))
 #else
-#define D(a, u) a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
+#define LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define FMA(a, x, y) _mm256_fmadd_ps(a, x, y)
+#define SETF(v) _mm256_set1_ps(v)
+#define ZEROF() _mm256_setzero_ps()
+#define ADDF(a, b) _mm256_add_ps(a, b)
+#define FIRSTF(s) _mm256_cvtss_f32(s)
+#define SET8(v) _mm256_set1_epi8(v)
+#define SET16(v) _mm256_set1_epi16(v)
+#define ZEROI() _mm256_setzero_si256()
+#define ADD32(a, b) _mm256_add_epi32(a, b)
+#define DOT_BW(a, u, s) _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
+#define FIRSTI(t) _mm256_extract_epi32(t, 0)
+#endif
+int32_t roof_lanes(void) { return LANES; }
+/* fp32: 12 independent chains of FMAs (two FMA pipes x their latency in flight), each in its own
+ * register (an array would go through memory). */
+#define F(a) a = FMA(a, x, y)
+double roof_fma(int64_t iters) {
+    vf x = SETF(1.0001f), y = SETF(0.9999f);
+    vf a0 = ZEROF(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+       a10 = a0, a11 = a0;
+    for (int64_t it = 0; it < iters; ++it) {
+        __asm__ volatile("" : "+v"(x), "+v"(y));
+        F(a0); F(a1); F(a2); F(a3); F(a4); F(a5); F(a6); F(a7); F(a8); F(a9); F(a10); F(a11);
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
+        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+    }
+    vf s = ADDF(ADDF(ADDF(a0, a1), ADDF(a2, a3)), ADDF(ADDF(a4, a5), ADDF(a6, a7)));
+    s = ADDF(s, ADDF(ADDF(a8, a9), ADDF(a10, a11)));
+    return (double)FIRSTF(s);
+}
+/* int8: 6 independent chains of the kernels' dot step (u8 x s8 pairs summed to s16, pairs of those
+ * to s32, added), or one vpdpbusd with VNNI (as the kernels, assembled directly); each chain its own
+ * operand register, opaque to the compiler, so that no step is shared or folded. */
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define D(a, u) __asm__("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
+#else
+#define D(a, u) a = DOT_BW(a, u, s)
 #endif
 int64_t roof_int8(int64_t iters) {
-    __m256i s = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
-    __m256i u0 = _mm256_set1_epi8(3), u1 = u0, u2 = u0, u3 = u0, u4 = u0, u5 = u0;
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    vi s = SET8(-2), ones = SET16(1);
+    vi u0 = SET8(3), u1 = u0, u2 = u0, u3 = u0, u4 = u0, u5 = u0;
+    vi a0 = ZEROI(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
     (void)ones;
     for (int64_t it = 0; it < iters; ++it) {
-        __asm__ volatile("" : "+x"(u0), "+x"(u1), "+x"(u2), "+x"(u3), "+x"(u4), "+x"(u5));
-        __asm__ volatile("" : "+x"(s), "+x"(ones));
+        __asm__ volatile("" : "+v"(u0), "+v"(u1), "+v"(u2), "+v"(u3), "+v"(u4), "+v"(u5));
+        __asm__ volatile("" : "+v"(s), "+v"(ones));
         D(a0, u0); D(a1, u1); D(a2, u2); D(a3, u3); D(a4, u4); D(a5, u5);
-        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
     }
-    __m256i t = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                                 _mm256_add_epi32(a4, a5));
-    return _mm256_extract_epi32(t, 0);
+    vi t = ADD32(ADD32(ADD32(a0, a1), ADD32(a2, a3)), ADD32(a4, a5));
+    return FIRSTI(t);
 }
 """
-FMA_FLOPS_PER_ITER = 12 * 8 * 2
-INT8_OPS_PER_ITER = 6 * 32 * 2
+FMA_FLOPS_PER_ITER = 12 * 2  # times the lanes
+INT8_OPS_PER_ITER = 6 * 4 * 2  # times the lanes (4 byte products a 32-bit lane)
 
 
 def build_roof():
@@ -98,6 +130,7 @@ def build_roof():
     lib = ctypes.CDLL(str(so))
     lib.roof_fma.argtypes, lib.roof_fma.restype = [ctypes.c_int64], ctypes.c_double
     lib.roof_int8.argtypes, lib.roof_int8.restype = [ctypes.c_int64], ctypes.c_int64
+    lib.roof_lanes.argtypes, lib.roof_lanes.restype = [], ctypes.c_int32
     return lib, isa
 
 
@@ -152,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     roofs = {}
     for t in threads:
         roofs[t] = dict(
-            fp32_gflops=roof(lib.roof_fma, FMA_FLOPS_PER_ITER, t) / 1e9,
-            int8_gops=roof(lib.roof_int8, INT8_OPS_PER_ITER, t) / 1e9,
+            fp32_gflops=roof(lib.roof_fma, FMA_FLOPS_PER_ITER * lib.roof_lanes(), t) / 1e9,
+            int8_gops=roof(lib.roof_int8, INT8_OPS_PER_ITER * lib.roof_lanes(), t) / 1e9,
         )
         print(
             f"roof ({isa}, {t} thread(s)): fp32 FMA {roofs[t]['fp32_gflops']:.0f} GFLOP/s, "
