@@ -60,8 +60,18 @@
 #ifndef MC
 #define MC 256 /* rows per work item: an item is (rows, panel) */
 #endif
+/* Software prefetch of the weight: PREFETCH_BLOCKS blocks ahead (Q4_K 4 KB, Q5_0 5.5 KB) into the
+ * L2 (locality 2: prefetcht1) and PREFETCH_NEAR blocks ahead into the L1 (prefetcht0). On the AVX-512
+ * Xeon a batch-1 GEMV streamed from memory ran 1.02-1.26x the L1 prefetch 4 blocks ahead alone
+ * (docs/performance.md). */
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 4
+#define PREFETCH_BLOCKS 8
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2
+#endif
+#ifndef PREFETCH_NEAR
+#define PREFETCH_NEAR 4
 #endif
 /* MRK: the nibble K forms' rows a pass (rows_k, one vector of the panel at a time). */
 #ifndef MRK
@@ -756,11 +766,16 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
         if (is_k(fmt)) { /* the next super-block's header at its start, the quants PREFETCH_BLOCKS ahead */
             if (b % KB == 0)
                 for (int64_t o = 0; o < k_header(fmt); o += 64)
-                    __builtin_prefetch(panel + (b / KB + 1) * k_stride(fmt) + o, 0, 3);
-            for (int64_t o = 0; o < quant_bytes(fmt); o += 64)
-                __builtin_prefetch(qs + PREFETCH_BLOCKS * quant_bytes(fmt) + o, 0, 3);
+                    __builtin_prefetch(panel + (b / KB + 1) * k_stride(fmt) + o, 0, PREFETCH_LOCALITY);
+            for (int64_t o = 0; o < quant_bytes(fmt); o += 64) {
+                __builtin_prefetch(qs + PREFETCH_BLOCKS * quant_bytes(fmt) + o, 0, PREFETCH_LOCALITY);
+                if (PREFETCH_NEAR) __builtin_prefetch(qs + PREFETCH_NEAR * quant_bytes(fmt) + o, 0, 3);
+            }
         } else {
-            for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, 3);
+            for (int64_t o = 0; o < stride; o += 64) {
+                __builtin_prefetch(blk + PREFETCH_BLOCKS * stride + o, 0, PREFETCH_LOCALITY);
+                if (PREFETCH_NEAR) __builtin_prefetch(blk + PREFETCH_NEAR * stride + o, 0, 3);
+            }
         }
         vi isum[MR][V], isum1[MR][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
         for (int i = 0; i < m; ++i)
@@ -986,11 +1001,14 @@ INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, co
     const int64_t qb = quant_bytes(fmt), ks = k_stride(fmt), kh = k_header(fmt);
     for (int64_t s = 0; s < x->nb / KB; ++s) {
         const uint8_t *h = panel + s * ks;
-        for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, 3);
+        for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, PREFETCH_LOCALITY);
         for (int j = 0; j < KB; ++j) {
             const int64_t b = s * KB + j;
             const uint8_t *qs = h + kh + j * qb;
-            for (int64_t o = 0; o < qb; o += 64) __builtin_prefetch(qs + PREFETCH_BLOCKS * qb + o, 0, 3);
+            for (int64_t o = 0; o < qb; o += 64) {
+                __builtin_prefetch(qs + PREFETCH_BLOCKS * qb + o, 0, PREFETCH_LOCALITY);
+                if (PREFETCH_NEAR) __builtin_prefetch(qs + PREFETCH_NEAR * qb + o, 0, 3);
+            }
 #pragma GCC unroll 1
             for (int v = 0; v < V; ++v) {
                 vi isum[MRK], isum1[MRK], p0[MRK], p1[MRK];
