@@ -1,7 +1,9 @@
 """GGUF files for tests, written with the ``gguf`` package's own writer the way llama.cpp's
 converter lays them out: its tensor names, dimensions in reverse, and the Llama family's q/k rows
 permuted for its rotary layout. The engine's reader undoes all of that; transformers' GGUF loader
-(an independent reader) undoes it too, so the two must agree on every file written here.
+(an independent reader) undoes it too, so the two must agree on every file written here. What
+differs between architectures is read from their declarations (engine_svc/models/arch/): no
+architecture is named here.
 
 ``gguf.quants`` can quantize F16, BF16, Q8_0 and Q4/Q5 blocks; the K-quant types (Q2_K..Q6_K) have
 no quantizer there, so their blocks are random bytes with finite, small scale fields: any bit
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.numpy import load_file
+
+from engine_svc.models import arch as archs
+from engine_svc.models.arch import GLOBAL_GGUF_NAMES, Architecture
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -37,70 +41,42 @@ _K_SCALE_FIELDS = {
     "IQ4_XS": (0,),
 }
 
-_GGUF_ARCH = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "gemma2": "gemma2",
-    "phi3": "phi3",
-    "qwen3_moe": "qwen3moe",
-    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with expert_count
-    "smollm3": "smollm3",  # Llama's tensors; the NoPE layers are llama.cpp's fixed every-fourth
-}
-# Routed experts: each expert's HF tensor -> GGUF's stacked tensor of every expert ([E, rows, cols])
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = {
-    "gate_proj": "ffn_gate_exps",
-    "w1": "ffn_gate_exps",
-    "up_proj": "ffn_up_exps",
-    "w3": "ffn_up_exps",
-}
-_STACKED |= {"down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
-_GEMMA = ("gemma2", "gemma3")
-# Gemma 3's names where they differ from the Llama family's (llama.cpp's converter)
-_GEMMA3_NAMES = {
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
-# Phi-3's fused projections (llama.cpp's converter keeps them fused, rows as HF has them)
-_PHI3_NAMES = {
-    "self_attn.qkv_proj.weight": "attn_qkv.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight",
-}
-_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
+
+def declaration(model_dir: Path, arch: str | None = None) -> Architecture:
+    """The declaration a file of the model in ``model_dir`` is written by: its config's
+    ``architectures`` entry's, or GGUF architecture ``arch``'s (a file written as another one)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if arch is None:
+        decl = archs.by_name(cfg["architectures"][0])
+    else:
+        decl = archs.by_gguf(arch, experts=bool(cfg.get("num_experts") or cfg.get("num_local_experts")))
+    if decl is None or decl.gguf is None:
+        raise ValueError(f"no GGUF architecture declared for {arch or cfg['architectures'][0]}")
+    return decl
 
 
-def gguf_name(hf_name: str, g_arch: str = "llama") -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+def _identity(decl: Architecture, hf_suffix: str) -> str:
+    """What an HF per-layer tensor is to the decoder: its slot, an expert slot, or (a fused tensor)
+    its own name; two spellings of one tensor (Mixtral's router) are one identity."""
+    if hf_suffix in decl.layer_weights:
+        return decl.layer_weights[hf_suffix]
+    expert = decl.expert_slot(hf_suffix)
+    return expert[0] if expert else hf_suffix
+
+
+def gguf_name(hf_name: str, decl: Architecture | None = None) -> str:
+    """llama.cpp's name of HF tensor ``hf_name``: the declaration's (default: Llama's) ``gguf_names``
+    read backwards (a per-expert HF tensor: the name of the stacked tensor of every expert)."""
+    decl = decl or archs.by_name("LlamaForCausalLM")
+    top = {hf: g for g, hf in GLOBAL_GGUF_NAMES.items()}
     if hf_name in top:
         return top[hf_name]
-    if hf_name == "lm_head.weight":
-        return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
-    if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):  # a routed-experts layer's router
-        return f"blk.{index}.ffn_gate_inp.weight"
-    names = {**_NAMES, **_GEMMA3_NAMES} if g_arch in _GEMMA else _NAMES
-    if g_arch == "phi3":
-        names = {**_NAMES, **_PHI3_NAMES}
-    return f"blk.{index}.{names[rest]}"
+    by_identity = {_identity(decl, hf): g for g, hf in decl.gguf_names.items()}
+    name = by_identity.get(_identity(decl, rest))
+    if name is None:
+        raise ValueError(f"{decl.name}: no GGUF name declared for {rest}")
+    return f"blk.{index}.{name}"
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -124,14 +100,19 @@ def write_gguf(
 ) -> Path:
     """The HF model in ``model_dir`` (random weights, its tokenizer.json) as one GGUF file whose 2-D
     weights are of ``type_name`` (norms and biases stay F32, as llama.cpp keeps them); ``types``:
-    GGUF tensor name (``blk.0.attn_q.weight``) -> its own type, for a file of mixed formats."""
+    GGUF tensor name (``blk.0.attn_q.weight``) -> its own type, for a file of mixed formats; ``arch``:
+    the GGUF architecture to write it as (default: as llama.cpp's converter writes its own).
+
+    Everything architecture-specific comes from the declaration (engine_svc/models/arch/): the GGUF
+    architecture (``gguf_written``), the tensor names (``gguf_names``, read backwards), the q/k row
+    permutation (``gguf_permuted_qk``) and the norms' stored ``1 + w`` (``norm_offset``)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = arch or cfg["model_type"]
-    g_arch = _GGUF_ARCH[arch]
+    decl = declaration(model_dir, arch)
+    g_arch = arch or decl.gguf_written
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = GGUFWriter(str(out), g_arch)
-    w.add_name(f"test {arch} {type_name}")
+    w.add_name(f"test {arch or cfg['model_type']} {type_name}")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -144,15 +125,13 @@ def write_gguf(
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (the local one is 10k)
     w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 1e4))))
-    if g_arch in _GEMMA:
-        w.add_sliding_window(cfg["sliding_window"])
-        if cfg.get("attn_logit_softcapping"):
-            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
-        if cfg.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if decl.attn_softcap_key and cfg.get(decl.attn_softcap_key):
+        w.add_attn_logit_softcapping(cfg[decl.attn_softcap_key])
+    if decl.final_softcap_key and cfg.get(decl.final_softcap_key):
+        w.add_final_logit_softcapping(cfg[decl.final_softcap_key])
     _add_long_rope(w, cfg, head_dim)
-    if g_arch not in _GEMMA and cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-        w.add_sliding_window(cfg["sliding_window"])  # (Mixtral's, served on every layer)
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        w.add_sliding_window(cfg["sliding_window"])  # (Gemma's local layers'; Mixtral's, every layer's)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
@@ -163,11 +142,14 @@ def write_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, model_dir, cfg)
     weights = load_file(str(model_dir / "model.safetensors"))
-    permuted = g_arch in ("llama", "smollm3")
+    permuted = decl.gguf_permuted_qk
+    # Routed experts: each expert's HF tensor goes into GGUF's stacked one of every expert ([E, rows, cols])
     stacked: dict[str, dict[int, np.ndarray]] = {}
-    for name in [n for n in weights if _EXPERT.match(n)]:
-        layer, expert, proj = _EXPERT.match(name).groups()
-        stacked.setdefault(f"blk.{layer}.{_STACKED[proj]}.weight", {})[int(expert)] = weights.pop(name)
+    for name in list(weights):
+        parts = name.split(".", 3)
+        expert = decl.expert_slot(parts[3]) if len(parts) == 4 and parts[1] == "layers" else None
+        if expert is not None and expert[1] is not None:
+            stacked.setdefault(gguf_name(name, decl), {})[expert[1]] = weights.pop(name)
     for i, (g_name, by_expert) in enumerate(sorted(stacked.items())):
         array = np.stack([by_expert[e] for e in sorted(by_expert)]).astype(np.float32)
         _add_tensor(w, g_name, array, (types or {}).get(g_name, type_name), seed=10_000 + i)
@@ -179,9 +161,9 @@ def write_gguf(
             array = permute_rows(array, heads)
         elif permuted and name.endswith("k_proj.weight"):
             array = permute_rows(array, kv_heads)
-        if g_arch in _GEMMA and name.endswith("norm.weight"):
-            array = array + 1.0  # the converter stores Gemma's (1 + w) norms with the one added
-        g_name = gguf_name(name, g_arch)
+        if decl.norm_offset and name.endswith("norm.weight"):
+            array = array + decl.norm_offset  # the converter stores (1 + w) norms with the one added
+        g_name = gguf_name(name, decl)
         router = g_name.endswith("ffn_gate_inp.weight")  # llama.cpp keeps the router in F32
         kind = (types or {}).get(g_name, type_name) if array.ndim == 2 and not router else "F32"
         _add_tensor(w, g_name, array, kind, seed=i)
@@ -233,7 +215,7 @@ def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
         raise ValueError("test tokenizer ids are not dense")
     tokens = [t for t, _ in by_id]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    if cfg["model_type"] in ("gemma3_text", "gemma2") and len(tokens) > len(by_id):
+    if _tokenizer_adds_mask(cfg["model_type"]) and len(tokens) > len(by_id):
         # transformers' Gemma tokenizer adds a <mask> token where the vocabulary has none
         tokens[len(by_id)] = "<mask>"
         special["<mask>"] = len(by_id)
@@ -250,6 +232,18 @@ def _add_tokenizer(w: GGUFWriter, model_dir: Path, cfg: dict) -> None:
     template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
     if template:
         w.add_chat_template(template)
+
+
+def _tokenizer_adds_mask(model_type: str) -> bool:
+    """Whether transformers' tokenizer class of ``model_type`` has a ``<mask>`` token by default (Gemma's)."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    cls = getattr(transformers, TOKENIZER_MAPPING_NAMES.get(model_type) or "", None)
+    mask = inspect.signature(cls.__init__).parameters.get("mask_token") if cls is not None else None
+    return mask is not None and mask.default == "<mask>"
 
 
 def rewrite_gguf(src: Path, out: Path, drop_keys=(), add=None, tensor=None) -> Path:

@@ -13,33 +13,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-ARCH_DEFAULTS: dict[str, dict] = {
-    "llama": {},
-    "mistral": {"sliding_window": None},
-    "qwen2": {},
-    "qwen3": {"head_dim": None},  # filled below: Qwen3 carries head_dim explicitly
-    # Gemma 3 (text): 5 local layers to 1 global by default; tests name layer_types to mix a few
-    "gemma3": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
-    # Phi-3: fused qkv and gate/up projections; no window served per layer
-    "phi3": {"sliding_window": None},
-    # Gemma 2: local and global layers alternating, soft-capped attention scores and logits
-    "gemma2": {"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
-    # routed experts (mixture of experts): 8 of width 32, two a token; layer 1 a dense MLP
-    "qwen3_moe": {
-        "head_dim": None, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
-    },
-    "mixtral": {"sliding_window": None, "num_local_experts": 6, "num_experts_per_tok": 2},
-    # SmolLM3: Llama's layer, no rotary on every fourth layer (NoPE); tied embeddings by default
-    "smollm3": {"pad_token_id": None},
-}  # fmt: skip
-# transformers' model_type where it differs from the name here
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+from engine_svc.models import arch as archs
 
 
 def make_config(arch: str, **overrides):
-    if arch not in ARCH_DEFAULTS:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCH_DEFAULTS)}")
+    """transformers' config of ``arch``'s random tiny model (its declaration's ``build_name``): the
+    common shape below, the declaration's ``tiny_config``, then ``overrides``."""
+    decl = archs.by_build_name(arch)
+    if decl is None:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {archs.build_names()}")
     fields = {
         "vocab_size": 512,
         "hidden_size": 64,
@@ -54,14 +36,12 @@ def make_config(arch: str, **overrides):
         "bos_token_id": None,
         "eos_token_id": 1,
         "pad_token_id": None,
-        **ARCH_DEFAULTS[arch],
+        **decl.tiny_config,
     }
     fields.update(overrides)
-    if arch in ("qwen3", "qwen3_moe", "gemma3", "gemma2") and fields.get("head_dim") is None:
+    if "head_dim" in decl.tiny_config and fields.get("head_dim") is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    if arch == "qwen2":
-        fields.setdefault("use_sliding_window", False)
-    return AutoConfig.for_model(_MODEL_TYPES.get(arch, arch), **fields)
+    return AutoConfig.for_model(decl.model_type, **fields)
 
 
 def build_random_model(

@@ -21,14 +21,21 @@ What an architecture declares:
   (``expert_weights``: an HF suffix with ``{e}`` names one expert's tensor, one without names the
   tensor of every expert stacked on a leading dimension, as GGUF's ``ffn_*_exps`` and
   transformers 5's fused ``gate_up_proj`` are);
-- which engine features were tested on it (``features``); the others refuse it at start.
+- which engine features were tested on it (``features``); the others refuse it at start;
+- its random tiny test model: transformers' ``model_type`` and the config defaults
+  (``tiny_config``) that ``engine_svc.models.build`` builds it from, by ``short_name`` (default: the
+  ``model_type``; by convention the module's name).
 
-Adding an architecture of a known kind: one module in this package (see ``gemma3.py``) and its
-tests (docs/architecture.md, "Adding an architecture").
+Every module in this package is imported (``pkgutil``) on the first lookup and registers its
+declarations: adding an architecture of a known kind is one module here (see ``smollm3.py``,
+``gemma3.py``) and its test file; nothing else lists architectures (``tests/test_arch_registry.py``
+fails if something does). docs/architecture.md, "Adding an architecture".
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -188,6 +195,9 @@ class Architecture:
     fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_names: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_GGUF_NAMES))
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows (Llama family)
+    # The GGUF architecture llama.cpp's converter writes this one as, where not ``gguf`` (Mistral:
+    # llama; such a file reads as that architecture's declaration, the same decoder)
+    gguf_converted: str | None = None
     # GGUF metadata -> HF config keys this architecture needs beyond the common ones
     gguf_config: Callable[[object], dict] = lambda ckpt: {}
     features: frozenset[str] = frozenset(FEATURES)
@@ -198,6 +208,23 @@ class Architecture:
     expert_weights: Mapping[str, str] = field(default_factory=dict)
     # A GGUF file of ``gguf`` with ``expert_count`` is this one (llama.cpp writes Mixtral as llama)
     gguf_experts: bool = False
+    # transformers' config ``model_type`` (``AutoConfig.for_model``: the random tiny test model's)
+    model_type: str | None = None
+    # The name ``engine_svc.models.build`` builds the tiny model by (``build_random_model(out,
+    # short_name)``); None: the ``model_type``
+    short_name: str | None = None
+    # That model's config beyond build's common shape (vocab 512, hidden 64, 2 layers, 4 heads, 2 KV
+    # heads); ``head_dim: None`` fills in hidden // heads (for a config whose own default differs)
+    tiny_config: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def build_name(self) -> str | None:
+        return self.short_name or self.model_type
+
+    @property
+    def gguf_written(self) -> str | None:
+        """The GGUF architecture llama.cpp's converter gives a file of this one."""
+        return self.gguf_converted or self.gguf
 
     def expert_slot(self, suffix: str) -> tuple[str, int | None] | None:
         """(slot, expert index or None for a stacked tensor) of an HF per-layer suffix, or None."""
@@ -232,6 +259,7 @@ class Architecture:
         assert not fused & set(self.layer_weights.values()), fused & set(self.layer_weights.values())
         assert set(self.features) <= set(FEATURES), self.features
         assert set(self.expert_weights.values()) <= set(EXPERT_SLOTS), self.expert_weights
+        assert self.short_name is None or self.model_type, "short_name names a tiny model: model_type too"
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -242,19 +270,18 @@ def register(arch: Architecture) -> Architecture:
     return arch
 
 
+_LOADED = False
+
+
 def _load_all() -> None:
-    from engine_svc.models.arch import (  # noqa: F401
-        gemma2,
-        gemma3,
-        llama,
-        mistral,
-        mixtral,
-        phi3,
-        qwen2,
-        qwen3,
-        qwen3_moe,
-        smollm3,
-    )  # fmt: skip
+    """Import every module of this package (each registers its declarations), in name order."""
+    global _LOADED
+    if _LOADED:
+        return
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+    _LOADED = True
 
 
 def by_name(name: str) -> Architecture | None:
@@ -273,6 +300,23 @@ def by_gguf(name: str, experts: bool = False) -> Architecture | None:
 def names() -> list[str]:
     _load_all()
     return sorted(_REGISTRY)
+
+
+def all_archs() -> list[Architecture]:
+    """Every registered declaration, by HF name."""
+    _load_all()
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+
+
+def by_build_name(name: str) -> Architecture | None:
+    """The declaration whose random tiny test model is built by ``name`` (``build_name``)."""
+    _load_all()
+    return next((a for a in _REGISTRY.values() if a.build_name == name), None)
+
+
+def build_names() -> list[str]:
+    _load_all()
+    return sorted(a.build_name for a in _REGISTRY.values() if a.build_name)
 
 
 def gguf_names() -> list[str]:

@@ -72,5 +72,8 @@ GEMMA2 = register(
         gguf_names=GEMMA3.gguf_names,
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor parallelism not tested on it yet
+        model_type="gemma2",
+        # local and global layers alternating, soft-capped attention scores and logits
+        tiny_config={"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
     )
 )

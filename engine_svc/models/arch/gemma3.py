@@ -98,5 +98,9 @@ GEMMA3 = register(
         },
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor parallelism not tested on it yet
+        model_type="gemma3_text",
+        short_name="gemma3",
+        # 5 local layers to 1 global by default; tests name layer_types to mix a few
+        tiny_config={"head_dim": None, "sliding_window": 8, "query_pre_attn_scalar": 16},
     )
 )

@@ -2,4 +2,6 @@
 
 from engine_svc.models.arch import Architecture, register
 
-LLAMA = register(Architecture(name="LlamaForCausalLM", gguf="llama", gguf_permuted_qk=True))
+LLAMA = register(
+    Architecture(name="LlamaForCausalLM", gguf="llama", gguf_permuted_qk=True, model_type="llama")
+)

@@ -74,5 +74,7 @@ MIXTRAL = register(
         },
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor (expert) parallelism not built for experts
+        model_type="mixtral",
+        tiny_config={"sliding_window": None, "num_local_experts": 6, "num_experts_per_tok": 2},
     )
 )

@@ -141,5 +141,7 @@ PHI3 = register(
         },
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor parallelism not tested on it yet
+        model_type="phi3",
+        tiny_config={"sliding_window": None},  # (a window is not served per layer)
     )
 )

@@ -92,5 +92,16 @@ QWEN3_MOE = register(
         },
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor (expert) parallelism not built for experts
+        model_type="qwen3_moe",
+        # 8 experts of width 32, two a token; layer 1 a dense MLP
+        tiny_config={
+            "head_dim": None,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },  # fmt: skip
     )
 )

@@ -56,5 +56,7 @@ SMOLLM3 = register(
         gguf_permuted_qk=True,
         gguf_config=gguf_config,
         features=frozenset(),  # LoRA, speculation and tensor parallelism not tested on it yet
+        model_type="smollm3",
+        tiny_config={"pad_token_id": None},  # (tied embeddings by default)
     )
 )
