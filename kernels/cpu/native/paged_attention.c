@@ -266,8 +266,11 @@ INLINE int largest_divisor_at_most(int n, int most) {
 /* Positions of a chunk tile's pass over V whose rows stay in L1 (32 rows: 8 KiB at head size 64). */
 #define SUB 32
 /* Tiles of a chunk that one work item runs partition by partition, sharing each partition's K/V
- * reads (TG * 8 KiB of running outputs and queries at head size 64 stay in L2 beside them). */
-#define TG 4
+ * rows, copied out of the cache once per item (TG * 16 KiB of running outputs and queries at head
+ * size 64 stay in L2 beside them): at most TG, fewer (down to TG_MIN) where a step's chunks would
+ * have too few items for its threads. Which tiles share an item changes no bits. */
+#define TG 16
+#define TG_MIN 4
 
 /* One query's running result (o: D elements, `os` apart; its maximum score m and sum l so far)
  * merged with a partition's (acc: its weighted V sum, `as` apart; its maximum mi and sum li). One
@@ -512,12 +515,12 @@ INLINE void merge_tile(float *restrict o, float *restrict m_run, float *restrict
  * an exact zero, and a partition wholly outside merges as nothing: a vector's result does not
  * depend on which vectors share its tile. scratch: PART * T vectors of scores, then D * TILE
  * floats of partition sums and D * TILE of running outputs. */
-INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratch, const int D, const int CAP) {
+INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restrict scratch, const int D, const int CAP) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const Seq sq = seq_of(a, b);
-    const int left = sq.q_len * rep - v0, ntiles = (left + TILE - 1) / TILE < TG ? (left + TILE - 1) / TILE : TG;
+    const int left = sq.q_len * rep - v0, ntiles = (left + TILE - 1) / TILE < tg ? (left + TILE - 1) / TILE : tg;
     vf *restrict st = scratch;
     float *restrict accp = (float *)(scratch + PART * T);
     vf *restrict qts = (vf *)(accp + D * TILE); /* the tiles' transposed queries, D * T vectors each */
@@ -652,8 +655,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
     }
 }
 
-/* The step's work list: items (sequence, KV head, first query vector of a chunk's tile or a
- * decode's partition, the decode's first partial slot; a decode's item is its partition for every
+/* The step's work list: items (sequence, KV head, first query vector of a chunk's group of tiles
+ * or a decode's partition, the decode's first partial slot or minus the chunk's tiles per item; a decode's item is its partition for every
  * KV head, head -1, head k's slot k * partitions after head 0's), four int32 each, in a fixed order; the
  * decodes (sequence, KV head, first slot), three each, whose partitions are merged after them; the
  * slots in all and the longest context. Every layer of a step passes the same metadata, so the
@@ -666,7 +669,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
 typedef struct {
     int32_t *items, *meta, *merges;
     int64_t items_cap, meta_cap, merges_cap, num_items, num_merges, num_slots, builds;
-    int32_t num_seqs, num_heads, num_kv_heads, longest;
+    int32_t num_seqs, num_heads, num_kv_heads, longest, threads;
 } WorkList;
 
 static _Thread_local WorkList work_list = {.num_seqs = -1};
@@ -685,21 +688,31 @@ static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
 /* This thread's work list for the metadata, built if it differs from the last call's; NULL when
  * memory ran out. */
 static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *query_start_loc,
-                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads) {
+                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t threads) {
     WorkList *w = &work_list;
     const int64_t meta_n = 2 * (int64_t)num_seqs + 1;
-    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads &&
+    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads && w->threads == threads &&
         !memcmp(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1)) &&
         !memcmp(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs))
         return w;
     const int rep = num_heads / num_kv_heads;
     int64_t num_items = 0, num_merges = 0;
     int32_t longest = 1;
+    /* tiles per chunk item: TG, halved while the chunks would have fewer than 4 items a thread */
+    int tg = TG;
+    for (;; tg /= 2) {
+        int64_t chunk_items = 0;
+        for (int b = 0; b < num_seqs; ++b) {
+            const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+            if (q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
+        }
+        if (tg <= TG_MIN || chunk_items >= 4 * (int64_t)(threads > 1 ? threads : 1)) break;
+    }
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         /* a decode: an item per partition, for all its KV heads; a chunk: per KV head and group of tiles */
         num_items += q_len == 0 ? 0 : q_len == 1 ? (seq_lens[b] + PART - 1) / PART
-                                                 : (int64_t)num_kv_heads * ((q_len * rep + TG * TILE - 1) / (TG * TILE));
+                                                 : (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
         num_merges += q_len == 1 ? num_kv_heads : 0;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
@@ -723,9 +736,9 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
                 mg[0] = b, mg[1] = h, mg[2] = (int32_t)slot;
                 slot += parts;
             } else
-                for (int v0 = 0; v0 < q_len * rep; v0 += TG * TILE) {
+                for (int v0 = 0; v0 < q_len * rep; v0 += tg * TILE) {
                     int32_t *it = w->items + 4 * n++;
-                    it[0] = b, it[1] = h, it[2] = v0, it[3] = -1;
+                    it[0] = b, it[1] = h, it[2] = v0, it[3] = -tg;
                 }
         }
     }
@@ -738,6 +751,7 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
     w->builds += 1;
     w->num_heads = num_heads;
     w->num_kv_heads = num_kv_heads;
+    w->threads = threads;
     w->num_seqs = num_seqs;
     return w;
 }
@@ -807,12 +821,12 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
             if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
-                attend_tile(a, b, h, v0, st, j->head_dim, 1);
+                attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 1);
             else
                 switch (j->head_dim) {
-                case 64: attend_tile(a, b, h, v0, st, 64, 0); break;
-                case 128: attend_tile(a, b, h, v0, st, 128, 0); break;
-                default: attend_tile(a, b, h, v0, st, j->head_dim, 0);
+                case 64: attend_tile(a, b, h, v0, -it[3], st, 64, 0); break;
+                case 128: attend_tile(a, b, h, v0, -it[3], st, 128, 0); break;
+                default: attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 0);
                 }
         }
     }
@@ -843,7 +857,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
                     block_size, scale, window, softcap, out};
     const int rep = num_heads / num_kv_heads;
-    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
+    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, num_threads);
     if (!w) return -2;
     const size_t per = sizeof(float) * (size_t)rep * (size_t)(head_dim + 2);
     float *partials = w->num_slots ? decode_partials(per * (size_t)w->num_slots) : NULL;
