@@ -8,12 +8,13 @@
  *
  * The code is written at the target's own vector width W: 16 floats (one AVX-512 register), 8
  * (AVX2) or 4 (SSE2, NEON); each is its own build (native_build.py), chosen at run time. Work
- * items are (sequence, KV head, tile of query vectors). A decode's item holds the query heads
- * that share the KV head and takes dot products: queries and K rows go in groups of four dot
- * products that reduce together, as many queries per K row load as half the registers hold. A
- * chunk's tile holds 2W query vectors (its rows times those heads, in order) in the lanes of two
- * vectors: q . k at a position is head_dim multiply-adds of the transposed queries by the K row's
- * broadcast values, with no horizontal sums, and the same for the output over V.
+ * items are (sequence, KV head, tile of query vectors). q . k is one chain of fused multiply-adds
+ * over d for every query (the order above, the same on every ISA). A decode's item holds the query
+ * heads that share the KV head: it transposes each W K rows (positions into lanes) and broadcasts
+ * its queries' values, 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
+ * times those heads, in order) in the lanes of two vectors: q . k at 8 (AVX-512) positions is D
+ * multiply-adds of the transposed queries by the K rows' broadcast values (rows copied out of the
+ * cache once per item), with no horizontal sums, and the same for the output over V.
  * Long contexts go partition by partition (PART positions from position 0, an online softmax):
  * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
  * as above, and each query merges its partitions' results in order through one function that
@@ -24,7 +25,7 @@
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
- * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums, the
+ * or thread, and a chunk's lane sums in a decode's order (q . k's chain, the softmax sums, the
  * partitions and their merge), so a row's output depends only on its query and its context: the
  * same bits alone or in a batch, in any split of its chunk, at any thread count, and as the decode
  * of its position (what a recompute after preemption meets: tokens decoded one by one come back as
@@ -390,6 +391,8 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
     const int bs = a->block_size;
     const Seq sq = seq_of(a, b);
     vf *restrict kt = (vf *)(scores + (int64_t)rep * PART); /* a group of W K rows, transposed */
+    float *restrict qs = (float *)(kt + D); /* the rep query vectors, D apart (offsets known to the compiler) */
+    for (int v = 0; v < rep; ++v) memcpy(qs + (int64_t)v * D, query_at(a, &sq, 0, h * rep + v), sizeof(float) * D);
     const int ctx = sq.ctx;
     /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
     const int lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
@@ -414,8 +417,7 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
         for (int i0 = 0; i0 < n; i0 += W) {
             const int m = n - i0 < W ? n - i0 : W;
             transpose_rows(kt, kb + i0 * (int64_t)a->num_kv_heads * D, (int64_t)a->num_kv_heads * D, m, D);
-            decode_all_heads(query_at(a, &sq, 0, h * rep), a->q_stride_head, kt, scores + p - P0 + i0, m, a->scale,
-                             rep, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0, m, a->scale, rep, D);
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
@@ -470,7 +472,7 @@ static void merge_decode(const Args *a, int b, int h, const float *partials, int
 #define QP 4
 #endif
 
-/* acc[i][t] = q . k (q_sum's order: one chain over d) for the tile's lanes of vector t and the K
+/* acc[i][t] = q . k (the order above: one chain over d) for the tile's lanes of vector t and the K
  * row k + i * D, i < QP (rows D apart: the partition's rows copied out of the cache). */
 INLINE void tile_scores_block(const vf (*restrict qt)[T], const float *restrict k, vf acc[QP][T], const int D) {
     for (int i = 0; i < QP; ++i)
@@ -863,7 +865,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     float *partials = w->num_slots ? decode_partials(per * (size_t)w->num_slots) : NULL;
     if (w->num_slots && !partials) return -2;
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
-    const size_t decode_floats = (size_t)rep * PART + (size_t)head_dim * W;
+    const size_t decode_floats = (size_t)rep * PART + (size_t)head_dim * W + (size_t)rep * head_dim;
     const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     const size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
