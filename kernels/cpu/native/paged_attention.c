@@ -8,12 +8,13 @@
  *
  * The code is written at the target's own vector width W: 16 floats (one AVX-512 register), 8
  * (AVX2) or 4 (SSE2, NEON); each is its own build (native_build.py), chosen at run time. Work
- * items are (sequence, KV head, tile of query vectors). A decode's item holds the query heads
- * that share the KV head and takes dot products: queries and K rows go in groups of four dot
- * products that reduce together, as many queries per K row load as half the registers hold. A
- * chunk's tile holds 2W query vectors (its rows times those heads, in order) in the lanes of two
- * vectors: q . k at a position is head_dim multiply-adds of the transposed queries by the K row's
- * broadcast values, with no horizontal sums, and the same for the output over V.
+ * items are (sequence, KV head, tile of query vectors). q . k is one chain of fused multiply-adds
+ * over d for every query (the order above, the same on every ISA). A decode's item holds the query
+ * heads that share the KV head: it transposes each W K rows (positions into lanes) and broadcasts
+ * its queries' values, 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
+ * times those heads, in order) in the lanes of two vectors: q . k at 8 (AVX-512) positions is D
+ * multiply-adds of the transposed queries by the K rows' broadcast values (rows copied out of the
+ * cache once per item), with no horizontal sums, and the same for the output over V.
  * Long contexts go partition by partition (PART positions from position 0, an online softmax):
  * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
  * as above, and each query merges its partitions' results in order through one function that
@@ -24,7 +25,7 @@
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
- * or thread, and a chunk's lane sums in a decode's order (tile_scores_at, the softmax sums, the
+ * or thread, and a chunk's lane sums in a decode's order (q . k's chain, the softmax sums, the
  * partitions and their merge), so a row's output depends only on its query and its context: the
  * same bits alone or in a batch, in any split of its chunk, at any thread count, and as the decode
  * of its position (what a recompute after preemption meets: tokens decoded one by one come back as
@@ -88,44 +89,86 @@ INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
 
 INLINE vf select_v(vi keep, vf yes, vf no) { return (vf)(((vi)yes & keep) | ((vi)no & ~keep)); }
 
-/* The lane sums of four vectors, [a, b, c, d], each in the same fixed tree. */
-#if W >= 8
+/* q . k, for decodes and chunks alike: one chain of fused multiply-adds over d in order,
+ * q[0] * k[0] first (a product), then fma(q[d], k[d], acc) for d = 1 .. D - 1, then times the
+ * scale. The same on every ISA. A chunk's tile computes it vertically (queries in lanes, K values
+ * broadcast: a plain register-blocked product, tile_scores_block); a decode transposes each W K
+ * rows so that positions are in lanes (transpose_rows) and broadcasts its queries' values
+ * (decode_heads_scores). */
+
+/* Transposes the W x W matrix of rows r[0..W) in place: stage b swaps bit b of the row and the
+ * column index (2 two-source shuffles per pair of rows). */
+#define TR_PAIR(r, b, LO, HI)                                        \
+    for (int i_ = 0; i_ < W; ++i_)                                   \
+        if (!(i_ & (b))) {                                           \
+            const vf x_ = r[i_], y_ = r[i_ + (b)];                   \
+            r[i_] = __builtin_shufflevector(x_, y_, LO);             \
+            r[i_ + (b)] = __builtin_shufflevector(x_, y_, HI);       \
+        }
 #if W == 16
-INLINE v8 fold(vf x) {
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+INLINE void transpose_w(vf *r) {
+    TR_PAIR(r, 8, LO8, HI8)
+    TR_PAIR(r, 4, LO4, HI4)
+    TR_PAIR(r, 2, LO2, HI2)
+    TR_PAIR(r, 1, LO1, HI1)
+}
+#elif W == 8
+#define LO4 0, 1, 2, 3, 8, 9, 10, 11
+#define HI4 4, 5, 6, 7, 12, 13, 14, 15
+#define LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define LO1 0, 8, 2, 10, 4, 12, 6, 14
+#define HI1 1, 9, 3, 11, 5, 13, 7, 15
+INLINE void transpose_w(vf *r) {
+    TR_PAIR(r, 4, LO4, HI4)
+    TR_PAIR(r, 2, LO2, HI2)
+    TR_PAIR(r, 1, LO1, HI1)
 }
 #else
-INLINE v8 fold(vf x) { return x; }
-#endif
-INLINE v4 hsum4(vf a, vf b, vf c, vf d) {
-    const v8 a8 = fold(a), b8 = fold(b), c8 = fold(c), d8 = fold(d);
-    const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
-                  __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
-    const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
-                  __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
-    const v8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
-                 __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
-    const v4 acbd = __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
-    return __builtin_shufflevector(acbd, acbd, 0, 2, 1, 3);
-}
-#else
-INLINE v4 hsum4(vf a, vf b, vf c, vf d) {
-    const v4 ab = __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
-    const v4 cd = __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
-    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+#define LO2 0, 1, 4, 5
+#define HI2 2, 3, 6, 7
+#define LO1 0, 4, 2, 6
+#define HI1 1, 5, 3, 7
+INLINE void transpose_w(vf *r) {
+    TR_PAIR(r, 2, LO2, HI2)
+    TR_PAIR(r, 1, LO1, HI1)
 }
 #endif
 
-/* q . k's lane partial sums over head size D (a multiple of W): two chains over d's vectors,
- * added. Every q . k of a decode is this, then hsum4's tree. */
-INLINE vf dot_lanes(const vf *restrict q, const float *restrict k, const int D) {
-    vf even = q[0] * loadv(k), odd = (vf){0};
-    for (int c = 1; c < D / W; c += 2) {
-        odd += q[c] * loadv(k + c * W);
-        if (c + 1 < D / W) even += q[c + 1] * loadv(k + (c + 1) * W);
+/* kt[d] = the d-th values of m <= W K rows from k (ps apart), in lanes 0 .. m - 1 (lanes from m
+ * on repeat row m - 1: their scores are never stored). */
+INLINE void transpose_rows(vf *restrict kt, const float *restrict k, int64_t ps, int m, const int D) {
+    for (int c = 0; c < D / W; ++c) {
+        vf r[W];
+        for (int i = 0; i < W; ++i) r[i] = loadv(k + (i < m ? i : m - 1) * ps + c * W);
+        transpose_w(r);
+        for (int i = 0; i < W; ++i) kt[c * W + i] = r[i];
     }
-    return even + odd;
+}
+
+/* The scores of G query vectors (q: their first, qs apart) at the m positions transposed in kt,
+ * scaled, into rows[j * rs ...]: one chain of multiply-adds over d per lane (a position). */
+INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *restrict kt, float *restrict rows,
+                                int64_t rs, int m, float scale, const int G, const int D) {
+    vf acc[G];
+    for (int j = 0; j < G; ++j) acc[j] = q[j * qs] * kt[0];
+    for (int d = 1; d < D; ++d)
+        for (int j = 0; j < G; ++j) acc[j] += q[j * qs + d] * kt[d];
+    for (int j = 0; j < G; ++j) {
+        const vf x = acc[j] * scale;
+        if (m == W)
+            storev(rows + j * rs, x);
+        else
+            for (int l = 0; l < m; ++l) rows[j * rs + l] = x[l];
+    }
 }
 
 /* softmax numerators of s[0, n) in place (their maximum into *max_out), exactly 0 before position lo (outside a sliding window;
@@ -207,34 +250,6 @@ INLINE const float *query_at(const Args *a, const Seq *s, int row, int head) {
     return a->q + (int64_t)(s->start + row) * a->q_stride_token + (int64_t)head * a->q_stride_head;
 }
 
-/* Decode queries per K row load: as many as half the registers hold, at most four; a group's
- * G queries times 4 / G positions are four dot products that reduce together. */
-#define DECODE_GROUP(D) (REGS / 2 * W / (D) >= 4 ? 4 : REGS / 2 * W / (D) >= 2 ? 2 : 1)
-
-/* The scores of G queries (from `head` on) at a block's n positions, into their score rows. */
-INLINE void decode_block_scores(const Args *a, const Seq *s, int head, const float *kb, int n,
-                                float *const *rows, const int G, const int D) {
-    const int R = 4 / G;
-    const int64_t ps = (int64_t)a->num_kv_heads * D;
-    vf qr[G][D / W];
-    for (int j = 0; j < G; ++j)
-        for (int c = 0; c < D / W; ++c) qr[j][c] = loadv(query_at(a, s, 0, head + j) + c * W);
-    int p = 0;
-    for (; p + R <= n; p += R) {
-        vf acc[4];
-        for (int j = 0; j < G; ++j)
-            for (int r = 0; r < R; ++r) acc[j * R + r] = dot_lanes(qr[j], kb + (p + r) * ps, D);
-        const v4 s4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
-        for (int j = 0; j < G; ++j)
-            for (int r = 0; r < R; ++r) rows[j][p + r] = s4[j * R + r] * a->scale;
-    }
-    for (; p < n; ++p)
-        for (int j = 0; j < G; ++j) {
-            const vf x = dot_lanes(qr[j], kb + p * ps, D);
-            rows[j][p] = hsum4(x, x, x, x)[0] * a->scale;
-        }
-}
-
 /* The largest divisor of n that is at most `most` (a constant where n and most are). */
 INLINE int largest_divisor_at_most(int n, int most) {
     int d = most < n ? most : n;
@@ -252,8 +267,11 @@ INLINE int largest_divisor_at_most(int n, int most) {
 /* Positions of a chunk tile's pass over V whose rows stay in L1 (32 rows: 8 KiB at head size 64). */
 #define SUB 32
 /* Tiles of a chunk that one work item runs partition by partition, sharing each partition's K/V
- * reads (TG * 8 KiB of running outputs and queries at head size 64 stay in L2 beside them). */
-#define TG 4
+ * rows, copied out of the cache once per item (TG * 16 KiB of running outputs and queries at head
+ * size 64 stay in L2 beside them): at most TG, fewer (down to TG_MIN) where a step's chunks would
+ * have too few items for its threads. Which tiles share an item changes no bits. */
+#define TG 16
+#define TG_MIN 4
 
 /* One query's running result (o: D elements, `os` apart; its maximum score m and sum l so far)
  * merged with a partition's (acc: its weighted V sum, `as` apart; its maximum mi and sum li). One
@@ -273,6 +291,28 @@ static __attribute__((noinline)) void merge_partition(float *restrict o, int64_t
         const float beta = exp_nonpositive(mi - *m);
         for (int d = 0; d < D; ++d) o[d * os] = fmaf(acc[d * as], beta, o[d * os]);
         *l = fmaf(li, beta, *l);
+    }
+}
+
+/* Query heads per decode_heads_scores call: their accumulators and a K vector fit the registers. */
+#define HG 8
+
+/* decode_heads_scores for rep query vectors (q: the first, qs apart), HG at a time, into rows PART
+ * apart from row0. */
+INLINE void decode_all_heads(const float *q, int64_t qs, const vf *kt, float *row0, int m, float scale, int rep,
+                             const int D) {
+    int v = 0;
+    for (; v + HG <= rep; v += HG)
+        decode_heads_scores(q + v * qs, qs, kt, row0 + (int64_t)v * PART, PART, m, scale, HG, D);
+    const float *qv = q + v * qs;
+    float *rv = row0 + (int64_t)v * PART;
+    switch (rep - v) {
+#define HEADS_CASE(g)                                                  \
+    case g: decode_heads_scores(qv, qs, kt, rv, PART, m, scale, g, D); \
+        break;
+        HEADS_CASE(1) HEADS_CASE(2) HEADS_CASE(3) HEADS_CASE(4) HEADS_CASE(5) HEADS_CASE(6) HEADS_CASE(7)
+#undef HEADS_CASE
+    default: break;
     }
 }
 
@@ -349,8 +389,10 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
                                const int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
-    const int G = DECODE_GROUP(D);
     const Seq sq = seq_of(a, b);
+    vf *restrict kt = (vf *)(scores + (int64_t)rep * PART); /* a group of W K rows, transposed */
+    float *restrict qs = (float *)(kt + D); /* the rep query vectors, D apart (offsets known to the compiler) */
+    for (int v = 0; v < rep; ++v) memcpy(qs + (int64_t)v * D, query_at(a, &sq, 0, h * rep + v), sizeof(float) * D);
     const int ctx = sq.ctx;
     /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
     const int lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
@@ -371,15 +413,11 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
             prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
         }
 #endif
-        int v = 0;
-        for (; v + G <= rep; v += G) {
-            float *rows[4];
-            for (int j = 0; j < G; ++j) rows[j] = scores + (int64_t)(v + j) * PART + p - P0;
-            decode_block_scores(a, &sq, h * rep + v, kb, n, rows, G, D);
-        }
-        for (; v < rep; ++v) {
-            float *row = scores + (int64_t)v * PART + p - P0;
-            decode_block_scores(a, &sq, h * rep + v, kb, n, &row, 1, D);
+        /* W positions at a time, transposed into lanes, for every query head in groups of HG */
+        for (int i0 = 0; i0 < n; i0 += W) {
+            const int m = n - i0 < W ? n - i0 : W;
+            transpose_rows(kt, kb + i0 * (int64_t)a->num_kv_heads * D, (int64_t)a->num_kv_heads * D, m, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0, m, a->scale, rep, D);
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
@@ -426,67 +464,51 @@ static void merge_decode(const Args *a, int b, int h, const float *partials, int
     }
 }
 
-/* Positions whose scores one pass over the tile's queries computes: each query vector loaded
- * feeds all of them (2 measured faster than 1 and 4). */
-#define TILE_POSITIONS 2
-
-/* A tile's T vectors of query lanes at TILE_POSITIONS positions. */
-typedef struct {
-    vf v[TILE_POSITIONS][T];
-} tile_part;
-
-INLINE tile_part tile_add(tile_part x, tile_part y) {
-    for (int p = 0; p < TILE_POSITIONS; ++p)
-        for (int t = 0; t < T; ++t) x.v[p][t] += y.v[p][t];
-    return x;
-}
-
-/* For lanes l and l + W/2 of d: dot_lanes' two chains over d's vectors (even and odd), added,
- * then the two lanes added: the first level of hsum4's tree, for the K rows k + p * ps. */
-INLINE tile_part tile_first_level(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, int l,
-                                  const int D) {
-    const int nv = D / W;
-    tile_part out;
-    for (int p = 0; p < TILE_POSITIONS; ++p) {
-        const float *kp = k + p * ps;
-        vf lane[2][T];
-        for (int u = 0; u < 2; ++u) {
-            const int d = l + u * (W / 2);
-            for (int t = 0; t < T; ++t) {
-                vf even = qt[d][t] * kp[d], odd = (vf){0};
-                for (int c = 1; c < nv; c += 2) {
-                    odd += qt[c * W + d][t] * kp[c * W + d];
-                    if (c + 1 < nv) even += qt[(c + 1) * W + d][t] * kp[(c + 1) * W + d];
-                }
-                lane[u][t] = even + odd;
-            }
-        }
-        for (int t = 0; t < T; ++t) out.v[p][t] = lane[0][t] + lane[1][t];
-    }
-    return out;
-}
-
-/* The scores of a tile's query lanes at TILE_POSITIONS K rows from k (ps apart): each lane's
- * q . k summed in the order a decode of that query sums it (dot_lanes, then hsum4's tree: lane l
- * with l + W/2, then l + W/4, ...), so that a query's scores are the same bits whether its token
- * is a decode or a row of a chunk. The tree's levels are written out (not a loop over an array of
- * partial sums) so that few partial sums are alive at once and they stay in registers. */
-INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restrict k, int64_t ps, const int D) {
-#define L1(l) tile_first_level(qt, k, ps, (l), D)
-#if W == 16
-#define L2(i) tile_add(L1(i), L1((i) + 4))
-#define L3(i) tile_add(L2(i), L2((i) + 2))
-    return tile_add(L3(0), L3(1));
-#elif W == 8
-#define L2(i) tile_add(L1(i), L1((i) + 2))
-    return tile_add(L2(0), L2(1));
+/* Positions whose scores one pass over a tile's queries computes: QP x T accumulators, each
+ * query value loaded feeding QP multiply-adds and each K value broadcast T. */
+#if REGS >= 32
+#define QP 8
 #else
-    return tile_add(L1(0), L1(1));
+#define QP 4
 #endif
-#undef L1
-#undef L2
-#undef L3
+
+/* acc[i][t] = q . k (the order above: one chain over d) for the tile's lanes of vector t and the K
+ * row k + i * D, i < QP (rows D apart: the partition's rows copied out of the cache). */
+INLINE void tile_scores_block(const vf (*restrict qt)[T], const float *restrict k, vf acc[QP][T], const int D) {
+    for (int i = 0; i < QP; ++i)
+        for (int t = 0; t < T; ++t) acc[i][t] = qt[0][t] * k[i * D];
+    for (int d = 1; d < D; ++d)
+        for (int t = 0; t < T; ++t) {
+            const vf q = qt[d][t];
+            for (int i = 0; i < QP; ++i) acc[i][t] += q * k[i * D + d];
+        }
 }
+
+/* merge_partition for every lane of a tile at once (o, acc: D rows of TILE floats; mi, li: the
+ * partition's maxima and sums): lane by lane the same operations (the same branch, exponent and
+ * fused multiply-adds, fmaf), so the same bits as merge_partition gives that query as a decode. */
+INLINE void merge_tile(float *restrict o, float *restrict m_run, float *restrict l_run, const float *restrict acc,
+                       const vf mi[T], const vf li[T], const int D) {
+    for (int t = 0; t < T; ++t) {
+        float f[W];
+        int32_t up[W];
+        for (int l = 0; l < W; ++l) {
+            const int v = t * W + l;
+            const float mo = m_run[v], mn = mi[t][l];
+            up[l] = mn > mo;
+            f[l] = exp_nonpositive(up[l] ? mo - mn : mn - mo);
+            l_run[v] = up[l] ? fmaf(l_run[v], f[l], li[t][l]) : fmaf(li[t][l], f[l], l_run[v]);
+            m_run[v] = up[l] ? mn : mo;
+        }
+        for (int d = 0; d < D; ++d)
+            for (int l = 0; l < W; ++l) {
+                float *x = o + d * TILE + t * W + l;
+                const float y = acc[d * TILE + t * W + l];
+                *x = up[l] ? fmaf(*x, f[l], y) : fmaf(y, f[l], *x);
+            }
+    }
+}
+
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -495,16 +517,18 @@ INLINE tile_part tile_scores_at(const vf (*restrict qt)[T], const float *restric
  * an exact zero, and a partition wholly outside merges as nothing: a vector's result does not
  * depend on which vectors share its tile. scratch: PART * T vectors of scores, then D * TILE
  * floats of partition sums and D * TILE of running outputs. */
-INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratch, const int D, const int CAP) {
+INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restrict scratch, const int D, const int CAP) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const Seq sq = seq_of(a, b);
-    const int left = sq.q_len * rep - v0, ntiles = (left + TILE - 1) / TILE < TG ? (left + TILE - 1) / TILE : TG;
+    const int left = sq.q_len * rep - v0, ntiles = (left + TILE - 1) / TILE < tg ? (left + TILE - 1) / TILE : tg;
     vf *restrict st = scratch;
     float *restrict accp = (float *)(scratch + PART * T);
     vf *restrict qts = (vf *)(accp + D * TILE); /* the tiles' transposed queries, D * T vectors each */
     float *restrict os = (float *)(qts + TG * D * T); /* their running outputs, D * TILE floats each */
+    float *restrict kbuf = os + TG * D * TILE; /* the partition's K rows, D apart (PART + QP of them) */
+    float *restrict vbuf = kbuf + (PART + QP) * D; /* and its V rows */
     vi limits[TG][T], lows[TG][T]; /* a lane sees positions [low, limit): its window, or from 0 */
     int nvecs[TG], longests[TG], first_poss[TG];
     float m_runs[TG][TILE], l_runs[TG][TILE];
@@ -537,9 +561,23 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
     const vf neg_inf = (vf){0} - INFINITY;
     /* partition by partition, each tile of the group in turn: the partition's K and V rows are
      * read from memory once for all of them, then from L2 */
-    for (int P0 = first_poss[0] / PART * PART; P0 < longests[ntiles - 1]; P0 += PART)
+    for (int P0 = first_poss[0] / PART * PART; P0 < longests[ntiles - 1]; P0 += PART) {
+    /* the partition's K and V rows that any tile reads, copied out of the cache once (D apart: the
+     * tiles' passes address them from one pointer, and read them in order from L2), then QP rows
+     * of zeros after the K rows for a last pass's extra rows */
+    const int c0 = P0 > first_poss[0] ? P0 : first_poss[0];
+    const int c1 = P0 + PART < longests[ntiles - 1] ? P0 + PART : longests[ntiles - 1];
+    FOR_RUNS(a, c0, c1, {
+        const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
+        const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + off * ps;
+        for (int i = 0; i < n; ++i) {
+            memcpy(kbuf + (int64_t)(p + i - P0) * D, kb + i * ps, sizeof(float) * D);
+            memcpy(vbuf + (int64_t)(p + i - P0) * D, vb + i * ps, sizeof(float) * D);
+        }
+    });
+    memset(kbuf + (int64_t)(c1 - P0) * D, 0, sizeof(float) * QP * D);
     for (int g = 0; g < ntiles; ++g) {
-        const int longest = longests[g], first_pos = first_poss[g], nvec = nvecs[g];
+        const int longest = longests[g], first_pos = first_poss[g];
         if (P0 >= longest || P0 + PART <= first_pos) continue;
         const vf (*restrict qt)[T] = (const vf (*)[T])(qts + (int64_t)g * D * T);
         const vi *limit = limits[g], *low = lows[g];
@@ -549,29 +587,18 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
         vf m[T];
         for (int t = 0; t < T; ++t) m[t] = neg_inf;
         /* st[(p - P0) * T + t] = the tile's scores at position p (masked outside each lane's range) */
-        FOR_RUNS(a, r0, P1, {
-            const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
-            int i = 0;
-            for (; i + TILE_POSITIONS <= n; i += TILE_POSITIONS) {
-                const tile_part s = tile_scores_at(qt, kb + i * ps, ps, D);
-                for (int j = 0; j < TILE_POSITIONS; ++j)
-                    for (int t = 0; t < T; ++t) {
-                        const int q = p + i + j;
-                        const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[j][t] * a->scale, CAP), neg_inf);
-                        st[(q - P0) * T + t] = x;
-                        m[t] = select_v(x > m[t], x, m[t]);
-                    }
-            }
-            for (; i < n; ++i) { /* the run's last position: one pass (ps 0: the same row again) */
-                const tile_part s = tile_scores_at(qt, kb + i * ps, 0, D);
-                const int q = p + i;
+        for (int q0 = r0; q0 < P1; q0 += QP) {
+            vf acc[QP][T];
+            tile_scores_block(qt, kbuf + (int64_t)(q0 - P0) * D, acc, D);
+            const int qn = P1 - q0 < QP ? P1 - q0 : QP;
+            for (int j = 0; j < qn; ++j)
                 for (int t = 0; t < T; ++t) {
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, s.v[0][t] * a->scale, CAP), neg_inf);
+                    const int q = q0 + j;
+                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
                     st[(q - P0) * T + t] = x;
                     m[t] = select_v(x > m[t], x, m[t]);
                 }
-            }
-        });
+        }
         /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
          * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
          * multiple of W), then halved. */
@@ -606,23 +633,19 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
                 vf acc[PV_ELEMS][T];
                 for (int e = 0; e < PV_ELEMS; ++e)
                     for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
-                FOR_RUNS(a, s0, s1, {
-                    const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + off * ps + dc;
-                    for (int i = 0; i < n; ++i) {
-                        const float *vp = vb + i * ps;
-                        for (int t = 0; t < T; ++t) {
-                            const vf w = st[(p + i - P0) * T + t];
-                            for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] += w * vp[e];
-                        }
+                for (int q = s0; q < s1; ++q) {
+                    const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
+                    for (int t = 0; t < T; ++t) {
+                        const vf w = st[(q - P0) * T + t];
+                        for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] += w * vp[e];
                     }
-                });
+                }
                 for (int e = 0; e < PV_ELEMS; ++e)
                     for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
             }
         }
-        for (int v = 0; v < nvec; ++v)
-            merge_partition(o + v, TILE, m_run + v, l_run + v, accp + v, TILE, m[v / W][v % W],
-                            part[0][v / W][v % W], D);
+        merge_tile(o, m_run, l_run, accp, m, part[0], D);
+    }
     }
     for (int g = 0; g < ntiles; ++g) {
         const float *o = os + (int64_t)g * D * TILE;
@@ -634,8 +657,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
     }
 }
 
-/* The step's work list: items (sequence, KV head, first query vector of a chunk's tile or a
- * decode's partition, the decode's first partial slot; a decode's item is its partition for every
+/* The step's work list: items (sequence, KV head, first query vector of a chunk's group of tiles
+ * or a decode's partition, the decode's first partial slot or minus the chunk's tiles per item; a decode's item is its partition for every
  * KV head, head -1, head k's slot k * partitions after head 0's), four int32 each, in a fixed order; the
  * decodes (sequence, KV head, first slot), three each, whose partitions are merged after them; the
  * slots in all and the longest context. Every layer of a step passes the same metadata, so the
@@ -648,7 +671,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, vf *restrict scratc
 typedef struct {
     int32_t *items, *meta, *merges;
     int64_t items_cap, meta_cap, merges_cap, num_items, num_merges, num_slots, builds;
-    int32_t num_seqs, num_heads, num_kv_heads, longest;
+    int32_t num_seqs, num_heads, num_kv_heads, longest, threads;
 } WorkList;
 
 static _Thread_local WorkList work_list = {.num_seqs = -1};
@@ -667,21 +690,31 @@ static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
 /* This thread's work list for the metadata, built if it differs from the last call's; NULL when
  * memory ran out. */
 static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *query_start_loc,
-                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads) {
+                                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t threads) {
     WorkList *w = &work_list;
     const int64_t meta_n = 2 * (int64_t)num_seqs + 1;
-    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads &&
+    if (w->num_seqs == num_seqs && w->num_heads == num_heads && w->num_kv_heads == num_kv_heads && w->threads == threads &&
         !memcmp(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1)) &&
         !memcmp(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs))
         return w;
     const int rep = num_heads / num_kv_heads;
     int64_t num_items = 0, num_merges = 0;
     int32_t longest = 1;
+    /* tiles per chunk item: TG, halved while the chunks would have fewer than 4 items a thread */
+    int tg = TG;
+    for (;; tg /= 2) {
+        int64_t chunk_items = 0;
+        for (int b = 0; b < num_seqs; ++b) {
+            const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+            if (q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
+        }
+        if (tg <= TG_MIN || chunk_items >= 4 * (int64_t)(threads > 1 ? threads : 1)) break;
+    }
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
         /* a decode: an item per partition, for all its KV heads; a chunk: per KV head and group of tiles */
         num_items += q_len == 0 ? 0 : q_len == 1 ? (seq_lens[b] + PART - 1) / PART
-                                                 : (int64_t)num_kv_heads * ((q_len * rep + TG * TILE - 1) / (TG * TILE));
+                                                 : (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
         num_merges += q_len == 1 ? num_kv_heads : 0;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
@@ -705,9 +738,9 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
                 mg[0] = b, mg[1] = h, mg[2] = (int32_t)slot;
                 slot += parts;
             } else
-                for (int v0 = 0; v0 < q_len * rep; v0 += TG * TILE) {
+                for (int v0 = 0; v0 < q_len * rep; v0 += tg * TILE) {
                     int32_t *it = w->items + 4 * n++;
-                    it[0] = b, it[1] = h, it[2] = v0, it[3] = -1;
+                    it[0] = b, it[1] = h, it[2] = v0, it[3] = -tg;
                 }
         }
     }
@@ -720,6 +753,7 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
     w->builds += 1;
     w->num_heads = num_heads;
     w->num_kv_heads = num_kv_heads;
+    w->threads = threads;
     w->num_seqs = num_seqs;
     return w;
 }
@@ -789,12 +823,12 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
             if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
-                attend_tile(a, b, h, v0, st, j->head_dim, 1);
+                attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 1);
             else
                 switch (j->head_dim) {
-                case 64: attend_tile(a, b, h, v0, st, 64, 0); break;
-                case 128: attend_tile(a, b, h, v0, st, 128, 0); break;
-                default: attend_tile(a, b, h, v0, st, j->head_dim, 0);
+                case 64: attend_tile(a, b, h, v0, -it[3], st, 64, 0); break;
+                case 128: attend_tile(a, b, h, v0, -it[3], st, 128, 0); break;
+                default: attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 0);
                 }
         }
     }
@@ -825,12 +859,16 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
                     block_size, scale, window, softcap, out};
     const int rep = num_heads / num_kv_heads;
-    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads);
+    const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, num_threads);
     if (!w) return -2;
     const size_t per = sizeof(float) * (size_t)rep * (size_t)(head_dim + 2);
     float *partials = w->num_slots ? decode_partials(per * (size_t)w->num_slots) : NULL;
     if (w->num_slots && !partials) return -2;
-    const size_t bytes = sizeof(float) * ((size_t)(rep > TILE ? rep : TILE) * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE);
+    /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
+    const size_t decode_floats = (size_t)rep * PART + (size_t)head_dim * W + (size_t)rep * head_dim;
+    const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
+                                (size_t)(2 * PART + QP) * (size_t)head_dim;
+    const size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
     attention_job j = {&a, w->items, w->merges, query_start_loc, partials, head_dim, bytes, 0};
     parallel_for(num_threads, 1, w->num_items, 1, attention_items, &j);
     if (atomic_load(&j.failed)) return -2;
