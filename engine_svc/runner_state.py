@@ -63,11 +63,19 @@ class RequestStates(dict):
             self[new.seq_id] = RequestState.of(new)
         cached = out.cached
         states = list(map(self.__getitem__, cached.seq_ids))
-        for state, tokens, computed in zip(
-            states, cached.new_token_ids, cached.num_computed_tokens, strict=True
-        ):
-            state.token_ids += tokens
-            state.num_computed_tokens = computed
-        if cached.seq_ids != out.seq_ids:  # some are new: not every state is in batch order yet
+        if cached.one_each is not None:  # the steady state: one token each
+            for state, token, computed in zip(
+                states, cached.one_each, cached.num_computed_tokens, strict=True
+            ):
+                state.token_ids.append(token)
+                state.num_computed_tokens = computed
+        else:
+            for state, tokens, computed in zip(
+                states, cached.new_token_ids, cached.num_computed_tokens, strict=True
+            ):
+                state.token_ids += tokens
+                state.num_computed_tokens = computed
+        if cached.seq_ids is not out.seq_ids and cached.seq_ids != out.seq_ids:
+            # some are new: not every state is in batch order yet
             states = list(map(self.__getitem__, out.seq_ids))
         return states
