@@ -5,7 +5,9 @@
 The builder remembers what the runner holds of each sequence (how many of its tokens it was sent),
 so that a sequence goes out whole once (``NewRequestData``: the first step it is scheduled in, or
 again after the runner forgot it: a release) and as deltas afterwards (the tokens appended since,
-its counter). Block-table changes go out for sequences the runner held before the step; a new one
+its counter; in the steady state - the same sequences decoding step after step - the one token
+each appended, flat, as the scheduler's update hands them over: ``CachedRequestData.one_each``).
+Block-table changes go out for sequences the runner held before the step; a new one
 carries its whole tables. A structured-output row's allowed-token mask is filled here, from its
 grammar's state, which nothing changes between planning and sampling.
 """
@@ -31,7 +33,9 @@ class OutputBuilder:
         self.kv = kv
         self.vocab_size = vocab_size
         self.grammar_executor = grammar_executor  # llguidance.LLExecutor (None: made on first need)
-        self.sent: dict[int, int] = {}  # seq id -> tokens of it the runner holds (but see _steady)
+        # seq id -> tokens of it the runner holds (the runner holds exactly these ids; during a steady
+        # run its sequences' counts lag by the run's length, counted in when it ends: _steady)
+        self.sent: dict[int, int] = {}
         self.finished: list[str] = []  # request ids that ended since the last step
         # The last step's update, when it was all decodes and every sequence lived on: its
         # sequences, their ids and the one token each appended (``appended``); cleared by the
