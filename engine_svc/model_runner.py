@@ -197,15 +197,17 @@ class ModelRunner:
     def decode_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:
         """The short path, for a step where every sequence computes its last token and samples its
         next one: no ragged lists. ``tests/test_step_contract.py`` proves it equal to the general one."""
-        # The counters as the output sent them, when it sent every sequence's (none new).
+        # The counters as the output sent them, when it sent every sequence's (none new), and in
+        # the steady state the last tokens too: the one token each was just sent.
         cached = out.cached
-        computed = (
-            cached.num_computed_tokens
-            if cached.seq_ids == out.seq_ids
-            else [s.num_computed_tokens for s in states]
-        )
+        if cached.seq_ids is out.seq_ids or cached.seq_ids == out.seq_ids:
+            computed = cached.num_computed_tokens
+            last = cached.one_each if cached.one_each is not None else [s.token_ids[-1] for s in states]
+        else:
+            computed = [s.num_computed_tokens for s in states]
+            last = [s.token_ids[-1] for s in states]
         positions = np.array(computed, dtype=np.int64)
-        input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
+        input_ids = np.array(last, dtype=np.int64)
         return decode_inputs(self.batch, self.block_size, out.seq_ids, input_ids, positions, out.copies)
 
     def general_inputs(self, out: SchedulerOutput, states: list[RequestState]) -> StepInputs:

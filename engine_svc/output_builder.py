@@ -5,7 +5,9 @@
 The builder remembers what the runner holds of each sequence (how many of its tokens it was sent),
 so that a sequence goes out whole once (``NewRequestData``: the first step it is scheduled in, or
 again after the runner forgot it: a release) and as deltas afterwards (the tokens appended since,
-its counter). Block-table changes go out for sequences the runner held before the step; a new one
+its counter; in the steady state - the same sequences decoding step after step - the one token
+each appended, flat, as the scheduler's update hands them over: ``CachedRequestData.one_each``).
+Block-table changes go out for sequences the runner held before the step; a new one
 carries its whole tables. A structured-output row's allowed-token mask is filled here, from its
 grammar's state, which nothing changes between planning and sampling.
 """
@@ -31,21 +33,68 @@ class OutputBuilder:
         self.kv = kv
         self.vocab_size = vocab_size
         self.grammar_executor = grammar_executor  # llguidance.LLExecutor (None: made on first need)
-        self.sent: dict[int, int] = {}  # seq id -> tokens of it the runner holds
+        # seq id -> tokens of it the runner holds (the runner holds exactly these ids; during a steady
+        # run its sequences' counts lag by the run's length, counted in when it ends: _steady)
+        self.sent: dict[int, int] = {}
         self.finished: list[str] = []  # request ids that ended since the last step
+        # The last step's update, when it was all decodes and every sequence lived on: its
+        # sequences, their ids and the one token each appended (``appended``); cleared by the
+        # next build.
+        self._appended: tuple[list[Sequence], list[int], list[int]] | None = None
+        # A run of steady builds (``one_each`` deltas) not yet counted in ``sent``: their seq ids
+        # and how many builds sent each of them one token more.
+        self._steady: list | None = None
 
     def request_ended(self, request_id: str) -> None:
         self.finished.append(request_id)
 
+    def appended(self, step: ScheduledStep, tokens: list[int]) -> None:
+        """The scheduler's update of an all-decode step that ended no sequence: its sequence
+        ``step.seqs[i]`` appended exactly ``tokens[i]``. If the next step schedules the same
+        sequences in the same order, these are its deltas, with no per-sequence work."""
+        self._appended = (step.seqs, step.output.seq_ids, tokens)
+
+    def _settle_steady(self) -> None:
+        """Count a run of steady builds into ``sent``."""
+        ids, k = self._steady
+        self._steady = None
+        sent = self.sent
+        for seq_id in ids:
+            if seq_id in sent:
+                sent[seq_id] += k
+
     def build(self, step: ScheduledStep, changes: StepChanges) -> SchedulerOutput:
         sent = self.sent
+        appended, self._appended = self._appended, None
+        seqs = step.seqs
+        if (
+            appended is not None
+            and step.only_decodes
+            and not changes.released
+            and appended[0] == seqs  # the same sequences (compared by identity first), in order
+            and (self._steady is None or self._steady[0] is appended[1])
+        ):
+            # The steady state: the runner holds each of them up to the token it sampled last step.
+            seq_ids = appended[1]
+            cached = CachedRequestData(
+                seq_ids, None, [s.num_computed_tokens for s in seqs], one_each=list(appended[2])
+            )
+            if self._steady is None:
+                self._steady = [seq_ids, 1]
+            else:
+                self._steady[1] += 1
+            updates = changes.updates
+            if updates and any(u.seq_id not in sent for u in updates):
+                updates = [u for u in updates if u.seq_id in sent]
+            return self._finish(step, changes, seq_ids, [], cached, updates)
+        seq_ids = [s.seq_id for s in seqs]
+        if self._steady is not None:
+            self._settle_steady()
         for seq_id in changes.released:
             sent.pop(seq_id, None)
-        seqs = step.seqs
-        seq_ids = [s.seq_id for s in seqs]
         held = list(map(sent.get, seq_ids))  # tokens of each the runner holds (None: not held)
         new: list[NewRequestData] = []
-        if None not in held:  # the runner holds every one (the steady state): deltas only, one pass each
+        if None not in held:  # the runner holds every one: deltas only, one pass each
             tokens = [s.token_ids for s in seqs]
             cached = CachedRequestData(
                 seq_ids,
@@ -69,6 +118,9 @@ class OutputBuilder:
         if updates and (new or any(u.seq_id not in sent for u in updates)):
             fresh = {r.seq_id for r in new}  # their whole tables travel with them
             updates = [u for u in updates if u.seq_id in sent and u.seq_id not in fresh]
+        return self._finish(step, changes, seq_ids, new, cached, updates)
+
+    def _finish(self, step, changes, seq_ids, new, cached, updates) -> SchedulerOutput:
         layout = step.layout
         if step.only_decodes:
             rows = StepRows(layout.token_rows, seq_ids, layout.fans, layout.num_sample_rows)

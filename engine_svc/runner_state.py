@@ -54,6 +54,10 @@ class RequestState:
 class RequestStates(dict):
     """seq id -> ``RequestState``: what the runner holds, followed from each step's output."""
 
+    # The last steady step's seq-id list (the builder sends the same list object all through a
+    # steady run) and their states, in that order.
+    _steady: tuple[list[int], list[RequestState]] | None = None
+
     def follow(self, out) -> list[RequestState]:
         """Apply a ``SchedulerOutput``: forget the released, add the new, advance the cached.
         Returns the states of the scheduled sequences, in batch order."""
@@ -62,12 +66,25 @@ class RequestStates(dict):
         for new in out.new:
             self[new.seq_id] = RequestState.of(new)
         cached = out.cached
-        states = list(map(self.__getitem__, cached.seq_ids))
-        for state, tokens, computed in zip(
-            states, cached.new_token_ids, cached.num_computed_tokens, strict=True
-        ):
-            state.token_ids += tokens
-            state.num_computed_tokens = computed
-        if cached.seq_ids != out.seq_ids:  # some are new: not every state is in batch order yet
+        steady = self._steady
+        if steady is not None and steady[0] is cached.seq_ids and not out.released and not out.new:
+            states = steady[1]  # the same sequences as last step, held since
+        else:
+            states = list(map(self.__getitem__, cached.seq_ids))
+        self._steady = (cached.seq_ids, states) if cached.one_each is not None else None
+        if cached.one_each is not None:  # the steady state: one token each
+            for state, token, computed in zip(
+                states, cached.one_each, cached.num_computed_tokens, strict=True
+            ):
+                state.token_ids.append(token)
+                state.num_computed_tokens = computed
+        else:
+            for state, tokens, computed in zip(
+                states, cached.new_token_ids, cached.num_computed_tokens, strict=True
+            ):
+                state.token_ids += tokens
+                state.num_computed_tokens = computed
+        if cached.seq_ids is not out.seq_ids and cached.seq_ids != out.seq_ids:
+            # some are new: not every state is in batch order yet
             states = list(map(self.__getitem__, out.seq_ids))
         return states

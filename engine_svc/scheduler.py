@@ -718,7 +718,7 @@ class Scheduler:
             chunk.seq.request.record_prompt_logprobs(chunk.first, entries)
         tokens, logprobs = result.token_ids, result.logprobs
         if len(layout.sampled) == layout.num_sample_rows:  # one token per sequence: the steady state
-            emissions = zip(layout.sampled, [[t] for t in tokens], [[lp] for lp in logprobs], strict=True)
+            emissions = zip(layout.sampled, ([t] for t in tokens), ([lp] for lp in logprobs), strict=True)
         else:  # forks, or drafts to verify
             emissions = self._expand(layout, tokens, logprobs)
         deltas: list[RequestDelta] = []
@@ -783,6 +783,8 @@ class Scheduler:
         for seq in finished:
             seq.request.ended.add(seq.index)
             self.remove(seq)
+        if out.only_decodes and not finished and out.output is not None:  # one token each: next deltas
+            self.output_builder.appended(out, tokens)
         if self.spec is not None:
             self._keep_drafts(out, result.drafts)
         if finished:  # the last delta of a request that has nothing more to send says so

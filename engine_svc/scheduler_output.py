@@ -43,13 +43,53 @@ class NewRequestData:
     lora: int = 0  # the version of the LoRA adapter it runs under (``LoRAAdapter.version``); 0: none
 
 
-@dataclass
 class CachedRequestData:
-    """Per scheduled sequence the runner already holds: what changed since it last heard of it."""
+    """Per scheduled sequence the runner already holds: what changed since it last heard of it.
 
-    seq_ids: list[int] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)  # appended since (sampled, forked)
-    num_computed_tokens: list[int] = field(default_factory=list)
+    In the steady state - every sequence decoded last step and is scheduled again, in the same
+    order - each sequence's delta is the one token it sampled: then ``one_each`` holds those tokens
+    flat (one per sequence, in order) and ``new_token_ids`` is made from it only when something
+    reads it (the wire, a test); the runner reads ``one_each``. Either form is the same data
+    (``==`` compares the tokens, not the form)."""
+
+    __slots__ = ("seq_ids", "_new_token_ids", "num_computed_tokens", "one_each")
+
+    def __init__(
+        self,
+        seq_ids: list[int] | None = None,
+        new_token_ids: list[list[int]] | None = None,  # appended since (sampled, forked)
+        num_computed_tokens: list[int] | None = None,
+        one_each: list[int] | None = None,  # the steady state's deltas, flat: one token each
+    ):
+        self.seq_ids = [] if seq_ids is None else seq_ids
+        self.num_computed_tokens = [] if num_computed_tokens is None else num_computed_tokens
+        self.one_each = one_each
+        if new_token_ids is None and one_each is None:
+            new_token_ids = []
+        self._new_token_ids = new_token_ids
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        if self._new_token_ids is None:
+            self._new_token_ids = [[t] for t in self.one_each]
+        return self._new_token_ids
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, CachedRequestData):
+            return NotImplemented
+        return (self.seq_ids, self.new_token_ids, self.num_computed_tokens) == (
+            other.seq_ids,
+            other.new_token_ids,
+            other.num_computed_tokens,
+        )
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"CachedRequestData(seq_ids={self.seq_ids!r}, new_token_ids={self.new_token_ids!r}, "
+            f"num_computed_tokens={self.num_computed_tokens!r})"
+        )
 
 
 @dataclass

@@ -101,7 +101,9 @@ class FloorFit:
         self._means: dict[bool, list[float]] = {}  # with chunks? -> [steps, work, seconds]
 
     def observe(self, work: float, seconds: float, chunks: bool) -> None:
-        m = self._means.setdefault(chunks, [0, work, seconds])
+        m = self._means.get(chunks)
+        if m is None:
+            m = self._means[chunks] = [0, work, seconds]
         m[0] += 1
         m[1] += self.decay * (work - m[1])
         m[2] += self.decay * (seconds - m[2])
