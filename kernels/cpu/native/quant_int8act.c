@@ -773,6 +773,31 @@ INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #ifdef VW
+
+#ifdef VW
+/* A nibble block's vector v: its planes (the fifth bits of Q5_0, Q5_1, Q5_K; Q6_K's two planes of high
+ * pairs), then group g's quants (low nibbles; the high ones are group g + 4's) with their bits from
+ * them: the stored values. */
+INLINE void nibble_planes(const int fmt, const uint8_t *qs, int v, vi *h5, vi *h6) {
+    *h5 = *h6 = zeroi();
+    if (fifth_bits(fmt) || high_pairs(fmt)) *h5 = loadi(qs + nibble_bytes() + v * VW * 4);
+    if (high_pairs(fmt)) *h6 = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+}
+INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, vi h6, vi *lo, vi *hi) {
+    const vi raw = loadi(qs + (g * NC + v * VW) * 4);
+    *lo = lo_nib(raw);
+    *hi = hi_nib(raw);
+    if (fifth_bits(fmt)) {
+        *lo = ori(*lo, fifth_lo(h5, g));
+        *hi = ori(*hi, fifth_hi(h5, g));
+    }
+    if (high_pairs(fmt)) {
+        *lo = ori(*lo, pair_bits(h5, g));
+        *hi = ori(*hi, pair_bits(h6, g));
+    }
+}
+#endif
+
 /* Rows [0, m) (m <= RMAX, a constant at each call site) against vectors v0 .. v0 + nv - 1 of one
  * panel (the columns v0 * VW .. (v0 + nv) * VW - 1), SIMD. vnni: the dot is vpdpbusd (unsigned
  * stored weights, offset corrected after); else maddubs (Q8_0 signed). Every step is per lane, so
@@ -1080,20 +1105,11 @@ INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, co
             for (int v = 0; v < V; ++v) {
                 vi isum[MRK], isum1[MRK], p0[MRK], p1[MRK];
                 for (int i = 0; i < m; ++i) isum[i] = isum1[i] = p0[i] = p1[i] = zeroi();
-                vi h5 = zeroi(), h6 = zeroi();
-                if (fifth_bits(fmt) || high_pairs(fmt)) h5 = loadi(qs + nibble_bytes() + v * VW * 4);
-                if (high_pairs(fmt)) h6 = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+                vi h5, h6;
+                nibble_planes(fmt, qs, v, &h5, &h6);
                 for (int g = 0; g < 4; ++g) {
-                    const vi raw = loadi(qs + (g * NC + v * VW) * 4);
-                    vi lo = lo_nib(raw), hi = hi_nib(raw);
-                    if (fifth_bits(fmt)) {
-                        lo = ori(lo, fifth_lo(h5, g));
-                        hi = ori(hi, fifth_hi(h5, g));
-                    }
-                    if (high_pairs(fmt)) {
-                        lo = ori(lo, pair_bits(h5, g));
-                        hi = ori(hi, pair_bits(h6, g));
-                    }
+                    vi lo, hi;
+                    nibble_group(fmt, qs, v, g, h5, h6, &lo, &hi);
                     for (int i = 0; i < m; ++i) {
                         const vi xl = bcast4(xr[i] + b * QK + 4 * g), xh = bcast4(xr[i] + b * QK + 4 * (g + 4));
                         if (vnni) {
@@ -1421,20 +1437,11 @@ INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b,
         return dst;
     }
     for (int v = 0; v < V; ++v) {
-        vi h5 = zeroi(), h6 = zeroi();
-        if (fifth_bits(fmt) || high_pairs(fmt)) h5 = loadi(qs + nibble_bytes() + v * VW * 4);
-        if (high_pairs(fmt)) h6 = loadi(qs + nibble_bytes() + NC * 4 + v * VW * 4);
+        vi h5, h6;
+        nibble_planes(fmt, qs, v, &h5, &h6);
         for (int g = 0; g < 4; ++g) {
-            const vi raw = loadi(qs + (g * NC + v * VW) * 4);
-            vi lo = lo_nib(raw), hi = hi_nib(raw);
-            if (fifth_bits(fmt)) {
-                lo = ori(lo, fifth_lo(h5, g));
-                hi = ori(hi, fifth_hi(h5, g));
-            }
-            if (high_pairs(fmt)) {
-                lo = ori(lo, pair_bits(h5, g));
-                hi = ori(hi, pair_bits(h6, g));
-            }
+            vi lo, hi;
+            nibble_group(fmt, qs, v, g, h5, h6, &lo, &hi);
             PUT(g, v, lo);
             PUT(g + 4, v, hi);
         }
