@@ -2,7 +2,7 @@
 
     python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
     python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
-    python -m benchmarks.autocomplete --fim-order psm --llama-spm   # the layouts swapped on both sides
+    python -m benchmarks.autocomplete --fim-order spm --llama-spm   # suffix first on both sides
 
 The session: a real source file nobody here wrote (a module of Python's standard library), the
 cursor at the start of one of its lines with about 1.5k tokens before it, two more standard-library
@@ -12,9 +12,10 @@ the previous answer is in, to our server and to llama.cpp's ``llama-server`` (sa
 threads, one slot). Per server: the cold request, p50 and p95 over the keystrokes after it, the
 prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``; llama.cpp:
 ``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
-The layout: ours sends ``fim_order`` (``--fim-order``, default spm: the suffix before the prefix, so a
-keystroke recomputes only the changed tail); llama-server runs its default (prefix, suffix, middle),
-or with ``--spm-infill`` (``--llama-spm``). benchmarks/fim_order.py compares how well each completes.
+The layout: ours sends ``fim_order`` (``--fim-order``, default psm, the server's default and llama-server's:
+prefix, suffix, middle; ``spm`` puts the suffix first, so a keystroke recomputes only the changed tail,
+but Qwen2.5-Coder does not complete from it); llama-server runs its default, or with ``--spm-infill``
+(``--llama-spm``). benchmarks/fim_order.py compares how well each completes.
 
 ``--speculation``: instead of llama-server, our server with n-gram prompt lookup
 (``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
@@ -212,7 +213,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--skip-ours", action="store_true", help="llama-server alone (a run split in two)")
-    ap.add_argument("--fim-order", choices=["psm", "spm"], default="spm", help="ours: the FIM layout")
+    ap.add_argument("--fim-order", choices=["psm", "spm"], default="psm", help="ours: the FIM layout")
     ap.add_argument("--llama-spm", action="store_true", help="llama-server with --spm-infill")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--speculation", action="store_true", help="ours with n-gram drafts against ours without")
