@@ -41,7 +41,20 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             found.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
             found.add(node.value)
+        elif _discovers_its_modules(node) and path.name == "__init__.py":
+            # a package that imports every module of its own (pkgutil.iter_modules(__path__)), as
+            # engine_svc/models/arch does: each of them is imported when the package is
+            found.update(m for m in modules if m.rpartition(".")[0] == name)
     return {m for m in found if m in modules}
+
+
+def _discovers_its_modules(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "pkgutil.iter_modules"
+        and len(node.args) == 1
+        and ast.unparse(node.args[0]) == "__path__"
+    )
 
 
 def entry_points(modules: dict[str, Path]) -> set[str]:
@@ -87,3 +100,14 @@ def test_the_check_finds_a_module_nothing_imports(tmp_path):
     (tmp_path / "orphan_helper.py").write_text("import torch\n")
     assert "kernels.orphan_helper" not in reachable(modules)
     assert "gateway.cli" in reachable(modules) and "engine_svc.server.main" in reachable(modules)
+
+
+def test_a_package_that_imports_its_own_modules_reaches_them(tmp_path):
+    """The architectures' package imports each of its modules through pkgutil: every one of them is
+    reachable through it, and a module elsewhere is not made reachable by that."""
+    modules = product_modules()
+    arch = {m for m in modules if m.startswith("engine_svc.models.arch.")}
+    assert len(arch) >= 10 and arch <= reachable(modules)
+    modules["kernels.orphan_helper"] = tmp_path / "orphan_helper.py"
+    (tmp_path / "orphan_helper.py").write_text("import torch\n")
+    assert "kernels.orphan_helper" not in reachable(modules)
