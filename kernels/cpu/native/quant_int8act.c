@@ -1414,7 +1414,7 @@ static uint8_t *amx_weights(size_t bytes) {
  * place, the tiles measured no faster on them (1.00-1.06x at 64-512 rows, slower below), the
  * float steps being most of their work; so do Q4_1 and Q5_1, whose blocks each carry a minimum
  * (two more float steps: 0.88-1.16x at SmolLM2's shapes, 0.97x on its 64-request run). */
-INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
+INLINE void amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
     const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
     const vi off = _mm512_set1_epi8((char)offset(fmt));
 #define PUT(g, v, val) _mm512_storeu_si512((void *)(dst + (g) * NC * 4 + (v) * VW * 4), _mm512_sub_epi8((val), off))
@@ -1424,7 +1424,7 @@ INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b,
                 const vi raw = loadi(qs + (sl * NC + v * VW) * 4);
                 for (int t = 0; t < 4; ++t) PUT(sl + 2 * t, v, crumb(raw, t));
             }
-        return dst;
+        return;
     }
     if (iq4xs(fmt)) {
         const vi table = iq4_table();
@@ -1434,7 +1434,7 @@ INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b,
                 PUT(g, v, lookup(table, lo_nib(raw)));
                 PUT(g + 4, v, lookup(table, hi_nib(raw)));
             }
-        return dst;
+        return;
     }
     for (int v = 0; v < V; ++v) {
         vi h5, h6;
@@ -1447,7 +1447,6 @@ INLINE const uint8_t *amx_unpack(const int fmt, const uint8_t *panel, int64_t b,
         }
     }
 #undef PUT
-    return dst;
 }
 
 /* Block b's scales for the panel's vector v (rows_simd's loads and exact products). */
@@ -1506,7 +1505,7 @@ INLINE void amx_scales(const int fmt, const uint8_t *panel, int64_t b, int v, vf
 /* Rows [0, 16 * groups) of an item against one panel on the tiles: per group of 16 rows and vector v
  * of the panel (16 columns), the blocks in order, the 16 rows' sums kept in registers; the float
  * steps are rows_simd's, in its order. */
-INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, const uint8_t *const *wq,
+INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, const uint8_t *wq,
                      const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
     const int halves = two_scales(fmt), min = has_min(fmt);
     amx_configure(halves ? 16 : 32);
@@ -1524,7 +1523,7 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
                     const int64_t n = b + 1;
                     const int slot = (int)(n & 1);
                     const int8_t *xa = x->q + rg * x->k + n * QK;
-                    const uint8_t *w = wq[n] + v * VW * 4;
+                    const uint8_t *w = wq + n * 8 * NC * 4 + v * VW * 4;
                     if (slot == 0)
                         AMX_ISSUE(0, 1, 4, 5);
                     else
@@ -1574,21 +1573,16 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
     static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
                            float *y, int64_t ldy, int cols) {                                              \
         const int groups = (int)(rows / 16);                                                               \
-        const uint8_t **wq = groups ? (const uint8_t **)amx_weights((size_t)x->nb * (sizeof(void *) + 8 * NC * 4)) \
-                                    : NULL;                                                                \
-        if (groups && wq) {                                                                                \
-            uint8_t *room = (uint8_t *)(wq + x->nb);                                                       \
-            for (int64_t b = 0; b < x->nb; ++b) wq[b] = amx_unpack(FMT, panel, b, room + b * 8 * NC * 4);  \
+        uint8_t *wq = groups ? amx_weights((size_t)x->nb * 8 * NC * 4) : NULL; /* block b at b KiB */      \
+        if (wq) {                                                                                          \
+            for (int64_t b = 0; b < x->nb; ++b) amx_unpack(FMT, panel, b, wq + b * 8 * NC * 4);            \
             rows_amx(FMT, x, r0, groups, wq, panel, bias, y, ldy, cols);                                  \
         }                                                                                                  \
-        const int64_t done = groups && wq ? 16 * (int64_t)groups : 0;                                      \
+        const int64_t done = wq ? 16 * (int64_t)groups : 0;                                                \
         if (done < rows) vnni_##NAME(x, r0 + done, rows - done, panel, bias, y + done * ldy, ldy, cols);   \
     }
-//Xq8_0FMT_Q8_0)
 DEFINE_AMX_ITEM(q4_0, FMT_Q4_0)
-//Xu8_1FMT_U8_1)
 DEFINE_AMX_ITEM(q4_0_h, FMT_Q4_0 | FMT_HALF)
-//Xi8_16FMT_I8_16)
 DEFINE_AMX_ITEM(q5_0, FMT_Q5_0)
 DEFINE_AMX_ITEM(q5_0_h, FMT_Q5_0 | FMT_HALF)
 DEFINE_AMX_ITEM(q4_k, FMT_Q4_1 | FMT_K)
