@@ -147,3 +147,70 @@ def check_refused_at_start(model_dir, arch_name: str, option: dict, words: str) 
 
     with pytest.raises(ValueError, match=f"{words}.*{arch_name}"):
         LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, **option))
+
+
+def check_prefix_hits_and_preemption(model, hf_model, prompts, refs, max_new_tokens: int, *, tight_blocks=12):
+    """The architecture tests' second pass: one engine run twice over ``prompts`` (the second run
+    from cached prefixes: hits asserted), then a pool of ``tight_blocks`` too small for every
+    request at once (preemptions asserted; None skips it); greedy = HF's ``refs`` throughout."""
+    engine = check_greedy_equals_hf(
+        model, hf_model, prompts, refs, max_new_tokens, block_size=8, max_num_batched_tokens=64
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert engine.stats().prefix_hit_tokens > 0
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        assert_greedy_matches(hf_model, p, again[(str(i), 0)], ref)
+    if tight_blocks is not None:
+        tight = check_greedy_equals_hf(
+            model,
+            hf_model,
+            prompts,
+            refs,
+            max_new_tokens,
+            block_size=8,
+            num_kv_blocks=tight_blocks,
+            max_num_batched_tokens=32,
+        )
+        assert tight.stats().num_preemptions > 0
+
+
+def check_solo_runs(model_dir, *, required_extra=(), **explore_options) -> None:
+    """Each request's result is bitwise its solo run over random mixes (a few examples: the mixes'
+    machinery is tested on Llama), prompts chunked by a budget of 16; the mixes must have held
+    chunked prefills, prefix hits, general steps and preemptions (and ``required_extra``)."""
+    from tests.test_batch_invariance import EXAMPLES, explore
+
+    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions") + tuple(
+        required_extra
+    )
+    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
+    explore(model_dir, max(8, EXAMPLES // 3), extra, required, **explore_options)
+
+
+def check_q8_0_blocks(model_dir, prompts, max_new_tokens: int, path) -> tuple[LLMEngine, LLMEngine]:
+    """A Q8_0 GGUF of ``model_dir`` written to ``path``: served from its blocks (fp32 activations)
+    and from its dequantized floats, the same greedy tokens; (blocks engine, floats engine)."""
+    from tests.gguf_files import write_gguf
+
+    write_gguf(model_dir, path, "Q8_0")
+    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
+    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    assert blocks.model.layers[0].qkv_proj.fmt == "Q8_0"
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    requests = {str(i): (p, params) for i, p in enumerate(prompts)}
+    assert run_to_completion(blocks, requests) == run_to_completion(floats, requests)
+    return blocks, floats
+
+
+def check_gguf_reads_back(hf_model, gguf_path, *, skip=(), **from_pretrained) -> None:
+    """transformers' own GGUF loader, an independent reader of the file, gives ``hf_model``'s
+    weights back (names in ``skip`` and the rotary buffers aside)."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, **from_pretrained
+    ).state_dict()
+    for name, tensor in hf_model.state_dict().items():
+        if name not in skip and "rotary_emb" not in name:
+            assert torch.equal(theirs[name], tensor), name

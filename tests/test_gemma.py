@@ -17,18 +17,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
-    assert_greedy_matches,
+    check_gguf_reads_back,
     check_greedy_equals_hf,
+    check_prefix_hits_and_preemption,
+    check_q8_0_blocks,
     check_refused_at_start,
+    check_solo_runs,
     hf_greedy,
     hf_reference_prompts,
-    make_engine,
     random_model,
-    run_to_completion,
 )
 
 VOCAB = 1024  # prompts' ids; the model's vocabulary has 8 more (the GGUF's <mask> among them)
@@ -99,14 +99,7 @@ def test_greedy_equals_hf_batched_and_chunked(gemma, block_size, budget):
 
 def test_greedy_equals_hf_with_prefix_hits_preemption_and_the_python_loop(gemma, monkeypatch):
     model_dir, hf, prompts, refs = gemma
-    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
-    tight = _check(model_dir, hf, prompts, refs, block_size=8, num_kv_blocks=12, max_num_batched_tokens=32)
-    assert tight.stats().num_preemptions > 0
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW)
     monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", "0")  # the Python layer loop
     _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
 
@@ -141,12 +134,7 @@ def test_gguf_of_it_gives_hfs_tokens(gemma, gemma_gguf, tmp_path):
             assert np.array_equal(a.data, np.array(b.data) + np.float32(1.0)), a.name
         else:
             assert np.array_equal(a.data, b.data), a.name
-    read_back = AutoModelForCausalLM.from_pretrained(
-        as_llama.parent, gguf_file=as_llama.name, dtype=torch.float32
-    ).state_dict()
-    for name, tensor in hf.state_dict().items():
-        if "rotary_emb" not in name:
-            assert torch.equal(read_back[name], tensor), name
+    check_gguf_reads_back(hf, as_llama)
     spec = ModelSpec.from_path(gemma_gguf)
     assert spec.architecture == "GemmaForCausalLM" and spec.norm_offset == 1.0 and spec.embed_scale == 8.0
     _check(gemma_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
@@ -169,23 +157,11 @@ def test_its_gguf_tokenizer_converts_as_the_models_own(gemma, gemma_gguf, tmp_pa
 
 
 def test_q8_0_file_serves_its_linears_from_their_blocks(gemma, tmp_path):
-    from tests.gguf_files import write_gguf
-
-    path = write_gguf(gemma[0], tmp_path / "tiny-gemma-q8_0.gguf", "Q8_0")
-    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
-    floats = make_engine(path, num_kv_blocks=64, quantization="none")
-    assert blocks.model.layers[0].qkv_proj.fmt == "Q8_0"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = {str(i): (p, params) for i, p in enumerate(gemma[2])}
-    assert run_to_completion(blocks, prompts) == run_to_completion(floats, prompts)
+    check_q8_0_blocks(gemma[0], gemma[2], MAX_NEW, tmp_path / "tiny-gemma-q8_0.gguf")
 
 
 def test_requests_equal_their_solo_runs(gemma):
-    from tests.test_batch_invariance import EXAMPLES, explore
-
-    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
-    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(gemma[0], max(8, EXAMPLES // 3), extra, required)
+    check_solo_runs(gemma[0])
 
 
 @pytest.mark.parametrize("option,words", UNTESTED_FEATURES)

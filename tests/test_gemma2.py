@@ -14,17 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
-    assert_greedy_matches,
+    check_gguf_reads_back,
     check_greedy_equals_hf,
+    check_prefix_hits_and_preemption,
     check_refused_at_start,
+    check_solo_runs,
     hf_greedy,
     hf_reference_prompts,
     make_engine,
     random_model,
-    run_to_completion,
 )
 
 VOCAB = 1024  # prompts' ids; the model's vocabulary has 8 more (the GGUF's <mask> among them)
@@ -102,14 +102,7 @@ def test_greedy_equals_hf_batched_and_chunked(gemma, block_size, budget):
 
 def test_greedy_equals_hf_with_prefix_hits_and_preemption(gemma):
     model_dir, hf, prompts, refs = gemma
-    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
-    tight = _check(model_dir, hf, prompts, refs, block_size=8, num_kv_blocks=40, max_num_batched_tokens=32)
-    assert tight.stats().num_preemptions > 0
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW, tight_blocks=40)
 
 
 def test_python_layer_loop_and_reference_kernels_give_the_same_tokens(gemma):
@@ -137,12 +130,7 @@ def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(gemma, 
     model_dir, hf, prompts, refs = gemma
     from gguf import GGUFReader
 
-    theirs = AutoModelForCausalLM.from_pretrained(
-        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
-    ).state_dict()
-    for name, tensor in hf.state_dict().items():
-        if name != "lm_head.weight":
-            assert torch.equal(theirs[name], tensor), name
+    check_gguf_reads_back(hf, gemma_gguf, skip=("lm_head.weight",))
     # transformers' GGUF loader ties Gemma 2's head (it reads no output.weight): the untied head
     # read back with the gguf package's reader alone
     head = next(t for t in GGUFReader(str(gemma_gguf)).tensors if t.name == "output.weight")
@@ -152,13 +140,8 @@ def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(gemma, 
 
 
 def test_requests_equal_their_solo_runs(gemma):
-    from tests.test_batch_invariance import EXAMPLES, explore
-
-    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
-    required += ("window blocks released",)
-    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(
-        gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=5
+    check_solo_runs(
+        gemma[0], required_extra=("window blocks released",), kv_groups=5
     )  # 2 full + 3 window groups of one layer
 
 

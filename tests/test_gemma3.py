@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
-    assert_greedy_matches,
+    check_gguf_reads_back,
     check_greedy_equals_hf,
+    check_prefix_hits_and_preemption,
     check_refused_at_start,
+    check_solo_runs,
     hf_reference_prompts,
     make_engine,
     random_model,
-    run_to_completion,
 )
 
 VOCAB = 1024  # prompts' ids; the model's vocabulary has 8 more (the GGUF's <mask> among them)
@@ -78,12 +78,7 @@ def test_greedy_equals_hf_batched_and_chunked(gemma, block_size, budget):
 
 def test_greedy_equals_hf_with_prefix_hits(gemma):
     model_dir, hf, prompts, refs = gemma
-    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW, tight_blocks=None)
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +91,14 @@ def gemma_gguf(gemma, tmp_path_factory):
 def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(gemma, gemma_gguf):
     model_dir, hf, prompts, refs = gemma
     # transformers' GGUF loader, an independent reader of the file: HF's own weights back
-    theirs = AutoModelForCausalLM.from_pretrained(
-        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
-    ).state_dict()
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(theirs[name], tensor), name
+    check_gguf_reads_back(hf, gemma_gguf)
     _check(gemma_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
 
 
 def test_requests_equal_their_solo_runs(gemma):
-    from tests.test_batch_invariance import EXAMPLES, explore
-
-    # A few examples (the mixes' machinery is tested on Llama); a budget of 16 so that prompts chunk.
-    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
-    required += ("window blocks released",)
-    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(gemma[0], max(8, EXAMPLES // 3), extra, required, kv_groups=7)  # 1 full + 6 window groups
+    check_solo_runs(
+        gemma[0], required_extra=("window blocks released",), kv_groups=7
+    )  # 1 full + 6 window groups
 
 
 def test_the_triton_kernels_serve_both_rotary_kinds_and_the_qk_norms(gemma):

@@ -22,11 +22,14 @@ from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
     assert_greedy_matches,
+    check_gguf_reads_back,
     check_greedy_equals_hf,
+    check_prefix_hits_and_preemption,
+    check_q8_0_blocks,
     check_refused_at_start,
+    check_solo_runs,
     hf_greedy,
     hf_reference_prompts,
-    make_engine,
     random_model,
     random_prompts,
     run_to_completion,
@@ -83,15 +86,7 @@ def test_greedy_equals_hf_batched_and_chunked(phi3, block_size, budget):
 
 def test_greedy_equals_hf_with_prefix_hits_and_preemption(phi3):
     model_dir, hf, prompts, refs = phi3
-    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
-    # a pool too small for every request at once: some are preempted and recomputed
-    tight = _check(model_dir, hf, prompts, refs, block_size=8, num_kv_blocks=12, max_num_batched_tokens=32)
-    assert tight.stats().num_preemptions > 0
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -104,38 +99,23 @@ def phi3_gguf(phi3, tmp_path_factory):
 def test_gguf_of_it_reads_back_in_transformers_and_gives_the_same_tokens(phi3, phi3_gguf):
     model_dir, hf, prompts, refs = phi3
     # (Phi3Config's default pad id, 32000, is outside the tiny vocabulary: named here)
-    theirs = AutoModelForCausalLM.from_pretrained(
-        phi3_gguf.parent, gguf_file=phi3_gguf.name, dtype=torch.float32, pad_token_id=0
-    ).state_dict()
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(theirs[name], tensor), name
+    check_gguf_reads_back(hf, phi3_gguf, pad_token_id=0)
     _check(phi3_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
 
 
 def test_q8_0_file_serves_the_fused_tensors_from_their_blocks(phi3, tmp_path):
     """The fused attn_qkv and ffn_up blocks are the decoder's qkv and gate/up linears as they are
     (the weight map names one tensor for each), bit-equal to the dequantized file's fp32 GEMMs."""
-    from tests.gguf_files import write_gguf
-
-    path = write_gguf(phi3[0], tmp_path / "tiny-phi3-q8_0.gguf", "Q8_0")
-    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
-    floats = make_engine(path, num_kv_blocks=64, quantization="none")
+    blocks, floats = check_q8_0_blocks(phi3[0], phi3[2], MAX_NEW, tmp_path / "tiny-phi3-q8_0.gguf")
     for a, b in zip(blocks.model.layers, floats.model.layers, strict=True):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             assert getattr(a, name).fmt == "Q8_0", name
             inp = torch.randn(9, getattr(a, name).in_features)
             assert torch.equal(getattr(a, name)(inp), getattr(b, name)(inp)), name
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = {str(i): (p, params) for i, p in enumerate(phi3[2])}
-    assert run_to_completion(blocks, prompts) == run_to_completion(floats, prompts)
 
 
 def test_requests_equal_their_solo_runs(phi3):
-    from tests.test_batch_invariance import EXAMPLES, explore
-
-    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
-    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(phi3[0], max(8, EXAMPLES // 3), extra, required)
+    check_solo_runs(phi3[0])
 
 
 @pytest.mark.parametrize(

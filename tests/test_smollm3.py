@@ -16,18 +16,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
-    assert_greedy_matches,
+    check_gguf_reads_back,
     check_greedy_equals_hf,
+    check_prefix_hits_and_preemption,
+    check_q8_0_blocks,
     check_refused_at_start,
+    check_solo_runs,
     hf_greedy,
     hf_reference_prompts,
-    make_engine,
     random_model,
-    run_to_completion,
 )
 
 VOCAB = 1024
@@ -114,14 +114,7 @@ def test_greedy_equals_hf_batched_and_chunked(smollm3, block_size, budget):
 
 def test_greedy_equals_hf_with_prefix_hits_preemption_and_the_python_loop(smollm3, monkeypatch):
     model_dir, hf, prompts, refs = smollm3
-    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
-    tight = _check(model_dir, hf, prompts, refs, block_size=8, num_kv_blocks=12, max_num_batched_tokens=32)
-    assert tight.stats().num_preemptions > 0
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW)
     monkeypatch.setenv("LLMSERVE_NATIVE_DECODER_LOOP", "0")  # the Python layer loop
     _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
 
@@ -147,12 +140,7 @@ def test_gguf_of_it_gives_hfs_tokens(smollm3, smollm3_gguf, tmp_path):
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert np.array_equal(a.data, b.data), a.name
-    read_back = AutoModelForCausalLM.from_pretrained(
-        as_llama.parent, gguf_file=as_llama.name, dtype=torch.float32
-    ).state_dict()
-    for name, tensor in hf.state_dict().items():
-        if "rotary_emb" not in name:
-            assert torch.equal(read_back[name], tensor), name
+    check_gguf_reads_back(hf, as_llama)
     spec = ModelSpec.from_path(smollm3_gguf)
     assert [a.rope_scaling for a in spec.layer_attention] == [None, None, None, {"rope_type": "none"}]
     _check(smollm3_gguf, hf, prompts, refs, block_size=8, max_num_batched_tokens=16)
@@ -177,11 +165,7 @@ def test_its_gguf_tokenizer_converts_like_a_llama_files(smollm3, smollm3_gguf, t
 
 
 def test_requests_equal_their_solo_runs(smollm3):
-    from tests.test_batch_invariance import EXAMPLES, explore
-
-    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
-    extra = {"speculative_config": None, "max_num_batched_tokens": 16}
-    explore(smollm3[0], max(8, EXAMPLES // 3), extra, required)
+    check_solo_runs(smollm3[0])
 
 
 @pytest.mark.parametrize("option,words", UNTESTED_FEATURES)
@@ -190,12 +174,4 @@ def test_untested_features_refuse_it_at_start(smollm3, option, words):
 
 
 def test_q8_0_file_serves_its_linears_from_their_blocks(smollm3, tmp_path):
-    from tests.gguf_files import write_gguf
-
-    path = write_gguf(smollm3[0], tmp_path / "tiny-smollm3-q8_0.gguf", "Q8_0")
-    blocks = make_engine(path, num_kv_blocks=64, quantized_activations="none")
-    floats = make_engine(path, num_kv_blocks=64, quantization="none")
-    assert blocks.model.layers[0].qkv_proj.fmt == "Q8_0"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = {str(i): (p, params) for i, p in enumerate(smollm3[2])}
-    assert run_to_completion(blocks, prompts) == run_to_completion(floats, prompts)
+    check_q8_0_blocks(smollm3[0], smollm3[2], MAX_NEW, tmp_path / "tiny-smollm3-q8_0.gguf")
