@@ -30,6 +30,7 @@ from engine_svc.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine_svc.scheduler_output import SchedulerOutput, StepRows
 from engine_svc.sequence import noise_key
 from engine_svc.step_inputs import StepInputs, decode_inputs, paged_inputs, to_device
+from engine_svc.torch_modes import inference
 from kernels.backend import Kernels
 
 
@@ -51,7 +52,7 @@ class ModelForward:
         self.device = device
         self.pooled: torch.Tensor | None = None  # the hidden rows a step's embedding requests asked for
 
-    @torch.inference_mode()
+    @inference
     def __call__(self, inputs: StepInputs, pool_rows: list[int] | None = None) -> torch.Tensor | None:
         """The step's logits rows; with ``pool_rows`` (rows of the flat batch), their hidden states
         are left in ``self.pooled`` for the embedding requests (engine_svc/pooling.py)."""
@@ -134,7 +135,7 @@ class ModelRunner:
             self.proposer.follow(out.forks, out.released)  # its per-sequence state, keyed by id
         return states
 
-    @torch.inference_mode()
+    @inference
     def execute(self, out: SchedulerOutput) -> StepResult:
         """One forward pass over the schedule; sample and compute prompt logprobs in the rows of
         ``out.rows``, which is the only place that says what each logits row is for; then draft
@@ -172,7 +173,7 @@ class ModelRunner:
             result.drafts = self.proposer.propose(out, tokens, requests, self.batch)
         return result
 
-    @torch.inference_mode()
+    @inference
     def follow(self, out: SchedulerOutput) -> None:
         """A tensor-parallel worker's step: follow the output as rank 0 does and run the same
         forward (rank 0 samples)."""

@@ -24,6 +24,7 @@ from engine_svc.models import layer_progress
 from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
+from engine_svc.torch_modes import inference
 from kernels.backend import Kernels
 from kernels.cpu import native_decoder
 from kernels.cpu.linear import make_linear
@@ -280,7 +281,7 @@ class DecoderForCausalLM(nn.Module):
             after_layer(None)
         self.linear_backend = backend
 
-    @torch.inference_mode()
+    @inference
     def forward(
         self,
         k: Kernels,
@@ -389,7 +390,7 @@ class DecoderForCausalLM(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[:, None], 0.0)
         return self.shard.all_reduce(x.to(self.activation_dtype))
 
-    @torch.inference_mode()
+    @inference
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
         cap = self.spec.final_logit_softcap

@@ -25,7 +25,6 @@ asking how far the draft got."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from engine_svc.input_batch import InputBatch
 from engine_svc.model_runner import ModelForward
@@ -35,6 +34,7 @@ from engine_svc.scheduler_output import NO_COPIES, SchedulerOutput
 from engine_svc.spec_decode.acceptance import new_tokens
 from engine_svc.spec_decode.proposer import room
 from engine_svc.step_inputs import decode_inputs, paged_inputs
+from engine_svc.torch_modes import inference
 
 
 class DraftModelProposer:
@@ -59,7 +59,7 @@ class DraftModelProposer:
     def held_ids(self) -> set[int]:
         return set(self.computed) | set(self.drafted)
 
-    @torch.inference_mode()
+    @inference
     def propose(
         self, out: SchedulerOutput, token_ids: list[int], states: RequestStates, batch: InputBatch
     ) -> dict[int, list[int]]:
