@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine_svc.config import CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD, EngineConfig, ModelInfo
-from engine_svc.gc_freeze import freeze_startup_heap
+from engine_svc.gc_freeze import freeze_startup_heap, return_freed_memory
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
@@ -190,6 +190,7 @@ class LLMEngine:
             architectures=[self.spec.architecture],
         )
         freeze_startup_heap()
+        return_freed_memory()
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, tp %d, "
             "%d running sequences, %d a step",

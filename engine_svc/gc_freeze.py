@@ -11,6 +11,8 @@ is collected as usual.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import gc
 
 _frozen = False
@@ -29,3 +31,15 @@ def freeze_startup_heap() -> None:
     # At exit the heap goes back under the collector, so interpreter shutdown frees it as usual
     # (extension modules such as triton's report frozen objects as leaks otherwise).
     atexit.register(gc.unfreeze)
+
+
+def return_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse, and a load frees much that is not coming back (the
+    released float weights, the packing's and the file reader's buffers: 28 MiB on the default
+    model, 91 MiB on Qwen2.5-Coder-0.5B, measured after the engine was up); hand those pages to
+    the system, or RSS still counts them."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to do

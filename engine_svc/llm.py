@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from engine_svc.config import EngineConfig
 from engine_svc.engine import LLMEngine
+from engine_svc.gc_freeze import return_freed_memory
 from engine_svc.lora.request import LoRARequest
 from engine_svc.outputs import CompletionOutput, RequestDelta, RequestOutput
 from engine_svc.pooling import decode_vector
@@ -74,6 +75,7 @@ class LLM:
 
         tok_dir = find_tokenizer_dir(tokenizer or model)
         self.tokenizer = None if tok_dir is None else load_tokenizer(tok_dir)
+        return_freed_memory()  # what reading a GGUF's tokenizer left freed (as the engine's load)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -11,6 +11,9 @@ Skipped, with the reason, where `make model` could not get the wheel and built t
 
 from __future__ import annotations
 
+import ctypes.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,31 @@ def test_chat_answers_simple_facts(llm):
     assert not wrong, wrong
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
     assert outs[0].prompt.startswith("<|im_start|>system\n")  # the model's own template, default system turn
+
+
+_TRIMMED = r"""
+import ctypes, ctypes.util, sys
+from engine_svc import LLM
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+llm = LLM(model=sys.argv[1], num_kv_blocks=16)
+before = rss()
+ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("c"), reason="malloc_trim is glibc's")
+def test_the_memory_the_load_freed_is_handed_back():
+    """glibc keeps freed heap memory for reuse, and a load frees much that is not coming back (the
+    file reader's and the packing's buffers, the GGUF tokenizer's conversion): once ``LLM(...)``
+    returns, a trim of our own (in a fresh process) finds almost nothing more to hand back. Without
+    the engine's and LLM's trims it found 28 MiB on this model: RSS counting memory nobody held."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TRIMMED, str(DEFAULT)], capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.split()[-1]) < 4 * 2**20, out.stdout

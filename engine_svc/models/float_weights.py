@@ -22,12 +22,11 @@ form), so the load drops them too.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import dataclass, field
 
 import torch
 
+from engine_svc.gc_freeze import return_freed_memory
 from engine_svc.models.block_embedding import from_table
 from engine_svc.models.quantized_weights import EMBED, EMBED_NAME, linear_weights
 
@@ -114,7 +113,7 @@ def free_packed_float_weights(
             _release(embed, f"the lookup reads the file's {blocks.fmt} blocks", freed, "embed")
             notes.append(_lookup_note(lookup, blocks.fmt))
     model.invalidate()  # parameters' storage swapped (``_release``): the native loop's pointers go
-    _return_freed_memory()
+    return_freed_memory()  # the released weights' pages
     summary = (
         f"float parameters freed: {freed.projections} projections{' and the embedding' if notes else ''}"
     )
@@ -133,16 +132,6 @@ def _release(param: torch.nn.Parameter, why: str, freed: Freed, name: str) -> No
     freed.nbytes += param.numel() * param.element_size()
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     freed.released[name] = f"freed at load: {why}"
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed heap memory for reuse; the weights freed here are not coming back, so
-    hand the pages to the system (RSS would otherwise still count them)."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to do
 
 
 def linear_shapes(model) -> dict[str, tuple[int, int]]:
