@@ -11,7 +11,8 @@
  * items are (sequence, KV head, tile of query vectors). q . k is one chain of fused multiply-adds
  * over d for every query (the order above, the same on every ISA). A decode's item holds the query
  * heads that share the KV head: it transposes each W K rows (positions into lanes) and broadcasts
- * its queries' values, 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
+ * its queries' values, each broadcast feeding two groups of W positions where a block's run holds
+ * them (AVX2: a broadcast is its own load), up to 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
  * times those heads, in order) in the lanes of two vectors: q . k at 8 (AVX-512) positions is D
  * multiply-adds of the transposed queries by the K rows' broadcast values (rows copied out of the
  * cache once per item), with no horizontal sums, and the same for the output over V.
@@ -62,6 +63,12 @@
 #define W 4
 #define REGS 16
 #endif
+
+/* Whether the common shapes get their own instances (head size 64 and 128 a constant, a chunk's
+ * partitions inside every lane's range without masks): not on the generic build (SSE2), which runs
+ * only where forced (native_attention.py: slower than the torch path there), so that its compile
+ * stays short. The instances differ in speed only: the same operations in the same order. */
+#define SPECIALIZED (W > 4)
 
 /* A chunk's tile: T vectors' lanes of query vectors (TILE in all), and PV_ELEMS output elements
  * of each per pass over V, so that the accumulators fill half the registers. Two vectors per tile
@@ -698,7 +705,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
         /* a partition wholly inside every real lane's range (rows rise, and their windows with
          * them: the first lane's limit is the least, the last real lane's low the greatest) */
         const int last = nvecs[g] - 1;
-        if (r0 >= low[last / W][last % W] && P1 <= limit[0][0])
+        if (SPECIALIZED && r0 >= low[last / W][last % W] && P1 <= limit[0][0])
             tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 1, D);
         else
             tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 0, D);
@@ -871,7 +878,7 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
                 /* the first head prefetches every head's rows (whole rows of the cache: memory read
                  * in order, once); the others find them in L2 */
                 const int fetch = kh == 0 ? a->num_kv_heads : 0;
-                switch (j->head_dim) {
+                switch (SPECIALIZED ? j->head_dim : 0) {
                 case 64: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 64); break;
                 case 128: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 128); break;
                 default: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, j->head_dim);
@@ -882,7 +889,7 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
                 attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 1);
             else
-                switch (j->head_dim) {
+                switch (SPECIALIZED ? j->head_dim : 0) {
                 case 64: attend_tile(a, b, h, v0, -it[3], st, 64, 0); break;
                 case 128: attend_tile(a, b, h, v0, -it[3], st, 128, 0); break;
                 default: attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 0);
