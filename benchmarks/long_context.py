@@ -10,8 +10,9 @@ repacking off and on per test and depth (llama-bench fills the depth's context, 
 test on top of it). Ours: the offline engine with prefix caching, loaded once; per depth a context
 of D random token ids is prefilled once, untimed (a request generating one token), so that its
 blocks sit in the prefix cache; then pp512 is one request of that context plus 512 new random ids
-generating one token (the context is a cache hit: the step computes the 512, attending to all
-D + 512 positions; 512 over the request's wall time), and tg128 one request of the context plus one
+generating one token (the context is a cache hit, prefilled again untimed before each timed
+request: the step computes the 512, attending to all D + 512 positions; 512 over the request's
+wall time), and tg128 one request of the context plus one
 new id generating 128 with eos ignored (128 over the wall time: the new id's step and 127 decodes,
 each attending to the depth). The systems alternate round by round (llama.cpp, then ours); on a
 shared machine only the ratios within a round mean anything. ``--no-llamacpp`` runs ours alone (to
@@ -81,6 +82,7 @@ class OursAtDepth:
         self.rng = random.Random(seed)
         self.vocab, self.n_prompt, self.n_gen = vocab, n_prompt, n_gen
         self.contexts = {d: self._ids(d) for d in depths}
+        self.cached: list[int] = []  # each request's prompt tokens found cached, in order
 
     def _ids(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
@@ -92,6 +94,7 @@ class OursAtDepth:
         start = time.perf_counter()
         (out,) = self.llm.generate([prompt], sp, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        self.cached.append(out.num_cached_tokens)  # of the prompt, found in the prefix cache
         if len(out.outputs[0].token_ids) != max_tokens:
             raise RuntimeError(f"asked for {max_tokens} tokens, got {len(out.outputs[0].token_ids)}")
         return elapsed
@@ -102,9 +105,19 @@ class OursAtDepth:
         return self._timed(ctx, 1) if ctx else 0.0
 
     def run(self, depth: int, reps: int) -> dict:
+        """pp and tg at the depth. Before each timed request the depth's context is prefilled again,
+        untimed: the pool holds one longest sequence (the CPU default), and the other depths' and
+        tests' requests may have evicted some of its cached blocks, which a timed request would
+        recompute (without it, round 1 at 4096 read 157 tok/s where round 2 read 326). Where it is
+        still cached that costs one token's step. llama-bench likewise restores the depth's state
+        before each repetition. ``cached`` records each request's prompt tokens found cached."""
         ctx = self.contexts[depth]
-        pp = [self.n_prompt / self._timed(ctx + self._ids(self.n_prompt), 1) for _ in range(reps)]
-        tg = [self.n_gen / self._timed(ctx + self._ids(1), self.n_gen) for _ in range(reps)]
+        pp, tg = [], []
+        for _ in range(reps):
+            self.prefill(depth)
+            pp.append(self.n_prompt / self._timed(ctx + self._ids(self.n_prompt), 1))
+            self.prefill(depth)
+            tg.append(self.n_gen / self._timed(ctx + self._ids(1), self.n_gen))
         return {"pp": statistics.mean(pp), "tg": statistics.mean(tg)}
 
     def close(self) -> None:
@@ -147,11 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_llamacpp:
             peer = run_llama_bench(Path(args.llama_bench), where.gguf, args.threads, depths, n_prompt, n_gen,
                                    args.reps)  # fmt: skip
-        mine = {d: ours.run(d, args.reps) for d in depths}
+        mine = {}
+        for d in depths:
+            ours.cached.clear()
+            mine[d] = ours.run(d, args.reps)
+            mine[d]["cached"] = list(ours.cached)
         rows.append({"llamacpp": peer, "ours": mine})
         for d in depths:
             line = f"round {r + 1} depth {d}: pp{n_prompt} ours {mine[d]['pp']:.1f}, "
-            line += f"tg{n_gen} ours {mine[d]['tg']:.2f}"
+            line += f"tg{n_gen} ours {mine[d]['tg']:.2f} (cached, prefill/pp/prefill/tg: {mine[d]['cached']})"
             if peer:
                 line += (
                     f"; llama.cpp pp {peer[d]['pp']:.1f} ({mine[d]['pp'] / peer[d]['pp']:.2f}x), "

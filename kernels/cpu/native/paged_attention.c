@@ -11,7 +11,8 @@
  * items are (sequence, KV head, tile of query vectors). q . k is one chain of fused multiply-adds
  * over d for every query (the order above, the same on every ISA). A decode's item holds the query
  * heads that share the KV head: it transposes each W K rows (positions into lanes) and broadcasts
- * its queries' values, 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
+ * its queries' values, each broadcast feeding two groups of W positions where a block's run holds
+ * them (AVX2: a broadcast is its own load), up to 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
  * times those heads, in order) in the lanes of two vectors: q . k at 8 (AVX-512) positions is D
  * multiply-adds of the transposed queries by the K rows' broadcast values (rows copied out of the
  * cache once per item), with no horizontal sums, and the same for the output over V.
@@ -63,6 +64,12 @@
 #define REGS 16
 #endif
 
+/* Whether the common shapes get their own instances (head size 64 and 128 a constant, a chunk's
+ * partitions inside every lane's range without masks): not on the generic build (SSE2), which runs
+ * only where forced (native_attention.py: slower than the torch path there), so that its compile
+ * stays short. The instances differ in speed only: the same operations in the same order. */
+#define SPECIALIZED (W > 4)
+
 /* A chunk's tile: T vectors' lanes of query vectors (TILE in all), and PV_ELEMS output elements
  * of each per pass over V, so that the accumulators fill half the registers. Two vectors per tile
  * halve the loads per multiply-add against one (a K or V value broadcast feeds both): 1.3-1.5x on
@@ -82,6 +89,7 @@ typedef float vf_at __attribute__((vector_size(4 * W), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
+typedef float v4_at __attribute__((vector_size(16), aligned(4), may_alias));
 
 INLINE vf loadv(const float *p) { return *(const vf_at *)p; }
 
@@ -148,27 +156,48 @@ INLINE void transpose_w(vf *r) {
 INLINE void transpose_rows(vf *restrict kt, const float *restrict k, int64_t ps, int m, const int D) {
     for (int c = 0; c < D / W; ++c) {
         vf r[W];
+#if W == 8
+        /* the first stage (halves of rows i and i + 4 swapped) done by the loads: each vector
+         * built from two 4-float halves (an insert from memory, no shuffle-port work) */
+        for (int i = 0; i < W; ++i) {
+            const int lo = i % 4, hi = i % 4 + 4, half = i / 4 * 4;
+            const v4 x = *(const v4_at *)(k + (lo < m ? lo : m - 1) * ps + c * W + half);
+            const v4 y = *(const v4_at *)(k + (hi < m ? hi : m - 1) * ps + c * W + half);
+            r[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7);
+        }
+        TR_PAIR(r, 2, LO2, HI2)
+        TR_PAIR(r, 1, LO1, HI1)
+#else
         for (int i = 0; i < W; ++i) r[i] = loadv(k + (i < m ? i : m - 1) * ps + c * W);
         transpose_w(r);
+#endif
         for (int i = 0; i < W; ++i) kt[c * W + i] = r[i];
     }
 }
 
-/* The scores of G query vectors (q: their first, qs apart) at the m positions transposed in kt,
- * scaled, into rows[j * rs ...]: one chain of multiply-adds over d per lane (a position). */
+/* The scores of G query vectors (q: their first, qs apart) at the m positions transposed in kt
+ * (NG groups of W positions: kt[g * D + d], the last group's m of them; the groups before it whole),
+ * scaled, into rows[j * rs ...]: one chain of multiply-adds over d per lane (a position). Each
+ * query value broadcast feeds the NG groups (two halve the loads per multiply-add where a
+ * broadcast is its own load: AVX2). */
 INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *restrict kt, float *restrict rows,
-                                int64_t rs, int m, float scale, const int G, const int D) {
-    vf acc[G];
-    for (int j = 0; j < G; ++j) acc[j] = q[j * qs] * kt[0];
+                                int64_t rs, int m, float scale, const int G, const int NG, const int D) {
+    vf acc[G][NG];
+    for (int j = 0; j < G; ++j)
+        for (int g = 0; g < NG; ++g) acc[j][g] = q[j * qs] * kt[g * D];
     for (int d = 1; d < D; ++d)
-        for (int j = 0; j < G; ++j) acc[j] += q[j * qs + d] * kt[d];
-    for (int j = 0; j < G; ++j) {
-        const vf x = acc[j] * scale;
-        if (m == W)
-            storev(rows + j * rs, x);
-        else
-            for (int l = 0; l < m; ++l) rows[j * rs + l] = x[l];
-    }
+        for (int j = 0; j < G; ++j) {
+            const float b = q[j * qs + d];
+            for (int g = 0; g < NG; ++g) acc[j][g] += b * kt[g * D + d];
+        }
+    for (int j = 0; j < G; ++j)
+        for (int g = 0; g < NG; ++g) {
+            const vf x = acc[j][g] * scale;
+            if (g < NG - 1 || m == W)
+                storev(rows + j * rs + g * W, x);
+            else
+                for (int l = 0; l < m; ++l) rows[j * rs + g * W + l] = x[l];
+        }
 }
 
 /* softmax numerators of s[0, n) in place (their maximum into *max_out), exactly 0 before position lo (outside a sliding window;
@@ -294,21 +323,23 @@ static __attribute__((noinline)) void merge_partition(float *restrict o, int64_t
     }
 }
 
-/* Query heads per decode_heads_scores call: their accumulators and a K vector fit the registers. */
-#define HG 8
+/* Query heads per decode_heads_scores call: their accumulators (NG per head) and the NG K
+ * vectors fit the registers. */
+#define HG(NG) ((REGS - (NG) - 1) / (NG) > 8 ? 8 : (REGS - (NG) - 1) / (NG))
 
-/* decode_heads_scores for rep query vectors (q: the first, qs apart), HG at a time, into rows PART
- * apart from row0. */
+/* decode_heads_scores for rep query vectors (q: the first, qs apart), HG(NG) at a time, into rows
+ * PART apart from row0. */
 INLINE void decode_all_heads(const float *q, int64_t qs, const vf *kt, float *row0, int m, float scale, int rep,
-                             const int D) {
+                             const int NG, const int D) {
     int v = 0;
-    for (; v + HG <= rep; v += HG)
-        decode_heads_scores(q + v * qs, qs, kt, row0 + (int64_t)v * PART, PART, m, scale, HG, D);
+    for (; v + HG(NG) <= rep; v += HG(NG))
+        decode_heads_scores(q + v * qs, qs, kt, row0 + (int64_t)v * PART, PART, m, scale, HG(NG), NG, D);
     const float *qv = q + v * qs;
     float *rv = row0 + (int64_t)v * PART;
     switch (rep - v) {
-#define HEADS_CASE(g)                                                  \
-    case g: decode_heads_scores(qv, qs, kt, rv, PART, m, scale, g, D); \
+#define HEADS_CASE(g)                                                          \
+    case g:                                                                    \
+        if (g < HG(NG)) decode_heads_scores(qv, qs, kt, rv, PART, m, scale, g, NG, D); \
         break;
         HEADS_CASE(1) HEADS_CASE(2) HEADS_CASE(3) HEADS_CASE(4) HEADS_CASE(5) HEADS_CASE(6) HEADS_CASE(7)
 #undef HEADS_CASE
@@ -390,8 +421,8 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const Seq sq = seq_of(a, b);
-    vf *restrict kt = (vf *)(scores + (int64_t)rep * PART); /* a group of W K rows, transposed */
-    float *restrict qs = (float *)(kt + D); /* the rep query vectors, D apart (offsets known to the compiler) */
+    vf *restrict kt = (vf *)(scores + (int64_t)rep * PART); /* two groups of W K rows, transposed */
+    float *restrict qs = (float *)(kt + 2 * D); /* the rep query vectors, D apart (offsets known to the compiler) */
     for (int v = 0; v < rep; ++v) memcpy(qs + (int64_t)v * D, query_at(a, &sq, 0, h * rep + v), sizeof(float) * D);
     const int ctx = sq.ctx;
     /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
@@ -413,11 +444,19 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
             prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
         }
 #endif
-        /* W positions at a time, transposed into lanes, for every query head in groups of HG */
-        for (int i0 = 0; i0 < n; i0 += W) {
-            const int m = n - i0 < W ? n - i0 : W;
-            transpose_rows(kt, kb + i0 * (int64_t)a->num_kv_heads * D, (int64_t)a->num_kv_heads * D, m, D);
-            decode_all_heads(qs, D, kt, scores + p - P0 + i0, m, a->scale, rep, D);
+        /* 2W positions at a time (W for the last few), transposed into lanes, for every query head
+         * in groups of HG(2) */
+        const int64_t ps = (int64_t)a->num_kv_heads * D;
+        int i0 = 0;
+        for (; i0 + W < n; i0 += 2 * W) {
+            const int m = n - i0 - W < W ? n - i0 - W : W;
+            transpose_rows(kt, kb + i0 * ps, ps, W, D);
+            transpose_rows(kt + D, kb + (i0 + W) * ps, ps, m, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0, m, a->scale, rep, 2, D);
+        }
+        if (i0 < n) {
+            transpose_rows(kt, kb + i0 * ps, ps, n - i0, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0, n - i0, a->scale, rep, 1, D);
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
@@ -509,6 +548,86 @@ INLINE void merge_tile(float *restrict o, float *restrict m_run, float *restrict
     }
 }
 
+/* The lanes that see position q (its window or from 0, up to its own): all of them where the
+ * caller knows it (INSIDE: a partition wholly inside every real lane's range; a padding lane past
+ * the tile's vectors then computes values no one reads, where it would have been masked). */
+INLINE vi seen(int q, const vi *limit, const vi *low, int t, const int INSIDE) {
+    return INSIDE ? (vi){0} - 1 : (q < limit[t]) & (q >= low[t]);
+}
+
+/* One tile's pass over one partition's positions [r0, P1) (K and V rows copied out to kbuf and
+ * vbuf, from position P0): its scores, their maxima, the softmax numerators and their sums, the
+ * weighted V sums, merged into the tile's running outputs o, maxima m_run and sums l_run. INSIDE:
+ * no real lane of the tile masks any of these positions (the same bits: the masks would keep
+ * every value). */
+INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *limit, const vi *low,
+                           float *restrict o, float *restrict m_run, float *restrict l_run, vf *restrict st,
+                           float *restrict accp, const float *restrict kbuf, const float *restrict vbuf, int P0,
+                           int P1, int r0, const int CAP, const int INSIDE, const int D) {
+    const vf neg_inf = (vf){0} - INFINITY;
+    vf m[T];
+    for (int t = 0; t < T; ++t) m[t] = neg_inf;
+    /* st[(p - P0) * T + t] = the tile's scores at position p (masked outside each lane's range) */
+    for (int q0 = r0; q0 < P1; q0 += QP) {
+        vf acc[QP][T];
+        tile_scores_block(qt, kbuf + (int64_t)(q0 - P0) * D, acc, D);
+        const int qn = P1 - q0 < QP ? P1 - q0 : QP;
+        for (int j = 0; j < qn; ++j)
+            for (int t = 0; t < T; ++t) {
+                const int q = q0 + j;
+                const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
+                st[(q - P0) * T + t] = x;
+                m[t] = select_v(x > m[t], x, m[t]);
+            }
+    }
+    /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
+     * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
+     * multiple of W), then halved. */
+    vf part[W][T];
+    for (int l = 0; l < W; ++l)
+        for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
+    for (int q0 = r0 - r0 % W; q0 < P1; q0 += W)
+        for (int l = 0; l < W && q0 + l < P1; ++l) {
+            const int q = q0 + l;
+            if (q < r0) continue;
+            for (int t = 0; t < T; ++t) {
+                float e[W];
+                const vf s = st[(q - P0) * T + t];
+                for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(s[j] - m[t][j]);
+                const vf x = select_v(seen(q, limit, low, t, INSIDE), loadv(e), (vf){0});
+                st[(q - P0) * T + t] = x;
+                part[l][t] += x;
+            }
+        }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    /* the partition's weighted V sums into accp[d * TILE + lane], PV_ELEMS elements of every
+     * vector at a time (accumulators in half the registers), SUB positions at a time: each pass
+     * over a V row reads PV_ELEMS of its elements, and SUB rows stay in L1 for all D / PV_ELEMS
+     * passes (a whole partition's did not: 1.6x on the chunk). A lane's sums still run over
+     * positions in order, the accumulators kept in accp between sub-blocks. */
+    for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
+    for (int s0 = r0; s0 < P1; s0 += SUB) {
+        const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+        for (int dc = 0; dc < D; dc += PV_ELEMS) {
+            vf acc[PV_ELEMS][T];
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
+            for (int q = s0; q < s1; ++q) {
+                const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
+                for (int t = 0; t < T; ++t) {
+                    const vf w = st[(q - P0) * T + t];
+                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] += w * vp[e];
+                }
+            }
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
+        }
+    }
+    merge_tile(o, m_run, l_run, accp, m, part[0], D);
+}
+
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -558,7 +677,6 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
         float *o = os + (int64_t)g * D * TILE;
         for (int i = 0; i < D * TILE; ++i) o[i] = 0.0f;
     }
-    const vf neg_inf = (vf){0} - INFINITY;
     /* partition by partition, each tile of the group in turn: the partition's K and V rows are
      * read from memory once for all of them, then from L2 */
     for (int P0 = first_poss[0] / PART * PART; P0 < longests[ntiles - 1]; P0 += PART) {
@@ -584,67 +702,13 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
         float *restrict o = os + (int64_t)g * D * TILE, *m_run = m_runs[g], *l_run = l_runs[g];
         const int P1 = P0 + PART < longest ? P0 + PART : longest;
         const int r0 = P0 > first_pos ? P0 : first_pos; /* the partition's first position read */
-        vf m[T];
-        for (int t = 0; t < T; ++t) m[t] = neg_inf;
-        /* st[(p - P0) * T + t] = the tile's scores at position p (masked outside each lane's range) */
-        for (int q0 = r0; q0 < P1; q0 += QP) {
-            vf acc[QP][T];
-            tile_scores_block(qt, kbuf + (int64_t)(q0 - P0) * D, acc, D);
-            const int qn = P1 - q0 < QP ? P1 - q0 : QP;
-            for (int j = 0; j < qn; ++j)
-                for (int t = 0; t < T; ++t) {
-                    const int q = q0 + j;
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
-                    st[(q - P0) * T + t] = x;
-                    m[t] = select_v(x > m[t], x, m[t]);
-                }
-        }
-        /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
-         * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
-         * multiple of W), then halved. */
-        vf part[W][T];
-        for (int l = 0; l < W; ++l)
-            for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
-        for (int q0 = r0 - r0 % W; q0 < P1; q0 += W)
-            for (int l = 0; l < W && q0 + l < P1; ++l) {
-                const int q = q0 + l;
-                if (q < r0) continue;
-                for (int t = 0; t < T; ++t) {
-                    float e[W];
-                    const vf s = st[(q - P0) * T + t];
-                    for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(s[j] - m[t][j]);
-                    const vf x = select_v((q < limit[t]) & (q >= low[t]), loadv(e), (vf){0});
-                    st[(q - P0) * T + t] = x;
-                    part[l][t] += x;
-                }
-            }
-        for (int w = W / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; ++l)
-                for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
-        /* the partition's weighted V sums into accp[d * TILE + lane], PV_ELEMS elements of every
-         * vector at a time (accumulators in half the registers), SUB positions at a time: each pass
-         * over a V row reads PV_ELEMS of its elements, and SUB rows stay in L1 for all D / PV_ELEMS
-         * passes (a whole partition's did not: 1.6x on the chunk). A lane's sums still run over
-         * positions in order, the accumulators kept in accp between sub-blocks. */
-        for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
-        for (int s0 = r0; s0 < P1; s0 += SUB) {
-            const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
-            for (int dc = 0; dc < D; dc += PV_ELEMS) {
-                vf acc[PV_ELEMS][T];
-                for (int e = 0; e < PV_ELEMS; ++e)
-                    for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
-                for (int q = s0; q < s1; ++q) {
-                    const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
-                    for (int t = 0; t < T; ++t) {
-                        const vf w = st[(q - P0) * T + t];
-                        for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] += w * vp[e];
-                    }
-                }
-                for (int e = 0; e < PV_ELEMS; ++e)
-                    for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
-            }
-        }
-        merge_tile(o, m_run, l_run, accp, m, part[0], D);
+        /* a partition wholly inside every real lane's range (rows rise, and their windows with
+         * them: the first lane's limit is the least, the last real lane's low the greatest) */
+        const int last = nvecs[g] - 1;
+        if (SPECIALIZED && r0 >= low[last / W][last % W] && P1 <= limit[0][0])
+            tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 1, D);
+        else
+            tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 0, D);
     }
     }
     for (int g = 0; g < ntiles; ++g) {
@@ -814,7 +878,7 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
                 /* the first head prefetches every head's rows (whole rows of the cache: memory read
                  * in order, once); the others find them in L2 */
                 const int fetch = kh == 0 ? a->num_kv_heads : 0;
-                switch (j->head_dim) {
+                switch (SPECIALIZED ? j->head_dim : 0) {
                 case 64: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 64); break;
                 case 128: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 128); break;
                 default: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, j->head_dim);
@@ -825,7 +889,7 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             if (a->softcap > 0) /* soft-capped scores: its own instance, the plain one untouched */
                 attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 1);
             else
-                switch (j->head_dim) {
+                switch (SPECIALIZED ? j->head_dim : 0) {
                 case 64: attend_tile(a, b, h, v0, -it[3], st, 64, 0); break;
                 case 128: attend_tile(a, b, h, v0, -it[3], st, 128, 0); break;
                 default: attend_tile(a, b, h, v0, -it[3], st, j->head_dim, 0);
@@ -865,7 +929,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     float *partials = w->num_slots ? decode_partials(per * (size_t)w->num_slots) : NULL;
     if (w->num_slots && !partials) return -2;
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
-    const size_t decode_floats = (size_t)rep * PART + (size_t)head_dim * W + (size_t)rep * head_dim;
+    const size_t decode_floats = (size_t)rep * PART + 2 * (size_t)head_dim * W + (size_t)rep * head_dim;
     const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     const size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
