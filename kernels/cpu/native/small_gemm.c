@@ -20,6 +20,7 @@
  * Built per instruction set like paged_attention.c (native_build.py); threads: parallel.h's pool. */
 
 #include "panel_gemm.h"
+#include "amx.h"
 
 int32_t llmserve_gemm_panel_width(void) { return NB; }
 
@@ -147,3 +148,264 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
                         const float *bias, float *y, int64_t ldy, int32_t num_threads) {
     panel_gemm(f16_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
+
+/* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
+ * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
+ * either way), and every row count M, 1 .. any, runs on the tiles (a group of fewer than 16 rows
+ * is a tile configured with fewer rows; a row's sums never depend on the tile's other rows), so a
+ * row's result is the same bits alone and in any batch, chunk or thread count.
+ *
+ * The activations are fp32; each x is split by truncation into three bf16 parts,
+ *   x1 = x with the low 16 bits cleared, r = x - x1 (exact), x2 = r truncated so, x3 = (r - x2)
+ *   truncated so,
+ * and x = x1 + x2 + x3 exactly (8 + 8 + 8 significand bits) wherever no part is below the smallest
+ * normal 2^-126: the tile reads a subnormal bf16 as zero (DAZ), so bits of x below 2^-126 are lost
+ * (then |x| < 2^-102 or the part is zero). A non-finite x keeps x1 = x and parts 2, 3 zero. Each
+ * product w * xi of two bf16 is exact in fp32 (but where it is below 2^-126).
+ *
+ * The tile's order, measured on this machine's TDPBF16PS (768000 outputs of random, mixed-exponent,
+ * cancelling and tiny inputs, every one bit-equal), is not the SDM's older pseudo-code (two adds per
+ * pair into the accumulator) but its newer one: per instruction (32 k steps = 16 pairs), the even
+ * and the odd elements of the pairs are two fp32 chains of fused multiply-adds from zero,
+ *   E = fma(a[2j], b[2j], E), O = fma(a[2j+1], b[2j+1], O) for j = 0..15,
+ * each step rounded to nearest even and flushed to zero if subnormal (FTZ; inputs DAZ), then
+ *   C = C + (E + O)        (two fp32 adds, each RNE + FTZ).
+ * An output is C from zero over the k tiles t in order and, in each, the parts x1, x2, x3 in order,
+ * then y = C + bias. kernels/cpu/native_gemm.py's amx_bf16_reference states it in numpy; the tests
+ * hold the kernel bit-equal to it.
+ *
+ * Layout: the weight (n x k) as panels of 32 columns (two tiles of 16), each k tile t of a panel
+ * 2 KiB: [tile h 0..1][pair p 0..15][column c 0..15][2], element (column 32q + 16h + c,
+ * k 32t + 2p + e); columns past n and k past K are zeros, and a subnormal weight is stored as zero
+ * (what DAZ reads). So a panel is one sequential stream. */
+#ifdef AMX_PATH
+#define AKT 32   /* k steps per tile instruction */
+#define ANP 32   /* columns per panel: two C tiles */
+
+static int bf16_amx_use = 1; /* tests turn it off */
+
+/* on: 1 use the tiles for bf16 weights where granted, 0 never, -1 leave. Returns whether they run
+ * now (for weights packed from now on: a packed weight keeps its layout). */
+int32_t llmserve_gemm_bf16_amx(int32_t on) {
+    if (on == 0) bf16_amx_use = 0;
+    if (on == 1) bf16_amx_use = 1;
+    return bf16_amx_use && amx_bf16_listed() && amx_active();
+}
+
+/* Elements (uint16) of the packed form of an n x k weight. */
+int64_t llmserve_gemm_bf16_amx_size(int64_t n, int64_t k) {
+    return (n + ANP - 1) / ANP * ((k + AKT - 1) / AKT) * (ANP * AKT);
+}
+
+void llmserve_gemm_pack_bf16_amx(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t kt = (k + AKT - 1) / AKT, panels = (n + ANP - 1) / ANP;
+    for (int64_t q = 0; q < panels; ++q)
+        for (int64_t t = 0; t < kt; ++t) {
+            uint16_t *dst = packed + (q * kt + t) * (ANP * AKT);
+            for (int h = 0; h < 2; ++h)
+                for (int p = 0; p < AKT / 2; ++p)
+                    for (int c = 0; c < 16; ++c)
+                        for (int e = 0; e < 2; ++e) {
+                            const int64_t col = q * ANP + h * 16 + c, kk = t * AKT + 2 * p + e;
+                            uint16_t v = col < n && kk < k ? w[col * k + kk] : 0;
+                            if ((v & 0x7f80) == 0) v = 0; /* zero or subnormal: DAZ's zero */
+                            dst[((h * 16 + p) * 16 + c) * 2 + e] = v;
+                        }
+        }
+}
+
+/* Rows [r0, r1) of x split into parts[3][m][kp] (bf16 bits; kp = k rounded up to AKT, zeros past k). */
+static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t m, int64_t r0, int64_t r1,
+                            uint16_t *parts) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    for (int64_t i = r0; i < r1; ++i) {
+        const float *xr = x + i * ldx;
+        uint16_t *p1 = parts + i * kp, *p2 = p1 + m * kp, *p3 = p2 + m * kp;
+        for (int64_t c = 0; c < kp; c += 16) {
+            const __mmask16 in = c + 16 <= k ? (__mmask16)0xffff : c < k ? (__mmask16)((1u << (k - c)) - 1) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(in, xr + c);
+            const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), hi));
+            /* a non-finite x: parts 2 and 3 zero */
+            const __mmask16 fin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), expo), expo);
+            const __m512 r = _mm512_maskz_sub_ps(fin, v, v1);
+            const __m512 v2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), hi));
+            const __m512 v3 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r, v2)), hi));
+            _mm256_storeu_si256((__m256i *)(p1 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v1), 16)));
+            _mm256_storeu_si256((__m256i *)(p2 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v2), 16)));
+            _mm256_storeu_si256((__m256i *)(p3 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v3), 16)));
+        }
+    }
+}
+
+/* The caller's buffer for the parts (the pool's threads read it while the caller waits). */
+static uint16_t *bf16_parts_buffer(size_t elems) {
+    static __thread uint16_t *buf;
+    static __thread size_t cap;
+    if (elems > cap) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, elems * 2)) return NULL;
+        free(buf);
+        buf = grown;
+        cap = elems;
+    }
+    return buf;
+}
+
+/* Tiles: C 0, 1 (rows x 16 columns of sums, the panel's two halves), A 2, 3, 4 (rows x 32 of the
+ * parts x1, x2, x3), B 5, 6 (16 pairs x 16 columns of the halves' weights). */
+static void bf16_amx_configure(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 5; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    for (int t = 5; t < 7; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    TILE_CONFIGURE(c);
+}
+
+typedef struct {
+    const float *x, *bias;
+    const uint16_t *packed;
+    uint16_t *parts;
+    float *y;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from;
+} bf16_amx_job;
+
+static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
+    const bf16_amx_job *j = ctx;
+    bf16_split_rows(j->x, j->ldx, j->k, j->kp, j->m, begin, end, j->parts);
+}
+
+/* The same math without the tiles, for a batch's last row past its full groups of 16 (a decode's
+ * one row): one row against one panel, the tile's order step for step in AVX-512 with MXCSR's FTZ
+ * set (the parts and the packed weights hold no subnormal, so DAZ has nothing to do): per k tile,
+ * the three parts' even and odd chains (12 vectors: 2 halves x 3 parts x even/odd) from zero over
+ * the 16 pairs, then C += E + O part by part. A TDPBF16PS costs the same at 1 row as at 16 (one row:
+ * 17 GFLOP/s a core, weights in L2); this, three times the FMA panels' multiply-adds, ran 23; two
+ * or more rows run faster on the tiles (EMU_ROWS). */
+#ifndef EMU_ROWS
+#define EMU_ROWS 1
+#endif
+INLINE void bf16_emu_row(const uint16_t *a1, int64_t pm, const uint16_t *b, int64_t kt, float out[ANP]) {
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kt; ++t) {
+        const uint16_t *bt = b + t * (ANP * AKT);
+        for (int l = 0; l < ANP * AKT * 2; l += 64) __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
+        __m512 e[3][2], o[3][2];
+        for (int p = 0; p < 3; ++p)
+            for (int h = 0; h < 2; ++h) e[p][h] = o[p][h] = _mm512_setzero_ps();
+        for (int j = 0; j < AKT / 2; ++j) {
+            __m512 we[2], wo[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m512i v = _mm512_loadu_si512((const void *)(bt + (h * 16 + j) * 32));
+                we[h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                wo[h] = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
+            }
+            for (int p = 0; p < 3; ++p) {
+                const uint16_t *xp = a1 + p * pm + t * AKT + 2 * j;
+                uint32_t pair;
+                memcpy(&pair, xp, 4);
+                const __m512 xe = _mm512_set1_ps(((union { uint32_t u; float f; }){pair << 16}).f);
+                const __m512 xo = _mm512_set1_ps(((union { uint32_t u; float f; }){pair & 0xffff0000u}).f);
+                for (int h = 0; h < 2; ++h) {
+                    e[p][h] = _mm512_fmadd_ps(xe, we[h], e[p][h]);
+                    o[p][h] = _mm512_fmadd_ps(xo, wo[h], o[p][h]);
+                }
+            }
+        }
+        for (int p = 0; p < 3; ++p) {
+            c0 = _mm512_add_ps(c0, _mm512_add_ps(e[p][0], o[p][0]));
+            c1 = _mm512_add_ps(c1, _mm512_add_ps(e[p][1], o[p][1]));
+        }
+    }
+    _mm512_store_ps(out, c0);
+    _mm512_store_ps(out + 16, c1);
+}
+
+/* out (rows x ANP, the panel's sums) + bias into y's rows r0.. (cols of the panel's ANP columns). */
+INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, int64_t r0, int rows) {
+    const int64_t c0 = q * ANP;
+    const int cols = (int)(j->n - c0 < ANP ? j->n - c0 : ANP);
+    const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+    const __m512 b0 = j->bias ? _mm512_maskz_loadu_ps(m0, j->bias + c0) : _mm512_setzero_ps();
+    const __m512 b1 = j->bias ? _mm512_maskz_loadu_ps(m1, j->bias + c0 + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; ++i) {
+        float *yr = j->y + (r0 + i) * j->ldy + c0;
+        __m512 v0 = _mm512_load_ps(&out[i][0]), v1 = _mm512_load_ps(&out[i][16]);
+        if (j->bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+        _mm512_mask_storeu_ps(yr, m0, v0);
+        _mm512_mask_storeu_ps(yr + 16, m1, v1);
+    }
+}
+
+/* Items over the emulated rows: one panel each, its rows one after another. */
+static void bf16_emu_items(void *ctx, int64_t begin, int64_t end) {
+    const bf16_amx_job *j = ctx;
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8000); /* FTZ */
+    float out[1][ANP] __attribute__((aligned(64)));
+    for (int64_t q = begin; q < end; ++q)
+        for (int64_t r = j->emu_from; r < j->m; ++r) {
+            bf16_emu_row(j->parts + r * j->kp, j->m * j->kp, j->packed + q * j->kt * (ANP * AKT), j->kt, out[0]);
+            bf16_amx_finish(j, out, q, r, 1);
+        }
+    _mm_setcsr(csr);
+}
+
+/* Items: (panel q, group g of 16 rows), q-major: a panel's weights stay in cache over its groups. */
+static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
+    const bf16_amx_job *j = ctx;
+    const int64_t astride = j->kp * 2, pm = j->m * j->kp;
+    float out[16][ANP] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t q = item / j->groups, g = item % j->groups, r0 = 16 * g;
+        const int rows = (int)(j->m - r0 < 16 ? j->m - r0 : 16);
+        if (rows != configured) bf16_amx_configure(rows), configured = rows;
+        const uint16_t *a = j->parts + r0 * j->kp, *b = j->packed + q * j->kt * (ANP * AKT);
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        for (int64_t t = 0; t < j->kt; ++t) {
+            const uint16_t *bt = b + t * (ANP * AKT), *at = a + t * AKT;
+            for (int l = 0; l < ANP * AKT * 2; l += 64) __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
+            TILE_LOAD(5, bt, 64);
+            TILE_LOAD(6, bt + 16 * AKT, 64);
+            TILE_LOAD(2, at, astride);
+            TILE_LOAD(3, at + pm, astride);
+            TILE_LOAD(4, at + 2 * pm, astride);
+            TILE_DPBF16(0, 2, 5);
+            TILE_DPBF16(1, 2, 6);
+            TILE_DPBF16(0, 3, 5);
+            TILE_DPBF16(1, 3, 6);
+            TILE_DPBF16(0, 4, 5);
+            TILE_DPBF16(1, 4, 6);
+        }
+        TILE_STORE(0, &out[0][0], ANP * 4);
+        TILE_STORE(1, &out[0][16], ANP * 4);
+        bf16_amx_finish(j, out, q, r0, rows);
+    }
+    if (configured) TILE_RELEASE();
+}
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed by
+ * llmserve_gemm_pack_bf16_amx; the tiles must have been granted (llmserve_gemm_bf16_amx(-1)). */
+void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                             const float *bias, float *y, int64_t ldy, int32_t num_threads) {
+    if (m <= 0) return;
+    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP;
+    int64_t groups = (m + 15) / 16;
+    uint16_t *parts = bf16_parts_buffer((size_t)(3 * m * kp));
+    if (!parts) abort();
+    /* rows past the full groups of 16: on the tiles (a group of fewer rows) or, EMU_ROWS or fewer,
+     * the tiles' math in AVX-512 (bf16_emu_row); the same bits either way */
+    const int64_t tail = m % 16, emu_from = tail && tail <= EMU_ROWS ? m - tail : m;
+    if (emu_from < m) groups = m / 16;
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from};
+    parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
+    if (groups)
+        parallel_for(num_threads, m * n * k > 262144, panels * groups, 1, bf16_amx_items, &j);
+    if (emu_from < m)
+        parallel_for_guided(num_threads, (m - emu_from) * n * k > 262144, panels, 1, bf16_emu_items, &j);
+}
+#endif
