@@ -77,10 +77,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for amx in (False, True):
                     t[amx].append(time_calls(paths[amx], x, args.reps))
             old, new = statistics.median(t[False]), statistics.median(t[True])
-            gf = lambda s: 2 * m * n * k / s / 1e9  # noqa: E731
-            out.append(
-                dict(shape=name, n=n, k=k, m=m, fma_gflops=gf(old), amx_gflops=gf(new), ratio=old / new)
-            )
+            flop = 2 * m * n * k / 1e9
+            fma, amx = flop / old, flop / new
+            out.append(dict(shape=name, n=n, k=k, m=m, fma_gflops=fma, amx_gflops=amx, ratio=old / new))
             print(
                 f"{name:>8} N={n:<6} K={k:<5} M={m:<4} t={args.threads}: FMA {fma:7.1f}  AMX {amx:7.1f} "
                 f"GFLOP/s  AMX/FMA {old / new:5.2f}x",
