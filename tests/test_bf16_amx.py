@@ -88,21 +88,23 @@ def test_the_tiles_equal_the_numpy_statement_bit_for_bit_and_its_wrong_variants_
 
 
 @needs_amx
-def test_a_row_has_the_same_bits_alone_in_any_batch_and_thread_count():
+@pytest.mark.parametrize("k,total", [(416, 70), (1408, 300)])
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_thread_count(k, total):
     """Rows in groups of 16 run on the tiles, a batch's one row past them on the AVX-512 emulation,
-    2..15 on a tile of that many rows: every way is the same math."""
+    2..15 on a tile of that many rows, in blocks of groups (1408: 3 groups a block): every way is
+    the same math."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(100, 416, generator=g).to(torch.bfloat16)
+    w = torch.randn(100, k, generator=g).to(torch.bfloat16)
     lin = native_gemm.NativeLinear(w, torch.randn(100, generator=g), isa="avx512")
-    x = torch.randn(70, 416, generator=g)
+    x = torch.randn(total, k, generator=g)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            for rows in (2, 3, 15, 16, 17, 18, 33, 70):
+            for rows in (2, 3, 15, 16, 17, 18, 33, 70, total):
                 assert torch.equal(lin(x[:rows]), alone[:rows]), (t, rows)
-                assert torch.equal(lin(x[70 - rows :]), alone[70 - rows :]), (t, rows)
+                assert torch.equal(lin(x[total - rows :]), alone[total - rows :]), (t, rows)
     finally:
         torch.set_num_threads(threads)
 

@@ -267,7 +267,7 @@ typedef struct {
     const uint16_t *packed;
     uint16_t *parts;
     float *y;
-    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from, block;
 } bf16_amx_job;
 
 static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
@@ -353,14 +353,18 @@ static void bf16_emu_items(void *ctx, int64_t begin, int64_t end) {
     _mm_setcsr(csr);
 }
 
-/* Items: (panel q, group g of 16 rows), q-major: a panel's weights stay in cache over its groups. */
+/* Items: (block of `block` groups of 16 rows, panel q, group g in the block), in that order: a
+ * block's parts (at most ~512 KiB) stay in the L2 while the panels stream past them, and a panel's
+ * weights stay in L1/L2 over the block's groups. */
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
     const int64_t astride = j->kp * 2, pm = j->m * j->kp;
     float out[16][ANP] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t item = begin; item < end; ++item) {
-        const int64_t q = item / j->groups, g = item % j->groups, r0 = 16 * g;
+        const int64_t per_block = j->block * j->panels, blk = item / per_block, in = item % per_block;
+        const int64_t gb = j->groups - blk * j->block < j->block ? j->groups - blk * j->block : j->block;
+        const int64_t q = in / gb, g = blk * j->block + in % gb, r0 = 16 * g;
         const int rows = (int)(j->m - r0 < 16 ? j->m - r0 : 16);
         if (rows != configured) bf16_amx_configure(rows), configured = rows;
         const uint16_t *a = j->parts + r0 * j->kp, *b = j->packed + q * j->kt * (ANP * AKT);
@@ -401,7 +405,9 @@ void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, 
      * the tiles' math in AVX-512 (bf16_emu_row); the same bits either way */
     const int64_t tail = m % 16, emu_from = tail && tail <= EMU_ROWS ? m - tail : m;
     if (emu_from < m) groups = m / 16;
-    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from};
+    int64_t block = (512 << 10) / (16 * kp * 6);
+    block = block < 1 ? 1 : block > groups ? (groups ? groups : 1) : block;
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from, block};
     parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
     if (groups)
         parallel_for(num_threads, m * n * k > 262144, panels * groups, 1, bf16_amx_items, &j);
