@@ -91,7 +91,7 @@ def test_the_tiles_equal_the_numpy_statement_bit_for_bit_and_its_wrong_variants_
 @pytest.mark.parametrize("k,total", [(416, 70), (1408, 300)])
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_thread_count(k, total):
     """Rows in groups of 16 run on the tiles, a batch's one row past them on the AVX-512 emulation,
-    2..15 on a tile of that many rows, in blocks of groups (1408: 3 groups a block): every way is
+    2..15 on a tile of that many rows, in blocks of 8 groups and k chunks of 512: every way is
     the same math."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(100, k, generator=g).to(torch.bfloat16)

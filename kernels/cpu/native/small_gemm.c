@@ -214,14 +214,19 @@ void llmserve_gemm_pack_bf16_amx(const uint16_t *w, int64_t n, int64_t k, uint16
         }
 }
 
-/* Rows [r0, r1) of x split into parts[3][m][kp] (bf16 bits; kp = k rounded up to AKT, zeros past k). */
+/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): for group g of 16 rows and k tile t,
+ * the parts x1, x2, x3 as three 16 x 32 tiles of 1 KiB in a row, parts + ((g * kt + t) * 3 + p) * 512,
+ * row r of the group at r * 32; zeros past k. So a tile load reads 1 KiB in a run (rows kp apart
+ * had the tile loads of a 4864-wide activation on 16 pages each). */
 static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t m, int64_t r0, int64_t r1,
                             uint16_t *parts) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
     for (int64_t i = r0; i < r1; ++i) {
         const float *xr = x + i * ldx;
-        uint16_t *p1 = parts + i * kp, *p2 = p1 + m * kp, *p3 = p2 + m * kp;
+        (void)m;
+        uint16_t *row = parts + (i / 16) * (kp / AKT) * 3 * 512 + (i % 16) * AKT;
         for (int64_t c = 0; c < kp; c += 16) {
+            uint16_t *p1 = row + (c / AKT) * 3 * 512 + c % AKT, *p2 = p1 + 512, *p3 = p2 + 512;
             const __mmask16 in = c + 16 <= k ? (__mmask16)0xffff : c < k ? (__mmask16)((1u << (k - c)) - 1) : 0;
             const __m512 v = _mm512_maskz_loadu_ps(in, xr + c);
             const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), hi));
@@ -230,9 +235,9 @@ static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, 
             const __m512 r = _mm512_maskz_sub_ps(fin, v, v1);
             const __m512 v2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), hi));
             const __m512 v3 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r, v2)), hi));
-            _mm256_storeu_si256((__m256i *)(p1 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v1), 16)));
-            _mm256_storeu_si256((__m256i *)(p2 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v2), 16)));
-            _mm256_storeu_si256((__m256i *)(p3 + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v3), 16)));
+            _mm256_storeu_si256((__m256i *)p1, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v1), 16)));
+            _mm256_storeu_si256((__m256i *)p2, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v2), 16)));
+            _mm256_storeu_si256((__m256i *)p3, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v3), 16)));
         }
     }
 }
@@ -267,7 +272,7 @@ typedef struct {
     const uint16_t *packed;
     uint16_t *parts;
     float *y;
-    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from, block;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from;
 } bf16_amx_job;
 
 static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
@@ -285,7 +290,7 @@ static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
 #ifndef EMU_ROWS
 #define EMU_ROWS 1
 #endif
-INLINE void bf16_emu_row(const uint16_t *a1, int64_t pm, const uint16_t *b, int64_t kt, float out[ANP]) {
+INLINE void bf16_emu_row(const uint16_t *a, const uint16_t *b, int64_t kt, float out[ANP]) {
     const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
     __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
     for (int64_t t = 0; t < kt; ++t) {
@@ -302,7 +307,7 @@ INLINE void bf16_emu_row(const uint16_t *a1, int64_t pm, const uint16_t *b, int6
                 wo[h] = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
             }
             for (int p = 0; p < 3; ++p) {
-                const uint16_t *xp = a1 + p * pm + t * AKT + 2 * j;
+                const uint16_t *xp = a + (t * 3 + p) * 512 + 2 * j;
                 uint32_t pair;
                 memcpy(&pair, xp, 4);
                 const __m512 xe = _mm512_set1_ps(((union { uint32_t u; float f; }){pair << 16}).f);
@@ -347,47 +352,66 @@ static void bf16_emu_items(void *ctx, int64_t begin, int64_t end) {
     float out[1][ANP] __attribute__((aligned(64)));
     for (int64_t q = begin; q < end; ++q)
         for (int64_t r = j->emu_from; r < j->m; ++r) {
-            bf16_emu_row(j->parts + r * j->kp, j->m * j->kp, j->packed + q * j->kt * (ANP * AKT), j->kt, out[0]);
+            bf16_emu_row(j->parts + (r / 16) * j->kt * 3 * 512 + (r % 16) * AKT, j->packed + q * j->kt * (ANP * AKT),
+                         j->kt, out[0]);
             bf16_amx_finish(j, out, q, r, 1);
         }
     _mm_setcsr(csr);
 }
 
-/* Items: (block of `block` groups of 16 rows, panel q, group g in the block), in that order: a
- * block's parts (at most ~512 KiB) stay in the L2 while the panels stream past them, and a panel's
- * weights stay in L1/L2 over the block's groups. */
+/* Items: (block of up to BLOCK groups of 16 rows, panel q), block-major. An item runs its panel's
+ * k in chunks of KC tiles (512 k: 32 KiB of weights, in L1), each chunk over all the block's groups,
+ * their C tiles stored between chunks (an fp32 store and load: the sums' bits go on unchanged), so
+ * each weight byte loaded serves up to 128 rows and the block's parts stay in the L2. */
+#define BLOCK 8
+#define KC 16
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
-    const int64_t astride = j->kp * 2, pm = j->m * j->kp;
-    float out[16][ANP] __attribute__((aligned(64)));
+    float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t item = begin; item < end; ++item) {
-        const int64_t per_block = j->block * j->panels, blk = item / per_block, in = item % per_block;
-        const int64_t gb = j->groups - blk * j->block < j->block ? j->groups - blk * j->block : j->block;
-        const int64_t q = in / gb, g = blk * j->block + in % gb, r0 = 16 * g;
-        const int rows = (int)(j->m - r0 < 16 ? j->m - r0 : 16);
-        if (rows != configured) bf16_amx_configure(rows), configured = rows;
-        const uint16_t *a = j->parts + r0 * j->kp, *b = j->packed + q * j->kt * (ANP * AKT);
-        TILE_ZERO(0);
-        TILE_ZERO(1);
-        for (int64_t t = 0; t < j->kt; ++t) {
-            const uint16_t *bt = b + t * (ANP * AKT), *at = a + t * AKT;
-            for (int l = 0; l < ANP * AKT * 2; l += 64) __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
-            TILE_LOAD(5, bt, 64);
-            TILE_LOAD(6, bt + 16 * AKT, 64);
-            TILE_LOAD(2, at, astride);
-            TILE_LOAD(3, at + pm, astride);
-            TILE_LOAD(4, at + 2 * pm, astride);
-            TILE_DPBF16(0, 2, 5);
-            TILE_DPBF16(1, 2, 6);
-            TILE_DPBF16(0, 3, 5);
-            TILE_DPBF16(1, 3, 6);
-            TILE_DPBF16(0, 4, 5);
-            TILE_DPBF16(1, 4, 6);
+        const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * BLOCK;
+        const int gb = (int)(j->groups - g0 < BLOCK ? j->groups - g0 : BLOCK);
+        const uint16_t *b = j->packed + q * j->kt * (ANP * AKT);
+        for (int64_t kc = 0; kc < j->kt; kc += KC) {
+            const int64_t kend = kc + KC < j->kt ? kc + KC : j->kt;
+            for (int gi = 0; gi < gb; ++gi) {
+                const int64_t r0 = 16 * (g0 + gi);
+                const int rows = (int)(j->m - r0 < 16 ? j->m - r0 : 16);
+                if (rows != configured) bf16_amx_configure(rows), configured = rows;
+                const uint16_t *a = j->parts + (g0 + gi) * j->kt * 3 * 512;
+                if (kc == 0) {
+                    TILE_ZERO(0);
+                    TILE_ZERO(1);
+                } else {
+                    TILE_LOAD(0, &out[gi * 16][0], ANP * 4);
+                    TILE_LOAD(1, &out[gi * 16][16], ANP * 4);
+                }
+                for (int64_t t = kc; t < kend; ++t) {
+                    const uint16_t *bt = b + t * (ANP * AKT), *at = a + t * 3 * 512;
+                    if (gi == 0)
+                        for (int l = 0; l < ANP * AKT * 2; l += 64)
+                            __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
+                    TILE_LOAD(5, bt, 64);
+                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    TILE_LOAD(2, at, 64);
+                    TILE_LOAD(3, at + 512, 64);
+                    TILE_LOAD(4, at + 1024, 64);
+                    TILE_DPBF16(0, 2, 5);
+                    TILE_DPBF16(1, 2, 6);
+                    TILE_DPBF16(0, 3, 5);
+                    TILE_DPBF16(1, 3, 6);
+                    TILE_DPBF16(0, 4, 5);
+                    TILE_DPBF16(1, 4, 6);
+                }
+                TILE_STORE(0, &out[gi * 16][0], ANP * 4);
+                TILE_STORE(1, &out[gi * 16][16], ANP * 4);
+            }
         }
-        TILE_STORE(0, &out[0][0], ANP * 4);
-        TILE_STORE(1, &out[0][16], ANP * 4);
-        bf16_amx_finish(j, out, q, r0, rows);
+        for (int gi = 0; gi < gb; ++gi) {
+            const int64_t r0 = 16 * (g0 + gi);
+            bf16_amx_finish(j, &out[gi * 16], q, r0, (int)(j->m - r0 < 16 ? j->m - r0 : 16));
+        }
     }
     if (configured) TILE_RELEASE();
 }
@@ -399,18 +423,16 @@ void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, 
     if (m <= 0) return;
     const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP;
     int64_t groups = (m + 15) / 16;
-    uint16_t *parts = bf16_parts_buffer((size_t)(3 * m * kp));
+    uint16_t *parts = bf16_parts_buffer((size_t)(3 * 16 * ((m + 15) / 16) * kp));
     if (!parts) abort();
     /* rows past the full groups of 16: on the tiles (a group of fewer rows) or, EMU_ROWS or fewer,
      * the tiles' math in AVX-512 (bf16_emu_row); the same bits either way */
     const int64_t tail = m % 16, emu_from = tail && tail <= EMU_ROWS ? m - tail : m;
     if (emu_from < m) groups = m / 16;
-    int64_t block = (512 << 10) / (16 * kp * 6);
-    block = block < 1 ? 1 : block > groups ? (groups ? groups : 1) : block;
-    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from, block};
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from};
     parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
     if (groups)
-        parallel_for(num_threads, m * n * k > 262144, panels * groups, 1, bf16_amx_items, &j);
+        parallel_for(num_threads, m * n * k > 262144, panels * ((groups + BLOCK - 1) / BLOCK), 1, bf16_amx_items, &j);
     if (emu_from < m)
         parallel_for_guided(num_threads, (m - emu_from) * n * k > 262144, panels, 1, bf16_emu_items, &j);
 }
