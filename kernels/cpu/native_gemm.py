@@ -226,12 +226,14 @@ def amx_bf16_reference(
     x: np.ndarray, w_bits: np.ndarray, bias: np.ndarray | None = None, *, parts_order=(0, 1, 2), paired=False
 ) -> np.ndarray:
     """The AMX-BF16 path's math in numpy (small_gemm.c's comment), bit for bit: x (m x k) fp32,
-    w_bits (n x k) the weight's bf16 bit patterns (uint16). Per k tile of 32 and per part x1, x2,
-    x3 in order: the even and the odd elements of the 16 pairs as two chains of fused
-    multiply-adds from zero (RNE, FTZ; a product of two bf16 is exact, the fma then one rounding,
-    done here in float64: correctly rounded to fp32, binary64 having over 2 x 24 + 2 bits), then
-    C = C + (E + O); y = C + bias. ``parts_order`` and ``paired`` (the SDM's older order: both
-    elements of a pair added to C in turn) state wrong math, for the tests to show it differs."""
+    w_bits (n x k) the weight's bf16 bit patterns (uint16). Each part x1, x2, x3 has its own fp32
+    sum C1, C2, C3 (rows of one C tile) from zero over the k tiles of 32: per tile the even and the
+    odd elements of the 16 pairs as two chains of fused multiply-adds from zero (RNE, FTZ; a product
+    of two bf16 is exact, the fma then one rounding, done here in float64: correctly rounded to
+    fp32, binary64 having over 2 x 24 + 2 bits), then Cp = Cp + (E + O) (RNE, FTZ); at the end
+    y = (C1 + (C2 + C3)) + bias in plain fp32. ``parts_order`` and ``paired`` (the SDM's older
+    order: both elements of a pair added to C in turn) state wrong math, for the tests to show it
+    differs."""
     x = np.asarray(x, dtype=np.float32)
     m, k = x.shape
     n = w_bits.shape[0]
@@ -242,21 +244,25 @@ def amx_bf16_reference(
     split = bf16_split(x)
     parts = [np.pad(split[i], ((0, 0), (0, pad))).astype(np.float64) for i in parts_order]
     w64 = np.pad(w, ((0, 0), (0, pad))).astype(np.float64)
-    c = np.zeros((m, n), dtype=np.float32)
+    acc = [np.zeros((m, n), dtype=np.float32) for _ in parts]
     for t in range(kt):
-        for p in parts:
+        for c, p in zip(acc, parts, strict=True):
             if paired:
                 for kk in range(32 * t, 32 * t + 32):
-                    c = _ftz((c.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
+                    c[:] = _ftz((c.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
                 continue
             chains = []
             for e in (0, 1):
-                acc = np.zeros((m, n), dtype=np.float32)
+                ch = np.zeros((m, n), dtype=np.float32)
                 for j in range(16):
                     kk = 32 * t + 2 * j + e
-                    acc = _ftz((acc.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
-                chains.append(acc)
-            c = _ftz((c + _ftz((chains[0] + chains[1]).astype(np.float32))).astype(np.float32))
+                    ch = _ftz((ch.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
+                chains.append(ch)
+            c[:] = _ftz((c + _ftz((chains[0] + chains[1]).astype(np.float32))).astype(np.float32))
+    c = acc[0]
+    if len(acc) > 1:
+        rest = acc[1] if len(acc) == 2 else (acc[1] + acc[2]).astype(np.float32)
+        c = (c + rest).astype(np.float32)
     if bias is not None:
         c = (c + np.asarray(bias, dtype=np.float32)).astype(np.float32)
     return c

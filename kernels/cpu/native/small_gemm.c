@@ -214,19 +214,19 @@ void llmserve_gemm_pack_bf16_amx(const uint16_t *w, int64_t n, int64_t k, uint16
         }
 }
 
-/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): for group g of 16 rows and k tile t,
- * the parts x1, x2, x3 as three 16 x 32 tiles of 1 KiB in a row, parts + ((g * kt + t) * 3 + p) * 512,
- * row r of the group at r * 32; zeros past k. So a tile load reads 1 KiB in a run (rows kp apart
- * had the tile loads of a 4864-wide activation on 16 pages each). */
-static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t m, int64_t r0, int64_t r1,
+/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): group g of RG = 5 rows, k tile t is
+ * one 16 x 32 tile of 1 KiB at parts + (g * kt + t) * 512 whose row 3r + p holds part p of the
+ * group's row r (row 15 unused); zeros past k. */
+#define RG 5
+static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t r0, int64_t r1,
                             uint16_t *parts) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    const int64_t kt = kp / AKT;
     for (int64_t i = r0; i < r1; ++i) {
         const float *xr = x + i * ldx;
-        (void)m;
-        uint16_t *row = parts + (i / 16) * (kp / AKT) * 3 * 512 + (i % 16) * AKT;
+        uint16_t *row = parts + (i / RG) * kt * 512 + 3 * (i % RG) * AKT;
         for (int64_t c = 0; c < kp; c += 16) {
-            uint16_t *p1 = row + (c / AKT) * 3 * 512 + c % AKT, *p2 = p1 + 512, *p3 = p2 + 512;
+            uint16_t *p1 = row + (c / AKT) * 512 + c % AKT, *p2 = p1 + AKT, *p3 = p2 + AKT;
             const __mmask16 in = c + 16 <= k ? (__mmask16)0xffff : c < k ? (__mmask16)((1u << (k - c)) - 1) : 0;
             const __m512 v = _mm512_maskz_loadu_ps(in, xr + c);
             const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), hi));
@@ -256,14 +256,16 @@ static uint16_t *bf16_parts_buffer(size_t elems) {
     return buf;
 }
 
-/* Tiles: C 0, 1 (rows x 16 columns of sums, the panel's two halves), A 2, 3, 4 (rows x 32 of the
- * parts x1, x2, x3), B 5, 6 (16 pairs x 16 columns of the halves' weights). */
-static void bf16_amx_configure(int rows) {
+/* Tiles: C 0, 1 and 3, 4 (3 x rows of sums x 16 columns: the panel's two halves, for two groups), A 2
+ * and 7 (3 x rows x 32: the two groups' parts), B 5, 6 (16 pairs x 16 columns, the halves' weights). */
+static void bf16_amx_configure(int rows_a, int rows_b) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette_id = 1;
-    for (int t = 0; t < 5; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
-    for (int t = 5; t < 7; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)(3 * rows_a);
+    c.rows[3] = c.rows[4] = c.rows[7] = (uint8_t)(3 * (rows_b ? rows_b : 1));
+    c.rows[5] = c.rows[6] = 16;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
     TILE_CONFIGURE(c);
 }
 
@@ -272,62 +274,16 @@ typedef struct {
     const uint16_t *packed;
     uint16_t *parts;
     float *y;
-    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels;
 } bf16_amx_job;
 
 static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
-    bf16_split_rows(j->x, j->ldx, j->k, j->kp, j->m, begin, end, j->parts);
+    bf16_split_rows(j->x, j->ldx, j->k, j->kp, begin, end, j->parts);
 }
 
-/* The same math without the tiles, for a batch's last row past its full groups of 16 (a decode's
- * one row): one row against one panel, the tile's order step for step in AVX-512 with MXCSR's FTZ
- * set (the parts and the packed weights hold no subnormal, so DAZ has nothing to do): per k tile,
- * the three parts' even and odd chains (12 vectors: 2 halves x 3 parts x even/odd) from zero over
- * the 16 pairs, then C += E + O part by part. A TDPBF16PS costs the same at 1 row as at 16 (one row:
- * 17 GFLOP/s a core, weights in L2); this, three times the FMA panels' multiply-adds, ran 23; two
- * or more rows run faster on the tiles (EMU_ROWS). */
-#ifndef EMU_ROWS
-#define EMU_ROWS 1
-#endif
-INLINE void bf16_emu_row(const uint16_t *a, const uint16_t *b, int64_t kt, float out[ANP]) {
-    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    for (int64_t t = 0; t < kt; ++t) {
-        const uint16_t *bt = b + t * (ANP * AKT);
-        for (int l = 0; l < ANP * AKT * 2; l += 64) __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
-        __m512 e[3][2], o[3][2];
-        for (int p = 0; p < 3; ++p)
-            for (int h = 0; h < 2; ++h) e[p][h] = o[p][h] = _mm512_setzero_ps();
-        for (int j = 0; j < AKT / 2; ++j) {
-            __m512 we[2], wo[2];
-            for (int h = 0; h < 2; ++h) {
-                const __m512i v = _mm512_loadu_si512((const void *)(bt + (h * 16 + j) * 32));
-                we[h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                wo[h] = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
-            }
-            for (int p = 0; p < 3; ++p) {
-                const uint16_t *xp = a + (t * 3 + p) * 512 + 2 * j;
-                uint32_t pair;
-                memcpy(&pair, xp, 4);
-                const __m512 xe = _mm512_set1_ps(((union { uint32_t u; float f; }){pair << 16}).f);
-                const __m512 xo = _mm512_set1_ps(((union { uint32_t u; float f; }){pair & 0xffff0000u}).f);
-                for (int h = 0; h < 2; ++h) {
-                    e[p][h] = _mm512_fmadd_ps(xe, we[h], e[p][h]);
-                    o[p][h] = _mm512_fmadd_ps(xo, wo[h], o[p][h]);
-                }
-            }
-        }
-        for (int p = 0; p < 3; ++p) {
-            c0 = _mm512_add_ps(c0, _mm512_add_ps(e[p][0], o[p][0]));
-            c1 = _mm512_add_ps(c1, _mm512_add_ps(e[p][1], o[p][1]));
-        }
-    }
-    _mm512_store_ps(out, c0);
-    _mm512_store_ps(out + 16, c1);
-}
-
-/* out (rows x ANP, the panel's sums) + bias into y's rows r0.. (cols of the panel's ANP columns). */
+/* out (3 rows a row of x: its parts' sums C1, C2, C3, panel-wide) into y's rows r0..:
+ * y = (C1 + (C2 + C3)) + bias, IEEE fp32 adds (MXCSR's default) (cols of the panel's ANP columns). */
 INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, int64_t r0, int rows) {
     const int64_t c0 = q * ANP;
     const int cols = (int)(j->n - c0 < ANP ? j->n - c0 : ANP);
@@ -337,83 +293,83 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
     const __m512 b1 = j->bias ? _mm512_maskz_loadu_ps(m1, j->bias + c0 + 16) : _mm512_setzero_ps();
     for (int i = 0; i < rows; ++i) {
         float *yr = j->y + (r0 + i) * j->ldy + c0;
-        __m512 v0 = _mm512_load_ps(&out[i][0]), v1 = _mm512_load_ps(&out[i][16]);
+        __m512 v0 = _mm512_add_ps(_mm512_load_ps(&out[3 * i][0]),
+                                  _mm512_add_ps(_mm512_load_ps(&out[3 * i + 1][0]), _mm512_load_ps(&out[3 * i + 2][0])));
+        __m512 v1 = _mm512_add_ps(_mm512_load_ps(&out[3 * i][16]),
+                                  _mm512_add_ps(_mm512_load_ps(&out[3 * i + 1][16]), _mm512_load_ps(&out[3 * i + 2][16])));
         if (j->bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
         _mm512_mask_storeu_ps(yr, m0, v0);
         _mm512_mask_storeu_ps(yr + 16, m1, v1);
     }
 }
 
-/* Items over the emulated rows: one panel each, its rows one after another. */
-static void bf16_emu_items(void *ctx, int64_t begin, int64_t end) {
-    const bf16_amx_job *j = ctx;
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8000); /* FTZ */
-    float out[1][ANP] __attribute__((aligned(64)));
-    for (int64_t q = begin; q < end; ++q)
-        for (int64_t r = j->emu_from; r < j->m; ++r) {
-            bf16_emu_row(j->parts + (r / 16) * j->kt * 3 * 512 + (r % 16) * AKT, j->packed + q * j->kt * (ANP * AKT),
-                         j->kt, out[0]);
-            bf16_amx_finish(j, out, q, r, 1);
-        }
-    _mm_setcsr(csr);
-}
-
-/* Items: (block of up to BLOCK groups of 16 rows, panel q), block-major. An item runs its panel's
- * k in chunks of KC tiles (512 k: 32 KiB of weights, in L1), each chunk over all the block's groups,
- * their C tiles stored between chunks (an fp32 store and load: the sums' bits go on unchanged), so
- * each weight byte loaded serves up to 128 rows and the block's parts stay in the L2. */
+/* Items: (block of up to BLOCK groups of RG rows, panel q), block-major. An item runs its panel's
+ * k in chunks of KC tiles (512 k: 32 KiB of weights, in L1), each chunk over the block's groups two
+ * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
+ * the sums' bits go on unchanged), so each weight byte loaded serves up to 40 rows and the block's
+ * parts stay in the L2. No software prefetch: the weights' tile loads ran 1.10x faster at one row
+ * without the L2 prefetch 4 tiles ahead that the FMA panels use (and no slower at 2 and 4 rows). */
 #define BLOCK 8
 #define KC 16
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
     float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
-    int configured = 0;
+    int cfg_a = 0, cfg_b = -1;
     for (int64_t item = begin; item < end; ++item) {
         const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * BLOCK;
         const int gb = (int)(j->groups - g0 < BLOCK ? j->groups - g0 : BLOCK);
         const uint16_t *b = j->packed + q * j->kt * (ANP * AKT);
         for (int64_t kc = 0; kc < j->kt; kc += KC) {
             const int64_t kend = kc + KC < j->kt ? kc + KC : j->kt;
-            for (int gi = 0; gi < gb; ++gi) {
-                const int64_t r0 = 16 * (g0 + gi);
-                const int rows = (int)(j->m - r0 < 16 ? j->m - r0 : 16);
-                if (rows != configured) bf16_amx_configure(rows), configured = rows;
-                const uint16_t *a = j->parts + (g0 + gi) * j->kt * 3 * 512;
+            for (int gi = 0; gi < gb; gi += 2) {
+                const int64_t ra = RG * (g0 + gi), rb = ra + RG;
+                const int rows_a = (int)(j->m - ra < RG ? j->m - ra : RG);
+                const int rows_b = gi + 1 < gb ? (int)(j->m - rb < RG ? j->m - rb : RG) : 0;
+                if (rows_a != cfg_a || rows_b != cfg_b) bf16_amx_configure(rows_a, rows_b), cfg_a = rows_a, cfg_b = rows_b;
+                const uint16_t *a = j->parts + (g0 + gi) * j->kt * 512, *a2 = a + j->kt * 512;
+                float(*oa)[ANP] = &out[gi * 16], (*ob)[ANP] = &out[(gi + 1) * 16];
                 if (kc == 0) {
                     TILE_ZERO(0);
                     TILE_ZERO(1);
+                    if (rows_b) {
+                        TILE_ZERO(3);
+                        TILE_ZERO(4);
+                    }
                 } else {
-                    TILE_LOAD(0, &out[gi * 16][0], ANP * 4);
-                    TILE_LOAD(1, &out[gi * 16][16], ANP * 4);
+                    TILE_LOAD(0, &oa[0][0], ANP * 4);
+                    TILE_LOAD(1, &oa[0][16], ANP * 4);
+                    if (rows_b) {
+                        TILE_LOAD(3, &ob[0][0], ANP * 4);
+                        TILE_LOAD(4, &ob[0][16], ANP * 4);
+                    }
                 }
                 for (int64_t t = kc; t < kend; ++t) {
-                    const uint16_t *bt = b + t * (ANP * AKT), *at = a + t * 3 * 512;
-                    if (gi == 0)
-                        for (int l = 0; l < ANP * AKT * 2; l += 64)
-                            __builtin_prefetch((const char *)bt + 4 * ANP * AKT * 2 + l, 0, 2);
+                    const uint16_t *bt = b + t * (ANP * AKT);
                     TILE_LOAD(5, bt, 64);
                     TILE_LOAD(6, bt + 16 * AKT, 64);
-                    TILE_LOAD(2, at, 64);
-                    TILE_LOAD(3, at + 512, 64);
-                    TILE_LOAD(4, at + 1024, 64);
+                    TILE_LOAD(2, a + t * 512, 64);
                     TILE_DPBF16(0, 2, 5);
                     TILE_DPBF16(1, 2, 6);
-                    TILE_DPBF16(0, 3, 5);
-                    TILE_DPBF16(1, 3, 6);
-                    TILE_DPBF16(0, 4, 5);
-                    TILE_DPBF16(1, 4, 6);
+                    if (rows_b) {
+                        TILE_LOAD(7, a2 + t * 512, 64);
+                        TILE_DPBF16(3, 7, 5);
+                        TILE_DPBF16(4, 7, 6);
+                    }
                 }
-                TILE_STORE(0, &out[gi * 16][0], ANP * 4);
-                TILE_STORE(1, &out[gi * 16][16], ANP * 4);
+                TILE_STORE(0, &oa[0][0], ANP * 4);
+                TILE_STORE(1, &oa[0][16], ANP * 4);
+                if (rows_b) {
+                    TILE_STORE(3, &ob[0][0], ANP * 4);
+                    TILE_STORE(4, &ob[0][16], ANP * 4);
+                }
             }
         }
         for (int gi = 0; gi < gb; ++gi) {
-            const int64_t r0 = 16 * (g0 + gi);
-            bf16_amx_finish(j, &out[gi * 16], q, r0, (int)(j->m - r0 < 16 ? j->m - r0 : 16));
+            const int64_t r0 = RG * (g0 + gi);
+            bf16_amx_finish(j, &out[gi * 16], q, r0, (int)(j->m - r0 < RG ? j->m - r0 : RG));
         }
     }
-    if (configured) TILE_RELEASE();
+    if (cfg_a) TILE_RELEASE();
 }
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed by
@@ -421,19 +377,15 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
 void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                              const float *bias, float *y, int64_t ldy, int32_t num_threads) {
     if (m <= 0) return;
-    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP;
-    int64_t groups = (m + 15) / 16;
-    uint16_t *parts = bf16_parts_buffer((size_t)(3 * 16 * ((m + 15) / 16) * kp));
+    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP, groups = (m + RG - 1) / RG;
+    uint16_t *parts = bf16_parts_buffer((size_t)(groups * kt * 512));
     if (!parts) abort();
-    /* rows past the full groups of 16: on the tiles (a group of fewer rows) or, EMU_ROWS or fewer,
-     * the tiles' math in AVX-512 (bf16_emu_row); the same bits either way */
-    const int64_t tail = m % 16, emu_from = tail && tail <= EMU_ROWS ? m - tail : m;
-    if (emu_from < m) groups = m / 16;
-    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, emu_from};
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels};
     parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
-    if (groups)
-        parallel_for(num_threads, m * n * k > 262144, panels * ((groups + BLOCK - 1) / BLOCK), 1, bf16_amx_items, &j);
-    if (emu_from < m)
-        parallel_for_guided(num_threads, (m - emu_from) * n * k > 262144, panels, 1, bf16_emu_items, &j);
+    const int64_t items = panels * ((groups + BLOCK - 1) / BLOCK);
+    if (groups <= BLOCK)
+        parallel_for_guided(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
+    else
+        parallel_for(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
 }
 #endif
