@@ -151,8 +151,8 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
 
 /* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
  * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
- * either way), and every row count M, 1 .. any, runs on the tiles (a group of fewer than 16 rows
- * is a tile configured with fewer rows; a row's sums never depend on the tile's other rows), so a
+ * either way), and every row count M, 1 .. any, runs on the tiles (rows in groups of 5, a group's
+ * last one with fewer rows configured; a tile row's sums never depend on its other rows), so a
  * row's result is the same bits alone and in any batch, chunk or thread count.
  *
  * The activations are fp32; each x is split by truncation into three bf16 parts,
@@ -170,9 +170,13 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
  *   E = fma(a[2j], b[2j], E), O = fma(a[2j+1], b[2j+1], O) for j = 0..15,
  * each step rounded to nearest even and flushed to zero if subnormal (FTZ; inputs DAZ), then
  *   C = C + (E + O)        (two fp32 adds, each RNE + FTZ).
- * An output is C from zero over the k tiles t in order and, in each, the parts x1, x2, x3 in order,
- * then y = C + bias. kernels/cpu/native_gemm.py's amx_bf16_reference states it in numpy; the tests
- * hold the kernel bit-equal to it.
+ * The three parts of a row are three rows of the activation tile (a group of 5 rows fills 15 of
+ * its 16), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
+ * the same at 1 row as at 16: three instructions, one a part into one accumulator, ran a decode's
+ * row at 0.56-0.79x the FMA panels). So each part p has its own sum, a row of the C tile: Cp from
+ * zero over the k tiles in order, and the output is y = (C1 + (C2 + C3)) + bias in plain fp32
+ * adds. kernels/cpu/native_gemm.py's amx_bf16_reference states it in numpy; the tests hold the
+ * kernel bit-equal to it.
  *
  * Layout: the weight (n x k) as panels of 32 columns (two tiles of 16), each k tile t of a panel
  * 2 KiB: [tile h 0..1][pair p 0..15][column c 0..15][2], element (column 32q + 16h + c,
