@@ -308,13 +308,13 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
 }
 
 /* Items: (block of up to BLOCK groups of RG rows, panel q), block-major. An item runs its panel's
- * k in chunks of KC tiles (512 k: 32 KiB of weights, in L1), each chunk over the block's groups two
+ * k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's groups two
  * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
- * the sums' bits go on unchanged), so each weight byte loaded serves up to 40 rows and the block's
+ * the sums' bits go on unchanged), so each weight byte loaded serves up to 80 rows and the block's
  * parts stay in the L2. No software prefetch: the weights' tile loads ran 1.10x faster at one row
  * without the L2 prefetch 4 tiles ahead that the FMA panels use (and no slower at 2 and 4 rows). */
-#define BLOCK 8
-#define KC 16
+#define BLOCK 16
+#define KC 8
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
     float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
