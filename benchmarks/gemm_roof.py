@@ -166,7 +166,8 @@ def kernel_name(lin) -> tuple[str, bool]:
     if kind == "quantized_int8act":
         return f"int8act {getattr(lin, 'fmt', getattr(getattr(lin, 'blocks', None), 'fmt', '?'))}", True
     if kind == "native":
-        return f"native {str(getattr(lin, 'weight_dtype', '')).removeprefix('torch.')}", False
+        amx = " AMX" if getattr(lin, "amx", False) else ""  # bf16 on the tiles: 3 bf16 parts a value
+        return f"native {str(getattr(lin, 'weight_dtype', '')).removeprefix('torch.')}{amx}", False
     return kind, False
 
 

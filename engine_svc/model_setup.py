@@ -33,6 +33,7 @@ from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
 from kernels.cpu.linear import NATIVE_BF16, NATIVE_F16, NATIVE_HALF, resolve_linear_backend
+from kernels.cpu.native_gemm import bf16_path
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def load_model(
         else "",
         {
             "native": f"native GEMM, packed ({isa})",
-            NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa})",
+            NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa}: {bf16_path(isa)})",
             NATIVE_F16: f"native GEMM, fp16 weights packed, fp32 activations ({isa})",
             "onednn": "oneDNN, prepacked",
         }.get(backend, "F.linear"),

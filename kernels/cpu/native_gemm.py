@@ -17,6 +17,7 @@ import ctypes
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.cpu import native_build
@@ -29,6 +30,13 @@ _SIGNATURES = {
     "llmserve_gemm_bf16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_f16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_panel_width": ([], _I32),
+}
+# The AMX-BF16 path (AVX-512 builds on Linux only: absent from the others).
+_AMX_SIGNATURES = {
+    "llmserve_gemm_bf16_amx": ([_I32], _I32),
+    "llmserve_gemm_bf16_amx_size": ([_I64, _I64], _I64),
+    "llmserve_gemm_pack_bf16_amx": ([_P, _I64, _I64, _P], None),
+    "llmserve_gemm_bf16w_amx": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
 }
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The 16-bit weights' GEMM entry (their packing only moves bits: one function packs both).
@@ -43,7 +51,30 @@ def library(isa: str | None = None):
 
 @functools.cache
 def _library(isa: str):
-    return native_build.load_with_signatures("small_gemm", isa, _SIGNATURES)
+    lib = native_build.load_with_signatures("small_gemm", isa, _SIGNATURES)
+    if lib is not None and hasattr(lib, "llmserve_gemm_bf16_amx"):
+        for name, (args, res) in _AMX_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+    return lib
+
+
+def bf16_amx(isa: str | None = None, on: bool | None = None) -> bool:
+    """Whether bf16 weights packed from now on run on the AMX-BF16 tiles (exact-split activations):
+    the build has the path and the OS granted the tiles (small_gemm.c's probe). ``on``: False turns
+    the path off (tests: the FMA path on this machine), True back on (where granted)."""
+    lib = library(isa)
+    if lib is None or not hasattr(lib, "llmserve_gemm_bf16_amx"):
+        return False
+    return bool(lib.llmserve_gemm_bf16_amx(-1 if on is None else int(on)))
+
+
+def bf16_path(isa: str | None = None) -> str:
+    """Which kernel a bf16 weight runs on here, in words (the load log's)."""
+    isa = isa or native_build.chosen_isa()
+    if bf16_amx(isa):
+        return "AMX-BF16 tiles, exact 3-part split activations"
+    return {"avx512": "AVX-512 FMA", "avx2": "AVX2 FMA"}.get(isa, f"{isa} FMA")
 
 
 def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
@@ -85,14 +116,20 @@ class NativeLinear:
             )
         w = weight.detach().to(self.weight_dtype).contiguous()
         self.out_features, self.in_features = w.shape
-        nb = lib.llmserve_gemm_panel_width()
-        size = -(-self.out_features // nb) * nb * self.in_features
-        self.packed = torch.empty(size, dtype=self.weight_dtype)
         fp32 = self.weight_dtype == torch.float32
-        pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
+        # bf16 on AMX-BF16 where granted: the tiles' packing only (no FMA panels held beside it)
+        self.amx = self.weight_dtype == torch.bfloat16 and bf16_amx(isa)
+        if self.amx:
+            size = lib.llmserve_gemm_bf16_amx_size(self.out_features, self.in_features)
+            pack, self._gemm = lib.llmserve_gemm_pack_bf16_amx, lib.llmserve_gemm_bf16w_amx
+        else:
+            nb = lib.llmserve_gemm_panel_width()
+            size = -(-self.out_features // nb) * nb * self.in_features
+            pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
+            self._gemm = lib.llmserve_gemm_f32 if fp32 else getattr(lib, _HALF_GEMM[self.weight_dtype])
+        self.packed = torch.empty(size, dtype=self.weight_dtype)
         pack(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._gemm = lib.llmserve_gemm_f32 if fp32 else getattr(lib, _HALF_GEMM[self.weight_dtype])
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
@@ -154,3 +191,78 @@ def rows_in_and_out(x: torch.Tensor, in_features: int, out_features: int):
     if x2.stride(-1) != 1 or x2.dtype != torch.float32:
         x2 = x2.float().contiguous()
     return x.shape[:-1], x2, torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+
+
+FLT_MIN = np.float32(2.0**-126)
+
+
+def _ftz(v: np.ndarray) -> np.ndarray:
+    """Subnormal fp32 results flushed to (signed) zero, as the tiles do."""
+    return np.where(np.abs(v) < FLT_MIN, np.copysign(np.float32(0), v), v).astype(np.float32)
+
+
+def bf16_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp32 x as three bf16 parts by truncation (each as fp32 values), x = x1 + x2 + x3 exactly
+    where no part is below 2^-126; a part below it is zero (the tiles read subnormal bf16 as zero);
+    a non-finite x is x1, with parts 2 and 3 zero. small_gemm.c's split."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    mask = np.uint32(0xFFFF0000)
+
+    def trunc(v):
+        b = v.view(np.uint32) & mask
+        b = np.where(b & np.uint32(0x7F800000), b, np.uint32(0))  # DAZ: a subnormal part is 0
+        return b.view(np.float32)
+
+    finite = np.isfinite(x)
+    x1 = trunc(x)
+    with np.errstate(invalid="ignore"):
+        r = np.where(finite, x - x1, np.float32(0)).astype(np.float32)
+    x2 = trunc(r)
+    x3 = trunc((r - x2).astype(np.float32))
+    return x1, x2, x3
+
+
+def amx_bf16_reference(
+    x: np.ndarray, w_bits: np.ndarray, bias: np.ndarray | None = None, *, parts_order=(0, 1, 2), paired=False
+) -> np.ndarray:
+    """The AMX-BF16 path's math in numpy (small_gemm.c's comment), bit for bit: x (m x k) fp32,
+    w_bits (n x k) the weight's bf16 bit patterns (uint16). Each part x1, x2, x3 has its own fp32
+    sum C1, C2, C3 (rows of one C tile) from zero over the k tiles of 32: per tile the even and the
+    odd elements of the 16 pairs as two chains of fused multiply-adds from zero (RNE, FTZ; a product
+    of two bf16 is exact, the fma then one rounding, done here in float64: correctly rounded to
+    fp32, binary64 having over 2 x 24 + 2 bits), then Cp = Cp + (E + O) (RNE, FTZ); at the end
+    y = (C1 + (C2 + C3)) + bias in plain fp32. ``parts_order`` and ``paired`` (the SDM's older
+    order: both elements of a pair added to C in turn) state wrong math, for the tests to show it
+    differs."""
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    n = w_bits.shape[0]
+    w = (np.asarray(w_bits, dtype=np.uint32) << 16).view(np.float32)
+    w = np.where(np.abs(w) < FLT_MIN, np.float32(0), w).astype(np.float32)  # DAZ
+    kt = -(-k // 32)
+    pad = kt * 32 - k
+    split = bf16_split(x)
+    parts = [np.pad(split[i], ((0, 0), (0, pad))).astype(np.float64) for i in parts_order]
+    w64 = np.pad(w, ((0, 0), (0, pad))).astype(np.float64)
+    acc = [np.zeros((m, n), dtype=np.float32) for _ in parts]
+    for t in range(kt):
+        for c, p in zip(acc, parts, strict=True):
+            if paired:
+                for kk in range(32 * t, 32 * t + 32):
+                    c[:] = _ftz((c.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
+                continue
+            chains = []
+            for e in (0, 1):
+                ch = np.zeros((m, n), dtype=np.float32)
+                for j in range(16):
+                    kk = 32 * t + 2 * j + e
+                    ch = _ftz((ch.astype(np.float64) + np.outer(p[:, kk], w64[:, kk])).astype(np.float32))
+                chains.append(ch)
+            c[:] = _ftz((c + _ftz((chains[0] + chains[1]).astype(np.float32))).astype(np.float32))
+    c = acc[0]
+    if len(acc) > 1:
+        rest = acc[1] if len(acc) == 2 else (acc[1] + acc[2]).astype(np.float32)
+        c = (c + rest).astype(np.float32)
+    if bias is not None:
+        c = (c + np.asarray(bias, dtype=np.float32)).astype(np.float32)
+    return c

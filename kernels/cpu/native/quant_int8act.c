@@ -1306,21 +1306,8 @@ int32_t llmserve_qi8_vnni(int32_t on) {
  * Whether the OS grants the tiles is found by trying, never assumed: a forked child asks for them
  * (arch_prctl ARCH_REQ_XCOMP_PERM), runs one product and checks it; a machine that faults on them
  * loses only the child. LLMSERVE_AMX=0 turns the path off. */
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
-#define AMX_PATH 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_config;
+#include "amx.h"
+#ifdef AMX_PATH
 
 /* Tiles: 0 the first (or only) k range's sums for 16 rows x 16 columns, 1 the second half's (formats
  * with a scale per 16 k steps); 4 the activations (16 rows x kbytes), 5 the 16 columns' weights; 2, 3,
@@ -1336,63 +1323,6 @@ static void amx_configure(int kbytes) {
     }
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
-#define TILE_LOAD(t, base, stride) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(base)), "r"((int64_t)(stride)) : "memory")
-#define TILE_STORE(t, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(base)), "r"((int64_t)(stride)) : "memory")
-#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
-#define TILE_DP(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#define TILE_RELEASE() __asm__ volatile("tilerelease" ::)
-
-static int amx_child_check(void) {
-    /* LLMSERVE_AMX_PROBE_FAULT=1 (tests): the child faults as on a machine that advertises AMX and
-     * does not grant it, to show the parent goes on without the tiles */
-    const char *fault = getenv("LLMSERVE_AMX_PROBE_FAULT");
-    if (fault && fault[0] == '1') __builtin_trap();
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 2;
-    int8_t a[16 * 32];
-    int8_t w[8 * 64];
-    int32_t got[16 * 16];
-    for (int i = 0; i < 16 * 32; ++i) a[i] = (int8_t)(i * 7 % 255 - 127);
-    for (int i = 0; i < 8 * 64; ++i) w[i] = (int8_t)(i * 13 % 256 - 128);
-    amx_configure(32);
-    TILE_LOAD(4, a, 32);
-    TILE_LOAD(5, w, 64);
-    TILE_ZERO(0);
-    TILE_DP(0, 4, 5);
-    TILE_STORE(0, got, 64);
-    TILE_RELEASE();
-    for (int r = 0; r < 16; ++r)
-        for (int c = 0; c < 16; ++c) {
-            int32_t s = 0;
-            for (int e = 0; e < 32; ++e) s += a[r * 32 + e] * w[(e / 4) * 64 + c * 4 + e % 4];
-            if (s != got[r * 16 + c]) return 3;
-        }
-    return 0;
-}
-
-static int amx_granted(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
-    const char *env = getenv("LLMSERVE_AMX");
-    if (env && env[0] == '0') return 0;
-    const pid_t pid = fork();
-    if (pid == 0) _exit(amx_child_check());
-    if (pid < 0) return 0;
-    int st = 0;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return 0;
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-static int amx_ok = -1;  /* the probe's answer: -1 not asked yet */
-static int use_amx = 1;  /* tests turn it off */
-static int amx_active(void) {
-    if (amx_ok < 0) amx_ok = amx_granted();
-    return amx_ok && use_amx;
-}
-
 /* A thread's buffer for a panel's unpacked weight bytes (a block: 8 groups x NC columns x 4). */
 static uint8_t *amx_weights(size_t bytes) {
     static __thread uint8_t *buf;

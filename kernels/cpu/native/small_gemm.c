@@ -20,6 +20,7 @@
  * Built per instruction set like paged_attention.c (native_build.py); threads: parallel.h's pool. */
 
 #include "panel_gemm.h"
+#include "amx.h"
 
 int32_t llmserve_gemm_panel_width(void) { return NB; }
 
@@ -147,3 +148,248 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
                         const float *bias, float *y, int64_t ldy, int32_t num_threads) {
     panel_gemm(f16_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
+
+/* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
+ * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
+ * either way), and every row count M, 1 .. any, runs on the tiles (rows in groups of 5, a group's
+ * last one with fewer rows configured; a tile row's sums never depend on its other rows), so a
+ * row's result is the same bits alone and in any batch, chunk or thread count.
+ *
+ * The activations are fp32; each x is split by truncation into three bf16 parts,
+ *   x1 = x with the low 16 bits cleared, r = x - x1 (exact), x2 = r truncated so, x3 = (r - x2)
+ *   truncated so,
+ * and x = x1 + x2 + x3 exactly (8 + 8 + 8 significand bits) wherever no part is below the smallest
+ * normal 2^-126: the tile reads a subnormal bf16 as zero (DAZ), so bits of x below 2^-126 are lost
+ * (then |x| < 2^-102 or the part is zero). A non-finite x keeps x1 = x and parts 2, 3 zero. Each
+ * product w * xi of two bf16 is exact in fp32 (but where it is below 2^-126).
+ *
+ * The tile's order, measured on this machine's TDPBF16PS (768000 outputs of random, mixed-exponent,
+ * cancelling and tiny inputs, every one bit-equal), is not the SDM's older pseudo-code (two adds per
+ * pair into the accumulator) but its newer one: per instruction (32 k steps = 16 pairs), the even
+ * and the odd elements of the pairs are two fp32 chains of fused multiply-adds from zero,
+ *   E = fma(a[2j], b[2j], E), O = fma(a[2j+1], b[2j+1], O) for j = 0..15,
+ * each step rounded to nearest even and flushed to zero if subnormal (FTZ; inputs DAZ), then
+ *   C = C + (E + O)        (two fp32 adds, each RNE + FTZ).
+ * The three parts of a row are three rows of the activation tile (a group of 5 rows fills 15 of
+ * its 16), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
+ * the same at 1 row as at 16: three instructions, one a part into one accumulator, ran a decode's
+ * row at 0.56-0.79x the FMA panels). So each part p has its own sum, a row of the C tile: Cp from
+ * zero over the k tiles in order, and the output is y = (C1 + (C2 + C3)) + bias in plain fp32
+ * adds. kernels/cpu/native_gemm.py's amx_bf16_reference states it in numpy; the tests hold the
+ * kernel bit-equal to it.
+ *
+ * Layout: the weight (n x k) as panels of 32 columns (two tiles of 16), each k tile t of a panel
+ * 2 KiB: [tile h 0..1][pair p 0..15][column c 0..15][2], element (column 32q + 16h + c,
+ * k 32t + 2p + e); columns past n and k past K are zeros, and a subnormal weight is stored as zero
+ * (what DAZ reads). So a panel is one sequential stream. */
+#ifdef AMX_PATH
+#define AKT 32   /* k steps per tile instruction */
+#define ANP 32   /* columns per panel: two C tiles */
+
+static int bf16_amx_use = 1; /* tests turn it off */
+
+/* on: 1 use the tiles for bf16 weights where granted, 0 never, -1 leave. Returns whether they run
+ * now (for weights packed from now on: a packed weight keeps its layout). */
+int32_t llmserve_gemm_bf16_amx(int32_t on) {
+    if (on == 0) bf16_amx_use = 0;
+    if (on == 1) bf16_amx_use = 1;
+    return bf16_amx_use && amx_bf16_listed() && amx_active();
+}
+
+/* Elements (uint16) of the packed form of an n x k weight. */
+int64_t llmserve_gemm_bf16_amx_size(int64_t n, int64_t k) {
+    return (n + ANP - 1) / ANP * ((k + AKT - 1) / AKT) * (ANP * AKT);
+}
+
+void llmserve_gemm_pack_bf16_amx(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t kt = (k + AKT - 1) / AKT, panels = (n + ANP - 1) / ANP;
+    for (int64_t q = 0; q < panels; ++q)
+        for (int64_t t = 0; t < kt; ++t) {
+            uint16_t *dst = packed + (q * kt + t) * (ANP * AKT);
+            for (int h = 0; h < 2; ++h)
+                for (int p = 0; p < AKT / 2; ++p)
+                    for (int c = 0; c < 16; ++c)
+                        for (int e = 0; e < 2; ++e) {
+                            const int64_t col = q * ANP + h * 16 + c, kk = t * AKT + 2 * p + e;
+                            uint16_t v = col < n && kk < k ? w[col * k + kk] : 0;
+                            if ((v & 0x7f80) == 0) v = 0; /* zero or subnormal: DAZ's zero */
+                            dst[((h * 16 + p) * 16 + c) * 2 + e] = v;
+                        }
+        }
+}
+
+/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): group g of RG = 5 rows, k tile t is
+ * one 16 x 32 tile of 1 KiB at parts + (g * kt + t) * 512 whose row 3r + p holds part p of the
+ * group's row r (row 15 unused); zeros past k. */
+#define RG 5
+static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t r0, int64_t r1,
+                            uint16_t *parts) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    const int64_t kt = kp / AKT;
+    for (int64_t i = r0; i < r1; ++i) {
+        const float *xr = x + i * ldx;
+        uint16_t *row = parts + (i / RG) * kt * 512 + 3 * (i % RG) * AKT;
+        for (int64_t c = 0; c < kp; c += 16) {
+            uint16_t *p1 = row + (c / AKT) * 512 + c % AKT, *p2 = p1 + AKT, *p3 = p2 + AKT;
+            const __mmask16 in = c + 16 <= k ? (__mmask16)0xffff : c < k ? (__mmask16)((1u << (k - c)) - 1) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(in, xr + c);
+            const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), hi));
+            /* a non-finite x: parts 2 and 3 zero */
+            const __mmask16 fin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), expo), expo);
+            const __m512 r = _mm512_maskz_sub_ps(fin, v, v1);
+            const __m512 v2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), hi));
+            const __m512 v3 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r, v2)), hi));
+            _mm256_storeu_si256((__m256i *)p1, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v1), 16)));
+            _mm256_storeu_si256((__m256i *)p2, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v2), 16)));
+            _mm256_storeu_si256((__m256i *)p3, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v3), 16)));
+        }
+    }
+}
+
+/* The caller's buffer for the parts (the pool's threads read it while the caller waits). */
+static uint16_t *bf16_parts_buffer(size_t elems) {
+    static __thread uint16_t *buf;
+    static __thread size_t cap;
+    if (elems > cap) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, elems * 2)) return NULL;
+        free(buf);
+        buf = grown;
+        cap = elems;
+    }
+    return buf;
+}
+
+/* Tiles: C 0, 1 and 3, 4 (3 x rows of sums x 16 columns: the panel's two halves, for two groups), A 2
+ * and 7 (3 x rows x 32: the two groups' parts), B 5, 6 (16 pairs x 16 columns, the halves' weights). */
+static void bf16_amx_configure(int rows_a, int rows_b) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)(3 * rows_a);
+    c.rows[3] = c.rows[4] = c.rows[7] = (uint8_t)(3 * (rows_b ? rows_b : 1));
+    c.rows[5] = c.rows[6] = 16;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+    TILE_CONFIGURE(c);
+}
+
+typedef struct {
+    const float *x, *bias;
+    const uint16_t *packed;
+    uint16_t *parts;
+    float *y;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels;
+} bf16_amx_job;
+
+static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
+    const bf16_amx_job *j = ctx;
+    bf16_split_rows(j->x, j->ldx, j->k, j->kp, begin, end, j->parts);
+}
+
+/* out (3 rows a row of x: its parts' sums C1, C2, C3, panel-wide) into y's rows r0..:
+ * y = (C1 + (C2 + C3)) + bias, IEEE fp32 adds (MXCSR's default) (cols of the panel's ANP columns). */
+INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, int64_t r0, int rows) {
+    const int64_t c0 = q * ANP;
+    const int cols = (int)(j->n - c0 < ANP ? j->n - c0 : ANP);
+    const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+    const __m512 b0 = j->bias ? _mm512_maskz_loadu_ps(m0, j->bias + c0) : _mm512_setzero_ps();
+    const __m512 b1 = j->bias ? _mm512_maskz_loadu_ps(m1, j->bias + c0 + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; ++i) {
+        float *yr = j->y + (r0 + i) * j->ldy + c0;
+        __m512 v0 = _mm512_add_ps(_mm512_load_ps(&out[3 * i][0]),
+                                  _mm512_add_ps(_mm512_load_ps(&out[3 * i + 1][0]), _mm512_load_ps(&out[3 * i + 2][0])));
+        __m512 v1 = _mm512_add_ps(_mm512_load_ps(&out[3 * i][16]),
+                                  _mm512_add_ps(_mm512_load_ps(&out[3 * i + 1][16]), _mm512_load_ps(&out[3 * i + 2][16])));
+        if (j->bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+        _mm512_mask_storeu_ps(yr, m0, v0);
+        _mm512_mask_storeu_ps(yr + 16, m1, v1);
+    }
+}
+
+/* Items: (block of up to BLOCK groups of RG rows, panel q), block-major. An item runs its panel's
+ * k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's groups two
+ * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
+ * the sums' bits go on unchanged), so each weight byte loaded serves up to 80 rows and the block's
+ * parts stay in the L2. No software prefetch: the weights' tile loads ran 1.10x faster at one row
+ * without the L2 prefetch 4 tiles ahead that the FMA panels use (and no slower at 2 and 4 rows). */
+#define BLOCK 16
+#define KC 8
+static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
+    const bf16_amx_job *j = ctx;
+    float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
+    int cfg_a = 0, cfg_b = -1;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * BLOCK;
+        const int gb = (int)(j->groups - g0 < BLOCK ? j->groups - g0 : BLOCK);
+        const uint16_t *b = j->packed + q * j->kt * (ANP * AKT);
+        for (int64_t kc = 0; kc < j->kt; kc += KC) {
+            const int64_t kend = kc + KC < j->kt ? kc + KC : j->kt;
+            for (int gi = 0; gi < gb; gi += 2) {
+                const int64_t ra = RG * (g0 + gi), rb = ra + RG;
+                const int rows_a = (int)(j->m - ra < RG ? j->m - ra : RG);
+                const int rows_b = gi + 1 < gb ? (int)(j->m - rb < RG ? j->m - rb : RG) : 0;
+                if (rows_a != cfg_a || rows_b != cfg_b) bf16_amx_configure(rows_a, rows_b), cfg_a = rows_a, cfg_b = rows_b;
+                const uint16_t *a = j->parts + (g0 + gi) * j->kt * 512, *a2 = a + j->kt * 512;
+                float(*oa)[ANP] = &out[gi * 16], (*ob)[ANP] = &out[(gi + 1) * 16];
+                if (kc == 0) {
+                    TILE_ZERO(0);
+                    TILE_ZERO(1);
+                    if (rows_b) {
+                        TILE_ZERO(3);
+                        TILE_ZERO(4);
+                    }
+                } else {
+                    TILE_LOAD(0, &oa[0][0], ANP * 4);
+                    TILE_LOAD(1, &oa[0][16], ANP * 4);
+                    if (rows_b) {
+                        TILE_LOAD(3, &ob[0][0], ANP * 4);
+                        TILE_LOAD(4, &ob[0][16], ANP * 4);
+                    }
+                }
+                for (int64_t t = kc; t < kend; ++t) {
+                    const uint16_t *bt = b + t * (ANP * AKT);
+                    TILE_LOAD(5, bt, 64);
+                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    TILE_LOAD(2, a + t * 512, 64);
+                    TILE_DPBF16(0, 2, 5);
+                    TILE_DPBF16(1, 2, 6);
+                    if (rows_b) {
+                        TILE_LOAD(7, a2 + t * 512, 64);
+                        TILE_DPBF16(3, 7, 5);
+                        TILE_DPBF16(4, 7, 6);
+                    }
+                }
+                TILE_STORE(0, &oa[0][0], ANP * 4);
+                TILE_STORE(1, &oa[0][16], ANP * 4);
+                if (rows_b) {
+                    TILE_STORE(3, &ob[0][0], ANP * 4);
+                    TILE_STORE(4, &ob[0][16], ANP * 4);
+                }
+            }
+        }
+        for (int gi = 0; gi < gb; ++gi) {
+            const int64_t r0 = RG * (g0 + gi);
+            bf16_amx_finish(j, &out[gi * 16], q, r0, (int)(j->m - r0 < RG ? j->m - r0 : RG));
+        }
+    }
+    if (cfg_a) TILE_RELEASE();
+}
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed by
+ * llmserve_gemm_pack_bf16_amx; the tiles must have been granted (llmserve_gemm_bf16_amx(-1)). */
+void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                             const float *bias, float *y, int64_t ldy, int32_t num_threads) {
+    if (m <= 0) return;
+    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP, groups = (m + RG - 1) / RG;
+    uint16_t *parts = bf16_parts_buffer((size_t)(groups * kt * 512));
+    if (!parts) abort();
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels};
+    parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
+    const int64_t items = panels * ((groups + BLOCK - 1) / BLOCK);
+    if (groups <= BLOCK)
+        parallel_for_guided(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
+    else
+        parallel_for(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
+}
+#endif
