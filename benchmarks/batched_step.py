@@ -3,9 +3,10 @@
 N requests of ``real_peer``'s workload (prompts cut to ``--prompt`` tokens) are prefilled, then the
 engine decodes in steady state. Two figures, in one process:
 
-  parts   per decode step: the layer loop's native call, the LM head (or the greedy rows' argmax
-          from it; a head with no sliced path counts its logits inside that too), the sampler, the scheduler's schedule and update, the runner's inputs and
-          sampling batch; their share of the step (at the engine's default seats a step)
+  parts   per decode step: the layer loop's native call, the LM head (or the greedy rows'
+          argmax from it; a head with no sliced path counts its logits inside that too), the
+          sampler, the scheduler's schedule and update, the runner's inputs and sampling batch;
+          their share of the step (at the engine's default seats a step)
   seats   tokens/s of steady decode with each of ``--seats`` seats a step (the scheduler's
           ``max_per_step``), alternated over ``--rounds`` rounds; the best round of each
 
@@ -101,7 +102,10 @@ def run(model: str, running: int, prompt: int, seats: list[int], rounds: int, to
     for rid in list(engine.requests):
         engine.abort_request(rid)
     return dict(
-        running=running, default_seats=default_seats, parts_s=per_step, seats_tok_s={s: max(v) for s, v in rates.items()}
+        running=running,
+        default_seats=default_seats,
+        parts_s=per_step,
+        seats_tok_s={s: max(v) for s, v in rates.items()},
     )
 
 
@@ -118,11 +122,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for n in args.running:
         r = run(args.model, n, args.prompt, [s for s in args.seats if s <= n], args.rounds, args.tokens)
         step = r["parts_s"].get("step", 0.0)
-        print(f"{args.model}, {n} running, {r['default_seats']} seats a step (the default): {1e3 * step:.1f} ms a step")
+        print(
+            f"{args.model}, {n} running, {r['default_seats']} seats a step (the default): "
+            f"{1e3 * step:.1f} ms a step"
+        )
         for label, v in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
             if label != "step":
                 print(f"  {label:32s} {1e3 * v:8.2f} ms  {100 * v / step if step else 0:5.1f}%")
-        print("  steady decode tok/s by seats: " + ", ".join(f"{s}: {v:.0f}" for s, v in r["seats_tok_s"].items()))
+        print(
+            "  steady decode tok/s by seats: "
+            + ", ".join(f"{s}: {v:.0f}" for s, v in r["seats_tok_s"].items())
+        )
         out.append(r)
     return out
 

@@ -24,8 +24,8 @@ from engine_svc.models import layer_progress
 from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
-from kernels.backend import Kernels
 from engine_svc.sampler import argmax_rows
+from kernels.backend import Kernels
 from kernels.cpu import native_decoder
 from kernels.cpu.greedy_head import ChunkedArgmax
 from kernels.cpu.linear import make_linear
