@@ -43,9 +43,23 @@ def test_sliced_argmax_is_the_whole_heads(isa, fmt, m, narrow):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_ties_and_nans_across_slices(isa, narrow):
+def test_ties_and_nans_across_slices(isa):
+    ties_and_nans_across_slices(isa)
+
+
+def ties_and_nans_across_slices(isa: str) -> None:
     """Through the bias: equal huge values in two slices (the first wins), a NaN after a larger
-    value in a later slice (the NaN wins), two NaNs (the first), +inf then NaN, all -inf (index 0)."""
+    value in a later slice (the NaN wins), two NaNs (the first), +inf then NaN, all -inf (index 0).
+    (Also tests/test_mutants.py's check of the merge.)"""
+    saved = greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE
+    greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = 32, 1  # one panel a slice
+    try:
+        _ties_and_nans(isa)
+    finally:
+        greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = saved
+
+
+def _ties_and_nans(isa: str) -> None:
     k, n = 64, 256
     qw = weight("Q8_0", n, k, seed=1)
     x = activations(6, k, seed=2)
