@@ -53,9 +53,13 @@ class ModelForward:
         self.pooled: torch.Tensor | None = None  # the hidden rows a step's embedding requests asked for
 
     @inference
-    def __call__(self, inputs: StepInputs, pool_rows: list[int] | None = None) -> torch.Tensor | None:
+    def __call__(
+        self, inputs: StepInputs, pool_rows: list[int] | None = None, greedy: bool = False
+    ) -> torch.Tensor | None:
         """The step's logits rows; with ``pool_rows`` (rows of the flat batch), their hidden states
-        are left in ``self.pooled`` for the embedding requests (engine_svc/pooling.py)."""
+        are left in ``self.pooled`` for the embedding requests (engine_svc/pooling.py). With
+        ``greedy``, each logits row's argmax instead (``sampler.argmax_rows``' index), which the
+        model may find without writing the logits out whole (``greedy_tokens``)."""
         self.copy_blocks(inputs.copies)
         dev = self.device
         if self.lora_step is not None:  # the wrapped projections read the step's adapter mapping
@@ -76,9 +80,17 @@ class ModelForward:
         rows = inputs.logit_rows
         if not len(rows):
             return None
-        if len(rows) == len(hidden) and np.array_equal(rows, np.arange(len(rows))):
-            return self.model.compute_logits(hidden)  # every token in order (all decodes): no gather
-        return self.model.compute_logits(hidden[to_device(rows, dev)])
+        if not (len(rows) == len(hidden) and np.array_equal(rows, np.arange(len(rows)))):
+            hidden = hidden[to_device(rows, dev)]  # else every token in order (all decodes): no gather
+        if greedy:
+            return self.model.greedy_tokens(hidden)
+        return self.model.compute_logits(hidden)
+
+    @property
+    def gives_greedy(self) -> bool:
+        """Whether ``greedy=True`` is served by the model's own ``greedy_tokens`` (a stand-in
+        model with ``compute_logits`` alone, as benchmarks and tests wrap one, is not asked)."""
+        return hasattr(self.model, "greedy_tokens")
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         if not len(copies):
@@ -149,12 +161,27 @@ class ModelRunner:
         requests = self.requests
         inputs = self.build_inputs(out, states)
         pooling = None if out.only_decodes else PoolingPlan.of(states, out.num_scheduled)
-        logits = self._forward(out, inputs, pooling.rows if pooling is not None else None)
         rows = out.rows
+        # Rows that only take their argmax (greedy; no logprobs, logit controls or prompt logprobs
+        # read the logits): the model gives the argmax, not the logits (ModelForward's greedy).
+        sampling = None
+        if rows.sampled and getattr(self.forward, "gives_greedy", False):
+            sampling = self._sampling_batch(out, self.forward.device)
+        greedy = (
+            sampling is not None
+            and sampling.all_greedy
+            and not sampling.processors
+            and not rows.prompt_chunks
+            and rows.num_sample_rows == len(inputs.logit_rows)
+            and all(n is None for n in sampling.num_logprobs)
+        )
+        logits = self._forward(out, inputs, pooling.rows if pooling is not None else None, greedy)
         tokens, logprobs = [], []
-        if rows.sampled:
+        if greedy:
+            tokens, logprobs = logits.tolist(), [None] * rows.num_sample_rows
+        elif rows.sampled:
             head = logits if rows.num_sample_rows == len(logits) else logits[: rows.num_sample_rows]
-            tokens, logprobs = self.sampler(head, self._sampling_batch(out, logits.device))
+            tokens, logprobs = self.sampler(head, sampling or self._sampling_batch(out, logits.device))
         plps = []
         for c in rows.prompt_chunks:
             state = requests[c.seq_id]
@@ -232,9 +259,13 @@ class ModelRunner:
             out.copies,
         )
 
-    def _forward(self, out: SchedulerOutput, inputs: StepInputs, pool_rows=None) -> torch.Tensor:
+    def _forward(
+        self, out: SchedulerOutput, inputs: StepInputs, pool_rows=None, greedy: bool = False
+    ) -> torch.Tensor:
         if self.tp_broadcast is not None:
             self.tp_broadcast(out)  # every worker builds these inputs from it
+        if greedy:
+            return self.forward(inputs, pool_rows, greedy=True)
         if pool_rows is None:
             return self.forward(inputs)
         return self.forward(inputs, pool_rows)

@@ -123,7 +123,8 @@ def test_embedding_params_are_checked():
 
 def test_an_embedding_request_samples_no_token(tiny_llama):
     """An embedding request computes its prompt and ends: no logits row, no sampled token, no decode
-    step (a sampler spy and the model's logits both see only the generation beside it)."""
+    step (a sampler spy, with the model's greedy tokens, and the model's logits both see only the
+    generation beside it)."""
     engine = make_engine(tiny_llama, max_num_batched_tokens=16)
     runner = engine.runner
     sampled, logit_rows = [], []
@@ -137,7 +138,14 @@ def test_an_embedding_request_samples_no_token(tiny_llama):
         logit_rows.append(len(hidden))
         return compute_logits(hidden)
 
+    greedy_tokens = runner.forward.model.greedy_tokens
+
+    def spy_greedy(hidden):  # all-greedy rows: their argmax from the model, no sampler call
+        sampled.append(len(hidden))
+        return greedy_tokens(hidden)
+
     runner.sampler, runner.forward.model.compute_logits = spy_sampler, spy_logits
+    runner.forward.model.greedy_tokens = spy_greedy
     p = random_prompts([40, 9, 12], VOCAB, seed=21)
     engine.add_request("e-last", p[0], embed_params("last"))
     engine.add_request("e-mean", p[1], embed_params("mean"))

@@ -24,11 +24,12 @@ from engine_svc.sampler import Sampler
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.scheduler import Scheduler
 from gateway import openai_protocol
-from kernels.cpu import native_attention
+from kernels.cpu import greedy_head, native_attention, native_build
 from tests import test_batch_invariance as mixes
 from tests import test_batch_invariance_regressions as regressions
 from tests import (
     test_bench_quick,
+    test_greedy_head,
     test_logit_controls,
     test_openai_protocol,
     test_request_limits,
@@ -55,6 +56,9 @@ stop_string_checks = _model_free(
 )
 step_overhead_checks = test_bench_quick.test_step_overhead_recovers_each_known_cost
 logit_control_checks = test_structured_outputs.test_logit_bias_allowed_ids_and_bad_words
+greedy_head_checks = _model_free(
+    lambda: test_greedy_head.ties_and_nans_across_slices(native_build.chosen_isa())
+)
 efficiency_timing_checks = (
     test_bench_quick.test_compute_efficiency_counts_known_flops_and_times_a_model_of_known_cost
 )
@@ -261,6 +265,14 @@ MUTANTS = [
         "and q.shape[1] % k_cache.shape[2] == 0",
         "and q.shape[1] % k_cache.shape[2] == 0 and q.shape[0] == 1",
         on_the_python_loop(recompute_checks),
+    ),
+    (
+        "the greedy head's slices merged keeping the last of equal maxima",
+        greedy_head.ChunkedArgmax,
+        "__call__",
+        "take = ~nan_seen & (v_nan | (v > best_v))",
+        "take = ~nan_seen & (v_nan | (v >= best_v))",
+        greedy_head_checks,
     ),
 ]
 __doc__ += "".join(f"\n- {m[0]}" for m in MUTANTS)

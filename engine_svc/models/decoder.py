@@ -24,9 +24,11 @@ from engine_svc.models import layer_progress
 from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
+from engine_svc.sampler import argmax_rows
 from engine_svc.torch_modes import inference
 from kernels.backend import Kernels
 from kernels.cpu import native_decoder
+from kernels.cpu.greedy_head import ChunkedArgmax
 from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
 from kernels.reference.rotary import rope_phases, rope_table, rotary_rows
@@ -209,6 +211,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, i) for i in range(spec.num_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype), requires_grad=False)
         self.embed_blocks = None  # a BlockEmbedding once the load frees a GGUF table (float_weights.py)
+        self._greedy_head = None  # greedy_tokens' slicer of the head it was built for
         # What flows between the ops; the load sets fp32 where the linears keep bf16/fp16 weights
         # (model_setup.py), and the embedding table stays 16-bit: its lookup widens the rows it reads.
         self.activation_dtype = dtype
@@ -393,7 +396,33 @@ class DecoderForCausalLM(nn.Module):
     @inference
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.shard.all_gather_last_dim(self.lm_head_proj(hidden).float())
+        return self._softcap(logits)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.spec.final_logit_softcap
         if cap is not None:  # as HF: logits / cap, tanh, times cap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @inference
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``sampler.argmax_rows(self.compute_logits(hidden))``, the same indices; on the CPU with
+        an int8-activation head, a vocabulary slice at a time (kernels/cpu/greedy_head.py): the
+        whole ``[rows, vocab]`` logits are never written. Not with a logit soft-cap (torch's
+        tanh is not promised the same bits on a slice as on the whole row), nor sharded."""
+        chunked = None
+        if self.shard.size == 1 and hidden.is_cpu and self.spec.final_logit_softcap is None:
+            head = self.lm_head_proj
+            if self._greedy_head is None or self._greedy_head.linear is not head:
+                self._greedy_head = ChunkedArgmax.of(head) or _NoChunks(head)
+            chunked = self._greedy_head
+        if chunked is None or isinstance(chunked, _NoChunks):
+            return argmax_rows(self.compute_logits(hidden))
+        return torch.from_numpy(chunked(hidden))
+
+
+class _NoChunks:
+    """``greedy_tokens``' note that this head has no sliced path (its logits are taken whole)."""
+
+    def __init__(self, linear):
+        self.linear = linear

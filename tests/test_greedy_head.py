@@ -1,0 +1,148 @@
+"""Greedy tokens without the whole logits (kernels/cpu/greedy_head.py): the LM head's int8-activation
+GEMM a vocabulary slice at a time, each slice's argmax merged, gives ``argmax_rows`` of the whole
+head's output on every instruction set, for any slice width, with ties and NaNs across slice
+boundaries; and the engine takes that path in a step whose sample rows are all greedy (its logits
+are never made) and nowhere else, with the tokens of the logits path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_svc import SamplingParams
+from engine_svc.model_runner import ModelForward
+from engine_svc.sampler import argmax_rows
+from kernels.cpu import greedy_head, native_build, quant_gemm, quant_int8act
+from kernels.cpu.greedy_head import ChunkedArgmax
+from tests.engine_helpers import make_engine, random_model
+from tests.gguf_files import write_gguf
+from tests.test_quant_int8act import activations, weight
+
+ISAS = [isa for isa in native_build.supported_isas() if quant_int8act.library(isa) is not None]
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    """Slices of one panel (32 columns) upwards: many slice boundaries at small vocabularies."""
+    monkeypatch.setattr(greedy_head, "SLICE_FLOATS", 32)
+    monkeypatch.setattr(greedy_head, "MIN_SLICE", 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_sliced_argmax_is_the_whole_heads(isa, fmt, m, narrow):
+    k, n = 256, 1000 + 7  # not a whole number of panels
+    qw = weight(fmt, n, k, seed=m + 3)
+    linear = quant_int8act.Int8ActLinear(qw, isa=isa)
+    sliced = ChunkedArgmax.of(linear)
+    assert sliced is not None
+    assert sliced.width(m) < n
+    x = activations(m, k, seed=m)
+    assert sliced(x).tolist() == argmax_rows(linear(x)).tolist()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_ties_and_nans_across_slices(isa):
+    ties_and_nans_across_slices(isa)
+
+
+def ties_and_nans_across_slices(isa: str) -> None:
+    """Through the bias: equal huge values in two slices (the first wins), a NaN after a larger
+    value in a later slice (the NaN wins), two NaNs (the first), +inf then NaN, all -inf (index 0).
+    (Also tests/test_mutants.py's check of the merge.)"""
+    saved = greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE
+    greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = 32, 1  # one panel a slice
+    try:
+        _ties_and_nans(isa)
+    finally:
+        greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = saved
+
+
+def _ties_and_nans(isa: str) -> None:
+    k, n = 64, 256
+    qw = weight("Q8_0", n, k, seed=1)
+    x = activations(6, k, seed=2)
+    cases = {
+        0: {40: 1e30, 200: 1e30},  # a tie across slices: 40
+        1: {10: 1e30, 150: float("nan")},  # a NaN in a later slice: 150
+        2: {70: float("nan"), 230: float("nan")},  # two NaNs: 70
+        3: {5: float("inf"), 100: float("nan")},  # +inf then NaN: 100
+        4: {i: float("-inf") for i in range(n)},  # nothing but -inf: 0
+        5: {33: 1e30, 34: 1e30, 255: 1e30},  # a tie inside a slice and one at the end: 33
+    }
+    expected = {0: 40, 1: 150, 2: 70, 3: 100, 4: 0, 5: 33}
+    for r, values in cases.items():
+        bias = torch.zeros(n)
+        for col, v in values.items():
+            bias[col] = v
+        linear = quant_int8act.Int8ActLinear(qw, bias, isa=isa)
+        sliced = ChunkedArgmax.of(linear)
+        assert sliced.width(1) == 32  # one panel a slice
+        whole = argmax_rows(linear(x[r : r + 1]))
+        got = sliced(x[r : r + 1])
+        assert whole.tolist() == [expected[r]], r
+        assert got.tolist() == [expected[r]], r
+
+
+def test_heads_it_does_not_slice():
+    qw = weight("Q5_0+Q8_0", 64, 64, seed=3)  # row segments in two formats
+    assert ChunkedArgmax.of(quant_int8act.Int8ActLinear(qw)) is None
+    assert ChunkedArgmax.of(quant_gemm.QuantLinear(weight("Q8_0", 64, 64, seed=3))) is None
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory, trained_tokenizer_dir):
+    root = tmp_path_factory.mktemp("greedy_head")
+    d = random_model(root / "hf", trained_tokenizer_dir, seed=7, vocab_size=1024, num_key_value_heads=2)
+    return write_gguf(d, root / "q8.gguf", "Q8_0")
+
+
+def _requests():
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 40, 17, 90)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with_lp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    return prompts, [greedy, greedy, with_lp, seeded]
+
+
+def _run(engine, prompts, params, only=None):
+    order = range(len(prompts)) if only is None else only
+    for i in order:
+        engine.add_request(str(i), prompts[i], params[i])
+    out = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return out
+
+
+def test_the_engine_takes_it_for_all_greedy_steps_only(q8_file, narrow, monkeypatch):
+    """Greedy requests alone: no step makes logits, and the tokens are the logits path's (the same
+    engine with the path off). Beside a request with logprobs or a seeded one, the steps make
+    their logits as before."""
+    prompts, params = _requests()
+    results = {}
+    for on in (True, False):
+        with monkeypatch.context() as patch:
+            if not on:
+                patch.setattr(ModelForward, "gives_greedy", property(lambda self: False))
+            engine = make_engine(q8_file, quantized_activations="int8")
+            model = engine.runner.forward.model
+            assert type(model.lm_head_proj).__name__ == "Int8ActLinear"
+            made = []
+            logits = model.compute_logits
+
+            def spy(hidden, logits=logits, made=made):
+                made.append(len(hidden))
+                return logits(hidden)
+
+            model.compute_logits = spy
+            greedy_only = _run(engine, prompts, params, only=[0, 1])
+            assert bool(made) != on, "an all-greedy step made logits" if on else "no logits made"
+            made.clear()
+            mixed = _run(engine, prompts, params)
+            assert made
+        results[on] = (greedy_only, mixed)
+    assert results[True] == results[False]
