@@ -1778,7 +1778,8 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
     int32_t *sx = (int32_t *)(dxs + m * nb), *sh = two_scales(fmt) ? sx + m * nb : NULL;
-    float *dxt = tiles ? (float *)(sx + m * nb * (two_scales(fmt) ? 3 : 1)) : NULL, *dxst = tiles ? dxt + mt * nb : NULL;
+    float *dxt = tiles ? (float *)(sx + m * nb * (two_scales(fmt) ? 3 : 1)) : NULL;
+    float *dxst = tiles ? dxt + mt * nb : NULL;
     const int big = m * n * k > 262144;
     qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
 #ifdef VW
