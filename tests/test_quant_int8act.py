@@ -206,6 +206,29 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS", "Q5_0+Q6_K"))
+def test_a_long_prompts_rows_over_several_work_items_are_the_documented_math(isa, fmt):
+    """A prefill-sized call: on the tiles its work items take 512 rows, each 16-row group reading
+    its activation scales from the call's copy by group (quant_int8act.c's dxt); 1100 rows are two
+    whole items and a ragged one (4 groups, then 12 rows on VNNI). Every row is the reference's
+    bits at 1 and 2 threads, and the same bits when the call starts 517 rows in (every group
+    boundary moved)."""
+    k, n, m = 512, 40, 1100
+    qw = weight(fmt, n, k, seed=11)
+    x = activations(m, k, seed=3)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    want = quant_int8act.reference(x, qw)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = lin(x)
+            np.testing.assert_array_equal(got.numpy(), want)
+            assert torch.equal(lin(x[517:]), got[517:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
     """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""

@@ -480,6 +480,10 @@ typedef struct {
     const float *dx, *dxs;
     const int32_t *sx, *sh;
     int64_t k, nb;
+    /* The AMX rows' copies of dx and dxs, by group of 16 rows and block: row r's of block b at
+     * ((r / 16) * nb + b) * 16 + r % 16 (a tile's 16 rows side by side, so the float steps read them
+     * at fixed offsets); NULL off that path. */
+    const float *dxt, *dxst;
 } qrows;
 
 /* A thread's scratch for the quantized activations, kept and grown, never freed. */
@@ -1416,25 +1420,29 @@ INLINE void amx_scales(const int fmt, const uint8_t *panel, int64_t b, int v, vf
 /* Block b's products for 16 rows and the panel's vector v into sums[slot] (two slots, so that the
  * tiles of block b + 1 run while block b's float steps do): C tiles 0, 1 (slot 0) or 2, 3 (slot 1)
  * for the block's first and second 16 k steps, activations in tile 4 or 6, weights in 5 or 7. */
-#define AMX_ISSUE(C0, C1, A, B)                                                \
-    do {                                                                       \
-        TILE_LOAD(A, xa, x->k);                                                \
-        TILE_LOAD(B, w, NC * 4);                                               \
-        TILE_ZERO(C0);                                                         \
-        TILE_DP(C0, A, B);                                                     \
-        TILE_STORE(C0, &sums[slot][0][0][0], VW * 4);                          \
-        if (halves) {                                                          \
-            TILE_LOAD(A, xa + 16, x->k);                                       \
-            TILE_LOAD(B, w + 4 * NC * 4, NC * 4);                              \
-            TILE_ZERO(C1);                                                     \
-            TILE_DP(C1, A, B);                                                 \
-            TILE_STORE(C1, &sums[slot][1][0][0], VW * 4);                      \
-        }                                                                      \
+/* With a scale per 16 k steps: block n's operands for its two halves, activations (16 rows x 16 k
+ * steps) in tiles 4 and 6, weights (16 k steps x 16 columns) in 5 and 7; the sums in 0, 1 (n even)
+ * or 2, 3. */
+#define AMX_HALVES_OPERANDS(n)                                                   \
+    do {                                                                         \
+        const int8_t *xa = x->q + rg * x->k + (n) * QK;                          \
+        const uint8_t *w = wq + (n) * 8 * NC * 4 + v * VW * 4;                   \
+        TILE_LOAD(4, xa, x->k);                                                  \
+        TILE_LOAD(5, w, NC * 4);                                                 \
+        TILE_LOAD(6, xa + 16, x->k);                                             \
+        TILE_LOAD(7, w + 4 * NC * 4, NC * 4);                                    \
     } while (0)
 
 /* Rows [0, 16 * groups) of an item against one panel on the tiles: per group of 16 rows and vector v
  * of the panel (16 columns), the blocks in order, the 16 rows' sums kept in registers; the float
- * steps are rows_simd's, in its order. */
+ * steps are rows_simd's, in its order. A tile store holds back every load after it until it has
+ * written (and it waits for its product's latency), so the order per block b is: block b + 1's
+ * product(s) (operands loaded one block before), b's float steps (reading b's sums and the rows'
+ * dx, dxs at fixed offsets of the call's copy by group), block b + 2's operands, then b + 1's sums
+ * stored: the loads are issued before the store, not behind it. Measured at 512 rows, two threads,
+ * against the product, store and float steps in that order: Q4_K 1.02-1.14x with the scales by
+ * group, 1.06-1.14x more with the order (a standalone loop of the same: 34 -> 27 ns a 16 x 16 x 32
+ * block); Q6_K (two sum tiles a block, its halves' operands in one set of four tiles) 1.08-1.09x. */
 INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, const uint8_t *wq,
                      const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
     const int halves = two_scales(fmt), min = has_min(fmt);
@@ -1448,47 +1456,101 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
 #pragma GCC unroll 16
             for (int i = 0; i < 16; ++i) acc[i] = zerof();
             vfl kd = zerof(), kdm = zerof();
+            if (!halves) { /* block 0's operands before the loop (then each block's two ahead) */
+                const int8_t *xa = x->q + rg * x->k;
+                const uint8_t *w = wq + v * VW * 4;
+                TILE_LOAD(4, xa, x->k);
+                TILE_LOAD(5, w, NC * 4);
+            } else {
+                AMX_HALVES_OPERANDS(0);
+            }
             for (int64_t b = -1; b < x->nb; ++b) {
-                if (b + 1 < x->nb) { /* the next block's products first */
-                    const int64_t n = b + 1;
-                    const int slot = (int)(n & 1);
-                    const int8_t *xa = x->q + rg * x->k + n * QK;
-                    const uint8_t *w = wq + n * 8 * NC * 4 + v * VW * 4;
-                    if (slot == 0)
-                        AMX_ISSUE(0, 1, 4, 5);
-                    else
-                        AMX_ISSUE(2, 3, 6, 7);
-                }
-                if (b < 0) continue;
-                const int slot = (int)(b & 1);
-                vfl dw = zerof(), mw = zerof(), dw1 = zerof(), mw1 = zerof();
-                amx_scales(fmt, panel, b, v, &kd, &kdm, &dw, &mw, &dw1, &mw1);
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; ++i) {
-                    const int64_t at = (rg + i) * x->nb + b;
-                    const vfl dx = setf(x->dx[at]);
-                    const vi s0 = _mm512_load_si512((const void *)sums[slot][0][i]);
-                    vfl t;
-                    if (q2k(fmt)) {
-                        float e0 = x->dx[at] * (float)x->sh[2 * at], e1 = x->dx[at] * (float)x->sh[2 * at + 1];
-                        KEEP(e0);
-                        KEEP(e1);
-                        const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
-                        t = keepv(keepv(dw * dx) * cvt(s0));
-                        t = keepv(t + keepv(mw * setf(e0)));
-                        vfl u = keepv(keepv(dw1 * dx) * cvt(s1));
-                        u = keepv(u + keepv(mw1 * setf(e1)));
-                        t = keepv(t + u);
-                    } else if (halves) {
-                        const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
-                        t = keepv(keepv(dw * dx) * cvt(s0));
-                        const vfl u = keepv(keepv(mw * dx) * cvt(s1));
-                        t = keepv(t + u);
+                if (halves && b + 1 < x->nb) { /* the next block's products, operands loaded before */
+                    if (((b + 1) & 1) == 0) {
+                        TILE_ZERO(0);
+                        TILE_DP(0, 4, 5);
+                        TILE_ZERO(1);
+                        TILE_DP(1, 6, 7);
                     } else {
-                        t = keepv(keepv(dw * dx) * cvt(s0));
-                        if (min) t = keepv(t + keepv(mw * setf(x->dxs[at])));
+                        TILE_ZERO(2);
+                        TILE_DP(2, 4, 5);
+                        TILE_ZERO(3);
+                        TILE_DP(3, 6, 7);
                     }
-                    acc[i] = acc[i] + t;
+                } else if (b + 1 < x->nb) { /* the next block's product, its operands loaded before */
+                    if (((b + 1) & 1) == 0) {
+                        TILE_ZERO(0);
+                        TILE_DP(0, 4, 5);
+                    } else {
+                        TILE_ZERO(2);
+                        TILE_DP(2, 6, 7);
+                    }
+                }
+                if (b >= 0) {
+                    const int slot = (int)(b & 1);
+                    vfl dw = zerof(), mw = zerof(), dw1 = zerof(), mw1 = zerof();
+                    amx_scales(fmt, panel, b, v, &kd, &kdm, &dw, &mw, &dw1, &mw1);
+                    const float *dxb = x->dxt + ((rg >> 4) * x->nb + b) * 16, *dxsb = x->dxst + ((rg >> 4) * x->nb + b) * 16;
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; ++i) {
+                        const int64_t at = (rg + i) * x->nb + b;
+                        const vfl dx = setf(dxb[i]);
+                        const vi s0 = _mm512_load_si512((const void *)sums[slot][0][i]);
+                        vfl t;
+                        if (q2k(fmt)) {
+                            float e0 = x->dx[at] * (float)x->sh[2 * at], e1 = x->dx[at] * (float)x->sh[2 * at + 1];
+                            KEEP(e0);
+                            KEEP(e1);
+                            const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
+                            t = keepv(keepv(dw * dx) * cvt(s0));
+                            t = keepv(t + keepv(mw * setf(e0)));
+                            vfl u = keepv(keepv(dw1 * dx) * cvt(s1));
+                            u = keepv(u + keepv(mw1 * setf(e1)));
+                            t = keepv(t + u);
+                        } else if (halves) {
+                            const vi s1 = _mm512_load_si512((const void *)sums[slot][1][i]);
+                            t = keepv(keepv(dw * dx) * cvt(s0));
+                            const vfl u = keepv(keepv(mw * dx) * cvt(s1));
+                            t = keepv(t + u);
+                        } else {
+                            t = keepv(keepv(dw * dx) * cvt(s0));
+                            if (min) t = keepv(t + keepv(mw * setf(dxsb[i])));
+                        }
+                        acc[i] = acc[i] + t;
+                    }
+                }
+                if (halves) { /* as below, the two halves' operands in one set of four tiles */
+                    if (b + 2 < x->nb) AMX_HALVES_OPERANDS(b + 2);
+                    if (b + 1 < x->nb) {
+                        if (((b + 1) & 1) == 0) {
+                            TILE_STORE(0, &sums[0][0][0][0], VW * 4);
+                            TILE_STORE(1, &sums[0][1][0][0], VW * 4);
+                        } else {
+                            TILE_STORE(2, &sums[1][0][0][0], VW * 4);
+                            TILE_STORE(3, &sums[1][1][0][0], VW * 4);
+                        }
+                    }
+                } else {
+                    /* A tile store holds back every later load until it completes (and it waits for
+                     * its product): block b + 2's operands are loaded first, then block b + 1's sums
+                     * stored, after this block's float steps have read theirs. */
+                    if (b + 2 < x->nb) {
+                        const int8_t *xa = x->q + rg * x->k + (b + 2) * QK;
+                        const uint8_t *w = wq + (b + 2) * 8 * NC * 4 + v * VW * 4;
+                        if (((b + 2) & 1) == 0) {
+                            TILE_LOAD(4, xa, x->k);
+                            TILE_LOAD(5, w, NC * 4);
+                        } else {
+                            TILE_LOAD(6, xa, x->k);
+                            TILE_LOAD(7, w, NC * 4);
+                        }
+                    }
+                    if (b + 1 < x->nb) {
+                        if (((b + 1) & 1) == 0)
+                            TILE_STORE(0, &sums[0][0][0][0], VW * 4);
+                        else
+                            TILE_STORE(2, &sums[1][0][0][0], VW * 4);
+                    }
                 }
             }
 #pragma GCC unroll 16
@@ -1570,6 +1632,7 @@ typedef struct {
     int64_t m, n;
     item_fn item;
     int64_t panels, pb;
+    int64_t mc; /* rows a work item */
 } qi8_job;
 
 static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
@@ -1579,6 +1642,12 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
         quantize_row(j->x + r * j->ldx, k, q + r * k, (float *)j->xs.dx + r * nb, (int32_t *)j->xs.sx + r * nb,
                      (float *)j->xs.dxs + r * nb);
+        if (j->xs.dxt) /* the AMX rows' copies by group of 16 rows */
+            for (int64_t b = 0; b < nb; ++b) {
+                const int64_t at = ((r >> 4) * nb + b) * 16 + (r & 15);
+                ((float *)j->xs.dxt)[at] = j->xs.dx[r * nb + b];
+                ((float *)j->xs.dxst)[at] = j->xs.dxs[r * nb + b];
+            }
         if (j->xs.sh) { /* I8_16's offset correction: each 16 steps' sum of q */
             int32_t *sh = (int32_t *)j->xs.sh;
             for (int64_t h = 0; h < 2 * nb; ++h) {
@@ -1593,8 +1662,8 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
 static void qi8_items(void *ctx, int64_t begin, int64_t end) {
     const qi8_job *j = ctx;
     for (int64_t it = begin; it < end; ++it) {
-        const int64_t c = it / j->panels, p = it % j->panels, r0 = c * MC;
-        const int64_t rows = j->m - r0 < MC ? j->m - r0 : MC;
+        const int64_t c = it / j->panels, p = it % j->panels, r0 = c * j->mc;
+        const int64_t rows = j->m - r0 < j->mc ? j->m - r0 : j->mc;
         const int cols = (int)(j->n - p * NC < NC ? j->n - p * NC : NC);
         float pad[NC];
         const float *bp = j->bias ? j->bias + p * NC : NULL;
@@ -1627,30 +1696,41 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     if (!runs(fmt, k)) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12));
+    int tiles = 0; /* the AMX rows run this call (they read dx and dxs by block too) */
+#ifdef AMX_PATH
+    /* the tiles from 32 rows (16 for a scale per 16 k steps): below, their sums stored and reloaded
+     * cost more than VNNI's (measured 0.92-0.97x at 16-24 rows on Q5_0; Q6_K 1.09-1.26x) */
+    tiles = m >= (two_scales(fmt) ? 16 : 32) && vnni_active() && amx_active() && amx_items[fmt] != vnni_items[fmt];
+#endif
+    const int64_t mt = tiles ? (m + 15) / 16 * 16 : 0; /* rows of the copies by group */
+    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12) + (size_t)(mt * nb) * 8);
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
     int32_t *sx = (int32_t *)(dxs + m * nb), *sh = two_scales(fmt) ? sx + m * nb : NULL;
+    float *dxt = tiles ? (float *)(sx + m * nb * (two_scales(fmt) ? 3 : 1)) : NULL;
+    float *dxst = tiles ? dxt + mt * nb : NULL;
     const int big = m * n * k > 262144;
-    qi8_job j = {{q, dx, dxs, sx, sh, k, nb}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
+    qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
 #ifdef AMX_PATH
-    /* the tiles from 32 rows (16 for a scale per 16 k steps): below, their sums stored and reloaded
-     * cost more than VNNI's (measured 0.92-0.97x at 16-24 rows on Q5_0; Q6_K 1.09-1.26x) */
-    if (m >= (two_scales(fmt) ? 16 : 32) && vnni_active() && amx_active()) j.item = amx_items[fmt];
+    if (tiles) j.item = amx_items[fmt];
 #endif
-    parallel_for(num_threads, big && m > 1, m, 1, qi8_quantize_rows, &j);
+    /* (the tiles' copies by group: a group's rows on one thread, no line written by two) */
+    parallel_for(num_threads, big && m > 1, m, tiles ? 16 : 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
     j.pb = panel_bytes(fmt, nb);
+    /* the tiles' items twice the rows: a panel's blocks unpacked once for 512 rows (a 512-token
+     * prefill's GEMMs measured 1.03-1.07x over 256) */
+    j.mc = tiles ? 2 * MC : MC;
     /* A decode's GEMV (one chunk of rows): its panels are equal items of a microsecond or so, claimed
      * in shrinking ranges (parallel.h); a prefill's (rows, panel) items take long enough to go one
      * a claim. */
-    if (m <= MC)
+    if (m <= j.mc)
         parallel_for_guided(num_threads, big, j.panels, 1, qi8_items, &j);
     else
-        parallel_for(num_threads, big, (m + MC - 1) / MC * j.panels, 1, qi8_items, &j);
+        parallel_for(num_threads, big, (m + j.mc - 1) / j.mc * j.panels, 1, qi8_items, &j);
     return 0;
 }
