@@ -78,6 +78,26 @@ def test_qwen_coder_repository_layout_is_the_model_cards_string(coder_tok):
     assert ids == coder_tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
 
 
+def test_qwen_coder_repository_layout_without_a_path_keeps_the_current_files_line(coder_tok):
+    """/infill and most editors name the other files but not the current one: the current file
+    still gets its separator line (an empty path), as every prompt in the card's layout has, so the
+    prefix does not read as more of the last other file."""
+    spec = _spec(coder_tok)
+    files = [("library.py", "class Book:\n    pass\n")]
+    inp = FimInput("from library import Book\n\ndef ", "\n\nprint(1)\n", files)
+    card = (
+        "<|repo_name|>repo\n"
+        "<|file_sep|>library.py\nclass Book:\n    pass\n\n"
+        "<|file_sep|>\n"
+        "<|fim_prefix|>from library import Book\n\ndef <|fim_suffix|>\n\nprint(1)\n<|fim_middle|>"
+    )
+    assert build_ids(spec, inp, _plain(coder_tok)) == coder_tok.encode(
+        card, add_special_tokens=False, parse_special_tokens=True
+    )
+    # no other files: the plain card layout, no repository lines at all
+    assert build_ids(spec, FimInput("a", "b"), _plain(coder_tok))[0] == spec.pre
+
+
 def test_qwen_coder_spm_is_llama_cpps_spm_infill_string(coder_tok):
     """SPM (llama-server --spm-infill): suffix first, then the prefix, the middle token last; the
     repository's files and the current file's name still come before both."""

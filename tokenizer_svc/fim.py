@@ -279,7 +279,11 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
             out += [spec.repo, Text(f.repo_text.format(name=inp.repo_name or "repo"), frozenset({"repo"}))]
         for path, text in inp.files:
             out += [spec.sep, Text(f.file_text.format(path=path, text=text), frozenset({"files"}))]
-        if inp.path and spec.family.repo is not None:
+        if spec.family.repo is not None:
+            # The current file's own separator line opens the code, as in training: the model
+            # card's repository layout always has it, and without it the prefix read as more of
+            # the last other file (measured in docs/fill-in-the-middle.md). No path given: an
+            # empty one (the line's structure kept, no name made up).
             out += [spec.sep, Text(f.current_file_text.format(path=inp.path), frozenset({"path"}))]
     # SPM puts the suffix before the prefix: a keystroke changes the prompt's tail only (the end
     # of the prefix), where PSM also recomputes the suffix after it. With a middle token (llama.cpp's
