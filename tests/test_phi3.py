@@ -17,11 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import SamplingParams
 from engine_svc.models.spec import ModelSpec
 from tests.engine_helpers import (
     UNTESTED_FEATURES,
-    assert_greedy_matches,
     check_gguf_reads_back,
     check_greedy_equals_hf,
     check_prefix_hits_and_preemption,
@@ -32,7 +30,6 @@ from tests.engine_helpers import (
     hf_reference_prompts,
     random_model,
     random_prompts,
-    run_to_completion,
 )
 
 VOCAB = 1024
@@ -238,18 +235,7 @@ def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
     """Run twice in one engine: the second run's prefix hits find the blocks of their own table
     only (a short-table block is never served to a sequence past the switch, nor the reverse)."""
     model_dir, hf, prompts, refs = phi3_long
-    engine = check_greedy_equals_hf(
-        model_dir, hf, prompts, refs, LONG_NEW, block_size=8, max_num_batched_tokens=64
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW, ignore_eos=True)
-    again = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-    assert engine.stats().prefix_hit_tokens > 0
-    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        assert_greedy_matches(hf, p, again[(str(i), 0)], ref)
-    tight = check_greedy_equals_hf(
-        model_dir, hf, prompts, refs, LONG_NEW, block_size=8, num_kv_blocks=16, max_num_batched_tokens=32
-    )
-    assert tight.stats().num_preemptions > 0
+    check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, LONG_NEW, tight_blocks=16)
 
 
 def test_the_kv_manager_keeps_each_tables_blocks_apart_and_asks_for_the_recompute():
