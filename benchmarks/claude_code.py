@@ -80,12 +80,19 @@ def main(argv: list[str] | None = None) -> dict:
             new, seen = reqs[seen:], len(reqs)
             answer = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
             result["turns"].append(
-                {"turn": turn, "exit": out.returncode, "wall_s": wall, "answer": answer[:300], "requests": new}
+                {
+                    "turn": turn,
+                    "exit": out.returncode,
+                    "wall_s": wall,
+                    "answer": answer[:300],
+                    "requests": new,
+                }
             )
             main_req = max(new, key=lambda r: r.get("prompt_tokens", 0), default={})
             print(
                 f"turn {turn}: exit {out.returncode}, {wall:.1f}s, {len(new)} requests "
-                f"({', '.join(r['outcome'] for r in new)}); largest prompt {main_req.get('prompt_tokens', 0):.0f} "
+                f"({', '.join(r['outcome'] for r in new)}); "
+                f"largest prompt {main_req.get('prompt_tokens', 0):.0f} "
                 f"tokens, ttft {main_req.get('ttft_s', float('nan')):.2f}s: {answer[:120]!r}",
                 flush=True,
             )

@@ -8,7 +8,8 @@ tokens arrives, and the stream's ITL is taken over the steps until that prompt's
 figures are ratios measured in the same round, so a busy machine moves both sides alike.
 
     python -m benchmarks.long_prompt_itl --model models/default --prompt 7000 --rounds 2
-    python -m benchmarks.long_prompt_itl --model models/qwen2.5-coder-0.5b --prompt 18000 --rounds 1 --budgets stall
+    python -m benchmarks.long_prompt_itl --model models/qwen2.5-coder-0.5b --prompt 18000 --rounds 1 \
+        --budgets stall
 """
 
 from __future__ import annotations

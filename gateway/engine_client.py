@@ -482,7 +482,9 @@ class EngineClient:
                     # A long step shows as layers run while the step counter stands still; a
                     # starved one (other processes have the CPU) as the engine's word for it.
                     layers = event.heartbeat.layers_run
-                    progressed = load.num_steps != last_steps or layers != last_layers or event.heartbeat.starved
+                    progressed = (
+                        load.num_steps != last_steps or layers != last_layers or event.heartbeat.starved
+                    )
                     self._stall.update(now, pending=pending, progressed=progressed)
                     last_steps, last_layers = load.num_steps, layers
                     if self._stall.stalled(now):

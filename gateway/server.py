@@ -140,7 +140,9 @@ class GatewayServer:
         engine.on_step_time = m.step_time.observe
         engine.on_lost = lambda reason: m.engine_lost.labels(reason=reason).inc()
         model_name = o.served_model_name or Path(o.model_dir).resolve().name
-        tool_options = o.tool_options.for_template(tokenizer.chat_template_text if tokenizer is not None else "")
+        tool_options = o.tool_options.for_template(
+            tokenizer.chat_template_text if tokenizer is not None else ""
+        )
         if tool_options != o.tool_options:
             log.info(
                 "tool calls: parser %s, tool_choice auto %s (from the chat template)",

@@ -199,7 +199,10 @@ def plan_tools(
                 )
                 return plan
             if not options.enable_auto_tool_choice:
-                bad(names.tool_choice, '"auto" is off on this server (started with --no-enable-auto-tool-choice)')
+                bad(
+                    names.tool_choice,
+                    '"auto" is off on this server (started with --no-enable-auto-tool-choice)',
+                )
                 return plan
             if options.tool_call_forms:  # a written call must draw on what the conversation says
                 said = [m.content for m in chat.messages if m.HasField("content")]

