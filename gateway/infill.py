@@ -141,10 +141,13 @@ def fim_pieces(spec: FimSpec, inp: FimInput, names: InfillNames) -> list:
 async def infill_ids(spec: FimSpec, pieces: list, encode, room: int | None, step: int) -> list[int]:
     """The prompt's ids: every text run encoded in the workers (at once), then spliced and cut."""
     texts = [(i, p.text) for i, p in enumerate(pieces) if isinstance(p, Text)]
+    texts += [(-1 - i, p.head) for i, p in enumerate(pieces) if isinstance(p, Text) and p.head]
     encoded = await asyncio.gather(
         *(encode(t, add_special_tokens=False, parse_special_tokens=False) for _, t in texts)
     )
-    ids, cut = assemble(pieces, {i: e for (i, _), e in zip(texts, encoded, strict=True)}, room, step)
+    runs = dict(zip((i for i, _ in texts), encoded, strict=True))
+    heads = {-1 - i: e for i, e in runs.items() if i < 0}  # a run's head (StarCoder2's path line)
+    ids, cut = assemble(pieces, {i: e for i, e in runs.items() if i >= 0}, room, step, heads)
     if cut.prefix_tokens or cut.suffix_tokens or cut.files:
         log.info(
             "infill cut to fit",

@@ -237,14 +237,50 @@ def test_starcoder2_on_its_real_tokenizer(real_vocab):
         add_special_tokens=False,
         parse_special_tokens=True,
     )
+    # The repository-context FIM format of StarCoder2's paper (arXiv 2402.19173, section 5):
+    # <repo_name>name<file_sep>path0\ncode0<file_sep><fim_prefix>path1\ncode1_pre<fim_suffix>
+    # code1_suf<fim_middle>: the current file's path opens the prefix, after <fim_prefix>.
     inp = FimInput(PREFIX, SUFFIX, [("util.py", "X = 1\n")], "main.py", "demo")
     card = (
-        "<repo_name>demo<file_sep>util.py\nX = 1\n<file_sep>main.py\n"
-        f"<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+        "<repo_name>demo<file_sep>util.py\nX = 1\n<file_sep>"
+        f"<fim_prefix>main.py\n{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
     )
     assert build_ids(spec, inp, _plain(tok)) == tok.encode(
         card, add_special_tokens=False, parse_special_tokens=True
     )
+    # No path named (as /infill sends): the line's structure kept, an empty path.
+    card = (
+        "<repo_name>repo<file_sep>util.py\nX = 1\n<file_sep>"
+        f"<fim_prefix>\n{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+    )
+    assert build_ids(spec, FimInput(PREFIX, SUFFIX, [("util.py", "X = 1\n")]), _plain(tok)) == tok.encode(
+        card, add_special_tokens=False, parse_special_tokens=True
+    )
+
+
+def test_starcoder2_cut_keeps_the_current_files_path(real_vocab):
+    """A prefix cut to fit drops the prefix's start, not the path line before it, and moves in
+    whole steps: two keystrokes under the same cut share every token before the cursor's line."""
+    tok = real_vocab("starcoder")
+    spec = _spec(tok)
+    enc = _plain(tok)
+    body = "".join(f"    x{i} = compute({i}, {i + 1})\n" for i in range(60))
+    files = [("util.py", "X = 1\n")]
+    path_ids = enc("src/main.py\n")
+    outs = []
+    for typed in ("ret", "retu"):
+        inp = FimInput(body + "    " + typed, SUFFIX, files, "src/main.py", "demo")
+        ids = build_ids(spec, inp, enc, room=200, step=16)
+        assert len(ids) <= 200
+        at = ids.index(spec.pre) + 1
+        assert ids[at : at + len(path_ids)] == path_ids  # the path survives the cut
+        full = build_ids(spec, inp, enc)
+        assert len(full) > 200 and full[full.index(spec.pre) + 1 + len(path_ids)] != ids[at + len(path_ids)]
+        outs.append(ids)
+    same = 0
+    while outs[0][same] == outs[1][same]:
+        same += 1
+    assert same >= outs[0].index(spec.suf) - 8  # they differ only at the end of the prefix
 
 
 def test_deepseek_coder_on_its_real_tokenizer(real_vocab):
@@ -358,3 +394,27 @@ def test_suffix_keeps_its_start_and_files_go_before_the_prefix_is_starved(coder_
     suffix_ids = ids[ids.index(spec.suf) + 1 : ids.index(spec.mid)]
     assert suffix_ids == enc("s = 9\n" * 200)[: len(suffix_ids)]
     assert ids.count(spec.sep) == 2  # b.py and c.py kept; a.py and its separator left out
+
+
+def test_the_gateways_ids_are_build_ids_with_a_cut_head(real_vocab):
+    """The gateway encodes the runs (and a run's head) in its workers: the same ids as build_ids,
+    a cut StarCoder2 prompt included."""
+    import asyncio
+
+    from gateway.infill import infill_ids
+
+    tok = real_vocab("starcoder")
+    spec = _spec(tok)
+    enc = _plain(tok)
+
+    async def encode(text, add_special_tokens, parse_special_tokens):
+        return tok.encode(
+            text, add_special_tokens=add_special_tokens, parse_special_tokens=parse_special_tokens
+        )
+
+    body = "".join(f"    x{i} = compute({i})\n" for i in range(60))
+    inp = FimInput(body, SUFFIX, [("util.py", "X = 1\n")], "src/main.py", "demo")
+    for room in (None, 150):
+        got = asyncio.run(infill_ids(spec, layout(spec, inp), encode, room, 16))
+        assert got == build_ids(spec, inp, enc, room=room, step=16)
+    assert got[got.index(spec.pre) + 1 : got.index(spec.pre) + 4] == enc("src/main.py\n")[:3]

@@ -55,6 +55,10 @@ class FimFamily:
     repo_text: str = "{name}\n"
     file_text: str = "{path}\n{text}\n"
     current_file_text: str = "{path}\n"
+    # Where the current file's path line goes: after its separator (Qwen2.5-Coder:
+    # <|file_sep|>path\n<|fim_prefix|>prefix), or at the start of the prefix's run, after the
+    # prefix token (StarCoder2: <file_sep><fim_prefix>path\nprefix).
+    path_in_prefix: bool = False
     ends: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
 
@@ -85,7 +89,9 @@ FAMILIES: tuple[FimFamily, ...] = (
         ends=("<|file_separator|>", "<|fim_prefix|>", "<eos>"),
         needs=("<|file_separator|>",),
     ),
-    # StarCoder2: <repo_name>name<file_sep>path\ncontent<file_sep>...<fim_prefix>...
+    # StarCoder2 (its paper, arXiv 2402.19173, section 5, the repository-context FIM format):
+    # <repo_name>name<file_sep>path\ncontent<file_sep>...<file_sep><fim_prefix>path\nprefix
+    # <fim_suffix>suffix<fim_middle>: the current file's path opens the prefix.
     FimFamily(
         "starcoder2",
         "<fim_prefix>",
@@ -95,6 +101,7 @@ FAMILIES: tuple[FimFamily, ...] = (
         sep="<file_sep>",
         repo_text="{name}",
         file_text="{path}\n{text}",
+        path_in_prefix=True,
         ends=("<|endoftext|>", "<file_sep>", "<fim_pad>", "<fim_prefix>"),
     ),
     # DeepSeek-Coder: <bos><｜fim▁begin｜>prefix<｜fim▁hole｜>suffix<｜fim▁end｜>
@@ -178,10 +185,12 @@ class FimInput:
 @dataclass(frozen=True)
 class Text:
     """A run of client text between two control tokens; ``roles`` says what it holds, for the
-    cuts (a prefix is cut from its start, a suffix from its end)."""
+    cuts (a prefix is cut from its start, a suffix from its end). ``head``: the run's start that a
+    cut keeps (StarCoder2's current-file path line before its prefix)."""
 
     text: str
     roles: frozenset[str]
+    head: str = ""
 
 
 def _describe_missing() -> str:
@@ -267,6 +276,7 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
     family with a file separator (``FimUnavailable`` otherwise)."""
     f = spec.family
     out: list[int | Text] = []
+    head = ""
     if spec.bos is not None:
         out.append(spec.bos)
     if inp.files:
@@ -284,7 +294,12 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
             # card's repository layout always has it, and without it the prefix read as more of
             # the last other file (measured in docs/fill-in-the-middle.md). No path given: an
             # empty one (the line's structure kept, no name made up).
-            out += [spec.sep, Text(f.current_file_text.format(path=inp.path), frozenset({"path"}))]
+            out.append(spec.sep)
+            if f.path_in_prefix:
+                head = f.current_file_text.format(path=inp.path)
+            else:
+                out.append(Text(f.current_file_text.format(path=inp.path), frozenset({"path"})))
+    prefix = Text(head + inp.prefix, frozenset({"prefix"}), head=head)
     # SPM puts the suffix before the prefix: a keystroke changes the prompt's tail only (the end
     # of the prefix), where PSM also recomputes the suffix after it. With a middle token (llama.cpp's
     # --spm-infill) the prompt ends with it and the middle after it, as in PSM; without one
@@ -294,10 +309,10 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
         if spec.mid is None:
             out += [spec.pre, Text(inp.prefix + inp.middle, frozenset({"prefix", "middle"}))]
             return _drop_empty(out)
-        out += [spec.pre, Text(inp.prefix, frozenset({"prefix"})), spec.mid]
+        out += [spec.pre, prefix, spec.mid]
         out.append(Text(inp.middle, frozenset({"middle"})))
         return _drop_empty(out)
-    out += [spec.pre, Text(inp.prefix, frozenset({"prefix"}))]
+    out += [spec.pre, prefix]
     out += [spec.suf, Text(inp.suffix, frozenset({"suffix"}))]
     if spec.mid is not None:
         out.append(spec.mid)
@@ -320,7 +335,11 @@ class Cut:
 
 
 def assemble(
-    pieces: list[int | Text], encoded: dict[int, list[int]], room: int | None, step: int = 16
+    pieces: list[int | Text],
+    encoded: dict[int, list[int]],
+    room: int | None,
+    step: int = 16,
+    heads: dict[int, list[int]] | None = None,
 ) -> tuple[list[int], Cut]:
     """The prompt's token ids: ``encoded[i]`` is text piece ``i``'s ids. With ``room`` (the most
     prompt tokens there is space for), a prompt over it is cut where a keystroke later still cuts
@@ -329,7 +348,8 @@ def assemble(
     less than half of the room; then the prefix loses its start, in whole multiples of ``step``
     tokens (the cut moves only when the prefix grows past the next multiple, so the tokens before
     the cursor keep their positions, and the prefix cache keeps matching, from one keystroke to
-    the next)."""
+    the next). A prefix run with a ``head`` keeps it through a cut: ``heads[i]`` is the head's
+    ids, put back before what is left of the run after the head's length and the cut."""
     ids = {i: list(encoded.get(i, [])) for i, p in enumerate(pieces) if isinstance(p, Text)}
     cut = Cut()
     skip: set[int] = set()  # the separators of left-out files
@@ -359,9 +379,10 @@ def assemble(
         over = total() - room
         if over > 0 and prefix_at:
             i = prefix_at[0]
-            drop = min(-(-over // step) * step, len(ids[i]))
+            head = (heads or {}).get(i, []) if pieces[i].head else []
+            drop = min(-(-over // step) * step, len(ids[i]) - len(head))
             cut.prefix_tokens = drop
-            ids[i] = ids[i][drop:]
+            ids[i] = head + ids[i][len(head) + drop :]
     out: list[int] = []
     for i, p in enumerate(pieces):
         if i not in skip:
@@ -374,4 +395,5 @@ def build_ids(spec: FimSpec, inp: FimInput, encode, room: int | None = None, ste
     gateway does with its tokenizer workers, in one call (tests, the offline API)."""
     pieces = layout(spec, inp)
     encoded = {i: encode(p.text) for i, p in enumerate(pieces) if isinstance(p, Text)}
-    return assemble(pieces, encoded, room, step)[0]
+    heads = {i: encode(p.head) for i, p in enumerate(pieces) if isinstance(p, Text) and p.head}
+    return assemble(pieces, encoded, room, step, heads)[0]
