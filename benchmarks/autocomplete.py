@@ -3,6 +3,10 @@
     python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
     python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
     python -m benchmarks.autocomplete --fim-order spm --llama-spm   # suffix first on both sides
+    # a session too long for one quiet slot (the 1.5B's llama-server side), in ranges, then merged:
+    python -m benchmarks.autocomplete --model models/qwen2.5-coder-1.5b --skip-ours \
+        --keystroke-range 1-10 --results-name a     # then --keystroke-range 10-20 --results-name b
+    python -m benchmarks.autocomplete --merge benchmarks/results/{ours,a,b}.json
 
 The session: a real source file nobody here wrote (a module of Python's standard library), the
 cursor at the start of one of its lines with about 1.5k tokens before it, two more standard-library
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -131,11 +136,42 @@ class Session:
         }
 
 
-def run_session(url: str, bodies: list[dict], s: dict, ours: bool) -> dict:
+def run_session(url: str, bodies: list[dict], s: dict, ours: bool, first: int = 1) -> dict:
     session_ = Session(url, s, ours)
-    for k, body in enumerate(bodies, start=1):
+    for k, body in enumerate(bodies, start=first):
         session_.keystroke(k, body)
-    return session_.result()
+    return session_.result() | {"first_keystroke": first}
+
+
+def merge(paths: list[Path], s: dict) -> dict:
+    """One session from runs of consecutive keystroke ranges (``--keystroke-range``, each range
+    starting at the last one's end: its first request, the run's cold one, repeats a keystroke of the
+    run before and is left out). Per side: the first run's cold request, the warm keystrokes of all."""
+    import json
+
+    docs = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda d: d["keystroke_range"][0])
+    result = {
+        k: v for k, v in docs[0].items() if k not in ("ours", "llama_server", "ratios", "same_completions")
+    }
+    result["merged_from"] = [str(p) for p in paths]
+    for side in ("ours", "llama_server"):
+        parts = [d[side] for d in docs if side in d]
+        if not parts:
+            continue
+        for a, b in itertools.pairwise(parts):
+            if b["first_keystroke"] != a["first_keystroke"] + a["keystrokes"] - 1:
+                raise SystemExit(f"{side}: the ranges do not join at keystroke {b['first_keystroke']}")
+        lat = parts[0]["latencies_s"] + [x for p in parts[1:] for x in p["latencies_s"][1:]]
+        comp = parts[0]["computed_per_keystroke"] + [
+            x for p in parts[1:] for x in p["computed_per_keystroke"][1:]
+        ]
+        contents = parts[0]["completions"] + [x for p in parts[1:] for x in p["completions"][1:]]
+        first = parts[0]["first_keystroke"]
+        hits = sum(
+            continues(c, s["typed"][k:] + "\n" + s["after"]) for k, c in enumerate(contents, start=first)
+        )
+        result[side] = summary(lat, comp, hits) | {"completions": contents, "first_keystroke": first}
+    return result
 
 
 def summary(latencies: list[float], computed: list[int], hits: int) -> dict:
@@ -218,10 +254,28 @@ def main() -> None:
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--speculation", action="store_true", help="ours with n-gram drafts against ours without")
     ap.add_argument("--orders", action="store_true", help="ours in SPM against ours in PSM (one server)")
+    ap.add_argument(
+        "--keystroke-range",
+        help="A-B: only keystrokes A to B of the session, A the run's cold request (a session split "
+        "over runs that each fit a quiet slot; the next range starts at B)",
+    )
+    ap.add_argument("--results-name", default="autocomplete")
+    ap.add_argument("--merge", nargs="+", type=Path, help="result files of a split session: one result")
     args = ap.parse_args()
-    gguf = args.model if args.model.is_file() else next(args.model.glob("*.gguf"))
     s = session(args.keystrokes, args.prefix_chars)
+    if args.merge:
+        result = merge(args.merge, s)
+        report(result)
+        print(write_result(args.results_name, result, args.results_dir))
+        return
+    gguf = args.model if args.model.is_file() else next(args.model.glob("*.gguf"))
     bodies = keystroke_bodies(s, args.keystrokes, args.n_predict)
+    first, last = 1, args.keystrokes
+    if args.keystroke_range:
+        first, last = (int(x) for x in args.keystroke_range.split("-"))
+        if not 1 <= first < last <= args.keystrokes:
+            ap.error(f"--keystroke-range: want 1 <= A < B <= {args.keystrokes}")
+    bodies = bodies[first - 1 : last]
     ours_bodies = [{**b, "fim_order": args.fim_order} for b in bodies]
     result: dict = {
         "model": gguf.name,
@@ -230,6 +284,7 @@ def main() -> None:
         "line": s["typed"].strip(),
         "n_predict": args.n_predict,
         "fim_order": {"ours": args.fim_order, "llama_server": "spm" if args.llama_spm else "psm"},
+        "keystroke_range": [first, last],
     }
     if args.speculation:
         speculation(gguf, args, s, ours_bodies, result)
@@ -249,9 +304,17 @@ def main() -> None:
         server = start()
         try:
             ours = name == "ours"
-            result[name] = run_session(server.url, ours_bodies if ours else bodies, s, ours=ours)
+            result[name] = run_session(server.url, ours_bodies if ours else bodies, s, ours=ours, first=first)
         finally:
             server.close()
+    report(result)
+    print(write_result(args.results_name, result, args.results_dir))
+
+
+def report(result: dict) -> None:
+    for name in ("ours", "llama_server"):
+        if name not in result:
+            continue
         r = result[name]
         print(
             f"{name}: cold {r['cold_s']:.2f}s ({r['computed_cold']} tokens), p50 {r['p50_s']:.2f}s, "
@@ -270,7 +333,6 @@ def main() -> None:
         result["same_completions"] = sum(
             a == b for a, b in zip(o["completions"], p["completions"], strict=True)
         )
-    print(write_result("autocomplete", result, args.results_dir))
 
 
 def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> None:
