@@ -198,6 +198,7 @@ def test_the_metadata_reads_as_the_gguf_packages_reader(wide_llama, tmp_path):
     import gguf
 
     from engine_svc.models.gguf_checkpoint import _ValidatingReader
+    from engine_svc.models.gguf_metadata import CompactReader
 
     path = _wide_file(wide_llama, tmp_path)
     _same_fields(_ValidatingReader(str(path)), GGUFReader(str(path)))
@@ -220,7 +221,8 @@ def test_the_metadata_reads_as_the_gguf_packages_reader(wide_llama, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _same_fields(_ValidatingReader(str(tmp_path / "arrays.gguf")), GGUFReader(str(tmp_path / "arrays.gguf")))
+    for reader in (_ValidatingReader, CompactReader):  # the engine's, and the gateway's (FIM ids)
+        _same_fields(reader(str(tmp_path / "arrays.gguf")), GGUFReader(str(tmp_path / "arrays.gguf")))
 
 
 def test_reading_a_large_vocabularys_metadata_makes_no_object_a_string():

@@ -11,22 +11,21 @@ stored for norms of that style. Each architecture's names and quirks are its dec
 
 from __future__ import annotations
 
-import array
 import functools
 import mmap
 import os
 import re
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
 from engine_svc.models import arch as archs
 from engine_svc.models.arch import GLOBAL_GGUF_NAMES
+from engine_svc.models.gguf_metadata import CompactReader
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors a converter writes that the forward pass derives itself or has no use for, or that the
@@ -245,7 +244,7 @@ def _open_reader(path: Path):
         raise ValueError(f"GGUF file {path.name} is not readable (truncated or corrupt header): {e}") from e
 
 
-class _ValidatingReader(GGUFReader):
+class _ValidatingReader(CompactReader):
     """The gguf package's reader, with each tensor's type and byte range checked before it is
     mapped, so that a bad file's error names the tensor (the reader alone fails with a bare enum or
     reshape error). It also slices a plain ndarray view of the map: every field of a large
@@ -259,73 +258,6 @@ class _ValidatingReader(GGUFReader):
     def data(self, mapped: np.memmap) -> None:
         self._plain = mapped.view(np.ndarray)  # shares the mapping, which it keeps alive
         self._mapping = getattr(mapped, "_mmap", None)
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        """The library's ``_build_fields``, but an array field's elements are not parsed into numpy
-        arrays a piece (two per string: Qwen2.5's 151,936 tokens and 151,387 merges made some 600,000
-        array objects, about 250 MiB that the load freed again, leaving ~18 MiB of the interpreter's
-        object arenas it could not give back): its parts are ``_ArrayParts``, made on access,
-        ``contents()`` the same values (``tests/test_gguf.py``)."""
-        for _ in range(int(count)):
-            orig_offs = offs
-            kv_klen, kv_kdata = self._get_str(offs)
-            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
-            raw_kv_type = self._get(offs, np.uint32)
-            offs += int(raw_kv_type.nbytes)
-            name = str(bytes(kv_kdata), encoding="utf-8")
-            head = [kv_klen, kv_kdata, raw_kv_type]
-            compact = (
-                self._array_field(orig_offs, offs, head, name)
-                if raw_kv_type[0] == GGUFValueType.ARRAY
-                else None
-            )
-            if compact is not None:
-                size, field = compact
-            else:
-                size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
-                field = ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types)
-            self._push_field(field, skip_sum=True)
-            offs += size
-        return offs
-
-    def _array_field(self, orig_offs: int, offs: int, head: list, name: str):
-        """``(bytes after the type code, field)`` of a one-level array of scalars or strings, its
-        element parts made on access; None where the library's own parsing is kept (nested arrays,
-        a file of the other byte order)."""
-        raw_itype = self._get(offs, np.uint32)
-        alen = self._get(offs + 4, np.uint64)
-        n, start = int(alen[0]), offs + 12
-        try:
-            itype = GGUFValueType(int(raw_itype[0]))
-        except ValueError:
-            raise ValueError(f"metadata array {name} has unknown element type {int(raw_itype[0])}") from None
-        if itype == GGUFValueType.ARRAY or self.byte_order != "I":
-            return None
-        head = head + [raw_itype, alen]
-        data = self.data
-        if itype == GGUFValueType.STRING:
-            starts = array.array("q")
-            at, end, unpack = start, len(data), struct.Struct("<Q").unpack_from
-            for _ in range(n):
-                if at + 8 > end:
-                    raise IndexError(f"metadata array {name} runs past the end of the file")
-                starts.append(at)
-                at += 8 + unpack(data, at)[0]
-            if at > end:
-                raise IndexError(f"metadata array {name} runs past the end of the file")
-            parts = _ArrayParts(head, n, 2, lambda j: self._get_str(starts[j]))
-            size = at - offs
-        else:
-            values = self._get(start, self.gguf_scalar_to_np[itype], n)
-            if len(values) != n:
-                raise IndexError(f"metadata array {name} runs past the end of the file")
-            parts = _ArrayParts(head, n, 1, lambda j: (values[j : j + 1],))
-            size = 12 + int(values.nbytes)
-        first = len(head) + parts.per - 1  # a string's bytes, a scalar's one-element array
-        types = [GGUFValueType.ARRAY] + ([itype] if n else [])
-        return size, ReaderField(
-            orig_offs, name, parts, range(first, first + n * parts.per, parts.per), types
-        )
 
     def release_resident_pages(self) -> None:
         mapping = getattr(self, "_mapping", None)
@@ -352,25 +284,3 @@ class _ValidatingReader(GGUFReader):
                     f"tensor {name} is truncated: needs bytes {first}..{last}, the file ends at {end}"
                 )
         super()._build_tensors(start_offs, fields)
-
-
-class _ArrayParts(Sequence):
-    """A metadata array field's ``parts`` as the library lays them out (the key's, the type's and
-    the array's header parts, then ``per`` parts an element), each element's made when read."""
-
-    def __init__(self, head: list, n: int, per: int, element):
-        self.head, self.n, self.per, self._element = head, n, per, element
-
-    def __len__(self) -> int:
-        return len(self.head) + self.n * self.per
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        i = i + len(self) if i < 0 else i
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        if i < len(self.head):
-            return self.head[i]
-        j, r = divmod(i - len(self.head), self.per)
-        return self._element(j)[r]
