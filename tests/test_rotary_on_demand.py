@@ -106,7 +106,8 @@ def test_rows_not_reached_are_not_resident():
     assert _resident_bytes(table) == 0
     tables.cover(tables.tables, 1500)
     rows = 2 * rotary_tables.BLOCK
-    assert rows * d * 4 <= _resident_bytes(table) <= rows * d * 4 + 4096
+    # the rows written, give or take a transparent huge page at each end where the kernel uses them
+    assert rows * d * 4 <= _resident_bytes(table) <= rows * d * 4 + 4 * 2**20 < n * d * 4 // 4
 
 
 def test_the_eager_tables_are_the_whole_tables():
