@@ -76,6 +76,19 @@ def test_greedy_equals_hf_batched_and_chunked(gemma, block_size, budget):
     assert engine.model.native_loop_reason is None  # the native one-call layer loop served it
 
 
+def test_greedy_equals_hf_with_rotary_rows_made_a_few_positions_at_a_time(gemma, monkeypatch):
+    """Both tables (local and global theta) grown 4 positions at a time as the steps reach them
+    (engine_svc/models/rotary_tables.py): HF's tokens; rows past the longest sequence never made."""
+    from engine_svc.models import rotary_tables
+
+    monkeypatch.setattr(rotary_tables, "BLOCK", 4)
+    model_dir, hf, prompts, refs = gemma
+    engine = _check(model_dir, hf, prompts, refs, block_size=8, max_num_batched_tokens=7)
+    longest = max(len(p) for p in prompts) + MAX_NEW - 1
+    assert engine.model.rotary.covered == -(-longest // 4) * 4 < engine.max_model_len
+    assert engine.model.num_rope_tables == 2 and not engine.model.cos_sin_1[longest + 4 :].any()
+
+
 def test_greedy_equals_hf_with_prefix_hits(gemma):
     model_dir, hf, prompts, refs = gemma
     check_prefix_hits_and_preemption(model_dir, hf, prompts, refs, MAX_NEW, tight_blocks=None)

@@ -173,6 +173,79 @@ def test_tokenizer_and_chat_template_from_metadata(hf_dirs, tmp_path, trained_to
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+# --- the metadata reader ----------------------------------------------------------------------
+
+
+def _same_fields(ours, stock) -> None:
+    assert list(ours.fields) == list(stock.fields)
+    for key, b in stock.fields.items():
+        a = ours.fields[key]
+        assert (a.name, a.offset, a.types) == (b.name, b.offset, b.types), key
+        assert len(a.parts) == len(b.parts) and list(a.data) == list(b.data), key
+        assert a.contents() == b.contents(), key
+        for i in (0, 1, -1, len(b.data) // 2) if len(b.data) > 1 else ():
+            assert a.contents(i) == b.contents(i), (key, i)
+            assert np.array_equal(a.parts[b.data[i]], b.parts[b.data[i]]), (key, i)
+        assert a.contents(slice(2, 7)) == b.contents(slice(2, 7)), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in stock.tensors
+    ]
+
+
+def test_the_metadata_reads_as_the_gguf_packages_reader(wide_llama, tmp_path):
+    """Every field (the tokenizer's string arrays, arrays of each scalar type, an empty and a nested
+    array) as the gguf package's own reader gives it, though its array elements are made on access."""
+    import gguf
+
+    from engine_svc.models.gguf_checkpoint import _ValidatingReader
+    from engine_svc.models.gguf_metadata import CompactReader
+
+    path = _wide_file(wide_llama, tmp_path)
+    _same_fields(_ValidatingReader(str(path)), GGUFReader(str(path)))
+    w = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
+    for t, values in {
+        gguf.GGUFValueType.UINT8: [0, 7, 255],
+        gguf.GGUFValueType.INT16: [-3, 4],
+        gguf.GGUFValueType.INT32: [-(2**31), 5, 2**31 - 1],
+        gguf.GGUFValueType.UINT64: [2**63, 1],
+        gguf.GGUFValueType.FLOAT32: [0.5, -1.25, 3.0],
+        gguf.GGUFValueType.FLOAT64: [1e300, -2.5],
+        gguf.GGUFValueType.BOOL: [True, False, True],
+    }.items():
+        w.add_key_value(f"test.{t.name.lower()}", values, gguf.GGUFValueType.ARRAY, sub_type=t)
+    w.add_array("test.strings", ["", "a", "\u00e9t\u00e9", "x" * 300])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for reader in (_ValidatingReader, CompactReader):  # the engine's, and the gateway's (FIM ids)
+        _same_fields(reader(str(tmp_path / "arrays.gguf")), GGUFReader(str(tmp_path / "arrays.gguf")))
+
+
+def test_reading_a_large_vocabularys_metadata_makes_no_object_a_string():
+    """The default model's 49,152 tokens and 48,900 merges: the package's reader makes two numpy
+    arrays a string (150 MiB of Python objects at its peak, freed again but leaving the
+    interpreter's arenas behind); ours reads their offsets only."""
+    import tracemalloc
+
+    from engine_svc.models.gguf_checkpoint import _ValidatingReader
+    from engine_svc.models.model_path import resolve_model_path
+
+    gguf_path = resolve_model_path("models/default").gguf
+    tracemalloc.start()
+    try:
+        reader = _ValidatingReader(str(gguf_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == 49152 and isinstance(tokens.contents(100), str)
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB"
+
+
 # --- bad files -------------------------------------------------------------------------------
 
 

@@ -231,6 +231,19 @@ def test_long_rope_greedy_equals_hf_on_both_sides_of_the_switch(phi3_long, block
     assert engine.scheduler.num_rope_recomputes == crossing
 
 
+def test_long_rope_greedy_equals_hf_with_rotary_rows_made_a_few_positions_at_a_time(phi3_long, monkeypatch):
+    """Both phases' rows grown 4 positions at a time as the steps reach them
+    (engine_svc/models/rotary_tables.py), across the switch: HF's tokens."""
+    from engine_svc.models import rotary_tables
+
+    monkeypatch.setattr(rotary_tables, "BLOCK", 4)
+    model_dir, hf, prompts, refs = phi3_long
+    engine = check_greedy_equals_hf(
+        model_dir, hf, prompts, refs, LONG_NEW, block_size=8, max_num_batched_tokens=7
+    )
+    assert 0 < engine.model.rotary.covered < engine.max_model_len
+
+
 def test_long_rope_through_preemption_and_prefix_hits(phi3_long):
     """Run twice in one engine: the second run's prefix hits find the blocks of their own table
     only (a short-table block is never served to a sequence past the switch, nor the reverse)."""

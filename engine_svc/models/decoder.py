@@ -21,6 +21,7 @@ from torch import nn
 
 from engine_svc.kv_groups import layout_of
 from engine_svc.models import layer_progress
+from engine_svc.models.rotary_tables import RotaryTables
 from engine_svc.models.routed_experts import RoutedExperts
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
@@ -31,7 +32,7 @@ from kernels.cpu import native_decoder
 from kernels.cpu.greedy_head import ChunkedArgmax
 from kernels.cpu.linear import make_linear
 from kernels.reference.kv_write import split_qkv
-from kernels.reference.rotary import rope_phases, rope_table, rotary_rows
+from kernels.reference.rotary import rotary_rows
 
 log = logging.getLogger(__name__)
 # Why a model with routed experts runs the Python layer loop: the native loop has no routed MLP
@@ -225,22 +226,25 @@ class DecoderForCausalLM(nn.Module):
         # With a rotary switch (long-rope: a sequence past it is rotated whole by another table),
         # each table holds a block of rows per phase and the runner passes each token's row
         # (``rotary_rows``) as its position; a kind without phases repeats its rows.
+        # On the CPU a table's rows are written as positions are reached (``RotaryTables``: the
+        # forward covers the step's positions first), the same values as the whole table's.
         kinds = spec.layer_attention or ()
         self.max_positions, self.rope_switch = max_positions, spec.rope_switch if kinds else None
         keys: list[tuple] = []
+        declared: list[tuple] = []
         for layer, kind in zip(self.layers, kinds, strict=True):
             if kind.rope_key() not in keys:
                 keys.append(kind.rope_key())
-                table = rope_table(spec.head_dim, kind.rope_theta, kind.rope_scaling, max_positions)
-                if self.rope_switch is not None and rope_phases(kind.rope_scaling) == 1:
-                    table = torch.cat([table, table])
-                name = "cos_sin" if len(keys) == 1 else f"cos_sin_{len(keys) - 1}"
-                self.register_buffer(name, table, persistent=False)
+                declared.append((spec.head_dim, kind.rope_theta, kind.rope_scaling))
             layer.rope_index = keys.index(kind.rope_key())
         if not keys:  # a spec made without its declaration's layers
-            table = rope_table(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_positions)
-            self.register_buffer("cos_sin", table, persistent=False)
-        self.num_rope_tables = max(1, len(keys))
+            declared.append((spec.head_dim, spec.rope_theta, spec.rope_scaling))
+        lazy = torch.empty(0).device.type == "cpu"
+        self.rotary = RotaryTables(declared, max_positions, 1 if self.rope_switch is None else 2, lazy)
+        for i, table in enumerate(self.rotary.tables):
+            self.register_buffer("cos_sin" if i == 0 else f"cos_sin_{i}", table, persistent=False)
+        self.rotary.tables = []  # the module's buffers are the tables from here on
+        self.num_rope_tables = len(declared)
         self.linear_backend = "dense"
         self.prepare_linears("dense")
 
@@ -264,7 +268,23 @@ class DecoderForCausalLM(nn.Module):
 
     def _apply(self, *args, **kwargs):  # .to(), .float(), ...: every tensor may be new
         self.invalidate()
+        self.cover_rotary(self.max_positions)  # a moved table is whole
         return super()._apply(*args, **kwargs)
+
+    def cover_rotary(self, positions: int) -> None:
+        """Make the rotary tables' rows of positions ``0 .. positions`` (every phase) readable."""
+        if self.rotary.covered < positions:
+            self.rotary.cover(self.rope_tables(), positions)
+
+    def _cover_step(self, positions: torch.Tensor) -> None:
+        """Cover the rows a step reads: ``positions`` are table rows (``rotary_rows``)."""
+        if self.rotary.covered >= self.max_positions or not positions.numel():
+            return
+        if positions.device.type != "cpu":
+            self.cover_rotary(self.max_positions)
+            return
+        rows = positions if self.rope_switch is None else positions % self.max_positions
+        self.cover_rotary(int(rows.max()) + 1)
 
     def prepare_linears(self, backend: str, blocks=None, after_layer=None) -> None:
         """``"native"`` or ``"onednn"`` (weights packed once) or ``"dense"`` (``F.linear``) for every
@@ -296,6 +316,7 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm. ``positions``: each token's row of
         the rotary tables (its position; with a rotary switch, ``rotary_rows``)."""
         x = self._embed(input_ids)
+        self._cover_step(positions)
         if not self._finalized:
             self.finalize()
         if self._native_loop is not None:

@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
 from engine_svc.models import arch as archs
 from engine_svc.models.arch import GLOBAL_GGUF_NAMES
+from engine_svc.models.gguf_metadata import CompactReader
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors a converter writes that the forward pass derives itself or has no use for, or that the
@@ -243,7 +244,7 @@ def _open_reader(path: Path):
         raise ValueError(f"GGUF file {path.name} is not readable (truncated or corrupt header): {e}") from e
 
 
-class _ValidatingReader(GGUFReader):
+class _ValidatingReader(CompactReader):
     """The gguf package's reader, with each tensor's type and byte range checked before it is
     mapped, so that a bad file's error names the tensor (the reader alone fails with a bare enum or
     reshape error). It also slices a plain ndarray view of the map: every field of a large

@@ -49,17 +49,25 @@ def rope_table(head_dim: int, theta: float, scaling: dict | None, max_positions:
     HF's Phi-3 rotates a sequence whole by the length it reaches: the short factors at every
     position for a sequence of at most the original length (phase 0), the long factors at every
     position for a longer one (phase 1); both times the attention factor."""
+    return torch.cat(rope_rows(head_dim, theta, scaling, 0, max_positions))
+
+
+def rope_rows(head_dim: int, theta: float, scaling: dict | None, start: int, stop: int) -> list[torch.Tensor]:
+    """Rows ``start .. stop`` (positions) of each phase of ``rope_table``'s table, one ``[stop - start,
+    head_dim]`` tensor per phase: the same values, bit for bit, as those rows of the whole table
+    (each entry is one product ``position * inv_freq`` and its cos or sin, whatever rows are made
+    beside it; ``tests/test_rotary_on_demand.py``)."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind not in LONG_ROPE:
-        return rope_cos_sin_cache(rope_inv_freq(head_dim, theta, scaling), max_positions)
+        return [rope_cos_sin_rows(rope_inv_freq(head_dim, theta, scaling), start, stop)]
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     scale = float(scaling["attention_factor"])
 
-    def table(factors) -> torch.Tensor:
+    def rows(factors) -> torch.Tensor:
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponent)
-        return rope_cos_sin_cache(inv_freq, max_positions, scale)
+        return rope_cos_sin_rows(inv_freq, start, stop, scale)
 
-    return torch.cat([table(scaling["short_factor"]), table(scaling["long_factor"])])
+    return [rows(scaling["short_factor"]), rows(scaling["long_factor"])]
 
 
 def rope_phases(scaling: dict | None) -> int:
@@ -89,7 +97,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:
     """``[max_positions, head_dim]``: cos of every (position, frequency) pair, then sin."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    return rope_cos_sin_rows(inv_freq, 0, max_positions, scale)
+
+
+def rope_cos_sin_rows(inv_freq: torch.Tensor, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
+    """``[stop - start, head_dim]``: ``rope_cos_sin_cache``'s rows of positions ``start .. stop``."""
+    freqs = torch.outer(torch.arange(start, stop, dtype=torch.float32), inv_freq.float())
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
 
 
