@@ -11,6 +11,10 @@ engine decodes in steady state. Two figures, in one process:
           ``max_per_step``), alternated over ``--rounds`` rounds; the best round of each
 
     python -m benchmarks.batched_step --model qwen2.5-coder-0.5b --running 64 256 --seats 16 64 256
+    python -m benchmarks.batched_step --model qwen2.5-coder-0.5b --weights bf16 --running 64
+
+``--weights bf16`` runs ``real_peer``'s bf16 directory (``models/<model>-bf16``) at the engine's
+default dtype instead of the GGUF.
 
 Quiet figures only at real-time priority (docs/performance.md); read them as ratios in one run.
 """
@@ -21,7 +25,7 @@ import argparse
 import collections
 import time
 
-from benchmarks.real_peer import gguf_file, workload
+from benchmarks.real_peer import bf16_dir, gguf_file, workload
 
 
 def parts(engine, steps: int) -> dict[str, float]:
@@ -79,10 +83,13 @@ def steady(engine, seats: int, steps: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def run(model: str, running: int, prompt: int, seats: list[int], rounds: int, tokens: int) -> dict:
+def run(
+    model: str, running: int, prompt: int, seats: list[int], rounds: int, tokens: int, weights: str = "gguf"
+) -> dict:
     from engine_svc import LLM, SamplingParams
 
-    llm = LLM(str(gguf_file(model)), device="cpu", seed=0)
+    path = gguf_file(model) if weights == "gguf" else bf16_dir(model)
+    llm = LLM(str(path), device="cpu", seed=0)
     engine = llm.engine
     sched = engine.scheduler
     default_seats = sched.max_per_step
@@ -112,6 +119,9 @@ def run(model: str, running: int, prompt: int, seats: list[int], rounds: int, to
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="a catalogue name with a GGUF in models/")
+    ap.add_argument(
+        "--weights", choices=("gguf", "bf16"), default="gguf", help="the GGUF or real_peer's bf16 dir"
+    )
     ap.add_argument("--running", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt", type=int, default=128, help="each prompt cut to this many tokens")
     ap.add_argument("--seats", type=int, nargs="+", default=[16, 64, 256])
@@ -120,10 +130,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     out = []
     for n in args.running:
-        r = run(args.model, n, args.prompt, [s for s in args.seats if s <= n], args.rounds, args.tokens)
+        r = run(
+            args.model,
+            n,
+            args.prompt,
+            [s for s in args.seats if s <= n],
+            args.rounds,
+            args.tokens,
+            args.weights,
+        )
         step = r["parts_s"].get("step", 0.0)
         print(
-            f"{args.model}, {n} running, {r['default_seats']} seats a step (the default): "
+            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step (the default): "
             f"{1e3 * step:.1f} ms a step"
         )
         for label, v in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):

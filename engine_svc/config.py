@@ -10,11 +10,11 @@ MAX_LORA_RANK = 512
 
 
 # A step's seats on CPU when max_seqs_per_step is not set (docs/slow-readers.md#measured): this many
-# per engine thread, and at least the floor. Past about that many rows a CPU step's rate per token
-# no longer rises (64 streams decoding, 2 threads: 16, 32 and 64 seats give the same tokens/s on
-# SmolLM2 and Qwen2.5-Coder-0.5B), while its duration -- every stream's inter-token latency, and a
-# normal request's beside hundreds of another client's streams -- keeps growing.
-CPU_SEQS_PER_STEP_PER_THREAD = 8
+# per engine thread, and at least the floor. The bound kept: a normal 16-token request beside 300
+# never-read streams of another client stays within issue 37's 2 s on the default model (2 threads:
+# 0.5 / 0.9 / 1.6-2.3 s at 16 / 32 / 64 seats), while batched GEMMs still gain from more rows
+# (Qwen2.5-Coder-0.5B Q4_K_M, 64 streams decoding: 313 / 404 / 458 tok/s at 16 / 32 / 64 seats).
+CPU_SEQS_PER_STEP_PER_THREAD = 16
 CPU_MIN_SEQS_PER_STEP = 16
 
 

@@ -208,7 +208,7 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-@pytest.mark.parametrize("fmt", ("Q4_0", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS", "Q5_0+Q6_K"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS", "Q5_0+Q6_K"))
 def test_a_long_prompts_rows_over_several_work_items_are_the_documented_math(isa, fmt):
     """A prefill-sized call: on the tiles its work items take 512 rows, each 16-row group reading
     its activation scales from the call's copy by group (quant_int8act.c's dxt); 1100 rows are two

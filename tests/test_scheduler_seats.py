@@ -204,9 +204,9 @@ def test_the_default_seats_a_step():
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     config = EngineConfig(model="unused")
-    assert seqs_per_step(config, cpu, threads=1) == 16  # the floor
-    assert seqs_per_step(config, cpu, threads=2) == 16
-    assert seqs_per_step(config, cpu, threads=8) == 64
+    assert seqs_per_step(config, cpu, threads=1) == 16
+    assert seqs_per_step(config, cpu, threads=2) == 32
+    assert seqs_per_step(config, cpu, threads=8) == 128
     assert seqs_per_step(config, cpu, threads=64) == 256  # never more than run at once
     assert seqs_per_step(EngineConfig(model="unused", max_num_seqs=8), cpu, threads=2) == 8
     assert seqs_per_step(config, cuda) == 256

@@ -13,7 +13,7 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     (
         "--max-seqs-per-step",
         int,
-        "most running sequences one step computes (default: on CPU 16 per engine thread, at least 32; "
+        "most running sequences one step computes (default: on CPU 16 per engine thread, at least 16; "
         "on CUDA all that run); when more run, the step's seats go round the clients, least recently "
         "stepped first",
     ),

@@ -137,6 +137,7 @@ INLINE int known(int fmt) {
 INLINE int half_scales(int fmt) { return (fmt & FMT_HALF) != 0; }
 INLINE int q2k(int fmt) { return form(fmt) == FMT_Q2; } /* Q2_K (only a K form) */
 INLINE int iq4xs(int fmt) { return fmt == (FMT_K | FMT_Q8_0); }
+INLINE int byte_q8(int fmt) { return fmt == FMT_Q8_0 || fmt == (FMT_Q8_0 | FMT_HALF); } /* Q8_0 itself */
 INLINE int has_min(int fmt) {
     return form(fmt) == FMT_Q4_1 || form(fmt) == FMT_U8_1 || form(fmt) == FMT_Q5_1 || q2k(fmt);
 }
@@ -1344,9 +1345,11 @@ static uint8_t *amx_weights(size_t bytes) {
 /* Block b of the panel as the weight tile reads it: [group g 0..7][column][4] signed bytes, the
  * stored quant less the format's offset (TDPBSSD's sum is then rows_simd's isum - offset * sx, the
  * same integer), groups 0-3 the block's first 16 k steps; unpacked once for all the item's rows.
- * The byte forms (Q8_0, and I8_16, U8_1: K-quants without their super-blocks) stay on VNNI: read in
- * place, the tiles measured no faster on them (1.00-1.06x at 64-512 rows, slower below), the
- * float steps being most of their work; so do Q4_1 and Q5_1, whose blocks each carry a minimum
+ * Q8_0 (its stored byte less 128) runs here from 64 rows: an LM head's GEMM (Qwen2.5-Coder-0.5B's,
+ * 151,936 x 896) measured 1.10-1.15x over VNNI at 64-128 rows, 0.95-1.02x at 32. The other byte forms
+ * (I8_16, U8_1: K-quants without their super-blocks) stay on VNNI: read in place, the tiles measured
+ * no faster on them (1.00-1.06x at 64-512 rows, slower below), the float steps being most of their
+ * work; so do Q4_1 and Q5_1, whose blocks each carry a minimum
  * (two more float steps: 0.88-1.16x at SmolLM2's shapes, 0.97x on its 64-request run). */
 INLINE void amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
     const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
@@ -1358,6 +1361,11 @@ INLINE void amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *
                 const vi raw = loadi(qs + (sl * NC + v * VW) * 4);
                 for (int t = 0; t < 4; ++t) PUT(sl + 2 * t, v, crumb(raw, t));
             }
+        return;
+    }
+    if (byte_q8(fmt)) { /* the stored q + 128 less 128: q, a signed byte */
+        for (int g = 0; g < 8; ++g)
+            for (int v = 0; v < V; ++v) PUT(g, v, loadi(qs + (g * NC + v * VW) * 4));
         return;
     }
     if (iq4xs(fmt)) {
@@ -1573,6 +1581,8 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
         const int64_t done = wq ? 16 * (int64_t)groups : 0;                                                \
         if (done < rows) vnni_##NAME(x, r0 + done, rows - done, panel, bias, y + done * ldy, ldy, cols);   \
     }
+DEFINE_AMX_ITEM(q8_0, FMT_Q8_0)
+DEFINE_AMX_ITEM(q8_0_h, FMT_Q8_0 | FMT_HALF)
 DEFINE_AMX_ITEM(q4_0, FMT_Q4_0)
 DEFINE_AMX_ITEM(q4_0_h, FMT_Q4_0 | FMT_HALF)
 DEFINE_AMX_ITEM(q5_0, FMT_Q5_0)
@@ -1584,14 +1594,14 @@ DEFINE_AMX_ITEM(q3_k, FMT_I8_16 | FMT_K | FMT_HALF)
 DEFINE_AMX_ITEM(q2_k, FMT_Q2 | FMT_K)
 DEFINE_AMX_ITEM(iq4_xs, FMT_Q8_0 | FMT_K)
 static const item_fn amx_items[FMT_COUNT] = {
-    [FMT_Q8_0] = vnni_q8_0, /* a byte form: VNNI */
+    [FMT_Q8_0] = amx_q8_0,
     [FMT_Q4_0] = amx_q4_0,
     [FMT_Q4_1] = vnni_q4_1, /* minimums on every block: VNNI */
     [FMT_U8_1] = vnni_u8_1, /* a byte form: VNNI */
     [FMT_I8_16] = vnni_i8_16, /* a byte form: VNNI */
     [FMT_Q5_0] = amx_q5_0,
     [FMT_Q5_1] = vnni_q5_1, /* minimums on every block: VNNI */
-    [FMT_Q8_0 | FMT_HALF] = vnni_q8_0_h, /* a byte form: VNNI */
+    [FMT_Q8_0 | FMT_HALF] = amx_q8_0_h,
     [FMT_Q4_0 | FMT_HALF] = amx_q4_0_h,
     [FMT_Q4_1 | FMT_HALF] = vnni_q4_1_h, /* minimums on every block: VNNI */
     [FMT_U8_1 | FMT_HALF] = vnni_u8_1_h, /* a byte form: VNNI */
@@ -1698,9 +1708,12 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     int tiles = 0; /* the AMX rows run this call (they read dx and dxs by block too) */
 #ifdef AMX_PATH
-    /* the tiles from 32 rows (16 for a scale per 16 k steps): below, their sums stored and reloaded
-     * cost more than VNNI's (measured 0.92-0.97x at 16-24 rows on Q5_0; Q6_K 1.09-1.26x) */
-    tiles = m >= (two_scales(fmt) ? 16 : 32) && vnni_active() && amx_active() && amx_items[fmt] != vnni_items[fmt];
+    /* the tiles from 32 rows (16 for a scale per 16 k steps; 64 for Q8_0, whose VNNI rows unpack
+     * nothing: the tiles measured 0.95-1.02x at 32 rows, 1.10-1.15x at 64-128 on the 0.5B's head):
+     * below, their sums stored and reloaded cost more than VNNI's (measured 0.92-0.97x at 16-24 rows
+     * on Q5_0; Q6_K 1.09-1.26x) */
+    tiles = m >= (two_scales(fmt) ? 16 : byte_q8(fmt) ? 64 : 32) && vnni_active() && amx_active() &&
+            amx_items[fmt] != vnni_items[fmt];
 #endif
     const int64_t mt = tiles ? (m + 15) / 16 * 16 : 0; /* rows of the copies by group */
     uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12) + (size_t)(mt * nb) * 8);
