@@ -582,19 +582,20 @@ def tiles():
     native_attention.amx_tiles(False, "avx512")
 
 
-# A dropped product, and the two products of level 1 (a2 b1, a1 b2: into one C tile) in the other
-# order: each must differ from the kernel on data whose low parts matter.
-_P = native_attention.AMX_PRODUCTS
-_DROPPED = _P[:-1]
-_SWAPPED = (_P[0], _P[3], _P[2], _P[1], _P[4], _P[5])
+
+def _wrong_orders(products):
+    """A product dropped, and the first two of C1 in the other order: each must differ from the
+    kernel on data whose low parts matter."""
+    p = products
+    return p[:-1], (p[0], p[2], p[1], *p[3:])
 
 
 @pytest.mark.parametrize("g,n,d", [(7, 256, 64), (16, 100, 128), (1, 17, 32), (12, 256, 256)])
 def test_tile_scores_are_the_numpy_statement_of_the_tile_order(tiles, g, n, d):
     """The tile path's q . k (scores of G queries at n positions, the ones decodes and chunks both
     use) bit-equal to amx_scores_reference: the three-part splits, the six products per 32 dims in
-    order into three level sums (each TDPBF16PS two fp32 chains from zero, then C + (E + O)), then
-    (C0 + (C1 + C2)) * scale; and a statement with a product dropped or two swapped differs, so the
+    order into two sums (each TDPBF16PS two fp32 chains from zero, then C + (E + O)), then
+    (C0 + C1) * scale; and a statement with a product dropped or two swapped differs, so the
     equality shows the order. Within fp32 rounding of the exact dot products."""
     import numpy as np
 
@@ -608,7 +609,7 @@ def test_tile_scores_are_the_numpy_statement_of_the_tile_order(tiles, g, n, d):
     ref = native_attention.amx_scores_reference(q, k, scale)
     assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ from the tile order"
     if g * n >= 1500:  # enough scores that a wrong order shows in some
-        for wrong in (_DROPPED, _SWAPPED):
+        for wrong in _wrong_orders(native_attention.AMX_SCORE_PRODUCTS):
             assert not np.array_equal(got, native_attention.amx_scores_reference(q, k, scale, wrong))
     exact = (q.astype(np.float64) @ k.T.astype(np.float64)) * scale
     bound = 4 * 2.0**-24 * (np.abs(q.astype(np.float64)) @ np.abs(k.T.astype(np.float64))) * scale
@@ -630,7 +631,7 @@ def test_tile_weighted_v_is_the_numpy_statement_of_the_tile_order(tiles, g, n, d
     ref = native_attention.amx_weighted_v_reference(w, v)
     assert np.array_equal(got, ref), f"{int((got != ref).sum())} sums differ from the tile order"
     if g * d >= 400:  # enough sums that a wrong order shows in some
-        for wrong in (_DROPPED, _SWAPPED):
+        for wrong in _wrong_orders(native_attention.AMX_V_PRODUCTS):
             assert not np.array_equal(got, native_attention.amx_weighted_v_reference(w, v, wrong))
     exact = w.astype(np.float64) @ v.astype(np.float64)
     bound = 4 * n * 2.0**-24 * (np.abs(w.astype(np.float64)) @ np.abs(v.astype(np.float64)))

@@ -282,13 +282,17 @@ def amx_weighted_v(w, v, isa: str | None = "avx512"):
     return out if rc == 0 else None
 
 
-# The tile path's products in order per 32 k steps: (C tile, A part, B part), parts 0, 1, 2; the
-# three with i + j > 2 are dropped (each under 2^-24 of the whole).
-AMX_PRODUCTS = ((0, 0, 0), (1, 1, 0), (2, 2, 0), (1, 0, 1), (2, 1, 1), (2, 0, 2))
+# The tile path's products in order per 32 k steps, (C sum, A part, B part), parts 0, 1, 2: the
+# six with i + j <= 2 (the three dropped are each under 2^-24 of the whole), C0 the first, C1 the
+# other five. The parts of one operand stay in tiles (K's for q . k: the A tile; V's over V: the B
+# tile) while the other's pass one at a time (t1 with s1, s2, s3; t2 with s1, s2; t3 with s1).
+AMX_SCORE_PRODUCTS = ((0, 0, 0), (1, 1, 0), (1, 2, 0), (1, 0, 1), (1, 1, 1), (1, 0, 2))
+AMX_V_PRODUCTS = ((0, 0, 0), (1, 0, 1), (1, 0, 2), (1, 1, 0), (1, 1, 1), (1, 2, 0))
 
 
-def amx_tile_product_reference(a, b, products=AMX_PRODUCTS):
-    """C0 + (C1 + C2) of a (m x k) times b (k x n), both fp32, as the tile path computes it, in
+def amx_tile_product_reference(a, b, products):
+    """C0 + C1 (+ C2 where a product names it) of a (m x k) times b (k x n), both fp32, as the tile
+    path computes it, in
     numpy, bit for bit: each split into three bf16 parts (``native_gemm.bf16_split``); per 32 k
     steps, the products in order, each a TDPBF16PS into its level's C (from zero): the even and the
     odd k of the 16 pairs as two fp32 chains from zero (a product of two bf16 is exact in fp32, so
@@ -302,7 +306,7 @@ def amx_tile_product_reference(a, b, products=AMX_PRODUCTS):
     pad = -k % 32
     ap = [np.pad(p, ((0, 0), (0, pad))) for p in bf16_split(a)]
     bp = [np.pad(p, ((0, pad), (0, 0))) for p in bf16_split(b)]
-    c = [np.zeros((m, b.shape[1]), dtype=np.float32) for _ in range(3)]
+    c = [np.zeros((m, b.shape[1]), dtype=np.float32) for _ in range(1 + max(p[0] for p in products))]
     for t in range((k + pad) // 32):
         for level, i, j in products:
             chains = []
@@ -313,19 +317,20 @@ def amx_tile_product_reference(a, b, products=AMX_PRODUCTS):
                     ch = _ftz(ch + np.outer(ap[i][:, kk], bp[j][kk, :]))
                 chains.append(ch)
             c[level] = _ftz(c[level] + _ftz(chains[0] + chains[1]))
-    return (c[0] + (c[1] + c[2])).astype(np.float32)
+    rest = c[1] if len(c) == 2 else (c[1] + c[2]).astype(np.float32)
+    return (c[0] + rest).astype(np.float32)
 
 
-def amx_scores_reference(q, k, scale: float, products=AMX_PRODUCTS):
+def amx_scores_reference(q, k, scale: float, products=AMX_SCORE_PRODUCTS):
     """The tile path's scores in numpy: the K rows' parts as the A tile (positions in rows), the
-    queries' as the B tile (queries in columns); (C0 + (C1 + C2)) * scale, transposed to G x n."""
+    queries' as the B tile (queries in columns); (C0 + C1) * scale, transposed to G x n."""
     import numpy as np
 
     c = amx_tile_product_reference(np.asarray(k, np.float32), np.asarray(q, np.float32).T, products)
     return (c * np.float32(scale)).astype(np.float32).T
 
 
-def amx_weighted_v_reference(w, v, products=AMX_PRODUCTS):
+def amx_weighted_v_reference(w, v, products=AMX_V_PRODUCTS):
     """The tile path's weighted V sums in numpy: the weights' parts as the A tile (queries in rows,
     positions the k steps), V's as the B tile (pairs of positions interleaved, dims in columns)."""
     return amx_tile_product_reference(w, v, products)

@@ -843,81 +843,113 @@ INLINE void amx_split_weights(const float *w, int64_t rs, int G, int nb32, uint1
         }
 }
 
-/* The parts' products that the tiles sum, in this order per 32 k steps (k = dims for q . k,
- * positions over V), each into the C tile of its level i + j (parts 1, 2, 3 = indices 0, 1, 2;
- * the three products with i + j > 2 are dropped: each under 2^-24 of the whole, fp32's rounding):
- *   C0 += a1 b1;  C1 += a2 b1;  C2 += a3 b1;  C1 += a1 b2;  C2 += a2 b2;  C2 += a1 b3,
- * a the A tile's parts (tiles 3, 4, 5), b the B tile's (6, 7, 6 again). */
-#define AMX_SIX_PRODUCTS(b1, b2, b3)   \
-    do {                               \
-        TILE_LOAD(6, (b1), 64);        \
-        TILE_DPBF16(0, 3, 6);          \
-        TILE_DPBF16(1, 4, 6);          \
-        TILE_DPBF16(2, 5, 6);          \
-        TILE_LOAD(7, (b2), 64);        \
-        TILE_DPBF16(1, 3, 7);          \
-        TILE_DPBF16(2, 4, 7);          \
-        TILE_LOAD(6, (b3), 64);        \
-        TILE_DPBF16(2, 3, 6);          \
+/* The parts' products that the tiles sum, per 32 k steps (k = dims for q . k, positions over V):
+ * the three parts s1, s2, s3 of one operand stay in tiles 4, 5, 6 (K rows for q . k, V rows over
+ * V) while the other's, t1, t2, t3, pass through tile 7 (a group's queries, a group's weights), up to
+ * two groups per load of the s tiles; of the nine products the six with i + j <= 2 (parts 0, 1, 2)
+ * go, in this order, into two sums per group, C0 (tile 0 or 2) and C1 (tile 1 or 3):
+ *   C0 += t1 s1;  C1 += t1 s2;  C1 += t1 s3;  C1 += t2 s1;  C1 += t2 s2;  C1 += t3 s1
+ * (the three dropped are each under 2^-24 of the whole: fp32's rounding). DP(c, s, t) is the
+ * TDPBF16PS of c with s and t in the roles of A and B the caller's layout gives them. */
+#define AMX_GROUP_PRODUCTS(DP, c0, c1, t)   \
+    do {                                    \
+        TILE_LOAD(7, (t), 64);              \
+        DP(c0, 4, 7);                       \
+        DP(c1, 5, 7);                       \
+        DP(c1, 6, 7);                       \
+        TILE_LOAD(7, (t) + TB, 64);         \
+        DP(c1, 4, 7);                       \
+        DP(c1, 5, 7);                       \
+        TILE_LOAD(7, (t) + 2 * TB, 64);     \
+        DP(c1, 4, 7);                       \
     } while (0)
+/* q . k: K's parts the A tile (positions in rows), the queries' the B tile (queries in columns) */
+#define DP_SA(c, s, t) TILE_DPBF16(c, s, t)
+/* over V: the weights' parts the A tile (queries in rows), V's the B tile (dims in columns) */
+#define DP_TA(c, s, t) TILE_DPBF16(c, t, s)
 
-/* st[p] (p < 16 nb16, query i in lane i) = (C0 + (C1 + C2)) * scale, the C tiles of K rows p (kp,
- * the A tile: positions in rows) against the queries (qp, the B tile: queries in columns) over the
- * D / 32 dim tiles in order. Each block's C tiles are stored to one of two buffers and combined
- * while the tiles compute the next block. */
-INLINE void amx_scores_combine(float c[3][16][16], int blk, float scale, vf *st) {
-    for (int p = 0; p < 16; ++p) st[blk * 16 + p] = (loadv(c[0][p]) + (loadv(c[1][p]) + loadv(c[2][p]))) * scale;
+/* A group's share of the tile path: its query parts, lanes and buffers. */
+typedef struct {
+    const uint16_t *qp; /* its queries' parts (amx_split_queries) */
+    int G;              /* its query vectors (<= 16) */
+    const int *lo, *lim; /* query i sees positions [lo[i], lim[i]) of the partition */
+    vf *st;             /* PART vectors: a position's scores, then weights, queries in lanes */
+    float *rows;        /* 16 rows of PART floats: the weights by query */
+    uint16_t *wp;       /* their parts (amx_split_weights) */
+    float *acc, *maxima, *sums; /* the partition's results: G rows of D, G maxima, G sums */
+} AmxGroup;
+
+/* st[p] (p < 16 nb16, query i in lane i) = (C0 + C1) * scale for ng (1 or 2) groups, the C tiles of
+ * K rows p (kp) against each group's queries over the D / 32 dim tiles in order. Each block's C
+ * tiles are stored to one of two buffers and combined while the tiles compute the next block. */
+INLINE void amx_scores_combine(float c[2][2][16][16], int blk, float scale, AmxGroup *gr, int ng) {
+    for (int g = 0; g < ng; ++g)
+        for (int p = 0; p < 16; ++p) gr[g].st[blk * 16 + p] = (loadv(c[g][0][p]) + loadv(c[g][1][p])) * scale;
 }
 
-INLINE void amx_scores(const uint16_t *qp, const uint16_t *kp, int nb16, float scale, vf *st, const int D) {
+INLINE void amx_scores(AmxGroup *gr, int ng, const uint16_t *kp, int nb16, float scale, const int D) {
     const int DT = D / 32;
-    float c[2][3][16][16] __attribute__((aligned(64)));
+    float c[2][2][2][16][16] __attribute__((aligned(64)));
     for (int blk = 0; blk < nb16; ++blk) {
         TILE_ZERO(0);
         TILE_ZERO(1);
-        TILE_ZERO(2);
-        for (int dt = 0; dt < DT; ++dt) {
-            const uint16_t *k = kp + ((int64_t)blk * DT + dt) * 3 * TB, *q = qp + dt * 3 * TB;
-            TILE_LOAD(3, k, 64);
-            TILE_LOAD(4, k + TB, 64);
-            TILE_LOAD(5, k + 2 * TB, 64);
-            AMX_SIX_PRODUCTS(q, q + TB, q + 2 * TB);
+        if (ng > 1) {
+            TILE_ZERO(2);
+            TILE_ZERO(3);
         }
-        if (blk) amx_scores_combine(c[(blk - 1) & 1], blk - 1, scale, st);
-        TILE_STORE(0, c[blk & 1][0], 64);
-        TILE_STORE(1, c[blk & 1][1], 64);
-        TILE_STORE(2, c[blk & 1][2], 64);
+        for (int dt = 0; dt < DT; ++dt) {
+            const uint16_t *k = kp + ((int64_t)blk * DT + dt) * 3 * TB;
+            TILE_LOAD(4, k, 64);
+            TILE_LOAD(5, k + TB, 64);
+            TILE_LOAD(6, k + 2 * TB, 64);
+            AMX_GROUP_PRODUCTS(DP_SA, 0, 1, gr[0].qp + dt * 3 * TB);
+            if (ng > 1) AMX_GROUP_PRODUCTS(DP_SA, 2, 3, gr[1].qp + dt * 3 * TB);
+        }
+        if (blk) amx_scores_combine(c[(blk - 1) & 1], blk - 1, scale, gr, ng);
+        TILE_STORE(0, c[blk & 1][0][0], 64);
+        TILE_STORE(1, c[blk & 1][0][1], 64);
+        if (ng > 1) {
+            TILE_STORE(2, c[blk & 1][1][0], 64);
+            TILE_STORE(3, c[blk & 1][1][1], 64);
+        }
     }
-    if (nb16) amx_scores_combine(c[(nb16 - 1) & 1], nb16 - 1, scale, st);
+    if (nb16) amx_scores_combine(c[(nb16 - 1) & 1], nb16 - 1, scale, gr, ng);
 }
 
-/* acc[i * D + d] (i < G) = C0 + (C1 + C2), the C tiles of query i's weights (wp) against V's
- * dim d (vp) over the nb32 blocks of 32 positions in order. */
-INLINE void amx_weighted_v(const uint16_t *wp, const uint16_t *vp, int nb32, int G, float *acc, const int D) {
+/* acc[i * D + d] (i < G) = C0 + C1 for ng groups, the C tiles of each group's weights (wp) against
+ * V's dim d (vp) over the nb32 blocks of 32 positions in order. */
+INLINE void amx_weighted_v_combine(float c[2][2][16][16], int cb, AmxGroup *gr, int ng, const int D) {
+    for (int g = 0; g < ng; ++g)
+        for (int i = 0; i < gr[g].G; ++i) storev(gr[g].acc + i * D + cb * 16, loadv(c[g][0][i]) + loadv(c[g][1][i]));
+}
+
+INLINE void amx_weighted_v(AmxGroup *gr, int ng, const uint16_t *vp, int nb32, const int D) {
     const int DC = D / 16;
-    float c[2][3][16][16] __attribute__((aligned(64)));
+    float c[2][2][2][16][16] __attribute__((aligned(64)));
     for (int cb = 0; cb < DC; ++cb) {
         TILE_ZERO(0);
         TILE_ZERO(1);
-        TILE_ZERO(2);
-        for (int blk = 0; blk < nb32; ++blk) {
-            const uint16_t *w = wp + blk * 3 * TB, *v = vp + ((int64_t)blk * DC + cb) * 3 * TB;
-            TILE_LOAD(3, w, 64);
-            TILE_LOAD(4, w + TB, 64);
-            TILE_LOAD(5, w + 2 * TB, 64);
-            AMX_SIX_PRODUCTS(v, v + TB, v + 2 * TB);
+        if (ng > 1) {
+            TILE_ZERO(2);
+            TILE_ZERO(3);
         }
-        if (cb) /* the previous block's sums, combined while the tiles compute this one's */
-            for (int i = 0; i < G; ++i)
-                storev(acc + i * D + (cb - 1) * 16, loadv(c[(cb - 1) & 1][0][i]) +
-                                                        (loadv(c[(cb - 1) & 1][1][i]) + loadv(c[(cb - 1) & 1][2][i])));
-        TILE_STORE(0, c[cb & 1][0], 64);
-        TILE_STORE(1, c[cb & 1][1], 64);
-        TILE_STORE(2, c[cb & 1][2], 64);
+        for (int blk = 0; blk < nb32; ++blk) {
+            const uint16_t *v = vp + ((int64_t)blk * DC + cb) * 3 * TB;
+            TILE_LOAD(4, v, 64);
+            TILE_LOAD(5, v + TB, 64);
+            TILE_LOAD(6, v + 2 * TB, 64);
+            AMX_GROUP_PRODUCTS(DP_TA, 0, 1, gr[0].wp + blk * 3 * TB);
+            if (ng > 1) AMX_GROUP_PRODUCTS(DP_TA, 2, 3, gr[1].wp + blk * 3 * TB);
+        }
+        if (cb) amx_weighted_v_combine(c[(cb - 1) & 1], cb - 1, gr, ng, D);
+        TILE_STORE(0, c[cb & 1][0][0], 64);
+        TILE_STORE(1, c[cb & 1][0][1], 64);
+        if (ng > 1) {
+            TILE_STORE(2, c[cb & 1][1][0], 64);
+            TILE_STORE(3, c[cb & 1][1][1], 64);
+        }
     }
-    for (int i = 0; i < G; ++i)
-        storev(acc + i * D + (DC - 1) * 16,
-               loadv(c[(DC - 1) & 1][0][i]) + (loadv(c[(DC - 1) & 1][1][i]) + loadv(c[(DC - 1) & 1][2][i])));
+    amx_weighted_v_combine(c[(DC - 1) & 1], DC - 1, gr, ng, D);
 }
 
 /* The softmax of a group's partition with the queries in lanes (st[p]: position p's scores),
@@ -931,84 +963,86 @@ static __attribute__((noinline)) void amx_lane_softmax(const Args *a, vf *st, in
     vi lov = {0}, limv = {0};
     for (int l = 0; l < G; ++l) lov[l] = lo[l], limv[l] = lim[l];
     const vf neg_inf = (vf){0} - INFINITY;
-    vf m = neg_inf;
-    for (int p = 0; p < n; ++p) {
-        vf x = st[p];
-        if (a->softcap > 0)
-            for (int l = 0; l < W; ++l) x[l] = soft_cap(x[l], a->softcap);
-        const vi pv = (vi){0} + p;
-        x = select_v((pv >= lov) & (pv < limv), x, neg_inf);
-        st[p] = x;
-        m = select_v(x > m, x, m);
-    }
+    if (a->softcap > 0)
+        for (int p = 0; p < n; ++p)
+            for (int l = 0; l < W; ++l) st[p][l] = soft_cap(st[p][l], a->softcap);
+    /* the maxima in four running maxima (a maximum is exact: any order gives the same) */
+    vf m4[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+    for (int p0 = 0; p0 < n; p0 += 4)
+        for (int r = 0; r < 4 && p0 + r < n; ++r) {
+            const int p = p0 + r;
+            const vi pv = (vi){0} + p;
+            const vf x = select_v((pv >= lov) & (pv < limv), st[p], neg_inf);
+            st[p] = x;
+            m4[r] = select_v(x > m4[r], x, m4[r]);
+        }
+    vf m = m4[0];
+    for (int r = 1; r < 4; ++r) m = select_v(m4[r] > m, m4[r], m);
     vf part[W];
     for (int l = 0; l < W; ++l) part[l] = (vf){0};
-    for (int p = 0; p < n; ++p) {
-        float e[W];
-        const vf x = st[p];
-        for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(x[j] - m[j]);
-        const vi pv = (vi){0} + p;
-        const vf y = select_v((pv >= lov) & (pv < limv), loadv(e), (vf){0});
-        st[p] = y;
-        part[p % W] += y;
-    }
+    for (int p0 = 0; p0 < n; p0 += W) /* W positions at a time: part's index a constant */
+        for (int l = 0; l < W; ++l) {
+            const int p = p0 + l;
+            if (p >= n) break;
+            float e[W];
+            const vf x = st[p];
+            for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(x[j] - m[j]);
+            const vi pv = (vi){0} + p;
+            const vf y = select_v((pv >= lov) & (pv < limv), loadv(e), (vf){0});
+            st[p] = y;
+            part[l] += y;
+        }
     for (int w = W / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) part[l] += part[l + w];
     for (int l = 0; l < G; ++l) maxima[l] = m[l], sums[l] = part[0][l];
 }
 
-/* One partition for G <= 16 query vectors of one KV head (qp: their parts), decodes and chunks
- * alike: positions [0, n) from the partition's start (kp, vp: their K and V parts, zeros where no
- * query reads them), query i seeing [lo[i], lim[i]) (lim[i] <= n; none where lim[i] <= lo[i]).
- * Scores in lanes (amx_scores), their softmax (amx_lane_softmax), the weights transposed to rows
- * (rows[i * PART + p]) and split (amx_split_weights), then the weighted V sums: acc (D floats, D
- * apart), maxima, sums. A query's values depend on its query vector, its range and the positions
- * it sees (zero weights add exact zeros: the tile's chains start from +0 and a C tile's sum stays
- * it), never on the others of its group. Out of line, one instance per head size, for decodes and
- * chunks alike. */
-static __attribute__((noinline)) void amx_group_partition(const Args *a, const uint16_t *qp, int G, const int *lo,
-                                                          const int *lim, int n, const uint16_t *kp,
-                                                          const uint16_t *vp, vf *st, float *rows, uint16_t *wp,
-                                                          float *acc, float *maxima, float *sums, const int D) {
+/* One partition for ng (1 or 2) groups of G <= 16 query vectors of one KV head, decodes and
+ * chunks alike: positions [0, n) from the partition's start (kp, vp: their K and V parts, zeros
+ * where no query reads them), query i of a group seeing [lo[i], lim[i]) (lim[i] <= n; none where
+ * lim[i] <= lo[i]). Scores in lanes (amx_scores), their softmax (amx_lane_softmax), the weights
+ * transposed to rows and split (amx_split_weights), then the weighted V sums (amx_weighted_v): acc,
+ * maxima, sums. A query's values depend on its query vector, its range and the positions it sees
+ * (zero weights add exact zeros: the tile's chains start from +0 and a C tile's sum stays it), never
+ * on the others of its group or on the other group. Out of line, one instance per head size. */
+static __attribute__((noinline)) void amx_group_partition(const Args *a, AmxGroup *gr, int ng, int n,
+                                                          const uint16_t *kp, const uint16_t *vp, const int D) {
     const int nb16 = (n + 15) / 16, nb32 = (n + 31) / 32;
-    amx_scores(qp, kp, nb16, a->scale, st, D);
-    amx_lane_softmax(a, st, n, lo, lim, G, maxima, sums);
-    for (int p = n; p < nb32 * 32; ++p) st[p] = (vf){0};
-    for (int b = 0; b < nb32 * 2; ++b) {
-        vf r[16];
-        for (int p = 0; p < 16; ++p) r[p] = st[b * 16 + p];
-        transpose_w(r);
-        for (int i = 0; i < G; ++i) storev(rows + i * PART + b * 16, r[i]);
+    amx_scores(gr, ng, kp, nb16, a->scale, D);
+    for (int g = 0; g < ng; ++g) {
+        vf *st = gr[g].st;
+        amx_lane_softmax(a, st, n, gr[g].lo, gr[g].lim, gr[g].G, gr[g].maxima, gr[g].sums);
+        for (int p = n; p < nb32 * 32; ++p) st[p] = (vf){0};
+        for (int b = 0; b < nb32 * 2; ++b) {
+            vf r[16];
+            for (int p = 0; p < 16; ++p) r[p] = st[b * 16 + p];
+            transpose_w(r);
+            for (int i = 0; i < gr[g].G; ++i) storev(gr[g].rows + i * PART + b * 16, r[i]);
+        }
+        amx_split_weights(gr[g].rows, PART, gr[g].G, nb32, gr[g].wp);
     }
-    amx_split_weights(rows, PART, G, nb32, wp);
-    amx_weighted_v(wp, vp, nb32, G, acc, D);
+    amx_weighted_v(gr, ng, vp, nb32, D);
 }
 
-static __attribute__((noinline)) void amx_group_partition_64(const Args *a, const uint16_t *qp, int G, const int *lo,
-                                                             const int *lim, int n, const uint16_t *kp,
-                                                             const uint16_t *vp, vf *st, float *rows, uint16_t *wp,
-                                                             float *acc, float *maxima, float *sums) {
-    amx_group_partition(a, qp, G, lo, lim, n, kp, vp, st, rows, wp, acc, maxima, sums, 64);
+static __attribute__((noinline)) void amx_group_partition_64(const Args *a, AmxGroup *gr, int ng, int n,
+                                                             const uint16_t *kp, const uint16_t *vp) {
+    amx_group_partition(a, gr, ng, n, kp, vp, 64);
 }
 
-static __attribute__((noinline)) void amx_group_partition_128(const Args *a, const uint16_t *qp, int G,
-                                                              const int *lo, const int *lim, int n,
-                                                              const uint16_t *kp, const uint16_t *vp, vf *st,
-                                                              float *rows, uint16_t *wp, float *acc, float *maxima,
-                                                              float *sums) {
-    amx_group_partition(a, qp, G, lo, lim, n, kp, vp, st, rows, wp, acc, maxima, sums, 128);
+static __attribute__((noinline)) void amx_group_partition_128(const Args *a, AmxGroup *gr, int ng, int n,
+                                                              const uint16_t *kp, const uint16_t *vp) {
+    amx_group_partition(a, gr, ng, n, kp, vp, 128);
 }
 
 /* The one instance for D (decodes and chunks call the same one: the same instructions). */
-INLINE void amx_partition(const Args *a, const uint16_t *qp, int G, const int *lo, const int *lim, int n,
-                          const uint16_t *kp, const uint16_t *vp, vf *st, float *rows, uint16_t *wp, float *acc,
-                          float *maxima, float *sums, const int D) {
+INLINE void amx_partition(const Args *a, AmxGroup *gr, int ng, int n, const uint16_t *kp, const uint16_t *vp,
+                          const int D) {
     if (D == 64)
-        amx_group_partition_64(a, qp, G, lo, lim, n, kp, vp, st, rows, wp, acc, maxima, sums);
+        amx_group_partition_64(a, gr, ng, n, kp, vp);
     else if (D == 128)
-        amx_group_partition_128(a, qp, G, lo, lim, n, kp, vp, st, rows, wp, acc, maxima, sums);
+        amx_group_partition_128(a, gr, ng, n, kp, vp);
     else
-        amx_group_partition(a, qp, G, lo, lim, n, kp, vp, st, rows, wp, acc, maxima, sums, D);
+        amx_group_partition(a, gr, ng, n, kp, vp, D);
 }
 
 /* The tile path's buffers, carved from a thread's scratch: a partition's K and V parts, a group's
@@ -1033,13 +1067,13 @@ static size_t amx_carve(AmxBufs *bf, char *base, int D, int vectors) {
     } while (0)
     CARVE(kp, uint16_t, (PART / 16) * DT * 3 * TB);
     CARVE(vp, uint16_t, (PART / 32) * DC * 3 * TB);
-    CARVE(wp, uint16_t, (PART / 32) * 3 * TB);
+    CARVE(wp, uint16_t, 2 * (PART / 32) * 3 * TB);
     CARVE(qp, uint16_t, (size_t)groups * DT * 3 * TB);
-    CARVE(st, vf, PART);
-    CARVE(scores, float, AG * PART);
-    CARVE(acc, float, AG * D);
-    CARVE(maxima, float, AG);
-    CARVE(sums, float, AG);
+    CARVE(st, vf, 2 * PART);
+    CARVE(scores, float, 2 * AG * PART);
+    CARVE(acc, float, 2 * AG * D);
+    CARVE(maxima, float, 2 * AG);
+    CARVE(sums, float, 2 * AG);
     CARVE(o, float, (size_t)vectors * D);
     CARVE(m_run, float, vectors);
     CARVE(l_run, float, vectors);
@@ -1109,8 +1143,8 @@ static void attend_decode_part_amx(const Args *a, int b, int h, int part, char *
         const float *qv[AG];
         for (int i = 0; i < G; ++i) qv[i] = query_at(a, &sq, 0, h * rep + g0 + i);
         amx_split_queries(qv, G, bf.qp, D);
-        amx_partition(a, bf.qp, G, los, lims, n, bf.kp, bf.vp, bf.st, bf.scores, bf.wp, partial + (int64_t)g0 * D,
-                      maxima + g0, sums + g0, D);
+        AmxGroup gr = {bf.qp, G, los, lims, bf.st, bf.scores, bf.wp, partial + (int64_t)g0 * D, maxima + g0, sums + g0};
+        amx_partition(a, &gr, 1, n, bf.kp, bf.vp, D);
     }
 }
 
@@ -1147,25 +1181,36 @@ static void attend_chunk_amx(const Args *a, int b, int h, int v0, int tg, char *
     for (int P0 = first / PART * PART; P0 < longest; P0 += PART) {
         const int n = longest - P0 < PART ? longest - P0 : PART;
         amx_split_partition(a, &sq, h, P0, n, P0 > first ? P0 : first, P0 + n, bf.kp, bf.vp, 0, D);
+        /* the groups that see a position of the partition, two at a time */
+        AmxGroup gr[2];
+        int los[2][AG], lims[2][AG], ng = 0, gn = 0, gs[2];
         for (int g = 0; g < groups; ++g) {
             const int G = nvec - g * AG < AG ? nvec - g * AG : AG;
-            int los[AG], lims[AG], gn = 0, any = 0;
+            int any = 0;
             for (int i = 0; i < G; ++i) {
                 const int u = g * AG + i;
                 const int lim = bf.lims[u] - P0 < n ? bf.lims[u] - P0 : n;
-                los[i] = bf.lows[u] > P0 ? bf.lows[u] - P0 : 0;
-                lims[i] = lim > 0 ? lim : 0;
-                gn = lims[i] > gn ? lims[i] : gn;
-                any |= lims[i] > los[i];
+                los[ng][i] = bf.lows[u] > P0 ? bf.lows[u] - P0 : 0;
+                lims[ng][i] = lim > 0 ? lim : 0;
+                gn = lims[ng][i] > gn ? lims[ng][i] : gn;
+                any |= lims[ng][i] > los[ng][i];
             }
-            if (!any) continue;
-            amx_partition(a, bf.qp + (int64_t)g * DT * 3 * TB, G, los, lims, gn, bf.kp, bf.vp, bf.st, bf.scores,
-                          bf.wp, bf.acc, bf.maxima, bf.sums, D);
-            for (int i = 0; i < G; ++i) {
-                const int u = g * AG + i;
-                if (lims[i] > los[i])
-                    merge_partition(bf.o + (int64_t)u * D, 1, &bf.m_run[u], &bf.l_run[u], bf.acc + (int64_t)i * D, 1,
-                                    bf.maxima[i], bf.sums[i], D);
+            if (any) {
+                gr[ng] = (AmxGroup){bf.qp + (int64_t)g * DT * 3 * TB, G, los[ng], lims[ng], bf.st + ng * PART,
+                                    bf.scores + ng * AG * PART, bf.wp + ng * (PART / 32) * 3 * TB,
+                                    bf.acc + ng * AG * D, bf.maxima + ng * AG, bf.sums + ng * AG};
+                gs[ng++] = g;
+            }
+            if (ng == 2 || (ng && g == groups - 1)) {
+                amx_partition(a, gr, ng, gn, bf.kp, bf.vp, D);
+                for (int x = 0; x < ng; ++x)
+                    for (int i = 0; i < gr[x].G; ++i) {
+                        const int u = gs[x] * AG + i;
+                        if (lims[x][i] > los[x][i])
+                            merge_partition(bf.o + (int64_t)u * D, 1, &bf.m_run[u], &bf.l_run[u],
+                                            gr[x].acc + (int64_t)i * D, 1, gr[x].maxima[i], gr[x].sums[i], D);
+                    }
+                ng = 0, gn = 0;
             }
         }
     }
@@ -1198,8 +1243,9 @@ int32_t llmserve_attention_amx_scores(const float *q, int32_t G, const float *k,
     const float *qv[AG];
     for (int i = 0; i < G; ++i) qv[i] = q + (int64_t)i * D;
     amx_split_queries(qv, G, bf.qp, D);
+    AmxGroup gr = {.qp = bf.qp, .G = G, .st = bf.st};
     attn_tiles_configure();
-    amx_scores(bf.qp, bf.kp, (n + 15) / 16, scale, bf.st, D);
+    amx_scores(&gr, 1, bf.kp, (n + 15) / 16, scale, D);
     TILE_RELEASE();
     for (int i = 0; i < G; ++i)
         for (int p = 0; p < n; ++p) out[(int64_t)i * n + p] = bf.st[p][i];
@@ -1219,8 +1265,9 @@ int32_t llmserve_attention_amx_weighted_v(const float *w, int32_t G, const float
     for (int i = 0; i < AG; ++i)
         for (int p = 0; p < nb32 * 32; ++p) bf.scores[i * PART + p] = i < G && p < n ? w[(int64_t)i * n + p] : 0.0f;
     amx_split_weights(bf.scores, PART, G, nb32, bf.wp);
+    AmxGroup gr = {.G = G, .wp = bf.wp, .acc = bf.acc};
     attn_tiles_configure();
-    amx_weighted_v(bf.wp, bf.vp, nb32, G, bf.acc, D);
+    amx_weighted_v(&gr, 1, bf.vp, nb32, D);
     TILE_RELEASE();
     memcpy(out, bf.acc, sizeof(float) * (size_t)G * D);
     return 0;
