@@ -582,7 +582,6 @@ def tiles():
     native_attention.amx_tiles(False, "avx512")
 
 
-
 def _wrong_orders(products):
     """A product dropped, and the first two of C1 in the other order: each must differ from the
     kernel on data whose low parts matter."""

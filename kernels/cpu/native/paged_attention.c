@@ -41,7 +41,27 @@
  *
  * Its work items (a decode's partitions, a chunk's groups of tiles) are shared among threads by
  * parallel.h's pool; a score soft-cap or other per-layer option belongs in Args (one place both
- * paths read). */
+ * paths read).
+ *
+ * On AMX-BF16 tiles (the AVX-512 build, where amx.h's probe grants the tiles, head size a multiple
+ * of 32, and only with LLMSERVE_AMX_ATTENTION=1: off by default, docs/performance.md has why):
+ * q . k and the pass over V run on TDPBF16PS, each fp32 operand split by truncation into three bf16
+ * parts (x = x1 + x2 + x3 exactly where no part is below 2^-126, which the tile reads as zero); of
+ * the nine part products the six with i + j <= 2 are summed (the rest are each under 2^-24 of the
+ * whole). Per 32 k steps (dims for q . k, positions over V) each TDPBF16PS sums the even and the odd
+ * k of its 16 pairs as two fp32 chains from zero, then C = C + (E + O) (small_gemm.c's measured
+ * order); a group of 16 query vectors has two sums, C0 = t1 s1 and C1 = t1 s2, t1 s3, t2 s1, t2 s2,
+ * t3 s1 in that order (AMX_GROUP_PRODUCTS: s the parts that stay in tiles, K's or V's; t the
+ * queries' or the weights'); a score is (C0 + C1) * scale, a weighted V sum C0 + C1. A partition's
+ * K and V rows are split once per work item (amx_split_partition), the softmax runs with the queries
+ * in lanes (amx_lane_softmax), the partitions merge through merge_partition. Decodes (a decode's
+ * query heads of one KV head are one group) and chunks (groups of 16 of the item's vectors, two per
+ * load of the parts) call the same out-of-line functions (amx_group_partition_64 / _128), and a
+ * query's values never depend on its group's other queries (tile rows and columns are independent;
+ * zero weights add exact zeros), so the bitwise properties above hold on this path too, within it:
+ * a machine runs one path or the other for every call. kernels/cpu/native_attention.py states the
+ * two products' order in numpy (amx_scores_reference, amx_weighted_v_reference); the tests hold the
+ * kernel bit-equal to it. */
 
 #define _DEFAULT_SOURCE /* syscall (amx.h) under -std=c11 */
 #include <float.h>
