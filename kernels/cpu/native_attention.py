@@ -73,7 +73,10 @@ def prepare() -> str:
     if not enabled():
         isa = native_build.chosen_isa()
         return f"torch (native measured slower on {isa}; LLMSERVE_NATIVE_ATTENTION=1 forces it)"
-    return f"native ({native_build.chosen_isa()})" if library() is not None else "torch (no native build)"
+    if library() is None:
+        return "torch (no native build)"
+    tiles = ", AMX-BF16 tiles (LLMSERVE_AMX_ATTENTION=1)" if amx_tiles() else ""
+    return f"native ({native_build.chosen_isa()}{tiles})"
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
