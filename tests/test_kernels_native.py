@@ -16,7 +16,7 @@ from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_path
 from kernels.reference import activation, rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
-from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, WINDOW_CASES, AttentionCase, make_paged_batch
 
 ISAS = native_build.supported_isas()
 
@@ -651,3 +651,31 @@ def test_the_tile_path_runs_only_when_switched_on_and_changes_the_bits(tiles):
     ref = reference_attention(*batch.args())
     for got in (on, off):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.label)
+def test_windowed_and_capped_layers_equal_the_reference_and_their_decodes(isa, case):
+    """Sliding windows (released blocks in the tables name a page of NaNs: never read) and
+    soft-capped scores, on every path (the tile path's masks and caps included): within tolerance
+    of the reference, and every chunk row bit-equal to the decode of its own position."""
+    batch = make_paged_batch(case, torch.float32, seed=23)
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    got = native_attention.paged_attention(*batch.args(), **batch.layer, isa=isa)
+    torch.testing.assert_close(got, reference_attention(*batch.args(), **batch.layer), rtol=1e-5, atol=1e-5)
+    starts = qsl.tolist()
+    for b, (_, q_len) in enumerate(case.requests):
+        for i in range(q_len):
+            ctx = int(lens[b]) - q_len + i + 1
+            row = starts[b] + i
+            decode = native_attention.paged_attention(
+                q[row : row + 1],
+                k_cache,
+                v_cache,
+                tables[b : b + 1],
+                torch.tensor([ctx], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32),
+                scale,
+                **batch.layer,
+                isa=isa,
+            )
+            assert torch.equal(decode[0], got[row]), f"sequence {b} row {i} differs as a decode"
