@@ -6,7 +6,10 @@ time. Each call reads the next of LAYERS caches, as a model's layers do: with LA
 16 MiB of K/V at 16k stays in the last-level cache between calls, which no real step sees.
 
     python -m benchmarks.attention_depth_ab --baseline OLD.so [--threads 1] [--depths 4096,16384]
-        [--layers 8] [--rounds 3]
+        [--layers 8] [--rounds 3] [--chunk 512] [--shape 0.5b|1.5b] [--amx]
+
+``--shape 1.5b``: Qwen2.5-Coder-1.5B's 12 query / 2 KV heads of 128. ``--amx``: this build's AMX-BF16
+tile path (``LLMSERVE_AMX_ATTENTION=1``; where the tiles are granted) against the baseline.
 
 OLD.so: the kernel built from another tree, e.g. ``git show BASE:kernels/cpu/native/paged_attention.c
 > /tmp/old.c`` then ``cc`` with ``native_build``'s flags for this CPU and ``-I kernels/cpu/native``.
@@ -23,6 +26,7 @@ import torch
 from kernels.cpu import native_attention
 
 HQ, HK, D, BS = 14, 2, 64, 16
+SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
 
 
 def _call(fn, q, k, v, tables, lens, qsl) -> torch.Tensor:
@@ -88,7 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct caches the calls cycle through")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="the chunk's rows (0: decodes only)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="heads, KV heads, head size")
+    ap.add_argument("--amx", action="store_true", help="this build on its AMX-BF16 tile path")
     args = ap.parse_args(argv)
+    global HQ, HK, D
+    HQ, HK, D = SHAPES[args.shape]
+    if args.amx and not native_attention.amx_tiles(True):
+        raise SystemExit("the AMX-BF16 tile path does not run here (no tiles granted, or no AVX-512 build)")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     new = native_attention.library()

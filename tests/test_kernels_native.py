@@ -16,7 +16,7 @@ from kernels.cpu import native_attention, native_build, native_elementwise
 from kernels.cpu import paged_attention as torch_path
 from kernels.reference import activation, rmsnorm, rotary
 from kernels.reference.paged_attention import paged_attention as reference_attention
-from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, AttentionCase, make_paged_batch
+from tests.kernel_cases import MIXED_CASES, SPLIT_DECODE_CASES, WINDOW_CASES, AttentionCase, make_paged_batch
 
 ISAS = native_build.supported_isas()
 
@@ -33,11 +33,27 @@ SHAPES = [
 CASES = MIXED_CASES + SPLIT_DECODE_CASES + tuple(SHAPES)
 
 
-@pytest.fixture(params=ISAS)
+# The attention paths: every instruction set's build, and the AVX-512 build with its AMX-BF16 tile
+# path switched on ("avx512+amx": q . k and the pass over V on exact bf16 splits; where the OS grants
+# the tiles, else skipped with the reason).
+ATTENTION_PATHS = [*ISAS, *(["avx512+amx"] if "avx512" in ISAS else [])]
+
+
+@pytest.fixture(params=ATTENTION_PATHS)
 def isa(request):
-    if native_attention.library(request.param) is None:
-        pytest.fail(f"the native kernel did not build for {request.param} (a C compiler is on this machine)")
-    return request.param
+    isa, _, tiles = request.param.partition("+")
+    if native_attention.library(isa) is None:
+        pytest.fail(f"the native kernel did not build for {isa} (a C compiler is on this machine)")
+    if not tiles:
+        yield isa
+        return
+    if not native_attention.amx_tiles(True, isa):
+        native_attention.amx_tiles(False, isa)
+        pytest.skip("this machine does not grant AMX-BF16 tiles (amx.h's probe)")
+    try:
+        yield isa
+    finally:
+        native_attention.amx_tiles(False, isa)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
@@ -551,3 +567,115 @@ def test_a_steps_work_list_is_built_once_for_all_its_layers_and_grows_when_neede
             assert torch.equal(got, alone)
             ref = reference_attention(q, k, v, tables, lens, qsl, scale)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _tiles_or_skip():
+    if "avx512" not in ISAS or not native_attention.amx_tiles(True, "avx512"):
+        native_attention.amx_tiles(False, "avx512")
+        pytest.skip("this machine does not grant AMX-BF16 tiles (amx.h's probe)")
+
+
+@pytest.fixture
+def tiles():
+    _tiles_or_skip()
+    yield
+    native_attention.amx_tiles(False, "avx512")
+
+
+def _wrong_orders(products):
+    """A product dropped, and the first two of C1 in the other order: each must differ from the
+    kernel on data whose low parts matter."""
+    p = products
+    return p[:-1], (p[0], p[2], p[1], *p[3:])
+
+
+@pytest.mark.parametrize("g,n,d", [(7, 256, 64), (16, 100, 128), (1, 17, 32), (12, 256, 256)])
+def test_tile_scores_are_the_numpy_statement_of_the_tile_order(tiles, g, n, d):
+    """The tile path's q . k (scores of G queries at n positions, the ones decodes and chunks both
+    use) bit-equal to amx_scores_reference: the three-part splits, the six products per 32 dims in
+    order into two sums (each TDPBF16PS two fp32 chains from zero, then C + (E + O)), then
+    (C0 + C1) * scale; and a statement with a product dropped or two swapped differs, so the
+    equality shows the order. Within fp32 rounding of the exact dot products."""
+    import numpy as np
+
+    rng = np.random.default_rng(g * 1000 + n)
+    # mixed magnitudes and signs: the low parts and the order of the sums show in the bits
+    q = (rng.standard_normal((g, d)) * np.exp2(rng.integers(-3, 4, (g, d)))).astype(np.float32)
+    k = (rng.standard_normal((n, d)) * np.exp2(rng.integers(-3, 4, (n, d)))).astype(np.float32)
+    scale = d**-0.5
+    got = native_attention.amx_scores(q, k, scale)
+    assert got is not None
+    ref = native_attention.amx_scores_reference(q, k, scale)
+    assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ from the tile order"
+    if g * n >= 1500:  # enough scores that a wrong order shows in some
+        for wrong in _wrong_orders(native_attention.AMX_SCORE_PRODUCTS):
+            assert not np.array_equal(got, native_attention.amx_scores_reference(q, k, scale, wrong))
+    exact = (q.astype(np.float64) @ k.T.astype(np.float64)) * scale
+    bound = 4 * 2.0**-24 * (np.abs(q.astype(np.float64)) @ np.abs(k.T.astype(np.float64))) * scale
+    assert (np.abs(got - exact) <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("g,n,d", [(7, 256, 64), (16, 100, 128), (3, 31, 32)])
+def test_tile_weighted_v_is_the_numpy_statement_of_the_tile_order(tiles, g, n, d):
+    """The tile path's pass over V (G rows of softmax weights over n V rows) bit-equal to
+    amx_weighted_v_reference (pairs of positions interleaved: the even and the odd positions of
+    each 32 are the two chains); a dropped or swapped product differs."""
+    import numpy as np
+
+    rng = np.random.default_rng(g + n)
+    w = rng.random((g, n)).astype(np.float32) ** 3  # numerators in (0, 1], some small
+    v = (rng.standard_normal((n, d)) * np.exp2(rng.integers(-3, 4, (n, d)))).astype(np.float32)
+    got = native_attention.amx_weighted_v(w, v)
+    assert got is not None
+    ref = native_attention.amx_weighted_v_reference(w, v)
+    assert np.array_equal(got, ref), f"{int((got != ref).sum())} sums differ from the tile order"
+    if g * d >= 400:  # enough sums that a wrong order shows in some
+        for wrong in _wrong_orders(native_attention.AMX_V_PRODUCTS):
+            assert not np.array_equal(got, native_attention.amx_weighted_v_reference(w, v, wrong))
+    exact = w.astype(np.float64) @ v.astype(np.float64)
+    bound = 4 * n * 2.0**-24 * (np.abs(w.astype(np.float64)) @ np.abs(v.astype(np.float64)))
+    assert (np.abs(got - exact) <= bound + 1e-30).all()
+
+
+def test_the_tile_path_runs_only_when_switched_on_and_changes_the_bits(tiles):
+    """LLMSERVE_AMX_ATTENTION (here the switch the tests use) chooses the path: off, the fp32 path's
+    bits; on, the tiles' (a different order: not the same bits on this data), both within tolerance
+    of the reference."""
+    case = AttentionCase(((700, 1), (600, 40)), 14, 2, 64, 16)
+    batch = make_paged_batch(case, torch.float32, seed=3)
+    on = native_attention.paged_attention(*batch.args(), isa="avx512")
+    native_attention.amx_tiles(False, "avx512")
+    off = native_attention.paged_attention(*batch.args(), isa="avx512")
+    assert not native_attention.amx_tiles(None, "avx512")
+    assert not torch.equal(on, off), "the tile path did not run"
+    ref = reference_attention(*batch.args())
+    for got in (on, off):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.label)
+def test_windowed_and_capped_layers_equal_the_reference_and_their_decodes(isa, case):
+    """Sliding windows (released blocks in the tables name a page of NaNs: never read) and
+    soft-capped scores, on every path (the tile path's masks and caps included): within tolerance
+    of the reference, and every chunk row bit-equal to the decode of its own position."""
+    batch = make_paged_batch(case, torch.float32, seed=23)
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    got = native_attention.paged_attention(*batch.args(), **batch.layer, isa=isa)
+    torch.testing.assert_close(got, reference_attention(*batch.args(), **batch.layer), rtol=1e-5, atol=1e-5)
+    starts = qsl.tolist()
+    for b, (_, q_len) in enumerate(case.requests):
+        for i in range(q_len):
+            ctx = int(lens[b]) - q_len + i + 1
+            row = starts[b] + i
+            decode = native_attention.paged_attention(
+                q[row : row + 1],
+                k_cache,
+                v_cache,
+                tables[b : b + 1],
+                torch.tensor([ctx], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32),
+                scale,
+                **batch.layer,
+                isa=isa,
+            )
+            assert torch.equal(decode[0], got[row]), f"sequence {b} row {i} differs as a decode"

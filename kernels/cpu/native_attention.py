@@ -73,7 +73,10 @@ def prepare() -> str:
     if not enabled():
         isa = native_build.chosen_isa()
         return f"torch (native measured slower on {isa}; LLMSERVE_NATIVE_ATTENTION=1 forces it)"
-    return f"native ({native_build.chosen_isa()})" if library() is not None else "torch (no native build)"
+    if library() is None:
+        return "torch (no native build)"
+    tiles = ", AMX-BF16 tiles (LLMSERVE_AMX_ATTENTION=1)" if amx_tiles() else ""
+    return f"native ({native_build.chosen_isa()}{tiles})"
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -226,3 +229,111 @@ def paged_attention(
     if rc != 0:
         raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")
     return out
+
+
+# The tile path (AMX-BF16; ``kernels/cpu/native/paged_attention.c``, "On AMX-BF16 tiles"): where
+# amx.h's probe grants the tiles, q . k and the pass over V of decodes and chunks alike run on exact
+# three-part bf16 splits. The entries below switch it and expose its two products for the tests.
+
+
+def amx_tiles(on: bool | None = None, isa: str | None = None) -> bool:
+    """Switch the tile path on or off for the ``isa`` build (None: leave it); whether it runs now
+    (False on a build or a machine without it)."""
+    lib = native_build.load_or_none("paged_attention", isa)
+    if lib is None:
+        return False
+    fn = lib.llmserve_paged_attention_amx
+    fn.restype, fn.argtypes = _I32, [_I32]
+    return bool(fn(-1 if on is None else int(on)))
+
+
+def _debug_entry(name: str, isa: str | None):
+    lib = native_build.load_or_none("paged_attention", isa)
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is not None:
+        fn.restype = _I32
+    return fn
+
+
+def amx_scores(q, k, scale: float, isa: str | None = "avx512"):
+    """The tile path's scores of G <= 16 queries (G x D, fp32) at n <= 256 positions (n x D):
+    G x n, or None where the tiles do not run."""
+    import numpy as np
+
+    q, k = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k))
+    out = np.empty((q.shape[0], k.shape[0]), dtype=np.float32)
+    fn = _debug_entry("llmserve_attention_amx_scores", isa)
+    if fn is None:
+        return None
+    fn.argtypes = [_P, _I32, _P, _I32, _I32, _F32, _P]
+    rc = fn(q.ctypes.data, q.shape[0], k.ctypes.data, k.shape[0], q.shape[1], scale, out.ctypes.data)
+    return out if rc == 0 else None
+
+
+def amx_weighted_v(w, v, isa: str | None = "avx512"):
+    """The tile path's weighted V sums of G <= 16 weight rows (G x n) over n <= 256 V rows (n x D):
+    G x D, or None where the tiles do not run."""
+    import numpy as np
+
+    w, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (w, v))
+    out = np.empty((w.shape[0], v.shape[1]), dtype=np.float32)
+    fn = _debug_entry("llmserve_attention_amx_weighted_v", isa)
+    if fn is None:
+        return None
+    fn.argtypes = [_P, _I32, _P, _I32, _I32, _P]
+    rc = fn(w.ctypes.data, w.shape[0], v.ctypes.data, v.shape[0], v.shape[1], out.ctypes.data)
+    return out if rc == 0 else None
+
+
+# The tile path's products in order per 32 k steps, (C sum, A part, B part), parts 0, 1, 2: the
+# six with i + j <= 2 (the three dropped are each under 2^-24 of the whole), C0 the first, C1 the
+# other five. The parts of one operand stay in tiles (K's for q . k: the A tile; V's over V: the B
+# tile) while the other's pass one at a time (t1 with s1, s2, s3; t2 with s1, s2; t3 with s1).
+AMX_SCORE_PRODUCTS = ((0, 0, 0), (1, 1, 0), (1, 2, 0), (1, 0, 1), (1, 1, 1), (1, 0, 2))
+AMX_V_PRODUCTS = ((0, 0, 0), (1, 0, 1), (1, 0, 2), (1, 1, 0), (1, 1, 1), (1, 2, 0))
+
+
+def amx_tile_product_reference(a, b, products):
+    """C0 + C1 (+ C2 where a product names it) of a (m x k) times b (k x n), both fp32, as the tile
+    path computes it, in
+    numpy, bit for bit: each split into three bf16 parts (``native_gemm.bf16_split``); per 32 k
+    steps, the products in order, each a TDPBF16PS into its level's C (from zero): the even and the
+    odd k of the 16 pairs as two fp32 chains from zero (a product of two bf16 is exact in fp32, so
+    each step is one fp32 rounding; subnormal results flushed), then C = C + (E + O)."""
+    import numpy as np
+
+    from kernels.cpu.native_gemm import _ftz, bf16_split
+
+    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+    m, k = a.shape
+    pad = -k % 32
+    ap = [np.pad(p, ((0, 0), (0, pad))) for p in bf16_split(a)]
+    bp = [np.pad(p, ((0, pad), (0, 0))) for p in bf16_split(b)]
+    c = [np.zeros((m, b.shape[1]), dtype=np.float32) for _ in range(1 + max(p[0] for p in products))]
+    for t in range((k + pad) // 32):
+        for level, i, j in products:
+            chains = []
+            for e in (0, 1):
+                ch = np.zeros_like(c[0])
+                for p in range(16):
+                    kk = 32 * t + 2 * p + e
+                    ch = _ftz(ch + np.outer(ap[i][:, kk], bp[j][kk, :]))
+                chains.append(ch)
+            c[level] = _ftz(c[level] + _ftz(chains[0] + chains[1]))
+    rest = c[1] if len(c) == 2 else (c[1] + c[2]).astype(np.float32)
+    return (c[0] + rest).astype(np.float32)
+
+
+def amx_scores_reference(q, k, scale: float, products=AMX_SCORE_PRODUCTS):
+    """The tile path's scores in numpy: the K rows' parts as the A tile (positions in rows), the
+    queries' as the B tile (queries in columns); (C0 + C1) * scale, transposed to G x n."""
+    import numpy as np
+
+    c = amx_tile_product_reference(np.asarray(k, np.float32), np.asarray(q, np.float32).T, products)
+    return (c * np.float32(scale)).astype(np.float32).T
+
+
+def amx_weighted_v_reference(w, v, products=AMX_V_PRODUCTS):
+    """The tile path's weighted V sums in numpy: the weights' parts as the A tile (queries in rows,
+    positions the k steps), V's as the B tile (pairs of positions interleaved, dims in columns)."""
+    return amx_tile_product_reference(w, v, products)

@@ -41,8 +41,29 @@
  *
  * Its work items (a decode's partitions, a chunk's groups of tiles) are shared among threads by
  * parallel.h's pool; a score soft-cap or other per-layer option belongs in Args (one place both
- * paths read). */
+ * paths read).
+ *
+ * On AMX-BF16 tiles (the AVX-512 build, where amx.h's probe grants the tiles, head size a multiple
+ * of 32, and only with LLMSERVE_AMX_ATTENTION=1: off by default, docs/performance.md has why):
+ * q . k and the pass over V run on TDPBF16PS, each fp32 operand split by truncation into three bf16
+ * parts (x = x1 + x2 + x3 exactly where no part is below 2^-126, which the tile reads as zero); of
+ * the nine part products the six with i + j <= 2 are summed (the rest are each under 2^-24 of the
+ * whole). Per 32 k steps (dims for q . k, positions over V) each TDPBF16PS sums the even and the odd
+ * k of its 16 pairs as two fp32 chains from zero, then C = C + (E + O) (small_gemm.c's measured
+ * order); a group of 16 query vectors has two sums, C0 = t1 s1 and C1 = t1 s2, t1 s3, t2 s1, t2 s2,
+ * t3 s1 in that order (AMX_GROUP_PRODUCTS: s the parts that stay in tiles, K's or V's; t the
+ * queries' or the weights'); a score is (C0 + C1) * scale, a weighted V sum C0 + C1. A partition's
+ * K and V rows are split once per work item (amx_split_partition), the softmax runs with the queries
+ * in lanes (amx_lane_softmax), the partitions merge through merge_partition. Decodes (a decode's
+ * query heads of one KV head are one group) and chunks (groups of 16 of the item's vectors, two per
+ * load of the parts) call the same out-of-line functions (amx_group_partition_64 / _128), and a
+ * query's values never depend on its group's other queries (tile rows and columns are independent;
+ * zero weights add exact zeros), so the bitwise properties above hold on this path too, within it:
+ * a machine runs one path or the other for every call. kernels/cpu/native_attention.py states the
+ * two products' order in numpy (amx_scores_reference, amx_weighted_v_reference); the tests hold the
+ * kernel bit-equal to it. */
 
+#define _DEFAULT_SOURCE /* syscall (amx.h) under -std=c11 */
 #include <float.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -50,6 +71,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "fast_exp.h"
 #include "parallel.h"
 
@@ -721,6 +743,570 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
     }
 }
 
+#ifdef AMX_PATH
+#include <immintrin.h>
+
+/* The tile path (AMX-BF16, TDPBF16PS), where amx.h's probe grants the tiles and the head size is a
+ * multiple of 32: q . k and the pass over V of decodes and chunks alike, on exact three-part splits.
+ * See the header comment ("On AMX-BF16 tiles") for the order; the softmax, the partitions and their
+ * merge are the fp32 functions above (softmax_numerators, merge_partition). */
+static int attn_amx_use = -1;   /* -1: LLMSERVE_AMX_ATTENTION decides (1 on; unset or else off); tests switch it */
+static int attn_amx_listed = -1; /* CPUID's AMX-BF16 bit, read once */
+
+static int attn_amx_on(void) {
+    if (attn_amx_use < 0) {
+        const char *env = getenv("LLMSERVE_AMX_ATTENTION");
+        attn_amx_use = env && env[0] == '1';
+    }
+    if (!attn_amx_use) return 0;
+    if (attn_amx_listed < 0) attn_amx_listed = amx_bf16_listed();
+    return attn_amx_listed && amx_active();
+}
+
+#define AG 16 /* query vectors per tile group: a B tile's columns (q . k), an A tile's rows (over V) */
+#define TB 512 /* bf16 elements in a tile: 16 rows of 64 bytes */
+
+/* Every tile 16 rows of 64 bytes: C 0, 1, 2 (the sums of the three levels), A 3, 4, 5 (the three
+ * parts of K rows or of weights), B 6, 7 (a part of the queries or of V rows). */
+static void attn_tiles_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    TILE_CONFIGURE(c);
+}
+
+/* 16 floats split by truncation into three bf16 parts (each the top half of its lane, the low half
+ * zero): x1 = x with its low 16 bits cleared, r = x - x1, x2 = r so truncated, x3 = r - x2 so
+ * truncated (exact subtractions: x = x1 + x2 + x3 where no part is below 2^-126, which the tile
+ * reads as zero). A non-finite x keeps x1 = x, parts 2 and 3 zero. */
+INLINE void split3_v(__m512 v, __m512i p[3]) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    const __m512i b = _mm512_castps_si512(v), b1 = _mm512_and_si512(b, hi);
+    const __mmask16 fin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(b, expo), expo);
+    const __m512 r = _mm512_maskz_sub_ps(fin, v, _mm512_castsi512_ps(b1));
+    const __m512i b2 = _mm512_and_si512(_mm512_castps_si512(r), hi);
+    p[0] = b1, p[1] = b2;
+    p[2] = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(b2))), hi);
+}
+
+INLINE void store_bf16x16(uint16_t *dst, __m512i p) {
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(p, 16)));
+}
+
+INLINE __m512 load_or_zero(const float *p) { return p ? _mm512_loadu_ps(p) : _mm512_setzero_ps(); }
+
+/* The bf16 halves (top 16 bits of each lane) of x then y: 32 bf16 values, x's first. */
+INLINE __m512i pack_bf16x32(__m512i x, __m512i y) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(x, odd, y);
+}
+
+/* K row `rel` of a partition (src: D floats; NULL: zeros) into its parts' A tiles, kp:
+ * [block of 16 positions][32 dims dt][part] tiles, row = position, 32 dims of it. */
+INLINE void amx_split_k_row(const float *src, uint16_t *kp, int rel, const int D) {
+    const int DT = D / 32;
+    uint16_t *base = kp + (int64_t)(rel / 16) * DT * 3 * TB + (rel % 16) * 32;
+    for (int dt = 0; dt < DT; ++dt) {
+        __m512i p[3], r[3];
+        split3_v(load_or_zero(src ? src + dt * 32 : NULL), p);
+        split3_v(load_or_zero(src ? src + dt * 32 + 16 : NULL), r);
+        for (int j = 0; j < 3; ++j) _mm512_storeu_si512(base + (dt * 3 + j) * TB, pack_bf16x32(p[j], r[j]));
+    }
+}
+
+/* V rows `rel` (even) and rel + 1 of a partition (NULL: zeros) into its parts' B tiles, vp:
+ * [block of 32 positions][16 dims c][part] tiles, row r = the pair of positions 2r, 2r + 1 (the
+ * pair interleaved in each column), column = dim 16c + column. */
+INLINE void amx_split_v_pair(const float *ev, const float *od, uint16_t *vp, int rel, const int D) {
+    const int DC = D / 16;
+    uint16_t *base = vp + (int64_t)(rel / 32) * DC * 3 * TB + (rel % 32) / 2 * 32;
+    for (int c = 0; c < DC; ++c) {
+        __m512i pe[3], po[3];
+        split3_v(load_or_zero(ev ? ev + c * 16 : NULL), pe);
+        split3_v(load_or_zero(od ? od + c * 16 : NULL), po);
+        for (int j = 0; j < 3; ++j)
+            _mm512_storeu_si512(base + (c * 3 + j) * TB, _mm512_or_si512(_mm512_srli_epi32(pe[j], 16), po[j]));
+    }
+}
+
+/* G <= 16 query vectors (qv[i]: D floats) into their parts' B tiles, qp: [32 dims dt][part] tiles,
+ * row r = dims 32dt + 2r, 32dt + 2r + 1 interleaved, column = query (columns from G zero): each
+ * part's 16 x 16 pairs transposed. */
+INLINE void amx_split_queries(const float *const *qv, int G, uint16_t *qp, const int D) {
+    const int DT = D / 32;
+    for (int dt = 0; dt < DT; ++dt) {
+        vf rows[3][16];
+        for (int i = 0; i < AG; ++i) {
+            __m512i p[3], r[3];
+            split3_v(load_or_zero(i < G ? qv[i] + dt * 32 : NULL), p);
+            split3_v(load_or_zero(i < G ? qv[i] + dt * 32 + 16 : NULL), r);
+            for (int j = 0; j < 3; ++j) rows[j][i] = (vf)_mm512_castsi512_ps(pack_bf16x32(p[j], r[j]));
+        }
+        for (int j = 0; j < 3; ++j) {
+            transpose_w(rows[j]);
+            for (int r = 0; r < 16; ++r) storev((float *)(qp + (dt * 3 + j) * TB + r * 32), rows[j][r]);
+        }
+    }
+}
+
+/* The weights of G <= 16 queries (rows rs apart, positions [0, 32 nb32)) into their parts' A tiles,
+ * wp: [block of 32 positions][part] tiles, row = query (rows from G zero), 32 positions of it. */
+INLINE void amx_split_weights(const float *w, int64_t rs, int G, int nb32, uint16_t *wp) {
+    for (int blk = 0; blk < nb32; ++blk)
+        for (int i = 0; i < AG; ++i) {
+            __m512i p[3], r[3];
+            split3_v(load_or_zero(i < G ? w + i * rs + blk * 32 : NULL), p);
+            split3_v(load_or_zero(i < G ? w + i * rs + blk * 32 + 16 : NULL), r);
+            for (int j = 0; j < 3; ++j) _mm512_storeu_si512(wp + (blk * 3 + j) * TB + i * 32, pack_bf16x32(p[j], r[j]));
+        }
+}
+
+/* The parts' products that the tiles sum, per 32 k steps (k = dims for q . k, positions over V):
+ * the three parts s1, s2, s3 of one operand stay in tiles 4, 5, 6 (K rows for q . k, V rows over
+ * V) while the other's, t1, t2, t3, pass through tile 7 (a group's queries, a group's weights), up to
+ * two groups per load of the s tiles; of the nine products the six with i + j <= 2 (parts 0, 1, 2)
+ * go, in this order, into two sums per group, C0 (tile 0 or 2) and C1 (tile 1 or 3):
+ *   C0 += t1 s1;  C1 += t1 s2;  C1 += t1 s3;  C1 += t2 s1;  C1 += t2 s2;  C1 += t3 s1
+ * (the three dropped are each under 2^-24 of the whole: fp32's rounding). DP(c, s, t) is the
+ * TDPBF16PS of c with s and t in the roles of A and B the caller's layout gives them. */
+#define AMX_GROUP_PRODUCTS(DP, c0, c1, t)   \
+    do {                                    \
+        TILE_LOAD(7, (t), 64);              \
+        DP(c0, 4, 7);                       \
+        DP(c1, 5, 7);                       \
+        DP(c1, 6, 7);                       \
+        TILE_LOAD(7, (t) + TB, 64);         \
+        DP(c1, 4, 7);                       \
+        DP(c1, 5, 7);                       \
+        TILE_LOAD(7, (t) + 2 * TB, 64);     \
+        DP(c1, 4, 7);                       \
+    } while (0)
+/* q . k: K's parts the A tile (positions in rows), the queries' the B tile (queries in columns) */
+#define DP_SA(c, s, t) TILE_DPBF16(c, s, t)
+/* over V: the weights' parts the A tile (queries in rows), V's the B tile (dims in columns) */
+#define DP_TA(c, s, t) TILE_DPBF16(c, t, s)
+
+/* A group's share of the tile path: its query parts, lanes and buffers. */
+typedef struct {
+    const uint16_t *qp; /* its queries' parts (amx_split_queries) */
+    int G;              /* its query vectors (<= 16) */
+    const int *lo, *lim; /* query i sees positions [lo[i], lim[i]) of the partition */
+    vf *st;             /* PART vectors: a position's scores, then weights, queries in lanes */
+    float *rows;        /* 16 rows of PART floats: the weights by query */
+    uint16_t *wp;       /* their parts (amx_split_weights) */
+    float *acc, *maxima, *sums; /* the partition's results: G rows of D, G maxima, G sums */
+} AmxGroup;
+
+/* st[p] (p < 16 nb16, query i in lane i) = (C0 + C1) * scale for ng (1 or 2) groups, the C tiles of
+ * K rows p (kp) against each group's queries over the D / 32 dim tiles in order. Each block's C
+ * tiles are stored to one of two buffers and combined while the tiles compute the next block. */
+INLINE void amx_scores_combine(float c[2][2][16][16], int blk, float scale, AmxGroup *gr, int ng) {
+    for (int g = 0; g < ng; ++g)
+        for (int p = 0; p < 16; ++p) gr[g].st[blk * 16 + p] = (loadv(c[g][0][p]) + loadv(c[g][1][p])) * scale;
+}
+
+INLINE void amx_scores(AmxGroup *gr, int ng, const uint16_t *kp, int nb16, float scale, const int D) {
+    const int DT = D / 32;
+    float c[2][2][2][16][16] __attribute__((aligned(64)));
+    for (int blk = 0; blk < nb16; ++blk) {
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        if (ng > 1) {
+            TILE_ZERO(2);
+            TILE_ZERO(3);
+        }
+        for (int dt = 0; dt < DT; ++dt) {
+            const uint16_t *k = kp + ((int64_t)blk * DT + dt) * 3 * TB;
+            TILE_LOAD(4, k, 64);
+            TILE_LOAD(5, k + TB, 64);
+            TILE_LOAD(6, k + 2 * TB, 64);
+            AMX_GROUP_PRODUCTS(DP_SA, 0, 1, gr[0].qp + dt * 3 * TB);
+            if (ng > 1) AMX_GROUP_PRODUCTS(DP_SA, 2, 3, gr[1].qp + dt * 3 * TB);
+        }
+        if (blk) amx_scores_combine(c[(blk - 1) & 1], blk - 1, scale, gr, ng);
+        TILE_STORE(0, c[blk & 1][0][0], 64);
+        TILE_STORE(1, c[blk & 1][0][1], 64);
+        if (ng > 1) {
+            TILE_STORE(2, c[blk & 1][1][0], 64);
+            TILE_STORE(3, c[blk & 1][1][1], 64);
+        }
+    }
+    if (nb16) amx_scores_combine(c[(nb16 - 1) & 1], nb16 - 1, scale, gr, ng);
+}
+
+/* acc[i * D + d] (i < G) = C0 + C1 for ng groups, the C tiles of each group's weights (wp) against
+ * V's dim d (vp) over the nb32 blocks of 32 positions in order. */
+INLINE void amx_weighted_v_combine(float c[2][2][16][16], int cb, AmxGroup *gr, int ng, const int D) {
+    for (int g = 0; g < ng; ++g)
+        for (int i = 0; i < gr[g].G; ++i) storev(gr[g].acc + i * D + cb * 16, loadv(c[g][0][i]) + loadv(c[g][1][i]));
+}
+
+INLINE void amx_weighted_v(AmxGroup *gr, int ng, const uint16_t *vp, int nb32, const int D) {
+    const int DC = D / 16;
+    float c[2][2][2][16][16] __attribute__((aligned(64)));
+    for (int cb = 0; cb < DC; ++cb) {
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        if (ng > 1) {
+            TILE_ZERO(2);
+            TILE_ZERO(3);
+        }
+        for (int blk = 0; blk < nb32; ++blk) {
+            const uint16_t *v = vp + ((int64_t)blk * DC + cb) * 3 * TB;
+            TILE_LOAD(4, v, 64);
+            TILE_LOAD(5, v + TB, 64);
+            TILE_LOAD(6, v + 2 * TB, 64);
+            AMX_GROUP_PRODUCTS(DP_TA, 0, 1, gr[0].wp + blk * 3 * TB);
+            if (ng > 1) AMX_GROUP_PRODUCTS(DP_TA, 2, 3, gr[1].wp + blk * 3 * TB);
+        }
+        if (cb) amx_weighted_v_combine(c[(cb - 1) & 1], cb - 1, gr, ng, D);
+        TILE_STORE(0, c[cb & 1][0][0], 64);
+        TILE_STORE(1, c[cb & 1][0][1], 64);
+        if (ng > 1) {
+            TILE_STORE(2, c[cb & 1][1][0], 64);
+            TILE_STORE(3, c[cb & 1][1][1], 64);
+        }
+    }
+    amx_weighted_v_combine(c[(DC - 1) & 1], DC - 1, gr, ng, D);
+}
+
+/* The softmax of a group's partition with the queries in lanes (st[p]: position p's scores),
+ * lane i seeing positions [lo[i], lim[i]) of [0, n): scores soft-capped (a layer with softcap),
+ * then -inf where unseen; each lane's maximum m; numerators e = exp(s - m) where seen, exactly 0
+ * elsewhere, in place; their sum in W partial sums (position p into the (p % W)-th, from 0), then
+ * halved (softmax_numerators' tree). Lanes from G, and lanes that see nothing, give values no one
+ * reads. One out-of-line function for decodes and chunks. */
+static __attribute__((noinline)) void amx_lane_softmax(const Args *a, vf *st, int n, const int *lo, const int *lim,
+                                                       int G, float *maxima, float *sums) {
+    vi lov = {0}, limv = {0};
+    for (int l = 0; l < G; ++l) lov[l] = lo[l], limv[l] = lim[l];
+    const vf neg_inf = (vf){0} - INFINITY;
+    if (a->softcap > 0)
+        for (int p = 0; p < n; ++p)
+            for (int l = 0; l < W; ++l) st[p][l] = soft_cap(st[p][l], a->softcap);
+    /* the maxima in four running maxima (a maximum is exact: any order gives the same) */
+    vf m4[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+    for (int p0 = 0; p0 < n; p0 += 4)
+        for (int r = 0; r < 4 && p0 + r < n; ++r) {
+            const int p = p0 + r;
+            const vi pv = (vi){0} + p;
+            const vf x = select_v((pv >= lov) & (pv < limv), st[p], neg_inf);
+            st[p] = x;
+            m4[r] = select_v(x > m4[r], x, m4[r]);
+        }
+    vf m = m4[0];
+    for (int r = 1; r < 4; ++r) m = select_v(m4[r] > m, m4[r], m);
+    vf part[W];
+    for (int l = 0; l < W; ++l) part[l] = (vf){0};
+    for (int p0 = 0; p0 < n; p0 += W) /* W positions at a time: part's index a constant */
+        for (int l = 0; l < W; ++l) {
+            const int p = p0 + l;
+            if (p >= n) break;
+            float e[W];
+            const vf x = st[p];
+            for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(x[j] - m[j]);
+            const vi pv = (vi){0} + p;
+            const vf y = select_v((pv >= lov) & (pv < limv), loadv(e), (vf){0});
+            st[p] = y;
+            part[l] += y;
+        }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) part[l] += part[l + w];
+    for (int l = 0; l < G; ++l) maxima[l] = m[l], sums[l] = part[0][l];
+}
+
+/* One partition for ng (1 or 2) groups of G <= 16 query vectors of one KV head, decodes and
+ * chunks alike: positions [0, n) from the partition's start (kp, vp: their K and V parts, zeros
+ * where no query reads them), query i of a group seeing [lo[i], lim[i]) (lim[i] <= n; none where
+ * lim[i] <= lo[i]). Scores in lanes (amx_scores), their softmax (amx_lane_softmax), the weights
+ * transposed to rows and split (amx_split_weights), then the weighted V sums (amx_weighted_v): acc,
+ * maxima, sums. A query's values depend on its query vector, its range and the positions it sees
+ * (zero weights add exact zeros: the tile's chains start from +0 and a C tile's sum stays it), never
+ * on the others of its group or on the other group. Out of line, one instance per head size. */
+static __attribute__((noinline)) void amx_group_partition(const Args *a, AmxGroup *gr, int ng, int n,
+                                                          const uint16_t *kp, const uint16_t *vp, const int D) {
+    const int nb16 = (n + 15) / 16, nb32 = (n + 31) / 32;
+    amx_scores(gr, ng, kp, nb16, a->scale, D);
+    for (int g = 0; g < ng; ++g) {
+        vf *st = gr[g].st;
+        amx_lane_softmax(a, st, n, gr[g].lo, gr[g].lim, gr[g].G, gr[g].maxima, gr[g].sums);
+        for (int p = n; p < nb32 * 32; ++p) st[p] = (vf){0};
+        for (int b = 0; b < nb32 * 2; ++b) {
+            vf r[16];
+            for (int p = 0; p < 16; ++p) r[p] = st[b * 16 + p];
+            transpose_w(r);
+            for (int i = 0; i < gr[g].G; ++i) storev(gr[g].rows + i * PART + b * 16, r[i]);
+        }
+        amx_split_weights(gr[g].rows, PART, gr[g].G, nb32, gr[g].wp);
+    }
+    amx_weighted_v(gr, ng, vp, nb32, D);
+}
+
+static __attribute__((noinline)) void amx_group_partition_64(const Args *a, AmxGroup *gr, int ng, int n,
+                                                             const uint16_t *kp, const uint16_t *vp) {
+    amx_group_partition(a, gr, ng, n, kp, vp, 64);
+}
+
+static __attribute__((noinline)) void amx_group_partition_128(const Args *a, AmxGroup *gr, int ng, int n,
+                                                              const uint16_t *kp, const uint16_t *vp) {
+    amx_group_partition(a, gr, ng, n, kp, vp, 128);
+}
+
+/* The one instance for D (decodes and chunks call the same one: the same instructions). */
+INLINE void amx_partition(const Args *a, AmxGroup *gr, int ng, int n, const uint16_t *kp, const uint16_t *vp,
+                          const int D) {
+    if (D == 64)
+        amx_group_partition_64(a, gr, ng, n, kp, vp);
+    else if (D == 128)
+        amx_group_partition_128(a, gr, ng, n, kp, vp);
+    else
+        amx_group_partition(a, gr, ng, n, kp, vp, D);
+}
+
+/* The tile path's buffers, carved from a thread's scratch: a partition's K and V parts, a group's
+ * weights' parts and scores, its partition sums; a chunk item's query parts and running outputs. */
+typedef struct {
+    uint16_t *kp, *vp, *wp, *qp;
+    vf *st;
+    float *scores, *acc, *maxima, *sums, *o, *m_run, *l_run;
+    int *lims, *lows;
+} AmxBufs;
+
+INLINE size_t amx_align(size_t b) { return (b + 63) / 64 * 64; }
+
+/* Bytes of the buffers for head size D and `vectors` query vectors of a chunk item (0: a decode). */
+static size_t amx_carve(AmxBufs *bf, char *base, int D, int vectors) {
+    const int DT = D / 32, DC = D / 16, groups = vectors ? (vectors + AG - 1) / AG : 1;
+    size_t off = 0;
+#define CARVE(field, type, count)                                           \
+    do {                                                                    \
+        if (base) bf->field = (type *)(base + off);                         \
+        off += amx_align(sizeof(type) * (size_t)(count));                   \
+    } while (0)
+    CARVE(kp, uint16_t, (PART / 16) * DT * 3 * TB);
+    CARVE(vp, uint16_t, (PART / 32) * DC * 3 * TB);
+    CARVE(wp, uint16_t, 2 * (PART / 32) * 3 * TB);
+    CARVE(qp, uint16_t, (size_t)groups * DT * 3 * TB);
+    CARVE(st, vf, 2 * PART);
+    CARVE(scores, float, 2 * AG * PART);
+    CARVE(acc, float, 2 * AG * D);
+    CARVE(maxima, float, 2 * AG);
+    CARVE(sums, float, 2 * AG);
+    CARVE(o, float, (size_t)vectors * D);
+    CARVE(m_run, float, vectors);
+    CARVE(l_run, float, vectors);
+    CARVE(lims, int, vectors);
+    CARVE(lows, int, vectors);
+#undef CARVE
+    return off;
+}
+
+/* A partition's K and V rows [from, to) (sequence positions) into kp and vp, the rest of
+ * [P0, P0 + n) rounded up to the tiles zeros. */
+INLINE void amx_split_partition(const Args *a, const Seq *sq, int h, int P0, int n, int from, int to,
+                                uint16_t *kp, uint16_t *vp, int fetch, const int D) {
+    const float *krow[PART], *vrow[PART];
+    const int64_t ps = (int64_t)a->num_kv_heads * D;
+    const int nb16 = (n + 15) / 16, nb32 = (n + 31) / 32;
+    for (int i = 0; i < nb32 * 32; ++i) krow[i] = vrow[i] = NULL;
+    FOR_RUNS(a, from, to, {
+        const float *kb = block_at(a, a->k_cache, sq, blk, h, D) + off * ps;
+        const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps;
+        for (int i = 0; i < n; ++i) {
+            krow[p + i - P0] = kb + i * ps;
+            vrow[p + i - P0] = vb + i * ps;
+        }
+    });
+    /* fetch: the rows of KV heads h .. h + fetch (whole rows of the cache, every head's: the others'
+     * passes find them in L2), AHEAD rows ahead of the split (a block's rows are one run of memory,
+     * the next block anywhere) */
+#define AHEAD 64
+    if (fetch)
+        for (int i = 0; i < AHEAD && i < n; ++i)
+            if (krow[i])
+                for (int e = 0; e < fetch * D; e += 16) {
+                    __builtin_prefetch(krow[i] + e, 0, 2);
+                    __builtin_prefetch(vrow[i] + e, 0, 2);
+                }
+    for (int i = 0; i < nb16 * 16; ++i) {
+        if (fetch && i + AHEAD < n && krow[i + AHEAD])
+            for (int e = 0; e < fetch * D; e += 16) {
+                __builtin_prefetch(krow[i + AHEAD] + e, 0, 2);
+                __builtin_prefetch(vrow[i + AHEAD] + e, 0, 2);
+            }
+        amx_split_k_row(krow[i], kp, i, D);
+    }
+#undef AHEAD
+    for (int i = 0; i < nb32 * 32; i += 2) amx_split_v_pair(vrow[i], vrow[i + 1], vp, i, D);
+}
+
+/* A decode's partition `part` on the tiles: its rep query heads of KV head h in groups of 16, the
+ * same partial as attend_decode_part (rep rows of D weighted V sums, rep maxima, rep sums). */
+static void attend_decode_part_amx(const Args *a, int b, int h, int part, char *scratch, float *partial,
+                                   int fetch, const int D) {
+    const int rep = a->num_heads / a->num_kv_heads, bs = a->block_size;
+    const Seq sq = seq_of(a, b);
+    const int ctx = sq.ctx, lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    const int P0 = part * PART, P1 = P0 + PART < ctx ? P0 + PART : ctx;
+    if (P1 <= lo) return;
+    AmxBufs bf;
+    amx_carve(&bf, scratch, D, 0);
+    const int r0 = P0 > lo / bs * bs ? P0 : lo / bs * bs, n = P1 - P0;
+    amx_split_partition(a, &sq, h, P0, n, r0, P1, bf.kp, bf.vp, fetch, D);
+    int los[AG], lims[AG];
+    for (int i = 0; i < AG; ++i) los[i] = lo > P0 ? lo - P0 : 0, lims[i] = n;
+    float *maxima = partial + (int64_t)rep * D, *sums = maxima + rep;
+    for (int g0 = 0; g0 < rep; g0 += AG) {
+        const int G = rep - g0 < AG ? rep - g0 : AG;
+        const float *qv[AG];
+        for (int i = 0; i < G; ++i) qv[i] = query_at(a, &sq, 0, h * rep + g0 + i);
+        amx_split_queries(qv, G, bf.qp, D);
+        AmxGroup gr = {bf.qp, G, los, lims, bf.st, bf.scores, bf.wp, partial + (int64_t)g0 * D, maxima + g0, sums + g0};
+        amx_partition(a, &gr, 1, n, bf.kp, bf.vp, D);
+    }
+}
+
+/* A chunk's work item on the tiles: query vectors v0 .. (rows times heads, in order; up to tg *
+ * TILE of them) in groups of 16, partition by partition from the first one any of them sees (each
+ * partition's K and V split once for all the groups), each vector's partition results merged in
+ * order by merge_partition (the decode's function, o with stride 1), then divided by the sum. */
+static void attend_chunk_amx(const Args *a, int b, int h, int v0, int tg, char *scratch, const int D) {
+    const int rep = a->num_heads / a->num_kv_heads, bs = a->block_size;
+    const Seq sq = seq_of(a, b);
+    const int left = sq.q_len * rep - v0, nvec = left < tg * TILE ? left : tg * TILE;
+    const int groups = (nvec + AG - 1) / AG, DT = D / 32;
+    AmxBufs bf;
+    amx_carve(&bf, scratch, D, nvec);
+    for (int u = 0; u < nvec; ++u) {
+        const int row = (v0 + u) / rep, lim = sq.ctx - sq.q_len + row + 1;
+        bf.lims[u] = lim;
+        bf.lows[u] = a->window > 0 && lim > a->window ? lim - a->window : 0;
+        bf.m_run[u] = -FLT_MAX, bf.l_run[u] = 0.0f;
+        for (int d = 0; d < D; ++d) bf.o[(int64_t)u * D + d] = 0.0f;
+    }
+    for (int g = 0; g < groups; ++g) {
+        const int G = nvec - g * AG < AG ? nvec - g * AG : AG;
+        const float *qv[AG];
+        for (int i = 0; i < G; ++i) {
+            const int u = v0 + g * AG + i;
+            qv[i] = query_at(a, &sq, u / rep, h * rep + u % rep);
+        }
+        amx_split_queries(qv, G, bf.qp + (int64_t)g * DT * 3 * TB, D);
+    }
+    /* rows rise, and their windows with them: the first vector sees the earliest position (blocks
+     * wholly before it are never read), the last the latest */
+    const int first = bf.lows[0] / bs * bs, longest = bf.lims[nvec - 1];
+    for (int P0 = first / PART * PART; P0 < longest; P0 += PART) {
+        const int n = longest - P0 < PART ? longest - P0 : PART;
+        amx_split_partition(a, &sq, h, P0, n, P0 > first ? P0 : first, P0 + n, bf.kp, bf.vp, 0, D);
+        /* the groups that see a position of the partition, two at a time */
+        AmxGroup gr[2];
+        int los[2][AG], lims[2][AG], ng = 0, gn = 0, gs[2];
+        for (int g = 0; g < groups; ++g) {
+            const int G = nvec - g * AG < AG ? nvec - g * AG : AG;
+            int any = 0;
+            for (int i = 0; i < G; ++i) {
+                const int u = g * AG + i;
+                const int lim = bf.lims[u] - P0 < n ? bf.lims[u] - P0 : n;
+                los[ng][i] = bf.lows[u] > P0 ? bf.lows[u] - P0 : 0;
+                lims[ng][i] = lim > 0 ? lim : 0;
+                gn = lims[ng][i] > gn ? lims[ng][i] : gn;
+                any |= lims[ng][i] > los[ng][i];
+            }
+            if (any) {
+                gr[ng] = (AmxGroup){bf.qp + (int64_t)g * DT * 3 * TB, G, los[ng], lims[ng], bf.st + ng * PART,
+                                    bf.scores + ng * AG * PART, bf.wp + ng * (PART / 32) * 3 * TB,
+                                    bf.acc + ng * AG * D, bf.maxima + ng * AG, bf.sums + ng * AG};
+                gs[ng++] = g;
+            }
+            if (ng == 2 || (ng && g == groups - 1)) {
+                amx_partition(a, gr, ng, gn, bf.kp, bf.vp, D);
+                for (int x = 0; x < ng; ++x)
+                    for (int i = 0; i < gr[x].G; ++i) {
+                        const int u = gs[x] * AG + i;
+                        if (lims[x][i] > los[x][i])
+                            merge_partition(bf.o + (int64_t)u * D, 1, &bf.m_run[u], &bf.l_run[u],
+                                            gr[x].acc + (int64_t)i * D, 1, gr[x].maxima[i], gr[x].sums[i], D);
+                    }
+                ng = 0, gn = 0;
+            }
+        }
+    }
+    for (int u = 0; u < nvec; ++u) {
+        const int w = v0 + u, row = w / rep, head = h * rep + w % rep;
+        float *out = a->out + ((int64_t)(sq.start + row) * a->num_heads + head) * D;
+        for (int d = 0; d < D; ++d) out[d] = bf.o[(int64_t)u * D + d] / bf.l_run[u];
+    }
+}
+
+/* Debug entries (tests): the tile path's scores and weighted V sums alone, to hold them bit-equal
+ * to a numpy statement of the tile order (kernels/cpu/native_attention.py). q: G x D, k: n x D,
+ * out: G x n; w: G x n, v: n x D, out: G x D (G <= 16, n <= 256, D a multiple of 32 up to 256).
+ * Return -1 where the tiles are not granted or the shapes do not fit. */
+static char *amx_debug_buffer(int D) {
+    static char *buf;
+    if (!buf) buf = aligned_alloc(64, amx_carve(&(AmxBufs){0}, NULL, 256, 0));
+    (void)D;
+    return buf;
+}
+
+int32_t llmserve_attention_amx_scores(const float *q, int32_t G, const float *k, int32_t n, int32_t D, float scale,
+                                      float *out) {
+    if (!attn_amx_on() || G < 1 || G > AG || n < 1 || n > PART || D % 32 || D > 256) return -1;
+    AmxBufs bf;
+    char *buf = amx_debug_buffer(D);
+    if (!buf) return -2;
+    amx_carve(&bf, buf, D, 0);
+    for (int i = 0; i < (n + 15) / 16 * 16; ++i) amx_split_k_row(i < n ? k + (int64_t)i * D : NULL, bf.kp, i, D);
+    const float *qv[AG];
+    for (int i = 0; i < G; ++i) qv[i] = q + (int64_t)i * D;
+    amx_split_queries(qv, G, bf.qp, D);
+    AmxGroup gr = {.qp = bf.qp, .G = G, .st = bf.st};
+    attn_tiles_configure();
+    amx_scores(&gr, 1, bf.kp, (n + 15) / 16, scale, D);
+    TILE_RELEASE();
+    for (int i = 0; i < G; ++i)
+        for (int p = 0; p < n; ++p) out[(int64_t)i * n + p] = bf.st[p][i];
+    return 0;
+}
+
+int32_t llmserve_attention_amx_weighted_v(const float *w, int32_t G, const float *v, int32_t n, int32_t D,
+                                          float *out) {
+    if (!attn_amx_on() || G < 1 || G > AG || n < 1 || n > PART || D % 32 || D > 256) return -1;
+    AmxBufs bf;
+    char *buf = amx_debug_buffer(D);
+    if (!buf) return -2;
+    amx_carve(&bf, buf, D, 0);
+    const int nb32 = (n + 31) / 32;
+    for (int i = 0; i < nb32 * 32; i += 2)
+        amx_split_v_pair(i < n ? v + (int64_t)i * D : NULL, i + 1 < n ? v + (int64_t)(i + 1) * D : NULL, bf.vp, i, D);
+    for (int i = 0; i < AG; ++i)
+        for (int p = 0; p < nb32 * 32; ++p) bf.scores[i * PART + p] = i < G && p < n ? w[(int64_t)i * n + p] : 0.0f;
+    amx_split_weights(bf.scores, PART, G, nb32, bf.wp);
+    AmxGroup gr = {.G = G, .wp = bf.wp, .acc = bf.acc};
+    attn_tiles_configure();
+    amx_weighted_v(&gr, 1, bf.vp, nb32, D);
+    TILE_RELEASE();
+    memcpy(out, bf.acc, sizeof(float) * (size_t)G * D);
+    return 0;
+}
+#endif
+
+/* on: 1 run attention on the tiles where granted (head sizes a multiple of 32), 0 never, -1 leave.
+ * Returns whether they run now. 0 on a build without the tile path. */
+int32_t llmserve_paged_attention_amx(int32_t on) {
+#ifdef AMX_PATH
+    if (on == 0) attn_amx_use = 0;
+    if (on == 1) attn_amx_use = 1;
+    return attn_amx_on();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* The step's work list: items (sequence, KV head, first query vector of a chunk's group of tiles
  * or a decode's partition, the decode's first partial slot or minus the chunk's tiles per item; a decode's item is its partition for every
  * KV head, head -1, head k's slot k * partitions after head 0's), four int32 each, in a fixed order; the
@@ -856,6 +1442,7 @@ typedef struct {
     float *partials;
     int32_t head_dim;
     size_t scratch;
+    int amx; /* the tile path (AMX_PATH builds where granted) */
     _Atomic int failed;
 } attention_job;
 
@@ -868,6 +1455,34 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
     }
     const Args *a = j->a;
     const int64_t per = (int64_t)(a->num_heads / a->num_kv_heads) * (j->head_dim + 2);
+#ifdef AMX_PATH
+    if (j->amx) {
+        attn_tiles_configure();
+        for (int64_t i = begin; i < end; ++i) {
+            const int32_t *it = j->items + 4 * i;
+            const int b = it[0], h = it[1], v0 = it[2];
+            if (it[3] >= 0) {
+                const int64_t parts = (a->seq_lens[b] + PART - 1) / PART;
+                for (int kh = 0; kh < a->num_kv_heads; ++kh) {
+                    float *partial = j->partials + (it[3] + kh * parts + v0) * per;
+                    const int fetch = kh == 0 ? a->num_kv_heads : 0;
+                    switch (j->head_dim) {
+                    case 64: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, 64); break;
+                    case 128: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, 128); break;
+                    default: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, j->head_dim);
+                    }
+                }
+            } else
+                switch (j->head_dim) {
+                case 64: attend_chunk_amx(a, b, h, v0, -it[3], (char *)scratch, 64); break;
+                case 128: attend_chunk_amx(a, b, h, v0, -it[3], (char *)scratch, 128); break;
+                default: attend_chunk_amx(a, b, h, v0, -it[3], (char *)scratch, j->head_dim);
+                }
+        }
+        TILE_RELEASE();
+        return;
+    }
+#endif
     for (int64_t i = begin; i < end; ++i) {
         const int32_t *it = j->items + 4 * i;
         const int b = it[0], h = it[1], v0 = it[2];
@@ -932,8 +1547,15 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     const size_t decode_floats = (size_t)rep * PART + 2 * (size_t)head_dim * W + (size_t)rep * head_dim;
     const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
-    const size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
-    attention_job j = {&a, w->items, w->merges, query_start_loc, partials, head_dim, bytes, 0};
+    size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
+    int amx = 0;
+#ifdef AMX_PATH
+    if (head_dim % 32 == 0 && attn_amx_on()) {
+        amx = 1;
+        bytes = amx_carve(&(AmxBufs){0}, NULL, head_dim, TG * TILE);
+    }
+#endif
+    attention_job j = {&a, w->items, w->merges, query_start_loc, partials, head_dim, bytes, amx, 0};
     parallel_for(num_threads, 1, w->num_items, 1, attention_items, &j);
     if (atomic_load(&j.failed)) return -2;
     parallel_for(num_threads, 1, w->num_merges, 1, merge_items, &j);
