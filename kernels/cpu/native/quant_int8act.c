@@ -43,6 +43,7 @@
  *
  * Built per instruction set by native_build.py; OpenMP threads are torch's. */
 
+#define _DEFAULT_SOURCE /* syscall (amx.h) under -std=c11 */
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -19,6 +19,7 @@
  *
  * Built per instruction set like paged_attention.c (native_build.py); threads: parallel.h's pool. */
 
+#define _DEFAULT_SOURCE /* syscall (amx.h) under -std=c11 */
 #include "panel_gemm.h"
 #include "amx.h"
 
