@@ -810,7 +810,7 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
  * a column's result does not depend on which vectors or rows share its pass. */
 INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const int v0,
                            const int nv, const uint8_t *panel, const float *bias, float *y, int64_t ldy,
-                           int cols) {
+                           int cols, const int pf) {
     vfl acc[RMAX][V];
     for (int i = 0; i < m; ++i)
         for (int v = v0; v < v0 + nv; ++v) acc[i][v] = zerof();
@@ -825,7 +825,9 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     for (int64_t b = 0; b < x->nb; ++b) {
         const uint8_t *blk = panel + b * stride;
         const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
-        if (v0 > 0) { /* rows_wide's second pass: the panel's bytes came in with the first */
+        if (v0 > 0 || !pf) { /* rows_wide's second pass, or an item's later rows: the panel's bytes came in
+                              * with its first pass (in L1: the prefetches measured as a third of the time
+                              * at 32 rows) */
         } else
         if (is_k(fmt)) { /* the next super-block's header at its start, the quants PREFETCH_BLOCKS ahead */
             if (b % KB == 0)
@@ -1056,8 +1058,8 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
 
 /* rows_simd: rows [0, m) (m <= MR) against the whole panel. */
 INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                      const float *bias, float *y, int64_t ldy, int cols) {
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols);
+                      const float *bias, float *y, int64_t ldy, int cols, const int pf) {
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols, pf);
 }
 
 /* rows_wide: rows [0, m) (m: MRW, or MRW2 for the forms with two sums a row) one vector of the
@@ -1067,10 +1069,10 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
  * panel's bytes are read twice, from L1. */
 #if defined(__AVX512F__)
 INLINE void rows_wide(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                      const float *bias, float *y, int64_t ldy, int cols) {
+                      const float *bias, float *y, int64_t ldy, int cols, const int pf) {
     /* (each v a constant: the sums' arrays stay in registers) */
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols);
-    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols);
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols, pf);
+    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols, 0);
 #if V != 2
 #error "rows_wide is written for two vectors a panel"
 #endif
@@ -1086,7 +1088,7 @@ INLINE void rows_wide(const int fmt, const int vnni, const qrows *x, int64_t r0,
  * float steps the same operations in the same order, lane by lane: bit-equal to rows_simd and to
  * rows_generic. */
 INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                   const float *bias, float *y, int64_t ldy, int cols) {
+                   const float *bias, float *y, int64_t ldy, int cols, const int pf) {
     vfl acc[MRK][V];
     for (int i = 0; i < m; ++i)
         for (int v = 0; v < V; ++v) acc[i][v] = zerof();
@@ -1099,11 +1101,12 @@ INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, co
     const int64_t qb = quant_bytes(fmt), ks = k_stride(fmt), kh = k_header(fmt);
     for (int64_t s = 0; s < x->nb / KB; ++s) {
         const uint8_t *h = panel + s * ks;
-        for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, PREFETCH_LOCALITY);
+        if (pf)
+            for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, PREFETCH_LOCALITY);
         for (int j = 0; j < KB; ++j) {
             const int64_t b = s * KB + j;
             const uint8_t *qs = h + kh + j * qb;
-            for (int64_t o = 0; o < qb; o += 64) {
+            for (int64_t o = 0; pf && o < qb; o += 64) {
                 __builtin_prefetch(qs + PREFETCH_BLOCKS * qb + o, 0, PREFETCH_LOCALITY);
                 if (PREFETCH_NEAR) __builtin_prefetch(qs + PREFETCH_NEAR * qb + o, 0, 3);
             }
@@ -1194,8 +1197,8 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 /* A format's work item: its rows MR at a time, then the rest (each count its own loop). */
 #ifdef VW
 #define ROWS(FMT, VNNI, M)                                                                        \
-    (ON_ROWS_K(FMT, M) ? rows_k(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)      \
-                       : rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols))
+    (ON_ROWS_K(FMT, M) ? rows_k(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols, i == 0) \
+                       : rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols, i == 0))
 #else
 #define ROWS(FMT, VNNI, M) rows_generic(FMT, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
 #endif
@@ -1207,7 +1210,7 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #define WIDE(FMT, VNNI)                                                                                  \
     if ((VNNI) && is_k(FMT) && rows >= 16)                                                               \
         for (; i + WIDE_ROWS(FMT) <= rows; i += WIDE_ROWS(FMT))                                          \
-            rows_wide(FMT, VNNI, x, r0 + i, WIDE_ROWS(FMT), panel, bias, y + i * ldy, ldy, cols);
+            rows_wide(FMT, VNNI, x, r0 + i, WIDE_ROWS(FMT), panel, bias, y + i * ldy, ldy, cols, i == 0);
 #else
 #define WIDE(FMT, VNNI)
 #endif
