@@ -486,6 +486,10 @@ typedef struct {
      * ((r / 16) * nb + b) * 16 + r % 16 (a tile's 16 rows side by side, so the float steps read them
      * at fixed offsets); NULL off that path. */
     const float *dxt, *dxst;
+    /* -offset * sx per row and block (m x k/32) where the format's one sum a row has an offset to
+     * take out: the SIMD rows start each block's sum from it (a broadcast from memory) in place of
+     * a subtraction per row and vector after (the same integer). */
+    const int32_t *ncorr;
 } qrows;
 
 /* A thread's scratch for the quantized activations, kept and grown, never freed. */
@@ -714,6 +718,7 @@ INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
 INLINE vfl cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm512_setzero_si512(); }
+INLINE vi seti(const int32_t *p) { return _mm512_set1_epi32(*p); }
 INLINE vfl zerof(void) { return _mm512_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm512_storeu_ps(p, v); }
 #define VW 16
@@ -773,6 +778,7 @@ INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
 INLINE vfl cvt(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm256_setzero_si256(); }
+INLINE vi seti(const int32_t *p) { return _mm256_set1_epi32(*p); }
 INLINE vfl zerof(void) { return _mm256_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 #define VW 8
@@ -817,6 +823,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     const int min = has_min(fmt);
     const int signed_dot = !vnni && form(fmt) == FMT_Q8_0;
     const int off = signed_dot ? 0 : offset(fmt);
+    const int nc = off && !two_scales(fmt) && !q2k(fmt); /* the sums start from -off * sx */
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[RMAX];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
@@ -844,8 +851,13 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
             }
         }
         vi isum[RMAX][V], isum1[RMAX][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
-        for (int i = 0; i < m; ++i)
-            for (int v = v0; v < v0 + nv; ++v) isum[i][v] = isum1[i][v] = zeroi();
+        for (int i = 0; i < m; ++i) {
+            const vi z = nc ? seti(x->ncorr + (r0 + i) * x->nb + b) : zeroi();
+            for (int v = v0; v < v0 + nv; ++v) {
+                isum[i][v] = z;
+                isum1[i][v] = zeroi();
+            }
+        }
         if (q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
             for (int sl = 0; sl < 2; ++sl) {
                 vi raw[V];
@@ -1043,7 +1055,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
             }
             const int32_t corr = off * x->sx[at];
             for (int v = v0; v < v0 + nv; ++v) {
-                const vi s = off ? subi(isum[i][v], corr) : isum[i][v];
+                const vi s = off && !nc ? subi(isum[i][v], corr) : isum[i][v];
                 vfl t = keepv(keepv(dw[v] * dx) * cvt(s));
                 if (min) t = keepv(t + keepv(mw[v] * dxs));
                 acc[i][v] = acc[i][v] + t;
@@ -1647,6 +1659,7 @@ typedef struct {
     item_fn item;
     int64_t panels, pb;
     int64_t mc; /* rows a work item */
+    int32_t off; /* the format's offset, where xs.ncorr is made */
 } qi8_job;
 
 static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
@@ -1662,6 +1675,9 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
                 ((float *)j->xs.dxt)[at] = j->xs.dx[r * nb + b];
                 ((float *)j->xs.dxst)[at] = j->xs.dxs[r * nb + b];
             }
+        if (j->xs.ncorr)
+            for (int64_t b = 0; b < nb; ++b)
+                ((int32_t *)j->xs.ncorr)[r * nb + b] = -j->off * j->xs.sx[r * nb + b];
         if (j->xs.sh) { /* I8_16's offset correction: each 16 steps' sum of q */
             int32_t *sh = (int32_t *)j->xs.sh;
             for (int64_t h = 0; h < 2 * nb; ++h) {
@@ -1720,7 +1736,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
             amx_items[fmt] != vnni_items[fmt];
 #endif
     const int64_t mt = tiles ? (m + 15) / 16 * 16 : 0; /* rows of the copies by group */
-    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12) + (size_t)(mt * nb) * 8);
+    const int with_nc = offset(fmt) && !two_scales(fmt) && !q2k(fmt); /* (qrows.ncorr) */
+    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * ((two_scales(fmt) ? 20 : 12) + (with_nc ? 4 : 0)) +
+                           (size_t)(mt * nb) * 8);
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
@@ -1728,7 +1746,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     float *dxt = tiles ? (float *)(sx + m * nb * (two_scales(fmt) ? 3 : 1)) : NULL;
     float *dxst = tiles ? dxt + mt * nb : NULL;
     const int big = m * n * k > 262144;
-    qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
+    int32_t *ncorr = with_nc ? (int32_t *)(buf + qbytes) + m * nb * (two_scales(fmt) ? 5 : 3) + mt * nb * 2 : NULL;
+    qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst, ncorr}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt],
+                 0, 0, 0, offset(fmt)};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
