@@ -1586,7 +1586,8 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
 }
 
 #define DEFINE_AMX_ITEM(NAME, FMT)                                                                        \
-    static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
+    __attribute__((aligned(64))) static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows,             \
+                                                        const uint8_t *panel, const float *bias,          \
                            float *y, int64_t ldy, int cols) {                                              \
         const int groups = (int)(rows / 16);                                                               \
         uint8_t *wq = groups ? amx_weights((size_t)x->nb * 8 * NC * 4) : NULL; /* block b at b KiB */      \
