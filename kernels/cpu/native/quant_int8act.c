@@ -486,6 +486,10 @@ typedef struct {
      * ((r / 16) * nb + b) * 16 + r % 16 (a tile's 16 rows side by side, so the float steps read them
      * at fixed offsets); NULL off that path. */
     const float *dxt, *dxst;
+    /* -offset * sx per row and block (m x k/32) where the format's one sum a row has an offset to
+     * take out: the SIMD rows start each block's sum from it (a broadcast from memory) in place of
+     * a subtraction per row and vector after (the same integer). */
+    const int32_t *ncorr;
 } qrows;
 
 /* A thread's scratch for the quantized activations, kept and grown, never freed. */
@@ -714,6 +718,7 @@ INLINE vfl setf(float f) { return _mm512_set1_ps(f); }
 INLINE vfl cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm512_setzero_si512(); }
+INLINE vi seti(const int32_t *p) { return _mm512_set1_epi32(*p); }
 INLINE vfl zerof(void) { return _mm512_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm512_storeu_ps(p, v); }
 #define VW 16
@@ -773,6 +778,7 @@ INLINE vfl setf(float f) { return _mm256_set1_ps(f); }
 INLINE vfl cvt(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm256_setzero_si256(); }
+INLINE vi seti(const int32_t *p) { return _mm256_set1_epi32(*p); }
 INLINE vfl zerof(void) { return _mm256_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 #define VW 8
@@ -810,13 +816,14 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
  * a column's result does not depend on which vectors or rows share its pass. */
 INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const int v0,
                            const int nv, const uint8_t *panel, const float *bias, float *y, int64_t ldy,
-                           int cols) {
+                           int cols, const int pf) {
     vfl acc[RMAX][V];
     for (int i = 0; i < m; ++i)
         for (int v = v0; v < v0 + nv; ++v) acc[i][v] = zerof();
     const int min = has_min(fmt);
     const int signed_dot = !vnni && form(fmt) == FMT_Q8_0;
     const int off = signed_dot ? 0 : offset(fmt);
+    const int nc = off && !two_scales(fmt) && !q2k(fmt); /* the sums start from -off * sx */
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[RMAX];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
@@ -825,7 +832,9 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     for (int64_t b = 0; b < x->nb; ++b) {
         const uint8_t *blk = panel + b * stride;
         const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
-        if (v0 > 0) { /* rows_wide's second pass: the panel's bytes came in with the first */
+        if (v0 > 0 || !pf) { /* rows_wide's second pass, or an item's later rows: the panel's bytes came in
+                              * with its first pass (in L1: the prefetches measured as a third of the time
+                              * at 32 rows) */
         } else
         if (is_k(fmt)) { /* the next super-block's header at its start, the quants PREFETCH_BLOCKS ahead */
             if (b % KB == 0)
@@ -842,8 +851,13 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
             }
         }
         vi isum[RMAX][V], isum1[RMAX][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
-        for (int i = 0; i < m; ++i)
-            for (int v = v0; v < v0 + nv; ++v) isum[i][v] = isum1[i][v] = zeroi();
+        for (int i = 0; i < m; ++i) {
+            const vi z = nc ? seti(x->ncorr + (r0 + i) * x->nb + b) : zeroi();
+            for (int v = v0; v < v0 + nv; ++v) {
+                isum[i][v] = z;
+                isum1[i][v] = zeroi();
+            }
+        }
         if (q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
             for (int sl = 0; sl < 2; ++sl) {
                 vi raw[V];
@@ -1041,7 +1055,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
             }
             const int32_t corr = off * x->sx[at];
             for (int v = v0; v < v0 + nv; ++v) {
-                const vi s = off ? subi(isum[i][v], corr) : isum[i][v];
+                const vi s = off && !nc ? subi(isum[i][v], corr) : isum[i][v];
                 vfl t = keepv(keepv(dw[v] * dx) * cvt(s));
                 if (min) t = keepv(t + keepv(mw[v] * dxs));
                 acc[i][v] = acc[i][v] + t;
@@ -1056,8 +1070,8 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
 
 /* rows_simd: rows [0, m) (m <= MR) against the whole panel. */
 INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                      const float *bias, float *y, int64_t ldy, int cols) {
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols);
+                      const float *bias, float *y, int64_t ldy, int cols, const int pf) {
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols, pf);
 }
 
 /* rows_wide: rows [0, m) (m: MRW, or MRW2 for the forms with two sums a row) one vector of the
@@ -1067,10 +1081,10 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
  * panel's bytes are read twice, from L1. */
 #if defined(__AVX512F__)
 INLINE void rows_wide(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                      const float *bias, float *y, int64_t ldy, int cols) {
+                      const float *bias, float *y, int64_t ldy, int cols, const int pf) {
     /* (each v a constant: the sums' arrays stay in registers) */
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols);
-    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols);
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols, pf);
+    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols, 0);
 #if V != 2
 #error "rows_wide is written for two vectors a panel"
 #endif
@@ -1086,7 +1100,7 @@ INLINE void rows_wide(const int fmt, const int vnni, const qrows *x, int64_t r0,
  * float steps the same operations in the same order, lane by lane: bit-equal to rows_simd and to
  * rows_generic. */
 INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
-                   const float *bias, float *y, int64_t ldy, int cols) {
+                   const float *bias, float *y, int64_t ldy, int cols, const int pf) {
     vfl acc[MRK][V];
     for (int i = 0; i < m; ++i)
         for (int v = 0; v < V; ++v) acc[i][v] = zerof();
@@ -1099,11 +1113,12 @@ INLINE void rows_k(const int fmt, const int vnni, const qrows *x, int64_t r0, co
     const int64_t qb = quant_bytes(fmt), ks = k_stride(fmt), kh = k_header(fmt);
     for (int64_t s = 0; s < x->nb / KB; ++s) {
         const uint8_t *h = panel + s * ks;
-        for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, PREFETCH_LOCALITY);
+        if (pf)
+            for (int64_t o = 0; o < kh; o += 64) __builtin_prefetch(h + ks + o, 0, PREFETCH_LOCALITY);
         for (int j = 0; j < KB; ++j) {
             const int64_t b = s * KB + j;
             const uint8_t *qs = h + kh + j * qb;
-            for (int64_t o = 0; o < qb; o += 64) {
+            for (int64_t o = 0; pf && o < qb; o += 64) {
                 __builtin_prefetch(qs + PREFETCH_BLOCKS * qb + o, 0, PREFETCH_LOCALITY);
                 if (PREFETCH_NEAR) __builtin_prefetch(qs + PREFETCH_NEAR * qb + o, 0, 3);
             }
@@ -1194,8 +1209,8 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 /* A format's work item: its rows MR at a time, then the rest (each count its own loop). */
 #ifdef VW
 #define ROWS(FMT, VNNI, M)                                                                        \
-    (ON_ROWS_K(FMT, M) ? rows_k(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)      \
-                       : rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols))
+    (ON_ROWS_K(FMT, M) ? rows_k(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols, i == 0) \
+                       : rows_simd(FMT, VNNI, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols, i == 0))
 #else
 #define ROWS(FMT, VNNI, M) rows_generic(FMT, x, r0 + i, M, panel, bias, y + i * ldy, ldy, cols)
 #endif
@@ -1207,7 +1222,7 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #define WIDE(FMT, VNNI)                                                                                  \
     if ((VNNI) && is_k(FMT) && rows >= 16)                                                               \
         for (; i + WIDE_ROWS(FMT) <= rows; i += WIDE_ROWS(FMT))                                          \
-            rows_wide(FMT, VNNI, x, r0 + i, WIDE_ROWS(FMT), panel, bias, y + i * ldy, ldy, cols);
+            rows_wide(FMT, VNNI, x, r0 + i, WIDE_ROWS(FMT), panel, bias, y + i * ldy, ldy, cols, i == 0);
 #else
 #define WIDE(FMT, VNNI)
 #endif
@@ -1571,7 +1586,8 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
 }
 
 #define DEFINE_AMX_ITEM(NAME, FMT)                                                                        \
-    static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
+    __attribute__((aligned(64))) static void amx_##NAME(const qrows *x, int64_t r0, int64_t rows,             \
+                                                        const uint8_t *panel, const float *bias,          \
                            float *y, int64_t ldy, int cols) {                                              \
         const int groups = (int)(rows / 16);                                                               \
         uint8_t *wq = groups ? amx_weights((size_t)x->nb * 8 * NC * 4) : NULL; /* block b at b KiB */      \
@@ -1644,6 +1660,7 @@ typedef struct {
     item_fn item;
     int64_t panels, pb;
     int64_t mc; /* rows a work item */
+    int32_t off; /* the format's offset, where xs.ncorr is made */
 } qi8_job;
 
 static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
@@ -1659,6 +1676,9 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
                 ((float *)j->xs.dxt)[at] = j->xs.dx[r * nb + b];
                 ((float *)j->xs.dxst)[at] = j->xs.dxs[r * nb + b];
             }
+        if (j->xs.ncorr)
+            for (int64_t b = 0; b < nb; ++b)
+                ((int32_t *)j->xs.ncorr)[r * nb + b] = -j->off * j->xs.sx[r * nb + b];
         if (j->xs.sh) { /* I8_16's offset correction: each 16 steps' sum of q */
             int32_t *sh = (int32_t *)j->xs.sh;
             for (int64_t h = 0; h < 2 * nb; ++h) {
@@ -1717,7 +1737,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
             amx_items[fmt] != vnni_items[fmt];
 #endif
     const int64_t mt = tiles ? (m + 15) / 16 * 16 : 0; /* rows of the copies by group */
-    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * (two_scales(fmt) ? 20 : 12) + (size_t)(mt * nb) * 8);
+    const int with_nc = offset(fmt) && !two_scales(fmt) && !q2k(fmt); /* (qrows.ncorr) */
+    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * ((two_scales(fmt) ? 20 : 12) + (with_nc ? 4 : 0)) +
+                           (size_t)(mt * nb) * 8);
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
@@ -1725,7 +1747,9 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     float *dxt = tiles ? (float *)(sx + m * nb * (two_scales(fmt) ? 3 : 1)) : NULL;
     float *dxst = tiles ? dxt + mt * nb : NULL;
     const int big = m * n * k > 262144;
-    qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt], 0, 0};
+    int32_t *ncorr = with_nc ? (int32_t *)(buf + qbytes) + m * nb * (two_scales(fmt) ? 5 : 3) + mt * nb * 2 : NULL;
+    qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst, ncorr}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt],
+                 0, 0, 0, offset(fmt)};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
