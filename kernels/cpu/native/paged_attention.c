@@ -1367,11 +1367,19 @@ typedef struct {
 /* Whether a sequence's q_len rows after ctx - q_len positions run split-K (a decode's work items,
  * all rows in each: FEW_ROWS rows at most, from FEW_ROWS_DEPTH positions of context on) rather than
  * as a chunk's tiles. The same bits either way (a chunk's row equals the decode of its position);
- * the choice is speed only: a few rows at depth read each partition's K/V once for all rows and
- * share a step's partitions among threads, with no idle lanes (docs/performance.md). */
+ * the choice is speed only. Split-K reads each partition's K/V once for all rows and computes only
+ * real query vectors, at a cost that grows with the rows; the tiles cost by the lanes they fill
+ * (TILE per tile, idle lanes included). Measured (Qwen2.5-0.5B's 7 query heads per KV head, 7.2k
+ * of context, two threads, AVX-512: TILE 32): split-K 1.53x the tiles at 2 rows (14 of 32 lanes
+ * used), 1.17x at 3 (21/32), 1.22x at 5 (35/64), 1.12x at 6 (42/64); 0.93x at 4 (28/32), 0.98x at
+ * 7 (49/64), 0.89x at 8 (56/64), 0.79x at 9 (63/64), 0.82x at 16 (112/128): so split-K where the
+ * tiles would leave more than a quarter of their lanes idle. */
 #define FEW_ROWS 16
 #define FEW_ROWS_DEPTH (2 * PART)
-INLINE int split_k_rows(int q_len, int ctx) { return q_len == 1 || (q_len <= FEW_ROWS && q_len > 0 && ctx >= FEW_ROWS_DEPTH); }
+INLINE int split_k_rows(int q_len, int ctx, int rep) {
+    const int lanes = (q_len * rep + TILE - 1) / TILE * TILE;
+    return q_len == 1 || (q_len > 1 && q_len <= FEW_ROWS && ctx >= FEW_ROWS_DEPTH && 4 * q_len * rep <= 3 * lanes);
+}
 
 static _Thread_local WorkList work_list = {.num_seqs = -1};
 
@@ -1405,14 +1413,14 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
         int64_t chunk_items = 0;
         for (int b = 0; b < num_seqs; ++b) {
             const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-            if (!split_k_rows(q_len, seq_lens[b]) && q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
+            if (!split_k_rows(q_len, seq_lens[b], rep) && q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
         }
         if (tg <= TG_MIN || chunk_items >= 4 * (int64_t)(threads > 1 ? threads : 1)) break;
     }
     int32_t split_rows = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        const int split = split_k_rows(q_len, seq_lens[b]);
+        const int split = split_k_rows(q_len, seq_lens[b], rep);
         /* split-K (a decode, a few rows at depth): an item per partition, for all its KV heads and
          * rows; a chunk: per KV head and group of tiles */
         num_items += q_len == 0 ? 0 : split ? (seq_lens[b] + PART - 1) / PART
@@ -1429,7 +1437,7 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
     int64_t n = 0, nm = 0, slot = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        const int split = split_k_rows(q_len, seq_lens[b]);
+        const int split = split_k_rows(q_len, seq_lens[b], rep);
         if (split) { /* row r's KV head k's slots: (r * KV heads + k) * parts after the first */
             const int parts = (seq_lens[b] + PART - 1) / PART;
             for (int part = 0; part < parts; ++part) {
