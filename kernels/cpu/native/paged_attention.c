@@ -22,7 +22,9 @@
  * decodes and chunks share (merge_partition). A decode's partitions are separate work items
  * (split-K: a decode at 16k has 64 to share among threads), each for every KV head in turn (the
  * cache interleaves the heads in a row: the first head's pass reads whole rows from memory, the
- * others find them in L2; a decode at depth is bound by memory), merged in a second pass; a
+ * others find them in L2; a decode at depth is bound by memory), merged in a second pass (a
+ * sequence with a few rows at depth, where its tiles would leave lanes idle, runs the same way, all
+ * its rows in each partition's item, each row merged as its decode: split_k_rows); a
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
