@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             r = compare(old, new, depth, q_len, reps, rounds, args.layers)
             decode = r if q_len == 1 else decode
             vs = (
-                f"  x decode: baseline {r['old_ms'] / decode['old_ms']:.2f} this {r['new_ms'] / decode['new_ms']:.2f}"
+                f"  x decode: baseline {r['old_ms'] / decode['old_ms']:.2f}"
+                f" this {r['new_ms'] / decode['new_ms']:.2f}"
                 if q_len == args.few and args.few > 1
                 else ""
             )

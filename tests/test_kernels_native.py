@@ -706,29 +706,50 @@ def test_a_few_rows_at_depth_run_split_k_with_each_rows_decode_bits(isa, layer, 
     batch = make_paged_batch(case, torch.float32, seed=29)
     q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
     kernel_isa = isa.partition("+")[0]
+
     def attend(qq, tb, ctx, q_lens, threads):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
             return native_attention.paged_attention(
-                qq, k_cache, v_cache, tb, torch.tensor(ctx, dtype=torch.int32), starts, scale, **batch.layer, isa=isa
+                qq,
+                k_cache,
+                v_cache,
+                tb,
+                torch.tensor(ctx, dtype=torch.int32),
+                starts,
+                scale,
+                **batch.layer,
+                isa=isa,
             )
         finally:
             torch.set_num_threads(old)
 
     whole = attend(q[:60], tables[:1], [1300], [60], 1)  # 60 rows: a chunk's tiles
     assert native_attention.split_rows(isa) == 0, "a 60-row chunk ran split-K"
-    torch.testing.assert_close(whole, reference_attention(*batch.args(), **batch.layer)[:60], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        whole, reference_attention(*batch.args(), **batch.layer)[:60], rtol=1e-5, atol=1e-5
+    )
     # row i sees 1241 + i positions: row 39 the partition before 1280, row 40 one position after it
     routes = []
-    for rows in (range(0, 5), range(36, 41), range(38, 40), range(39, 41), range(34, 37), range(34, 50), range(54, 60)):
+    for rows in (
+        range(0, 5),
+        range(36, 41),
+        range(38, 40),
+        range(39, 41),
+        range(34, 37),
+        range(34, 50),
+        range(54, 60),
+    ):
         ctx = 1240 + rows.stop
         split = _runs_split_k(len(rows), ctx, hq // hk, kernel_isa)
         routes.append(split)
         for threads in (1, 2):
             got = attend(q[rows.start : rows.stop], tables[:1], [ctx], [len(rows)], threads)
-            assert native_attention.split_rows(isa) == (len(rows) if split else 0), f"rows {rows}: another route"
+            assert native_attention.split_rows(isa) == (len(rows) if split else 0), (
+                f"rows {rows}: another route"
+            )
             assert torch.equal(got, whole[rows.start : rows.stop]), f"rows {rows} at {threads} threads differ"
         # beside a decode, a long chunk and another few rows
         mixed = attend(
