@@ -6,7 +6,10 @@ time. Each call reads the next of LAYERS caches, as a model's layers do: with LA
 16 MiB of K/V at 16k stays in the last-level cache between calls, which no real step sees.
 
     python -m benchmarks.attention_depth_ab --baseline OLD.so [--threads 1] [--depths 4096,16384]
-        [--layers 8] [--rounds 3] [--chunk 512] [--shape 0.5b|1.5b] [--amx]
+        [--layers 8] [--rounds 3] [--chunk 512] [--few 5] [--shape 0.5b|1.5b] [--amx]
+
+``--few N``: also a sequence of N query rows at each depth (a speculative verify of N - 1 drafts, a
+short chunk; 0: none), and the ratio of its call to the decode's in each build.
 
 ``--shape 1.5b``: Qwen2.5-Coder-1.5B's 12 query / 2 KV heads of 128. ``--amx``: this build's AMX-BF16
 tile path (``LLMSERVE_AMX_ATTENTION=1``; where the tiles are granted) against the baseline.
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct caches the calls cycle through")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="the chunk's rows (0: decodes only)")
+    ap.add_argument("--few", type=int, default=0, help="a few-row case's rows (0: none), e.g. 5")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="heads, KV heads, head size")
     ap.add_argument("--amx", action="store_true", help="this build on its AMX-BF16 tile path")
     args = ap.parse_args(argv)
@@ -105,12 +109,21 @@ def main(argv: list[str] | None = None) -> None:
     old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
     old.restype, old.argtypes = new.restype, new.argtypes
     for depth in (int(d) for d in args.depths.split(",")):
-        shapes = [(1, 24, args.rounds)] + ([(args.chunk, 2, max(2, args.rounds - 1))] if args.chunk else [])
+        shapes = [(1, 24, args.rounds)] + ([(args.few, 16, args.rounds)] if args.few else [])
+        shapes += [(args.chunk, 2, max(2, args.rounds - 1))] if args.chunk else []
+        decode = None
         for q_len, reps, rounds in shapes:
             r = compare(old, new, depth, q_len, reps, rounds, args.layers)
+            decode = r if q_len == 1 else decode
+            vs = (
+                f"  x decode: baseline {r['old_ms'] / decode['old_ms']:.2f}"
+                f" this {r['new_ms'] / decode['new_ms']:.2f}"
+                if q_len == args.few and args.few > 1
+                else ""
+            )
             print(
                 f"depth {depth:6d} q {q_len:4d}: baseline {r['old_ms']:8.2f} ms  this {r['new_ms']:8.2f} ms  "
-                f"speedup {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.2e}",
+                f"speedup {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.2e}{vs}",
                 flush=True,
             )
 

@@ -679,3 +679,92 @@ def test_windowed_and_capped_layers_equal_the_reference_and_their_decodes(isa, c
                 isa=isa,
             )
             assert torch.equal(decode[0], got[row]), f"sequence {b} row {i} differs as a decode"
+
+
+def _runs_split_k(q_len, ctx, rep, isa):
+    """The kernel's route for a sequence (split_k_rows in paged_attention.c): a decode, or a few
+    rows at depth whose chunk tiles (2W lanes each: W 16, 8, 4) would leave over a quarter idle."""
+    tile = 2 * {"avx512": 16, "avx2": 8, "generic": 4}[isa]
+    lanes = -(-q_len * rep // tile) * tile
+    return q_len == 1 or (1 < q_len <= 16 and ctx >= 512 and 4 * q_len * rep <= 3 * lanes)
+
+
+@pytest.mark.parametrize("heads", [(14, 2), (4, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize(
+    "layer", [{}, {"window": 300}, {"softcap": 30.0}, {"window": 200, "softcap": 5.0}], ids=str
+)
+def test_a_few_rows_at_depth_run_split_k_with_each_rows_decode_bits(isa, layer, heads):
+    """A sequence with a few query rows at depth (a speculative verify, a short chunk: up to 16 rows
+    after 512 positions, where a chunk's tiles would leave lanes idle) runs as a decode does, an
+    item per KV partition holding all its rows, each row with its own causal limit and window,
+    merged per row: every row's bits equal to the same row in a long chunk (the tiles), to the
+    decode of its own position, alone or beside other sequences, at one thread and two, for rows
+    whose contexts end on either side of a partition edge (1280). Qwen2.5-0.5B's geometry (7 query
+    heads per KV head, head size 64) and one query head per KV head (split-K on every build)."""
+    hq, hk = heads
+    case = AttentionCase(((1300, 60), (700, 1), (600, 40), (900, 5)), hq, hk, 64, 16, **layer)
+    batch = make_paged_batch(case, torch.float32, seed=29)
+    q, k_cache, v_cache, tables, lens, qsl, scale = batch.args()
+    kernel_isa = isa.partition("+")[0]
+
+    def attend(qq, tb, ctx, q_lens, threads):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+            return native_attention.paged_attention(
+                qq,
+                k_cache,
+                v_cache,
+                tb,
+                torch.tensor(ctx, dtype=torch.int32),
+                starts,
+                scale,
+                **batch.layer,
+                isa=isa,
+            )
+        finally:
+            torch.set_num_threads(old)
+
+    whole = attend(q[:60], tables[:1], [1300], [60], 1)  # 60 rows: a chunk's tiles
+    assert native_attention.split_rows(isa) == 0, "a 60-row chunk ran split-K"
+    torch.testing.assert_close(
+        whole, reference_attention(*batch.args(), **batch.layer)[:60], rtol=1e-5, atol=1e-5
+    )
+    # row i sees 1241 + i positions: row 39 the partition before 1280, row 40 one position after it
+    routes = []
+    for rows in (
+        range(0, 5),
+        range(36, 41),
+        range(38, 40),
+        range(39, 41),
+        range(34, 37),
+        range(34, 50),
+        range(54, 60),
+    ):
+        ctx = 1240 + rows.stop
+        split = _runs_split_k(len(rows), ctx, hq // hk, kernel_isa)
+        routes.append(split)
+        for threads in (1, 2):
+            got = attend(q[rows.start : rows.stop], tables[:1], [ctx], [len(rows)], threads)
+            assert native_attention.split_rows(isa) == (len(rows) if split else 0), (
+                f"rows {rows}: another route"
+            )
+            assert torch.equal(got, whole[rows.start : rows.stop]), f"rows {rows} at {threads} threads differ"
+        # beside a decode, a long chunk and another few rows
+        mixed = attend(
+            torch.cat([q[60:61], q[rows.start : rows.stop], q[61:101], q[101:106]]),
+            torch.cat([tables[1:2], tables[:1], tables[2:4]]),
+            [700, ctx, 600, 900],
+            [1, len(rows), 40, 5],
+            2,
+        )
+        assert torch.equal(mixed[1 : 1 + len(rows)], whole[rows.start : rows.stop]), f"rows {rows} in a batch"
+    for i in (0, 39, 40, 59):  # the decode of its own position
+        decode = attend(q[i : i + 1], tables[:1], [1241 + i], [1], 2)
+        assert torch.equal(decode[0], whole[i]), f"row {i} differs as a decode"
+    # below the depth, a few rows stay a chunk
+    attend(q[:5], tables[:1], [300], [5], 2)
+    assert native_attention.split_rows(isa) == 0
+    if hq == hk or kernel_isa == "avx512":
+        assert sum(routes) >= 4, "too few of the cases ran split-K to test it"

@@ -66,6 +66,17 @@ def work_list_builds(isa: str | None = None) -> int:
     return int(builds())
 
 
+def split_rows(isa: str | None = None) -> int:
+    """The most query rows of one sequence that the calling thread's last work list runs split-K
+    (a decode's items, its rows sharing each partition: 1 for decodes only, 0 for none). A few rows
+    at depth (``FEW_ROWS``, ``FEW_ROWS_DEPTH`` in the kernel) take that route instead of a chunk's
+    tiles; the bits are the same either way, so the tests read the route here."""
+    lib = native_build.load_or_none("paged_attention", isa)
+    fn = lib.llmserve_paged_attention_split_rows
+    fn.restype, fn.argtypes = ctypes.c_int32, []
+    return int(fn())
+
+
 def prepare() -> str:
     """Build and load the kernel now (not in the first forward pass); says which path runs."""
     if os.environ.get("LLMSERVE_NATIVE_ATTENTION") == "0":

@@ -22,7 +22,9 @@
  * decodes and chunks share (merge_partition). A decode's partitions are separate work items
  * (split-K: a decode at 16k has 64 to share among threads), each for every KV head in turn (the
  * cache interleaves the heads in a row: the first head's pass reads whole rows from memory, the
- * others find them in L2; a decode at depth is bound by memory), merged in a second pass; a
+ * others find them in L2; a decode at depth is bound by memory), merged in a second pass (a
+ * sequence with a few rows at depth, where its tiles would leave lanes idle, runs the same way, all
+ * its rows in each partition's item, each row merged as its decode: split_k_rows); a
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
  * memory once for the four and from L2 after, and its scores stay in L1.
  * Every vector's result is computed in the same order whatever else is in its group, tile, step
@@ -432,30 +434,49 @@ INLINE void prefetch_rows(const Args *a, const float *cache, const Seq *s, int h
     });
 }
 
-/* A decode's partition `part`: sequence b's one query, its rep heads that share KV head h (`fetch`:
- * the KV heads from h whose rows it prefetches as it goes, 0 where they are in cache). Writes
- * the partition's result to partial: rep rows of D weighted V sums, then rep maxima, rep sums. A
- * partition wholly before a sliding window's start writes nothing (the merge skips it). D is a
- * compile-time constant where the caller can make it one (64, 128), so that queries and
- * accumulators stay in registers. */
-INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *scores, float *partial, int fetch,
-                               const int D) {
+/* A split-K item's partition `part` for KV head h: the last R query rows of sequence b (a decode:
+ * its one row; a sequence with a few rows at depth, FEW_ROWS: all of them), each row's rep heads
+ * that share KV head h, each row with its own context (its position + 1) and window (`fetch`: the
+ * KV heads from h whose rows it prefetches as it goes, 0 where they are in cache). Row i's result
+ * (rep rows of D weighted V sums, then rep maxima, rep sums) goes to partial + i * pstride; a row
+ * whose context ends before the partition, or whose window starts after it, writes nothing (its
+ * merge skips it). Every row's values are its decode's, operation for operation: the scores are
+ * one lane's chain each whatever else shares the pass (the rows share each transposed K group and
+ * the partition's K/V rows, read from memory once for all rows), and each row's softmax and pass
+ * over V run over its own positions, [its first read, its own end). D is a compile-time constant
+ * where the caller can make it one (64, 128), so that queries and accumulators stay in registers. */
+INLINE void attend_rows_part(const Args *a, int b, int h, int part, int R, float *scores, float *partial,
+                             int64_t pstride, int fetch, const int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const int bs = a->block_size;
     const Seq sq = seq_of(a, b);
-    vf *restrict kt = (vf *)(scores + (int64_t)rep * PART); /* two groups of W K rows, transposed */
-    float *restrict qs = (float *)(kt + 2 * D); /* the rep query vectors, D apart (offsets known to the compiler) */
-    for (int v = 0; v < rep; ++v) memcpy(qs + (int64_t)v * D, query_at(a, &sq, 0, h * rep + v), sizeof(float) * D);
-    const int ctx = sq.ctx;
-    /* the window: positions before lo are masked (-inf scores, then exactly 0 weights) */
-    const int lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
-    const int P0 = part * PART, P1 = P0 + PART < ctx ? P0 + PART : ctx;
-    if (P1 <= lo) return;
-    /* the first position read: blocks wholly before the window are never read */
-    const int r0 = P0 > lo / bs * bs ? P0 : lo / bs * bs;
-    for (int v = 0; v < rep; ++v)
-        for (int p = P0; p < (r0 > lo ? r0 : lo); ++p) scores[(int64_t)v * PART + p - P0] = -INFINITY;
-    /* scores[v * PART + p - P0] = q_v . k_p * scale */
+    const int P0 = part * PART;
+    /* row i (of the last R): context ctx_i, window start lo_i, partition end P1_i; the rows that
+     * have this partition are a run [i0, i1) (contexts rise with i, and windows with them) */
+    int i0 = R, i1 = 0;
+    for (int i = 0; i < R; ++i) {
+        const int ctx_i = sq.ctx - R + 1 + i, lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
+        const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
+        if (ctx_i > P0 && P1_i > lo_i) {
+            if (i < i0) i0 = i;
+            i1 = i + 1;
+        }
+    }
+    if (i0 >= i1) return;
+    const int nv = (i1 - i0) * rep; /* the query vectors of rows i0 .. i1, rows times heads */
+    vf *restrict kt = (vf *)(scores + (int64_t)nv * PART); /* two groups of W K rows, transposed */
+    float *restrict qs = (float *)(kt + 2 * D); /* the query vectors, D apart (offsets known to the compiler) */
+    for (int i = i0; i < i1; ++i)
+        for (int v = 0; v < rep; ++v)
+            memcpy(qs + (int64_t)((i - i0) * rep + v) * D, query_at(a, &sq, sq.q_len - R + i, h * rep + v),
+                   sizeof(float) * D);
+    /* the first position read (row i0's: blocks wholly before its window are never read) and the
+     * last row's end */
+    const int ctx0 = sq.ctx - R + 1 + i0, ctxl = sq.ctx - R + i1;
+    const int lo0 = a->window > 0 && ctx0 > a->window ? ctx0 - a->window : 0;
+    const int r0 = P0 > lo0 / bs * bs ? P0 : lo0 / bs * bs;
+    const int P1 = P0 + PART < ctxl ? P0 + PART : ctxl;
+    /* scores[u * PART + p - P0] = q_u . k_p * scale, for every vector u at [r0, P1) */
     FOR_RUNS(&(*a), r0, P1, {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * (int64_t)a->num_kv_heads * D;
         /* the next block's K rows while this one's are scored, and this one's V rows for the pass
@@ -466,54 +487,71 @@ INLINE void attend_decode_part(const Args *a, int b, int h, int part, float *sco
             prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
         }
 #endif
-        /* 2W positions at a time (W for the last few), transposed into lanes, for every query head
-         * in groups of HG(2) */
+        /* 2W positions at a time (W for the last few), transposed into lanes, for every query
+         * vector in groups of HG(2) */
         const int64_t ps = (int64_t)a->num_kv_heads * D;
-        int i0 = 0;
-        for (; i0 + W < n; i0 += 2 * W) {
-            const int m = n - i0 - W < W ? n - i0 - W : W;
-            transpose_rows(kt, kb + i0 * ps, ps, W, D);
-            transpose_rows(kt + D, kb + (i0 + W) * ps, ps, m, D);
-            decode_all_heads(qs, D, kt, scores + p - P0 + i0, m, a->scale, rep, 2, D);
+        int i0_ = 0;
+        for (; i0_ + W < n; i0_ += 2 * W) {
+            const int m = n - i0_ - W < W ? n - i0_ - W : W;
+            transpose_rows(kt, kb + i0_ * ps, ps, W, D);
+            transpose_rows(kt + D, kb + (i0_ + W) * ps, ps, m, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0_, m, a->scale, nv, 2, D);
         }
-        if (i0 < n) {
-            transpose_rows(kt, kb + i0 * ps, ps, n - i0, D);
-            decode_all_heads(qs, D, kt, scores + p - P0 + i0, n - i0, a->scale, rep, 1, D);
+        if (i0_ < n) {
+            transpose_rows(kt, kb + i0_ * ps, ps, n - i0_, D);
+            decode_all_heads(qs, D, kt, scores + p - P0 + i0_, n - i0_, a->scale, nv, 1, D);
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
-        for (int v = 0; v < rep; ++v)
+        for (int u = 0; u < nv; ++u)
             for (int p = r0; p < P1; ++p)
-                scores[(int64_t)v * PART + p - P0] = soft_cap(scores[(int64_t)v * PART + p - P0], a->softcap);
-    for (int v = 0; v < rep; ++v) /* a block holding lo was scored whole: mask its head */
-        for (int p = r0; p < lo; ++p) scores[(int64_t)v * PART + p - P0] = -INFINITY;
-    float *maxima = partial + (int64_t)rep * D, *sums = maxima + rep;
-    const int lo_rel = lo > P0 ? lo - P0 : 0;
-    for (int v = 0; v < rep; ++v)
-        sums[v] = softmax_numerators(scores + (int64_t)v * PART, P1 - P0, lo_rel, maxima + v);
-    /* the weighted V sums, SUB positions at a time for all the heads: those V rows stay in L1 for
-     * every head's pass (a partition's, once per head, came from L2) */
+                scores[(int64_t)u * PART + p - P0] = soft_cap(scores[(int64_t)u * PART + p - P0], a->softcap);
+    for (int i = i0; i < i1; ++i) {
+        const int ctx_i = sq.ctx - R + 1 + i, lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
+        const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
+        float *sc = scores + (int64_t)(i - i0) * rep * PART;
+        /* positions before the row's window (a block holding lo was scored whole) are masked */
+        for (int v = 0; v < rep; ++v)
+            for (int p = P0; p < lo_i; ++p) sc[(int64_t)v * PART + p - P0] = -INFINITY;
+        float *maxima = partial + i * pstride + (int64_t)rep * D, *sums = maxima + rep;
+        const int lo_rel = lo_i > P0 ? lo_i - P0 : 0;
+        for (int v = 0; v < rep; ++v)
+            sums[v] = softmax_numerators(sc + (int64_t)v * PART, P1_i - P0, lo_rel, maxima + v);
+    }
+    /* the weighted V sums, SUB positions at a time for all the rows and heads: those V rows stay in
+     * L1 for every pass (a partition's, once per head, came from L2); row i's over its own
+     * positions [r0_i, P1_i), from 0 at r0_i */
     for (int s0 = r0; s0 < P1; s0 += SUB) {
         const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
-        int v = 0;
-        for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
-            decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, s0, s1,
-                               partial + (int64_t)v * D, s0 == r0, DECODE_PV_GROUP, D);
-        for (; v < rep; ++v)
-            decode_part_output(a, &sq, h * rep + v, scores + (int64_t)v * PART, P0, s0, s1,
-                               partial + (int64_t)v * D, s0 == r0, 1, D);
+        for (int i = i0; i < i1; ++i) {
+            const int ctx_i = sq.ctx - R + 1 + i, lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
+            const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
+            const int r0_i = P0 > lo_i / bs * bs ? P0 : lo_i / bs * bs;
+            const int t0 = s0 > r0_i ? s0 : r0_i, t1 = s1 < P1_i ? s1 : P1_i;
+            if (t0 >= t1) continue;
+            const float *sc = scores + (int64_t)(i - i0) * rep * PART;
+            float *pr = partial + i * pstride;
+            int v = 0;
+            for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
+                decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,
+                                   t0 == r0_i, DECODE_PV_GROUP, D);
+            for (; v < rep; ++v)
+                decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,
+                                   t0 == r0_i, 1, D);
+        }
     }
 }
 
-/* A decode's output: its partitions' results merged in order, then divided by the sum. */
-static void merge_decode(const Args *a, int b, int h, const float *partials, int D) {
+/* A split-K row's output (query row `row` of sequence b, context its position + 1): its
+ * partitions' results merged in order, then divided by the sum. */
+static void merge_decode(const Args *a, int b, int h, int row, const float *partials, int D) {
     const int rep = a->num_heads / a->num_kv_heads;
     const Seq sq = seq_of(a, b);
-    const int ctx = sq.ctx;
+    const int ctx = sq.ctx - sq.q_len + row + 1;
     const int lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
     const int64_t per = (int64_t)rep * (D + 2);
     for (int v = 0; v < rep; ++v) {
-        float *o = a->out + ((int64_t)sq.start * a->num_heads + h * rep + v) * D;
+        float *o = a->out + ((int64_t)(sq.start + row) * a->num_heads + h * rep + v) * D;
         float m = -FLT_MAX, l = 0.0f;
         for (int d = 0; d < D; ++d) o[d] = 0.0f;
         for (int part = lo / PART; part * PART < ctx; ++part) {
@@ -1142,15 +1180,19 @@ INLINE void amx_split_partition(const Args *a, const Seq *sq, int h, int P0, int
     for (int i = 0; i < nb32 * 32; i += 2) amx_split_v_pair(vrow[i], vrow[i + 1], vp, i, D);
 }
 
-/* A decode's partition `part` on the tiles: its rep query heads of KV head h in groups of 16, the
- * same partial as attend_decode_part (rep rows of D weighted V sums, rep maxima, rep sums). */
-static void attend_decode_part_amx(const Args *a, int b, int h, int part, char *scratch, float *partial,
+/* A split-K row's partition `part` on the tiles (query row `row` of sequence b, context its
+ * position + 1: a decode's one row, or one of a few rows at depth): its rep query heads of KV head
+ * h in groups of 16, the same partial as attend_rows_part (rep rows of D weighted V sums, rep
+ * maxima, rep sums); nothing where the row's context ends before the partition or its window
+ * starts after it. A few rows split each partition's K and V once per row (the path is off by
+ * default; its bits are the decode's, as the fp32 path's are). */
+static void attend_decode_part_amx(const Args *a, int b, int h, int row, int part, char *scratch, float *partial,
                                    int fetch, const int D) {
     const int rep = a->num_heads / a->num_kv_heads, bs = a->block_size;
     const Seq sq = seq_of(a, b);
-    const int ctx = sq.ctx, lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    const int ctx = sq.ctx - sq.q_len + row + 1, lo = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
     const int P0 = part * PART, P1 = P0 + PART < ctx ? P0 + PART : ctx;
-    if (P1 <= lo) return;
+    if (P1 <= lo || P0 >= ctx) return;
     AmxBufs bf;
     amx_carve(&bf, scratch, D, 0);
     const int r0 = P0 > lo / bs * bs ? P0 : lo / bs * bs, n = P1 - P0;
@@ -1161,7 +1203,7 @@ static void attend_decode_part_amx(const Args *a, int b, int h, int part, char *
     for (int g0 = 0; g0 < rep; g0 += AG) {
         const int G = rep - g0 < AG ? rep - g0 : AG;
         const float *qv[AG];
-        for (int i = 0; i < G; ++i) qv[i] = query_at(a, &sq, 0, h * rep + g0 + i);
+        for (int i = 0; i < G; ++i) qv[i] = query_at(a, &sq, row, h * rep + g0 + i);
         amx_split_queries(qv, G, bf.qp, D);
         AmxGroup gr = {bf.qp, G, los, lims, bf.st, bf.scores, bf.wp, partial + (int64_t)g0 * D, maxima + g0, sums + g0};
         amx_partition(a, &gr, 1, n, bf.kp, bf.vp, D);
@@ -1321,8 +1363,25 @@ int32_t llmserve_paged_attention_amx(int32_t on) {
 typedef struct {
     int32_t *items, *meta, *merges;
     int64_t items_cap, meta_cap, merges_cap, num_items, num_merges, num_slots, builds;
-    int32_t num_seqs, num_heads, num_kv_heads, longest, threads;
+    int32_t num_seqs, num_heads, num_kv_heads, longest, threads, split_rows;
 } WorkList;
+
+/* Whether a sequence's q_len rows after ctx - q_len positions run split-K (a decode's work items,
+ * all rows in each: FEW_ROWS rows at most, from FEW_ROWS_DEPTH positions of context on) rather than
+ * as a chunk's tiles. The same bits either way (a chunk's row equals the decode of its position);
+ * the choice is speed only. Split-K reads each partition's K/V once for all rows and computes only
+ * real query vectors, at a cost that grows with the rows; the tiles cost by the lanes they fill
+ * (TILE per tile, idle lanes included). Measured (Qwen2.5-0.5B's 7 query heads per KV head, 7.2k
+ * of context, two threads, AVX-512: TILE 32): split-K 1.53x the tiles at 2 rows (14 of 32 lanes
+ * used), 1.17x at 3 (21/32), 1.22x at 5 (35/64), 1.12x at 6 (42/64); 0.93x at 4 (28/32), 0.98x at
+ * 7 (49/64), 0.89x at 8 (56/64), 0.79x at 9 (63/64), 0.82x at 16 (112/128): so split-K where the
+ * tiles would leave more than a quarter of their lanes idle. */
+#define FEW_ROWS 16
+#define FEW_ROWS_DEPTH (2 * PART)
+INLINE int split_k_rows(int q_len, int ctx, int rep) {
+    const int lanes = (q_len * rep + TILE - 1) / TILE * TILE;
+    return q_len == 1 || (q_len > 1 && q_len <= FEW_ROWS && ctx >= FEW_ROWS_DEPTH && 4 * q_len * rep <= 3 * lanes);
+}
 
 static _Thread_local WorkList work_list = {.num_seqs = -1};
 
@@ -1356,43 +1415,50 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
         int64_t chunk_items = 0;
         for (int b = 0; b < num_seqs; ++b) {
             const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-            if (q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
+            if (!split_k_rows(q_len, seq_lens[b], rep) && q_len > 1) chunk_items += (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
         }
         if (tg <= TG_MIN || chunk_items >= 4 * (int64_t)(threads > 1 ? threads : 1)) break;
     }
+    int32_t split_rows = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        /* a decode: an item per partition, for all its KV heads; a chunk: per KV head and group of tiles */
-        num_items += q_len == 0 ? 0 : q_len == 1 ? (seq_lens[b] + PART - 1) / PART
-                                                 : (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
-        num_merges += q_len == 1 ? num_kv_heads : 0;
+        const int split = split_k_rows(q_len, seq_lens[b], rep);
+        /* split-K (a decode, a few rows at depth): an item per partition, for all its KV heads and
+         * rows; a chunk: per KV head and group of tiles */
+        num_items += q_len == 0 ? 0 : split ? (seq_lens[b] + PART - 1) / PART
+                                            : (int64_t)num_kv_heads * ((q_len * rep + tg * TILE - 1) / (tg * TILE));
+        num_merges += split ? (int64_t)num_kv_heads * q_len : 0;
+        if (split && q_len > split_rows) split_rows = q_len;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
     w->num_seqs = -1; /* not valid until built */
     if (!grow((void **)&w->items, &w->items_cap, 4 * num_items, sizeof(int32_t)) ||
-        !grow((void **)&w->merges, &w->merges_cap, 3 * num_merges, sizeof(int32_t)) ||
+        !grow((void **)&w->merges, &w->merges_cap, 4 * num_merges, sizeof(int32_t)) ||
         !grow((void **)&w->meta, &w->meta_cap, meta_n, sizeof(int32_t)))
         return NULL;
     int64_t n = 0, nm = 0, slot = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-        for (int h = 0; h < num_kv_heads; ++h) {
-            if (q_len == 1) {
-                const int parts = (seq_lens[b] + PART - 1) / PART;
-                if (h == 0) /* KV head k's slots follow head 0's, k * parts on */
-                    for (int part = 0; part < parts; ++part) {
-                        int32_t *it = w->items + 4 * n++;
-                        it[0] = b, it[1] = -1, it[2] = part, it[3] = (int32_t)slot;
-                    }
-                int32_t *mg = w->merges + 3 * nm++;
-                mg[0] = b, mg[1] = h, mg[2] = (int32_t)slot;
-                slot += parts;
-            } else
-                for (int v0 = 0; v0 < q_len * rep; v0 += tg * TILE) {
-                    int32_t *it = w->items + 4 * n++;
-                    it[0] = b, it[1] = h, it[2] = v0, it[3] = -tg;
+        const int split = split_k_rows(q_len, seq_lens[b], rep);
+        if (split) { /* row r's KV head k's slots: (r * KV heads + k) * parts after the first */
+            const int parts = (seq_lens[b] + PART - 1) / PART;
+            for (int part = 0; part < parts; ++part) {
+                int32_t *it = w->items + 4 * n++;
+                it[0] = b, it[1] = -1, it[2] = part, it[3] = (int32_t)slot;
+            }
+            for (int r = 0; r < q_len; ++r)
+                for (int h = 0; h < num_kv_heads; ++h) {
+                    int32_t *mg = w->merges + 4 * nm++;
+                    mg[0] = b, mg[1] = h, mg[2] = (int32_t)slot, mg[3] = r;
+                    slot += parts;
                 }
+            continue;
         }
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int v0 = 0; v0 < q_len * rep; v0 += tg * TILE) {
+                int32_t *it = w->items + 4 * n++;
+                it[0] = b, it[1] = h, it[2] = v0, it[3] = -tg;
+            }
     }
     memcpy(w->meta, query_start_loc, sizeof(int32_t) * ((size_t)num_seqs + 1));
     memcpy(w->meta + num_seqs + 1, seq_lens, sizeof(int32_t) * (size_t)num_seqs);
@@ -1404,12 +1470,17 @@ static const WorkList *work_list_for(const int32_t *seq_lens, const int32_t *que
     w->num_heads = num_heads;
     w->num_kv_heads = num_kv_heads;
     w->threads = threads;
+    w->split_rows = split_rows;
     w->num_seqs = num_seqs;
     return w;
 }
 
 /* How many times this thread built a work list (tests count them). */
 int64_t llmserve_paged_attention_work_list_builds(void) { return work_list.builds; }
+
+/* The most query rows of one sequence that this thread's last work list runs split-K (1: decodes
+ * only; 0: none): tests see which route a few rows took (the bits are the same on both). */
+int32_t llmserve_paged_attention_split_rows(void) { return work_list.split_rows; }
 
 /* A thread's scratch buffer, kept and grown, never freed (an allocation per item cost more than
  * the item on short contexts). */
@@ -1463,15 +1534,17 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             const int b = it[0], h = it[1], v0 = it[2];
             if (it[3] >= 0) {
                 const int64_t parts = (a->seq_lens[b] + PART - 1) / PART;
-                for (int kh = 0; kh < a->num_kv_heads; ++kh) {
-                    float *partial = j->partials + (it[3] + kh * parts + v0) * per;
-                    const int fetch = kh == 0 ? a->num_kv_heads : 0;
-                    switch (j->head_dim) {
-                    case 64: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, 64); break;
-                    case 128: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, 128); break;
-                    default: attend_decode_part_amx(a, b, kh, v0, (char *)scratch, partial, fetch, j->head_dim);
+                const int R = a->query_start_loc[b + 1] - a->query_start_loc[b];
+                for (int r = 0; r < R; ++r)
+                    for (int kh = 0; kh < a->num_kv_heads; ++kh) {
+                        float *partial = j->partials + (it[3] + (r * a->num_kv_heads + kh) * parts + v0) * per;
+                        const int fetch = kh == 0 && r == 0 ? a->num_kv_heads : 0;
+                        switch (j->head_dim) {
+                        case 64: attend_decode_part_amx(a, b, kh, r, v0, (char *)scratch, partial, fetch, 64); break;
+                        case 128: attend_decode_part_amx(a, b, kh, r, v0, (char *)scratch, partial, fetch, 128); break;
+                        default: attend_decode_part_amx(a, b, kh, r, v0, (char *)scratch, partial, fetch, j->head_dim);
+                        }
                     }
-                }
             } else
                 switch (j->head_dim) {
                 case 64: attend_chunk_amx(a, b, h, v0, -it[3], (char *)scratch, 64); break;
@@ -1486,17 +1559,19 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
         const int32_t *it = j->items + 4 * i;
         const int b = it[0], h = it[1], v0 = it[2];
-        if (it[3] >= 0) { /* a decode's partition v0, every KV head in turn: dot products */
+        if (it[3] >= 0) { /* a split-K partition v0 (a decode's, or a few rows'), every KV head in turn */
             const int64_t parts = (a->seq_lens[b] + PART - 1) / PART;
+            const int R = a->query_start_loc[b + 1] - a->query_start_loc[b];
+            const int64_t pstride = (int64_t)a->num_kv_heads * parts * per; /* row r's slots follow row 0's */
             for (int kh = 0; kh < a->num_kv_heads; ++kh) {
                 float *partial = j->partials + (it[3] + kh * parts + v0) * per;
                 /* the first head prefetches every head's rows (whole rows of the cache: memory read
                  * in order, once); the others find them in L2 */
                 const int fetch = kh == 0 ? a->num_kv_heads : 0;
                 switch (SPECIALIZED ? j->head_dim : 0) {
-                case 64: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 64); break;
-                case 128: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, 128); break;
-                default: attend_decode_part(a, b, kh, v0, scratch, partial, fetch, j->head_dim);
+                case 64: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, 64); break;
+                case 128: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, 128); break;
+                default: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, j->head_dim);
                 }
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
@@ -1517,8 +1592,8 @@ static void merge_items(void *ctx, int64_t begin, int64_t end) {
     attention_job *j = ctx;
     const int64_t per = (int64_t)(j->a->num_heads / j->a->num_kv_heads) * (j->head_dim + 2);
     for (int64_t i = begin; i < end; ++i) {
-        const int32_t *mg = j->merges + 3 * i;
-        merge_decode(j->a, mg[0], mg[1], j->partials + mg[2] * per, j->head_dim);
+        const int32_t *mg = j->merges + 4 * i;
+        merge_decode(j->a, mg[0], mg[1], mg[3], j->partials + mg[2] * per, j->head_dim);
     }
 }
 
@@ -1544,7 +1619,8 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     float *partials = w->num_slots ? decode_partials(per * (size_t)w->num_slots) : NULL;
     if (w->num_slots && !partials) return -2;
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
-    const size_t decode_floats = (size_t)rep * PART + 2 * (size_t)head_dim * W + (size_t)rep * head_dim;
+    const size_t rows = w->split_rows > 1 ? (size_t)w->split_rows : 1;
+    const size_t decode_floats = rows * rep * PART + 2 * (size_t)head_dim * W + rows * rep * head_dim;
     const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
