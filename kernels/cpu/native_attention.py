@@ -258,42 +258,36 @@ def amx_tiles(on: bool | None = None, isa: str | None = None) -> bool:
     return bool(fn(-1 if on is None else int(on)))
 
 
-def _debug_entry(name: str, isa: str | None):
+def _debug_call(name: str, isa: str | None, a, b, out_shape, extra: tuple = (), extra_types: tuple = ()):
+    """Run a tile-path debug entry ``name(a, a rows, b, b rows, D, *extra, out)`` on fp32 copies of
+    ``a`` and ``b`` (D: ``a``'s columns for the scores, ``b``'s for the V pass): the ``out_shape``
+    result, or None where the build or the machine has no tiles."""
+    import numpy as np
+
     lib = native_build.load_or_none("paged_attention", isa)
     fn = getattr(lib, name, None) if lib is not None else None
-    if fn is not None:
-        fn.restype = _I32
-    return fn
+    if fn is None:
+        return None
+    a, b = (np.ascontiguousarray(x, dtype=np.float32) for x in (a, b))
+    out = np.empty(out_shape(a, b), dtype=np.float32)
+    fn.restype, fn.argtypes = _I32, [_P, _I32, _P, _I32, _I32, *extra_types, _P]
+    dim = a.shape[1] if extra else b.shape[1]
+    rc = fn(a.ctypes.data, a.shape[0], b.ctypes.data, b.shape[0], dim, *extra, out.ctypes.data)
+    return out if rc == 0 else None
 
 
 def amx_scores(q, k, scale: float, isa: str | None = "avx512"):
     """The tile path's scores of G <= 16 queries (G x D, fp32) at n <= 256 positions (n x D):
     G x n, or None where the tiles do not run."""
-    import numpy as np
-
-    q, k = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k))
-    out = np.empty((q.shape[0], k.shape[0]), dtype=np.float32)
-    fn = _debug_entry("llmserve_attention_amx_scores", isa)
-    if fn is None:
-        return None
-    fn.argtypes = [_P, _I32, _P, _I32, _I32, _F32, _P]
-    rc = fn(q.ctypes.data, q.shape[0], k.ctypes.data, k.shape[0], q.shape[1], scale, out.ctypes.data)
-    return out if rc == 0 else None
+    shape = lambda q, k: (q.shape[0], k.shape[0])  # noqa: E731
+    return _debug_call("llmserve_attention_amx_scores", isa, q, k, shape, (scale,), (_F32,))
 
 
 def amx_weighted_v(w, v, isa: str | None = "avx512"):
     """The tile path's weighted V sums of G <= 16 weight rows (G x n) over n <= 256 V rows (n x D):
     G x D, or None where the tiles do not run."""
-    import numpy as np
-
-    w, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (w, v))
-    out = np.empty((w.shape[0], v.shape[1]), dtype=np.float32)
-    fn = _debug_entry("llmserve_attention_amx_weighted_v", isa)
-    if fn is None:
-        return None
-    fn.argtypes = [_P, _I32, _P, _I32, _I32, _P]
-    rc = fn(w.ctypes.data, w.shape[0], v.ctypes.data, v.shape[0], v.shape[1], out.ctypes.data)
-    return out if rc == 0 else None
+    shape = lambda w, v: (w.shape[0], v.shape[1])  # noqa: E731
+    return _debug_call("llmserve_attention_amx_weighted_v", isa, w, v, shape)
 
 
 # The tile path's products in order per 32 k steps, (C sum, A part, B part), parts 0, 1, 2: the
