@@ -197,6 +197,9 @@ int32_t llmserve_gemm_bf16_amx(int32_t on) {
     return bf16_amx_use && amx_bf16_listed() && amx_active();
 }
 
+/* Columns a panel of the packed form holds (its panels are one after another, each the same size). */
+int32_t llmserve_gemm_bf16_amx_panel_width(void) { return ANP; }
+
 /* Elements (uint16) of the packed form of an n x k weight. */
 int64_t llmserve_gemm_bf16_amx_size(int64_t n, int64_t k) {
     return (n + ANP - 1) / ANP * ((k + AKT - 1) / AKT) * (ANP * AKT);
