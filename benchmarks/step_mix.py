@@ -8,6 +8,9 @@ step (10th / 50th / 90th percentile). Engine options as JSON, one run per set, i
 
     python -m benchmarks.step_mix --model qwen2.5-coder-0.5b --requests 64 \\
         --options '{"decode_stall_factor": 3}' '{}'
+
+``--weights bf16 gguf`` runs each option set on real_peer's bf16 directory (``models/<model>-bf16``)
+and on the GGUF, in that order; the table then also gives each kind's ms a token per weights.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import time
 
 import numpy as np
 
-from benchmarks.real_peer import gguf_file, workload
+from benchmarks.real_peer import bf16_dir, gguf_file, workload
 
 KINDS = ("prompt", "mixed", "decode")
+ROW_BANDS = ((1, 7), (8, 15), (16, 31), (32, 32), (33, 256))  # decode steps by rows
 
 
-def run(model: str, num: int, options: dict) -> dict:
+def run(model: str, num: int, options: dict, weights: str = "gguf") -> dict:
     from engine_svc import LLM, SamplingParams
 
-    llm = LLM(str(gguf_file(model)), device="cpu", seed=0, **options)
+    path = gguf_file(model) if weights == "gguf" else bf16_dir(model)
+    llm = LLM(str(path), device="cpu", seed=0, **options)
     engine, sched = llm.engine, llm.engine.scheduler
     plan, step, steps, current = sched.schedule, engine.step, [], {}
 
@@ -71,6 +76,7 @@ def run(model: str, num: int, options: dict) -> dict:
     pct = [10, 50, 90]
     return dict(
         options=options,
+        weights=weights,
         wall_s=wall,
         output_tok_s=tokens / wall,
         steps=len(steps),
@@ -79,6 +85,7 @@ def run(model: str, num: int, options: dict) -> dict:
         mixed_rows_pct=np.percentile([s["prompt"] + s["decode"] for s in mixed], pct).tolist()
         if mixed
         else None,
+        decode_steps=[(s["decode"], s["seconds"]) for s in steps if not s["prompt"]],
     )
 
 
@@ -87,25 +94,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--options", nargs="+", default=["{}"], help="engine options as JSON, one run each")
+    ap.add_argument(
+        "--weights", nargs="+", choices=("gguf", "bf16"), default=["gguf"],
+        help="the GGUF and/or real_peer's bf16 dir, one run each per option set",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     results = []
     for text in args.options:
-        r = run(args.model, args.requests, json.loads(text))
-        results.append(r)
-        print(
-            f"{r['options']}: {r['output_tok_s']:.1f} output tok/s, {r['wall_s']:.1f} s, {r['steps']} steps"
-        )
-        for name, k in r["kinds"].items():
-            share = k["seconds"] / r["wall_s"]
-            print(
-                f"  {name:6s} steps {k['steps']:5d}  {k['seconds']:6.1f} s ({share:.0%})"
-                f"  prompt tokens {k['prompt']:6d}  decode tokens {k['decode']:6d}"
-            )
-        if r["mixed_prompt_pct"]:
-            print(
-                f"  mixed steps' prompt tokens p10/50/90 {r['mixed_prompt_pct']}, rows {r['mixed_rows_pct']}"
-            )
+        for weights in args.weights:
+            r = run(args.model, args.requests, json.loads(text), weights)
+            results.append(r)
+            report(r)
     return results
+
+
+def report(r: dict) -> None:
+    print(
+        f"{r['options']} ({r['weights']}): {r['output_tok_s']:.1f} output tok/s, {r['wall_s']:.1f} s,"
+        f" {r['steps']} steps"
+    )
+    for name, k in r["kinds"].items():
+        share = k["seconds"] / r["wall_s"]
+        tokens = k["prompt"] + k["decode"]
+        per = 1e3 * k["seconds"] / tokens if tokens else 0.0
+        print(
+            f"  {name:6s} steps {k['steps']:5d}  {k['seconds']:6.1f} s ({share:.0%})"
+            f"  prompt tokens {k['prompt']:6d}  decode tokens {k['decode']:6d}  {per:.2f} ms a token"
+        )
+    for lo, hi in ROW_BANDS:
+        band = [s for s in r["decode_steps"] if lo <= s[0] <= hi]
+        if band:
+            sec, tok = sum(s[1] for s in band), sum(s[0] for s in band)
+            print(
+                f"  decode {lo:3d}-{hi:3d} rows: steps {len(band):4d}  {sec:6.1f} s"
+                f"  {1e3 * sec / tok:.2f} ms a token"
+            )
+    if r["mixed_prompt_pct"]:
+        print(f"  mixed steps' prompt tokens p10/50/90 {r['mixed_prompt_pct']}, rows {r['mixed_rows_pct']}")
 
 
 if __name__ == "__main__":

@@ -428,9 +428,10 @@ class DecoderForCausalLM(nn.Module):
     @inference
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``sampler.argmax_rows(self.compute_logits(hidden))``, the same indices; on the CPU with
-        an int8-activation head, a vocabulary slice at a time (kernels/cpu/greedy_head.py): the
-        whole ``[rows, vocab]`` logits are never written. Not with a logit soft-cap (torch's
-        tanh is not promised the same bits on a slice as on the whole row), nor sharded."""
+        an int8-activation or native (fp32 / bf16 / fp16) head, a vocabulary slice at a time
+        (kernels/cpu/greedy_head.py): the whole ``[rows, vocab]`` logits are never written. Not
+        with a logit soft-cap (torch's tanh is not promised the same bits on a slice as on the
+        whole row), nor sharded."""
         chunked = None
         if self.shard.size == 1 and hidden.is_cpu and self.spec.final_logit_softcap is None:
             head = self.lm_head_proj

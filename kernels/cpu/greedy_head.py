@@ -1,17 +1,20 @@
 """Greedy tokens from the LM head without the step's whole ``[rows, vocab]`` logits.
 
 A step whose sample rows are all greedy (no logprobs, no logit controls) needs of the head's output
-only each row's argmax. The head's packed int8-activation GEMM (``quant_int8act.Int8ActLinear``)
-is run over the vocabulary a slice at a time into one small buffer that stays in cache, and each
-slice's argmax is merged into the rows' best so far: the logits of a 151,936-token vocabulary at
-64-256 rows (39-156 MB of fp32, a fresh allocation each step, so page faults too) are never
-written out whole, and the argmax reads them from cache instead of memory.
+only each row's argmax. The head's packed GEMM (an int8-activation ``quant_int8act.Int8ActLinear``,
+or a native fp32 / bf16 / fp16 ``native_gemm.NativeLinear``: a bf16 checkpoint's untied head, on
+the AMX-BF16 tiles or the FMA panels) is run over the vocabulary a slice at a time into one small
+buffer that stays in cache, and each slice's argmax is merged into the rows' best so far: the
+logits of a 151,936-token vocabulary at 64-256 rows (39-156 MB of fp32, a fresh allocation each
+step, so page faults too) are never written out whole, and the argmax reads them from cache
+instead of memory.
 
 The same bits: a slice is the GEMM's own packed panels (``llmserve_qi8_packed_bytes`` counts
 whole panels of ``llmserve_qi8_panel_width`` columns, so a slice that starts on a panel is the
-packed buffer from that panel on), and each output of the kernel is its own row and column's
-math, whatever the call's width. The merge keeps ``sampler.argmax_rows``' rule: the first maximum,
-a NaN counting as the maximum (numpy's argmax: its first NaN), so the index equals the argmax of
+packed buffer from that panel on; ``NativeLinear.columns`` likewise), and each output of the
+kernel is its own row and column's math, whatever the call's width. The merge keeps
+``sampler.argmax_rows``' rule: the first maximum, a NaN counting as the maximum (numpy's argmax:
+its first NaN), so the index equals the argmax of
 the whole row (tests/test_greedy_head.py, ties and NaNs across slice boundaries included)."""
 
 from __future__ import annotations
@@ -31,17 +34,21 @@ class ChunkedArgmax:
 
     def __init__(self, linear, lib, panel: int):
         self.linear = linear
-        self.lib = lib
+        self.lib = lib  # None: a NativeLinear (its own ``columns``)
         self.panel = panel
         self._buf = torch.empty(0)
 
     @classmethod
     def of(cls, linear) -> ChunkedArgmax | None:
-        """The chunked argmax for ``linear``, or None where it is not an int8-activation linear of
-        one format whose panels can be sliced (then the caller takes the whole logits)."""
+        """The chunked argmax for ``linear``, or None where it is neither an int8-activation linear
+        of one format whose panels can be sliced nor a native linear (then the caller takes the
+        whole logits)."""
+        from kernels.cpu.native_gemm import NativeLinear
         from kernels.cpu.quant_gemm import SEGMENTS
         from kernels.cpu.quant_int8act import Int8ActLinear, library
 
+        if type(linear) is NativeLinear:
+            return cls(linear, None, linear.panel)
         if type(linear) is not Int8ActLinear or linear.code == SEGMENTS:
             return None
         lib = library(linear.isa)
@@ -81,14 +88,10 @@ class ChunkedArgmax:
         threads = torch.get_num_threads()
         for c0 in range(0, n, width):
             w = min(width, n - c0)
-            offset = self.lib.llmserve_qi8_packed_bytes(lin.code, c0, k)
-            bias = None if lin.bias is None else lin.bias[c0 : c0 + w].data_ptr()
-            rc = lin._gemm(
-                lin.code, x.data_ptr(), rows, k, x.stride(0), lin._packed_ptr + offset, w, bias,
-                self._buf.data_ptr(), w, threads,
-            )  # fmt: skip
-            if rc != 0:
-                raise RuntimeError(f"quant_int8act failed on {lin.fmt} with k={k} ({rc})")
+            if self.lib is None:
+                lin.columns(x, c0, w, self._buf)
+            else:
+                self._slice(x, c0, w, threads)
             y = flat[: rows * w].reshape(rows, w)
             i = y.argmax(axis=-1)
             v = y[every, i]
@@ -99,3 +102,15 @@ class ChunkedArgmax:
             best_v[take] = v[take]
             nan_seen |= v_nan
         return best_i
+
+    def _slice(self, x: torch.Tensor, c0: int, w: int, threads: int) -> None:
+        """The int8-activation head's columns [c0, c0 + w) into the buffer."""
+        lin, k, rows = self.linear, self.linear.in_features, x.shape[0]
+        offset = self.lib.llmserve_qi8_packed_bytes(lin.code, c0, k)
+        bias = None if lin.bias is None else lin.bias[c0 : c0 + w].data_ptr()
+        rc = lin._gemm(
+            lin.code, x.data_ptr(), rows, k, x.stride(0), lin._packed_ptr + offset, w, bias,
+            self._buf.data_ptr(), w, threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"quant_int8act failed on {lin.fmt} with k={k} ({rc})")

@@ -35,6 +35,7 @@ _SIGNATURES = {
 _AMX_SIGNATURES = {
     "llmserve_gemm_bf16_amx": ([_I32], _I32),
     "llmserve_gemm_bf16_amx_size": ([_I64, _I64], _I64),
+    "llmserve_gemm_bf16_amx_panel_width": ([], _I32),
     "llmserve_gemm_pack_bf16_amx": ([_P, _I64, _I64, _P], None),
     "llmserve_gemm_bf16w_amx": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
 }
@@ -93,7 +94,9 @@ def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
 class NativeLinear:
     """``F.linear(x, weight, bias)`` on the CPU in fp32, on a weight packed at construction: as fp32,
     or as bf16 / fp16 when ``weight`` is (or ``weight_dtype`` says: the weight rounded to it first).
-    The output is fp32 either way."""
+    The output is fp32 either way. The packed weight is panels of ``panel`` columns one after
+    another, ``panel_elems`` elements each, and an output is its own row and column's math whatever
+    the call's width: ``columns`` runs a slice of panels (kernels/cpu/greedy_head.py)."""
 
     kind = "native"
 
@@ -122,9 +125,12 @@ class NativeLinear:
         if self.amx:
             size = lib.llmserve_gemm_bf16_amx_size(self.out_features, self.in_features)
             pack, self._gemm = lib.llmserve_gemm_pack_bf16_amx, lib.llmserve_gemm_bf16w_amx
+            self.panel = int(lib.llmserve_gemm_bf16_amx_panel_width())
+            self.panel_elems = lib.llmserve_gemm_bf16_amx_size(self.panel, self.in_features)
         else:
             nb = lib.llmserve_gemm_panel_width()
             size = -(-self.out_features // nb) * nb * self.in_features
+            self.panel, self.panel_elems = int(nb), int(nb) * self.in_features
             pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
             self._gemm = lib.llmserve_gemm_f32 if fp32 else getattr(lib, _HALF_GEMM[self.weight_dtype])
         self.packed = torch.empty(size, dtype=self.weight_dtype)
@@ -142,6 +148,24 @@ class NativeLinear:
             self.out_features,
             self.in_features,
         )
+
+    def columns(self, x: torch.Tensor, c0: int, width: int, y: torch.Tensor) -> None:
+        """Output columns [c0, c0 + width) of ``self(x)`` into ``y`` (rows ``width`` apart, fp32):
+        x [rows, in] unit-stride fp32, c0 a multiple of ``panel``."""
+        if c0 % self.panel or c0 < 0 or width <= 0 or c0 + width > self.out_features:
+            raise ValueError(f"columns [{c0}, {c0 + width}) of {self.out_features} by panels of {self.panel}")
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.stride(-1) != 1 or x.dtype != torch.float32:
+            raise ValueError(
+                f"columns takes unit-stride fp32 rows of {self.in_features}, got {tuple(x.shape)}"
+            )
+        if y.dtype != torch.float32 or y.numel() < x.shape[0] * width:
+            raise ValueError("columns writes fp32 rows of width into y")
+        offset = c0 // self.panel * self.panel_elems * self.packed.element_size()
+        bias = None if self.bias is None else self.bias[c0 : c0 + width].data_ptr()
+        self._gemm(
+            x.data_ptr(), x.shape[0], self.in_features, x.stride(0), self._packed_ptr + offset, width, bias,
+            y.data_ptr(), width, torch.get_num_threads(),
+        )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
