@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         step = r["parts_s"].get("step", 0.0)
         print(
-            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step (the served default): "
-            f"{1e3 * step:.1f} ms a step"
+            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step"
+            f" (the served default): {1e3 * step:.1f} ms a step"
         )
         for label, v in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
             if label != "step":
