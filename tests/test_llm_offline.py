@@ -245,3 +245,42 @@ def test_offline_prompt_chunks_beside_decodes_take_the_whole_budget(default_mode
     )
     assert capped.engine.scheduler.stall_factor == 3.0
     assert_pool_whole(llm.engine)
+
+
+def test_offline_steps_seat_every_running_sequence(default_model_dir):
+    """Offline, nobody reads a token before ``generate`` returns: every running sequence takes each
+    step (vLLM's offline batch is max_num_seqs wide), not the server's CPU seats (16 a thread,
+    docs/slow-readers.md), which would leave the rest to sit steps out."""
+    import torch
+
+    from engine_svc.config import EngineConfig
+    from engine_svc.engine import seqs_per_step
+
+    served = seqs_per_step(EngineConfig(model=str(default_model_dir)), torch.device("cpu"))
+    # more sequences than the served seats (where threads are few enough for those to be < 256)
+    num = min(served + 8, 256)
+    llm = LLM(model=str(default_model_dir), max_num_batched_tokens=2048, num_kv_blocks=num * 2 + 8)
+    sched = llm.engine.scheduler
+    plan, widths = sched.schedule, []
+
+    def schedule():
+        out = plan()
+        widths.append(len(out.seqs))
+        return out
+
+    sched.schedule = schedule
+    prompts = [[3 + (7 * i + j) % 500 for j in range(5)] for i in range(num)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert max(widths) == num, (widths, served)
+    assert sched.max_per_step == 256
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    # the same tokens as a prompt alone (a row's bits do not depend on the step's width)
+    for i in (0, num - 1):
+        solo = llm.generate([prompts[i]], params, use_tqdm=False)[0]
+        assert solo.outputs[0].token_ids == outs[i].outputs[0].token_ids
+    served_llm = LLM(
+        model=str(default_model_dir), num_kv_blocks=16, max_seqs_per_step=None, decode_stall_factor=None
+    )
+    assert served_llm.engine.scheduler.max_per_step == served
+    assert_pool_whole(llm.engine)
