@@ -15,7 +15,7 @@ import torch
 from engine_svc.config import CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD, EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap, return_freed_memory
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
-from engine_svc.kv_budget import available_memory, cpu_default_kv_bytes
+from engine_svc.kv_budget import available_memory, cpu_default_kv_bytes, replicas_sharing
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
 from engine_svc.kv_tiers.setup import build_tiers
@@ -579,7 +579,8 @@ class LLMEngine:
         else:
             per_seq = layout.blocks_per_seq(self.max_model_len, c.block_size, c.max_num_batched_tokens)
             enough = c.max_num_seqs * per_seq + int(layout.windowed)  # (+ the null page)
-            nbytes, how = cpu_default_kv_bytes(*available_memory(), ranks=shard.size)
+            available = available_memory()
+            nbytes, how = cpu_default_kv_bytes(*available, ranks=shard.size, replicas=replicas_sharing())
             budget = f"a budget of {nbytes >> 20} MiB: {how}"
             if enough < nbytes // per_block:
                 budget += f", cut to what {c.max_num_seqs} sequences of {self.max_model_len} tokens can hold"

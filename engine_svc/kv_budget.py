@@ -9,7 +9,9 @@ what is available at start, measured after the weights are loaded (so they are n
   engine's own step buffers and heap growth, a second engine or replica started beside this one;
 - available is ``MemAvailable`` (``/proc/meminfo``: free memory plus what the kernel can reclaim),
   and within a cgroup with a memory limit (a container) the room left under that limit, the smaller;
-- tensor-parallel ranks on one host share it (each takes its part);
+- tensor-parallel ranks on one host share it, and so do the engines of ``llmserve serve --replicas K``
+  (each takes its part; the launcher tells them K through ``LLMSERVE_KV_SHARE``), since engines
+  started together all see the same memory available;
 - the pool is lazily backed (``lazy_memory.py``): nothing of it is resident at start, and the
   process's RSS grows towards the budget only as the cache fills (a long-running server with prefix
   caching keeps freed blocks as cache entries, so over time it does fill).
@@ -20,9 +22,12 @@ what is available at start, measured after the weights are loaded (so they are n
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CPU_KV_MEMORY_FRACTION = 0.5
+# Set by the launcher in each engine it starts: the engines that share this host's memory.
+KV_SHARE_ENV = "LLMSERVE_KV_SHARE"
 # Where neither /proc/meminfo nor a cgroup answers (not Linux): the old fixed default.
 CPU_FALLBACK_KV_BYTES = 1 << 30
 
@@ -88,14 +93,26 @@ def available_memory() -> tuple[int | None, str]:
     return avail, "MemAvailable"
 
 
+def replicas_sharing() -> int:
+    """How many engine replicas started together share this host's memory: ``llmserve serve
+    --replicas K`` tells each engine it starts through ``KV_SHARE_ENV`` (1 when unset)."""
+    try:
+        return max(1, int(os.environ.get(KV_SHARE_ENV, "1")))
+    except ValueError:
+        return 1
+
+
 def cpu_default_kv_bytes(
-    available: int | None, what: str = "the memory available", ranks: int = 1
+    available: int | None, what: str = "the memory available", ranks: int = 1, replicas: int = 1
 ) -> tuple[int, str]:
     """The default budget of one rank's CPU KV pool from ``available`` bytes (None: unknown; ``what``
-    names the figure), and a phrase that says how it was derived."""
+    names the figure), split between ``ranks`` tensor-parallel ranks and ``replicas`` engines, and a
+    phrase that says how it was derived."""
+    ways = ranks * replicas
     if available is None:
         fallback = f"the fixed fallback {CPU_FALLBACK_KV_BYTES >> 20} MiB (no memory figure)"
-        return CPU_FALLBACK_KV_BYTES // ranks, fallback
-    budget = int(available * CPU_KV_MEMORY_FRACTION) // ranks
-    shared = f", shared by {ranks} tensor-parallel ranks" if ranks > 1 else ""
+        return CPU_FALLBACK_KV_BYTES // ways, fallback
+    budget = int(available * CPU_KV_MEMORY_FRACTION) // ways
+    parts = [f"{n} {name}" for n, name in ((ranks, "tensor-parallel ranks"), (replicas, "replicas")) if n > 1]
+    shared = f", shared by {' x '.join(parts)}" if parts else ""
     return budget, f"{CPU_KV_MEMORY_FRACTION:.0%} of {what} at start ({available >> 20} MiB){shared}"

@@ -9,7 +9,7 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_groups import layout_of
-from engine_svc.lazy_memory import huge_pages_wanted, lazy_zeros, resident_bytes, span
+from engine_svc.lazy_memory import lazy_zeros, resident_bytes, span
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import Freed, free_layer_weights, free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
@@ -189,7 +189,7 @@ def allocate_kv_caches(
     shape = (2, num_blocks, block_size, shard.kv_heads(spec), spec.head_dim)
     layout = layout_of(spec)
     if device.type == "cpu":
-        pool = lazy_zeros((layout.slots, *shape), dtype, huge=huge_pages_wanted())
+        pool = lazy_zeros((layout.slots, *shape), dtype)
         slots = [pool[j] for j in range(layout.slots)]
     else:
         slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.slots)]

@@ -129,6 +129,29 @@ def test_the_default_budget_is_half_the_memory_available():
     budget, how = kv_budget.cpu_default_kv_bytes(20 << 30, "MemAvailable", ranks=2)
     assert budget == 5 << 30 and "shared by 2 tensor-parallel ranks" in how
     assert kv_budget.cpu_default_kv_bytes(None)[0] == kv_budget.CPU_FALLBACK_KV_BYTES
+    budget, how = kv_budget.cpu_default_kv_bytes(24 << 30, "MemAvailable", ranks=2, replicas=3)
+    assert budget == 2 << 30 and how.endswith("shared by 2 tensor-parallel ranks x 3 replicas"), how
+
+
+def test_replicas_started_together_share_the_budget(monkeypatch):
+    """``llmserve serve --replicas K`` tells each engine it starts that K share the host's memory."""
+    import argparse
+
+    from gateway import launcher
+
+    seen = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: seen.append(kw.get("env")))
+    args = argparse.Namespace(model="m", log_level="info", replicas=3)
+    monkeypatch.setattr(launcher, "engine_options_argv", lambda a: [])
+    launcher.start_engine(args, "/tmp/x.sock")
+    assert seen[-1][kv_budget.KV_SHARE_ENV] == "3"
+    args.replicas = 1
+    launcher.start_engine(args, "/tmp/x.sock")
+    assert seen[-1] is None  # the launcher's own environment, unchanged
+    monkeypatch.setenv(kv_budget.KV_SHARE_ENV, "3")
+    assert kv_budget.replicas_sharing() == 3
+    monkeypatch.setenv(kv_budget.KV_SHARE_ENV, "x")
+    assert kv_budget.replicas_sharing() == 1
 
 
 def test_a_cgroup_limit_bounds_the_memory_available(tmp_path, monkeypatch):
