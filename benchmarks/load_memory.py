@@ -4,8 +4,9 @@ never shrinks back to what a fresh one would hold, so configurations are not mea
     python -m benchmarks.load_memory [--model models/default] [--hf-model DIR]
 
 Prints, per configuration, the process's VmRSS after ``LLM(...)`` returned (and a small KV cache
-was made: ``num_kv_blocks=16``), its VmHWM (the peak during the load), and the bytes the model's
-parameters hold."""
+was made: ``num_kv_blocks=16``), the same less the KV pool's resident part (on CPU the pool is lazily
+backed: its written pages, read from ``/proc/self/smaps``; 0 for a fresh engine), its VmHWM (the peak
+during the load), and the bytes the model's parameters hold."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ def _status(field: str) -> int:
 
 def measure_here(model: str, options: dict) -> dict:
     from engine_svc import LLM
+    from engine_svc.model_setup import kv_resident_bytes
 
     llm = LLM(model=model, num_kv_blocks=16, **options)
     params = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    return {"rss": _status("VmRSS"), "peak": _status("VmHWM"), "param_bytes": params}
+    pool = kv_resident_bytes(llm.engine.runtime.kv_caches)
+    return {"rss": _status("VmRSS"), "pool": pool, "peak": _status("VmHWM"), "param_bytes": params}
 
 
 def main() -> None:
@@ -64,7 +67,8 @@ def main() -> None:
         )
         r = json.loads(out)
         print(
-            f"{name:24s} RSS {r['rss'] / 2**20:7.1f} MiB  peak {r['peak'] / 2**20:7.1f} MiB  "
+            f"{name:24s} RSS {r['rss'] / 2**20:7.1f} MiB  less the KV pool's resident "
+            f"{(r['rss'] - r['pool']) / 2**20:7.1f} MiB  peak {r['peak'] / 2**20:7.1f} MiB  "
             f"parameters {r['param_bytes'] / 2**20:7.1f} MiB"
         )
 

@@ -2,6 +2,8 @@
 
 A block with ref count 0 sits in the free list. If it still carries a hash it remains a prefix-cache
 entry until allocation reaches it from the LRU end and evicts it. ``touch`` revives such a block.
+A freed block without a hash is put at the allocation end: it is reused before any cache entry and
+before the blocks never written.
 """
 
 from __future__ import annotations
@@ -74,12 +76,18 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block_ids: list[int]) -> None:
-        """Drop one reference from each; blocks reaching 0 become the most recently freed."""
+        """Drop one reference from each. A block reaching 0 that is a prefix-cache entry becomes the
+        most recently freed (the last to be evicted); one that holds nothing reusable (no hash) goes
+        to the head, to be allocated first: before the cache entries, and before the blocks never
+        yet used, so the lazily backed CPU pool is written only as far as the cache needs
+        (model_setup.allocate_kv_caches)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block.block_hash is None:
+                    self.free.move_to_end(block_id, last=False)
 
     def register(
         self,

@@ -15,6 +15,7 @@ import torch
 from engine_svc.config import CPU_MIN_SEQS_PER_STEP, CPU_SEQS_PER_STEP_PER_THREAD, EngineConfig, ModelInfo
 from engine_svc.gc_freeze import freeze_startup_heap, return_freed_memory
 from engine_svc.grammar_compiler import GrammarCompiler, find_tokenizer_json
+from engine_svc.kv_budget import available_memory, cpu_default_kv_bytes, replicas_sharing
 from engine_svc.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.kv_groups import layout_of
 from engine_svc.kv_tiers.setup import build_tiers
@@ -45,8 +46,6 @@ from engine_svc.spec_decode.proposer import NgramProposer, Proposer
 from engine_svc.step_cost import DECODE_STALL_FACTOR, STEP_FLOOR, ratio_for_spec
 
 log = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -564,6 +563,7 @@ class LLMEngine:
             per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * itemsize
         per_block = per_token * c.block_size
         if c.num_kv_blocks is not None:
+            log.info("KV pool: num_kv_blocks %d (%d tokens)", c.num_kv_blocks, c.num_kv_blocks * c.block_size)
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
             blocks = c.kv_cache_memory // per_block
@@ -579,13 +579,26 @@ class LLMEngine:
         else:
             per_seq = layout.blocks_per_seq(self.max_model_len, c.block_size, c.max_num_batched_tokens)
             enough = c.max_num_seqs * per_seq + int(layout.windowed)  # (+ the null page)
-            blocks = min(enough, CPU_DEFAULT_KV_BYTES // per_block)
-            budget = f"{CPU_DEFAULT_KV_BYTES} bytes"
+            available = available_memory()
+            nbytes, how = cpu_default_kv_bytes(*available, ranks=shard.size, replicas=replicas_sharing())
+            budget = f"a budget of {nbytes >> 20} MiB: {how}"
+            if enough < nbytes // per_block:
+                budget += f", cut to what {c.max_num_seqs} sequences of {self.max_model_len} tokens can hold"
+            blocks = min(enough, nbytes // per_block)
         if blocks < 1:
             raise ValueError(
                 f"the KV budget, {budget}, holds no block of {per_block} bytes; give more "
                 "kv_cache_memory (or num_kv_blocks)"
             )
+        log.info(
+            "KV pool: %d blocks of %d tokens (%d tokens, %d MiB%s) from %s",
+            blocks,
+            c.block_size,
+            blocks * c.block_size,
+            blocks * per_block >> 20,
+            ", lazily backed: resident as written" if self.device.type == "cpu" else "",
+            budget,
+        )
         return int(blocks)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv_groups import layout_of
+from engine_svc.lazy_memory import lazy_zeros, resident_bytes, span
 from engine_svc.models.decoder import DecoderForCausalLM
 from engine_svc.models.float_weights import Freed, free_layer_weights, free_packed_float_weights
 from engine_svc.models.gguf_checkpoint import GGUFCheckpoint, forget_readers
@@ -181,8 +182,22 @@ def allocate_kv_caches(
     which the layers of the same slot in every KV cache group share (a page belongs to one group).
 
     Zeroed, not empty: padded reads of never-written slots must not bring NaNs into masked math.
+    On CPU the slots are views of one lazily backed mapping (``lazy_memory.py``): zero pages that
+    become resident only as they are written, so a pool of many GiB costs nothing at start and the
+    process's RSS grows with the cache's contents. The storage never moves (kernels keep pointers).
     """
     shape = (2, num_blocks, block_size, shard.kv_heads(spec), spec.head_dim)
     layout = layout_of(spec)
-    slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.slots)]
+    if device.type == "cpu":
+        pool = lazy_zeros((layout.slots, *shape), dtype)
+        slots = [pool[j] for j in range(layout.slots)]
+    else:
+        slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.slots)]
     return [slots[j] for j in layout.layer_slot()]
+
+
+def kv_resident_bytes(kv_caches: list[torch.Tensor]) -> int:
+    """Resident bytes of a CPU KV pool made by ``allocate_kv_caches`` (the pages written so far);
+    0 for an empty list."""
+    caches = [c for c in kv_caches if c.device.type == "cpu"]
+    return resident_bytes(*span(caches)) if caches else 0

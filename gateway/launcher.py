@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+from engine_svc.kv_budget import KV_SHARE_ENV
 from engine_svc.rpc.engine_options import engine_options_argv
 from engine_svc.rpc.shm_segments import sweep_stale_segments
 from engine_svc.rpc.socket_dir import make_private_dir, sweep_stale_dirs
@@ -60,7 +61,11 @@ def start_engine(args, socket_path: str) -> subprocess.Popen:
         *engine_options_argv(args),
     ]
     log.info("starting the engine: %s", shlex.join(cmd))
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    env = None
+    replicas = max(1, getattr(args, "replicas", 1) or 1)
+    if replicas > 1:  # engines started together see the same free memory: each takes its share
+        env = {**os.environ, KV_SHARE_ENV: str(replicas)}
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
 
 def stop_engines(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:

@@ -8,7 +8,13 @@ import argparse
 ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or more strings; "bytes": a size
     ("--load-format", str, "'auto' (safetensors) or 'dummy' (random weights from config.json)"),
     ("--block-size", int, "KV cache block size in tokens"),
-    ("--num-kv-blocks", int, "KV cache size in blocks (default: from memory)"),
+    ("--num-kv-blocks", int, "KV cache size in blocks (default: what the KV memory budget holds)"),
+    (
+        "--kv-cache-memory",
+        "bytes",
+        "KV cache size in bytes (suffixes K, M, G: 8G; default: on CPU half the memory available at "
+        "start, lazily backed; on CUDA the device's free memory less a tenth of its total)",
+    ),
     ("--max-num-seqs", int, "most sequences running at once (each holds its KV blocks)"),
     (
         "--max-seqs-per-step",

@@ -89,6 +89,7 @@ def engine_config_kwargs(args) -> dict:
         "load_format",
         "block_size",
         "num_kv_blocks",
+        "kv_cache_memory",
         "max_num_seqs",
         "max_seqs_per_step",
         "max_num_batched_tokens",
