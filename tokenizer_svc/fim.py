@@ -295,7 +295,10 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
                 "other files cannot be given; put what matters in the prefix"
             )
         if spec.repo is not None:
-            out += [spec.repo, Text(f.repo_text.format(name=inp.repo_name or DEFAULT_REPO_NAME), frozenset({"repo"}))]
+            out += [
+                spec.repo,
+                Text(f.repo_text.format(name=inp.repo_name or DEFAULT_REPO_NAME), frozenset({"repo"})),
+            ]
         for path, text in inp.files:
             out += [spec.sep, Text(f.file_text.format(path=path, text=text), frozenset({"files"}))]
         if spec.family.repo is not None:
