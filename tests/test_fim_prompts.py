@@ -80,15 +80,16 @@ def test_qwen_coder_repository_layout_is_the_model_cards_string(coder_tok):
 
 def test_qwen_coder_repository_layout_without_a_path_keeps_the_current_files_line(coder_tok):
     """/infill and most editors name the other files but not the current one: the current file
-    still gets its separator line (an empty path), as every prompt in the card's layout has, so the
-    prefix does not read as more of the last other file."""
+    still gets its separator line, as every prompt in the card's layout has, so the prefix does not
+    read as more of the last other file; the names the client left out are llama-server's
+    (``myproject``, ``filename``), so an /infill client's prompt is the one llama.cpp gives it."""
     spec = _spec(coder_tok)
     files = [("library.py", "class Book:\n    pass\n")]
     inp = FimInput("from library import Book\n\ndef ", "\n\nprint(1)\n", files)
     card = (
-        "<|repo_name|>repo\n"
+        "<|repo_name|>myproject\n"
         "<|file_sep|>library.py\nclass Book:\n    pass\n\n"
-        "<|file_sep|>\n"
+        "<|file_sep|>filename\n"
         "<|fim_prefix|>from library import Book\n\ndef <|fim_suffix|>\n\nprint(1)\n<|fim_middle|>"
     )
     assert build_ids(spec, inp, _plain(coder_tok)) == coder_tok.encode(
@@ -248,10 +249,10 @@ def test_starcoder2_on_its_real_tokenizer(real_vocab):
     assert build_ids(spec, inp, _plain(tok)) == tok.encode(
         card, add_special_tokens=False, parse_special_tokens=True
     )
-    # No path named (as /infill sends): the line's structure kept, an empty path.
+    # No path named (as /infill sends): llama-server's names for the repository and the file.
     card = (
-        "<repo_name>repo<file_sep>util.py\nX = 1\n<file_sep>"
-        f"<fim_prefix>\n{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+        "<repo_name>myproject<file_sep>util.py\nX = 1\n<file_sep>"
+        f"<fim_prefix>filename\n{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
     )
     assert build_ids(spec, FimInput(PREFIX, SUFFIX, [("util.py", "X = 1\n")]), _plain(tok)) == tok.encode(
         card, add_special_tokens=False, parse_special_tokens=True

@@ -144,10 +144,11 @@ def test_infill_with_extra_files_whole_and_streamed(coder, coder_fim, offline):
     prompt = _expected_prompt(coder_fim, PREFIX, SUFFIX, FILES)
     assert out["tokens"] == offline(prompt, coder_fim[1].end_ids)
     assert out["stop"] is True and out["tokens_evaluated"] == len(prompt)
-    # the model card's repository layout, the current file's line included (no path: empty)
+    # the model card's repository layout, the current file's line included (no names given:
+    # llama-server's)
     tok = coder_fim[0]
-    card = "<|repo_name|>repo\n" + "".join(f"<|file_sep|>{f}\n{t}\n" for f, t in FILES)
-    card += f"<|file_sep|>\n<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    card = "<|repo_name|>myproject\n" + "".join(f"<|file_sep|>{f}\n{t}\n" for f, t in FILES)
+    card += f"<|file_sep|>filename\n<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     assert prompt == tok.encode(card, add_special_tokens=False, parse_special_tokens=True)
     assert out["stop_type"] in ("eos", "limit") and out["tokens_predicted"] == len(out["tokens"])
     # the second identical request reuses the cached prompt (all but the block being written)

@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 # both (``llmserve serve --fim-order``; docs/fill-in-the-middle.md has the measurement behind it).
 DEFAULT_FIM_ORDER = "psm"
 
+# The names a repository layout writes where the client gives none: llama-server's (b11434, its
+# /infill prompt: the repository ``myproject``, the current file ``filename``). llama.vscode, the
+# /infill client, names neither, so its prompt here is the one it gets from llama.cpp
+# (docs/fill-in-the-middle.md, "The names a prompt gets").
+DEFAULT_REPO_NAME = "myproject"
+DEFAULT_FILE_NAME = "filename"
+
 # GGUF metadata keys (llama.cpp's names): the current ones, then the older CodeLlama-era ones.
 GGUF_KEYS = {
     "pre": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
@@ -288,19 +295,23 @@ def layout(spec: FimSpec, inp: FimInput) -> list[int | Text]:
                 "other files cannot be given; put what matters in the prefix"
             )
         if spec.repo is not None:
-            out += [spec.repo, Text(f.repo_text.format(name=inp.repo_name or "repo"), frozenset({"repo"}))]
+            out += [
+                spec.repo,
+                Text(f.repo_text.format(name=inp.repo_name or DEFAULT_REPO_NAME), frozenset({"repo"})),
+            ]
         for path, text in inp.files:
             out += [spec.sep, Text(f.file_text.format(path=path, text=text), frozenset({"files"}))]
         if spec.family.repo is not None:
             # The current file's own separator line opens the code, as in training: the model
             # card's repository layout always has it, and without it the prefix read as more of
-            # the last other file (measured in docs/fill-in-the-middle.md). No path given: an
-            # empty one (the line's structure kept, no name made up).
+            # the last other file (measured in docs/fill-in-the-middle.md). No path given:
+            # llama-server's placeholder name.
             out.append(spec.sep)
+            path = inp.path or DEFAULT_FILE_NAME
             if f.path_in_prefix:
-                head = f.current_file_text.format(path=inp.path)
+                head = f.current_file_text.format(path=path)
             else:
-                out.append(Text(f.current_file_text.format(path=inp.path), frozenset({"path"})))
+                out.append(Text(f.current_file_text.format(path=path), frozenset({"path"})))
     prefix = Text(head + inp.prefix, frozenset({"prefix"}), head=head)
     # SPM puts the suffix before the prefix: a keystroke changes the prompt's tail only (the end
     # of the prefix), where PSM also recomputes the suffix after it. With a middle token (llama.cpp's
