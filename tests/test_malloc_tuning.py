@@ -27,6 +27,10 @@ from engine_svc import EngineConfig, SamplingParams
 from engine_svc.engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=512,
                                 max_seqs_per_step=32))  # all 32 decode every step
+# The CPU KV pool is lazily backed (engine_svc/lazy_memory.py): a page of it faults in on its first
+# write, by design. Written once here, so that the count below is the step's own buffers only.
+for cache in {c.data_ptr(): c for c in engine.runner.forward.kv_caches}.values():
+    cache.fill_(0.0)
 params = SamplingParams(max_tokens=60, ignore_eos=True)
 for i in range(32):
     engine.add_request(f"r{i}", [3 + i + j for j in range(24)], params)
