@@ -19,6 +19,8 @@ the whole row (tests/test_greedy_head.py, ties and NaNs across slice boundaries 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -32,10 +34,11 @@ MIN_SLICE = 1024
 class ChunkedArgmax:
     """``argmax_rows(linear(x))`` per row of ``x [R, in]`` (fp32), a vocabulary slice at a time."""
 
-    def __init__(self, linear, lib, panel: int):
+    def __init__(self, linear, panel: int, columns):
         self.linear = linear
-        self.lib = lib  # None: a NativeLinear (its own ``columns``)
         self.panel = panel
+        # columns(x, c0, w, out): the head's output columns [c0, c0 + w) of x's rows into out
+        self.columns = columns
         self._buf = torch.empty(0)
 
     @classmethod
@@ -48,7 +51,7 @@ class ChunkedArgmax:
         from kernels.cpu.quant_int8act import Int8ActLinear, library
 
         if type(linear) is NativeLinear:
-            return cls(linear, None, linear.panel)
+            return cls(linear, linear.panel, linear.columns)
         if type(linear) is not Int8ActLinear or linear.code == SEGMENTS:
             return None
         lib = library(linear.isa)
@@ -60,7 +63,7 @@ class ChunkedArgmax:
         one = lib.llmserve_qi8_packed_bytes(linear.code, panel, k)
         if panel <= 0 or one <= 0 or whole != one * ((n + panel - 1) // panel):
             return None  # not whole panels one after another: no slice is a suffix of the buffer
-        return cls(linear, lib, panel)
+        return cls(linear, panel, functools.partial(_int8act_columns, linear, lib))
 
     def width(self, rows: int) -> int:
         n = self.linear.out_features
@@ -85,13 +88,9 @@ class ChunkedArgmax:
         best_v = np.full(rows, -np.inf, dtype=np.float32)
         nan_seen = np.zeros(rows, dtype=bool)
         every = np.arange(rows)
-        threads = torch.get_num_threads()
         for c0 in range(0, n, width):
             w = min(width, n - c0)
-            if self.lib is None:
-                lin.columns(x, c0, w, self._buf)
-            else:
-                self._slice(x, c0, w, threads)
+            self.columns(x, c0, w, self._buf)
             y = flat[: rows * w].reshape(rows, w)
             i = y.argmax(axis=-1)
             v = y[every, i]
@@ -103,14 +102,16 @@ class ChunkedArgmax:
             nan_seen |= v_nan
         return best_i
 
-    def _slice(self, x: torch.Tensor, c0: int, w: int, threads: int) -> None:
-        """The int8-activation head's columns [c0, c0 + w) into the buffer."""
-        lin, k, rows = self.linear, self.linear.in_features, x.shape[0]
-        offset = self.lib.llmserve_qi8_packed_bytes(lin.code, c0, k)
-        bias = None if lin.bias is None else lin.bias[c0 : c0 + w].data_ptr()
-        rc = lin._gemm(
-            lin.code, x.data_ptr(), rows, k, x.stride(0), lin._packed_ptr + offset, w, bias,
-            self._buf.data_ptr(), w, threads,
-        )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"quant_int8act failed on {lin.fmt} with k={k} ({rc})")
+
+def _int8act_columns(lin, lib, x: torch.Tensor, c0: int, w: int, out: torch.Tensor) -> None:
+    """An int8-activation head's output columns [c0, c0 + w) into ``out`` (its panels from c0 on
+    are the packed buffer's suffix: ``ChunkedArgmax.of`` checked)."""
+    k = lin.in_features
+    offset = lib.llmserve_qi8_packed_bytes(lin.code, c0, k)
+    bias = None if lin.bias is None else lin.bias[c0 : c0 + w].data_ptr()
+    rc = lin._gemm(
+        lin.code, x.data_ptr(), x.shape[0], k, x.stride(0), lin._packed_ptr + offset, w, bias,
+        out.data_ptr(), w, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_int8act failed on {lin.fmt} with k={k} ({rc})")
