@@ -14,10 +14,9 @@ Off the CPU (a model built under ``torch.device("cuda")``) the tables are made w
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
+from engine_svc.lazy_memory import lazy_zeros
 from kernels.reference.rotary import rope_phases, rope_rows, rope_table
 
 BLOCK = 1024  # positions a growth step adds (rounded up to): 1 MiB a table at head dim 256
@@ -58,8 +57,8 @@ class RotaryTables:
 
 
 def _untouched(shape: tuple[int, int]) -> torch.Tensor:
-    """A zero fp32 tensor of ``shape`` on its own anonymous mapping: no page of it is resident
-    until written (a ``torch.empty`` of this size may come from the heap's reused pages)."""
-    nbytes = max(1, shape[0] * shape[1]) * 4
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=torch.float32, count=shape[0] * shape[1]).view(shape)
+    """A zero fp32 tensor of ``shape`` on a fenced anonymous mapping of its own (``lazy_zeros``): no
+    page of it is resident until written (a ``torch.empty`` of this size may come from the heap's
+    reused pages, and an unfenced mapping may merge with a neighbouring one and share its pages'
+    accounting)."""
+    return lazy_zeros(shape, torch.float32)
