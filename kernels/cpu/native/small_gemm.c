@@ -282,7 +282,7 @@ typedef struct {
     const uint16_t *packed;
     uint16_t *parts;
     float *y;
-    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels;
+    int64_t m, k, ldx, kt, kp, n, ldy, groups, panels, block;
 } bf16_amx_job;
 
 static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
@@ -311,11 +311,15 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
     }
 }
 
-/* Items: (block of up to BLOCK groups of RG rows, panel q), block-major. An item runs its panel's
+/* Items: (block of up to j->block groups of RG rows, panel q), block-major. An item runs its panel's
  * k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's groups two
  * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
- * the sums' bits go on unchanged), so each weight byte loaded serves up to 80 rows and the block's
- * parts stay in the L2.
+ * the sums' bits go on unchanged), so each weight byte loaded serves up to 5 * BLOCK rows and the
+ * block's parts stay in the L2. A block is as many groups as keep its parts (1 KiB a group and k
+ * tile) within ABLOCK_KIB of the L2, at most BLOCK: 32 groups at K = 896 (896 KiB; the panel's
+ * weights are read once a block, and 16 groups re-read them from memory twice as often), 10 at
+ * down's K = 4864, whose 16 groups of 152 KiB (2.4 MiB) overflowed the 2 MiB L2 (RT, 2 threads,
+ * `.so`s alternated: down 1.14x at 256 rows, 1.18x at 2048; gate_up 1.13x at 256).
  *
  * The tiles are configured once a call: one or two groups with their own rows, else every group as
  * five rows (a last group's rows past m are whatever the parts buffer holds; a C row depends on its
@@ -326,17 +330,25 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
  * step 1.74x faster, 2048 rows 1.54x). A whole 0.5B step of GEMMs (988 MB of bf16 weights, RT):
  * 32 rows 1.32x, 2048 rows 1.14x, 1 row (one pair: no prefetch, as measured before: the weights'
  * tile loads at one row ran 1.10x faster without an L2 prefetch 4 tiles ahead) unchanged. Fetching
- * into L1 instead: 1.06x / 1.07x. */
-#define BLOCK 16
+ * into L1 instead: 1.06x / 1.07x. And the last chunk's k steps take ownership (prefetchw) of the
+ * lines of y the item's finish writes, a few rows a step: the finish's stores missed (80 rows 38 KiB
+ * apart at gate_up, y far beyond the L2) and held the tiles up; with y's stores sent to one
+ * scratch line (a probe, wrong results) gate_up at 2048 rows ran 1.18x faster on one core, with the
+ * prefetch 1.11x. */
+#define BLOCK 32       /* groups a block, at most */
+#define ABLOCK_KIB 1792 /* a block's parts, at most (KiB of the L2) */
 #define KC 8
+#define PREFETCHW(p) __asm__ volatile("prefetchw %0" ::"m"(*(const char *)(p)))
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
     float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t item = begin; item < end; ++item) {
-        const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * BLOCK;
-        const int gb = (int)(j->groups - g0 < BLOCK ? j->groups - g0 : BLOCK);
+        const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * j->block;
+        const int gb = (int)(j->groups - g0 < j->block ? j->groups - g0 : j->block);
         const uint16_t *b = j->packed + q * j->kt * (ANP * AKT);
+        const int64_t r_first = RG * g0, y_rows = (RG * (g0 + gb) < j->m ? RG * (g0 + gb) : j->m) - r_first;
+        const int y_split = (((uintptr_t)j->y | (uintptr_t)(j->ldy * 4)) & 63) != 0; /* a row's 128 bytes over 3 lines */
         if (!configured) { /* once: one or two groups as they are, else every group as a whole one */
             const int64_t m = j->m;
             bf16_amx_configure(m < RG ? (int)m : RG, j->groups == 2 ? (int)(m - RG) : RG);
@@ -348,6 +360,7 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
             const int64_t chunk_lines = (kend < j->kt ? nkend - kend : (KC < j->kt ? KC : j->kt)) * (ANP * AKT * 2 / 64);
             const int64_t steps = (gb + 1) / 2 * (kend - kc);
             const int64_t pf_lines = gb > 2 ? (chunk_lines + steps - 1) / steps : 0;
+            const int64_t yp_rows = kend == j->kt ? (y_rows + steps - 1) / steps : 0;
             for (int gi = 0; gi < gb; gi += 2) {
                 const int64_t rb = RG * (g0 + gi + 1);
                 const int rows_b = gi + 1 < gb ? (int)(j->m - rb < RG ? j->m - rb : RG) : 0;
@@ -378,6 +391,15 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
                         const int64_t l0 = (it0 + t - kc) * pf_lines;
                         for (int64_t l = l0; l < l0 + pf_lines && l < chunk_lines; ++l)
                             __builtin_prefetch(next + 64 * l, 0, 2);
+                    }
+                    if (yp_rows) { /* the last chunk: the rows of y this item's finish writes, for ownership */
+                        const int64_t s0 = (it0 + t - kc) * yp_rows;
+                        for (int64_t s = s0; s < s0 + yp_rows && s < y_rows; ++s) {
+                            const char *yr = (const char *)(j->y + (r_first + s) * j->ldy + q * ANP);
+                            PREFETCHW(yr);
+                            PREFETCHW(yr + 64);
+                            if (y_split) PREFETCHW(yr + 124);
+                        }
                     }
                     TILE_LOAD(5, bt, 64);
                     TILE_LOAD(6, bt + 16 * AKT, 64);
@@ -414,10 +436,12 @@ void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, 
     const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP, groups = (m + RG - 1) / RG;
     uint16_t *parts = bf16_parts_buffer((size_t)(groups * kt * 512));
     if (!parts) abort();
-    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels};
+    int64_t block = ABLOCK_KIB / kt & ~(int64_t)1;
+    block = block < 2 ? 2 : block > BLOCK ? BLOCK : block;
+    bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, block};
     parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
-    const int64_t items = panels * ((groups + BLOCK - 1) / BLOCK);
-    if (groups <= BLOCK)
+    const int64_t items = panels * ((groups + block - 1) / block);
+    if (groups <= block)
         parallel_for_guided(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
     else
         parallel_for(num_threads, m * n * k > 262144, items, 1, bf16_amx_items, &j);
