@@ -319,7 +319,8 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
  * tile) within ABLOCK_KIB of the L2, at most BLOCK: 32 groups at K = 896 (896 KiB; the panel's
  * weights are read once a block, and 16 groups re-read them from memory twice as often), 10 at
  * down's K = 4864, whose 16 groups of 152 KiB (2.4 MiB) overflowed the 2 MiB L2 (RT, 2 threads,
- * `.so`s alternated: down 1.14x at 256 rows, 1.18x at 2048; gate_up 1.13x at 256).
+ * `.so`s alternated, two runs: down 1.11-1.19x at 256 rows, 1.18-1.40x at 2048; gate_up
+ * 1.08-1.13x at 256).
  *
  * The tiles are configured once a call: one or two groups with their own rows, else every group as
  * five rows (a last group's rows past m are whatever the parts buffer holds; a C row depends on its
@@ -333,8 +334,8 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
  * into L1 instead: 1.06x / 1.07x. And the last chunk's k steps take ownership (prefetchw) of the
  * lines of y the item's finish writes, a few rows a step: the finish's stores missed (80 rows 38 KiB
  * apart at gate_up, y far beyond the L2) and held the tiles up; with y's stores sent to one
- * scratch line (a probe, wrong results) gate_up at 2048 rows ran 1.18x faster on one core, with the
- * prefetch 1.11x. */
+ * scratch line (a probe, wrong results) gate_up at 2048 rows ran 1.28x faster on one core, with the
+ * prefetch 1.11x (docs/quantization.md, "Where the time goes"). */
 #define BLOCK 32       /* groups a block, at most */
 #define ABLOCK_KIB 1792 /* a block's parts, at most (KiB of the L2) */
 #define KC 8
