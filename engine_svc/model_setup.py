@@ -31,7 +31,7 @@ from engine_svc.models.quantized_weights import (
 )
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
-from kernels.cpu import native_build, packed_memory
+from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
 from kernels.cpu.linear import NATIVE_BF16, NATIVE_F16, NATIVE_HALF, resolve_linear_backend
 from kernels.cpu.native_gemm import bf16_path
@@ -108,9 +108,8 @@ def load_model(
     model.activation_dtype = activation_dtype  # declared by the model: its lookup reads it
     result = LoadResult(quant, activations, activation_dtype, released)
     isa = native_build.chosen_isa()
-    ours = backend == "native" or backend in NATIVE_HALF.values() or (blocks and backend != "dense")
     log.info(
-        "linear layers: %s%s (%s on %s); %s; %s",
+        "linear layers: %s%s (%s on %s); %s",
         f"{blocks}, native {'quant_int8act' if activations == 'int8' else 'quant_gemm'} ({isa}); the rest: "
         if blocks and backend != "dense"
         else "",
@@ -123,7 +122,6 @@ def load_model(
         dtype,
         device,
         freed,
-        packed_memory.state() if device.type == "cpu" and ours else "no packed weights of ours",
     )
     model.finalize()  # the native layer loop's descriptors, over the weights as loaded
     return model, result

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
-from kernels.cpu.packed_memory import packed_empty
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -134,7 +133,7 @@ class NativeLinear:
             self.panel, self.panel_elems = int(nb), int(nb) * self.in_features
             pack = lib.llmserve_gemm_pack_f32 if fp32 else lib.llmserve_gemm_pack_bf16
             self._gemm = lib.llmserve_gemm_f32 if fp32 else getattr(lib, _HALF_GEMM[self.weight_dtype])
-        self.packed = packed_empty(size, self.weight_dtype)
+        self.packed = torch.empty(size, dtype=self.weight_dtype)
         pack(w.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._packed_ptr = self.packed.data_ptr()

@@ -41,7 +41,6 @@ import torch
 
 from kernels.cpu import native_build
 from kernels.cpu.native_gemm import NativeEntry, fn_address, rows_in_and_out
-from kernels.cpu.packed_memory import packed_empty
 
 # GGUF type -> the kernel's format (quant_gemm.c's FMT_*): the K-quants run as the block form above.
 FORMATS = {
@@ -221,8 +220,7 @@ def pack_segments(segments: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor
     for code, rows, packed in segments:
         header += [code, rows, offset]
         offset += (packed.numel() + 63) // 64 * 64
-    out = packed_empty(offset, torch.uint8)
-    out.zero_()  # the gaps between the parts too (a heap buffer is not zero-filled)
+    out = torch.zeros(offset, dtype=torch.uint8)
     out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     for (_, _, packed), at in zip(segments, header[3::3], strict=True):
         out[at : at + packed.numel()] = packed
@@ -505,7 +503,7 @@ class QuantLinear:
             d = weight.d.float().contiguous()
             m = None if weight.m is None else weight.m.float().contiguous()
             size = lib.llmserve_qgemm_packed_bytes(self._code, self.out_features, self.in_features)
-            self.packed = packed_empty(size, torch.uint8)
+            self.packed = torch.empty(size, dtype=torch.uint8)
             lib.llmserve_qgemm_pack(
                 self._code,
                 q.data_ptr(),

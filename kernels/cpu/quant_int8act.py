@@ -32,7 +32,6 @@ import torch
 
 from kernels.cpu import native_build
 from kernels.cpu.native_gemm import NativeEntry
-from kernels.cpu.packed_memory import packed_empty
 from kernels.cpu.quant_gemm import (
     SEGMENTS,
     SIGNED,
@@ -181,8 +180,8 @@ class Int8ActLinear:
             self.code |= HALF
             d = d.half()
             m = None if m is None else m.half()
-        self.packed = packed_empty(
-            lib.llmserve_qi8_packed_bytes(self.code, self.out_features, self.in_features), torch.uint8
+        self.packed = torch.empty(
+            lib.llmserve_qi8_packed_bytes(self.code, self.out_features, self.in_features), dtype=torch.uint8
         )
         rc = lib.llmserve_qi8_pack(
             self.code,
@@ -214,7 +213,7 @@ class Int8ActLinear:
         if not ok:
             raise ValueError(f"{weight.fmt}: the super-block scales do not make the weight's scales")
         q = weight.q.contiguous()
-        self.packed = packed_empty(lib.llmserve_qi8_packed_bytes(self.code, n, k), torch.uint8)
+        self.packed = torch.empty(lib.llmserve_qi8_packed_bytes(self.code, n, k), dtype=torch.uint8)
         mn = None if sup.mn is None else sup.mn.contiguous()
         dbits, scb = sup.dsup.contiguous(), sup.sc.contiguous()
         rc = lib.llmserve_qi8_pack_k(
