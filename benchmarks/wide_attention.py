@@ -84,13 +84,16 @@ def main(argv: list[str] | None = None) -> None:
         fns.append((path.rsplit("/", 1)[-1], f))
     rng = np.random.default_rng(0)
     shape = (args.pool_blocks, BS, HK, D)
-    caches = [(torch.empty(shape).uniform_(-2, 2), torch.empty(shape).uniform_(-2, 2)) for _ in range(args.layers)]
+    caches = [
+        (torch.empty(shape).uniform_(-2, 2), torch.empty(shape).uniform_(-2, 2)) for _ in range(args.layers)
+    ]
 
     def call(fn, q, k, v, tables, lens, qsl):
         out = torch.empty_like(q)
         rc = fn(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), qsl.data_ptr(), lens.numel(), HQ, HK, D, BS, D**-0.5, out.data_ptr(), args.threads, 0, 0.0,
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), qsl.data_ptr(), lens.numel(),
+            HQ, HK, D, BS, D**-0.5, out.data_ptr(), args.threads, 0, 0.0,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"attention failed ({rc})")
@@ -107,9 +110,14 @@ def main(argv: list[str] | None = None) -> None:
                     call(f, q, k, v, tables, lens, qsl)
                 best[i] = min(best[i], (time.perf_counter() - t) / args.layers)
         gb = positions * HK * D * 4 * 2 / 1e9
-        row = "  ".join(f"{n} {b * 1e3:.2f} ms ({gb / b:.1f} GB/s)" for (n, _), b in zip(fns, best, strict=True))
+        row = "  ".join(
+            f"{n} {b * 1e3:.2f} ms ({gb / b:.1f} GB/s)" for (n, _), b in zip(fns, best, strict=True)
+        )
         ratios = " ".join(f"{b / best[0]:.2f}" for b in best[1:])
-        print(f"{name}: {row}" + (f"; others / this {ratios}, bits same: {same}" if len(fns) > 1 else ""), flush=True)
+        print(
+            f"{name}: {row}" + (f"; others / this {ratios}, bits same: {same}" if len(fns) > 1 else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
