@@ -6,7 +6,7 @@ engine decodes in steady state. Two figures, in one process:
   parts   per decode step: the layer loop's native call, the LM head (or the greedy rows'
           argmax from it; a head with no sliced path counts its logits inside that too), the
           sampler, the scheduler's schedule and update, the runner's inputs and sampling batch;
-          their share of the step (at the served default seats a step)
+          their share of the step (at the served default seats a step, or ``--part-seats``)
   seats   tokens/s of steady decode with each of ``--seats`` seats a step (the scheduler's
           ``max_per_step``), alternated over ``--rounds`` rounds; the best round of each
 
@@ -84,7 +84,14 @@ def steady(engine, seats: int, steps: int) -> float:
 
 
 def run(
-    model: str, running: int, prompt: int, seats: list[int], rounds: int, tokens: int, weights: str = "gguf"
+    model: str,
+    running: int,
+    prompt: int,
+    seats: list[int],
+    rounds: int,
+    tokens: int,
+    weights: str = "gguf",
+    part_seats: int | None = None,
 ) -> dict:
     from engine_svc import LLM, SamplingParams
 
@@ -101,8 +108,9 @@ def run(
     sched.max_per_step = max(default_seats, running)  # the prompts in as few steps as the budget lets
     while sched.waiting or any(s.num_computed_tokens < s.request.num_prompt_tokens for s in sched.running):
         engine.step()
+    sched.max_per_step = part_seats or default_seats
+    per_step = parts(engine, max(8, 2 * running // sched.max_per_step))
     sched.max_per_step = default_seats
-    per_step = parts(engine, max(8, 2 * running // default_seats))
     rates: dict[int, list[float]] = {s: [] for s in seats}
     for _ in range(rounds):
         for s in seats:
@@ -128,6 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seats", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512, help="about this many tokens a seats measurement")
+    ap.add_argument(
+        "--part-seats", type=int, default=None,
+        help="seats a step for the parts (default: the served default; 256: the offline LLM's wide step)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     out = []
     for n in args.running:
@@ -139,12 +151,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.rounds,
             args.tokens,
             args.weights,
+            args.part_seats,
         )
         step = r["parts_s"].get("step", 0.0)
-        print(
-            f"{args.model} ({args.weights}), {n} running, {r['default_seats']} seats a step"
-            f" (the served default): {1e3 * step:.1f} ms a step"
-        )
+        seats = f"{args.part_seats}" if args.part_seats else f"{r['default_seats']} (the served default)"
+        print(f"{args.model} ({args.weights}), {n} running, {seats} seats a step: {1e3 * step:.1f} ms a step")
         for label, v in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
             if label != "step":
                 print(f"  {label:32s} {1e3 * v:8.2f} ms  {100 * v / step if step else 0:5.1f}%")

@@ -416,28 +416,23 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
     }
 }
 
-/* Fetches the rows of KV heads [h, h + heads) at positions [from, to) of the sequence into cache
- * ahead of use (`near`: into L1, else L2). The rows of one block are one run of memory the hardware prefetcher
- * follows, but the next block may be anywhere: a decode asks for it while it works on this one. */
+/* Asks for the rows of KV heads [h, h + heads) at positions [from, to) of the sequence into L2
+ * ahead of use. The rows of one block are one run of memory, but the next block may be anywhere,
+ * where the hardware prefetcher does not follow. */
 INLINE void prefetch_rows(const Args *a, const float *cache, const Seq *s, int h, int heads, int from, int to,
-                          int near, const int D) {
+                          const int D) {
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
         const float *rb = block_at(a, cache, s, blk, h, D) + off * ps;
         for (int i = 0; i < n; ++i)
-            for (int e = 0; e < heads * D; e += 64 / (int)sizeof(float)) {
-                if (near)
-                    __builtin_prefetch(rb + i * ps + e, 0, 3);
-                else
-                    __builtin_prefetch(rb + i * ps + e, 0, 2);
-            }
+            for (int e = 0; e < heads * D; e += 64 / (int)sizeof(float)) __builtin_prefetch(rb + i * ps + e, 0, 2);
     });
 }
 
 /* A split-K item's partition `part` for KV head h: the last R query rows of sequence b (a decode:
  * its one row; a sequence with a few rows at depth, FEW_ROWS: all of them), each row's rep heads
  * that share KV head h, each row with its own context (its position + 1) and window (`fetch`: the
- * KV heads from h whose rows it prefetches as it goes, 0 where they are in cache). Row i's result
+ * KV heads from h whose rows it prefetches as it starts, 0 where they are in cache). Row i's result
  * (rep rows of D weighted V sums, then rep maxima, rep sums) goes to partial + i * pstride; a row
  * whose context ends before the partition, or whose window starts after it, writes nothing (its
  * merge skips it). Every row's values are its decode's, operation for operation: the scores are
@@ -476,17 +471,21 @@ INLINE void attend_rows_part(const Args *a, int b, int h, int part, int R, float
     const int lo0 = a->window > 0 && ctx0 > a->window ? ctx0 - a->window : 0;
     const int r0 = P0 > lo0 / bs * bs ? P0 : lo0 / bs * bs;
     const int P1 = P0 + PART < ctxl ? P0 + PART : ctxl;
+#ifndef NO_PREFETCH
+    /* the partition's rows, every KV head's (`fetch` of them from h), K then V, asked for into L2 all
+     * at once as the item starts: at 256 decodes of a few hundred positions each the items are bound
+     * by memory, and requests given together keep more of it in flight than the next block's K (into
+     * L1) and this block's V asked for block by block (1.05-1.07x on 256 decodes at ~370 positions;
+     * docs/performance.md, "The 256-request run outside the GEMMs"). Only where rows come from: the
+     * same bits. */
+    if (fetch) {
+        prefetch_rows(a, a->k_cache, &sq, h, fetch, r0, P1, D);
+        prefetch_rows(a, a->v_cache, &sq, h, fetch, r0, P1, D);
+    }
+#endif
     /* scores[u * PART + p - P0] = q_u . k_p * scale, for every vector u at [r0, P1) */
     FOR_RUNS(&(*a), r0, P1, {
         const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * (int64_t)a->num_kv_heads * D;
-        /* the next block's K rows while this one's are scored, and this one's V rows for the pass
-         * over V after the partition's scores */
-#ifndef NO_PREFETCH
-        if (fetch) {
-            if (p + n < P1) prefetch_rows(a, a->k_cache, &sq, h, fetch, p + n, p + n + bs < P1 ? p + n + bs : P1, 1, D);
-            prefetch_rows(a, a->v_cache, &sq, h, fetch, p, p + n, 0, D);
-        }
-#endif
         /* 2W positions at a time (W for the last few), transposed into lanes, for every query
          * vector in groups of HG(2) */
         const int64_t ps = (int64_t)a->num_kv_heads * D;
