@@ -152,8 +152,8 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
 
 /* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
  * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
- * either way), and every row count M, 1 .. any, runs on the tiles (rows in groups of 5, a group's
- * last one with fewer rows configured; a tile row's sums never depend on its other rows), so a
+ * either way), and every row count M, 1 .. any, runs on the tiles (a row's 3 parts are 3 tile rows,
+ * 16 a tile, the last tile with fewer; a tile row's sums never depend on its other rows), so a
  * row's result is the same bits alone and in any batch, chunk or thread count.
  *
  * The activations are fp32; each x is split by truncation into three bf16 parts,
@@ -171,8 +171,8 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
  *   E = fma(a[2j], b[2j], E), O = fma(a[2j+1], b[2j+1], O) for j = 0..15,
  * each step rounded to nearest even and flushed to zero if subnormal (FTZ; inputs DAZ), then
  *   C = C + (E + O)        (two fp32 adds, each RNE + FTZ).
- * The three parts of a row are three rows of the activation tile (a group of 5 rows fills 15 of
- * its 16), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
+ * The three parts of a row are three rows of the activation tiles (part-rows 3i .. 3i + 2, 16 a
+ * tile), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
  * the same at 1 row as at 16: three instructions, one a part into one accumulator, ran a decode's
  * row at 0.56-0.79x the FMA panels). So each part p has its own sum, a row of the C tile: Cp from
  * zero over the k tiles in order, and the output is y = (C1 + (C2 + C3)) + bias in plain fp32
@@ -318,19 +318,22 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
     }
 }
 
-/* Items: (block of up to j->block groups of RG rows, panel q), block-major. An item runs its panel's
- * k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's groups two
- * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
- * the sums' bits go on unchanged), so each weight byte loaded serves up to 5 * BLOCK rows and the
- * block's parts stay in the L2. A block is as many groups as keep its parts (1 KiB a group and k
- * tile) within ABLOCK_KIB of the L2, at most BLOCK: 32 groups at K = 896 (896 KiB; the panel's
- * weights are read once a block, and 16 groups re-read them from memory twice as often), 10 at
- * down's K = 4864, whose 16 groups of 152 KiB (2.4 MiB) overflowed the 2 MiB L2 (RT, 2 threads,
- * `.so`s alternated, two runs: down 1.11-1.19x at 256 rows, 1.18-1.40x at 2048; gate_up
- * 1.08-1.13x at 256).
+/* Items: (block of up to j->block tiles of part-rows (16 a tile), panel q), block-major. An item runs
+ * its panel's k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's
+ * tiles two at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store
+ * and load: the sums' bits go on unchanged; a block of one or two tiles keeps them in the tiles over
+ * all of K), so each weight byte loaded serves up to 16 * BLOCK / 3 rows and the block's parts stay
+ * in the L2. A block is a multiple of 3 tiles (whole rows: a row's parts may straddle two tiles, never
+ * two blocks), as many as keep its parts (1 KiB a tile and k tile) within ABLOCK_KIB of the L2, at
+ * most BLOCK: 30 tiles (160 rows) at K = 896 (the panel's weights are read once a block; half as many
+ * re-read them from memory twice as often), 9 (48 rows) at down's K = 4864, where 16 groups of 5
+ * rows (2.4 MiB of parts) overflowed the 2 MiB L2 (RT, 2 threads, `.so`s alternated, two runs: down
+ * 1.11-1.19x at 256 rows, 1.18-1.40x at 2048; gate_up 1.08-1.13x at 256). Whole tiles of part-rows
+ * (was: groups of 5 rows, 15 of a tile's 16 rows) are 6 tiles at 32 rows instead of 7, 12 at 64
+ * instead of 13.
  *
- * The tiles are configured once a call: one or two groups with their own rows, else every group as
- * five rows (a last group's rows past m are whatever the parts buffer holds; a C row depends on its
+ * The tiles are configured once a call: one or two tiles with their own rows, else every tile as
+ * 16 rows (a last tile's rows past 3m are whatever the parts buffer holds; a C row depends on its
  * own A row only, and finish reads the real rows): an ldtilecfg for the short last group twice a
  * chunk was 9% of a 32-row decode's samples. Prefetch: where a chunk has two or more pairs, its
  * pairs' k steps fetch the next chunk's weights (the next panel's after the last) into the L2, a few
@@ -410,16 +413,19 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
                             if (y_split) PREFETCHW(yr + 124);
                         }
                     }
-                    TILE_LOAD(5, bt, 64);
-                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    /* each tile loaded just before its first product, the first weight tile's
+                     * products before the second weight tile's load (was: both weight tiles, then
+                     * the parts: a 0.5B step of GEMMs 1.07x at 8 rows, 1.01-1.02x at 1-256) */
                     TILE_LOAD(2, a + t * 512, 64);
+                    TILE_LOAD(5, bt, 64);
                     TILE_DPBF16(0, 2, 5);
-                    TILE_DPBF16(1, 2, 6);
                     if (rows_b) {
                         TILE_LOAD(7, a2 + t * 512, 64);
                         TILE_DPBF16(3, 7, 5);
-                        TILE_DPBF16(4, 7, 6);
                     }
+                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    TILE_DPBF16(1, 2, 6);
+                    if (rows_b) TILE_DPBF16(4, 7, 6);
                 }
                 if (gb > 2 || kend == j->kt) {
                     TILE_STORE(0, &oa[0][0], ANP * 4);
