@@ -90,9 +90,11 @@ def test_the_tiles_equal_the_numpy_statement_bit_for_bit_and_its_wrong_variants_
 @needs_amx
 @pytest.mark.parametrize("k,total", [(416, 70), (1408, 300), (4000, 130)])
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_thread_count(k, total):
-    """Rows in groups of 5 (15 tile rows: 3 parts each), the last group with fewer, two groups at a
-    time, in blocks of up to 32 groups (fewer at a long k: 14 at k = 4000, so 130 rows are blocks
-    of 14 and 12 groups) and k chunks of 256: every way is the same math."""
+    """A row's 3 parts are 3 part-rows, 16 a tile (a row's parts may straddle two tiles: rows 5, 10,
+    ...), the last tile with fewer, two tiles at a time, in blocks of up to 30 tiles (160 rows: 300
+    rows at k = 1408 are two blocks; fewer at a long k: 12 tiles at k = 4000, so 130 rows are
+    blocks of 64, 64 and 2 rows; a block is whole rows), one pair of tiles keeping its sums in the
+    tiles over all of k, and k chunks of 256: every way is the same math."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(100, k, generator=g).to(torch.bfloat16)
     lin = native_gemm.NativeLinear(w, torch.randn(100, generator=g), isa="avx512")

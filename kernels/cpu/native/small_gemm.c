@@ -152,8 +152,8 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
 
 /* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
  * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
- * either way), and every row count M, 1 .. any, runs on the tiles (rows in groups of 5, a group's
- * last one with fewer rows configured; a tile row's sums never depend on its other rows), so a
+ * either way), and every row count M, 1 .. any, runs on the tiles (a row's 3 parts are 3 tile rows,
+ * 16 a tile, the last tile with fewer; a tile row's sums never depend on its other rows), so a
  * row's result is the same bits alone and in any batch, chunk or thread count.
  *
  * The activations are fp32; each x is split by truncation into three bf16 parts,
@@ -171,8 +171,8 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
  *   E = fma(a[2j], b[2j], E), O = fma(a[2j+1], b[2j+1], O) for j = 0..15,
  * each step rounded to nearest even and flushed to zero if subnormal (FTZ; inputs DAZ), then
  *   C = C + (E + O)        (two fp32 adds, each RNE + FTZ).
- * The three parts of a row are three rows of the activation tile (a group of 5 rows fills 15 of
- * its 16), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
+ * The three parts of a row are three rows of the activation tiles (part-rows 3i .. 3i + 2, 16 a
+ * tile), so one instruction a 32-k step serves them all, at one row as at many (a TDPBF16PS costs
  * the same at 1 row as at 16: three instructions, one a part into one accumulator, ran a decode's
  * row at 0.56-0.79x the FMA panels). So each part p has its own sum, a row of the C tile: Cp from
  * zero over the k tiles in order, and the output is y = (C1 + (C2 + C3)) + bias in plain fp32
@@ -222,19 +222,25 @@ void llmserve_gemm_pack_bf16_amx(const uint16_t *w, int64_t n, int64_t k, uint16
         }
 }
 
-/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): group g of RG = 5 rows, k tile t is
- * one 16 x 32 tile of 1 KiB at parts + (g * kt + t) * 512 whose row 3r + p holds part p of the
- * group's row r (row 15 unused); zeros past k. */
-#define RG 5
+/* Rows [r0, r1) of x split into the parts' tiles (bf16 bits): part p of row i is part-row
+ * j = 3i + p, and the part-rows fill the tiles in order, 16 a tile (a row's parts may straddle two
+ * tiles): k tile t of tile g is one 16 x 32 tile of 1 KiB at parts + (g * kt + t) * 512 whose row
+ * r holds part-row 16g + r; zeros past k. */
+#define TR 16 /* part-rows a tile */
+INLINE uint16_t *bf16_part_row(uint16_t *parts, int64_t kt, int64_t j) {
+    return parts + (j / TR) * kt * 512 + (j % TR) * AKT;
+}
 static void bf16_split_rows(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t r0, int64_t r1,
                             uint16_t *parts) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
     const int64_t kt = kp / AKT;
     for (int64_t i = r0; i < r1; ++i) {
         const float *xr = x + i * ldx;
-        uint16_t *row = parts + (i / RG) * kt * 512 + 3 * (i % RG) * AKT;
+        uint16_t *row1 = bf16_part_row(parts, kt, 3 * i), *row2 = bf16_part_row(parts, kt, 3 * i + 1),
+                 *row3 = bf16_part_row(parts, kt, 3 * i + 2);
         for (int64_t c = 0; c < kp; c += 16) {
-            uint16_t *p1 = row + (c / AKT) * 512 + c % AKT, *p2 = p1 + AKT, *p3 = p2 + AKT;
+            const int64_t at = (c / AKT) * 512 + c % AKT;
+            uint16_t *p1 = row1 + at, *p2 = row2 + at, *p3 = row3 + at;
             const __mmask16 in = c + 16 <= k ? (__mmask16)0xffff : c < k ? (__mmask16)((1u << (k - c)) - 1) : 0;
             const __m512 v = _mm512_maskz_loadu_ps(in, xr + c);
             const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), hi));
@@ -264,14 +270,15 @@ static uint16_t *bf16_parts_buffer(size_t elems) {
     return buf;
 }
 
-/* Tiles: C 0, 1 and 3, 4 (3 x rows of sums x 16 columns: the panel's two halves, for two groups), A 2
- * and 7 (3 x rows x 32: the two groups' parts), B 5, 6 (16 pairs x 16 columns, the halves' weights). */
+/* Tiles: C 0, 1 and 3, 4 (part-rows of sums x 16 columns: the panel's two halves, for two tiles of
+ * part-rows), A 2 and 7 (part-rows x 32: the two tiles' parts), B 5, 6 (16 pairs x 16 columns, the
+ * halves' weights). */
 static void bf16_amx_configure(int rows_a, int rows_b) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette_id = 1;
-    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)(3 * rows_a);
-    c.rows[3] = c.rows[4] = c.rows[7] = (uint8_t)(3 * (rows_b ? rows_b : 1));
+    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)rows_a;
+    c.rows[3] = c.rows[4] = c.rows[7] = (uint8_t)(rows_b ? rows_b : 1);
     c.rows[5] = c.rows[6] = 16;
     for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
     TILE_CONFIGURE(c);
@@ -290,7 +297,7 @@ static void bf16_split_items(void *ctx, int64_t begin, int64_t end) {
     bf16_split_rows(j->x, j->ldx, j->k, j->kp, begin, end, j->parts);
 }
 
-/* out (3 rows a row of x: its parts' sums C1, C2, C3, panel-wide) into y's rows r0..:
+/* out (part-rows 3i, 3i + 1, 3i + 2: row i's parts' sums C1, C2, C3, panel-wide) into y's rows r0..:
  * y = (C1 + (C2 + C3)) + bias, IEEE fp32 adds (MXCSR's default) (cols of the panel's ANP columns). */
 INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, int64_t r0, int rows) {
     const int64_t c0 = q * ANP;
@@ -311,19 +318,22 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
     }
 }
 
-/* Items: (block of up to j->block groups of RG rows, panel q), block-major. An item runs its panel's
- * k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's groups two
- * at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store and load:
- * the sums' bits go on unchanged), so each weight byte loaded serves up to 5 * BLOCK rows and the
- * block's parts stay in the L2. A block is as many groups as keep its parts (1 KiB a group and k
- * tile) within ABLOCK_KIB of the L2, at most BLOCK: 32 groups at K = 896 (896 KiB; the panel's
- * weights are read once a block, and 16 groups re-read them from memory twice as often), 10 at
- * down's K = 4864, whose 16 groups of 152 KiB (2.4 MiB) overflowed the 2 MiB L2 (RT, 2 threads,
- * `.so`s alternated, two runs: down 1.11-1.19x at 256 rows, 1.18-1.40x at 2048; gate_up
- * 1.08-1.13x at 256).
+/* Items: (block of up to j->block tiles of part-rows (16 a tile), panel q), block-major. An item runs
+ * its panel's k in chunks of KC tiles (256 k: 16 KiB of weights, in L1), each chunk over the block's
+ * tiles two at a time (four C tiles in flight), their C tiles stored between chunks (an fp32 store
+ * and load: the sums' bits go on unchanged; a block of one or two tiles keeps them in the tiles over
+ * all of K), so each weight byte loaded serves up to 16 * BLOCK / 3 rows and the block's parts stay
+ * in the L2. A block is a multiple of 3 tiles (whole rows: a row's parts may straddle two tiles, never
+ * two blocks), as many as keep its parts (1 KiB a tile and k tile) within ABLOCK_KIB of the L2, at
+ * most BLOCK: 30 tiles (160 rows) at K = 896 (the panel's weights are read once a block; half as many
+ * re-read them from memory twice as often), 9 (48 rows) at down's K = 4864, where 16 groups of 5
+ * rows (2.4 MiB of parts) overflowed the 2 MiB L2 (RT, 2 threads, `.so`s alternated, two runs: down
+ * 1.11-1.19x at 256 rows, 1.18-1.40x at 2048; gate_up 1.08-1.13x at 256). Whole tiles of part-rows
+ * (was: groups of 5 rows, 15 of a tile's 16 rows) are 6 tiles at 32 rows instead of 7, 12 at 64
+ * instead of 13.
  *
- * The tiles are configured once a call: one or two groups with their own rows, else every group as
- * five rows (a last group's rows past m are whatever the parts buffer holds; a C row depends on its
+ * The tiles are configured once a call: one or two tiles with their own rows, else every tile as
+ * 16 rows (a last tile's rows past 3m are whatever the parts buffer holds; a C row depends on its
  * own A row only, and finish reads the real rows): an ldtilecfg for the short last group twice a
  * chunk was 9% of a 32-row decode's samples. Prefetch: where a chunk has two or more pairs, its
  * pairs' k steps fetch the next chunk's weights (the next panel's after the last) into the L2, a few
@@ -336,23 +346,25 @@ INLINE void bf16_amx_finish(const bf16_amx_job *j, float out[][ANP], int64_t q, 
  * apart at gate_up, y far beyond the L2) and held the tiles up; with y's stores sent to one
  * scratch line (a probe, wrong results) gate_up at 2048 rows ran 1.28x faster on one core, with the
  * prefetch 1.11x (docs/quantization.md, "Where the time goes"). */
-#define BLOCK 32       /* groups a block, at most */
+#define BLOCK 30       /* tiles of part-rows a block, at most (a multiple of 3) */
 #define ABLOCK_KIB 1792 /* a block's parts, at most (KiB of the L2) */
 #define KC 8
 #define PREFETCHW(p) __asm__ volatile("prefetchw %0" ::"m"(*(const char *)(p)))
 static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
     const bf16_amx_job *j = ctx;
-    float out[BLOCK * 16][ANP] __attribute__((aligned(64)));
+    float out[BLOCK * TR][ANP] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t item = begin; item < end; ++item) {
         const int64_t blk = item / j->panels, q = item % j->panels, g0 = blk * j->block;
         const int gb = (int)(j->groups - g0 < j->block ? j->groups - g0 : j->block);
+        /* a block is a multiple of 3 tiles: its part-rows are whole rows of x */
         const uint16_t *b = j->packed + q * j->kt * (ANP * AKT);
-        const int64_t r_first = RG * g0, y_rows = (RG * (g0 + gb) < j->m ? RG * (g0 + gb) : j->m) - r_first;
+        const int64_t r_first = TR * g0 / 3, r_end = TR * (g0 + gb) / 3;
+        const int64_t y_rows = (r_end < j->m ? r_end : j->m) - r_first;
         const int y_split = (((uintptr_t)j->y | (uintptr_t)(j->ldy * 4)) & 63) != 0; /* a row's 128 bytes over 3 lines */
-        if (!configured) { /* once: one or two groups as they are, else every group as a whole one */
-            const int64_t m = j->m;
-            bf16_amx_configure(m < RG ? (int)m : RG, j->groups == 2 ? (int)(m - RG) : RG);
+        if (!configured) { /* once: one or two tiles as they are, else every tile as a whole one */
+            const int64_t pr = 3 * j->m;
+            bf16_amx_configure(pr < TR ? (int)pr : TR, j->groups == 2 ? (int)(pr - TR) : TR);
             configured = 1;
         }
         for (int64_t kc = 0; kc < j->kt; kc += KC) {
@@ -363,10 +375,9 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
             const int64_t pf_lines = gb > 2 ? (chunk_lines + steps - 1) / steps : 0;
             const int64_t yp_rows = kend == j->kt ? (y_rows + steps - 1) / steps : 0;
             for (int gi = 0; gi < gb; gi += 2) {
-                const int64_t rb = RG * (g0 + gi + 1);
-                const int rows_b = gi + 1 < gb ? (int)(j->m - rb < RG ? j->m - rb : RG) : 0;
+                const int rows_b = gi + 1 < gb;
                 const uint16_t *a = j->parts + (g0 + gi) * j->kt * 512, *a2 = a + j->kt * 512;
-                float(*oa)[ANP] = &out[gi * 16], (*ob)[ANP] = &out[(gi + 1) * 16];
+                float(*oa)[ANP] = &out[gi * TR], (*ob)[ANP] = &out[(gi + 1) * TR];
                 if (kc == 0) {
                     TILE_ZERO(0);
                     TILE_ZERO(1);
@@ -374,7 +385,7 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
                         TILE_ZERO(3);
                         TILE_ZERO(4);
                     }
-                } else {
+                } else if (gb > 2) { /* one pair: its C tiles stay in the tiles over all of K */
                     TILE_LOAD(0, &oa[0][0], ANP * 4);
                     TILE_LOAD(1, &oa[0][16], ANP * 4);
                     if (rows_b) {
@@ -402,29 +413,31 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
                             if (y_split) PREFETCHW(yr + 124);
                         }
                     }
-                    TILE_LOAD(5, bt, 64);
-                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    /* each tile loaded just before its first product, the first weight tile's
+                     * products before the second weight tile's load (was: both weight tiles, then
+                     * the parts: a 0.5B step of GEMMs 1.07x at 8 rows, 1.01-1.02x at 1-256) */
                     TILE_LOAD(2, a + t * 512, 64);
+                    TILE_LOAD(5, bt, 64);
                     TILE_DPBF16(0, 2, 5);
-                    TILE_DPBF16(1, 2, 6);
                     if (rows_b) {
                         TILE_LOAD(7, a2 + t * 512, 64);
                         TILE_DPBF16(3, 7, 5);
-                        TILE_DPBF16(4, 7, 6);
                     }
+                    TILE_LOAD(6, bt + 16 * AKT, 64);
+                    TILE_DPBF16(1, 2, 6);
+                    if (rows_b) TILE_DPBF16(4, 7, 6);
                 }
-                TILE_STORE(0, &oa[0][0], ANP * 4);
-                TILE_STORE(1, &oa[0][16], ANP * 4);
-                if (rows_b) {
-                    TILE_STORE(3, &ob[0][0], ANP * 4);
-                    TILE_STORE(4, &ob[0][16], ANP * 4);
+                if (gb > 2 || kend == j->kt) {
+                    TILE_STORE(0, &oa[0][0], ANP * 4);
+                    TILE_STORE(1, &oa[0][16], ANP * 4);
+                    if (rows_b) {
+                        TILE_STORE(3, &ob[0][0], ANP * 4);
+                        TILE_STORE(4, &ob[0][16], ANP * 4);
+                    }
                 }
             }
         }
-        for (int gi = 0; gi < gb; ++gi) {
-            const int64_t r0 = RG * (g0 + gi);
-            bf16_amx_finish(j, &out[gi * 16], q, r0, (int)(j->m - r0 < RG ? j->m - r0 : RG));
-        }
+        bf16_amx_finish(j, out, q, r_first, (int)y_rows);
     }
     if (configured) TILE_RELEASE();
 }
@@ -434,11 +447,13 @@ static void bf16_amx_items(void *ctx, int64_t begin, int64_t end) {
 void llmserve_gemm_bf16w_amx(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                              const float *bias, float *y, int64_t ldy, int32_t num_threads) {
     if (m <= 0) return;
-    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP, groups = (m + RG - 1) / RG;
+    const int64_t kt = (k + AKT - 1) / AKT, kp = kt * AKT, panels = (n + ANP - 1) / ANP,
+                  groups = (3 * m + TR - 1) / TR; /* tiles of part-rows */
     uint16_t *parts = bf16_parts_buffer((size_t)(groups * kt * 512));
     if (!parts) abort();
-    int64_t block = ABLOCK_KIB / kt & ~(int64_t)1;
-    block = block < 2 ? 2 : block > BLOCK ? BLOCK : block;
+    int64_t block = ABLOCK_KIB / kt;
+    block = block > BLOCK ? BLOCK : block;
+    block = block < 3 ? 3 : block - block % 3; /* whole rows of x a block */
     bf16_amx_job j = {x, bias, packed, parts, y, m, k, ldx, kt, kp, n, ldy, groups, panels, block};
     parallel_for(num_threads, m * kp > 65536, m, 16, bf16_split_items, &j);
     const int64_t items = panels * ((groups + block - 1) / block);
