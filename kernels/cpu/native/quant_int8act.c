@@ -1475,6 +1475,13 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
     float out[16][NC] __attribute__((aligned(64)));
     for (int grp = 0; grp < groups; ++grp) {
         const int64_t rg = r0 + 16 * grp;
+        /* The output rows' lines, asked for with intent to write a group ahead (the first group its
+         * own): a prompt's output (rows x N floats, N up to an LM head's) is past the L2, and the
+         * group's 32 stores missing it sat in the store buffer ahead of the next tile store, which
+         * held back every load behind it. */
+        for (int i = grp ? 16 : 0; i < 32 && 16 * grp + i < 16 * groups; ++i)
+            for (int c = 0; c < cols; c += 16) /* PREFETCHW: every AMX CPU has it */
+                __asm__ volatile("prefetchw %0" ::"m"(*(const char *)(y + (16 * grp + i) * ldy + c)));
         for (int v = 0; v < V; ++v) {
             vfl acc[16];
 #pragma GCC unroll 16
