@@ -55,7 +55,7 @@ def turn(lib, lin, x, y, threads, reps) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True)
-    ap.add_argument("--new", default=None)
+    ap.add_argument("--new", default=None, help="a build, or several separated by commas (each against --base)")
     ap.add_argument("--model", default="models/qwen2.5-coder-0.5b")
     ap.add_argument("--rows", default="64,256,512,2048")
     ap.add_argument("--threads", type=int, default=2)
@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--amx", type=int, default=1, help="0: both builds with the tiles off")
     args = ap.parse_args(argv)
     new_path = args.new or str(native_build.build("quant_int8act", native_build.chosen_isa()))
-    libs = {"old": load(args.base), "new": load(new_path)}
+    libs = {"old": load(args.base)}
+    for i, path in enumerate(new_path.split(",")):
+        libs["new" if i == 0 else f"new{i}"] = load(path)
     for lib in libs.values():
         lib.llmserve_qi8_amx(args.amx)
         print("amx", lib.llmserve_qi8_amx(-1), "vnni", lib.llmserve_qi8_vnni(-1))
@@ -81,17 +83,23 @@ def main(argv: list[str] | None = None) -> None:
             ys = {key: torch.empty(m, n) for key in libs}
             for key, lib in libs.items():
                 call(lib, lin, x, ys[key], args.threads)
-            same = torch.equal(ys["old"].view(torch.int32), ys["new"].view(torch.int32))
+            news = [key for key in libs if key != "old"]
+            same = all(torch.equal(ys["old"].view(torch.int32), ys[key].view(torch.int32)) for key in news)
             times = {key: [] for key in libs}
             for _ in range(args.rounds):
                 for key, lib in libs.items():
                     times[key].append(turn(lib, lin, x, ys[key], args.threads, args.reps))
-            ratios = [o / nw for o, nw in zip(times["old"], times["new"])]
             gops = {key: 2 * m * n * k / statistics.median(t) / 1e9 for key, t in times.items()}
+            parts = []
+            for key in news:
+                ratios = [o / nw for o, nw in zip(times["old"], times[key])]
+                parts.append(
+                    f"{key} {gops[key]:4.0f} GOP/s {statistics.median(ratios):.3f}x "
+                    f"({', '.join(f'{r:.2f}' for r in ratios)})"
+                )
             print(
                 f"{label} {name:>12} {lin.fmt:>10} N={n:<6} K={k:<5} M={m:<5} bits {'same' if same else 'DIFFER'}"
-                f"  old {gops['old']:6.0f} new {gops['new']:6.0f} GOP/s  old/new median "
-                f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.2f}' for r in ratios)})",
+                f"  old {gops['old']:4.0f} GOP/s; " + "; ".join(parts),
                 flush=True,
             )
 
