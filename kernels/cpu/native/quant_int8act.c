@@ -1511,15 +1511,16 @@ INLINE void amx_float_steps(const int fmt, const qrows *x, const uint8_t *panel,
         __asm__ volatile("prefetchw %0" ::"m"(*(const char *)(p)));                         \
         if (cols > 16) __asm__ volatile("prefetchw %0" ::"m"(*((const char *)(p) + 64))); \
     } while (0)
-#ifndef AMX_PAIRS
+#ifndef AMX_PAIRS /* -DAMX_PAIRS=0: the one-scale formats a block at a time (rows_amx), for an A/B */
 #define AMX_PAIRS 1
 #endif
 #ifndef AMX_PF
 #define AMX_PF 4
 #endif
-/* The activations' line holding block n for the group's 16 rows, into L1, AMX_PF blocks ahead (on each
- * vector's pass: a 16-row strip of K = 4864 is past the L1); measured at 512-2048 rows, two threads, RT:
- * Q5_0 1.04-1.12x, Q6_K 1.03-1.05x over none. */
+/* The activations' line holding block n for the group's 16 rows, into L1, AMX_PF blocks ahead, on each
+ * vector's pass (a 16-row strip of K = 4864 is past the L1). Measured on the 0.5B's GEMMs, two threads,
+ * RT, 64-2048 rows: on the first pass only over none, Q5_0 1.09-1.11x at 512-2048 rows; on each pass
+ * over the first only, Q5_0 1.07-1.18x, Q6_K 0.96-1.04x. -DAMX_PF=0: none. */
 #define AMX_PREFETCH_X(n)                                                                                    \
     do {                                                                                                     \
         for (int i_ = 0; i_ < 16; ++i_) _mm_prefetch((const char *)(x->q + (rg + i_) * x->k + (n) * QK), _MM_HINT_T0); \
