@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from kernels.cpu import native_build, quant_int8act
 from benchmarks.gemm_roof import model_linears
+from kernels.cpu import native_build, quant_int8act
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -36,8 +36,17 @@ def load(path: str) -> ctypes.CDLL:
 def call(lib, lin, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
     m, k = x.shape
     rc = lib.llmserve_qi8_gemm(
-        lin.code, x.data_ptr(), m, k, k, lin.packed.data_ptr(), lin.out_features,
-        None if lin.bias is None else lin.bias.data_ptr(), y.data_ptr(), lin.out_features, threads,
+        lin.code,
+        x.data_ptr(),
+        m,
+        k,
+        k,
+        lin.packed.data_ptr(),
+        lin.out_features,
+        None if lin.bias is None else lin.bias.data_ptr(),
+        y.data_ptr(),
+        lin.out_features,
+        threads,
     )
     if rc != 0:
         raise RuntimeError(f"gemm returned {rc}")
@@ -55,7 +64,9 @@ def turn(lib, lin, x, y, threads, reps) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True)
-    ap.add_argument("--new", default=None, help="a build, or several separated by commas (each against --base)")
+    ap.add_argument(
+        "--new", default=None, help="a build, or several separated by commas (each against --base)"
+    )
     ap.add_argument("--model", default="models/qwen2.5-coder-0.5b")
     ap.add_argument("--rows", default="64,256,512,2048")
     ap.add_argument("--threads", type=int, default=2)
@@ -92,13 +103,14 @@ def main(argv: list[str] | None = None) -> None:
             gops = {key: 2 * m * n * k / statistics.median(t) / 1e9 for key, t in times.items()}
             parts = []
             for key in news:
-                ratios = [o / nw for o, nw in zip(times["old"], times[key])]
+                ratios = [o / nw for o, nw in zip(times["old"], times[key], strict=True)]
                 parts.append(
                     f"{key} {gops[key]:4.0f} GOP/s {statistics.median(ratios):.3f}x "
                     f"({', '.join(f'{r:.2f}' for r in ratios)})"
                 )
+            bits = "same" if same else "DIFFER"
             print(
-                f"{label} {name:>12} {lin.fmt:>10} N={n:<6} K={k:<5} M={m:<5} bits {'same' if same else 'DIFFER'}"
+                f"{label} {name:>12} {lin.fmt:>10} N={n:<6} K={k:<5} M={m:<5} bits {bits}"
                 f"  old {gops['old']:4.0f} GOP/s; " + "; ".join(parts),
                 flush=True,
             )
