@@ -231,6 +231,26 @@ def test_a_long_prompts_rows_over_several_work_items_are_the_documented_math(isa
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q5_0+Q8_0"))
+@pytest.mark.parametrize("k", [96, 224])
+def test_an_odd_number_of_blocks_on_the_tiles_is_the_documented_math(isa, fmt, k):
+    """The one-scale formats' tiles take their blocks two at a time (quant_int8act.c's
+    rows_amx_pairs): K of 3 and 7 blocks leave the last one alone. 80 rows are 5 groups of 16, at
+    1 and 2 threads; every row the reference's bits."""
+    n, m = 40, 80
+    qw = weight(fmt, n, k, seed=5)
+    x = activations(m, k, seed=9)
+    lin = quant_int8act.Int8ActLinear(qw, isa=isa)
+    want = quant_int8act.reference(x, qw)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            np.testing.assert_array_equal(lin(x).numpy(), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_fp16_packed_scales_give_the_same_bits(isa, fmt):
     """A GGUF file's scales are fp16 values: packed as fp16 (fewer bytes), read back exactly."""
