@@ -395,18 +395,26 @@ INLINE float block_amax(const float *xb) {
     m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + 16)), m);
     return _mm512_reduce_max_ps(m);
 }
-INLINE int32_t block_quants(const float *xb, float id, int8_t *xq) {
-    __m512i sum = _mm512_setzero_si512();
+INLINE int32_t block_quants(const float *xb, float id, int8_t *xq, int32_t *sh) {
+    __m512i i[2];
     for (int h = 0; h < 2; ++h) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), _mm512_set1_ps(id));
         const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __mmask16 nan = _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
         const __m512 c = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
-        const __m512i i = _mm512_maskz_cvtps_epi32((__mmask16)~nan, c);
-        _mm_storeu_si128((__m128i *)(xq + 16 * h), _mm512_cvtepi32_epi8(i));
-        sum = _mm512_add_epi32(sum, i);
+        i[h] = _mm512_maskz_cvtps_epi32((__mmask16)~nan, c);
+        _mm_storeu_si128((__m128i *)(xq + 16 * h), _mm512_cvtepi32_epi8(i[h]));
     }
-    return _mm512_reduce_add_epi32(sum);
+    if (!sh) return _mm512_reduce_add_epi32(_mm512_add_epi32(i[0], i[1]));
+    /* the two halves' sums side by side: 128-bit lanes [0+1, 2+3] of each half, then within them */
+    __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(i[0], i[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(i[0], i[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, (_MM_PERM_ENUM)0x4e));
+    t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, (_MM_PERM_ENUM)0xb1));
+    sh[0] = _mm_cvtsi128_si32(_mm512_castsi512_si128(t));
+    sh[1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(t, 2));
+    return sh[0] + sh[1];
 }
 #elif defined(__AVX2__)
 INLINE float block_amax(const float *xb) {
@@ -418,7 +426,7 @@ INLINE float block_amax(const float *xb) {
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
 }
-INLINE int32_t block_quants(const float *xb, float id, int8_t *xq) {
+INLINE int32_t block_quants(const float *xb, float id, int8_t *xq, int32_t *sh) {
     __m256i q[4], sum = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {
         const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * g), _mm256_set1_ps(id));
@@ -432,6 +440,14 @@ INLINE int32_t block_quants(const float *xb, float id, int8_t *xq) {
      * the permute puts the 32 bytes back in order. */
     const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256((__m256i *)xq, _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    if (sh) { /* the halves' sums: lanes 0, 1 of [h0, h1, h0, h1] after two pairwise adds and the lanes' */
+        __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        t = _mm256_hadd_epi32(t, t);
+        const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        sh[0] = _mm_cvtsi128_si32(u);
+        sh[1] = _mm_extract_epi32(u, 1);
+        return sh[0] + sh[1];
+    }
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
@@ -446,28 +462,30 @@ INLINE float block_amax(const float *xb) {
     }
     return amax;
 }
-INLINE int32_t block_quants(const float *xb, float id, int8_t *xq) {
-    int32_t s = 0;
+INLINE int32_t block_quants(const float *xb, float id, int8_t *xq, int32_t *sh) {
+    int32_t s[2] = {0, 0};
     for (int e = 0; e < QK; ++e) {
         float v = __builtin_rintf(xb[e] * id);
         v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
         if (v != v) v = 0.0f; /* NaN in, defined out */
         xq[e] = (int8_t)v;
-        s += (int8_t)v;
+        s[e / (QK / 2)] += (int8_t)v;
     }
-    return s;
+    if (sh) sh[0] = s[0], sh[1] = s[1];
+    return s[0] + s[1];
 }
 #endif
 
-/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs (the documented rounding). */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs) {
+/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs (the documented rounding), and
+ * where sh is not NULL each block's two 16-step sums of q (sh[2b], sh[2b + 1]; sx their sum). */
+INLINE void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs, int32_t *sh) {
     for (int64_t b = 0; b < k / QK; ++b) {
         const float *xb = x + b * QK;
         const float amax = block_amax(xb);
         /* A scale below the smallest normal float (a block of zeros or subnormals) quantizes the
          * block to zeros: its reciprocal would overflow. */
         const float d = amax / 127.0f, id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
-        const int32_t s = block_quants(xb, id, xq + b * QK);
+        const int32_t s = block_quants(xb, id, xq + b * QK, sh ? sh + 2 * b : NULL);
         dx[b] = d;
         sx[b] = s;
         float ds = d * (float)s;
@@ -1774,8 +1792,15 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
     const int64_t k = j->xs.k, nb = j->xs.nb;
     int8_t *q = (int8_t *)j->xs.q;
     for (int64_t r = begin; r < end; ++r) {
-        quantize_row(j->x + r * j->ldx, k, q + r * k, (float *)j->xs.dx + r * nb, (int32_t *)j->xs.sx + r * nb,
-                     (float *)j->xs.dxs + r * nb);
+        /* each block's two 16-step sums where the format has a scale per 16 (I8_16's offset
+         * correction, Q2_K's minimums), made with the quants */
+        int32_t *sh = j->xs.sh ? (int32_t *)j->xs.sh + r * 2 * nb : NULL;
+        float *dx = (float *)j->xs.dx + r * nb, *dxs = (float *)j->xs.dxs + r * nb;
+        int32_t *sx = (int32_t *)j->xs.sx + r * nb;
+        if (sh)
+            quantize_row(j->x + r * j->ldx, k, q + r * k, dx, sx, dxs, sh);
+        else
+            quantize_row(j->x + r * j->ldx, k, q + r * k, dx, sx, dxs, NULL);
         if (j->xs.dxt) /* the AMX rows' copies by group of 16 rows */
             for (int64_t b = 0; b < nb; ++b) {
                 const int64_t at = ((r >> 4) * nb + b) * 16 + (r & 15);
@@ -1785,14 +1810,6 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
         if (j->xs.ncorr)
             for (int64_t b = 0; b < nb; ++b)
                 ((int32_t *)j->xs.ncorr)[r * nb + b] = -j->off * j->xs.sx[r * nb + b];
-        if (j->xs.sh) { /* I8_16's offset correction: each 16 steps' sum of q */
-            int32_t *sh = (int32_t *)j->xs.sh;
-            for (int64_t h = 0; h < 2 * nb; ++h) {
-                int32_t s = 0;
-                for (int e = 0; e < QK / 2; ++e) s += q[r * k + h * (QK / 2) + e];
-                sh[r * 2 * nb + h] = s;
-            }
-        }
     }
 }
 
@@ -1818,7 +1835,8 @@ static void qi8_items(void *ctx, int64_t begin, int64_t end) {
 void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
                            float *dxs) {
     const int64_t nb = k / QK;
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb);
+    for (int64_t r = 0; r < m; ++r)
+        quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb, NULL);
 }
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
