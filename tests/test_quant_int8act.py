@@ -208,6 +208,17 @@ def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def _at_one_and_two_threads(check) -> None:
+    """Run ``check`` with torch's (and so the kernels') thread count at 1, then 2; restore it."""
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            check()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS", "Q5_0+Q6_K"))
 def test_a_long_prompts_rows_over_several_work_items_are_the_documented_math(isa, fmt):
     """A prefill-sized call: on the tiles its work items take 512 rows, each 16-row group reading
@@ -220,15 +231,13 @@ def test_a_long_prompts_rows_over_several_work_items_are_the_documented_math(isa
     x = activations(m, k, seed=3)
     lin = quant_int8act.Int8ActLinear(qw, isa=isa)
     want = quant_int8act.reference(x, qw)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            got = lin(x)
-            np.testing.assert_array_equal(got.numpy(), want)
-            assert torch.equal(lin(x[517:]), got[517:])
-    finally:
-        torch.set_num_threads(threads)
+
+    def check():
+        got = lin(x)
+        np.testing.assert_array_equal(got.numpy(), want)
+        assert torch.equal(lin(x[517:]), got[517:])
+
+    _at_one_and_two_threads(check)
 
 
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q5_0+Q8_0"))
@@ -242,13 +251,7 @@ def test_an_odd_number_of_blocks_on_the_tiles_is_the_documented_math(isa, fmt, k
     x = activations(m, k, seed=9)
     lin = quant_int8act.Int8ActLinear(qw, isa=isa)
     want = quant_int8act.reference(x, qw)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            np.testing.assert_array_equal(lin(x).numpy(), want)
-    finally:
-        torch.set_num_threads(threads)
+    _at_one_and_two_threads(lambda: np.testing.assert_array_equal(lin(x).numpy(), want))
 
 
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
