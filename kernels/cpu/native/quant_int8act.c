@@ -1529,9 +1529,6 @@ INLINE void amx_float_steps(const int fmt, const qrows *x, const uint8_t *panel,
         __asm__ volatile("prefetchw %0" ::"m"(*(const char *)(p)));                         \
         if (cols > 16) __asm__ volatile("prefetchw %0" ::"m"(*((const char *)(p) + 64))); \
     } while (0)
-#ifndef AMX_PAIRS /* -DAMX_PAIRS=0: the one-scale formats a block at a time (rows_amx), for an A/B */
-#define AMX_PAIRS 1
-#endif
 #ifndef AMX_PF
 #define AMX_PF 4
 #endif
@@ -1543,10 +1540,11 @@ INLINE void amx_float_steps(const int fmt, const qrows *x, const uint8_t *panel,
     do {                                                                                                     \
         for (int i_ = 0; i_ < 16; ++i_) _mm_prefetch((const char *)(x->q + (rg + i_) * x->k + (n) * QK), _MM_HINT_T0); \
     } while (0)
+/* The formats with a scale per 16 k steps (Q6_K, Q3_K, Q2_K: two sum tiles a block); the one-scale
+ * formats take rows_amx_pairs. */
 INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, const uint8_t *wq,
                      const uint8_t *panel, const float *bias, float *y, int64_t ldy, int cols) {
-    const int halves = two_scales(fmt);
-    amx_configure(halves ? 16 : 32);
+    amx_configure(16);
     int32_t sums[2][2][16][VW] __attribute__((aligned(64)));
     float out[16][NC] __attribute__((aligned(64)));
     for (int grp = 0; grp < groups; ++grp) {
@@ -1562,16 +1560,9 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
 #pragma GCC unroll 16
             for (int i = 0; i < 16; ++i) acc[i] = zerof();
             vfl kd = zerof(), kdm = zerof();
-            if (!halves) { /* block 0's operands before the loop (then each block's two ahead) */
-                const int8_t *xa = x->q + rg * x->k;
-                const uint8_t *w = wq + v * VW * 4;
-                TILE_LOAD(4, xa, x->k);
-                TILE_LOAD(5, w, NC * 4);
-            } else {
-                AMX_HALVES_OPERANDS(0);
-            }
+            AMX_HALVES_OPERANDS(0); /* block 0's operands before the loop (then each block's two ahead) */
             for (int64_t b = -1; b < x->nb; ++b) {
-                if (halves && b + 1 < x->nb) { /* the next block's products, operands loaded before */
+                if (b + 1 < x->nb) { /* the next block's products, operands loaded before */
                     if (((b + 1) & 1) == 0) {
                         TILE_ZERO(0);
                         TILE_DP(0, 4, 5);
@@ -1583,14 +1574,6 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
                         TILE_ZERO(3);
                         TILE_DP(3, 6, 7);
                     }
-                } else if (b + 1 < x->nb) { /* the next block's product, its operands loaded before */
-                    if (((b + 1) & 1) == 0) {
-                        TILE_ZERO(0);
-                        TILE_DP(0, 4, 5);
-                    } else {
-                        TILE_ZERO(2);
-                        TILE_DP(2, 6, 7);
-                    }
                 }
                 if (b >= 0) {
                     const int slot = (int)(b & 1);
@@ -1600,37 +1583,17 @@ INLINE void rows_amx(const int fmt, const qrows *x, int64_t r0, int groups, cons
                         AMX_PREFETCH_X(b + AMX_PF);
                     amx_float_steps(fmt, x, panel, rg, b, v, sums[slot][0], sums[slot][1], &kd, &kdm, acc);
                 }
-                if (halves) { /* as below, the two halves' operands in one set of four tiles */
-                    if (b + 2 < x->nb) AMX_HALVES_OPERANDS(b + 2);
-                    if (b + 1 < x->nb) {
-                        if (((b + 1) & 1) == 0) {
-                            TILE_STORE(0, &sums[0][0][0][0], VW * 4);
-                            TILE_STORE(1, &sums[0][1][0][0], VW * 4);
-                        } else {
-                            TILE_STORE(2, &sums[1][0][0][0], VW * 4);
-                            TILE_STORE(3, &sums[1][1][0][0], VW * 4);
-                        }
-                    }
-                } else {
-                    /* A tile store holds back every later load until it completes (and it waits for
-                     * its product): block b + 2's operands are loaded first, then block b + 1's sums
-                     * stored, after this block's float steps have read theirs. */
-                    if (b + 2 < x->nb) {
-                        const int8_t *xa = x->q + rg * x->k + (b + 2) * QK;
-                        const uint8_t *w = wq + (b + 2) * 8 * NC * 4 + v * VW * 4;
-                        if (((b + 2) & 1) == 0) {
-                            TILE_LOAD(4, xa, x->k);
-                            TILE_LOAD(5, w, NC * 4);
-                        } else {
-                            TILE_LOAD(6, xa, x->k);
-                            TILE_LOAD(7, w, NC * 4);
-                        }
-                    }
-                    if (b + 1 < x->nb) {
-                        if (((b + 1) & 1) == 0)
-                            TILE_STORE(0, &sums[0][0][0][0], VW * 4);
-                        else
-                            TILE_STORE(2, &sums[1][0][0][0], VW * 4);
+                /* A tile store holds back every later load until it completes (and it waits for its
+                 * product): block b + 2's operands (both halves' in one set of four tiles) are loaded
+                 * first, then block b + 1's sums stored, after this block's float steps read theirs. */
+                if (b + 2 < x->nb) AMX_HALVES_OPERANDS(b + 2);
+                if (b + 1 < x->nb) {
+                    if (((b + 1) & 1) == 0) {
+                        TILE_STORE(0, &sums[0][0][0][0], VW * 4);
+                        TILE_STORE(1, &sums[0][1][0][0], VW * 4);
+                    } else {
+                        TILE_STORE(2, &sums[1][0][0][0], VW * 4);
+                        TILE_STORE(3, &sums[1][1][0][0], VW * 4);
                     }
                 }
             }
@@ -1716,7 +1679,7 @@ INLINE void rows_amx_pairs(const int fmt, const qrows *x, int64_t r0, int groups
         uint8_t *wq = groups ? amx_weights((size_t)x->nb * 8 * NC * 4) : NULL; /* block b at b KiB */      \
         if (wq) {                                                                                          \
             for (int64_t b = 0; b < x->nb; ++b) amx_unpack(FMT, panel, b, wq + b * 8 * NC * 4);            \
-            if (two_scales(FMT) || !AMX_PAIRS) rows_amx(FMT, x, r0, groups, wq, panel, bias, y, ldy, cols); \
+            if (two_scales(FMT)) rows_amx(FMT, x, r0, groups, wq, panel, bias, y, ldy, cols);              \
             else rows_amx_pairs(FMT, x, r0, groups, wq, panel, bias, y, ldy, cols);                       \
         }                                                                                                  \
         const int64_t done = wq ? 16 * (int64_t)groups : 0;                                                \
