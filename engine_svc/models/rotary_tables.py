@@ -33,7 +33,8 @@ class RotaryTables:
         for head_dim, theta, scaling in kinds:
             if lazy:
                 rows = max(phases, rope_phases(scaling)) * max_positions
-                self.tables.append(_untouched((rows, head_dim)))
+                # a fenced lazy mapping of its own: no page resident until its rows are written
+                self.tables.append(lazy_zeros((rows, head_dim), torch.float32))
             else:
                 table = rope_table(head_dim, theta, scaling, max_positions)
                 if phases == 2 and rope_phases(scaling) == 1:
@@ -54,11 +55,3 @@ class RotaryTables:
                 at = phase * self.max_positions
                 table[at + start : at + stop] = rows[min(phase, len(rows) - 1)].to(table.dtype)
         self.covered = stop
-
-
-def _untouched(shape: tuple[int, int]) -> torch.Tensor:
-    """A zero fp32 tensor of ``shape`` on a fenced anonymous mapping of its own (``lazy_zeros``): no
-    page of it is resident until written (a ``torch.empty`` of this size may come from the heap's
-    reused pages, and an unfenced mapping may merge with a neighbouring one and share its pages'
-    accounting)."""
-    return lazy_zeros(shape, torch.float32)
