@@ -46,7 +46,9 @@ def test_a_large_pool_is_not_resident_at_start(tiny_llama):
     pool = sum(c.numel() * c.element_size() for c in {id(c): c for c in large.runtime.kv_caches}.values())
     assert pool == 1 << 30
     assert kv_resident_bytes(large.runtime.kv_caches) == 0
-    assert grew - small_grew < 16 * MiB, (grew >> 20, small_grew >> 20)
+    # The small engine's start may hand memory back (malloc_trim: RSS fell 78 MiB once on CI), so
+    # its growth counts as at least 0; a resident pool would add 1 GiB.
+    assert grew - max(small_grew, 0) < 16 * MiB, (grew >> 20, small_grew >> 20)
     del small
 
 
