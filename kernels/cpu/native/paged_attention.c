@@ -421,10 +421,10 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
  * decodes of a few hundred positions each the items are bound by memory, and requests given
  * together keep more of it in flight than the next block's asked for block by block: 1.05-1.07x,
  * docs/performance.md, "The 256-request run outside the GEMMs"). A K line and the V line at the
- * same place in turn: two runs of memory read at once (1.03-1.07x at 16k of context against K's
- * lines then V's; a line of each 4 KiB piece in turn, 64 runs at once: 0.6-0.75x). The rows of one
- * block are one run of memory, but the next block may be anywhere, where the hardware prefetcher
- * does not follow. Only where rows come from: the same bits.
+ * same place in turn: two runs of memory read at once (1.01-1.06x at 4k-16k of context against
+ * all K's lines then V's; a line of each 4 KiB piece in turn, 64 runs at once: 0.6-0.75x). The
+ * rows of one block are one run of memory, but the next block may be anywhere, where the hardware
+ * prefetcher does not follow. Only where rows come from: the same bits.
  *
  * The core waits on these requests (each holds one of its few line-fill buffers until its line
  * comes) and the item's arithmetic runs after them, from cache. Tried in their place on the 2-core
@@ -432,7 +432,8 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
  * (64-512 lines), so that the arithmetic would overlap the memory: 0.8-1.06x (the requests' rate
  * bound by the fill buffers, about 7 GB/s a core); the same in bursts of 32-128 lines:
  * 0.85-1.07x; every other line (for the adjacent-line prefetcher): 0.77-0.9x; into L1
- * (prefetcht0): 0.99-1.04x; non-temporal (prefetchnta): 0.4x; no request: 0.77-0.89x. */
+ * (prefetcht0): 0.99-1.18x (1.0x at 16k); non-temporal (prefetchnta): 0.4x; no request:
+ * 0.77-0.89x. */
 INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, const int D) {
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
