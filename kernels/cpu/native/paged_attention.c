@@ -20,9 +20,9 @@
  * within a partition the scores, their maximum, the numerators and the weighted V rows are exact
  * as above, and each query merges its partitions' results in order through one function that
  * decodes and chunks share (merge_partition). A decode's partitions are separate work items
- * (split-K: a decode at 16k has 64 to share among threads), each for every KV head in turn (the
- * cache interleaves the heads in a row: the first head's pass reads whole rows from memory, the
- * others find them in L2; a decode at depth is bound by memory), merged in a second pass (a
+ * (split-K: a decode at 16k has 64 to share among threads), each for every KV head at once (the
+ * cache interleaves the heads in a row: each pass uses a row whole, read from memory once; a
+ * decode at depth is bound by memory), merged in a second pass (a
  * sequence with a few rows at depth, where its tiles would leave lanes idle, runs the same way, all
  * its rows in each partition's item, each row merged as its decode: split_k_rows); a
  * chunk's work item is four tiles that take each partition in turn, so that its K/V rows come from
@@ -416,33 +416,53 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
     }
 }
 
-/* Asks for the rows of KV heads [h, h + heads) at positions [from, to) of the sequence into L2
- * ahead of use. The rows of one block are one run of memory, but the next block may be anywhere,
- * where the hardware prefetcher does not follow. */
-INLINE void prefetch_rows(const Args *a, const float *cache, const Seq *s, int h, int heads, int from, int to,
-                          const int D) {
+/* Asks for the whole cache rows (every KV head's) of positions [from, to) of the sequence, K's
+ * and V's, ahead of use: a split-K item's partition, all at once as the item starts (at 256
+ * decodes of a few hundred positions each the items are bound by memory, and requests given
+ * together keep more of it in flight than the next block's asked for block by block: 1.05-1.07x,
+ * docs/performance.md, "The 256-request run outside the GEMMs"). A K line and the V line at the
+ * same place in turn: two runs of memory read at once (1.01-1.06x at 4k-16k of context against
+ * all K's lines then V's; a line of each 4 KiB piece in turn, 64 runs at once: 0.6-0.75x). The
+ * rows of one block are one run of memory, but the next block may be anywhere, where the hardware
+ * prefetcher does not follow. Only where rows come from: the same bits.
+ *
+ * The core waits on these requests (each holds one of its few line-fill buffers until its line
+ * comes) and the item's arithmetic runs after them, from cache. Tried in their place on the 2-core
+ * Xeon (docs/performance.md): one request per line the passes consume, a fixed distance ahead
+ * (64-512 lines), so that the arithmetic would overlap the memory: 0.8-1.06x (the requests' rate
+ * bound by the fill buffers, about 7 GB/s a core); the same in bursts of 32-128 lines:
+ * 0.85-1.07x; every other line (for the adjacent-line prefetcher): 0.77-0.9x; into L1
+ * (prefetcht0): 0.99-1.18x (1.0x at 16k); non-temporal (prefetchnta): 0.4x; no request:
+ * 0.77-0.89x. */
+INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, const int D) {
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
-        const float *rb = block_at(a, cache, s, blk, h, D) + off * ps;
-        for (int i = 0; i < n; ++i)
-            for (int e = 0; e < heads * D; e += 64 / (int)sizeof(float)) __builtin_prefetch(rb + i * ps + e, 0, 2);
+        (void)p;
+        const float *kb = block_at(a, a->k_cache, s, blk, 0, D) + off * ps;
+        const float *vb = block_at(a, a->v_cache, s, blk, 0, D) + off * ps;
+        for (int64_t e = 0; e < n * ps; e += 64 / (int)sizeof(float)) {
+            __builtin_prefetch(kb + e, 0, 2);
+            __builtin_prefetch(vb + e, 0, 2);
+        }
     });
 }
 
-/* A split-K item's partition `part` for KV head h: the last R query rows of sequence b (a decode:
- * its one row; a sequence with a few rows at depth, FEW_ROWS: all of them), each row's rep heads
- * that share KV head h, each row with its own context (its position + 1) and window (`fetch`: the
- * KV heads from h whose rows it prefetches as it starts, 0 where they are in cache). Row i's result
- * (rep rows of D weighted V sums, then rep maxima, rep sums) goes to partial + i * pstride; a row
- * whose context ends before the partition, or whose window starts after it, writes nothing (its
- * merge skips it). Every row's values are its decode's, operation for operation: the scores are
- * one lane's chain each whatever else shares the pass (the rows share each transposed K group and
- * the partition's K/V rows, read from memory once for all rows), and each row's softmax and pass
- * over V run over its own positions, [its first read, its own end). D is a compile-time constant
- * where the caller can make it one (64, 128), so that queries and accumulators stay in registers. */
-INLINE void attend_rows_part(const Args *a, int b, int h, int part, int R, float *scores, float *partial,
-                             int64_t pstride, int fetch, const int D) {
-    const int rep = a->num_heads / a->num_kv_heads;
+/* A split-K item's partition `part`: the last R query rows of sequence b (a decode: its one row; a
+ * sequence with a few rows at depth, FEW_ROWS: all of them), each row's query heads of every KV
+ * head, each row with its own context (its position + 1) and window. Row i's result for KV head h
+ * (rep rows of D weighted V sums, then rep maxima, rep sums) goes to partial + h * hstride + i *
+ * pstride; a row whose context ends before the partition, or whose window starts after it, writes
+ * nothing (its merge skips it). Every row's values are its decode's, operation for operation: the
+ * scores are one lane's chain each whatever else shares the pass (the rows share each transposed K
+ * group and the partition's K/V rows, read from memory once for all rows), and each row's softmax
+ * and pass over V run over its own positions, [its first read, its own end). The passes take every
+ * KV head at each position (the cache interleaves the heads in a row): each cache row is used
+ * whole while it is in L1, and the item's scores for all its heads stay there (14 heads x 256
+ * positions: 14 KiB). D is a compile-time constant where the caller can make it one (64, 128), so
+ * that queries and accumulators stay in registers. */
+INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *scores, float *partial, int64_t hstride,
+                             int64_t pstride, const int D) {
+    const int H = a->num_kv_heads, rep = a->num_heads / H;
     const int bs = a->block_size;
     const Seq sq = seq_of(a, b);
     const int P0 = part * PART;
@@ -458,13 +478,14 @@ INLINE void attend_rows_part(const Args *a, int b, int h, int part, int R, float
         }
     }
     if (i0 >= i1) return;
-    const int nv = (i1 - i0) * rep; /* the query vectors of rows i0 .. i1, rows times heads */
-    vf *restrict kt = (vf *)(scores + (int64_t)nv * PART); /* two groups of W K rows, transposed */
+    const int nv = (i1 - i0) * rep; /* a KV head's query vectors of rows i0 .. i1, rows times heads */
+    vf *restrict kt = (vf *)(scores + (int64_t)H * nv * PART); /* two groups of W K rows, transposed */
     float *restrict qs = (float *)(kt + 2 * D); /* the query vectors, D apart (offsets known to the compiler) */
-    for (int i = i0; i < i1; ++i)
-        for (int v = 0; v < rep; ++v)
-            memcpy(qs + (int64_t)((i - i0) * rep + v) * D, query_at(a, &sq, sq.q_len - R + i, h * rep + v),
-                   sizeof(float) * D);
+    for (int h = 0; h < H; ++h)
+        for (int i = i0; i < i1; ++i)
+            for (int v = 0; v < rep; ++v)
+                memcpy(qs + (int64_t)(h * nv + (i - i0) * rep + v) * D,
+                       query_at(a, &sq, sq.q_len - R + i, h * rep + v), sizeof(float) * D);
     /* the first position read (row i0's: blocks wholly before its window are never read) and the
      * last row's end */
     const int ctx0 = sq.ctx - R + 1 + i0, ctxl = sq.ctx - R + i1;
@@ -472,72 +493,87 @@ INLINE void attend_rows_part(const Args *a, int b, int h, int part, int R, float
     const int r0 = P0 > lo0 / bs * bs ? P0 : lo0 / bs * bs;
     const int P1 = P0 + PART < ctxl ? P0 + PART : ctxl;
 #ifndef NO_PREFETCH
-    /* the partition's rows, every KV head's (`fetch` of them from h), K then V, asked for into L2 all
-     * at once as the item starts: at 256 decodes of a few hundred positions each the items are bound
-     * by memory, and requests given together keep more of it in flight than the next block's K (into
-     * L1) and this block's V asked for block by block (1.05-1.07x on 256 decodes at ~370 positions;
-     * docs/performance.md, "The 256-request run outside the GEMMs"). Only where rows come from: the
-     * same bits. */
-    if (fetch) {
-        prefetch_rows(a, a->k_cache, &sq, h, fetch, r0, P1, D);
-        prefetch_rows(a, a->v_cache, &sq, h, fetch, r0, P1, D);
-    }
+    prefetch_partition(a, &sq, r0, P1, D);
 #endif
-    /* scores[u * PART + p - P0] = q_u . k_p * scale, for every vector u at [r0, P1) */
+    /* scores[(h * nv + u) * PART + p - P0] = q_u . k_p * scale, for KV head h's every vector u at
+     * [r0, P1) */
+    const int64_t ps = (int64_t)H * D;
     FOR_RUNS(&(*a), r0, P1, {
-        const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * (int64_t)a->num_kv_heads * D;
+        const float *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
         /* 2W positions at a time (W for the last few), transposed into lanes, for every query
          * vector in groups of HG(2) */
-        const int64_t ps = (int64_t)a->num_kv_heads * D;
         int i0_ = 0;
         for (; i0_ + W < n; i0_ += 2 * W) {
             const int m = n - i0_ - W < W ? n - i0_ - W : W;
-            transpose_rows(kt, kb + i0_ * ps, ps, W, D);
-            transpose_rows(kt + D, kb + (i0_ + W) * ps, ps, m, D);
-            decode_all_heads(qs, D, kt, scores + p - P0 + i0_, m, a->scale, nv, 2, D);
+            for (int h = 0; h < H; ++h) {
+                transpose_rows(kt, kb + i0_ * ps + h * D, ps, W, D);
+                transpose_rows(kt + D, kb + (i0_ + W) * ps + h * D, ps, m, D);
+                decode_all_heads(qs + (int64_t)h * nv * D, D, kt, scores + (int64_t)h * nv * PART + p - P0 + i0_, m,
+                                 a->scale, nv, 2, D);
+            }
         }
         if (i0_ < n) {
-            transpose_rows(kt, kb + i0_ * ps, ps, n - i0_, D);
-            decode_all_heads(qs, D, kt, scores + p - P0 + i0_, n - i0_, a->scale, nv, 1, D);
+            for (int h = 0; h < H; ++h) {
+                transpose_rows(kt, kb + i0_ * ps + h * D, ps, n - i0_, D);
+                decode_all_heads(qs + (int64_t)h * nv * D, D, kt, scores + (int64_t)h * nv * PART + p - P0 + i0_,
+                                 n - i0_, a->scale, nv, 1, D);
+            }
         }
     });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
-        for (int u = 0; u < nv; ++u)
+        for (int u = 0; u < H * nv; ++u)
             for (int p = r0; p < P1; ++p)
                 scores[(int64_t)u * PART + p - P0] = soft_cap(scores[(int64_t)u * PART + p - P0], a->softcap);
-    for (int i = i0; i < i1; ++i) {
-        const int ctx_i = sq.ctx - R + 1 + i, lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
-        const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
-        float *sc = scores + (int64_t)(i - i0) * rep * PART;
-        /* positions before the row's window (a block holding lo was scored whole) are masked */
-        for (int v = 0; v < rep; ++v)
-            for (int p = P0; p < lo_i; ++p) sc[(int64_t)v * PART + p - P0] = -INFINITY;
-        float *maxima = partial + i * pstride + (int64_t)rep * D, *sums = maxima + rep;
-        const int lo_rel = lo_i > P0 ? lo_i - P0 : 0;
-        for (int v = 0; v < rep; ++v)
-            sums[v] = softmax_numerators(sc + (int64_t)v * PART, P1_i - P0, lo_rel, maxima + v);
-    }
-    /* the weighted V sums, SUB positions at a time for all the rows and heads: those V rows stay in
-     * L1 for every pass (a partition's, once per head, came from L2); row i's over its own
-     * positions [r0_i, P1_i), from 0 at r0_i */
-    for (int s0 = r0; s0 < P1; s0 += SUB) {
-        const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+    for (int h = 0; h < H; ++h)
         for (int i = i0; i < i1; ++i) {
             const int ctx_i = sq.ctx - R + 1 + i, lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
             const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
-            const int r0_i = P0 > lo_i / bs * bs ? P0 : lo_i / bs * bs;
-            const int t0 = s0 > r0_i ? s0 : r0_i, t1 = s1 < P1_i ? s1 : P1_i;
-            if (t0 >= t1) continue;
-            const float *sc = scores + (int64_t)(i - i0) * rep * PART;
-            float *pr = partial + i * pstride;
-            int v = 0;
-            for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
-                decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,
-                                   t0 == r0_i, DECODE_PV_GROUP, D);
-            for (; v < rep; ++v)
-                decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,
-                                   t0 == r0_i, 1, D);
+            float *sc = scores + (int64_t)(h * nv + (i - i0) * rep) * PART;
+            /* positions before the row's window (a block holding lo was scored whole) are masked */
+            for (int v = 0; v < rep; ++v)
+                for (int p = P0; p < lo_i; ++p) sc[(int64_t)v * PART + p - P0] = -INFINITY;
+            float *maxima = partial + h * hstride + i * pstride + (int64_t)rep * D, *sums = maxima + rep;
+            const int lo_rel = lo_i > P0 ? lo_i - P0 : 0;
+            for (int v = 0; v < rep; ++v)
+                sums[v] = softmax_numerators(sc + (int64_t)v * PART, P1_i - P0, lo_rel, maxima + v);
         }
+    /* the weighted V sums, SUB positions at a time for every KV head, row and query head: those V
+     * rows stay in L1 for every pass; row i's over its own positions [r0_i, P1_i), from 0 at r0_i */
+    for (int s0 = r0; s0 < P1; s0 += SUB) {
+        const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+        for (int h = 0; h < H; ++h)
+            for (int i = i0; i < i1; ++i) {
+                const int ctx_i = sq.ctx - R + 1 + i,
+                          lo_i = a->window > 0 && ctx_i > a->window ? ctx_i - a->window : 0;
+                const int P1_i = P0 + PART < ctx_i ? P0 + PART : ctx_i;
+                const int r0_i = P0 > lo_i / bs * bs ? P0 : lo_i / bs * bs;
+                const int t0 = s0 > r0_i ? s0 : r0_i, t1 = s1 < P1_i ? s1 : P1_i;
+                if (t0 >= t1) continue;
+                const float *sc = scores + (int64_t)(h * nv + (i - i0) * rep) * PART;
+                float *pr = partial + h * hstride + i * pstride;
+                int v = 0;
+                for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
+                    decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1,
+                                       pr + (int64_t)v * D, t0 == r0_i, DECODE_PV_GROUP, D);
+                /* the rest as one group: a single query's 4 chains of multiply-adds (head size 64)
+                 * wait on their latency, a group's 12 do not */
+                switch (rep - v) {
+#define PV_REST(g)                                                                                             \
+    case g:                                                                                                    \
+        if (g < DECODE_PV_GROUP) {                                                                             \
+            decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,   \
+                               t0 == r0_i, g, D);                                                              \
+            v += g;                                                                                            \
+        }                                                                                                      \
+        break;
+                    PV_REST(2) PV_REST(3)
+#undef PV_REST
+                default: break;
+                }
+                for (; v < rep; ++v)
+                    decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1,
+                                       pr + (int64_t)v * D, t0 == r0_i, 1, D);
+            }
     }
 }
 
@@ -1562,16 +1598,11 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
             const int64_t parts = (a->seq_lens[b] + PART - 1) / PART;
             const int R = a->query_start_loc[b + 1] - a->query_start_loc[b];
             const int64_t pstride = (int64_t)a->num_kv_heads * parts * per; /* row r's slots follow row 0's */
-            for (int kh = 0; kh < a->num_kv_heads; ++kh) {
-                float *partial = j->partials + (it[3] + kh * parts + v0) * per;
-                /* the first head prefetches every head's rows (whole rows of the cache: memory read
-                 * in order, once); the others find them in L2 */
-                const int fetch = kh == 0 ? a->num_kv_heads : 0;
-                switch (SPECIALIZED ? j->head_dim : 0) {
-                case 64: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, 64); break;
-                case 128: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, 128); break;
-                default: attend_rows_part(a, b, kh, v0, R, scratch, partial, pstride, fetch, j->head_dim);
-                }
+            float *partial = j->partials + (it[3] + v0) * per; /* KV head k's slots follow head 0's */
+            switch (SPECIALIZED ? j->head_dim : 0) {
+            case 64: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, 64); break;
+            case 128: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, 128); break;
+            default: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, j->head_dim);
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
@@ -1619,7 +1650,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     if (w->num_slots && !partials) return -2;
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
     const size_t rows = w->split_rows > 1 ? (size_t)w->split_rows : 1;
-    const size_t decode_floats = rows * rep * PART + 2 * (size_t)head_dim * W + rows * rep * head_dim;
+    const size_t decode_floats = rows * num_heads * PART + 2 * (size_t)head_dim * W + rows * num_heads * head_dim;
     const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
