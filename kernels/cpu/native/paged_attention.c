@@ -180,18 +180,27 @@ INLINE vf exp_np_v(vf x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return (vf)_mm512_scalef_ps(p, n);
 #else
-    const vf v = select_v(x < -87.0f, (vf){0} - 87.0f, x);
-    const vf u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
-    const vf n = u - 0x1.8p23f;
-    vf r = v - n * 0.693359375f; /* exact: n * 0.693359375 has at most 16 bits */
-    r = r - n * -2.12194440e-4f;
-    vf p = EXP_C6 * r + EXP_C5;
-    p = p * r + EXP_C4;
-    p = p * r + EXP_C3;
-    p = p * r + EXP_C2;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * (vf)(((vi)u << 23) + (127 << 23));
+    float e[W]; /* lane by lane: GCC vectorizes the loop (it compiles the vector-typed form worse) */
+    for (int j = 0; j < W; ++j) {
+        const float v = x[j] < -87.0f ? -87.0f : x[j];
+        const float u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
+        const float n = u - 0x1.8p23f;
+        float r = v - n * 0.693359375f; /* exact: n * 0.693359375 has at most 16 bits */
+        r = r - n * -2.12194440e-4f;
+        float p = EXP_C6 * r + EXP_C5;
+        p = p * r + EXP_C4;
+        p = p * r + EXP_C3;
+        p = p * r + EXP_C2;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        union {
+            float f;
+            int32_t i;
+        } b = {.f = u};
+        b.i = (int32_t)((uint32_t)b.i << 23) + (127 << 23);
+        e[j] = p * b.f;
+    }
+    return loadv(e);
 #endif
 }
 
