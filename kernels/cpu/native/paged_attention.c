@@ -150,37 +150,25 @@ INLINE vf fma_v(vf a, vf b, vf c) {
 
 /* e^x for x <= 0, W lanes: the softmax numerators and the partition merges' factors of decodes and
  * chunks alike (a lane's value depends only on its x: the scalar exp_np below is the same bits).
- * x is clamped at -87 (e^-87 for anything below), n = x log2(e) rounded to nearest, r = x - n ln2
- * in two steps (Cody-Waite: 0.693359375 + -2.12194440e-4, |r| <= ln2 / 2), e^r a degree-6
- * polynomial in Horner form (a minimax fit of relative error with 1 as its constant term,
- * coefficients rounded to float), times 2^n. On AVX-512 the rounding is one VRNDSCALEPS and the
- * 2^n one VSCALEFPS (12 vector operations after the clamp, where fast_exp.h's formula takes 17);
- * elsewhere n comes from adding and subtracting 1.5 * 2^23 and 2^n from n's bits (the same values:
- * both round to nearest even, and p * 2^n is one correctly rounded product either way). Max
- * relative error over every float in [-87, 0]: 1.48 x 2^-24 (8.8e-8; fast_exp.h's
- * exp_nonpositive: 1.43 x 2^-24, libm's expf 1.00 x 2^-24; the two differ by at most 2.00 x
- * 2^-24), measured on the AVX-512 build against exp in double. */
+ * x is clamped at -87 (e^-87 for anything below); n = x log2(e) rounded to nearest (adding and
+ * subtracting 1.5 * 2^23, which leaves n in the low bits of the sum), r = x - n ln2 in two steps
+ * (Cody-Waite: 0.693359375 then -2.12194440e-4, |r| <= ln2 / 2), e^r a degree-6 polynomial in
+ * Horner form (a minimax fit of relative error with 1 as its constant term, coefficients rounded to
+ * float), times 2^n built from n's bits: fewer operations than fast_exp.h's formula (no floor, no
+ * conversion to integer, Horner's form down to the constant term).
+ * Max relative error over every float in [-87, 0], against exp in double: 1.48 x 2^-24 (8.8e-8)
+ * with fused multiply-adds (AVX-512, AVX2: the same bits), 1.89 x 2^-24 without (generic);
+ * fast_exp.h's exp_nonpositive 1.43 x 2^-24, libm's expf 1.00 x 2^-24 (the old and the new differ
+ * by at most 2.00 x 2^-24). Written lane by lane: GCC vectorizes the loop, and compiled the
+ * vector-typed form of the same formula worse on AVX2 (the AVX2 chunk 0.90x of main with it);
+ * AVX-512's VRNDSCALEPS and VSCALEFPS in its place measured no faster (0.98-1.02x). */
 #define EXP_C6 0x1.6ae732p-10f
 #define EXP_C5 0x1.126782p-7f
 #define EXP_C4 0x1.555822p-5f
 #define EXP_C3 0x1.55541ap-3f
 #define EXP_C2 0x1.fffffcp-2f
 INLINE vf exp_np_v(vf x) {
-#if W == 16
-    const __m512 v = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_C6), r, _mm512_set1_ps(EXP_C5));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return (vf)_mm512_scalef_ps(p, n);
-#else
-    float e[W]; /* lane by lane: GCC vectorizes the loop (it compiles the vector-typed form worse) */
+    float e[W];
     for (int j = 0; j < W; ++j) {
         const float v = x[j] < -87.0f ? -87.0f : x[j];
         const float u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
@@ -201,7 +189,6 @@ INLINE vf exp_np_v(vf x) {
         e[j] = p * b.f;
     }
     return loadv(e);
-#endif
 }
 
 /* exp_np_v for one value (the same bits as its lane). */
