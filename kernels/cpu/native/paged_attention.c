@@ -173,7 +173,7 @@ INLINE vf exp_np_v(vf x) {
         const float v = x[j] < -87.0f ? -87.0f : x[j];
         const float u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
         const float n = u - 0x1.8p23f;
-        float r = v - n * 0.693359375f; /* exact: n * 0.693359375 has at most 16 bits */
+        float r = v - n * 0.693359375f; /* the product exact: at most 16 bits */
         r = r - n * -2.12194440e-4f;
         float p = EXP_C6 * r + EXP_C5;
         p = p * r + EXP_C4;
