@@ -77,6 +77,23 @@ def split_rows(isa: str | None = None) -> int:
     return int(fn())
 
 
+def softmax_exp(x, isa: str | None = None):
+    """The kernel's e^x (x <= 0: its softmax numerators and partition merges, decodes and chunks
+    alike) of a float32 array, W lanes at a time and the tail one by one (the same bits), or None
+    where the build is missing."""
+    import numpy as np
+
+    lib = native_build.load_or_none("paged_attention", isa)
+    if lib is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    fn = lib.llmserve_attention_exp
+    fn.restype, fn.argtypes = None, [_P, _I64, _P]
+    fn(x.ctypes.data, x.size, out.ctypes.data)
+    return out
+
+
 def prepare() -> str:
     """Build and load the kernel now (not in the first forward pass); says which path runs."""
     if os.environ.get("LLMSERVE_NATIVE_ATTENTION") == "0":

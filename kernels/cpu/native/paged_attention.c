@@ -74,7 +74,6 @@
 #include <string.h>
 
 #include "amx.h"
-#include "fast_exp.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__)
@@ -104,6 +103,10 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if W == 16 || W == 8
+#include <immintrin.h>
+#endif
+
 /* GCC/Clang vector types at the target's width, so that values stay in whole registers.
  * Aligned to a float only: GCC does not realign every stack frame (OpenMP's outlined functions
  * among them) for wide types, and aligned moves there fault. */
@@ -120,6 +123,76 @@ INLINE vf loadv(const float *p) { return *(const vf_at *)p; }
 INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
 
 INLINE vf select_v(vi keep, vf yes, vf no) { return (vf)(((vi)yes & keep) | ((vi)no & ~keep)); }
+
+/* x > m ? x : m, lane by lane (the second operand where either is NaN or both are zeros): one
+ * MAXPS where there is one, the same values as the select. */
+INLINE vf max_v(vf x, vf m) {
+#if W == 16
+    return (vf)_mm512_max_ps((__m512)x, (__m512)m);
+#elif W == 8
+    return (vf)_mm256_max_ps((__m256)x, (__m256)m);
+#else
+    return select_v(x > m, x, m);
+#endif
+}
+
+/* fmaf(a, b, c) lane by lane: one rounding (the decode's scalar merge runs fmaf). */
+INLINE vf fma_v(vf a, vf b, vf c) {
+#if W == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif W == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    for (int l = 0; l < W; ++l) a[l] = fmaf(a[l], b[l], c[l]);
+    return a;
+#endif
+}
+
+/* e^x for x <= 0, W lanes: the softmax numerators and the partition merges' factors of decodes and
+ * chunks alike (a lane's value depends only on its x: the scalar exp_np below is the same bits).
+ * x is clamped at -87 (e^-87 for anything below); n = x log2(e) rounded to nearest (adding and
+ * subtracting 1.5 * 2^23, which leaves n in the low bits of the sum), r = x - n ln2 in two steps
+ * (Cody-Waite: 0.693359375 then -2.12194440e-4, |r| <= ln2 / 2), e^r a degree-6 polynomial in
+ * Horner form (a minimax fit of relative error with 1 as its constant term, coefficients rounded to
+ * float), times 2^n built from n's bits: fewer operations than fast_exp.h's formula (no floor, no
+ * conversion to integer, Horner's form down to the constant term).
+ * Max relative error over every float in [-87, 0], against exp in double: 1.48 x 2^-24 (8.8e-8)
+ * with fused multiply-adds (AVX-512, AVX2: the same bits), 1.89 x 2^-24 without (generic);
+ * fast_exp.h's exp_nonpositive 1.43 x 2^-24, libm's expf 1.00 x 2^-24 (the old and the new differ
+ * by at most 2.00 x 2^-24). Written lane by lane: GCC vectorizes the loop, and compiled the
+ * vector-typed form of the same formula worse on AVX2 (the AVX2 chunk 0.90x of main with it);
+ * AVX-512's VRNDSCALEPS and VSCALEFPS in its place measured no faster (0.98-1.02x). */
+#define EXP_C6 0x1.6ae732p-10f
+#define EXP_C5 0x1.126782p-7f
+#define EXP_C4 0x1.555822p-5f
+#define EXP_C3 0x1.55541ap-3f
+#define EXP_C2 0x1.fffffcp-2f
+INLINE vf exp_np_v(vf x) {
+    float e[W];
+    for (int j = 0; j < W; ++j) {
+        const float v = x[j] < -87.0f ? -87.0f : x[j];
+        const float u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
+        const float n = u - 0x1.8p23f;
+        float r = v - n * 0.693359375f; /* the product exact: at most 16 bits */
+        r = r - n * -2.12194440e-4f;
+        float p = EXP_C6 * r + EXP_C5;
+        p = p * r + EXP_C4;
+        p = p * r + EXP_C3;
+        p = p * r + EXP_C2;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        union {
+            float f;
+            int32_t i;
+        } b = {.f = u};
+        b.i = (int32_t)((uint32_t)b.i << 23) + (127 << 23);
+        e[j] = p * b.f;
+    }
+    return loadv(e);
+}
+
+/* exp_np_v for one value (the same bits as its lane). */
+INLINE float exp_np(float x) { return exp_np_v((vf){0} + x)[0]; }
 
 /* q . k, for decodes and chunks alike: one chain of fused multiply-adds over d in order,
  * q[0] * k[0] first (a product), then fma(q[d], k[d], acc) for d = 1 .. D - 1, then times the
@@ -238,16 +311,17 @@ INLINE float softmax_numerators(float *restrict s, int n, int lo, float *max_out
     for (int l = 0; l < W; ++l) m = mv[l] > m ? mv[l] : m;
     for (; p < n; ++p) m = s[p] > m ? s[p] : m;
     *max_out = m;
-    float acc[W] = {0};
+    vf acc = {0};
+    vi lane;
+    for (int l = 0; l < W; ++l) lane[l] = l;
     p = 0;
-    for (; p + W <= n; p += W)
-        for (int l = 0; l < W; ++l) {
-            float e = p + l < lo ? 0.0f : exp_nonpositive(s[p + l] - m);
-            s[p + l] = e;
-            acc[l] += e;
-        }
+    for (; p + W <= n; p += W) {
+        const vf e = select_v(lane + p < lo, (vf){0}, exp_np_v(loadv(s + p) - m));
+        storev(s + p, e);
+        acc += e;
+    }
     for (int l = 0; p + l < n; ++l) {
-        float e = p + l < lo ? 0.0f : exp_nonpositive(s[p + l] - m);
+        float e = p + l < lo ? 0.0f : exp_np(s[p + l] - m);
         s[p + l] = e;
         acc[l] += e;
     }
@@ -319,6 +393,10 @@ INLINE int largest_divisor_at_most(int n, int most) {
 #define PART 256
 /* Positions of a chunk tile's pass over V whose rows stay in L1 (32 rows: 8 KiB at head size 64). */
 #define SUB 32
+/* The same for a chunk tile's pass over V: 64 rows (16 KiB at head size 64) and the tile's weights
+ * for them (8 KiB) stay in L1 across its D / PV_ELEMS passes, with half the passes' accumulator
+ * loads and stores of 32 rows (1.03x on a 490-row chunk at 6,912; 128: no better). */
+#define CSUB 64
 /* Tiles of a chunk that one work item runs partition by partition, sharing each partition's K/V
  * rows, copied out of the cache once per item (TG * 16 KiB of running outputs and queries at head
  * size 64 stay in L2 beside them): at most TG, fewer (down to TG_MIN) where a step's chunks would
@@ -336,12 +414,12 @@ static __attribute__((noinline)) void merge_partition(float *restrict o, int64_t
                                                       const float *restrict acc, int64_t as, float mi,
                                                       float li, int D) {
     if (mi > *m) {
-        const float alpha = exp_nonpositive(*m - mi);
+        const float alpha = exp_np(*m - mi);
         for (int d = 0; d < D; ++d) o[d * os] = fmaf(o[d * os], alpha, acc[d * as]);
         *l = fmaf(*l, alpha, li);
         *m = mi;
     } else {
-        const float beta = exp_nonpositive(mi - *m);
+        const float beta = exp_np(mi - *m);
         for (int d = 0; d < D; ++d) o[d * os] = fmaf(acc[d * as], beta, o[d * os]);
         *l = fmaf(li, beta, *l);
     }
@@ -624,22 +702,15 @@ INLINE void tile_scores_block(const vf (*restrict qt)[T], const float *restrict 
 INLINE void merge_tile(float *restrict o, float *restrict m_run, float *restrict l_run, const float *restrict acc,
                        const vf mi[T], const vf li[T], const int D) {
     for (int t = 0; t < T; ++t) {
-        float f[W];
-        int32_t up[W];
-        for (int l = 0; l < W; ++l) {
-            const int v = t * W + l;
-            const float mo = m_run[v], mn = mi[t][l];
-            up[l] = mn > mo;
-            f[l] = exp_nonpositive(up[l] ? mo - mn : mn - mo);
-            l_run[v] = up[l] ? fmaf(l_run[v], f[l], li[t][l]) : fmaf(li[t][l], f[l], l_run[v]);
-            m_run[v] = up[l] ? mn : mo;
+        const vf mo = loadv(m_run + t * W), mn = mi[t], lo = loadv(l_run + t * W);
+        const vi up = mn > mo;
+        const vf f = exp_np_v(select_v(up, mo - mn, mn - mo));
+        storev(l_run + t * W, fma_v(select_v(up, lo, li[t]), f, select_v(up, li[t], lo)));
+        storev(m_run + t * W, select_v(up, mn, mo));
+        for (int d = 0; d < D; ++d) {
+            const vf x = loadv(o + d * TILE + t * W), y = loadv(acc + d * TILE + t * W);
+            storev(o + d * TILE + t * W, fma_v(select_v(up, x, y), f, select_v(up, y, x)));
         }
-        for (int d = 0; d < D; ++d)
-            for (int l = 0; l < W; ++l) {
-                float *x = o + d * TILE + t * W + l;
-                const float y = acc[d * TILE + t * W + l];
-                *x = up[l] ? fmaf(*x, f[l], y) : fmaf(y, f[l], *x);
-            }
     }
 }
 
@@ -672,28 +743,26 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
                 const int q = q0 + j;
                 const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
                 st[(q - P0) * T + t] = x;
-                m[t] = select_v(x > m[t], x, m[t]);
+                m[t] = max_v(x, m[t]);
             }
     }
     /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
      * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
      * multiple of W), then halved. */
     vf part[W][T];
-    for (int l = 0; l < W; ++l)
-        for (int t = 0; t < T; ++t) part[l][t] = (vf){0};
-    for (int q0 = r0 - r0 % W; q0 < P1; q0 += W)
-        for (int l = 0; l < W && q0 + l < P1; ++l) {
-            const int q = q0 + l;
+    for (int l = 0; l < W; ++l) { /* the positions that go to partial sum l, in order: in registers */
+        vf sum[T];
+        for (int t = 0; t < T; ++t) sum[t] = (vf){0};
+        for (int q = r0 - r0 % W + l; q < P1; q += W) {
             if (q < r0) continue;
             for (int t = 0; t < T; ++t) {
-                float e[W];
-                const vf s = st[(q - P0) * T + t];
-                for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(s[j] - m[t][j]);
-                const vf x = select_v(seen(q, limit, low, t, INSIDE), loadv(e), (vf){0});
+                const vf x = select_v(seen(q, limit, low, t, INSIDE), exp_np_v(st[(q - P0) * T + t] - m[t]), (vf){0});
                 st[(q - P0) * T + t] = x;
-                part[l][t] += x;
+                sum[t] += x;
             }
         }
+        for (int t = 0; t < T; ++t) part[l][t] = sum[t];
+    }
     for (int w = W / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l)
             for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
@@ -703,8 +772,8 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
      * passes (a whole partition's did not: 1.6x on the chunk). A lane's sums still run over
      * positions in order, the accumulators kept in accp between sub-blocks. */
     for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
-    for (int s0 = r0; s0 < P1; s0 += SUB) {
-        const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+    for (int s0 = r0; s0 < P1; s0 += CSUB) {
+        const int s1 = s0 + CSUB < P1 ? s0 + CSUB : P1;
         for (int dc = 0; dc < D; dc += PV_ELEMS) {
             vf acc[PV_ELEMS][T];
             for (int e = 0; e < PV_ELEMS; ++e)
@@ -1077,11 +1146,8 @@ static __attribute__((noinline)) void amx_lane_softmax(const Args *a, vf *st, in
         for (int l = 0; l < W; ++l) {
             const int p = p0 + l;
             if (p >= n) break;
-            float e[W];
-            const vf x = st[p];
-            for (int j = 0; j < W; ++j) e[j] = exp_nonpositive(x[j] - m[j]);
             const vi pv = (vi){0} + p;
-            const vf y = select_v((pv >= lov) & (pv < limv), loadv(e), (vf){0});
+            const vf y = select_v((pv >= lov) & (pv < limv), exp_np_v(st[p] - m), (vf){0});
             st[p] = y;
             part[l] += y;
         }
@@ -1370,6 +1436,14 @@ int32_t llmserve_attention_amx_weighted_v(const float *w, int32_t G, const float
     return 0;
 }
 #endif
+
+/* Debug entry (tests): out[i] = the softmax's e^x[i] (exp_np_v, W lanes at a time; the tail through
+ * exp_np, one value at a time: the same bits), x[i] <= 0. */
+void llmserve_attention_exp(const float *x, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) storev(out + i, exp_np_v(loadv(x + i)));
+    for (; i < n; ++i) out[i] = exp_np(x[i]);
+}
 
 /* on: 1 run attention on the tiles where granted (head sizes a multiple of 32), 0 never, -1 leave.
  * Returns whether they run now. 0 on a build without the tile path. */
