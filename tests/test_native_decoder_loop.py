@@ -231,6 +231,34 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(path, threads, isa, monkeyp
     assert bool(got[-1].abs().sum() > 0)
 
 
+@pytest.mark.parametrize("isa", LOOP_ISAS)
+@pytest.mark.parametrize("path", ["gguf_int8act", "int4", "mixed", "gemma3"])
+def test_int8_down_projections_take_the_mlp_activation_into_their_quantization(path, isa, monkeypatch):
+    """Where a layer's down projection is an int8-activation linear of the loop's instruction set,
+    the loop calls its entry fused with SiLU (Gemma: GELU-tanh), whose activation quantization makes
+    the products itself (``Layer.down_glu``); other downs keep the kernel apart. The hidden states
+    and caches are the Python loop's bit for bit, and the same with the fusion off
+    (``LLMSERVE_FUSED_GLU=0``)."""
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
+    spec = _spec("Gemma3ForCausalLM", **GEMMA3) if path == "gemma3" else None
+    model = _model("gguf_int8act" if path == "gemma3" else path, spec=spec)
+    got, want, native_caches, python_caches, forwards = _run_both(model, monkeypatch)
+    assert forwards == len(SCHEDULE) and model.native_loop_reason is None
+    fused = [bool(d.down_glu) for d in model._native_loop._descs]
+    assert fused == [type(layer.down_proj) is quant_int8act.Int8ActLinear for layer in model.layers]
+    assert any(fused)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max()}"
+    for a, b in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("LLMSERVE_FUSED_GLU", "0")
+    model.invalidate()
+    apart, *_ = _run_both(model, monkeypatch)
+    assert not any(d.down_glu for d in model._native_loop._descs)
+    for a, b in zip(got, apart, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_qkv_bias_models_take_the_loop_too(monkeypatch):
     model = _model("fp32", spec=_spec("Qwen2ForCausalLM"))
     assert model.layers[0].qkv_bias is not None

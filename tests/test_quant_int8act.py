@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels.cpu import native_build, quant_gemm, quant_int8act
+from kernels.cpu import native_build, native_elementwise, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 # "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
@@ -181,6 +181,73 @@ def test_nan_and_infinity_quantize_as_documented(isa):
     np.testing.assert_array_equal(sx.numpy(), want_q.astype(np.int32).sum(-1))
     assert np.isinf(dx[0, 1]) and np.all(q.numpy()[1, 64:96] == 0) and dx[1, 2] == 0
     assert q[0, 0] != 0 and q[0, 3] == 0 and q[3, 0] == 127
+
+
+def gate_up_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """``[gate | up]`` rows of an MLP (2k each): blocks of very different scales, gates far out on
+    both sides of SiLU's bend, a zero block, subnormals, NaNs and infinities."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k, generator=g) * 3
+    x[:, :32] *= 40
+    x[:, k : k + 32] *= 0.01
+    x[0, 40:72] = torch.linspace(-100, 100, 32)  # exp's clamp below -87, sigmoid 1 above
+    if m > 3:
+        x[1, 32:64] = 0  # act 0: a zero block, scale 0
+        x[1, k + 96 : k + 128] = 0
+        x[2, 64:96] = 1e-39  # subnormal gates
+        x[3, 5], x[3, 6], x[3, 7] = float("nan"), float("inf"), -float("inf")
+        x[3, k + 8] = float("nan")
+        x[3, k + 40] = float("inf")
+    return x
+
+
+def _fp32_bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("name", native_build.supported_isas())
+def test_the_fused_gated_quantization_is_that_of_the_elementwise_kernels_rows(name, gelu):
+    """The down projection's fused quantization (quant_int8act.c's quantize_glu_row: SiLU- or
+    GELU-tanh-and-multiply made a block at a time, never written) gives the quants and scales,
+    bit for bit, of quantizing the rows elementwise.c's kernel writes, on each instruction set."""
+    k = 320  # 10 blocks: a row's tail past the SIMD widths' multiples too
+    x = gate_up_rows(9, k, seed=2)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    rows = kernel(x, isa=name)
+    want = quant_int8act.quantize_activations(rows, name)
+    got = quant_int8act.quantize_glu_activations(x, gelu, name)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype
+        if w.dtype is torch.float32:
+            np.testing.assert_array_equal(_fp32_bits(g), _fp32_bits(w))
+        else:
+            assert torch.equal(g, w)
+    assert (got[0] != 0).any() and (got[0][1, 32:64] == 0).all()
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K", "Q5_0+Q6_K"))
+def test_a_fused_down_projection_is_the_projection_of_the_kernels_rows(isa, fmt, gelu):
+    """``Int8ActLinear.glu`` (the decoder loop's down projection with SiLU / GELU-tanh inside its
+    activation quantization) against the linear of elementwise.c's rows: the same bits at 1 to 300
+    rows (VNNI, the tiles from 16-64, a prefill's several row items), 1 and 2 threads; with a bias;
+    a projection of row segments; rows read from a wider buffer are the same."""
+    k, n = 512, 70
+    qw = weight(fmt, n, k, seed=21)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    lin = quant_int8act.Int8ActLinear(qw, bias, isa=isa)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    x = gate_up_rows(300, k, seed=7)
+
+    def check():
+        for m in (1, 5, 17, 64, 300):
+            want = lin(kernel(x[:m], isa=isa))
+            got = lin.glu(x[:m], gelu)
+            np.testing.assert_array_equal(_fp32_bits(got), _fp32_bits(want))
+        assert torch.equal(lin.glu(x[40:45], gelu), lin.glu(x, gelu)[40:45])
+
+    _at_one_and_two_threads(check)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

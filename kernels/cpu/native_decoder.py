@@ -69,6 +69,7 @@ class _Layer(ctypes.Structure):
         ("window", _I64),
         ("group", _I64),
         ("softcap", _F32),
+        ("down_glu", _P),
     ]
 
 
@@ -194,6 +195,23 @@ _ALIGN = 16  # floats: each scratch buffer starts on a 64-byte line
 def enabled() -> bool:
     """``LLMSERVE_NATIVE_DECODER_LOOP=0`` keeps the Python loop (comparisons, benchmarks)."""
     return os.environ.get("LLMSERVE_NATIVE_DECODER_LOOP", "1") != "0"
+
+
+def fused_glu_enabled() -> bool:
+    """``LLMSERVE_FUSED_GLU=0`` keeps the MLP's activation kernel apart from an int8-activation
+    down projection (the same bits; for comparisons), read when the loop is built."""
+    return os.environ.get("LLMSERVE_FUSED_GLU", "1") != "0"
+
+
+def _glu_entry(down, gelu: bool) -> int:
+    """The address of ``down``'s entry fused with the MLP's activation (``Int8ActLinear.glu_entry``),
+    or 0 where the loop keeps them apart: switched off, no such entry, or the linear built for
+    another instruction set than the activation kernel the loop would call (their bits are
+    promised equal within one build's flags)."""
+    method = getattr(type(down), "glu_entry", None)
+    if method is None or not fused_glu_enabled() or getattr(down, "isa", None) != native_build.chosen_isa():
+        return 0
+    return method(down, gelu).fn
 
 
 _CHECK_FAILED = -100  # decoder_loop.c: the step's metadata failed its check, nothing ran
@@ -354,6 +372,7 @@ def build(
             return f"layer {i}'s attention soft-cap {parts.softcap} is not positive"
         desc.softcap = parts.softcap or 0.0
         desc.group = parts.kv_group
+        desc.down_glu = _glu_entry(parts.down, shape.gelu) or None
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 

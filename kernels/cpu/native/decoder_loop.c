@@ -8,7 +8,8 @@
  * the descriptors below and checks, once per step, every index the kernels read unchecked).
  *
  * Per layer: RMSNorm (+ residual) -> QKV GEMM -> rotary + KV-cache store -> paged attention ->
- * O GEMM (+ O bias) -> RMSNorm (+ residual) -> gate/up GEMM -> SiLU-and-multiply -> down GEMM;
+ * O GEMM (+ O bias) -> RMSNorm (+ residual) -> gate/up GEMM -> SiLU-and-multiply -> down GEMM
+ * (an int8-activation down takes SiLU into its activation quantization: Layer.down_glu);
  * then the final RMSNorm. Intermediate rows live in the caller's scratch buffers; the residual
  * is updated in place (each element of a row is read before its own slot is written, so this is
  * the kernel's arithmetic on separate buffers). No OpenMP here: each kernel opens its own
@@ -61,6 +62,11 @@ typedef struct {
     int64_t window;
     int64_t group; /* its KV cache group: which of the step's slot rows and block tables it uses */
     float softcap; /* > 0: its attention scores soft-capped (paged_attention.c) */
+    /* NULL, or the down projection fused with the MLP's activation (quant_int8act.c's
+     * llmserve_qi8_gemm_silu / _gelu_tanh: down's coded entry taking the [gate | up] rows, the
+     * product made in its activation quantization, never written): the same bits as the
+     * activation kernel then down's entry. */
+    void *down_glu;
 } Layer;
 
 typedef struct {
@@ -127,6 +133,7 @@ static const LayoutEntry LAYOUT[] = {
     FIELD(Layer, window),
     FIELD(Layer, group),
     FIELD(Layer, softcap),
+    FIELD(Layer, down_glu),
     STRUCT(Model),
     FIELD(Model, rms_norm),
     FIELD(Model, rotary_store_kv),
@@ -288,9 +295,17 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         residual = s->residual;
         stage = STAGE_GATE_UP;
         if ((rc = linear(&L->gate_up, s->normed, t, s->gate_up, threads))) break;
-        ((silu_fn)(md->gelu_and_mul ? md->gelu_and_mul : md->silu_and_mul))(s->gate_up, t, md->inter, s->act, threads);
         stage = STAGE_DOWN;
-        if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        if (L->down_glu) {
+            const Linear *dn = &L->down;
+            rc = ((coded_gemm_fn)L->down_glu)(dn->code, s->gate_up, t, dn->k, 2 * md->inter, dn->packed, dn->n,
+                                               dn->bias, s->hidden, dn->n, threads);
+            if (rc) break;
+        } else {
+            ((silu_fn)(md->gelu_and_mul ? md->gelu_and_mul : md->silu_and_mul))(s->gate_up, t, md->inter, s->act,
+                                                                                 threads);
+            if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        }
         if (L->mlp_out_norm) norm(s->hidden, 0, L->mlp_out_norm, md->eps, t, h, s->hidden, 0, threads);
         x = s->hidden;
         if (s->progress) __atomic_fetch_add(s->progress, 1, __ATOMIC_RELAXED);
