@@ -79,6 +79,7 @@ _SIGNATURES = {
     "llmserve_qi8_gemm_silu": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
     "llmserve_qi8_gemm_gelu_tanh": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
     "llmserve_qi8_quantize_glu": ([_I32, _P, _I64, _I64, _I64, _P, _P, _P, _P], _I32),
+    "llmserve_qi8_gemm_argmax": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I32], _I32),
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
     "llmserve_qi8_vnni": ([_I32], _I32),
     "llmserve_qi8_amx": ([_I32], _I32),

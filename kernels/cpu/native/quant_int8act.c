@@ -1776,7 +1776,22 @@ typedef struct {
     int64_t mc; /* rows a work item */
     int32_t off; /* the format's offset, where xs.ncorr is made */
     int32_t glu; /* GLU_*: x's rows are [gate | up], the activations glu(gate) * up (made here) */
+    struct qi8_argmax *am; /* not NULL: each row's argmax is the result, y is not written */
 } qi8_job;
+
+/* A greedy head's call (llmserve_qi8_gemm_argmax): its outputs go a panel at a time into a
+ * thread's tile of rows x NC floats (in L1 / L2), whose rows are scanned at once; an item is a row
+ * chunk and a group of `group` panels, and keeps per row its group's first maximum (a NaN counting
+ * as the maximum, the first NaN winning for good): best value, column, NaN seen, [groups][m] each.
+ * The groups are then merged in column order under the same rule, so the index is the first
+ * maximum of the whole row (sampler.argmax_rows' rule, numpy's argmax), whichever thread ran what. */
+typedef struct qi8_argmax {
+    int64_t group, groups;
+    float *v;
+    int64_t *i;
+    uint8_t *nan;
+    int failed; /* a thread's tile could not be allocated */
+} qi8_argmax;
 
 static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
     const qi8_job *j = ctx;
@@ -1823,6 +1838,74 @@ static void qi8_items(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
+/* A thread's tile of a greedy head's outputs, kept and grown, never freed (not scratch(): the
+ * caller's holds its call's quantized rows). */
+static float *tile_scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, floats * sizeof(float));
+        if (!grown) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+/* One row of a tile (cols outputs from column base) into the row's best so far: nothing to do
+ * unless a value is above the best or a NaN (one compare a value, vectorized); then the first NaN
+ * ends the row, else each strictly greater value is taken (equal values keep the first). */
+INLINE void argmax_scan(const float *row, int cols, int64_t base, float *bv, int64_t *bi, uint8_t *bn) {
+    if (*bn) return;
+    const float best = *bv;
+    int above = 0;
+    for (int c = 0; c < cols; ++c) above |= !(row[c] <= best);
+    if (!above) return;
+    for (int c = 0; c < cols; ++c) {
+        const float v = row[c];
+        if (v != v) {
+            *bi = base + c;
+            *bn = 1;
+            return;
+        }
+        if (v > *bv) {
+            *bv = v;
+            *bi = base + c;
+        }
+    }
+}
+
+static void qi8_items_argmax(void *ctx, int64_t begin, int64_t end) {
+    const qi8_job *j = ctx;
+    qi8_argmax *a = j->am;
+    float *tile = tile_scratch((size_t)j->mc * NC);
+    if (!tile) {
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t it = begin; it < end; ++it) {
+        const int64_t c = it / a->groups, g = it % a->groups, r0 = c * j->mc;
+        const int64_t rows = j->m - r0 < j->mc ? j->m - r0 : j->mc;
+        float *bv = a->v + g * j->m + r0;
+        int64_t *bi = a->i + g * j->m + r0;
+        uint8_t *bn = a->nan + g * j->m + r0;
+        for (int64_t i = 0; i < rows; ++i) bv[i] = -__builtin_inff(), bi[i] = 0, bn[i] = 0;
+        const int64_t p1 = (g + 1) * a->group < j->panels ? (g + 1) * a->group : j->panels;
+        for (int64_t p = g * a->group; p < p1; ++p) {
+            const int cols = (int)(j->n - p * NC < NC ? j->n - p * NC : NC);
+            float pad[NC];
+            const float *bp = j->bias ? j->bias + p * NC : NULL;
+            if (bp && cols < NC) {
+                memset(pad, 0, sizeof pad);
+                memcpy(pad, bp, sizeof(float) * cols);
+                bp = pad;
+            }
+            j->item(&j->xs, r0, rows, j->packed + p * j->pb, bp, tile, NC, cols);
+            for (int64_t i = 0; i < rows; ++i) argmax_scan(tile + i * NC, cols, p * NC, bv + i, bi + i, bn + i);
+        }
+    }
+}
+
 /* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, dxs [m, k/32] (for tests and
  * the kernel alike). */
 void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
@@ -1851,7 +1934,7 @@ static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % (is_k(fmt) ? 
 
 static int32_t qi8_gemm(int32_t glu, int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
                         const uint8_t *packed, int64_t n, const float *bias, float *y, int64_t ldy,
-                        int32_t num_threads) {
+                        int32_t num_threads, qi8_argmax *am) {
     if (!runs(fmt, k)) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
@@ -1877,7 +1960,7 @@ static int32_t qi8_gemm(int32_t glu, int32_t fmt, const float *x, int64_t m, int
     const int big = m * n * k > 262144;
     int32_t *ncorr = with_nc ? (int32_t *)(buf + qbytes) + m * nb * (two_scales(fmt) ? 5 : 3) + mt * nb * 2 : NULL;
     qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst, ncorr}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt],
-                 0, 0, 0, offset(fmt), glu};
+                 0, 0, 0, offset(fmt), glu, am};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
@@ -1891,6 +1974,11 @@ static int32_t qi8_gemm(int32_t glu, int32_t fmt, const float *x, int64_t m, int
     /* the tiles' items twice the rows: a panel's blocks unpacked once for 512 rows (a 512-token
      * prefill's GEMMs measured 1.03-1.07x over 256) */
     j.mc = tiles ? 2 * MC : MC;
+    if (am) { /* a greedy head: items of a group of panels, one a claim */
+        am->groups = (j.panels + am->group - 1) / am->group;
+        parallel_for(num_threads, big, (m + j.mc - 1) / j.mc * am->groups, 1, qi8_items_argmax, &j);
+        return am->failed ? -2 : 0;
+    }
     /* A decode's GEMV (one chunk of rows): its panels are equal items of a microsecond or so, claimed
      * in shrinking ranges (parallel.h); a prefill's (rows, panel) items take long enough to go one
      * a claim. */
@@ -1905,7 +1993,7 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
                           int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
     if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
         return run_segments(llmserve_qi8_gemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
-    return qi8_gemm(GLU_NONE, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    return qi8_gemm(GLU_NONE, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
 }
 
 /* A down projection fused with its MLP's gated activation: y = glu(gate) * up . W^T + bias, x's rows
@@ -1917,7 +2005,7 @@ int32_t llmserve_qi8_gemm_silu(int32_t fmt, const float *x, int64_t m, int64_t k
                                int32_t num_threads) {
     if (fmt == SEGMENTS)
         return run_segments(llmserve_qi8_gemm_silu, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
-    return qi8_gemm(GLU_SILU, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    return qi8_gemm(GLU_SILU, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
 }
 
 int32_t llmserve_qi8_gemm_gelu_tanh(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
@@ -1926,5 +2014,42 @@ int32_t llmserve_qi8_gemm_gelu_tanh(int32_t fmt, const float *x, int64_t m, int6
     if (fmt == SEGMENTS)
         return run_segments(llmserve_qi8_gemm_gelu_tanh, runs, x, m, k, ldx, packed, n, bias, y, ldy,
                             num_threads);
-    return qi8_gemm(GLU_GELU_TANH, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    return qi8_gemm(GLU_GELU_TANH, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
+}
+
+/* A greedy LM head: best[r] = the index of row r's first maximum over y = x . W^T + bias (a NaN
+ * counting as the maximum: the first NaN), the outputs each llmserve_qi8_gemm's bits but never
+ * stored (qi8_argmax above); the activations quantized once for the whole vocabulary. `group`:
+ * panels (of llmserve_qi8_panel_width columns) an item scans (>= 1; tests make it 1 to put ties
+ * and NaNs across items). Returns as llmserve_qi8_gemm; a SEGMENTS head is refused (-1). */
+int32_t llmserve_qi8_gemm_argmax(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                                 const uint8_t *packed, int64_t n, const float *bias, int64_t group, int64_t *best,
+                                 int32_t num_threads) {
+    if (fmt == SEGMENTS || group < 1 || n < 1 || !runs(fmt, k)) return -1;
+    if (m < 1) return 0;
+    const int64_t groups = ((n + NC - 1) / NC + group - 1) / group;
+    const size_t entries = (size_t)(groups * m);
+    uint8_t *mem = malloc(entries * (sizeof(float) + sizeof(int64_t) + 1));
+    if (!mem) return -2;
+    qi8_argmax a = {group, groups, NULL, NULL, NULL, 0};
+    a.i = (int64_t *)mem;
+    a.v = (float *)(a.i + entries);
+    a.nan = (uint8_t *)(a.v + entries);
+    const int32_t rc = qi8_gemm(GLU_NONE, fmt, x, m, k, ldx, packed, n, bias, NULL, 0, num_threads, &a);
+    if (rc == 0)
+        for (int64_t r = 0; r < m; ++r) { /* the groups in column order, argmax_scan's rule */
+            float bv = -__builtin_inff();
+            int64_t bi = 0;
+            for (int64_t g = 0; g < groups; ++g) {
+                const size_t e = (size_t)(g * m + r);
+                if (a.nan[e]) {
+                    bi = a.i[e];
+                    break;
+                }
+                if (a.v[e] > bv) bv = a.v[e], bi = a.i[e];
+            }
+            best[r] = bi;
+        }
+    free(mem);
+    return rc;
 }
