@@ -3,11 +3,12 @@
 Three figures on a real model's weights (the GGUF through ``LLM``), each the two forms alternated
 over ``--rounds`` rounds, the best of each reported and their ratio (apart / fused):
 
-  down      one layer's down projection at ``--rows`` rows: SiLU-and-multiply into a kept buffer
-            then the int8-activation GEMM, against the GEMM with SiLU inside its quantization
-            (``llmserve_qi8_gemm_silu``)
-  prefill   a 2,048-token prompt step's layer loop (the native call), the loop built with the
-            fused down projections and with ``LLMSERVE_FUSED_GLU=0``
+  down      one layer's MLP at ``--rows`` rows: the gate/up GEMM, SiLU-and-multiply into a kept
+            buffer, the down GEMM (apart); the gate/up GEMM then the down GEMM with SiLU inside its
+            quantization (``llmserve_qi8_gemm_silu``); the whole MLP in one call, the gate/up
+            outputs never stored (``llmserve_qi8_mlp``)
+  prefill   a 2,048-token prompt step's layer loop (the native call), the loop built with the MLPs
+            apart, with the fused down projections, and with the whole MLPs in one call
   head      the greedy head at ``--head-rows`` rows: the vocabulary slices with numpy's argmax,
             against the argmax inside the GEMM (``llmserve_qi8_gemm_argmax``)
 
@@ -47,36 +48,53 @@ def down_ab(model, rows: list[int], rounds: int) -> dict:
 
 
 def _down_one(model, layer, m: int, rounds: int) -> dict:
-    from kernels.cpu import native_elementwise
+    from kernels.cpu import native_elementwise, quant_int8act
 
-    down = layer.down_proj
+    gu, down = layer.gate_up_proj, layer.down_proj
     k, n = down.in_features, down.out_features
     lib = native_elementwise.library()
-    x = torch.randn(m, model.spec.hidden_size, generator=torch.Generator().manual_seed(m))
-    gate_up = layer.gate_up_proj(x)
-    act, y = torch.empty(m, k), torch.empty(m, n)
+    h = model.spec.hidden_size
+    x = torch.randn(m, h, generator=torch.Generator().manual_seed(m))
+    gate_up, act, y = torch.empty(m, 2 * k), torch.empty(m, k), torch.empty(m, n)
     threads = torch.get_num_threads()
-    fused_fn = down._glu_fns[False]
+    glu_fn = down._glu_fns[False]
+    mlp_fn = quant_int8act.fused_mlp_fn(gu, down)
+
+    def gate_up_gemm():
+        gu._gemm(gu.code, x.data_ptr(), m, h, h, gu._packed_ptr, 2 * k, gu._bias_ptr, gate_up.data_ptr(),
+                 2 * k, threads)  # fmt: skip
 
     def apart():
+        gate_up_gemm()
         lib.llmserve_silu_and_mul_f32(gate_up.data_ptr(), m, k, act.data_ptr(), threads)
         down._gemm(down.code, act.data_ptr(), m, k, k, down._packed_ptr, n, down._bias_ptr,
                    y.data_ptr(), n, threads)  # fmt: skip
 
-    def fused():
-        fused_fn(down.code, gate_up.data_ptr(), m, k, 2 * k, down._packed_ptr, n, down._bias_ptr,
-                 y.data_ptr(), n, threads)  # fmt: skip
+    def down_fused():
+        gate_up_gemm()
+        glu_fn(down.code, gate_up.data_ptr(), m, k, 2 * k, down._packed_ptr, n, down._bias_ptr,
+               y.data_ptr(), n, threads)  # fmt: skip
 
+    def mlp_fused():
+        mlp_fn(1, gu.code, x.data_ptr(), m, h, h, gu._packed_ptr, gu._bias_ptr, k, down.code,
+               down._packed_ptr, n, down._bias_ptr, y.data_ptr(), n, threads)  # fmt: skip
+
+    forms = {"apart": apart, "down_fused": down_fused}
+    if mlp_fn is not None:
+        forms["mlp_fused"] = mlp_fused
     apart()
     want = y.clone()
-    fused()
-    assert torch.equal(y, want), "the fused down projection's bits differ"
-    times = {"apart": [], "fused": []}
+    for name, f in forms.items():
+        f()
+        assert torch.equal(y, want), f"{name}: the bits differ"
+    times = {name: [] for name in forms}
     for _ in range(rounds):
-        times["apart"].append(_best(apart, 3))
-        times["fused"].append(_best(fused, 3))
-    a, f = min(times["apart"]), min(times["fused"])
-    return {"apart_ms": 1e3 * a, "fused_ms": 1e3 * f, "ratio": a / f}
+        for name, f in forms.items():
+            times[name].append(_best(f, 3))
+    a = min(times["apart"])
+    out = {f"{name}_ms": 1e3 * min(t) for name, t in times.items()}
+    out.update({f"ratio_{name}": a / min(t) for name, t in times.items() if name != "apart"})
+    return out
 
 
 def head_ab(model, rows: list[int], rounds: int) -> dict:
@@ -120,8 +138,19 @@ def prefill_ab(llm, rounds: int, tokens: int = 2048) -> dict:
     spent: list[float] = []
     counter = [0]
 
-    def one_step(fused: bool) -> float:
-        os.environ["LLMSERVE_FUSED_GLU"] = "1" if fused else "0"
+    forms = {
+        "apart": {"LLMSERVE_FUSED_GLU": "0", "LLMSERVE_FUSED_MLP": "0"},
+        "down_fused": {"LLMSERVE_FUSED_GLU": "1", "LLMSERVE_FUSED_MLP": "0"},
+        "mlp_fused": {
+            "LLMSERVE_FUSED_GLU": "1",
+            "LLMSERVE_FUSED_MLP": "1",
+            "LLMSERVE_FUSED_MLP_MIN_ROWS": "1",
+        },
+    }
+    saved = {k: os.environ.get(k) for f in forms.values() for k in f}
+
+    def one_step(form: str) -> float:
+        os.environ.update(forms[form])
         model.invalidate()
         model.finalize()
         loop = model._native_loop
@@ -144,14 +173,20 @@ def prefill_ab(llm, rounds: int, tokens: int = 2048) -> dict:
         loop.run = f
         return max(spent)  # the one 2,048-token step
 
-    times = {"apart": [], "fused": []}
+    times = {form: [] for form in forms}
     for _ in range(rounds):
-        times["apart"].append(one_step(False))
-        times["fused"].append(one_step(True))
-    os.environ.pop("LLMSERVE_FUSED_GLU", None)
+        for form in forms:
+            times[form].append(one_step(form))
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     model.invalidate()
-    a, f = min(times["apart"]), min(times["fused"])
-    return {"apart_ms": 1e3 * a, "fused_ms": 1e3 * f, "ratio": a / f, "rounds": times}
+    a = min(times["apart"])
+    out = {f"{form}_ms": 1e3 * min(t) for form, t in times.items()}
+    out.update({f"ratio_{form}": a / min(t) for form, t in times.items() if form != "apart"})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("head", out["head"], flush=True)
     if "prefill" in args.parts:
         out["prefill"] = prefill_ab(llm, args.rounds)
-        print("prefill", {k: v for k, v in out["prefill"].items() if k != "rounds"}, flush=True)
+        print("prefill", out["prefill"], flush=True)
     return out
 
 

@@ -250,6 +250,40 @@ def test_a_fused_down_projection_is_the_projection_of_the_kernels_rows(isa, fmt,
     _at_one_and_two_threads(check)
 
 
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q6_K"), ("Q5_0", "Q8_0"), ("Q8_0", "Q4_1")], ids="-".join)
+def test_a_fused_mlp_is_its_three_kernels(isa, fmts, gelu):
+    """``quant_int8act.mlp`` (quant_int8act.c's llmserve_qi8_mlp: gate/up outputs a panel pair at a
+    time into a tile, the products quantized there as the down projection's rows, never stored)
+    against the gate/up linear, elementwise.c's kernel and the down linear: the same bits at 1 to
+    600 rows (VNNI, the tiles, several row chunks), biases on both, 1 and 2 threads. Row segments
+    and widths not a multiple of 64 are refused."""
+    gf, df = fmts
+    h, inter, n = 256, 256, 70
+    g = torch.Generator().manual_seed(5)
+    gate_up = quant_int8act.Int8ActLinear(
+        weight(gf, 2 * inter, h, 1), torch.randn(2 * inter, generator=g), isa=isa
+    )
+    down = quant_int8act.Int8ActLinear(weight(df, n, inter, 2), torch.randn(n, generator=g), isa=isa)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    x = activations(600, h, seed=8)
+
+    def check():
+        for m in (1, 5, 17, 64, 600):
+            want = down(kernel(gate_up(x[:m]), isa=isa))
+            np.testing.assert_array_equal(
+                _fp32_bits(quant_int8act.mlp(gate_up, down, x[:m], gelu)), _fp32_bits(want)
+            )
+
+    _at_one_and_two_threads(check)
+    mixed = quant_int8act.Int8ActLinear(weight("Q5_0+Q8_0", 2 * inter, h, 1), isa=isa)
+    narrow = quant_int8act.Int8ActLinear(weight("Q8_0", n, 96, 2), isa=isa)  # 96: not a multiple of 64
+    wide = quant_int8act.Int8ActLinear(weight("Q8_0", 192, h, 1), isa=isa)
+    assert (
+        quant_int8act.fused_mlp_fn(mixed, down) is None and quant_int8act.fused_mlp_fn(wide, narrow) is None
+    )
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_is_bit_equal_alone_batched_at_any_thread_count_and_isa(fmt):
     k = 512  # a K-quant's rows are whole super-blocks of 256

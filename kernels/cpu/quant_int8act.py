@@ -80,6 +80,10 @@ _SIGNATURES = {
     "llmserve_qi8_gemm_gelu_tanh": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
     "llmserve_qi8_quantize_glu": ([_I32, _P, _I64, _I64, _I64, _P, _P, _P, _P], _I32),
     "llmserve_qi8_gemm_argmax": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I32], _I32),
+    "llmserve_qi8_mlp": (
+        [_I32, _I32, _P, _I64, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _I64, _I32],
+        _I32,
+    ),
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
     "llmserve_qi8_vnni": ([_I32], _I32),
     "llmserve_qi8_amx": ([_I32], _I32),
@@ -281,6 +285,37 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None):
         x.data_ptr(), m, k, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), dxs.data_ptr()
     )
     return q, dx, sx, dxs
+
+
+def fused_mlp_fn(gate_up, down):
+    """``llmserve_qi8_mlp`` (a layer's gate/up, activation and down projection in one call, the
+    gate/up outputs never stored) for these two linears, or None where it does not take them: not
+    both int8-activation linears of one instruction set, row segments, or an intermediate width
+    that is not a multiple of 64."""
+    if type(gate_up) is not Int8ActLinear or type(down) is not Int8ActLinear or gate_up.isa != down.isa:
+        return None
+    inter = down.in_features
+    if SEGMENTS in (gate_up.code, down.code) or inter % 64 or gate_up.out_features != 2 * inter:
+        return None
+    return library(down.isa).llmserve_qi8_mlp
+
+
+def mlp(gate_up: Int8ActLinear, down: Int8ActLinear, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``down(silu_and_mul(gate_up(x)))`` (``gelu``: GELU-tanh) through ``fused_mlp_fn``, for tests."""
+    fn = fused_mlp_fn(gate_up, down)
+    if fn is None:
+        raise ValueError("the fused MLP does not take these linears")
+    k, inter, n = gate_up.in_features, down.in_features, down.out_features
+    x = x.float().contiguous().reshape(-1, k)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    gu_ptrs, dn_ptrs = (gate_up._packed_ptr, gate_up._bias_ptr), (down._packed_ptr, n, down._bias_ptr)
+    rc = fn(
+        2 if gelu else 1, gate_up.code, x.data_ptr(), x.shape[0], k, k, *gu_ptrs, inter, down.code, *dn_ptrs,
+        y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_int8act's fused MLP failed ({rc})")
+    return y
 
 
 def quantize_glu_activations(gate_up: torch.Tensor, gelu: bool = False, isa: str | None = None):
