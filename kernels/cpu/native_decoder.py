@@ -207,8 +207,8 @@ def fused_glu_enabled() -> bool:
 
 # The rows from which a layer's MLP runs as one call (quant_int8act.c's llmserve_qi8_mlp) where
 # gate/up and down are int8-activation linears. Measured on Qwen2.5-Coder-0.5B's MLP (RT, 2 threads,
-# against gate/up then the SiLU-fused down; benchmarks.fusion_ab): 1.01x at 1,024 and 2,048 rows,
-# 0.92-0.99x at 1-512 (at one 512-row chunk its 76 items of 4 panels balance worse than the
+# against gate/up then the SiLU-fused down; benchmarks.fusion_ab): 1.01-1.02x at 1,024 and 2,048
+# rows, 0.92-1.00x at 1-512 (at one 512-row chunk its 76 items of 4 panels balance worse than the
 # gate/up GEMM's 304 panels claimed in shrinking ranges).
 MLP_MIN_ROWS = 1024
 
