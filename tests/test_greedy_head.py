@@ -1,10 +1,13 @@
 """Greedy tokens without the whole logits (kernels/cpu/greedy_head.py): the LM head's int8-activation
-GEMM a vocabulary slice at a time, each slice's argmax merged, gives ``argmax_rows`` of the whole
-head's output on every instruction set, for any slice width, with ties and NaNs across slice
-boundaries; and the engine takes that path in a step whose sample rows are all greedy (its logits
-are never made) and nowhere else, with the tokens of the logits path."""
+GEMM with the argmax inside it (each work item's group of panels, merged), or a vocabulary slice at
+a time with each slice's argmax merged, gives ``argmax_rows`` of the whole head's output on every
+instruction set, for any group or slice width, with ties and NaNs across their boundaries; and the
+engine takes that path in a step whose sample rows are all greedy (its logits are never made) and
+nowhere else, with the tokens of the logits path."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -44,23 +47,38 @@ def native_heads(isa: str, n: int, k: int, seed: int, bias: torch.Tensor | None 
 
 @pytest.fixture
 def narrow(monkeypatch):
-    """Slices of one panel (32 columns) upwards: many slice boundaries at small vocabularies."""
+    """Slices of one panel (32 columns) upwards, and fused items of one panel: many slice and item
+    boundaries at small vocabularies."""
     monkeypatch.setattr(greedy_head, "SLICE_FLOATS", 32)
     monkeypatch.setattr(greedy_head, "MIN_SLICE", 1)
+    monkeypatch.setattr(greedy_head, "GROUP_PANELS", 1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "slices"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("m", [1, 5, 64])
-def test_sliced_argmax_is_the_whole_heads(isa, fmt, m, narrow):
+@pytest.mark.parametrize("m", [1, 5, 64, 600])
+def test_sliced_argmax_is_the_whole_heads(isa, fmt, m, fused, narrow, monkeypatch):
+    """600 rows: several row chunks of the fused call's items (256 a chunk, 512 on the tiles)."""
+    monkeypatch.setenv("LLMSERVE_GREEDY_HEAD_FUSED", "1" if fused else "0")
     k, n = 256, 1000 + 7  # not a whole number of panels
     qw = weight(fmt, n, k, seed=m + 3)
     linear = quant_int8act.Int8ActLinear(qw, isa=isa)
     sliced = ChunkedArgmax.of(linear)
-    assert sliced is not None
+    assert sliced is not None and (sliced.fused is not None) == fused
     assert sliced.width(m) < n
     x = activations(m, k, seed=m)
-    assert sliced(x).tolist() == argmax_rows(linear(x)).tolist()
+    want = argmax_rows(linear(x)).tolist()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert sliced(x).tolist() == want
+    finally:
+        torch.set_num_threads(threads)
+    if fused:  # the default groups too (one item over the whole vocabulary here)
+        monkeypatch.setattr(greedy_head, "GROUP_PANELS", 16)
+        assert sliced(x).tolist() == want
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
@@ -106,14 +124,23 @@ def test_ties_and_nans_across_slices(isa):
 
 def ties_and_nans_across_slices(isa: str) -> None:
     """Through the bias: equal huge values in two slices (the first wins), a NaN after a larger
-    value in a later slice (the NaN wins), two NaNs (the first), +inf then NaN, all -inf (index 0).
+    value in a later slice (the NaN wins), two NaNs (the first), +inf then NaN, all -inf (index 0);
+    the fused head's items of one panel (its merge of the items) and the slices (theirs).
     (Also tests/test_mutants.py's check of the merge.)"""
-    saved = greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE
+    saved = greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE, greedy_head.GROUP_PANELS
+    env = os.environ.get("LLMSERVE_GREEDY_HEAD_FUSED")
     greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = 32, 1  # one panel a slice
+    greedy_head.GROUP_PANELS = 1  # one panel a fused item
     try:
-        _ties_and_nans(isa)
+        for fused in ("1", "0"):
+            os.environ["LLMSERVE_GREEDY_HEAD_FUSED"] = fused
+            _ties_and_nans(isa, fused == "1")
     finally:
-        greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE = saved
+        greedy_head.SLICE_FLOATS, greedy_head.MIN_SLICE, greedy_head.GROUP_PANELS = saved
+        if env is None:
+            os.environ.pop("LLMSERVE_GREEDY_HEAD_FUSED", None)
+        else:
+            os.environ["LLMSERVE_GREEDY_HEAD_FUSED"] = env
 
 
 # (bias values, the argmax) over 256 columns: slices of 32 (int8 heads, AMX bf16) or more panels
@@ -127,7 +154,7 @@ _TIES = [
 ]
 
 
-def _ties_and_nans(isa: str) -> None:
+def _ties_and_nans(isa: str, fused: bool) -> None:
     k, n = 64, 256
     qw = weight("Q8_0", n, k, seed=1)
     x = activations(6, k, seed=2)
@@ -140,6 +167,7 @@ def _ties_and_nans(isa: str) -> None:
         linear = quant_int8act.Int8ActLinear(qw, bias, isa=isa)
         sliced = ChunkedArgmax.of(linear)
         assert sliced.width(1) == 32  # one panel a slice
+        assert (sliced.fused is not None) == fused
         whole = argmax_rows(linear(x[r : r + 1]))
         got = sliced(x[r : r + 1])
         assert whole.tolist() == [expected[r]], r

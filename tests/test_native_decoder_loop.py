@@ -231,6 +231,49 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(path, threads, isa, monkeyp
     assert bool(got[-1].abs().sum() > 0)
 
 
+@pytest.mark.parametrize("mlp_rows", ["1", "9", "off"], ids=["mlp", "mlp-from-9-rows", "down-only"])
+@pytest.mark.parametrize("isa", LOOP_ISAS)
+@pytest.mark.parametrize("path", ["gguf_int8act", "int4", "mixed", "gemma3"])
+def test_int8_mlps_make_the_activation_in_the_quantization(path, isa, mlp_rows, monkeypatch):
+    """Where a layer's down projection is an int8-activation linear of the loop's instruction set,
+    the loop calls its entry fused with SiLU (Gemma: GELU-tanh), whose activation quantization makes
+    the products itself (``Layer.down_glu``); where gate/up is one too (one format, the width a
+    multiple of 64), the whole MLP runs as one call from ``LLMSERVE_FUSED_MLP_MIN_ROWS`` rows
+    (``Layer.mlp``: the gate/up outputs never stored; "9": the schedule's steps on either side);
+    other downs keep the kernel apart. The hidden states and caches are the Python loop's bit for
+    bit, and the same with the fusions off (``LLMSERVE_FUSED_GLU=0``, ``LLMSERVE_FUSED_MLP=0``)."""
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
+    if mlp_rows == "off":
+        monkeypatch.setenv("LLMSERVE_FUSED_MLP", "0")
+    else:
+        monkeypatch.setenv("LLMSERVE_FUSED_MLP_MIN_ROWS", mlp_rows)
+    spec = _spec("Gemma3ForCausalLM", **GEMMA3) if path == "gemma3" else None
+    model = _model("gguf_int8act" if path == "gemma3" else path, spec=spec)
+    got, want, native_caches, python_caches, forwards = _run_both(model, monkeypatch)
+    assert forwards == len(SCHEDULE) and model.native_loop_reason is None
+    descs = model._native_loop._descs
+    fused = [bool(d.down_glu) for d in descs]
+    assert fused == [type(layer.down_proj) is quant_int8act.Int8ActLinear for layer in model.layers]
+    assert any(fused)
+    whole = [bool(d.mlp) for d in descs]
+    assert whole == [
+        mlp_rows != "off" and quant_int8act.fused_mlp_fn(layer.gate_up_proj, layer.down_proj) is not None
+        for layer in model.layers
+    ]
+    assert any(whole) == (mlp_rows != "off")
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max()}"
+    for a, b in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("LLMSERVE_FUSED_GLU", "0")
+    monkeypatch.setenv("LLMSERVE_FUSED_MLP", "0")
+    model.invalidate()
+    apart, *_ = _run_both(model, monkeypatch)
+    assert not any(d.down_glu or d.mlp for d in model._native_loop._descs)
+    for a, b in zip(got, apart, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_qkv_bias_models_take_the_loop_too(monkeypatch):
     model = _model("fp32", spec=_spec("Qwen2ForCausalLM"))
     assert model.layers[0].qkv_bias is not None
@@ -410,8 +453,8 @@ def _swapped(fields, a: str, b: str) -> list:
             lambda f: [(n, native_decoder.ctypes.c_int64 if n == "code" else t) for n, t in f],
             "Linear.code",
         ),
-        # a field the C struct has and the mirror lacks
-        ("Model", lambda f: [x for x in f if x[0] != "gelu_and_mul"], "Model.gelu_and_mul"),
+        # a field the C struct has and the mirror lacks (its last: no other field moves)
+        ("Model", lambda f: [x for x in f if x[0] != "mlp_min_rows"], "Model.mlp_min_rows"),
         # a field the mirror has and C does not
         ("Model", lambda f: [*f, ("experts", native_decoder.ctypes.c_void_p)], "Model.experts"),
     ],

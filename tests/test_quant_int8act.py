@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels.cpu import native_build, quant_gemm, quant_int8act
+from kernels.cpu import native_build, native_elementwise, quant_gemm, quant_int8act
 from tests.gguf_files import random_k_blocks
 
 # "A+B": a fused projection whose rows are A then B (quant_gemm.MixedRows, run as row segments)
@@ -181,6 +181,107 @@ def test_nan_and_infinity_quantize_as_documented(isa):
     np.testing.assert_array_equal(sx.numpy(), want_q.astype(np.int32).sum(-1))
     assert np.isinf(dx[0, 1]) and np.all(q.numpy()[1, 64:96] == 0) and dx[1, 2] == 0
     assert q[0, 0] != 0 and q[0, 3] == 0 and q[3, 0] == 127
+
+
+def gate_up_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """``[gate | up]`` rows of an MLP (2k each): blocks of very different scales, gates far out on
+    both sides of SiLU's bend, a zero block, subnormals, NaNs and infinities."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k, generator=g) * 3
+    x[:, :32] *= 40
+    x[:, k : k + 32] *= 0.01
+    x[0, 40:72] = torch.linspace(-100, 100, 32)  # exp's clamp below -87, sigmoid 1 above
+    if m > 3:
+        x[1, 32:64] = 0  # act 0: a zero block, scale 0
+        x[1, k + 96 : k + 128] = 0
+        x[2, 64:96] = 1e-39  # subnormal gates
+        x[3, 5], x[3, 6], x[3, 7] = float("nan"), float("inf"), -float("inf")
+        x[3, k + 8] = float("nan")
+        x[3, k + 40] = float("inf")
+    return x
+
+
+def _fp32_bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("name", native_build.supported_isas())
+def test_the_fused_gated_quantization_is_that_of_the_elementwise_kernels_rows(name, gelu):
+    """The down projection's fused quantization (quant_int8act.c's quantize_glu_row: SiLU- or
+    GELU-tanh-and-multiply made a block at a time, never written) gives the quants and scales,
+    bit for bit, of quantizing the rows elementwise.c's kernel writes, on each instruction set."""
+    k = 320  # 10 blocks: a row's tail past the SIMD widths' multiples too
+    x = gate_up_rows(9, k, seed=2)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    rows = kernel(x, isa=name)
+    want = quant_int8act.quantize_activations(rows, name)
+    got = quant_int8act.quantize_glu_activations(x, gelu, name)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype
+        if w.dtype is torch.float32:
+            np.testing.assert_array_equal(_fp32_bits(g), _fp32_bits(w))
+        else:
+            assert torch.equal(g, w)
+    assert (got[0] != 0).any() and (got[0][1, 32:64] == 0).all()
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K", "Q5_0+Q6_K"))
+def test_a_fused_down_projection_is_the_projection_of_the_kernels_rows(isa, fmt, gelu):
+    """``Int8ActLinear.glu`` (the decoder loop's down projection with SiLU / GELU-tanh inside its
+    activation quantization) against the linear of elementwise.c's rows: the same bits at 1 to 300
+    rows (VNNI, the tiles from 16-64, a prefill's several row items), 1 and 2 threads; with a bias;
+    a projection of row segments; rows read from a wider buffer are the same."""
+    k, n = 512, 70
+    qw = weight(fmt, n, k, seed=21)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    lin = quant_int8act.Int8ActLinear(qw, bias, isa=isa)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    x = gate_up_rows(300, k, seed=7)
+
+    def check():
+        for m in (1, 5, 17, 64, 300):
+            want = lin(kernel(x[:m], isa=isa))
+            got = lin.glu(x[:m], gelu)
+            np.testing.assert_array_equal(_fp32_bits(got), _fp32_bits(want))
+        assert torch.equal(lin.glu(x[40:45], gelu), lin.glu(x, gelu)[40:45])
+
+    _at_one_and_two_threads(check)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q6_K"), ("Q5_0", "Q8_0"), ("Q8_0", "Q4_1")], ids="-".join)
+def test_a_fused_mlp_is_its_three_kernels(isa, fmts, gelu):
+    """``quant_int8act.mlp`` (quant_int8act.c's llmserve_qi8_mlp: gate/up outputs a panel pair at a
+    time into a tile, the products quantized there as the down projection's rows, never stored)
+    against the gate/up linear, elementwise.c's kernel and the down linear: the same bits at 1 to
+    600 rows (VNNI, the tiles, several row chunks), biases on both, 1 and 2 threads. Row segments
+    and widths not a multiple of 64 are refused."""
+    gf, df = fmts
+    h, inter, n = 256, 256, 70
+    g = torch.Generator().manual_seed(5)
+    gate_up = quant_int8act.Int8ActLinear(
+        weight(gf, 2 * inter, h, 1), torch.randn(2 * inter, generator=g), isa=isa
+    )
+    down = quant_int8act.Int8ActLinear(weight(df, n, inter, 2), torch.randn(n, generator=g), isa=isa)
+    kernel = native_elementwise.gelu_tanh_and_mul if gelu else native_elementwise.silu_and_mul
+    x = activations(600, h, seed=8)
+
+    def check():
+        for m in (1, 5, 17, 64, 600):
+            want = down(kernel(gate_up(x[:m]), isa=isa))
+            np.testing.assert_array_equal(
+                _fp32_bits(quant_int8act.mlp(gate_up, down, x[:m], gelu)), _fp32_bits(want)
+            )
+
+    _at_one_and_two_threads(check)
+    mixed = quant_int8act.Int8ActLinear(weight("Q5_0+Q8_0", 2 * inter, h, 1), isa=isa)
+    narrow = quant_int8act.Int8ActLinear(weight("Q8_0", n, 96, 2), isa=isa)  # 96: not a multiple of 64
+    wide = quant_int8act.Int8ActLinear(weight("Q8_0", 192, h, 1), isa=isa)
+    assert (
+        quant_int8act.fused_mlp_fn(mixed, down) is None and quant_int8act.fused_mlp_fn(wide, narrow) is None
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

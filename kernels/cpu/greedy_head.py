@@ -15,11 +15,20 @@ packed buffer from that panel on; ``NativeLinear.columns`` likewise), and each o
 kernel is its own row and column's math, whatever the call's width. The merge keeps
 ``sampler.argmax_rows``' rule: the first maximum, a NaN counting as the maximum (numpy's argmax:
 its first NaN), so the index equals the argmax of
-the whole row (tests/test_greedy_head.py, ties and NaNs across slice boundaries included)."""
+the whole row (tests/test_greedy_head.py, ties and NaNs across slice boundaries included).
+
+An int8-activation head goes further: one native call (``llmserve_qi8_gemm_argmax``) quantizes the
+rows once, computes the outputs a 32-column panel at a time into a thread's tile in L1 / L2 and
+scans each tile's rows as it is made, on every thread the GEMM runs on; a work item keeps its
+group of panels' first maximum per row, and the groups are merged in column order under the same
+rule. No logits are written at all, the activations are not quantized once a slice, and the
+argmax runs on both cores (numpy's ran on one). ``LLMSERVE_GREEDY_HEAD_FUSED=0`` keeps the slices
+(comparisons)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -29,16 +38,26 @@ import torch
 # all within 10% of each other, the whole-vocabulary call and its argmax 1.3-1.45x slower.
 SLICE_FLOATS = 1 << 20
 MIN_SLICE = 1024
+# Panels (32 columns) a work item of the fused int8 head scans: its per-row best is kept per group
+# ([groups, rows] of value, index, NaN) and merged at the end; 16 panels make ~300 items over a
+# 151,936-token vocabulary. Tests make it 1 (ties and NaNs across items).
+GROUP_PANELS = 16
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("LLMSERVE_GREEDY_HEAD_FUSED", "1") != "0"
 
 
 class ChunkedArgmax:
     """``argmax_rows(linear(x))`` per row of ``x [R, in]`` (fp32), a vocabulary slice at a time."""
 
-    def __init__(self, linear, panel: int, columns):
+    def __init__(self, linear, panel: int, columns, fused=None):
         self.linear = linear
         self.panel = panel
         # columns(x, c0, w, out): the head's output columns [c0, c0 + w) of x's rows into out
         self.columns = columns
+        # fused(x, best): every row's argmax into best (int64) in one native call; None: slices
+        self.fused = fused
         self._buf = torch.empty(0)
 
     @classmethod
@@ -63,7 +82,8 @@ class ChunkedArgmax:
         one = lib.llmserve_qi8_packed_bytes(linear.code, panel, k)
         if panel <= 0 or one <= 0 or whole != one * ((n + panel - 1) // panel):
             return None  # not whole panels one after another: no slice is a suffix of the buffer
-        return cls(linear, panel, functools.partial(_int8act_columns, linear, lib))
+        fused = functools.partial(_int8act_argmax, linear, lib) if fused_enabled() else None
+        return cls(linear, panel, functools.partial(_int8act_columns, linear, lib), fused)
 
     def width(self, rows: int) -> int:
         n = self.linear.out_features
@@ -80,6 +100,9 @@ class ChunkedArgmax:
         rows = x.shape[0]
         best_i = np.zeros(rows, dtype=np.int64)
         if not rows:
+            return best_i
+        if self.fused is not None:
+            self.fused(x, best_i)
             return best_i
         width = self.width(rows)
         if self._buf.numel() < rows * width:
@@ -115,3 +138,14 @@ def _int8act_columns(lin, lib, x: torch.Tensor, c0: int, w: int, out: torch.Tens
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"quant_int8act failed on {lin.fmt} with k={k} ({rc})")
+
+
+def _int8act_argmax(lin, lib, x: torch.Tensor, best: np.ndarray) -> None:
+    """Each row's first maximum over an int8-activation head's outputs, in one native call."""
+    k, n = lin.in_features, lin.out_features
+    rc = lib.llmserve_qi8_gemm_argmax(
+        lin.code, x.data_ptr(), x.shape[0], k, x.stride(0), lin._packed_ptr, n, lin._bias_ptr,
+        GROUP_PANELS, best.ctypes.data, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_int8act's greedy head failed on {lin.fmt} with k={k} ({rc})")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import native_attention, native_build, native_elementwise
+from kernels.cpu import native_attention, native_build, native_elementwise, quant_int8act
 from kernels.cpu.isa_choice import chosen_isa_in
 from kernels.cpu.native_gemm import NativeEntry, fn_address
 
@@ -69,6 +69,8 @@ class _Layer(ctypes.Structure):
         ("window", _I64),
         ("group", _I64),
         ("softcap", _F32),
+        ("down_glu", _P),
+        ("mlp", _P),
     ]
 
 
@@ -91,6 +93,7 @@ class _Model(ctypes.Structure):
         ("eps", _F32),
         ("scale", _F32),
         ("gelu_and_mul", _P),
+        ("mlp_min_rows", _I64),
     ]
 
 
@@ -194,6 +197,49 @@ _ALIGN = 16  # floats: each scratch buffer starts on a 64-byte line
 def enabled() -> bool:
     """``LLMSERVE_NATIVE_DECODER_LOOP=0`` keeps the Python loop (comparisons, benchmarks)."""
     return os.environ.get("LLMSERVE_NATIVE_DECODER_LOOP", "1") != "0"
+
+
+def fused_glu_enabled() -> bool:
+    """``LLMSERVE_FUSED_GLU=0`` keeps the MLP's activation kernel apart from an int8-activation
+    down projection (the same bits; for comparisons), read when the loop is built."""
+    return os.environ.get("LLMSERVE_FUSED_GLU", "1") != "0"
+
+
+# The rows from which a layer's MLP runs as one call (quant_int8act.c's llmserve_qi8_mlp) where
+# gate/up and down are int8-activation linears. Measured on Qwen2.5-Coder-0.5B's MLP (RT, 2 threads,
+# against gate/up then the SiLU-fused down; benchmarks.fusion_ab): 1.01-1.02x at 1,024 and 2,048
+# rows, 0.92-1.00x at 1-512 (at one 512-row chunk its 76 items of 4 panels balance worse than the
+# gate/up GEMM's 304 panels claimed in shrinking ranges).
+MLP_MIN_ROWS = 1024
+
+
+def fused_mlp_min_rows() -> int:
+    """``LLMSERVE_FUSED_MLP_MIN_ROWS`` (default ``MLP_MIN_ROWS``); ``LLMSERVE_FUSED_MLP=0``: never.
+    Read when the loop is built."""
+    if os.environ.get("LLMSERVE_FUSED_MLP", "1") == "0":
+        return -1
+    return int(os.environ.get("LLMSERVE_FUSED_MLP_MIN_ROWS", MLP_MIN_ROWS))
+
+
+def _mlp_entry(gate_up, down) -> int:
+    """The address of the whole-MLP entry for these linears (``quant_int8act.fused_mlp_fn``), or 0
+    where the loop does not take it (switched off, not both int8-activation linears of the loop's
+    instruction set, row segments, an intermediate width not a multiple of 64)."""
+    if fused_mlp_min_rows() < 0 or getattr(down, "isa", None) != native_build.chosen_isa():
+        return 0
+    fn = quant_int8act.fused_mlp_fn(gate_up, down)
+    return 0 if fn is None else fn_address(fn)
+
+
+def _glu_entry(down, gelu: bool) -> int:
+    """The address of ``down``'s entry fused with the MLP's activation (``Int8ActLinear.glu_entry``),
+    or 0 where the loop keeps them apart: switched off, no such entry, or the linear built for
+    another instruction set than the activation kernel the loop would call (their bits are
+    promised equal within one build's flags)."""
+    method = getattr(type(down), "glu_entry", None)
+    if method is None or not fused_glu_enabled() or getattr(down, "isa", None) != native_build.chosen_isa():
+        return 0
+    return method(down, gelu).fn
 
 
 _CHECK_FAILED = -100  # decoder_loop.c: the step's metadata failed its check, nothing ran
@@ -354,6 +400,8 @@ def build(
             return f"layer {i}'s attention soft-cap {parts.softcap} is not positive"
         desc.softcap = parts.softcap or 0.0
         desc.group = parts.kv_group
+        desc.down_glu = _glu_entry(parts.down, shape.gelu) or None
+        desc.mlp = _mlp_entry(parts.gate_up, parts.down) or None
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
@@ -413,6 +461,7 @@ class NativeDecoderLoop:
             cos_sin=cos_sin.data_ptr(),
             final_norm=final_norm.data_ptr(),
             rotary_rows=cos_sin.shape[0],
+            mlp_min_rows=max(fused_mlp_min_rows(), 1),
         )
         self._kernels: tuple | None = None
         self._caches: tuple = ()  # the cache tensors the descriptors point into

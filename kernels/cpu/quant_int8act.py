@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kernels.cpu import native_build
-from kernels.cpu.native_gemm import NativeEntry
+from kernels.cpu.native_gemm import NativeEntry, fn_address
 from kernels.cpu.quant_gemm import (
     SEGMENTS,
     SIGNED,
@@ -76,6 +76,14 @@ _SIGNATURES = {
     "llmserve_qi8_pack_k": ([_I32, _P, _P, _P, _P, _I64, _I64, _P], _I32),
     "llmserve_qi8_packed_bytes": ([_I32, _I64, _I64], _I64),
     "llmserve_qi8_gemm": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
+    "llmserve_qi8_gemm_silu": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
+    "llmserve_qi8_gemm_gelu_tanh": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
+    "llmserve_qi8_quantize_glu": ([_I32, _P, _I64, _I64, _I64, _P, _P, _P, _P], _I32),
+    "llmserve_qi8_gemm_argmax": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I32], _I32),
+    "llmserve_qi8_mlp": (
+        [_I32, _I32, _P, _I64, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _I64, _I32],
+        _I32,
+    ),
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
     "llmserve_qi8_vnni": ([_I32], _I32),
     "llmserve_qi8_amx": ([_I32], _I32),
@@ -232,6 +240,35 @@ class Int8ActLinear:
     def native_entry(self) -> NativeEntry:
         return native_entry(self, self.code)
 
+    def glu_entry(self, gelu: bool = False) -> NativeEntry:
+        """The down projection fused with its MLP's gated activation (``llmserve_qi8_gemm_silu``,
+        ``..._gelu_tanh``): the same arguments as ``native_entry``'s, its rows ``[gate | up]`` (2 x
+        ``in_features``), the result bit for bit this linear of elementwise.c's SiLU- (GELU-tanh-)
+        and-multiply rows at this linear's instruction set, which it never writes."""
+        fn = self._glu_fns[bool(gelu)]
+        ptrs = (self._packed_ptr, self._bias_ptr)
+        return NativeEntry(fn_address(fn), self.code, *ptrs, self.out_features, self.in_features)
+
+    @functools.cached_property
+    def _glu_fns(self):
+        lib = library(self.isa)
+        return lib.llmserve_qi8_gemm_silu, lib.llmserve_qi8_gemm_gelu_tanh
+
+    def glu(self, gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))`` (``gelu``: GELU-tanh) through the fused entry
+        (``glu_entry``): ``gate_up`` rows of 2 x ``in_features`` fp32, for tests."""
+        k, n = self.in_features, self.out_features
+        x = gate_up.float().contiguous().reshape(-1, 2 * k)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if x.shape[0]:
+            rc = self._glu_fns[bool(gelu)](
+                self.code, x.data_ptr(), x.shape[0], k, 2 * k, self._packed_ptr, n, self._bias_ptr,
+                y.data_ptr(), n, torch.get_num_threads(),
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"quant_int8act failed on {self.fmt} with k={k} ({rc})")
+        return y.view(*gate_up.shape[:-1], n)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return call_packed(self, self.code, x, "quant_int8act failed on")
 
@@ -247,6 +284,52 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None):
     library(isa).llmserve_qi8_quantize(
         x.data_ptr(), m, k, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), dxs.data_ptr()
     )
+    return q, dx, sx, dxs
+
+
+def fused_mlp_fn(gate_up, down):
+    """``llmserve_qi8_mlp`` (a layer's gate/up, activation and down projection in one call, the
+    gate/up outputs never stored) for these two linears, or None where it does not take them: not
+    both int8-activation linears of one instruction set, row segments, or an intermediate width
+    that is not a multiple of 64."""
+    if type(gate_up) is not Int8ActLinear or type(down) is not Int8ActLinear or gate_up.isa != down.isa:
+        return None
+    inter = down.in_features
+    if SEGMENTS in (gate_up.code, down.code) or inter % 64 or gate_up.out_features != 2 * inter:
+        return None
+    return library(down.isa).llmserve_qi8_mlp
+
+
+def mlp(gate_up: Int8ActLinear, down: Int8ActLinear, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``down(silu_and_mul(gate_up(x)))`` (``gelu``: GELU-tanh) through ``fused_mlp_fn``, for tests."""
+    fn = fused_mlp_fn(gate_up, down)
+    if fn is None:
+        raise ValueError("the fused MLP does not take these linears")
+    k, inter, n = gate_up.in_features, down.in_features, down.out_features
+    x = x.float().contiguous().reshape(-1, k)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    gu_ptrs, dn_ptrs = (gate_up._packed_ptr, gate_up._bias_ptr), (down._packed_ptr, n, down._bias_ptr)
+    rc = fn(
+        2 if gelu else 1, gate_up.code, x.data_ptr(), x.shape[0], k, k, *gu_ptrs, inter, down.code, *dn_ptrs,
+        y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_int8act's fused MLP failed ({rc})")
+    return y
+
+
+def quantize_glu_activations(gate_up: torch.Tensor, gelu: bool = False, isa: str | None = None):
+    """``quantize_activations`` of SiLU- (``gelu``: GELU-tanh-) and-multiply of ``gate_up`` ``[m, 2k]``
+    as the fused down projection makes them (the fp32 product never written), for tests."""
+    x = gate_up.float().contiguous()
+    m, k = x.shape[0], x.shape[1] // 2
+    q = torch.empty(m, k, dtype=torch.int8)
+    dx, dxs = torch.empty(m, k // QK), torch.empty(m, k // QK)
+    sx = torch.empty(m, k // QK, dtype=torch.int32)
+    ptrs = (q.data_ptr(), dx.data_ptr(), sx.data_ptr(), dxs.data_ptr())
+    rc = library(isa).llmserve_qi8_quantize_glu(2 if gelu else 1, x.data_ptr(), m, k, 2 * k, *ptrs)
+    if rc != 0:
+        raise RuntimeError(f"quant_int8act refused the gated quantization ({rc})")
     return q, dx, sx, dxs
 
 

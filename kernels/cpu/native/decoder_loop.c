@@ -8,7 +8,8 @@
  * the descriptors below and checks, once per step, every index the kernels read unchecked).
  *
  * Per layer: RMSNorm (+ residual) -> QKV GEMM -> rotary + KV-cache store -> paged attention ->
- * O GEMM (+ O bias) -> RMSNorm (+ residual) -> gate/up GEMM -> SiLU-and-multiply -> down GEMM;
+ * O GEMM (+ O bias) -> RMSNorm (+ residual) -> gate/up GEMM -> SiLU-and-multiply -> down GEMM
+ * (an int8-activation down takes SiLU into its activation quantization: Layer.down_glu);
  * then the final RMSNorm. Intermediate rows live in the caller's scratch buffers; the residual
  * is updated in place (each element of a row is read before its own slot is written, so this is
  * the kernel's arithmetic on separate buffers). No OpenMP here: each kernel opens its own
@@ -33,6 +34,10 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_token, int64_t q_st
                             const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
                             int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                             float scale, float *out, int32_t num_threads, int32_t window, float softcap);
+typedef int32_t (*mlp_fn)(int32_t glu, int32_t gu_fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                          const void *gu_packed, const float *gu_bias, int64_t inter, int32_t dn_fmt,
+                          const void *dn_packed, int64_t n, const float *dn_bias, float *y, int64_t ldy,
+                          int32_t num_threads);
 typedef void (*silu_fn)(const float *x, int64_t rows, int64_t d, float *out, int32_t num_threads);
 /* (the GELU-tanh-and-multiply kernel has the same signature) */
 
@@ -61,6 +66,15 @@ typedef struct {
     int64_t window;
     int64_t group; /* its KV cache group: which of the step's slot rows and block tables it uses */
     float softcap; /* > 0: its attention scores soft-capped (paged_attention.c) */
+    /* NULL, or the down projection fused with the MLP's activation (quant_int8act.c's
+     * llmserve_qi8_gemm_silu / _gelu_tanh: down's coded entry taking the [gate | up] rows, the
+     * product made in its activation quantization, never written): the same bits as the
+     * activation kernel then down's entry. */
+    void *down_glu;
+    /* NULL, or the whole MLP in one call (quant_int8act.c's llmserve_qi8_mlp: the gate/up outputs
+     * made a panel pair at a time into a thread's tile, the products quantized there as down's
+     * rows, never stored): the same bits; taken at Model.mlp_min_rows rows and more. */
+    void *mlp;
 } Layer;
 
 typedef struct {
@@ -70,6 +84,7 @@ typedef struct {
     int64_t rotary_rows, num_blocks; /* rows of cos_sin; blocks of each cache */
     float eps, scale;
     void *gelu_and_mul; /* non-NULL: the MLP's activation is GELU-tanh (else SiLU) */
+    int64_t mlp_min_rows; /* the rows from which a layer's fused MLP (Layer.mlp) runs */
 } Model;
 
 /* One forward pass: its tokens' metadata (checked by the caller) and the buffers, each rows of
@@ -127,6 +142,8 @@ static const LayoutEntry LAYOUT[] = {
     FIELD(Layer, window),
     FIELD(Layer, group),
     FIELD(Layer, softcap),
+    FIELD(Layer, down_glu),
+    FIELD(Layer, mlp),
     STRUCT(Model),
     FIELD(Model, rms_norm),
     FIELD(Model, rotary_store_kv),
@@ -145,6 +162,7 @@ static const LayoutEntry LAYOUT[] = {
     FIELD(Model, eps),
     FIELD(Model, scale),
     FIELD(Model, gelu_and_mul),
+    FIELD(Model, mlp_min_rows),
     STRUCT(Step),
     FIELD(Step, tokens),
     FIELD(Step, positions),
@@ -287,10 +305,25 @@ int32_t llmserve_decoder_loop(const Model *md, const Layer *layers, int64_t num_
         norm(s->hidden, residual, L->post_norm, md->eps, t, h, s->normed, s->residual, threads);
         residual = s->residual;
         stage = STAGE_GATE_UP;
-        if ((rc = linear(&L->gate_up, s->normed, t, s->gate_up, threads))) break;
-        ((silu_fn)(md->gelu_and_mul ? md->gelu_and_mul : md->silu_and_mul))(s->gate_up, t, md->inter, s->act, threads);
-        stage = STAGE_DOWN;
-        if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        if (L->mlp && t >= md->mlp_min_rows) {
+            const Linear *gu = &L->gate_up, *dn = &L->down;
+            rc = ((mlp_fn)L->mlp)(md->gelu_and_mul ? 2 : 1, gu->code, s->normed, t, h, h, gu->packed, gu->bias,
+                                  md->inter, dn->code, dn->packed, dn->n, dn->bias, s->hidden, dn->n, threads);
+            if (rc) break;
+        } else if ((rc = linear(&L->gate_up, s->normed, t, s->gate_up, threads))) {
+            break;
+        } else if (L->down_glu) {
+            stage = STAGE_DOWN;
+            const Linear *dn = &L->down;
+            rc = ((coded_gemm_fn)L->down_glu)(dn->code, s->gate_up, t, dn->k, 2 * md->inter, dn->packed, dn->n,
+                                               dn->bias, s->hidden, dn->n, threads);
+            if (rc) break;
+        } else {
+            stage = STAGE_DOWN;
+            ((silu_fn)(md->gelu_and_mul ? md->gelu_and_mul : md->silu_and_mul))(s->gate_up, t, md->inter, s->act,
+                                                                                 threads);
+            if ((rc = linear(&L->down, s->act, t, s->hidden, threads))) break;
+        }
         if (L->mlp_out_norm) norm(s->hidden, 0, L->mlp_out_norm, md->eps, t, h, s->hidden, 0, threads);
         x = s->hidden;
         if (s->progress) __atomic_fetch_add(s->progress, 1, __ATOMIC_RELAXED);

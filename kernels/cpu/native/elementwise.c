@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "fast_exp.h"
+#include "glu.h"
 #include "parallel.h"
 
 #define LANES 16
@@ -149,9 +150,8 @@ void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_
     parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
 }
 
-/* out[t] = silu(gate) * up for row t of x = [gate | up] (d floats each), silu(g) = g * sigmoid(g)
- * with the sigmoid taken from e^-|g| (in (0, 1]: no overflow on either side), so the loop
- * vectorizes with the exp above. */
+/* out[t] = silu(gate) * up for row t of x = [gate | up] (d floats each): glu.h's silu_mul (the
+ * int8 down projection's fused quantization makes the same values, quant_int8act.c). */
 typedef struct {
     const float *x;
     int64_t d;
@@ -166,11 +166,7 @@ static void silu_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
         const float *g = x + t * 2 * d, *u = g + d;
         float *o = out + t * d;
-        for (int64_t i = 0; i < d; ++i) {
-            const float e = exp_nonpositive(-fabsf(g[i]));
-            const float sigmoid = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
-            o[i] = g[i] * sigmoid * u[i];
-        }
+        for (int64_t i = 0; i < d; ++i) o[i] = silu_mul(g[i], u[i]);
     }
 }
 
@@ -179,9 +175,8 @@ void llmserve_silu_and_mul_f32(const float *x, int64_t rows, int64_t d, float *o
     parallel_for(num_threads, rows * d > 16384, rows, grain(2 * d), silu_rows, &j);
 }
 
-/* out[t] = gelu_tanh(gate) * up (Gemma's MLP; transformers' gelu_pytorch_tanh):
- * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), the tanh from e^-2|y| (in (0, 1]), so the
- * loop vectorizes with the exp above. */
+/* out[t] = gelu_tanh(gate) * up (Gemma's MLP; transformers' gelu_pytorch_tanh): glu.h's
+ * gelu_tanh_mul. */
 static void gelu_rows(void *ctx, int64_t begin, int64_t end) {
     const silu_job *j = ctx;
     const float *x = j->x;
@@ -190,12 +185,7 @@ static void gelu_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
         const float *g = x + t * 2 * d, *u = g + d;
         float *o = out + t * d;
-        for (int64_t i = 0; i < d; ++i) {
-            const float y = 0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
-            const float e = exp_nonpositive(-2.0f * fabsf(y));
-            const float th = (1.0f - e) / (1.0f + e);
-            o[i] = 0.5f * g[i] * (1.0f + (y >= 0.0f ? th : -th)) * u[i];
-        }
+        for (int64_t i = 0; i < d; ++i) o[i] = gelu_tanh_mul(g[i], u[i]);
     }
 }
 

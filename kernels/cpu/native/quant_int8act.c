@@ -52,6 +52,7 @@
 #include <immintrin.h>
 #endif
 
+#include "glu.h"
 #include "parallel.h"
 #include "row_segments.h"
 
@@ -476,21 +477,47 @@ INLINE int32_t block_quants(const float *xb, float id, int8_t *xq, int32_t *sh) 
 }
 #endif
 
-/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs (the documented rounding), and
- * where sh is not NULL each block's two 16-step sums of q (sh[2b], sh[2b + 1]; sx their sum). */
+/* One block of 32 floats to int8 quants xq, its dx, sx and dxs (the documented rounding), and where
+ * sh is not NULL its two 16-step sums of q (sh[0], sh[1]; sx their sum). */
+INLINE void quantize_block(const float *xb, int8_t *xq, float *dx, int32_t *sx, float *dxs, int32_t *sh) {
+    const float amax = block_amax(xb);
+    /* A scale below the smallest normal float (a block of zeros or subnormals) quantizes the
+     * block to zeros: its reciprocal would overflow. */
+    const float d = amax / 127.0f, id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
+    const int32_t s = block_quants(xb, id, xq, sh);
+    *dx = d;
+    *sx = s;
+    float ds = d * (float)s;
+    KEEP(ds);
+    *dxs = ds;
+}
+
+/* Row r of x (k floats) to int8 quants xq, per block dx, sx and dxs, and where sh is not NULL each
+ * block's two 16-step sums of q (sh[2b], sh[2b + 1]). */
 INLINE void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs, int32_t *sh) {
+    for (int64_t b = 0; b < k / QK; ++b)
+        quantize_block(x + b * QK, xq + b * QK, dx + b, sx + b, dxs + b, sh ? sh + 2 * b : NULL);
+}
+
+/* The gated activations a down projection's rows are (GLU_*: glu.h's functions), made in its
+ * quantization: a row of x is [gate | up] (k floats each) and quantize_glu_row quantizes
+ * act(gate) * up, a block of 32 at a time through a local array, as quantize_row quantizes the rows
+ * elementwise.c's kernel writes (the same function of the same inputs: the same values, so the
+ * same quants and scales), without the k fp32 values a row going out to memory and back (40 MB a
+ * layer for a 2,048-row prefill step of Qwen2.5-0.5B). */
+enum { GLU_NONE = 0, GLU_SILU = 1, GLU_GELU_TANH = 2 };
+INLINE void glu_block(int glu, const float *g, const float *u, float *out) {
+    if (glu == GLU_SILU)
+        for (int e = 0; e < QK; ++e) out[e] = silu_mul(g[e], u[e]);
+    else
+        for (int e = 0; e < QK; ++e) out[e] = gelu_tanh_mul(g[e], u[e]);
+}
+INLINE void quantize_glu_row(int glu, const float *x, int64_t k, int8_t *xq, float *dx, int32_t *sx, float *dxs,
+                             int32_t *sh) {
     for (int64_t b = 0; b < k / QK; ++b) {
-        const float *xb = x + b * QK;
-        const float amax = block_amax(xb);
-        /* A scale below the smallest normal float (a block of zeros or subnormals) quantizes the
-         * block to zeros: its reciprocal would overflow. */
-        const float d = amax / 127.0f, id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
-        const int32_t s = block_quants(xb, id, xq + b * QK, sh ? sh + 2 * b : NULL);
-        dx[b] = d;
-        sx[b] = s;
-        float ds = d * (float)s;
-        KEEP(ds);
-        dxs[b] = ds;
+        float a[QK] __attribute__((aligned(64)));
+        glu_block(glu, x + b * QK, x + k + b * QK, a);
+        quantize_block(a, xq + b * QK, dx + b, sx + b, dxs + b, sh ? sh + 2 * b : NULL);
     }
 }
 /* The quantized rows of one call: quants m x k, then per row and block dx, sx, dxs (m x k/32 each);
@@ -511,17 +538,21 @@ typedef struct {
 } qrows;
 
 /* A thread's scratch for the quantized activations, kept and grown, never freed. */
-static void *scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        void *grown = realloc(buf, bytes);
+static void *scratch_in(int slot, size_t bytes) {
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
+    if (bytes > cap[slot]) {
+        void *grown = realloc(buf[slot], bytes);
         if (!grown) return NULL;
-        buf = grown;
-        cap = bytes;
+        buf[slot] = grown;
+        cap[slot] = bytes;
     }
-    return buf;
+    return buf[slot];
 }
+static void *scratch(size_t bytes) { return scratch_in(0, bytes); }
+/* (the fused MLP's: its gate/up projection's quantized rows, and the act blocks' scales staged) */
+static void *scratch_gate_up(size_t bytes) { return scratch_in(1, bytes); }
+static void *scratch_staged(size_t bytes) { return scratch_in(2, bytes); }
 
 /* The block's fp32 contribution to one output (the generic path, and the reference order). */
 INLINE float block_term(float dw, float mw, float dx, float dxs, int32_t isum, int min) {
@@ -1748,7 +1779,38 @@ typedef struct {
     int64_t panels, pb;
     int64_t mc; /* rows a work item */
     int32_t off; /* the format's offset, where xs.ncorr is made */
+    int32_t glu; /* GLU_*: x's rows are [gate | up], the activations glu(gate) * up (made here) */
+    struct qi8_argmax *am; /* not NULL: each row's argmax is the result, y is not written */
+    int32_t big, tiles;    /* the call is shared among threads; the AMX rows run it */
 } qi8_job;
+
+/* A greedy head's call (llmserve_qi8_gemm_argmax): its outputs go a panel at a time into a
+ * thread's tile of rows x NC floats (in L1 / L2), whose rows are scanned at once; an item is a row
+ * chunk and a group of `group` panels, and keeps per row its group's first maximum (a NaN counting
+ * as the maximum, the first NaN winning for good): best value, column, NaN seen, [groups][m] each.
+ * The groups are then merged in column order under the same rule, so the index is the first
+ * maximum of the whole row (sampler.argmax_rows' rule, numpy's argmax), whichever thread ran what. */
+typedef struct qi8_argmax {
+    int64_t group, groups;
+    float *v;
+    int64_t *i;
+    uint8_t *nan;
+    int failed; /* a thread's tile could not be allocated */
+} qi8_argmax;
+
+/* Row r's copies of its scales that some rows read: by group of 16 rows (the AMX rows), and
+ * -offset * sx (qrows.ncorr). */
+INLINE void row_copies(const qi8_job *j, int64_t r) {
+    const int64_t nb = j->xs.nb;
+    if (j->xs.dxt) /* the AMX rows' copies by group of 16 rows */
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t at = ((r >> 4) * nb + b) * 16 + (r & 15);
+            ((float *)j->xs.dxt)[at] = j->xs.dx[r * nb + b];
+            ((float *)j->xs.dxst)[at] = j->xs.dxs[r * nb + b];
+        }
+    if (j->xs.ncorr)
+        for (int64_t b = 0; b < nb; ++b) ((int32_t *)j->xs.ncorr)[r * nb + b] = -j->off * j->xs.sx[r * nb + b];
+}
 
 static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
     const qi8_job *j = ctx;
@@ -1760,19 +1822,13 @@ static void qi8_quantize_rows(void *ctx, int64_t begin, int64_t end) {
         int32_t *sh = j->xs.sh ? (int32_t *)j->xs.sh + r * 2 * nb : NULL;
         float *dx = (float *)j->xs.dx + r * nb, *dxs = (float *)j->xs.dxs + r * nb;
         int32_t *sx = (int32_t *)j->xs.sx + r * nb;
-        if (sh)
+        if (j->glu)
+            quantize_glu_row(j->glu, j->x + r * j->ldx, k, q + r * k, dx, sx, dxs, sh);
+        else if (sh)
             quantize_row(j->x + r * j->ldx, k, q + r * k, dx, sx, dxs, sh);
         else
             quantize_row(j->x + r * j->ldx, k, q + r * k, dx, sx, dxs, NULL);
-        if (j->xs.dxt) /* the AMX rows' copies by group of 16 rows */
-            for (int64_t b = 0; b < nb; ++b) {
-                const int64_t at = ((r >> 4) * nb + b) * 16 + (r & 15);
-                ((float *)j->xs.dxt)[at] = j->xs.dx[r * nb + b];
-                ((float *)j->xs.dxst)[at] = j->xs.dxs[r * nb + b];
-            }
-        if (j->xs.ncorr)
-            for (int64_t b = 0; b < nb; ++b)
-                ((int32_t *)j->xs.ncorr)[r * nb + b] = -j->off * j->xs.sx[r * nb + b];
+        row_copies(j, r);
     }
 }
 
@@ -1793,6 +1849,74 @@ static void qi8_items(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
+/* A thread's tile of a greedy head's outputs, kept and grown, never freed (not scratch(): the
+ * caller's holds its call's quantized rows). */
+static float *tile_scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, floats * sizeof(float));
+        if (!grown) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+/* One row of a tile (cols outputs from column base) into the row's best so far: nothing to do
+ * unless a value is above the best or a NaN (one compare a value, vectorized); then the first NaN
+ * ends the row, else each strictly greater value is taken (equal values keep the first). */
+INLINE void argmax_scan(const float *row, int cols, int64_t base, float *bv, int64_t *bi, uint8_t *bn) {
+    if (*bn) return;
+    const float best = *bv;
+    int above = 0;
+    for (int c = 0; c < cols; ++c) above |= !(row[c] <= best);
+    if (!above) return;
+    for (int c = 0; c < cols; ++c) {
+        const float v = row[c];
+        if (v != v) {
+            *bi = base + c;
+            *bn = 1;
+            return;
+        }
+        if (v > *bv) {
+            *bv = v;
+            *bi = base + c;
+        }
+    }
+}
+
+static void qi8_items_argmax(void *ctx, int64_t begin, int64_t end) {
+    const qi8_job *j = ctx;
+    qi8_argmax *a = j->am;
+    float *tile = tile_scratch((size_t)j->mc * NC);
+    if (!tile) {
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t it = begin; it < end; ++it) {
+        const int64_t c = it / a->groups, g = it % a->groups, r0 = c * j->mc;
+        const int64_t rows = j->m - r0 < j->mc ? j->m - r0 : j->mc;
+        float *bv = a->v + g * j->m + r0;
+        int64_t *bi = a->i + g * j->m + r0;
+        uint8_t *bn = a->nan + g * j->m + r0;
+        for (int64_t i = 0; i < rows; ++i) bv[i] = -__builtin_inff(), bi[i] = 0, bn[i] = 0;
+        const int64_t p1 = (g + 1) * a->group < j->panels ? (g + 1) * a->group : j->panels;
+        for (int64_t p = g * a->group; p < p1; ++p) {
+            const int cols = (int)(j->n - p * NC < NC ? j->n - p * NC : NC);
+            float pad[NC];
+            const float *bp = j->bias ? j->bias + p * NC : NULL;
+            if (bp && cols < NC) {
+                memset(pad, 0, sizeof pad);
+                memcpy(pad, bp, sizeof(float) * cols);
+                bp = pad;
+            }
+            j->item(&j->xs, r0, rows, j->packed + p * j->pb, bp, tile, NC, cols);
+            for (int64_t i = 0; i < rows; ++i) argmax_scan(tile + i * NC, cols, p * NC, bv + i, bi + i, bn + i);
+        }
+    }
+}
+
 /* x [m, k] (rows ldx apart) to the call's int8 form: q [m, k], dx, sx, dxs [m, k/32] (for tests and
  * the kernel alike). */
 void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *dx, int32_t *sx,
@@ -1802,15 +1926,28 @@ void llmserve_qi8_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, in
         quantize_row(x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb, NULL);
 }
 
+/* The same of glu(gate) * up, x's rows [gate | up] (2k floats, ldx apart; glu GLU_SILU or
+ * GLU_GELU_TANH): what the fused down projections below quantize (for tests). Returns -1 for an
+ * unknown glu. */
+int32_t llmserve_qi8_quantize_glu(int32_t glu, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q,
+                                  float *dx, int32_t *sx, float *dxs) {
+    if (glu != GLU_SILU && glu != GLU_GELU_TANH) return -1;
+    const int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; ++r)
+        quantize_glu_row(glu, x + r * ldx, k, q + r * k, dx + r * nb, sx + r * nb, dxs + r * nb, NULL);
+    return 0;
+}
+
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL). Returns 0, -1 for
  * an unknown format or k not a multiple of 32, -2 when out of memory (nothing written). fmt
  * SEGMENTS: a projection of row ranges in different formats (row_segments.h). */
 static int runs(int32_t fmt, int64_t k) { return known(fmt) && k % (is_k(fmt) ? QK * KB : QK) == 0 && k > 0; }
 
-int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
-                          int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
-        return run_segments(llmserve_qi8_gemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+/* A call's job: its quantized rows' buffers laid out in get(bytes) (a scratch), its item chosen,
+ * nothing quantized yet (x may be NULL where the caller makes the quants itself). */
+static int32_t qi8_setup(qi8_job *jp, void *(*get)(size_t), int32_t glu, int32_t fmt, const float *x, int64_t m,
+                         int64_t k, int64_t ldx, const uint8_t *packed, int64_t n, const float *bias, float *y,
+                         int64_t ldy, qi8_argmax *am) {
     if (!runs(fmt, k)) return -1;
     const int64_t nb = k / QK;
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
@@ -1825,8 +1962,8 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
 #endif
     const int64_t mt = tiles ? (m + 15) / 16 * 16 : 0; /* rows of the copies by group */
     const int with_nc = offset(fmt) && !two_scales(fmt) && !q2k(fmt); /* (qrows.ncorr) */
-    uint8_t *buf = scratch(qbytes + (size_t)(m * nb) * ((two_scales(fmt) ? 20 : 12) + (with_nc ? 4 : 0)) +
-                           (size_t)(mt * nb) * 8);
+    uint8_t *buf = get(qbytes + (size_t)(m * nb) * ((two_scales(fmt) ? 20 : 12) + (with_nc ? 4 : 0)) +
+                       (size_t)(mt * nb) * 8);
     if (!buf) return -2;
     int8_t *q = (int8_t *)buf;
     float *dx = (float *)(buf + qbytes), *dxs = dx + m * nb;
@@ -1836,26 +1973,215 @@ int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int
     const int big = m * n * k > 262144;
     int32_t *ncorr = with_nc ? (int32_t *)(buf + qbytes) + m * nb * (two_scales(fmt) ? 5 : 3) + mt * nb * 2 : NULL;
     qi8_job j = {{q, dx, dxs, sx, sh, k, nb, dxt, dxst, ncorr}, x, ldx, bias, y, ldy, packed, m, n, plain_items[fmt],
-                 0, 0, 0, offset(fmt)};
+                 0, 0, 0, offset(fmt), glu, am, big, tiles};
 #ifdef VW
     if (vnni_active()) j.item = vnni_items[fmt];
 #endif
 #ifdef AMX_PATH
     if (tiles) j.item = amx_items[fmt];
 #endif
-    /* (the tiles' copies by group: a group's rows on one thread, no line written by two) */
-    parallel_for(num_threads, big && m > 1, m, tiles ? 16 : 1, qi8_quantize_rows, &j);
     j.panels = (n + NC - 1) / NC;
     j.pb = panel_bytes(fmt, nb);
     /* the tiles' items twice the rows: a panel's blocks unpacked once for 512 rows (a 512-token
      * prefill's GEMMs measured 1.03-1.07x over 256) */
     j.mc = tiles ? 2 * MC : MC;
+    *jp = j;
+    return 0;
+}
+
+/* The rows quantized: (the tiles' copies by group: a group's rows on one thread, no line written by
+ * two). */
+static void qi8_quantize(qi8_job *j, int32_t num_threads) {
+    parallel_for(num_threads, j->big && j->m > 1, j->m, j->tiles ? 16 : 1, qi8_quantize_rows, j);
+}
+
+/* The call's items, once its rows are quantized. */
+static int32_t qi8_run(qi8_job *j, int32_t num_threads) {
+    const int64_t m = j->m;
+    if (j->am) { /* a greedy head: items of a group of panels, one a claim */
+        qi8_argmax *am = j->am;
+        am->groups = (j->panels + am->group - 1) / am->group;
+        parallel_for(num_threads, j->big, (m + j->mc - 1) / j->mc * am->groups, 1, qi8_items_argmax, j);
+        return am->failed ? -2 : 0;
+    }
     /* A decode's GEMV (one chunk of rows): its panels are equal items of a microsecond or so, claimed
      * in shrinking ranges (parallel.h); a prefill's (rows, panel) items take long enough to go one
      * a claim. */
-    if (m <= j.mc)
-        parallel_for_guided(num_threads, big, j.panels, 1, qi8_items, &j);
+    if (m <= j->mc)
+        parallel_for_guided(num_threads, j->big, j->panels, 1, qi8_items, j);
     else
-        parallel_for(num_threads, big, (m + j.mc - 1) / j.mc * j.panels, 1, qi8_items, &j);
+        parallel_for(num_threads, j->big, (m + j->mc - 1) / j->mc * j->panels, 1, qi8_items, j);
     return 0;
+}
+
+static int32_t qi8_gemm(int32_t glu, int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                        const uint8_t *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                        int32_t num_threads, qi8_argmax *am) {
+    qi8_job j;
+    const int32_t rc = qi8_setup(&j, scratch, glu, fmt, x, m, k, ldx, packed, n, bias, y, ldy, am);
+    if (rc) return rc;
+    qi8_quantize(&j, num_threads);
+    return qi8_run(&j, num_threads);
+}
+
+int32_t llmserve_qi8_gemm(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *packed,
+                          int64_t n, const float *bias, float *y, int64_t ldy, int32_t num_threads) {
+    if (fmt == SEGMENTS) /* row ranges in different formats (row_segments.h) */
+        return run_segments(llmserve_qi8_gemm, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    return qi8_gemm(GLU_NONE, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
+}
+
+/* A down projection fused with its MLP's gated activation: y = glu(gate) * up . W^T + bias, x's rows
+ * [gate | up] (2k floats, ldx apart), bit for bit llmserve_qi8_gemm of elementwise.c's SiLU- (GELU-)
+ * and-multiply rows, which are never written (quantize_glu_row). A projection of row segments
+ * quantizes them again for each segment. Returns as llmserve_qi8_gemm. */
+int32_t llmserve_qi8_gemm_silu(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                               const uint8_t *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                               int32_t num_threads) {
+    if (fmt == SEGMENTS)
+        return run_segments(llmserve_qi8_gemm_silu, runs, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+    return qi8_gemm(GLU_SILU, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
+}
+
+int32_t llmserve_qi8_gemm_gelu_tanh(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                                    const uint8_t *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                                    int32_t num_threads) {
+    if (fmt == SEGMENTS)
+        return run_segments(llmserve_qi8_gemm_gelu_tanh, runs, x, m, k, ldx, packed, n, bias, y, ldy,
+                            num_threads);
+    return qi8_gemm(GLU_GELU_TANH, fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads, NULL);
+}
+
+/* A greedy LM head: best[r] = the index of row r's first maximum over y = x . W^T + bias (a NaN
+ * counting as the maximum: the first NaN), the outputs each llmserve_qi8_gemm's bits but never
+ * stored (qi8_argmax above); the activations quantized once for the whole vocabulary. `group`:
+ * panels (of llmserve_qi8_panel_width columns) an item scans (>= 1; tests make it 1 to put ties
+ * and NaNs across items). Returns as llmserve_qi8_gemm; a SEGMENTS head is refused (-1). */
+int32_t llmserve_qi8_gemm_argmax(int32_t fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                                 const uint8_t *packed, int64_t n, const float *bias, int64_t group, int64_t *best,
+                                 int32_t num_threads) {
+    if (fmt == SEGMENTS || group < 1 || n < 1 || !runs(fmt, k)) return -1;
+    if (m < 1) return 0;
+    const int64_t groups = ((n + NC - 1) / NC + group - 1) / group;
+    const size_t entries = (size_t)(groups * m);
+    uint8_t *mem = malloc(entries * (sizeof(float) + sizeof(int64_t) + 1));
+    if (!mem) return -2;
+    qi8_argmax a = {group, groups, NULL, NULL, NULL, 0};
+    a.i = (int64_t *)mem;
+    a.v = (float *)(a.i + entries);
+    a.nan = (uint8_t *)(a.v + entries);
+    const int32_t rc = qi8_gemm(GLU_NONE, fmt, x, m, k, ldx, packed, n, bias, NULL, 0, num_threads, &a);
+    if (rc == 0)
+        for (int64_t r = 0; r < m; ++r) { /* the groups in column order, argmax_scan's rule */
+            float bv = -__builtin_inff();
+            int64_t bi = 0;
+            for (int64_t g = 0; g < groups; ++g) {
+                const size_t e = (size_t)(g * m + r);
+                if (a.nan[e]) {
+                    bi = a.i[e];
+                    break;
+                }
+                if (a.v[e] > bv) bv = a.v[e], bi = a.i[e];
+            }
+            best[r] = bi;
+        }
+    free(mem);
+    return rc;
+}
+
+/* A layer's MLP in one call (the native layer loop's, where gate/up and down both run here):
+ * y = glu(x . Wg^T) * (x . Wu^T) . Wd^T (+ each one's bias), the gate/up projection's outputs never
+ * stored. gate/up is one packed weight of 2 * inter rows (gate, then up); inter a multiple of 64.
+ * Its rows are quantized as llmserve_qi8_gemm quantizes them; a work item (a row chunk and a pair
+ * of gate panels) computes gate panel p and up panel p + inter / 32 into a thread's tile of rows x
+ * 64 floats (each output the GEMM's bits), makes each row's 32 products glu(gate) * up there and
+ * quantizes them as the down projection's block p (the quants into its rows, one 64-byte line a
+ * row for the pair: no line written by two threads; the scales staged by pair, then laid out by
+ * row with the copies its rows read); then the down projection's items. So y is bit for bit
+ * llmserve_qi8_gemm_silu of llmserve_qi8_gemm's gate/up rows (the separate kernels' result).
+ * Returns 0, -1 for an unknown glu, format, SEGMENTS, k or inter; -2 when out of memory. */
+typedef struct {
+    const qi8_job *g, *d;
+    int32_t glu;
+    int64_t inter, pairs;
+    int32_t *staged; /* per (pair, row, half): dx, dxs (float bits), sx, sh[2] */
+    int failed;
+} qi8_mlp;
+#define STAGED 5
+
+static void mlp_items(void *ctx, int64_t begin, int64_t end) {
+    qi8_mlp *mj = ctx;
+    const qi8_job *g = mj->g, *d = mj->d;
+    const int64_t inter = mj->inter, up = inter / NC, m = g->m;
+    float *tile = tile_scratch((size_t)g->mc * 2 * NC);
+    if (!tile) {
+        __atomic_store_n(&mj->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    int8_t *q = (int8_t *)d->xs.q;
+    const int two = d->xs.sh != NULL;
+    for (int64_t it = begin; it < end; ++it) {
+        const int64_t c = it / mj->pairs, pp = it % mj->pairs, r0 = c * g->mc;
+        const int64_t rows = m - r0 < g->mc ? m - r0 : g->mc;
+        for (int t = 0; t < 2; ++t) {
+            const int64_t p = 2 * pp + t;
+            g->item(&g->xs, r0, rows, g->packed + p * g->pb, g->bias ? g->bias + p * NC : NULL, tile, 2 * NC, NC);
+            g->item(&g->xs, r0, rows, g->packed + (p + up) * g->pb, g->bias ? g->bias + (p + up) * NC : NULL,
+                    tile + NC, 2 * NC, NC);
+            for (int64_t i = 0; i < rows; ++i) {
+                float a[QK] __attribute__((aligned(64)));
+                glu_block(mj->glu, tile + i * 2 * NC, tile + i * 2 * NC + NC, a);
+                float dx, dxs;
+                int32_t sx, sh[2] = {0, 0};
+                quantize_block(a, q + (r0 + i) * inter + p * QK, &dx, &sx, &dxs, two ? sh : NULL);
+                int32_t *st = mj->staged + ((pp * m + r0 + i) * 2 + t) * STAGED;
+                memcpy(st, &dx, 4);
+                memcpy(st + 1, &dxs, 4);
+                st[2] = sx, st[3] = sh[0], st[4] = sh[1];
+            }
+        }
+    }
+}
+
+static void mlp_rows(void *ctx, int64_t begin, int64_t end) {
+    const qi8_mlp *mj = ctx;
+    const qi8_job *d = mj->d;
+    const int64_t nb = d->xs.nb, m = d->m;
+    for (int64_t r = begin; r < end; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const int32_t *st = mj->staged + (((b >> 1) * m + r) * 2 + (b & 1)) * STAGED;
+            memcpy((float *)d->xs.dx + r * nb + b, st, 4);
+            memcpy((float *)d->xs.dxs + r * nb + b, st + 1, 4);
+            ((int32_t *)d->xs.sx)[r * nb + b] = st[2];
+            if (d->xs.sh) {
+                ((int32_t *)d->xs.sh)[(r * nb + b) * 2] = st[3];
+                ((int32_t *)d->xs.sh)[(r * nb + b) * 2 + 1] = st[4];
+            }
+        }
+        row_copies(d, r);
+    }
+}
+
+int32_t llmserve_qi8_mlp(int32_t glu, int32_t gu_fmt, const float *x, int64_t m, int64_t k, int64_t ldx,
+                         const uint8_t *gu_packed, const float *gu_bias, int64_t inter, int32_t dn_fmt,
+                         const uint8_t *dn_packed, int64_t n, const float *dn_bias, float *y, int64_t ldy,
+                         int32_t num_threads) {
+    if ((glu != GLU_SILU && glu != GLU_GELU_TANH) || gu_fmt == SEGMENTS || dn_fmt == SEGMENTS || inter < 1 ||
+        inter % (2 * NC) || !runs(gu_fmt, k) || !runs(dn_fmt, inter))
+        return -1;
+    if (m < 1) return 0;
+    qi8_job d, g;
+    int32_t rc = qi8_setup(&d, scratch, GLU_NONE, dn_fmt, NULL, m, inter, inter, dn_packed, n, dn_bias, y, ldy, NULL);
+    if (rc) return rc;
+    rc = qi8_setup(&g, scratch_gate_up, GLU_NONE, gu_fmt, x, m, k, ldx, gu_packed, 2 * inter, gu_bias, NULL, 0,
+                   NULL);
+    if (rc) return rc;
+    int32_t *staged = scratch_staged((size_t)(m * d.xs.nb) * STAGED * sizeof(int32_t));
+    if (!staged) return -2;
+    qi8_quantize(&g, num_threads);
+    qi8_mlp mj = {&g, &d, glu, inter, inter / (2 * NC), staged, 0};
+    parallel_for(num_threads, g.big, (m + g.mc - 1) / g.mc * mj.pairs, 1, mlp_items, &mj);
+    if (mj.failed) return -2;
+    parallel_for(num_threads, d.big && m > 1, m, d.tiles ? 16 : 1, mlp_rows, &mj);
+    return qi8_run(&d, num_threads);
 }
