@@ -66,7 +66,9 @@ def test_the_softmax_exp_is_within_its_stated_error_on_every_float_it_samples(ex
     import numpy as np
 
     lo = int(np.float32(-87.0).view(np.uint32))
-    bits = np.concatenate([np.arange(0x80000000, lo + 1, 61, dtype=np.uint64), [np.float32(-27.377251).view(np.uint32)]])
+    bits = np.concatenate(
+        [np.arange(0x80000000, lo + 1, 61, dtype=np.uint64), [np.float32(-27.377251).view(np.uint32)]]
+    )
     x = bits.astype(np.uint32).view(np.float32)
     y = native_attention.softmax_exp(x, exp_isa)
     err = np.abs(y.astype(np.float64) / np.exp(x.astype(np.float64)) - 1).max() * 2.0**24
