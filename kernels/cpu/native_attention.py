@@ -44,10 +44,16 @@ _P = ctypes.c_void_p
 _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
+# The caches' dtypes the kernel reads, and its build for each (native_build.VARIANTS): a bf16
+# cache is widened as it is read (exact), so its results are the fp32 build's on the widened values.
+BUILDS = {torch.float32: "paged_attention", torch.bfloat16: "paged_attention:kv_bf16"}
+
+
 @functools.cache
-def library(isa: str | None = None):
-    """The loaded kernel's entry point for ``isa`` (default: this CPU's best), or None."""
-    lib = native_build.load_or_none("paged_attention", isa)
+def library(isa: str | None = None, cache_dtype: torch.dtype = torch.float32):
+    """The loaded kernel's entry point for ``isa`` (default: this CPU's best) and caches of
+    ``cache_dtype`` (``BUILDS``), or None."""
+    lib = native_build.load_or_none(BUILDS[cache_dtype], isa)
     if lib is None:
         return None
     fn = lib.llmserve_paged_attention_f32
@@ -112,7 +118,8 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
     return (
         q.is_cpu  # a flag; device.type builds a device object (this runs once a layer)
         and q.dtype is torch.float32
-        and k_cache.dtype is torch.float32
+        and k_cache.dtype in BUILDS
+        and v_cache.dtype is k_cache.dtype
         and q.shape[-1] % 16 == 0
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
@@ -219,7 +226,7 @@ def paged_attention(
     sliding-window layer's width; ``softcap``: its scores' tanh soft-cap)."""
     check_window(window)
     check_softcap(softcap)
-    fn = library(isa) if enabled(isa) and takes(q, k_cache, v_cache) else None
+    fn = library(isa, k_cache.dtype) if enabled(isa) and takes(q, k_cache, v_cache) else None
     if fn is None:
         return torch_path.paged_attention(
             q,
@@ -265,14 +272,17 @@ def paged_attention(
 
 
 def amx_tiles(on: bool | None = None, isa: str | None = None) -> bool:
-    """Switch the tile path on or off for the ``isa`` build (None: leave it); whether it runs now
-    (False on a build or a machine without it)."""
-    lib = native_build.load_or_none("paged_attention", isa)
-    if lib is None:
-        return False
-    fn = lib.llmserve_paged_attention_amx
-    fn.restype, fn.argtypes = _I32, [_I32]
-    return bool(fn(-1 if on is None else int(on)))
+    """Switch the tile path on or off for the ``isa`` builds, every cache dtype's (None: leave
+    it); whether it runs now (False on a build or a machine without it)."""
+    runs = []
+    for build in BUILDS.values():
+        lib = native_build.load_or_none(build, isa)
+        if lib is None:
+            return False
+        fn = lib.llmserve_paged_attention_amx
+        fn.restype, fn.argtypes = _I32, [_I32]
+        runs.append(bool(fn(-1 if on is None else int(on))))
+    return all(runs)
 
 
 def _debug_call(name: str, isa: str | None, a, b, out_shape, extra: tuple = (), extra_types: tuple = ()):

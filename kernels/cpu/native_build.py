@@ -99,23 +99,33 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+# Second builds of one source with a switch defined: ``"<source>:<variant>"`` names one
+# (``load("paged_attention:kv_bf16", isa)``: the attention kernel reading a bf16 KV cache).
+VARIANTS = {"paged_attention": {"kv_bf16": ["-DKV_BF16"]}}
+
+
 def build(name: str, isa: str) -> Path:
     """Compile ``native/<name>.c`` for ``isa`` into the cache (if not there yet); the library's path.
-    Raises ``RuntimeError`` with the compiler's message when it cannot."""
-    source = SOURCE_DIR / f"{name}.c"
+    ``name`` may be ``"<source>:<variant>"`` (``VARIANTS``). Raises ``RuntimeError`` with the
+    compiler's message when it cannot."""
+    stem, _, variant = name.partition(":")
+    if variant and variant not in VARIANTS.get(stem, {}):
+        raise ValueError(f"no native build variant {variant!r} of {stem} (known: {VARIANTS.get(stem, {})})")
+    defines = VARIANTS[stem][variant] if variant else []
+    source = SOURCE_DIR / f"{stem}.c"
     # The headers it may include are part of what is built: a change to one is a new build.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    flags = [*_COMMON, *_FLAGS[isa]]
+    flags = [*_COMMON, *_FLAGS[isa], *defines]
     key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{isa}-{key}.so"
+    out = cache_dir() / f"{stem}{'-' + variant if variant else ''}-{isa}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         r = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
@@ -226,6 +236,8 @@ if __name__ == "__main__":  # make install: build for every instruction set this
     for _isa in supported_isas():
         try:
             for _src in sorted(SOURCE_DIR.glob("*.c")):
-                print(f"native kernels ({_isa}): {build(_src.stem, _isa)}")
+                for _variant in ["", *VARIANTS.get(_src.stem, {})]:
+                    _name = f"{_src.stem}:{_variant}" if _variant else _src.stem
+                    print(f"native kernels ({_isa}): {build(_name, _isa)}")
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as _e:  # the torch path still runs
             print(f"native kernels ({_isa}) not built, the torch path will run: {_e}")

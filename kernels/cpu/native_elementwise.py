@@ -27,6 +27,13 @@ _SIGNATURES = {
     "llmserve_silu_and_mul_f32": [_P, _I64, _I64, _P, _I32],
     "llmserve_gelu_tanh_and_mul_f32": [_P, _I64, _I64, _P, _I32],
     "llmserve_rotary_store_kv_f32": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+    "llmserve_rotary_store_kv_bf16": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+}
+# The caches' dtypes the fused rotary-and-store writes (a bf16 cache: each value rounded to
+# nearest even, as torch's copy into it), and its entry for each.
+STORE_ENTRIES = {
+    torch.float32: "llmserve_rotary_store_kv_f32",
+    torch.bfloat16: "llmserve_rotary_store_kv_bf16",
 }
 # Where the fused SiLU-and-multiply runs native. Against torch's two vectorized passes
 # (benchmarks/cpu_kernels.py): 1.2-1.9x with AVX-512; with AVX2 0.8-1.0x on the machine first
@@ -161,13 +168,18 @@ def rotary_store_kv(
 ) -> torch.Tensor:
     """``kernels.reference.kv_write.rotary_store_kv`` in one native pass: a layer's rotary and
     cache write, where the composition costs eight torch ops and their temporaries (at batch 1 a
-    few microseconds of work under some 40 of dispatch)."""
-    lib = _lib(qkv, cos_sin_cache, k_cache, v_cache, isa=isa)
+    few microseconds of work under some 40 of dispatch). fp32 or bf16 caches (``STORE_ENTRIES``)."""
+    lib = _lib(qkv, cos_sin_cache, isa=isa)
     cache_shape = k_cache.shape
     d = cache_shape[-1]
     t, width = qkv.shape if qkv.dim() == 2 else (0, -1)
+    entry = STORE_ENTRIES.get(k_cache.dtype)
     ok = (
         lib is not None
+        and entry is not None
+        and v_cache.dtype is k_cache.dtype
+        and k_cache.is_cpu
+        and d <= 512
         and width == (num_heads + 2 * num_kv_heads) * d
         and qkv.stride(1) == 1
         and d % 2 == 0
@@ -206,7 +218,7 @@ def rotary_store_kv(
             raise IndexError(f"cache slot {int(slot_mapping.max())} outside the cache's {capacity} slots")
         _store_checked.remember(positions, slot_mapping, bounds=bounds)
     q = torch.empty((t, num_heads, d), dtype=torch.float32)
-    lib.llmserve_rotary_store_kv_f32(
+    getattr(lib, entry)(
         qkv.data_ptr(),
         qkv.stride(0),
         t,

@@ -119,8 +119,22 @@ typedef struct {
     const int64_t *positions;
     const float *cos_sin;
     const int64_t *slots;
-    float *q_out, *k_cache, *v_cache;
+    float *q_out;
+    void *k_cache, *v_cache; /* float, or uint16_t where bf16 */
+    int bf16;
 } rotary_store_job;
+
+/* x rounded to bf16 (the top half of an fp32) to nearest, ties to even, as torch's conversion:
+ * a NaN becomes 0xffff (torch's CPU conversion writes that NaN), an overflow past bf16's largest
+ * finite value infinity. */
+static inline uint16_t bf16_round(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } b = {.f = x};
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
 
 static void rotary_store_rows(void *ctx, int64_t begin, int64_t end) {
     const rotary_store_job *j = ctx;
@@ -133,7 +147,18 @@ static void rotary_store_rows(void *ctx, int64_t begin, int64_t end) {
             rotate_head(row + h * dim, c, s, half, j->q_out + (t * q_heads + h) * dim);
         if (j->slots[t] < 0) continue;
         const float *keys = row + q_heads * dim, *values = keys + kv_row;
-        float *k_slot = j->k_cache + j->slots[t] * kv_row, *v_slot = j->v_cache + j->slots[t] * kv_row;
+        if (j->bf16) { /* the fp32 values, then each rounded once (what torch's copy into the cache does) */
+            uint16_t *k_slot = (uint16_t *)j->k_cache + j->slots[t] * kv_row;
+            uint16_t *v_slot = (uint16_t *)j->v_cache + j->slots[t] * kv_row;
+            float rotated[512];
+            for (int64_t h = 0; h < kv_heads; ++h) { /* dim <= 512: checked by the caller */
+                rotate_head(keys + h * dim, c, s, half, rotated);
+                for (int64_t i = 0; i < dim; ++i) k_slot[h * dim + i] = bf16_round(rotated[i]);
+            }
+            for (int64_t e = 0; e < kv_row; ++e) v_slot[e] = bf16_round(values[e]);
+            continue;
+        }
+        float *k_slot = (float *)j->k_cache + j->slots[t] * kv_row, *v_slot = (float *)j->v_cache + j->slots[t] * kv_row;
         for (int64_t h = 0; h < kv_heads; ++h) rotate_head(keys + h * dim, c, s, half, k_slot + h * dim);
         for (int64_t e = 0; e < kv_row; ++e) v_slot[e] = values[e];
     }
@@ -144,8 +169,19 @@ void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_
                                   const int64_t *positions, const float *cos_sin,
                                   const int64_t *slots, float *q_out, float *k_cache,
                                   float *v_cache, int32_t num_threads) {
-    rotary_store_job j = {qkv,     stride_token, q_heads, kv_heads, dim,    positions,
-                          cos_sin, slots,        q_out,   k_cache,  v_cache};
+    rotary_store_job j = {qkv, stride_token, q_heads, kv_heads, dim, positions, cos_sin, slots, q_out, k_cache, v_cache, 0};
+    const int64_t floats = (q_heads + kv_heads) * dim;
+    parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
+}
+
+/* The same into bf16 caches (uint16_t: the top half of an fp32): the rotated keys and the values
+ * each rounded to nearest even (bf16_round); the queries as above. dim <= 512. */
+void llmserve_rotary_store_kv_bf16(const float *qkv, int64_t stride_token, int64_t tokens,
+                                   int64_t q_heads, int64_t kv_heads, int64_t dim,
+                                   const int64_t *positions, const float *cos_sin,
+                                   const int64_t *slots, float *q_out, uint16_t *k_cache,
+                                   uint16_t *v_cache, int32_t num_threads) {
+    rotary_store_job j = {qkv, stride_token, q_heads, kv_heads, dim, positions, cos_sin, slots, q_out, k_cache, v_cache, 1};
     const int64_t floats = (q_heads + kv_heads) * dim;
     parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
 }

@@ -1,4 +1,5 @@
-/* Paged attention on the CPU, reading K/V from the cache blocks in place (fp32).
+/* Paged attention on the CPU, reading K/V from the cache blocks in place (fp32; a second build,
+ * KV_BF16, reads a bf16 cache: see kv_t below).
  *
  * The arithmetic is the reference's (kernels/reference/paged_attention.py): each query vector
  * attends to context positions [0, limit) of its sequence, softmax(q . k * scale) . v. What
@@ -120,6 +121,31 @@ typedef float v4_at __attribute__((vector_size(16), aligned(4), may_alias));
 
 INLINE vf loadv(const float *p) { return *(const vf_at *)p; }
 
+/* The cache's element: fp32, or with KV_BF16 (the `paged_attention:kv_bf16` build, native_build.py)
+ * bf16, the top half of an fp32 (a cache written by rounding to nearest even). Every read of the
+ * cache widens W values to fp32 by a 16-bit shift (exact) and the arithmetic after it is the fp32
+ * build's, operation for operation: a bf16 cache's result is bit-equal to the fp32 build's on a
+ * cache holding the same values widened, on every path (decodes, chunks, a few rows, the tiles). */
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+#else
+typedef float kv_t;
+#endif
+
+INLINE vf load_kv(const kv_t *p) {
+#ifndef KV_BF16
+    return loadv(p);
+#elif W == 16
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif W == 8
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    vi x;
+    for (int l = 0; l < W; ++l) x[l] = (int32_t)((uint32_t)p[l] << 16);
+    return (vf)x;
+#endif
+}
+
 INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
 
 INLINE vf select_v(vi keep, vf yes, vf no) { return (vf)(((vi)yes & keep) | ((vi)no & ~keep)); }
@@ -148,6 +174,19 @@ INLINE vf fma_v(vf a, vf b, vf c) {
 #endif
 }
 
+/* acc + x * y as the chains of q . k and of the passes over V write it: one fused multiply-add
+ * where the ISA has them, written as one so that the compiler cannot choose which of two products
+ * to fuse (`x0 * y0 + x1 * y1` once a loop's first step is peeled: builds that differed only
+ * elsewhere fused the other product, and a chunk's row stopped being its decode's bits); the
+ * generic build (SSE2: no fused multiply-add, nothing contracted) rounds the product first. */
+INLINE vf madd_v(vf x, vf y, vf acc) {
+#if W > 4
+    return fma_v(x, y, acc);
+#else
+    return acc + x * y;
+#endif
+}
+
 /* e^x for x <= 0, W lanes: the softmax numerators and the partition merges' factors of decodes and
  * chunks alike (a lane's value depends only on its x: the scalar exp_np below is the same bits).
  * x is clamped at -87 (e^-87 for anything below); n = x log2(e) rounded to nearest (adding and
@@ -167,20 +206,29 @@ INLINE vf fma_v(vf a, vf b, vf c) {
 #define EXP_C4 0x1.555822p-5f
 #define EXP_C3 0x1.55541ap-3f
 #define EXP_C2 0x1.fffffcp-2f
+/* x * y + z as the exponential's steps write it: fused where the ISA has fused multiply-adds, as
+ * one call (left to the compiler's contraction, one instance once kept a product apart, shared
+ * with another, and a chunk's row stopped being its decode's bits); rounded twice on the generic
+ * build (SSE2 has none). */
+#if W > 4
+#define MADDF(x, y, z) __builtin_fmaf((x), (y), (z))
+#else
+#define MADDF(x, y, z) ((x) * (y) + (z))
+#endif
 INLINE vf exp_np_v(vf x) {
     float e[W];
     for (int j = 0; j < W; ++j) {
         const float v = x[j] < -87.0f ? -87.0f : x[j];
-        const float u = v * 1.44269504088896341f + 0x1.8p23f; /* n + 1.5 * 2^23: n in the low bits */
+        const float u = MADDF(v, 1.44269504088896341f, 0x1.8p23f); /* n + 1.5 * 2^23: n in the low bits */
         const float n = u - 0x1.8p23f;
-        float r = v - n * 0.693359375f; /* the product exact: at most 16 bits */
-        r = r - n * -2.12194440e-4f;
-        float p = EXP_C6 * r + EXP_C5;
-        p = p * r + EXP_C4;
-        p = p * r + EXP_C3;
-        p = p * r + EXP_C2;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
+        float r = MADDF(-n, 0.693359375f, v); /* the product exact: at most 16 bits */
+        r = MADDF(-n, -2.12194440e-4f, r);
+        float p = MADDF(EXP_C6, r, EXP_C5);
+        p = MADDF(p, r, EXP_C4);
+        p = MADDF(p, r, EXP_C3);
+        p = MADDF(p, r, EXP_C2);
+        p = MADDF(p, r, 1.0f);
+        p = MADDF(p, r, 1.0f);
         union {
             float f;
             int32_t i;
@@ -250,10 +298,10 @@ INLINE void transpose_w(vf *r) {
 
 /* kt[d] = the d-th values of m <= W K rows from k (ps apart), in lanes 0 .. m - 1 (lanes from m
  * on repeat row m - 1: their scores are never stored). */
-INLINE void transpose_rows(vf *restrict kt, const float *restrict k, int64_t ps, int m, const int D) {
+INLINE void transpose_rows(vf *restrict kt, const kv_t *restrict k, int64_t ps, int m, const int D) {
     for (int c = 0; c < D / W; ++c) {
         vf r[W];
-#if W == 8
+#if W == 8 && !defined(KV_BF16)
         /* the first stage (halves of rows i and i + 4 swapped) done by the loads: each vector
          * built from two 4-float halves (an insert from memory, no shuffle-port work) */
         for (int i = 0; i < W; ++i) {
@@ -265,7 +313,7 @@ INLINE void transpose_rows(vf *restrict kt, const float *restrict k, int64_t ps,
         TR_PAIR(r, 2, LO2, HI2)
         TR_PAIR(r, 1, LO1, HI1)
 #else
-        for (int i = 0; i < W; ++i) r[i] = loadv(k + (i < m ? i : m - 1) * ps + c * W);
+        for (int i = 0; i < W; ++i) r[i] = load_kv(k + (i < m ? i : m - 1) * ps + c * W);
         transpose_w(r);
 #endif
         for (int i = 0; i < W; ++i) kt[c * W + i] = r[i];
@@ -285,7 +333,7 @@ INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *r
     for (int d = 1; d < D; ++d)
         for (int j = 0; j < G; ++j) {
             const float b = q[j * qs + d];
-            for (int g = 0; g < NG; ++g) acc[j][g] += b * kt[g * D + d];
+            for (int g = 0; g < NG; ++g) acc[j][g] = madd_v((vf){0} + b, kt[g * D + d], acc[j][g]);
         }
     for (int j = 0; j < G; ++j)
         for (int g = 0; g < NG; ++g) {
@@ -333,7 +381,7 @@ INLINE float softmax_numerators(float *restrict s, int n, int lo, float *max_out
 typedef struct {
     const float *q;
     int64_t q_stride_token, q_stride_head;
-    const float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const kv_t *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
     const int32_t *block_tables;
     int64_t block_table_stride;
     const int32_t *seq_lens, *query_start_loc;
@@ -368,7 +416,7 @@ INLINE Seq seq_of(const Args *a, int b) {
 }
 
 /* KV head h's row of position 0 of the sequence's blk-th block, in cache. */
-INLINE const float *block_at(const Args *a, const float *cache, const Seq *s, int blk, int h, const int D) {
+INLINE const kv_t *block_at(const Args *a, const kv_t *cache, const Seq *s, int blk, int h, const int D) {
     return cache + ((int64_t)s->table[blk] * a->block_size * a->num_kv_heads + h) * D;
 }
 
@@ -480,12 +528,12 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
             for (int c = 0; c < SLICE; ++c)
                 acc[j][c] = first ? (vf){0} : loadv(acc_out + (int64_t)j * D + (c0 + c) * W);
         FOR_RUNS(a, s0, s1, {
-            const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps + c0 * W;
+            const kv_t *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps + c0 * W;
             for (int i = 0; i < n; ++i) {
-                const float *vp = vb + i * ps;
+                const kv_t *vp = vb + i * ps;
                 for (int j = 0; j < G; ++j) {
                     const float wj = w[(int64_t)j * PART + p - P0 + i];
-                    for (int c = 0; c < SLICE; ++c) acc[j][c] += wj * loadv(vp + c * W);
+                    for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v((vf){0} + wj, load_kv(vp + c * W), acc[j][c]);
                 }
             }
         });
@@ -516,9 +564,9 @@ INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, co
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
         (void)p;
-        const float *kb = block_at(a, a->k_cache, s, blk, 0, D) + off * ps;
-        const float *vb = block_at(a, a->v_cache, s, blk, 0, D) + off * ps;
-        for (int64_t e = 0; e < n * ps; e += 64 / (int)sizeof(float)) {
+        const kv_t *kb = block_at(a, a->k_cache, s, blk, 0, D) + off * ps;
+        const kv_t *vb = block_at(a, a->v_cache, s, blk, 0, D) + off * ps;
+        for (int64_t e = 0; e < n * ps; e += 64 / (int)sizeof(kv_t)) {
             __builtin_prefetch(kb + e, 0, 2);
             __builtin_prefetch(vb + e, 0, 2);
         }
@@ -577,7 +625,7 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
      * [r0, P1) */
     const int64_t ps = (int64_t)H * D;
     FOR_RUNS(&(*a), r0, P1, {
-        const float *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
+        const kv_t *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
         /* 2W positions at a time (W for the last few), transposed into lanes, for every query
          * vector in groups of HG(2) */
         int i0_ = 0;
@@ -692,7 +740,7 @@ INLINE void tile_scores_block(const vf (*restrict qt)[T], const float *restrict 
     for (int d = 1; d < D; ++d)
         for (int t = 0; t < T; ++t) {
             const vf q = qt[d][t];
-            for (int i = 0; i < QP; ++i) acc[i][t] += q * k[i * D + d];
+            for (int i = 0; i < QP; ++i) acc[i][t] = madd_v(q, (vf){0} + k[i * D + d], acc[i][t]);
         }
 }
 
@@ -782,7 +830,7 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
                 const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
                 for (int t = 0; t < T; ++t) {
                     const vf w = st[(q - P0) * T + t];
-                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] += w * vp[e];
+                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = madd_v(w, (vf){0} + vp[e], acc[e][t]);
                 }
             }
             for (int e = 0; e < PV_ELEMS; ++e)
@@ -850,11 +898,18 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
     const int c0 = P0 > first_poss[0] ? P0 : first_poss[0];
     const int c1 = P0 + PART < longests[ntiles - 1] ? P0 + PART : longests[ntiles - 1];
     FOR_RUNS(a, c0, c1, {
-        const float *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
-        const float *vb = block_at(a, a->v_cache, &sq, blk, h, D) + off * ps;
+        const kv_t *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
+        const kv_t *vb = block_at(a, a->v_cache, &sq, blk, h, D) + off * ps;
         for (int i = 0; i < n; ++i) {
+#ifdef KV_BF16 /* widened as they are copied: the passes read fp32 rows either way */
+            for (int d = 0; d < D; d += W) {
+                storev(kbuf + (int64_t)(p + i - P0) * D + d, load_kv(kb + i * ps + d));
+                storev(vbuf + (int64_t)(p + i - P0) * D + d, load_kv(vb + i * ps + d));
+            }
+#else
             memcpy(kbuf + (int64_t)(p + i - P0) * D, kb + i * ps, sizeof(float) * D);
             memcpy(vbuf + (int64_t)(p + i - P0) * D, vb + i * ps, sizeof(float) * D);
+#endif
         }
     });
     memset(kbuf + (int64_t)(c1 - P0) * D, 0, sizeof(float) * QP * D);
@@ -938,6 +993,9 @@ INLINE void store_bf16x16(uint16_t *dst, __m512i p) {
 
 INLINE __m512 load_or_zero(const float *p) { return p ? _mm512_loadu_ps(p) : _mm512_setzero_ps(); }
 
+/* 16 cache values widened (a bf16 cache's x splits into x, 0, 0), or zeros for NULL. */
+INLINE __m512 load_kv_or_zero(const kv_t *p) { return p ? (__m512)load_kv(p) : _mm512_setzero_ps(); }
+
 /* The bf16 halves (top 16 bits of each lane) of x then y: 32 bf16 values, x's first. */
 INLINE __m512i pack_bf16x32(__m512i x, __m512i y) {
     const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
@@ -947,13 +1005,13 @@ INLINE __m512i pack_bf16x32(__m512i x, __m512i y) {
 
 /* K row `rel` of a partition (src: D floats; NULL: zeros) into its parts' A tiles, kp:
  * [block of 16 positions][32 dims dt][part] tiles, row = position, 32 dims of it. */
-INLINE void amx_split_k_row(const float *src, uint16_t *kp, int rel, const int D) {
+INLINE void amx_split_k_row(const kv_t *src, uint16_t *kp, int rel, const int D) {
     const int DT = D / 32;
     uint16_t *base = kp + (int64_t)(rel / 16) * DT * 3 * TB + (rel % 16) * 32;
     for (int dt = 0; dt < DT; ++dt) {
         __m512i p[3], r[3];
-        split3_v(load_or_zero(src ? src + dt * 32 : NULL), p);
-        split3_v(load_or_zero(src ? src + dt * 32 + 16 : NULL), r);
+        split3_v(load_kv_or_zero(src ? src + dt * 32 : NULL), p);
+        split3_v(load_kv_or_zero(src ? src + dt * 32 + 16 : NULL), r);
         for (int j = 0; j < 3; ++j) _mm512_storeu_si512(base + (dt * 3 + j) * TB, pack_bf16x32(p[j], r[j]));
     }
 }
@@ -961,13 +1019,13 @@ INLINE void amx_split_k_row(const float *src, uint16_t *kp, int rel, const int D
 /* V rows `rel` (even) and rel + 1 of a partition (NULL: zeros) into its parts' B tiles, vp:
  * [block of 32 positions][16 dims c][part] tiles, row r = the pair of positions 2r, 2r + 1 (the
  * pair interleaved in each column), column = dim 16c + column. */
-INLINE void amx_split_v_pair(const float *ev, const float *od, uint16_t *vp, int rel, const int D) {
+INLINE void amx_split_v_pair(const kv_t *ev, const kv_t *od, uint16_t *vp, int rel, const int D) {
     const int DC = D / 16;
     uint16_t *base = vp + (int64_t)(rel / 32) * DC * 3 * TB + (rel % 32) / 2 * 32;
     for (int c = 0; c < DC; ++c) {
         __m512i pe[3], po[3];
-        split3_v(load_or_zero(ev ? ev + c * 16 : NULL), pe);
-        split3_v(load_or_zero(od ? od + c * 16 : NULL), po);
+        split3_v(load_kv_or_zero(ev ? ev + c * 16 : NULL), pe);
+        split3_v(load_kv_or_zero(od ? od + c * 16 : NULL), po);
         for (int j = 0; j < 3; ++j)
             _mm512_storeu_si512(base + (c * 3 + j) * TB, _mm512_or_si512(_mm512_srli_epi32(pe[j], 16), po[j]));
     }
@@ -1246,13 +1304,13 @@ static size_t amx_carve(AmxBufs *bf, char *base, int D, int vectors) {
  * [P0, P0 + n) rounded up to the tiles zeros. */
 INLINE void amx_split_partition(const Args *a, const Seq *sq, int h, int P0, int n, int from, int to,
                                 uint16_t *kp, uint16_t *vp, int fetch, const int D) {
-    const float *krow[PART], *vrow[PART];
+    const kv_t *krow[PART], *vrow[PART];
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const int nb16 = (n + 15) / 16, nb32 = (n + 31) / 32;
     for (int i = 0; i < nb32 * 32; ++i) krow[i] = vrow[i] = NULL;
     FOR_RUNS(a, from, to, {
-        const float *kb = block_at(a, a->k_cache, sq, blk, h, D) + off * ps;
-        const float *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps;
+        const kv_t *kb = block_at(a, a->k_cache, sq, blk, h, D) + off * ps;
+        const kv_t *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps;
         for (int i = 0; i < n; ++i) {
             krow[p + i - P0] = kb + i * ps;
             vrow[p + i - P0] = vb + i * ps;
@@ -1265,13 +1323,13 @@ INLINE void amx_split_partition(const Args *a, const Seq *sq, int h, int P0, int
     if (fetch)
         for (int i = 0; i < AHEAD && i < n; ++i)
             if (krow[i])
-                for (int e = 0; e < fetch * D; e += 16) {
+                for (int e = 0; e < fetch * D; e += 64 / (int)sizeof(kv_t)) {
                     __builtin_prefetch(krow[i] + e, 0, 2);
                     __builtin_prefetch(vrow[i] + e, 0, 2);
                 }
     for (int i = 0; i < nb16 * 16; ++i) {
         if (fetch && i + AHEAD < n && krow[i + AHEAD])
-            for (int e = 0; e < fetch * D; e += 16) {
+            for (int e = 0; e < fetch * D; e += 64 / (int)sizeof(kv_t)) {
                 __builtin_prefetch(krow[i + AHEAD] + e, 0, 2);
                 __builtin_prefetch(vrow[i + AHEAD] + e, 0, 2);
             }
@@ -1705,7 +1763,7 @@ static void merge_items(void *ctx, int64_t begin, int64_t end) {
  * head_dim must be a multiple of W. Returns 0, -1 for a shape this library does not take, or -2
  * when memory ran out. */
 int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
-                                 const float *k_cache, const float *v_cache,
+                                 const kv_t *k_cache, const kv_t *v_cache,
                                  const int32_t *block_tables, int64_t block_table_stride,
                                  const int32_t *seq_lens, const int32_t *query_start_loc,
                                  int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
