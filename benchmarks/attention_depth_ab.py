@@ -16,6 +16,13 @@ fresh engine's pool hands a long prompt its blocks; by default they are scattere
 this VM reports a 480 MiB last-level cache, so at 16k of context 8 layers' K/V (128 MiB) is partly
 read from it; 24 (the 0.5B's layers) is closer to a model's step.
 
+``--amx`` with ``--kv-dtype bfloat16`` switches the tiles on for the bf16 build only (the default
+baseline stays the fp32 build's FMA path).
+
+``--kv-dtype bfloat16``: this tree's kernel reads a bf16 cache (its ``paged_attention:kv_bf16``
+build), the baseline an fp32 cache of the same values widened (max|diff| 0: the same bits).
+``--baseline`` defaults to this tree's fp32 build.
+
 ``--shape 1.5b``: Qwen2.5-Coder-1.5B's 12 query / 2 KV heads of 128. ``--amx``: this build's AMX-BF16
 tile path (``LLMSERVE_AMX_ATTENTION=1``; where the tiles are granted) against the baseline.
 
@@ -66,7 +73,15 @@ def _call(fn, q, k, v, tables, lens, qsl) -> torch.Tensor:
 
 
 def compare(
-    old, new, depth: int, q_len: int, reps: int, rounds: int, layers: int = 1, in_order: bool = False
+    old,
+    new,
+    depth: int,
+    q_len: int,
+    reps: int,
+    rounds: int,
+    layers: int = 1,
+    in_order: bool = False,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> dict:
     ctx = depth + q_len
     nb = (ctx + BS - 1) // BS
@@ -75,15 +90,21 @@ def compare(
     q = torch.randn(q_len, HQ, D)
     meta = (tables, torch.tensor([ctx], dtype=torch.int32), torch.tensor([0, q_len], dtype=torch.int32))
     caches = [(torch.randn(nb + 4, BS, HK, D), torch.randn(nb + 4, BS, HK, D)) for _ in range(layers)]
-    calls = [(q, k, v, *meta) for k, v in caches]
-    diff = max((_call(old, *args) - _call(new, *args)).abs().max().item() for args in calls)
+    if kv_dtype != torch.float32:  # this side's cache in kv_dtype, the baseline's its values widened
+        mine = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
+        caches = [(k.float(), v.float()) for k, v in mine]
+    else:
+        mine = caches
+    calls = {"old": [(q, k, v, *meta) for k, v in caches], "new": [(q, k, v, *meta) for k, v in mine]}
+    pairs = zip(calls["old"], calls["new"], strict=True)
+    diff = max((_call(old, *a) - _call(new, *b)).abs().max().item() for a, b in pairs)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = {"old": float("inf"), "new": float("inf")}
     for _ in range(rounds):
         for name, fn in (("old", old), ("new", new)):
             start = clock()
             for i in range(reps):
-                _call(fn, *calls[i % layers])
+                _call(fn, *calls[name][i % layers])
             best[name] = min(best[name], (clock() - start) / reps)
     return {
         "depth": depth,
@@ -97,7 +118,8 @@ def compare(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", required=True, help="the other build's .so")
+    ap.add_argument("--baseline", help="the other build's .so (default: this tree's fp32 build)")
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32", help="this side's")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--depths", default="4096,16384")
     ap.add_argument("--layers", type=int, default=8, help="distinct caches the calls cycle through")
@@ -110,19 +132,23 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     global HQ, HK, D
     HQ, HK, D = SHAPES[args.shape]
-    if args.amx and not native_attention.amx_tiles(True):
+    kv_dtype = getattr(torch, args.kv_dtype)
+    if args.amx and not native_attention.amx_tiles(True, None, (kv_dtype,)):
         raise SystemExit("the AMX-BF16 tile path does not run here (no tiles granted, or no AVX-512 build)")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    new = native_attention.library()
-    old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
-    old.restype, old.argtypes = new.restype, new.argtypes
+    new = native_attention.library(None, kv_dtype)
+    if args.baseline:
+        old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
+        old.restype, old.argtypes = new.restype, new.argtypes
+    else:
+        old = native_attention.library()
     for depth in (int(d) for d in args.depths.split(",")):
         shapes = [(1, 24, args.rounds)] + ([(args.few, 16, args.rounds)] if args.few else [])
         shapes += [(args.chunk, 2, max(2, args.rounds - 1))] if args.chunk else []
         decode = None
         for q_len, reps, rounds in shapes:
-            r = compare(old, new, depth, q_len, reps, rounds, args.layers, args.in_order)
+            r = compare(old, new, depth, q_len, reps, rounds, args.layers, args.in_order, kv_dtype)
             decode = r if q_len == 1 else decode
             vs = (
                 f"  x decode: baseline {r['old_ms'] / decode['old_ms']:.2f}"

@@ -260,6 +260,11 @@ def main() -> None:
         "over runs that each fit a quiet slot; the next range starts at B)",
     )
     ap.add_argument("--results-name", default="autocomplete")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="ours: what the KV cache holds (auto: fp32; bfloat16: llama-server's default is an f16 cache)",
+    )
     ap.add_argument("--merge", nargs="+", type=Path, help="result files of a split session: one result")
     args = ap.parse_args()
     s = session(args.keystrokes, args.prefix_chars)
@@ -285,6 +290,7 @@ def main() -> None:
         "n_predict": args.n_predict,
         "fim_order": {"ours": args.fim_order, "llama_server": "spm" if args.llama_spm else "psm"},
         "keystroke_range": [first, last],
+        "kv_cache_dtype": {"ours": args.kv_cache_dtype, "llama_server": "f16 (its default)"},
     }
     if args.speculation:
         speculation(gguf, args, s, ours_bodies, result)
@@ -292,7 +298,8 @@ def main() -> None:
     if args.orders:
         orders(gguf, args, s, bodies, result)
         return
-    sides = [] if args.skip_ours else [("ours", lambda: Ours(gguf, args.threads, args.ctx))]
+    kv = ("--kv-cache-dtype", args.kv_cache_dtype)
+    sides = [] if args.skip_ours else [("ours", lambda: Ours(gguf, args.threads, args.ctx, kv))]
     if not args.skip_llama_server:
         sides.append(
             (

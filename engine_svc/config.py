@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# kv_cache_dtype's values (None: "auto"); the short names are aliases.
+KV_CACHE_DTYPES = (None, "auto", "float32", "fp32", "bfloat16", "bf16")
 MAX_LORAS = 256
 MAX_LORA_RANK = 512
 
@@ -43,6 +45,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
+    # What the KV cache holds: None/"auto" the activations' dtype (fp32 on CPU); "bfloat16" on CPU
+    # half the bytes a token (each K/V value rounded to nearest even as it is stored, widened
+    # exactly as attention reads it: docs/serving.md#kv-cache-dtype). On CUDA only the activations'.
+    kv_cache_dtype: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     seed: int = 0
@@ -119,6 +125,10 @@ class EngineConfig:
                     f"quantization={self.quantization!r} runs fp32 activations: dtype must be unset or "
                     f"float32, got {self.dtype!r}"
                 )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES[1:]}, got {self.kv_cache_dtype!r}"
+            )
         if self.quantized_activations not in (None, "auto", "int8", "none"):
             raise ValueError(
                 f"quantized_activations must be 'auto', 'int8' or 'none', got {self.quantized_activations!r}"

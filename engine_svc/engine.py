@@ -102,6 +102,7 @@ class LLMEngine:
         shard, self.device, self.dtype = self.runtime.shard, self.runtime.device, self.runtime.dtype
         self.model = self.runtime.model
         self.act_dtype = self.runtime.activation_dtype  # fp32 under bf16 weights on the native CPU GEMM
+        self.kv_dtype = self.runtime.kv_cache_dtype  # the activations' unless kv_cache_dtype says
         self.kernels = self.runtime.kernels
         self.speculative = SpeculativeConfig.parse(config.speculative_config)  # parsed here, once
         self.draft_spec = self._draft_spec()
@@ -116,7 +117,7 @@ class LLMEngine:
         elif self.draft_spec is not None:
             why_not = "a draft model (its KV cache would have to move with the target's)"
         self.kv_tiers = build_tiers(
-            config, self.device, kv_caches, windows, self.act_dtype, self.dtype, self.kernels.name, why_not
+            config, self.device, kv_caches, windows, self.kv_dtype, self.dtype, self.kernels.name, why_not
         )
         self.kv = KVCacheManager(
             num_blocks,
@@ -554,7 +555,7 @@ class LLMEngine:
 
     def _num_kv_blocks(self, shard: Shard) -> int:
         c = self.config
-        itemsize = self.act_dtype.itemsize
+        itemsize = self.kv_dtype.itemsize
         # A block id is one page of ``slots`` layers (every layer without sliding windows).
         layout = layout_of(self.spec)
         per_token = 2 * layout.slots * shard.kv_heads(self.spec) * self.spec.head_dim * itemsize
@@ -591,11 +592,12 @@ class LLMEngine:
                 "kv_cache_memory (or num_kv_blocks)"
             )
         log.info(
-            "KV pool: %d blocks of %d tokens (%d tokens, %d MiB%s) from %s",
+            "KV pool: %d blocks of %d tokens (%d tokens, %d MiB of %s%s) from %s",
             blocks,
             c.block_size,
             blocks * c.block_size,
             blocks * per_block >> 20,
+            str(self.kv_dtype).removeprefix("torch."),
             ", lazily backed: resident as written" if self.device.type == "cpu" else "",
             budget,
         )

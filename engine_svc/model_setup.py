@@ -174,6 +174,33 @@ def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> No
         log.info("dtype %s on CPU (%s)", str(dtype).removeprefix("torch."), isa)
 
 
+KV_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_kv_cache_dtype(
+    name: str | None, activation_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype for ``kv_cache_dtype`` ``name``: None/"auto" the activations'; on the CPU
+    float32 or bfloat16 whatever the activations (the native attention reads either: a bf16 value
+    widened exactly; the torch path widens the blocks it gathers); elsewhere only the activations'
+    (the GPU kernels read the cache in the activations' dtype)."""
+    if name in (None, "auto"):
+        return activation_dtype
+    dtype = KV_DTYPE_NAMES[name]
+    if device.type != "cpu" and dtype != activation_dtype:
+        act = str(activation_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype={name!r} on {device.type}: the cache there holds the activations' dtype "
+            f"({act}); use 'auto' or {act!r}"
+        )
+    return dtype
+
+
 def allocate_kv_caches(
     spec: ModelSpec, shard: Shard, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 from engine_svc.config import EngineConfig
 from engine_svc.lora.layers import LoRAStep, wrap_lora_layers
 from engine_svc.model_runner import ModelForward
-from engine_svc.model_setup import allocate_kv_caches, load_model
+from engine_svc.model_setup import allocate_kv_caches, load_model, resolve_kv_cache_dtype
 from engine_svc.models.model_path import resolve_model_path
 from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
@@ -124,10 +124,15 @@ class RankRuntime:
         """What flows between the ops, and what the KV cache and LoRA slots hold."""
         return self.load.activation_dtype
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the KV cache holds (``config.kv_cache_dtype``; ``model_setup.resolve_kv_cache_dtype``)."""
+        return resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.activation_dtype, self.device)
+
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """This rank's KV cache of ``num_blocks`` blocks (``model_setup.allocate_kv_caches``)."""
         self.kv_caches = allocate_kv_caches(
-            self.spec, self.shard, num_blocks, self.config.block_size, self.activation_dtype, self.device
+            self.spec, self.shard, num_blocks, self.config.block_size, self.kv_cache_dtype, self.device
         )
         return self.kv_caches
 

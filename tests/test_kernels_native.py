@@ -47,13 +47,14 @@ def isa(request):
     if not tiles:
         yield isa
         return
-    if not native_attention.amx_tiles(True, isa):
-        native_attention.amx_tiles(False, isa)
+    fp32 = (torch.float32,)  # the fp32 cache's build (a bf16 cache's keeps its own default)
+    if not native_attention.amx_tiles(True, isa, fp32):
+        native_attention.amx_tiles(False, isa, fp32)
         pytest.skip("this machine does not grant AMX-BF16 tiles (amx.h's probe)")
     try:
         yield isa
     finally:
-        native_attention.amx_tiles(False, isa)
+        native_attention.amx_tiles(False, isa, fp32)
 
 
 @pytest.mark.parametrize("exp_isa", ISAS)
@@ -596,8 +597,8 @@ def test_a_steps_work_list_is_built_once_for_all_its_layers_and_grows_when_neede
 
 
 def _tiles_or_skip():
-    if "avx512" not in ISAS or not native_attention.amx_tiles(True, "avx512"):
-        native_attention.amx_tiles(False, "avx512")
+    if "avx512" not in ISAS or not native_attention.amx_tiles(True, "avx512", (torch.float32,)):
+        native_attention.amx_tiles(False, "avx512", (torch.float32,))
         pytest.skip("this machine does not grant AMX-BF16 tiles (amx.h's probe)")
 
 
@@ -605,7 +606,7 @@ def _tiles_or_skip():
 def tiles():
     _tiles_or_skip()
     yield
-    native_attention.amx_tiles(False, "avx512")
+    native_attention.amx_tiles(False, "avx512", (torch.float32,))
 
 
 def _wrong_orders(products):
@@ -670,9 +671,9 @@ def test_the_tile_path_runs_only_when_switched_on_and_changes_the_bits(tiles):
     case = AttentionCase(((700, 1), (600, 40)), 14, 2, 64, 16)
     batch = make_paged_batch(case, torch.float32, seed=3)
     on = native_attention.paged_attention(*batch.args(), isa="avx512")
-    native_attention.amx_tiles(False, "avx512")
+    native_attention.amx_tiles(False, "avx512", (torch.float32,))
     off = native_attention.paged_attention(*batch.args(), isa="avx512")
-    assert not native_attention.amx_tiles(None, "avx512")
+    assert not native_attention.amx_tiles(None, "avx512", (torch.float32,))
     assert not torch.equal(on, off), "the tile path did not run"
     ref = reference_attention(*batch.args())
     for got in (on, off):

@@ -37,8 +37,12 @@ def path(request):
     for dtype in native_attention.BUILDS:
         if native_attention.library(isa, dtype) is None:
             pytest.fail(f"the native kernel ({dtype}) did not build for {isa} (a C compiler is here)")
-    if not tiles:
-        yield isa
+    if not tiles:  # the FMA path on both builds (a bf16 cache takes the tiles by default where granted)
+        native_attention.amx_tiles(False, isa)
+        try:
+            yield isa
+        finally:
+            _default_tiles(isa)
         return
     if not native_attention.amx_tiles(True, isa):
         native_attention.amx_tiles(False, isa)
@@ -46,7 +50,14 @@ def path(request):
     try:
         yield isa
     finally:
-        native_attention.amx_tiles(False, isa)
+        native_attention.amx_tiles(False, isa, (torch.float32,))
+        _default_tiles(isa)
+
+
+def _default_tiles(isa: str) -> None:
+    """Each build's tiles back to their default: off for an fp32 cache, on for a bf16 one."""
+    native_attention.amx_tiles(False, isa, (torch.float32,))
+    native_attention.amx_tiles(True, isa, (torch.bfloat16,))
 
 
 def _attend(batch, k_cache, v_cache, isa, threads=1, **overrides):
@@ -150,3 +161,113 @@ def test_the_fused_store_rounds_into_a_bf16_cache_as_torch_does(isa, tokens, hq,
     assert torch.equal(k_got.view(torch.int16), k32.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(v_got.view(torch.int16), v32.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(v_got.view(torch.int16), v_ref.view(torch.int16))
+
+
+# --- the engine on a bf16 cache -------------------------------------------------------------------
+
+
+def test_a_bf16_cache_holds_half_the_bytes_and_layer_0_is_the_fp32_cache_rounded(tiny_llama):
+    """The pool is bf16 and a token costs half the bytes (twice the blocks from one budget). Layer
+    0's keys and values depend on the tokens alone (no attention before them), so the bf16
+    engine's layer-0 cache must hold the fp32 engine's layer-0 values rounded, bit for bit: the
+    writer checked in place against an independent run."""
+    from engine_svc import SamplingParams
+    from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+
+    budget = 1 << 20
+    engines = {
+        kv: make_engine(tiny_llama, kv_cache_dtype=kv, num_kv_blocks=None, kv_cache_memory=budget)
+        for kv in ("float32", "bfloat16")
+    }
+    blocks = {kv: e.runtime.kv_caches[0].shape[1] for kv, e in engines.items()}
+    assert engines["bfloat16"].runtime.kv_caches[0].dtype is torch.bfloat16
+    assert engines["float32"].runtime.kv_caches[0].dtype is torch.float32
+    assert blocks["bfloat16"] == 2 * blocks["float32"], blocks
+    prompt = random_prompts([40], 1024, seed=3)[0]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    layer0 = {}
+    for kv, e in engines.items():
+        run_to_completion(e, {"a": (prompt, params)})
+        cache = e.runtime.kv_caches[0]  # [2, blocks, block_size, kv heads, head dim]
+        rows = cache.reshape(2, -1, *cache.shape[3:])
+        written = rows.float().abs().sum(dim=(0, 2, 3)) > 0
+        layer0[kv] = rows[:, written]
+        assert layer0[kv].shape[1] >= 32, "the prompt's rows were not found in the cache"
+    got, want = layer0["bfloat16"], layer0["float32"]
+    assert got.shape == want.shape
+    assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_request_on_a_bf16_cache_is_its_solo_run_in_any_mix(tiny_llama):
+    """The differential mixes (chunked prefills, prefix hits, general steps, preemptions) with the
+    cache in bf16: every request's tokens are its solo run's."""
+    from tests.test_batch_invariance import EXAMPLES, explore
+
+    extra = {"speculative_config": None, "max_num_batched_tokens": 16, "kv_cache_dtype": "bfloat16"}
+    required = ("chunked prefills", "prefix-hit tokens", "general steps", "preemptions")
+    explore(tiny_llama, max(8, EXAMPLES // 3), extra, required)
+
+
+def test_kv_cache_dtype_is_checked_and_named_in_its_errors(tiny_llama):
+    from engine_svc.config import EngineConfig
+    from engine_svc.model_setup import resolve_kv_cache_dtype
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*'bfloat16'.*got 'fp8'"):
+        EngineConfig(model=str(tiny_llama), kv_cache_dtype="fp8").validate()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype(None, torch.float32, cpu) is torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cpu) is torch.bfloat16
+    assert resolve_kv_cache_dtype("bf16", torch.float32, cpu) is torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda) is torch.bfloat16
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='bfloat16' on cuda: .*activations' dtype \\(float16\\)"
+    ):
+        resolve_kv_cache_dtype("bfloat16", torch.float16, cuda)
+
+
+def test_the_server_flag_reaches_the_engine_config():
+    from engine_svc.rpc.engine_options import engine_options_argv
+    from engine_svc.server.main import build_parser, engine_config_kwargs
+
+    args = build_parser().parse_args(["--model", "m", "--kv-cache-dtype", "bfloat16"])
+    assert engine_config_kwargs(args)["kv_cache_dtype"] == "bfloat16"
+    argv = engine_options_argv(args)  # what llmserve serve passes on to the engine it starts
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16"
+
+
+def test_the_prefix_tiers_fingerprint_names_the_cache_dtype(tiny_llama):
+    from engine_svc.config import EngineConfig
+    from engine_svc.kv_tiers.fingerprint import kv_fingerprint
+
+    config = EngineConfig(model=str(tiny_llama))
+    prints = {
+        dtype: kv_fingerprint(
+            config, [(2, 4, 16, 2, 64)], (None,), dtype, torch.device("cpu"), "torch", "avx2"
+        )
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    assert prints[torch.float32] != prints[torch.bfloat16]
+
+
+def test_the_native_layer_loop_runs_on_a_bf16_cache(tiny_llama, monkeypatch):
+    """The whole layer loop in C (native_decoder.py) takes a bf16 cache with the bf16 store and
+    attention entries, rather than falling back to the Python loop (the same tokens, slower)."""
+    from engine_svc import SamplingParams
+    from kernels.cpu import native_decoder
+    from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+
+    ran = []
+    run = native_decoder.NativeDecoderLoop.run
+
+    def counted(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_decoder.NativeDecoderLoop, "run", counted)
+    engine = make_engine(tiny_llama, kv_cache_dtype="bfloat16")
+    prompt = random_prompts([30], 1024, seed=4)[0]
+    run_to_completion(engine, {"a": (prompt, SamplingParams(max_tokens=4, temperature=0))})
+    if not native_decoder.enabled() or native_decoder._kernel_pointers() is None:
+        pytest.skip("the native layer loop does not run on this machine (no build, or switched off)")
+    assert ran and all(ran), f"the native loop declined a bf16 cache's steps: {ran}"

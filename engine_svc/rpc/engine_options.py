@@ -43,6 +43,13 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
     ("--max-model-len", int, "context length (default: the model's)"),
     ("--no-prefix-caching", None, "turn prefix caching off"),
     ("--dtype", str, "auto (default: on CPU a bf16/fp16 checkpoint as stored), float32, float16, bfloat16"),
+    (
+        "--kv-cache-dtype",
+        str,
+        "what the KV cache holds: auto (default: the activations' dtype, float32 on CPU), float32, or "
+        "bfloat16 on CPU (half the bytes a token: twice the context in the same memory, faster decodes "
+        "at depth; each K/V value rounded to nearest even as it is stored)",
+    ),
     ("--device", str, "cpu or cuda"),
     (
         "--quantization",

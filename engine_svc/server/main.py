@@ -97,6 +97,7 @@ def engine_config_kwargs(args) -> dict:
         "decode_stall_factor",
         "max_model_len",
         "dtype",
+        "kv_cache_dtype",
         "device",
         "seed",
         "scheduling_policy",

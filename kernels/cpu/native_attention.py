@@ -109,7 +109,7 @@ def prepare() -> str:
         return f"torch (native measured slower on {isa}; LLMSERVE_NATIVE_ATTENTION=1 forces it)"
     if library() is None:
         return "torch (no native build)"
-    tiles = ", AMX-BF16 tiles (LLMSERVE_AMX_ATTENTION=1)" if amx_tiles() else ""
+    tiles = ", AMX-BF16 tiles (LLMSERVE_AMX_ATTENTION=1)" if amx_tiles(None, None, (torch.float32,)) else ""
     return f"native ({native_build.chosen_isa()}{tiles})"
 
 
@@ -271,11 +271,11 @@ def paged_attention(
 # three-part bf16 splits. The entries below switch it and expose its two products for the tests.
 
 
-def amx_tiles(on: bool | None = None, isa: str | None = None) -> bool:
-    """Switch the tile path on or off for the ``isa`` builds, every cache dtype's (None: leave
-    it); whether it runs now (False on a build or a machine without it)."""
+def amx_tiles(on: bool | None = None, isa: str | None = None, cache_dtypes=tuple(BUILDS)) -> bool:
+    """Switch the tile path on or off for the ``isa`` builds of ``cache_dtypes`` (default: every
+    cache dtype's; None: leave it); whether it runs now (False on a build or a machine without it)."""
     runs = []
-    for build in BUILDS.values():
+    for build in (BUILDS[d] for d in cache_dtypes):
         lib = native_build.load_or_none(build, isa)
         if lib is None:
             return False

@@ -405,30 +405,33 @@ def build(
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
-def _kernel_pointers() -> tuple | None:
-    """The kernels the Python loop would run natively right now (None where one of them would not
-    be native: switched off, no build, or measured slower here)."""
+def _kernel_pointers(cache_dtype: torch.dtype = torch.float32) -> tuple | None:
+    """The kernels the Python loop would run natively right now on caches of ``cache_dtype`` (the
+    store and the attention for that dtype: ``native_attention.BUILDS``); None where one of them
+    would not be native: switched off, no build, a cache dtype without a kernel, or measured slower
+    here."""
     if not native_elementwise.enabled() or not chosen_isa_in(native_elementwise.NATIVE_SILU):
         return None
-    if not native_attention.enabled():
+    if not native_attention.enabled() or cache_dtype not in native_attention.BUILDS:
         return None
-    elementwise, attention = native_elementwise.library(), native_attention.library()
+    elementwise, attention = native_elementwise.library(), native_attention.library(None, cache_dtype)
     if elementwise is None or attention is None:
         return None
-    seen = _pointers_seen
-    if seen[0] is not elementwise or seen[1] is not attention:
+    seen = _pointers_seen.get(cache_dtype)
+    if seen is None or seen[0] is not elementwise or seen[1] is not attention:
         names = (
             "llmserve_rms_norm_f32",
-            "llmserve_rotary_store_kv_f32",
+            native_elementwise.STORE_ENTRIES[cache_dtype],
             "llmserve_silu_and_mul_f32",
             "llmserve_gelu_tanh_and_mul_f32",
         )
         norm, store, silu, gelu = (fn_address(getattr(elementwise, n)) for n in names)
-        seen[:] = [elementwise, attention, (norm, store, fn_address(attention), silu, gelu)]
+        pointers = (norm, store, fn_address(attention), silu, gelu)
+        seen = _pointers_seen[cache_dtype] = (elementwise, attention, pointers)
     return seen[2]
 
 
-_pointers_seen: list = [None, None, None]  # the libraries last asked, and their entry points
+_pointers_seen: dict = {}  # per cache dtype: the libraries last asked, and their entry points
 
 
 def _runs_native_kernels(k, gelu: bool = False) -> bool:
@@ -500,7 +503,7 @@ class NativeDecoderLoop:
         if shape is None or len(shape) != 5 or shape[0] != 2 or shape[3:] != (s.kv_heads, s.head_dim):
             return False
         for cache, desc in zip(kv_caches, self._descs, strict=True):
-            ok = cache.dtype is torch.float32 and cache.is_cpu and cache.is_contiguous()
+            ok = cache.dtype in native_attention.BUILDS and cache.is_cpu and cache.is_contiguous()
             if not ok or tuple(cache.shape) != shape:
                 self._caches = ()
                 return False
@@ -538,7 +541,7 @@ class NativeDecoderLoop:
         loop does not take this forward (then nothing was written)."""
         if not (_runs_native_kernels(k, self.shape.gelu) and enabled()):
             return None
-        kernels = _kernel_pointers()
+        kernels = _kernel_pointers(kv_caches[0].dtype if kv_caches else torch.float32)
         t = x.shape[0]
         grouped = attn.group_slots is not None
         slots = attn.group_slots if grouped else attn.slot_mapping

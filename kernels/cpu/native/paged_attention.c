@@ -947,13 +947,20 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
  * multiple of 32: q . k and the pass over V of decodes and chunks alike, on exact three-part splits.
  * See the header comment ("On AMX-BF16 tiles") for the order; the softmax, the partitions and their
  * merge are the fp32 functions above (softmax_numerators, merge_partition). */
-static int attn_amx_use = -1;   /* -1: LLMSERVE_AMX_ATTENTION decides (1 on; unset or else off); tests switch it */
+/* -1: LLMSERVE_AMX_ATTENTION decides: 1 on, 0 off; unset, off for an fp32 cache (decodes ran 0.66-0.86x
+ * the FMA path there), on for a bf16 cache (no split of K/V, half the products: decodes 1.3x the
+ * FMA path on the same cache, 512-row chunks 1.8x, docs/serving.md#kv-cache-dtype). Tests switch it. */
+static int attn_amx_use = -1;
 static int attn_amx_listed = -1; /* CPUID's AMX-BF16 bit, read once */
 
 static int attn_amx_on(void) {
     if (attn_amx_use < 0) {
         const char *env = getenv("LLMSERVE_AMX_ATTENTION");
+#ifdef KV_BF16
+        attn_amx_use = !(env && env[0] == '0');
+#else
         attn_amx_use = env && env[0] == '1';
+#endif
     }
     if (!attn_amx_use) return 0;
     if (attn_amx_listed < 0) attn_amx_listed = amx_bf16_listed();
@@ -1008,6 +1015,11 @@ INLINE __m512i pack_bf16x32(__m512i x, __m512i y) {
 INLINE void amx_split_k_row(const kv_t *src, uint16_t *kp, int rel, const int D) {
     const int DT = D / 32;
     uint16_t *base = kp + (int64_t)(rel / 16) * DT * 3 * TB + (rel % 16) * 32;
+#ifdef KV_BF16 /* a bf16 row is its own first part, its other two zero: only the first is kept */
+    for (int dt = 0; dt < DT; ++dt)
+        _mm512_storeu_si512(base + dt * 3 * TB, src ? _mm512_loadu_si512(src + dt * 32) : _mm512_setzero_si512());
+    return;
+#endif
     for (int dt = 0; dt < DT; ++dt) {
         __m512i p[3], r[3];
         split3_v(load_kv_or_zero(src ? src + dt * 32 : NULL), p);
@@ -1022,6 +1034,16 @@ INLINE void amx_split_k_row(const kv_t *src, uint16_t *kp, int rel, const int D)
 INLINE void amx_split_v_pair(const kv_t *ev, const kv_t *od, uint16_t *vp, int rel, const int D) {
     const int DC = D / 16;
     uint16_t *base = vp + (int64_t)(rel / 32) * DC * 3 * TB + (rel % 32) / 2 * 32;
+#ifdef KV_BF16 /* the pair interleaved, first parts only (the others are zero) */
+    for (int c = 0; c < DC; ++c) {
+        const __m512i e = ev ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ev + c * 16)))
+                             : _mm512_setzero_si512();
+        const __m512i o = od ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(od + c * 16)))
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(base + c * 3 * TB, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+    }
+    return;
+#endif
     for (int c = 0; c < DC; ++c) {
         __m512i pe[3], po[3];
         split3_v(load_kv_or_zero(ev ? ev + c * 16 : NULL), pe);
@@ -1083,6 +1105,31 @@ INLINE void amx_split_weights(const float *w, int64_t rs, int G, int nb32, uint1
         TILE_LOAD(7, (t) + 2 * TB, 64);     \
         DP(c1, 4, 7);                       \
     } while (0)
+/* The same where the parts that stay in tiles are a bf16 cache's (KV_BF16): s2 and s3 are zero, so
+ * their products add exact zeros (each chain from +0 stays +0, and a C sum, never -0 or
+ * subnormal, is unchanged by adding it) and are not run: C0 += t1 s1;  C1 += t2 s1;  C1 += t3 s1,
+ * the same sums as the six on the cache's values widened, half the products, s1 in tile 4 alone. */
+#define AMX_GROUP_PRODUCTS_KV16(DP, c0, c1, t) \
+    do {                                        \
+        TILE_LOAD(7, (t), 64);                  \
+        DP(c0, 4, 7);                           \
+        TILE_LOAD(7, (t) + TB, 64);             \
+        DP(c1, 4, 7);                           \
+        TILE_LOAD(7, (t) + 2 * TB, 64);         \
+        DP(c1, 4, 7);                           \
+    } while (0)
+#ifdef KV_BF16
+#define AMX_S_PARTS(s)      TILE_LOAD(4, (s), 64)
+#define AMX_PRODUCTS        AMX_GROUP_PRODUCTS_KV16
+#else
+#define AMX_S_PARTS(s)               \
+    do {                             \
+        TILE_LOAD(4, (s), 64);       \
+        TILE_LOAD(5, (s) + TB, 64);  \
+        TILE_LOAD(6, (s) + 2 * TB, 64); \
+    } while (0)
+#define AMX_PRODUCTS        AMX_GROUP_PRODUCTS
+#endif
 /* q . k: K's parts the A tile (positions in rows), the queries' the B tile (queries in columns) */
 #define DP_SA(c, s, t) TILE_DPBF16(c, s, t)
 /* over V: the weights' parts the A tile (queries in rows), V's the B tile (dims in columns) */
@@ -1119,11 +1166,9 @@ INLINE void amx_scores(AmxGroup *gr, int ng, const uint16_t *kp, int nb16, float
         }
         for (int dt = 0; dt < DT; ++dt) {
             const uint16_t *k = kp + ((int64_t)blk * DT + dt) * 3 * TB;
-            TILE_LOAD(4, k, 64);
-            TILE_LOAD(5, k + TB, 64);
-            TILE_LOAD(6, k + 2 * TB, 64);
-            AMX_GROUP_PRODUCTS(DP_SA, 0, 1, gr[0].qp + dt * 3 * TB);
-            if (ng > 1) AMX_GROUP_PRODUCTS(DP_SA, 2, 3, gr[1].qp + dt * 3 * TB);
+            AMX_S_PARTS(k);
+            AMX_PRODUCTS(DP_SA, 0, 1, gr[0].qp + dt * 3 * TB);
+            if (ng > 1) AMX_PRODUCTS(DP_SA, 2, 3, gr[1].qp + dt * 3 * TB);
         }
         if (blk) amx_scores_combine(c[(blk - 1) & 1], blk - 1, scale, gr, ng);
         TILE_STORE(0, c[blk & 1][0][0], 64);
@@ -1155,11 +1200,9 @@ INLINE void amx_weighted_v(AmxGroup *gr, int ng, const uint16_t *vp, int nb32, c
         }
         for (int blk = 0; blk < nb32; ++blk) {
             const uint16_t *v = vp + ((int64_t)blk * DC + cb) * 3 * TB;
-            TILE_LOAD(4, v, 64);
-            TILE_LOAD(5, v + TB, 64);
-            TILE_LOAD(6, v + 2 * TB, 64);
-            AMX_GROUP_PRODUCTS(DP_TA, 0, 1, gr[0].wp + blk * 3 * TB);
-            if (ng > 1) AMX_GROUP_PRODUCTS(DP_TA, 2, 3, gr[1].wp + blk * 3 * TB);
+            AMX_S_PARTS(v);
+            AMX_PRODUCTS(DP_TA, 0, 1, gr[0].wp + blk * 3 * TB);
+            if (ng > 1) AMX_PRODUCTS(DP_TA, 2, 3, gr[1].wp + blk * 3 * TB);
         }
         if (cb) amx_weighted_v_combine(c[(cb - 1) & 1], cb - 1, gr, ng, D);
         TILE_STORE(0, c[cb & 1][0][0], 64);
@@ -1453,6 +1496,7 @@ static char *amx_debug_buffer(int D) {
     return buf;
 }
 
+#ifndef KV_BF16 /* the fp32 build's (its K and V are fp32) */
 int32_t llmserve_attention_amx_scores(const float *q, int32_t G, const float *k, int32_t n, int32_t D, float scale,
                                       float *out) {
     if (!attn_amx_on() || G < 1 || G > AG || n < 1 || n > PART || D % 32 || D > 256) return -1;
@@ -1493,6 +1537,7 @@ int32_t llmserve_attention_amx_weighted_v(const float *w, int32_t G, const float
     memcpy(out, bf.acc, sizeof(float) * (size_t)G * D);
     return 0;
 }
+#endif /* KV_BF16 */
 #endif
 
 /* Debug entry (tests): out[i] = the softmax's e^x[i] (exp_np_v, W lanes at a time; the tail through
