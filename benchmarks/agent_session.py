@@ -25,6 +25,8 @@ both sides alike); ratios are ours / llama-server's of this one run:
    the tokens computed);
 4. both servers restarted; turn 1 of a new session: ours from its disk tier, llama-server's cold.
 
+``--session-only`` runs phase 1 alone (a shorter run for the per-turn figures).
+
 Both servers: the same GGUF file and threads; llama-server with ``-np 2`` (slots) and ``--jinja``
 (its tool support); ours with ``--torch-threads``. Writes JSON to benchmarks/results/.
 """
@@ -770,6 +772,8 @@ def run(args) -> dict:
                 r = chat_turn(side, messages(system, TASKS[0], k), tls, args.max_tokens)
                 result["sides"][side.name]["turns"].append(r)
                 log(side.name, f"turn {k}", r)
+        if args.session_only:  # phase 1 alone
+            raise _SessionOnly
         for side in alternate(sides, 0):  # 2. N new sessions at once, the prefix warm
             bodies = [messages(system, TASKS[1 + i], 1) for i in range(n)]
             result["sides"][side.name]["sessions_at_once_warm"] = r = concurrent(
@@ -796,6 +800,8 @@ def run(args) -> dict:
             result["sides"][side.name]["after_restart"] = r
             log(side.name, "turn 1 after a restart", r)
             side.stop()
+    except _SessionOnly:
+        pass
     finally:
         for side in sides:
             side.stop()
@@ -815,6 +821,10 @@ def log(name: str, what: str, r: dict) -> None:
     )
 
 
+class _SessionOnly(Exception):
+    """--session-only: the phases after the session's turns are not run."""
+
+
 def ratios(o: dict, p: dict) -> dict:
     """ours / llama-server (times: lower is better; decode: higher is better)."""
     out = {"turn1_ttft": o["turns"][0]["ttft_s"] / p["turns"][0]["ttft_s"]}
@@ -828,6 +838,8 @@ def ratios(o: dict, p: dict) -> dict:
     ]
     if decode:
         out["decode_last_turn"] = decode[-1]
+    if "sessions_at_once_warm" not in o:  # --session-only
+        return out
     out["sessions_at_once_warm_wall"] = (
         o["sessions_at_once_warm"]["wall_s"] / p["sessions_at_once_warm"]["wall_s"]
     )
@@ -860,6 +872,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--session-only", action="store_true", help="phase 1 alone (one session's turns)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: benchmarks/results/)")
     args = ap.parse_args(argv)
     if not args.skip_llama_server and not args.llama_server.exists():

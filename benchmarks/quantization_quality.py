@@ -13,7 +13,8 @@ measured path, and at every scored position the full next-token distributions co
   copy, ``benchmarks/requantize_gguf.py``) on each ``--paths`` entry (the file's own blocks with
   int8 or fp32 activations, int8 but the LM head on fp32, or blocks made at load);
   ``--fp32-kinds`` puts more linear kinds back on fp32 activations, to find where the KL comes
-  from.
+  from; ``--kv-cache-dtype bfloat16`` runs the measured paths on a bf16 KV cache (``gguf-fp32``
+  then measures the cache's rounding alone).
 - Per text and path: mean KL(reference || measured) with its standard error, the 99.9th percentile
   and max of the per-position KL, top-1 agreement, perplexity (and the reference's), and the number
   of scored positions.
@@ -200,7 +201,13 @@ def default_models(reference: str) -> list[str]:
 
 
 def engine(
-    model: str, quantization: str, activations: str, vocab: int, threads: int | None, fp32_kinds=()
+    model: str,
+    quantization: str,
+    activations: str,
+    vocab: int,
+    threads: int | None,
+    fp32_kinds=(),
+    kv_cache_dtype: str = "auto",
 ) -> LLM:
     """An engine for one path. ``fp32_kinds``: linear kinds (``qkv``, ``o``, ``gate_up``, ``down``,
     ``lm_head``) put back on fp32 activations after an int8 load, for the ablations that find where
@@ -214,6 +221,7 @@ def engine(
         max_logprobs=vocab,
         max_num_seqs=1,
         max_model_len=1024,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if fp32_kinds:
         from engine_svc.models.model_path import resolve_model_path
@@ -391,6 +399,11 @@ def main(argv=None) -> dict:
         help="comma list of linear kinds (qkv, o, gate_up, down, lm_head) kept on fp32 activations on "
         "every int8-activation path: an ablation",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the measured paths' KV cache (bfloat16: what its rounding adds; the reference keeps fp32)",
+    )
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same windows")
     ap.add_argument(
         "--llama-perplexity",
@@ -435,10 +448,11 @@ def main(argv=None) -> dict:
             kinds = tuple(dict.fromkeys(kinds + extra_fp32)) if activations == "int8" else ()
             if quant != "gguf" and model != models[0]:
                 continue  # blocks made at load come from the same float weights whatever the file
-            llm = engine(model, quant, activations, vocab, args.threads, kinds)
+            llm = engine(model, quant, activations, vocab, args.threads, kinds, args.kv_cache_dtype)
             label = f"ours {gguf_file(model).name} {name}" + (
                 f" (fp32: {','.join(kinds)})" if extra_fp32 else ""
             )
+            label += f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
             for t, w in windows.items():
                 add(t, ref_name, label, compare(ref[t], our_logprobs(llm, w, vocab), w))
             llm.shutdown()
