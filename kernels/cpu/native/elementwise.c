@@ -164,14 +164,18 @@ static void rotary_store_rows(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
+static void rotary_store(rotary_store_job *j, int64_t tokens, int32_t num_threads) {
+    const int64_t floats = (j->q_heads + j->kv_heads) * j->dim;
+    parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, j);
+}
+
 void llmserve_rotary_store_kv_f32(const float *qkv, int64_t stride_token, int64_t tokens,
                                   int64_t q_heads, int64_t kv_heads, int64_t dim,
                                   const int64_t *positions, const float *cos_sin,
                                   const int64_t *slots, float *q_out, float *k_cache,
                                   float *v_cache, int32_t num_threads) {
     rotary_store_job j = {qkv, stride_token, q_heads, kv_heads, dim, positions, cos_sin, slots, q_out, k_cache, v_cache, 0};
-    const int64_t floats = (q_heads + kv_heads) * dim;
-    parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
+    rotary_store(&j, tokens, num_threads);
 }
 
 /* The same into bf16 caches (uint16_t: the top half of an fp32): the rotated keys and the values
@@ -182,8 +186,7 @@ void llmserve_rotary_store_kv_bf16(const float *qkv, int64_t stride_token, int64
                                    const int64_t *slots, float *q_out, uint16_t *k_cache,
                                    uint16_t *v_cache, int32_t num_threads) {
     rotary_store_job j = {qkv, stride_token, q_heads, kv_heads, dim, positions, cos_sin, slots, q_out, k_cache, v_cache, 1};
-    const int64_t floats = (q_heads + kv_heads) * dim;
-    parallel_for(num_threads, tokens * floats > 16384, tokens, grain(floats), rotary_store_rows, &j);
+    rotary_store(&j, tokens, num_threads);
 }
 
 /* out[t] = silu(gate) * up for row t of x = [gate | up] (d floats each): glu.h's silu_mul (the
