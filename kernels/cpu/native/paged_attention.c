@@ -949,7 +949,8 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
  * merge are the fp32 functions above (softmax_numerators, merge_partition). */
 /* -1: LLMSERVE_AMX_ATTENTION decides: 1 on, 0 off; unset, off for an fp32 cache (decodes ran 0.66-0.86x
  * the FMA path there), on for a bf16 cache (no split of K/V, half the products: decodes 1.3x the
- * FMA path on the same cache, 512-row chunks 1.8x, docs/serving.md#kv-cache-dtype). Tests switch it. */
+ * FMA path on the same cache, 512-row chunks 1.8x: docs/performance.md, "A bf16 KV cache on CPU"). Tests
+ * switch it. */
 static int attn_amx_use = -1;
 static int attn_amx_listed = -1; /* CPUID's AMX-BF16 bit, read once */
 
