@@ -310,8 +310,8 @@ def test_instruction_set_choice(monkeypatch):
 
 def _forget_libraries() -> None:
     native_build.forget_loads()
-    native_attention.library.cache_clear()
-    native_elementwise.library.cache_clear()
+    native_attention._library.cache_clear()
+    native_elementwise._library.cache_clear()
 
 
 def test_without_a_compiler_the_build_says_why_and_nothing_is_cached(monkeypatch, tmp_path, caplog):
@@ -481,6 +481,23 @@ def test_silu_and_mul_runs_native_on_avx512_and_avx2_only(monkeypatch):
         assert native_elementwise.prepare().endswith("silu_and_mul native")
     native_elementwise.silu_and_mul(x[:, ::2])  # strided: torch's
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("module", ["elementwise", "attention"])
+def test_the_default_library_follows_the_chosen_instruction_set(module, monkeypatch):
+    """``library()`` (no instruction set named: the chosen one) asks for the choice on every call:
+    its first call under another choice (``generic``, forced or in a test) does not keep that build
+    for the process. It did: a test that ran first left the Python loop's SiLU on the generic build
+    while the native loop's fused down projection ran the AVX-512 one (1 ulp apart; CI failed)."""
+    library = native_elementwise.library if module == "elementwise" else native_attention.library
+    monkeypatch.setattr(native_build, "chosen_isa", lambda: "generic")
+    generic = library()
+    assert generic is library("generic")
+    monkeypatch.undo()
+    for isa in native_build.supported_isas():
+        monkeypatch.setenv("LLMSERVE_CPU_ISA", isa)
+        assert library() is library(isa)
+        assert (library() is generic) == (isa == "generic")
 
 
 def test_what_the_fused_kernels_do_not_take_runs_the_reference(monkeypatch):

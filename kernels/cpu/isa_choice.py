@@ -10,6 +10,18 @@ import os
 from kernels.cpu import native_build
 
 _memo: dict[tuple, bool] = {}
+_chosen: dict[tuple, str] = {}
+
+
+def chosen() -> str:
+    """``native_build.chosen_isa()``, memoized on what it depends on: a library cached per
+    instruction set is looked up with this on every call, so a later ``LLMSERVE_CPU_ISA`` is obeyed
+    (a cache keyed on ``isa=None`` kept whatever set its first call saw)."""
+    key = (native_build.chosen_isa, native_build.supported_isas, os.environ.get("LLMSERVE_CPU_ISA"))
+    hit = _chosen.get(key)
+    if hit is None:
+        hit = _chosen[key] = native_build.chosen_isa()
+    return hit
 
 
 def chosen_isa_in(names: tuple[str, ...]) -> bool:

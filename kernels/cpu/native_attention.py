@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kernels.cpu import native_build
+from kernels.cpu import isa_choice, native_build
 from kernels.cpu import paged_attention as torch_path
 from kernels.cpu.checked_once import CheckedOnce
 from kernels.cpu.isa_choice import chosen_isa_in
@@ -49,10 +49,14 @@ _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 BUILDS = {torch.float32: "paged_attention", torch.bfloat16: "paged_attention:kv_bf16"}
 
 
-@functools.cache
 def library(isa: str | None = None, cache_dtype: torch.dtype = torch.float32):
-    """The loaded kernel's entry point for ``isa`` (default: this CPU's best) and caches of
-    ``cache_dtype`` (``BUILDS``), or None."""
+    """The loaded kernel's entry point for ``isa`` (default: the chosen set, asked on each call)
+    and caches of ``cache_dtype`` (``BUILDS``), or None."""
+    return _library(isa or isa_choice.chosen(), cache_dtype)
+
+
+@functools.cache
+def _library(isa: str, cache_dtype: torch.dtype):
     lib = native_build.load_or_none(BUILDS[cache_dtype], isa)
     if lib is None:
         return None

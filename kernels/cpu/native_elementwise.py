@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kernels.cpu import native_build
+from kernels.cpu import isa_choice, native_build
 from kernels.cpu.checked_once import CheckedOnce
 from kernels.cpu.isa_choice import chosen_isa_in
 from kernels.reference import activation, kv_write, rmsnorm, rotary
@@ -49,8 +49,13 @@ def enabled() -> bool:
     return os.environ.get("LLMSERVE_NATIVE_ELEMENTWISE", "1") != "0"
 
 
-@functools.cache
 def library(isa: str | None = None):
+    """The build for ``isa`` (default: the chosen set, asked on each call), or None."""
+    return _library(isa or isa_choice.chosen())
+
+
+@functools.cache
+def _library(isa: str):
     lib = native_build.load_or_none("elementwise", isa)
     if lib is None:
         return None
