@@ -437,13 +437,17 @@ class KVCacheManager:
         if seq not in self.registered:
             self.registered[seq] = 0
             self._note_phase(seq)
+        # Every group's hit blocks are taken before any group allocates: a hit block still free
+        # (ref count 0, at the LRU end) would otherwise be evicted by an earlier group's allocation
+        # and handed out twice (as that group's new page and as this group's cached one).
         for g, (table, need_new, cow) in enumerate(plans):
             if table is _NO_BLOCKS:
                 table = self.group_tables[g][seq] = []
-            first_changed = len(table)
+                plans[g] = (table, need_new, cow)
             if hit:
                 self._take_cached(seq, g, table, hit.blocks[g], hit.skip[g], num_hit)
-                first_changed = 0
+        for g, (table, need_new, cow) in enumerate(plans):
+            first_changed = 0 if hit else len(table)
             if cow:
                 first_changed = min(first_changed, write_block)
                 self._copy_on_write(table, write_block)

@@ -101,6 +101,31 @@ def test_prefix_hit_takes_only_the_window_blocks_and_is_shortened_when_they_are_
     _check(kv, [])
 
 
+def test_a_hit_takes_every_group_s_pages_before_any_group_allocates():
+    """A prefix hit whose window pages are free at the LRU end, and new blocks to allocate: group
+    0's allocation must not evict group 1's hit page (it did: the page was then group 0's new block
+    and group 1's cached one at once, and a Gemma 2 request diverged from its solo run). The pool
+    has no spare page: every allocation evicts."""
+    kv = KVCacheManager(1 + 4 + 4, BS, True, (None, W))  # the null page, 4 pages a group
+    tokens = list(range(1000, 1064))
+    a = _seq(tokens)
+    _compute(kv, a, 64)
+    kv.free(a)  # group 0's pages, then group 1's, each tail first: group 1's block 3 is evicted first
+    b = _seq(tokens + [7] * 10, seq_id=1)
+    hit = kv.find_cached_prefix(b)
+    assert len(hit) == 4 and hit.skip == [0, 2]
+    # the case: past group 0's own hit pages, the hit's last window page is the next to evict
+    assert next(p for p in kv.pool.free if p not in hit.blocks[0]) == hit.blocks[1][-1]
+    assert kv.allocate(b, 10, hit)
+    tables = [kv.block_table(b, g) for g in range(2)]
+    assert tables[0][:4] == hit.blocks[0] and tables[1][2:4] == hit.blocks[1]
+    pages = [p for t in tables for p in t if p != NULL_BLOCK]
+    assert len(pages) == len(set(pages)) == 4 + 1 + 2 + 1, f"a page handed out twice: {tables}"
+    _check(kv, [b])
+    kv.free(b)
+    _check(kv, [])
+
+
 def test_fork_shares_window_pages_and_copies_on_write():
     kv = KVCacheManager(100, BS, False, (None, W))
     parent = _seq(range(70))
