@@ -9,7 +9,6 @@ import os
 
 from kernels.cpu import native_build
 
-_memo: dict[tuple, bool] = {}
 _chosen: dict[tuple, str] = {}
 
 
@@ -25,8 +24,4 @@ def chosen() -> str:
 
 
 def chosen_isa_in(names: tuple[str, ...]) -> bool:
-    key = (native_build.chosen_isa, native_build.supported_isas, os.environ.get("LLMSERVE_CPU_ISA"), names)
-    hit = _memo.get(key)
-    if hit is None:
-        hit = _memo[key] = native_build.chosen_isa() in names
-    return hit
+    return chosen() in names
