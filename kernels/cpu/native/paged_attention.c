@@ -98,9 +98,13 @@
  * of each per pass over V, so that the accumulators fill half the registers. Two vectors per tile
  * halve the loads per multiply-add against one (a K or V value broadcast feeds both): 1.3-1.5x on
  * AVX-512 chunks; four measured no faster. */
+#ifndef T
 #define T 2
+#endif
 #define TILE (T * W)
+#ifndef PV_ELEMS
 #define PV_ELEMS (REGS / 2 / T)
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -147,6 +151,23 @@ INLINE vf load_kv(const kv_t *p) {
 }
 
 INLINE void storev(float *p, vf x) { *(vf_at *)p = x; }
+
+/* x in every lane. Not `(vf){0} + x`: that adds +0.0 first (it turns -0.0 into +0.0, so the
+ * compiler must keep the add), a scalar add on a multiply-add port and a broadcast on the other
+ * for every broadcast value, where a multiply-add can broadcast from memory itself: the chunk's
+ * passes ran at half the multiply-add rate. The same values but for the sign of a zero, which no
+ * product, sum or exponent here tells apart from +0. */
+INLINE vf splat_v(float x) {
+#if W == 16
+    return (vf)_mm512_set1_ps(x);
+#elif W == 8
+    return (vf)_mm256_set1_ps(x);
+#else
+    vf r;
+    for (int l = 0; l < W; ++l) r[l] = x;
+    return r;
+#endif
+}
 
 INLINE vf select_v(vi keep, vf yes, vf no) { return (vf)(((vi)yes & keep) | ((vi)no & ~keep)); }
 
@@ -240,7 +261,7 @@ INLINE vf exp_np_v(vf x) {
 }
 
 /* exp_np_v for one value (the same bits as its lane). */
-INLINE float exp_np(float x) { return exp_np_v((vf){0} + x)[0]; }
+INLINE float exp_np(float x) { return exp_np_v(splat_v(x))[0]; }
 
 /* q . k, for decodes and chunks alike: one chain of fused multiply-adds over d in order,
  * q[0] * k[0] first (a product), then fma(q[d], k[d], acc) for d = 1 .. D - 1, then times the
@@ -333,7 +354,7 @@ INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *r
     for (int d = 1; d < D; ++d)
         for (int j = 0; j < G; ++j) {
             const float b = q[j * qs + d];
-            for (int g = 0; g < NG; ++g) acc[j][g] = madd_v((vf){0} + b, kt[g * D + d], acc[j][g]);
+            for (int g = 0; g < NG; ++g) acc[j][g] = madd_v(splat_v(b), kt[g * D + d], acc[j][g]);
         }
     for (int j = 0; j < G; ++j)
         for (int g = 0; g < NG; ++g) {
@@ -444,7 +465,9 @@ INLINE int largest_divisor_at_most(int n, int most) {
 /* The same for a chunk tile's pass over V: 64 rows (16 KiB at head size 64) and the tile's weights
  * for them (8 KiB) stay in L1 across its D / PV_ELEMS passes, with half the passes' accumulator
  * loads and stores of 32 rows (1.03x on a 490-row chunk at 6,912; 128: no better). */
+#ifndef CSUB
 #define CSUB 64
+#endif
 /* Tiles of a chunk that one work item runs partition by partition, sharing each partition's K/V
  * rows, copied out of the cache once per item (TG * 16 KiB of running outputs and queries at head
  * size 64 stay in L2 beside them): at most TG, fewer (down to TG_MIN) where a step's chunks would
@@ -533,7 +556,7 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
                 const kv_t *vp = vb + i * ps;
                 for (int j = 0; j < G; ++j) {
                     const float wj = w[(int64_t)j * PART + p - P0 + i];
-                    for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v((vf){0} + wj, load_kv(vp + c * W), acc[j][c]);
+                    for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v(splat_v(wj), load_kv(vp + c * W), acc[j][c]);
                 }
             }
         });
@@ -726,10 +749,12 @@ static void merge_decode(const Args *a, int b, int h, int row, const float *part
 
 /* Positions whose scores one pass over a tile's queries computes: QP x T accumulators, each
  * query value loaded feeding QP multiply-adds and each K value broadcast T. */
+#ifndef QP
 #if REGS >= 32
 #define QP 8
 #else
 #define QP 4
+#endif
 #endif
 
 /* acc[i][t] = q . k (the order above: one chain over d) for the tile's lanes of vector t and the K
@@ -740,7 +765,7 @@ INLINE void tile_scores_block(const vf (*restrict qt)[T], const float *restrict 
     for (int d = 1; d < D; ++d)
         for (int t = 0; t < T; ++t) {
             const vf q = qt[d][t];
-            for (int i = 0; i < QP; ++i) acc[i][t] = madd_v(q, (vf){0} + k[i * D + d], acc[i][t]);
+            for (int i = 0; i < QP; ++i) acc[i][t] = madd_v(q, splat_v(k[i * D + d]), acc[i][t]);
         }
 }
 
@@ -830,7 +855,7 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
                 const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
                 for (int t = 0; t < T; ++t) {
                     const vf w = st[(q - P0) * T + t];
-                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = madd_v(w, (vf){0} + vp[e], acc[e][t]);
+                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = madd_v(w, splat_v(vp[e]), acc[e][t]);
                 }
             }
             for (int e = 0; e < PV_ELEMS; ++e)
