@@ -105,6 +105,10 @@
 #ifndef PV_ELEMS
 #define PV_ELEMS (REGS / 2 / T)
 #endif
+/* T, PV_ELEMS, QP and CSUB (below) may be set with -D for a blocking sweep (docs/performance.md,
+ * "broadcasts that cost nothing"); a pass over V takes PV_ELEMS elements of every head size at a
+ * time, so it must divide them (native_attention.py takes head sizes that are multiples of 16). */
+_Static_assert(16 % PV_ELEMS == 0, "PV_ELEMS must divide every head size (multiples of 16)");
 
 #define INLINE static inline __attribute__((always_inline))
 
