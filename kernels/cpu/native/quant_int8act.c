@@ -736,6 +736,12 @@ INLINE vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512
  * the 16-bit shifts move no bit across a byte into bit 4. */
 INLINE vi fifth_lo(vi h, int g) { return _mm512_and_si512(_mm512_slli_epi16(h, 4 - g), _mm512_set1_epi8(16)); }
 INLINE vi fifth_hi(vi h, int g) { return _mm512_and_si512(_mm512_srli_epi16(h, g), _mm512_set1_epi8(16)); }
+/* nib (0..15) + 16 where bit `bit` of h's byte is set: a byte test into a mask register and a
+ * masked add, no shift (the 512-bit shifts share port 0 with vpdpbusd and the conversions). */
+INLINE vi with_bit(vi nib, vi h, int bit) {
+    return _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << bit))), nib,
+                                _mm512_set1_epi8(16));
+}
 /* Q6_K: a plane byte's pair t (bits 2t, 2t + 1) to bits 4, 5 (no bit of the other byte lands there). */
 INLINE vi pair_bits(vi h, int t) {
     const vi s = t < 2 ? _mm512_slli_epi16(h, 4 - 2 * t) : t == 2 ? h : _mm512_srli_epi16(h, 2);
@@ -809,6 +815,7 @@ INLINE vi mul16(vi w, vi x) { return _mm256_maddubs_epi16(w, x); }
 INLINE vi add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
 INLINE vi fold16(vi acc, vi p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
 INLINE vi ori(vi a, vi b) { return _mm256_or_si256(a, b); }
+INLINE vi with_bit(vi nib, vi h, int bit) { return ori(nib, bit < 4 ? fifth_lo(h, bit) : fifth_hi(h, bit - 4)); }
 INLINE vfl cvt_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE vfl cvt_s8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE vfl cvt_lo4(const uint8_t *p) {
@@ -849,8 +856,8 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
     *lo = lo_nib(raw);
     *hi = hi_nib(raw);
     if (fifth_bits(fmt)) {
-        *lo = ori(*lo, fifth_lo(h5, g));
-        *hi = ori(*hi, fifth_hi(h5, g));
+        *lo = with_bit(*lo, h5, g);
+        *hi = with_bit(*hi, h5, g + 4);
     }
     if (high_pairs(fmt)) {
         *lo = ori(*lo, pair_bits(h5, g));
@@ -859,13 +866,52 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
 }
 #endif
 
+/* Prefill-sized items of a nibble form unpack their panel once (unpack_block) and run every pass of
+ * rows over its bytes: the byte forms' inner loop, whose integer sums are the same integers, so the
+ * same bits. Unpacking per pass of MR rows was up to half a Q5_0 or Q6_K pass's instructions. */
+/* From how many rows an item unpacks (measured with benchmarks.qi8_amx_ab on the AVX-512 VNNI Xeon,
+ * 2 threads: Q6_K 1.18-1.29x at 8 rows; Q5_0 0.88-0.94x at 8, 1.02-1.05x at 12, 1.05-1.11x at 16;
+ * Q4_1 / Q4_K 0.90-1.00x at 16, 1.04-1.25x at 64): the more a pass spends unpacking, the sooner. */
+#ifndef UNPACK_ROWS
+#define UNPACK_ROWS 32
+#endif
+INLINE int unpack_rows(int fmt) { return high_pairs(fmt) ? 6 : fifth_bits(fmt) ? 16 : UNPACK_ROWS; }
+/* A thread's buffer for a panel's unpacked quants (grown as needed, kept). */
+static uint8_t *unpacked_buffer(size_t bytes) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes)) return NULL;
+        free(buf);
+        buf = grown;
+        cap = bytes;
+    }
+    return buf;
+}
+/* Block b of a nibble form's panel (not IQ4_XS) as the byte forms hold theirs, [group g 0..7]
+ * [column][4]: the stored values the nibble path's dots take (lo: groups 0-3, hi: 4-7). */
+INLINE void unpack_block(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
+    const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
+    for (int v = 0; v < V; ++v) {
+        vi h5, h6;
+        nibble_planes(fmt, qs, v, &h5, &h6);
+        for (int g = 0; g < 4; ++g) {
+            vi lo, hi;
+            nibble_group(fmt, qs, v, g, h5, h6, &lo, &hi);
+            memcpy(dst + (g * NC + v * VW) * 4, &lo, sizeof lo);
+            memcpy(dst + ((g + 4) * NC + v * VW) * 4, &hi, sizeof hi);
+        }
+    }
+}
+
 /* Rows [0, m) (m <= RMAX, a constant at each call site) against vectors v0 .. v0 + nv - 1 of one
  * panel (the columns v0 * VW .. (v0 + nv) * VW - 1), SIMD. vnni: the dot is vpdpbusd (unsigned
  * stored weights, offset corrected after); else maddubs (Q8_0 signed). Every step is per lane, so
  * a column's result does not depend on which vectors or rows share its pass. */
 INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const int v0,
                            const int nv, const uint8_t *panel, const float *bias, float *y, int64_t ldy,
-                           int cols, const int pf) {
+                           int cols, const int pf, const int U, const uint8_t *unp) {
     vfl acc[RMAX][V];
     for (int i = 0; i < m; ++i)
         for (int v = v0; v < v0 + nv; ++v) acc[i][v] = zerof();
@@ -880,7 +926,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     for (int v = v0; v < v0 + nv; ++v) kd[v] = kdm[v] = zerof();
     for (int64_t b = 0; b < x->nb; ++b) {
         const uint8_t *blk = panel + b * stride;
-        const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
+        const uint8_t *qs = U ? unp + b * (int64_t)(QK * NC) : is_k(fmt) ? block_qs(fmt, panel, b) : blk + sb;
         if (v0 > 0 || !pf) { /* rows_wide's second pass, or an item's later rows: the panel's bytes came in
                               * with its first pass (in L1: the prefetches measured as a third of the time
                               * at 32 rows) */
@@ -907,7 +953,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
                 isum1[i][v] = zeroi();
             }
         }
-        if (q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
+        if (!U && q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
             for (int sl = 0; sl < 2; ++sl) {
                 vi raw[V];
                 for (int v = v0; v < v0 + nv; ++v) raw[v] = loadi(qs + (sl * NC + v * VW) * 4);
@@ -924,7 +970,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
                     }
                 }
             }
-        } else if (iq4xs(fmt)) { /* nibble indices to Q8_0's stored bytes, then Q8_0's dot */
+        } else if (!U && iq4xs(fmt)) { /* nibble indices to Q8_0's stored bytes, then Q8_0's dot */
             const vi table = iq4_table();
             for (int g = 0; g < 4; ++g) {
                 vi lo[V], hi[V];
@@ -946,7 +992,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
                     }
                 }
             }
-        } else if (nibbles(fmt)) {
+        } else if (!U && nibbles(fmt)) {
             vi h5[V], h6[V]; /* fifth bits (bit g of byte e: group g's), or Q6_K's two pair planes */
             if (fifth_bits(fmt) || high_pairs(fmt))
                 for (int v = v0; v < v0 + nv; ++v) h5[v] = loadi(qs + nibble_bytes() + v * VW * 4);
@@ -968,8 +1014,8 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
                     lo[v] = lo_nib(raw);
                     hi[v] = hi_nib(raw);
                     if (fifth_bits(fmt)) {
-                        lo[v] = ori(lo[v], fifth_lo(h5[v], g));
-                        hi[v] = ori(hi[v], fifth_hi(h5[v], g));
+                        lo[v] = with_bit(lo[v], h5[v], g);
+                        hi[v] = with_bit(hi[v], h5[v], g + 4);
                     }
                     if (high_pairs(fmt)) {
                         lo[v] = ori(lo[v], pair_bits(h5[v], g));
@@ -1120,7 +1166,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
 /* rows_simd: rows [0, m) (m <= MR) against the whole panel. */
 INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
                       const float *bias, float *y, int64_t ldy, int cols, const int pf) {
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols, pf);
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, V, panel, bias, y, ldy, cols, pf, 0, NULL);
 }
 
 /* rows_wide: rows [0, m) (m: MRW, or MRW2 for the forms with two sums a row) one vector of the
@@ -1132,8 +1178,8 @@ INLINE void rows_simd(const int fmt, const int vnni, const qrows *x, int64_t r0,
 INLINE void rows_wide(const int fmt, const int vnni, const qrows *x, int64_t r0, const int m, const uint8_t *panel,
                       const float *bias, float *y, int64_t ldy, int cols, const int pf) {
     /* (each v a constant: the sums' arrays stay in registers) */
-    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols, pf);
-    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols, 0);
+    rows_simd_cols(fmt, vnni, x, r0, m, 0, 1, panel, bias, y, ldy, cols, pf, 0, NULL);
+    if (cols > VW) rows_simd_cols(fmt, vnni, x, r0, m, 1, 1, panel, bias, y, ldy, cols, 0, 0, NULL);
 #if V != 2
 #error "rows_wide is written for two vectors a panel"
 #endif
@@ -1275,10 +1321,34 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #else
 #define WIDE(FMT, VNNI)
 #endif
+#ifdef VW
+#define UNPACKS(FMT) (nibbles(FMT) && !iq4xs(FMT))
+#define ROWS_U(FMT, VNNI, M) \
+    rows_simd_cols(FMT, VNNI, x, r0 + i, M, 0, V, panel, bias, y + i * ldy, ldy, cols, 0, 1, u)
+/* VNNI, a nibble form and UNPACK_ROWS rows or more: the panel unpacked once, then MR rows a pass. */
+#define UNPACKED(FMT, VNNI)                                                                              \
+    if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT)) {                                                 \
+        uint8_t *u = unpacked_buffer((size_t)x->nb * QK * NC);                                           \
+        if (u) {                                                                                         \
+            for (int64_t b = 0; b < x->nb; ++b) unpack_block(FMT, panel, b, u + b * (QK * NC));          \
+            for (; i + MR <= rows; i += MR) ROWS_U(FMT, VNNI, MR);                                       \
+            switch (rows - i) {                                                                          \
+                case 1: ROWS_U(FMT, VNNI, 1); break;                                                     \
+                case 2: ROWS_U(FMT, VNNI, 2 % MR); break;                                                \
+                case 3: ROWS_U(FMT, VNNI, 3 % MR); break;                                                \
+                default: break;                                                                          \
+            }                                                                                            \
+            return;                                                                                      \
+        }                                                                                                \
+    }
+#else
+#define UNPACKED(FMT, VNNI)
+#endif
 #define DEFINE_ITEM(NAME, FMT, VNNI)                                                                     \
     static void NAME(const qrows *x, int64_t r0, int64_t rows, const uint8_t *panel, const float *bias, \
                      float *y, int64_t ldy, int cols) {                                                  \
         int64_t i = 0;                                                                                   \
+        UNPACKED(FMT, VNNI)                                                                              \
         WIDE(FMT, VNNI)                                                                                  \
         if (high_pairs(FMT)) { /* Q6_K: KROWS rows a pass (at most 4) */                                  \
             for (; i + KROWS <= rows; i += KROWS) ROWS(FMT, VNNI, KROWS);                                \
