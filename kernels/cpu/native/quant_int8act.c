@@ -866,12 +866,16 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
 }
 #endif
 
-/* Prefill-sized items of a nibble form unpack their panel once (unpack_block) and run every pass of
- * rows over its bytes: the byte forms' inner loop, whose integer sums are the same integers, so the
- * same bits. Unpacking per pass of MR rows was up to half a Q5_0 or Q6_K pass's instructions. */
-/* From how many rows an item unpacks (measured with benchmarks.qi8_amx_ab on the AVX-512 VNNI Xeon,
- * 2 threads: Q6_K 1.18-1.29x at 8 rows; Q5_0 0.88-0.94x at 8, 1.02-1.05x at 12, 1.05-1.11x at 16;
- * Q4_1 / Q4_K 0.90-1.00x at 16, 1.04-1.25x at 64): the more a pass spends unpacking, the sooner. */
+#if defined(__AVX512F__)
+/* Prefill-sized items of a nibble form, on VNNI, unpack their panel once (unpack_block) and run every
+ * pass of rows over its bytes: the byte forms' inner loop, whose integer sums are the same integers,
+ * so the same bits. Unpacking in each pass of MR rows was up to a third of a Q5_0 or Q6_K pass's
+ * time (benchmarks.qi8_amx_ab at 490 rows, the AVX-512 VNNI Xeon without AMX, two threads: Q5_0
+ * 1.13-1.32x, Q6_K 1.25-1.27x, Q4_K 1.12-1.21x, Q4_1 1.07-1.15x). From how many rows: the more a
+ * pass spends unpacking, the sooner (Q6_K 1.18-1.29x at 8 rows; Q5_0 0.88-0.94x at 8, 1.02-1.05x at
+ * 12, 1.05-1.11x at 16; Q4_1 / Q4_K 0.90-1.00x at 16, 1.04-1.25x at 64). Passes over one vector of
+ * the panel at a time (rows_wide's 8 or 6 rows) measured 0.58-0.81x of these. Only in the AVX-512
+ * build, where it was measured: the AVX2 build's AVX-VNNI rows keep unpacking per pass. */
 #ifndef UNPACK_ROWS
 #define UNPACK_ROWS 32
 #endif
@@ -904,6 +908,7 @@ INLINE void unpack_block(const int fmt, const uint8_t *panel, int64_t b, uint8_t
         }
     }
 }
+#endif
 
 /* Rows [0, m) (m <= RMAX, a constant at each call site) against vectors v0 .. v0 + nv - 1 of one
  * panel (the columns v0 * VW .. (v0 + nv) * VW - 1), SIMD. vnni: the dot is vpdpbusd (unsigned
@@ -1321,7 +1326,7 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #else
 #define WIDE(FMT, VNNI)
 #endif
-#ifdef VW
+#if defined(__AVX512F__)
 #define UNPACKS(FMT) (nibbles(FMT) && !iq4xs(FMT))
 #define ROWS_U(FMT, VNNI, M) \
     rows_simd_cols(FMT, VNNI, x, r0 + i, M, 0, V, panel, bias, y + i * ldy, ldy, cols, 0, 1, u)
