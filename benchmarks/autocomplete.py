@@ -16,6 +16,10 @@ the previous answer is in, to our server and to llama.cpp's ``llama-server`` (sa
 threads, one slot). Per server: the cold request, p50 and p95 over the keystrokes after it, the
 prompt tokens computed per keystroke (ours: ``tokens_evaluated - tokens_cached``; llama.cpp:
 ``timings.prompt_n``), and how many completions continue the real text. Ratios are of this one run.
+With both sides, both servers are up together and each keystroke goes to one then the other
+(alternating which goes first), so that a change in the machine's speed during the run (a shared
+host's other tenants) falls on both sides alike; ``--sequential`` runs one whole session, then the
+other (the results files before 2026-12-06 were made so).
 The layout: ours sends ``fim_order`` (``--fim-order``, default psm, the server's default and llama-server's:
 prefix, suffix, middle; ``spm`` puts the suffix first, so a keystroke recomputes only the changed tail,
 but Qwen2.5-Coder does not complete from it); llama-server runs its default, or with ``--spm-infill``
@@ -249,6 +253,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--skip-ours", action="store_true", help="llama-server alone (a run split in two)")
+    ap.add_argument("--sequential", action="store_true", help="one side's whole session, then the other's")
     ap.add_argument("--fim-order", choices=["psm", "spm"], default="psm", help="ours: the FIM layout")
     ap.add_argument("--llama-spm", action="store_true", help="llama-server with --spm-infill")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -307,15 +312,38 @@ def main() -> None:
                 lambda: LlamaServer(args.llama_server, gguf, args.threads, args.ctx, spm=args.llama_spm),
             )
         )
-    for name, start in sides:
-        server = start()
-        try:
-            ours = name == "ours"
-            result[name] = run_session(server.url, ours_bodies if ours else bodies, s, ours=ours, first=first)
-        finally:
-            server.close()
+    if len(sides) == 2 and not args.sequential:
+        alternate(sides, ours_bodies, bodies, s, first, result)
+    else:
+        for name, start in sides:
+            server = start()
+            try:
+                ours = name == "ours"
+                mine = ours_bodies if ours else bodies
+                result[name] = run_session(server.url, mine, s, ours=ours, first=first)
+            finally:
+                server.close()
+    result["alternated"] = len(sides) == 2 and not args.sequential
     report(result)
     print(write_result(args.results_name, result, args.results_dir))
+
+
+def alternate(sides, ours_bodies: list[dict], bodies: list[dict], s: dict, first: int, result: dict) -> None:
+    """Both servers up; keystroke k to each in turn, the side going first alternating with k."""
+    servers: dict = {}
+    try:
+        for name, start in sides:
+            servers[name] = start()
+        sessions = {name: Session(server.url, s, ours=name == "ours") for name, server in servers.items()}
+        for k, i in enumerate(range(len(bodies)), start=first):
+            order = list(sessions.items()) if k % 2 else list(sessions.items())[::-1]
+            for name, session_ in order:
+                session_.keystroke(k, ours_bodies[i] if name == "ours" else bodies[i])
+        for name, session_ in sessions.items():
+            result[name] = session_.result() | {"first_keystroke": first}
+    finally:
+        for server in servers.values():
+            server.close()
 
 
 def report(result: dict) -> None:
