@@ -21,7 +21,8 @@ baseline stays the fp32 build's FMA path).
 
 ``--kv-dtype bfloat16``: this tree's kernel reads a bf16 cache (its ``paged_attention:kv_bf16``
 build), the baseline an fp32 cache of the same values widened (max|diff| 0: the same bits).
-``--baseline`` defaults to this tree's fp32 build.
+``--baseline`` defaults to this tree's fp32 build; ``--new PATH`` puts another build on this side
+(two variants of a change against each other, both on an fp32 cache).
 
 ``--shape 1.5b``: Qwen2.5-Coder-1.5B's 12 query / 2 KV heads of 128. ``--amx``: this build's AMX-BF16
 tile path (``LLMSERVE_AMX_ATTENTION=1``; where the tiles are granted) against the baseline.
@@ -119,6 +120,7 @@ def compare(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", help="the other build's .so (default: this tree's fp32 build)")
+    ap.add_argument("--new", help="this side's .so instead of this tree's build (fp32 cache)")
     ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32", help="this side's")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--depths", default="4096,16384")
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     new = native_attention.library(None, kv_dtype)
+    if args.new:
+        tree = new
+        new = ctypes.CDLL(args.new).llmserve_paged_attention_f32
+        new.restype, new.argtypes = tree.restype, tree.argtypes
     if args.baseline:
         old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
         old.restype, old.argtypes = new.restype, new.argtypes

@@ -537,13 +537,16 @@ typedef struct {
     const int32_t *ncorr;
 } qrows;
 
-/* A thread's scratch for the quantized activations, kept and grown, never freed. */
+/* A thread's scratch buffers, kept and grown (their contents not kept), 64-byte aligned, never
+ * freed: slot 0 the quantized activations, 1 and 2 the fused MLP's, 3 a panel's unpacked quants
+ * (the VNNI items), 4 the AMX items' weight tiles. */
 static void *scratch_in(int slot, size_t bytes) {
-    static __thread void *buf[3];
-    static __thread size_t cap[3];
+    static __thread void *buf[5];
+    static __thread size_t cap[5];
     if (bytes > cap[slot]) {
-        void *grown = realloc(buf[slot], bytes);
-        if (!grown) return NULL;
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes)) return NULL;
+        free(buf[slot]);
         buf[slot] = grown;
         cap[slot] = bytes;
     }
@@ -880,19 +883,7 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
 #define UNPACK_ROWS 32
 #endif
 INLINE int unpack_rows(int fmt) { return high_pairs(fmt) ? 6 : fifth_bits(fmt) ? 16 : UNPACK_ROWS; }
-/* A thread's buffer for a panel's unpacked quants (grown as needed, kept). */
-static uint8_t *unpacked_buffer(size_t bytes) {
-    static __thread uint8_t *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, bytes)) return NULL;
-        free(buf);
-        buf = grown;
-        cap = bytes;
-    }
-    return buf;
-}
+static uint8_t *unpacked_buffer(size_t bytes) { return scratch_in(3, bytes); }
 /* Block b of a nibble form's panel (not IQ4_XS) as the byte forms hold theirs, [group g 0..7]
  * [column][4]: the stored values the nibble path's dots take (lo: groups 0-3, hi: 4-7). */
 INLINE void unpack_block(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
@@ -1469,18 +1460,7 @@ static void amx_configure(int kbytes) {
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 /* A thread's buffer for a panel's unpacked weight bytes (a block: 8 groups x NC columns x 4). */
-static uint8_t *amx_weights(size_t bytes) {
-    static __thread uint8_t *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, bytes)) return NULL;
-        free(buf);
-        buf = grown;
-        cap = bytes;
-    }
-    return buf;
-}
+static uint8_t *amx_weights(size_t bytes) { return scratch_in(4, bytes); }
 
 /* Block b of the panel as the weight tile reads it: [group g 0..7][column][4] signed bytes, the
  * stored quant less the format's offset (TDPBSSD's sum is then rows_simd's isum - offset * sx, the
