@@ -1321,9 +1321,9 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #define UNPACKS(FMT) (nibbles(FMT) && !iq4xs(FMT))
 #define ROWS_U(FMT, VNNI, M) \
     rows_simd_cols(FMT, VNNI, x, r0 + i, M, 0, V, panel, bias, y + i * ldy, ldy, cols, 0, 1, u)
-/* VNNI, a nibble form and UNPACK_ROWS rows or more: the panel unpacked once, then MR rows a pass. */
+/* VNNI, a nibble form and unpack_rows or more: the panel unpacked once, then MR rows a pass. */
 #define UNPACKED(FMT, VNNI)                                                                              \
-    if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT)) {                                                 \
+    if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT)) {                                        \
         uint8_t *u = unpacked_buffer((size_t)x->nb * QK * NC);                                           \
         if (u) {                                                                                         \
             for (int64_t b = 0; b < x->nb; ++b) unpack_block(FMT, panel, b, u + b * (QK * NC));          \
