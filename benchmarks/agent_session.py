@@ -546,6 +546,11 @@ class Ours:
         gguf, threads, ctx, kv_dir, parser = self.args
         args = ["--http-port", "0", "--torch-threads", str(threads), "--max-model-len", str(ctx)]
         args += ["--enable-auto-tool-choice", "--tool-call-parser", parser, *self.extra]
+        # Under chrt (the quiet runs) both servers' threads share one real-time priority: while
+        # llama-server computes a turn on both cores, our engine's heartbeat does not run, and the
+        # gateway's 5 s rule took it for lost (a 503 on the next turn). A silent engine is not a
+        # lost one here.
+        args += ["--engine-heartbeat-timeout", "600"]
         self.sp = ServiceProcess(gguf, *args, "--kv-disk-dir", kv_dir, startup_timeout_s=900).start()
         self.url, self.model = self.sp.http_url, None
         return self
