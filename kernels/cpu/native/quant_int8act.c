@@ -885,17 +885,19 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
 INLINE int unpack_rows(int fmt) { return high_pairs(fmt) ? 6 : fifth_bits(fmt) ? 16 : UNPACK_ROWS; }
 static uint8_t *unpacked_buffer(size_t bytes) { return scratch_in(3, bytes); }
 /* Block b of a nibble form's panel (not IQ4_XS) as the byte forms hold theirs, [group g 0..7]
- * [column][4]: the stored values the nibble path's dots take (lo: groups 0-3, hi: 4-7). */
-INLINE void unpack_block(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst) {
+ * [column][4]: the stored values the nibble path's dots take (lo: groups 0-3, hi: 4-7), less `off`
+ * (0 for the VNNI rows; the format's offset for the AMX tiles' signed bytes). */
+INLINE void unpack_block(const int fmt, const uint8_t *panel, int64_t b, uint8_t *dst, const int off) {
     const uint8_t *qs = is_k(fmt) ? block_qs(fmt, panel, b) : panel + b * block_stride(fmt) + scale_bytes(fmt);
+    const vi o = _mm512_set1_epi8((char)off);
     for (int v = 0; v < V; ++v) {
         vi h5, h6;
         nibble_planes(fmt, qs, v, &h5, &h6);
         for (int g = 0; g < 4; ++g) {
             vi lo, hi;
             nibble_group(fmt, qs, v, g, h5, h6, &lo, &hi);
-            memcpy(dst + (g * NC + v * VW) * 4, &lo, sizeof lo);
-            memcpy(dst + ((g + 4) * NC + v * VW) * 4, &hi, sizeof hi);
+            _mm512_storeu_si512((void *)(dst + (g * NC + v * VW) * 4), _mm512_sub_epi8(lo, o));
+            _mm512_storeu_si512((void *)(dst + ((g + 4) * NC + v * VW) * 4), _mm512_sub_epi8(hi, o));
         }
     }
 }
@@ -1317,6 +1319,16 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 #else
 #define WIDE(FMT, VNNI)
 #endif
+/* An item's rows from i on through R (ROWS or ROWS_U), STEP (at most 4, a constant) a pass, then the
+ * rest (each count its own loop). */
+#define PASSES(R, FMT, VNNI, STEP)                                                                       \
+    for (; i + (STEP) <= rows; i += (STEP)) R(FMT, VNNI, STEP);                                          \
+    switch (rows - i) {                                                                                  \
+        case 1: R(FMT, VNNI, 1); break;                                                                  \
+        case 2: R(FMT, VNNI, 2 % (STEP)); break;                                                         \
+        case 3: R(FMT, VNNI, 3 % (STEP)); break;                                                         \
+        default: break;                                                                                  \
+    }
 #if defined(__AVX512F__)
 #define UNPACKS(FMT) (nibbles(FMT) && !iq4xs(FMT))
 #define ROWS_U(FMT, VNNI, M) \
@@ -1326,14 +1338,8 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
     if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT)) {                                        \
         uint8_t *u = unpacked_buffer((size_t)x->nb * QK * NC);                                           \
         if (u) {                                                                                         \
-            for (int64_t b = 0; b < x->nb; ++b) unpack_block(FMT, panel, b, u + b * (QK * NC));          \
-            for (; i + MR <= rows; i += MR) ROWS_U(FMT, VNNI, MR);                                       \
-            switch (rows - i) {                                                                          \
-                case 1: ROWS_U(FMT, VNNI, 1); break;                                                     \
-                case 2: ROWS_U(FMT, VNNI, 2 % MR); break;                                                \
-                case 3: ROWS_U(FMT, VNNI, 3 % MR); break;                                                \
-                default: break;                                                                          \
-            }                                                                                            \
+            for (int64_t b = 0; b < x->nb; ++b) unpack_block(FMT, panel, b, u + b * (QK * NC), 0);       \
+            PASSES(ROWS_U, FMT, VNNI, MR)                                                                \
             return;                                                                                      \
         }                                                                                                \
     }
@@ -1347,22 +1353,10 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
         UNPACKED(FMT, VNNI)                                                                              \
         WIDE(FMT, VNNI)                                                                                  \
         if (high_pairs(FMT)) { /* Q6_K: KROWS rows a pass (at most 4) */                                  \
-            for (; i + KROWS <= rows; i += KROWS) ROWS(FMT, VNNI, KROWS);                                \
-            switch (rows - i) {                                                                          \
-                case 1: ROWS(FMT, VNNI, 1); break;                                                       \
-                case 2: ROWS(FMT, VNNI, 2 % KROWS); break;                                               \
-                case 3: ROWS(FMT, VNNI, 3 % KROWS); break;                                               \
-                default: break;                                                                          \
-            }                                                                                            \
+            PASSES(ROWS, FMT, VNNI, KROWS)                                                               \
             return;                                                                                      \
         }                                                                                                \
-        for (; i + MR <= rows; i += MR) ROWS(FMT, VNNI, MR);                                             \
-        switch (rows - i) {                                                                              \
-            case 1: ROWS(FMT, VNNI, 1); break;                                                           \
-            case 2: ROWS(FMT, VNNI, 2 % MR); break;                                                      \
-            case 3: ROWS(FMT, VNNI, 3 % MR); break;                                                      \
-            default: break;                                                                              \
-        }                                                                                                \
+        PASSES(ROWS, FMT, VNNI, MR)                                                                      \
     }
 #define DEFINE_ITEMS(PREFIX, VNNI)                                                                       \
     DEFINE_ITEM(PREFIX##q8_0, FMT_Q8_0, VNNI)                                                            \
@@ -1498,16 +1492,7 @@ INLINE void amx_unpack(const int fmt, const uint8_t *panel, int64_t b, uint8_t *
             }
         return;
     }
-    for (int v = 0; v < V; ++v) {
-        vi h5, h6;
-        nibble_planes(fmt, qs, v, &h5, &h6);
-        for (int g = 0; g < 4; ++g) {
-            vi lo, hi;
-            nibble_group(fmt, qs, v, g, h5, h6, &lo, &hi);
-            PUT(g, v, lo);
-            PUT(g + 4, v, hi);
-        }
-    }
+    unpack_block(fmt, panel, b, dst, offset(fmt));
 #undef PUT
 }
 
