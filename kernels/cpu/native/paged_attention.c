@@ -651,6 +651,30 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
     /* scores[(h * nv + u) * PART + p - P0] = q_u . k_p * scale, for KV head h's every vector u at
      * [r0, P1) */
     const int64_t ps = (int64_t)H * D;
+    if (bs % W == 0) {
+        /* every W positions from r0 lie in one block (r0 is a block's first position): 2W at a
+         * time from two blocks where a block holds only W (16 positions on AVX-512), so that each
+         * query value broadcast feeds two groups and its heads' chains are twice as many */
+        for (int p0 = r0; p0 < P1; p0 += 2 * W) {
+            const kv_t *k1 = block_at(a, a->k_cache, &sq, p0 / bs, 0, D) + (int64_t)(p0 % bs) * ps;
+            float *row0 = scores + p0 - P0;
+            if (p0 + W < P1) {
+                const int p1 = p0 + W, m = P1 - p1 < W ? P1 - p1 : W;
+                const kv_t *k2 = block_at(a, a->k_cache, &sq, p1 / bs, 0, D) + (int64_t)(p1 % bs) * ps;
+                for (int h = 0; h < H; ++h) {
+                    transpose_rows(kt, k1 + h * D, ps, W, D);
+                    transpose_rows(kt + D, k2 + h * D, ps, m, D);
+                    decode_all_heads(qs + (int64_t)h * nv * D, D, kt, row0 + (int64_t)h * nv * PART, m, a->scale, nv, 2,
+                                     D);
+                }
+            } else
+                for (int h = 0; h < H; ++h) {
+                    transpose_rows(kt, k1 + h * D, ps, P1 - p0, D);
+                    decode_all_heads(qs + (int64_t)h * nv * D, D, kt, row0 + (int64_t)h * nv * PART, P1 - p0, a->scale,
+                                     nv, 1, D);
+                }
+        }
+    } else
     FOR_RUNS(&(*a), r0, P1, {
         const kv_t *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
         /* 2W positions at a time (W for the last few), transposed into lanes, for every query
