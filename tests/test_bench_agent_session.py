@@ -67,9 +67,25 @@ def test_ours_turns_hit_the_cache_sessions_share_the_prefix_and_a_restart_reads_
 def test_llama_server_side_and_ratios(replay):
     if not agent_session.LLAMA_SERVER.exists():
         pytest.skip(f"llama-server is not built at {agent_session.LLAMA_SERVER} (make bench-peer)")
-    assert set(replay["ratios"]) >= {"turn1_ttft", "sessions_at_once_cold_wall", "decode_last_turn"}
+    assert set(replay["ratios"]) >= {
+        "turn1_ttft",
+        "sessions_at_once_cold_wall",
+        "decode_last_turn",
+        "decode_all_turns",
+    }
     theirs = replay["sides"]["llama-server"]["turns"]
     assert (
         theirs[1]["cached_tokens"] > 0
         and theirs[0]["prompt_tokens"] == replay["sides"]["ours"]["turns"][0]["prompt_tokens"]
     )
+
+
+def test_decode_rate_is_tokens_over_seconds_across_the_turns():
+    """The all-turns decode figure weighs each turn by its seconds (not a mean of rates); a turn
+    that decoded nothing (one token, or no rate) is left out."""
+    turns = [
+        {"completion_tokens": 32, "decode_tok_s": 31 / 2.0},
+        {"completion_tokens": 11, "decode_tok_s": 10 / 3.0},
+        {"completion_tokens": 1, "decode_tok_s": None},
+    ]
+    assert agent_session.decode_rate(turns) == pytest.approx(41 / 5.0)
