@@ -652,9 +652,10 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
      * [r0, P1) */
     const int64_t ps = (int64_t)H * D;
     if (bs % W == 0) {
-        /* every W positions from r0 lie in one block (r0 is a block's first position): 2W at a
-         * time from two blocks where a block holds only W (16 positions on AVX-512), so that each
-         * query value broadcast feeds two groups and its heads' chains are twice as many */
+        /* every W positions from r0 lie in one block (r0 and the blocks' bounds are multiples of
+         * W): 2W at a time, from two blocks where a block holds only W (16 positions on AVX-512),
+         * so that each query value broadcast feeds two groups and its heads' chains are twice as
+         * many; each lane's chain over d is the same, so are the bits */
         for (int p0 = r0; p0 < P1; p0 += 2 * W) {
             const kv_t *k1 = block_at(a, a->k_cache, &sq, p0 / bs, 0, D) + (int64_t)(p0 % bs) * ps;
             float *row0 = scores + p0 - P0;
