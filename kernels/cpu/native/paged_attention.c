@@ -12,8 +12,9 @@
  * items are (sequence, KV head, tile of query vectors). q . k is one chain of fused multiply-adds
  * over d for every query (the order above, the same on every ISA). A decode's item holds the query
  * heads that share the KV head: it transposes each W K rows (positions into lanes) and broadcasts
- * its queries' values, each broadcast feeding two groups of W positions where a block's run holds
- * them (AVX2: a broadcast is its own load), up to 8 heads' chains at a time. A chunk's tile holds 2W query vectors (its rows
+ * its queries' values, each broadcast feeding two groups of W positions (one block's, or two
+ * blocks' where each holds only W) (AVX2: a broadcast is its own load), up to 8 heads' chains at a
+ * time. A chunk's tile holds 2W query vectors (its rows
  * times those heads, in order) in the lanes of two vectors: q . k at 8 (AVX-512) positions is D
  * multiply-adds of the transposed queries by the K rows' broadcast values (rows copied out of the
  * cache once per item), with no horizontal sums, and the same for the output over V.
