@@ -676,29 +676,18 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
                                      nv, 1, D);
                 }
         }
-    } else
-    FOR_RUNS(&(*a), r0, P1, {
-        const kv_t *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
-        /* 2W positions at a time (W for the last few), transposed into lanes, for every query
-         * vector in groups of HG(2) */
-        int i0_ = 0;
-        for (; i0_ + W < n; i0_ += 2 * W) {
-            const int m = n - i0_ - W < W ? n - i0_ - W : W;
-            for (int h = 0; h < H; ++h) {
-                transpose_rows(kt, kb + i0_ * ps + h * D, ps, W, D);
-                transpose_rows(kt + D, kb + (i0_ + W) * ps + h * D, ps, m, D);
-                decode_all_heads(qs + (int64_t)h * nv * D, D, kt, scores + (int64_t)h * nv * PART + p - P0 + i0_, m,
-                                 a->scale, nv, 2, D);
+    } else /* a block size that is not a multiple of W (8 on AVX-512): W positions of a run at a time */
+        FOR_RUNS(a, r0, P1, {
+            const kv_t *kb = block_at(a, a->k_cache, &sq, blk, 0, D) + off * ps;
+            for (int i0_ = 0; i0_ < n; i0_ += W) {
+                const int m = n - i0_ < W ? n - i0_ : W;
+                for (int h = 0; h < H; ++h) {
+                    transpose_rows(kt, kb + i0_ * ps + h * D, ps, m, D);
+                    decode_all_heads(qs + (int64_t)h * nv * D, D, kt, scores + (int64_t)h * nv * PART + p - P0 + i0_, m,
+                                     a->scale, nv, 1, D);
+                }
             }
-        }
-        if (i0_ < n) {
-            for (int h = 0; h < H; ++h) {
-                transpose_rows(kt, kb + i0_ * ps + h * D, ps, n - i0_, D);
-                decode_all_heads(qs + (int64_t)h * nv * D, D, kt, scores + (int64_t)h * nv * PART + p - P0 + i0_,
-                                 n - i0_, a->scale, nv, 1, D);
-            }
-        }
-    });
+        });
     if (a->softcap > 0) /* soft-capped scores: a pass over the scaled ones (the loop above stays plain) */
         for (int u = 0; u < H * nv; ++u)
             for (int p = r0; p < P1; ++p)
