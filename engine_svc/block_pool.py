@@ -32,6 +32,9 @@ class BlockPool:
         # Insertion order is eviction order: the first key is the least recently freed block.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # parent hash -> the listed cached blocks that continue it: a prefix that ends inside a
+        # block finds there a block whose first tokens it shares (``KVCacheManager._partial``).
+        self.children: dict[int, set[int]] = {}
         self.events: KvEventLog | None = None  # set while a KV-event subscriber listens
         # Called with a cached block about to be evicted (its hash still on it): the KV manager
         # spills it to the lower tiers (kv_tiers/). None: evicted blocks are simply forgotten.
@@ -106,6 +109,8 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         block.parent_hash, block.salt_hash, block.listed = parent_hash, salt_hash, listed
         self.cached[block_hash] = block_id
+        if listed:
+            self.children.setdefault(parent_hash, set()).add(block_id)
         if self.events is not None and listed:
             self.events.stored(block_hash, parent_hash, salt_hash)
 
@@ -143,6 +148,11 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+                kids = self.children.get(block.parent_hash)
+                if kids is not None:
+                    kids.discard(block.block_id)
+                    if not kids:
+                        del self.children[block.parent_hash]
                 if self.events is not None and not quiet and block.listed:
                     self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, None
@@ -160,3 +170,8 @@ class BlockPool:
                 )
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == h
+        listed = {b for b in self.cached.values() if self.blocks[b].listed}
+        indexed = {b for kids in self.children.values() for b in kids}
+        assert indexed == listed, f"children index {sorted(indexed ^ listed)} out of step with the cache"
+        for parent, kids in self.children.items():
+            assert all(self.blocks[b].parent_hash == parent for b in kids)

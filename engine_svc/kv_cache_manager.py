@@ -78,6 +78,22 @@ class PrefixHit:
         return self.num_blocks
 
 
+class PartialHit(list):
+    """A one-group prefix-cache hit that goes on inside a block: the full blocks' ids (the list),
+    then ``block``, a cached block whose first ``tokens`` tokens are the sequence's next ones. The
+    sequence takes a copy of that block (copy-on-write: the cached one stays as it is) and computes
+    from its ``tokens``-th slot on: a turn that continues a conversation recomputes none of the
+    tokens it shares with the block where the earlier turn's prompt ended, as a token-granular
+    cache would (vLLM recomputes them: it matches whole blocks only)."""
+
+    def __init__(self, blocks: list[int], block: int, tokens: int) -> None:
+        super().__init__(blocks)
+        self.block, self.tokens = block, tokens
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def group_key(block_hash: int, group: int) -> int:
     """The prefix-cache key of a block's page in KV cache group ``group`` (group 0: the hash)."""
     return block_hash if group == 0 else chain_hash(block_hash, (-group,))
@@ -135,6 +151,7 @@ class KVCacheManager:
         self._group_changed: list[dict[Sequence, int]] = [{} for _ in range(groups)]
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.num_partial_hits = 0  # hits that took a copy of a cached block's first tokens
         self.num_window_released = 0  # blocks released because every window had passed them
 
     @property
@@ -228,10 +245,41 @@ class KVCacheManager:
         if self.tiers is not None:
             pins: list[int] = []  # blocks this lookup holds, so that a load never evicts them
             try:
-                return self._find_prefix(seq, hashes, max_blocks, pins)
+                found = self._find_prefix(seq, hashes, max_blocks, pins)
             finally:
                 self.pool.release(pins[::-1])  # the tail first back to the LRU end
-        return self._find_prefix(seq, hashes, max_blocks, None)
+        else:
+            found = self._find_prefix(seq, hashes, max_blocks, None)
+        if len(self.windows) > 1:
+            return found
+        return self._partial(seq, hashes, found)
+
+    def hit_length(self, hit) -> int:
+        """The tokens a hit from ``find_cached_prefix`` covers (a partial block's included)."""
+        return len(hit) * self.block_size + (hit.tokens if isinstance(hit, PartialHit) else 0)
+
+    def _partial(self, seq: Sequence, hashes: list[int], found: list[int]) -> list[int]:
+        """``found`` (one group's full blocks), or a ``PartialHit`` where a cached block that
+        continues them starts with the sequence's next tokens (the longest such start; never the
+        sequence's last token). Only blocks in the pool are looked at, not the lower tiers."""
+        bs, n = self.block_size, len(found)
+        limit = min(bs, seq.num_tokens - 1 - n * bs)
+        if limit <= 0:
+            return found
+        parent = hashes[n - 1] if n else self.root_of(seq, self._phase_of(seq))
+        kids = self.pool.children.get(parent)
+        if not kids:
+            return found
+        want = seq.token_ids[n * bs : n * bs + limit]
+        best, most = None, 0
+        for block_id in kids:
+            have = self.pool.blocks[block_id].token_ids
+            m = 0
+            while m < limit and have[m] == want[m]:
+                m += 1
+            if m > most:
+                best, most = block_id, m
+        return found if best is None else PartialHit(found, best, most)
 
     def _lookup(self, seq: Sequence, hashes: list[int], i: int, g: int, pins: list[int] | None):
         """Block ``i`` of ``seq`` in group ``g``: from the pool, else (with ``pins``) loaded from a
@@ -368,15 +416,17 @@ class KVCacheManager:
                 if self.windowed:
                     self._release_passed(seq, start)
                 return True
+        partial = cached_blocks if isinstance(cached_blocks, PartialHit) else None
         cached_blocks = cached_blocks or []
         if isinstance(cached_blocks, PrefixHit):
             cached_blocks = cached_blocks.blocks[0]
-        start += len(cached_blocks) * bs
+        start += len(cached_blocks) * bs + (partial.tokens if partial else 0)
         if self.windowed:
             self._release_passed(seq, start)
-        have = len(table) + len(cached_blocks)
+        have = len(table) + len(cached_blocks) + int(partial is not None)
         need_new = max(0, cdiv(start + num_new_tokens, bs) - have)
         # The first block written to is shared (a fork's partial prompt block): it must be copied.
+        # So is a partial hit's block (below): the sequence writes into a copy of it.
         write_block = start // bs
         cow = (
             start % bs != 0
@@ -384,7 +434,9 @@ class KVCacheManager:
             and self.pool.blocks[table[write_block]].ref_count > 1
         )
         revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
-        if need_new + int(cow) > self.pool.num_free - revived:
+        if partial is not None:
+            revived += self.pool.blocks[partial.block].ref_count == 0
+        if need_new + int(cow) + int(partial is not None) > self.pool.num_free - revived:
             return False
         if not need_new and not cow and not cached_blocks:
             return True
@@ -396,6 +448,11 @@ class KVCacheManager:
         if cached_blocks:
             self._take_cached(seq, 0, table, cached_blocks, 0, len(cached_blocks))
             first_changed = 0
+        if partial is not None:  # held while its copy is allocated (so that it is not the copy)
+            self.pool.touch(partial.block)
+            table.append(partial.block)
+            self._copy_on_write(table, len(table) - 1)
+            self.num_partial_hits += 1
         if cow:
             first_changed = min(first_changed, write_block)
             self._copy_on_write(table, write_block)
@@ -497,9 +554,9 @@ class KVCacheManager:
             self._passed[group][seq] = skip
         self.registered[seq] = n
 
-    def note_admission(self, seq: Sequence, num_hit_blocks: int) -> None:
+    def note_admission(self, seq: Sequence, hit_tokens: int) -> None:
         self.queried_tokens += seq.num_tokens
-        self.hit_tokens += num_hit_blocks * self.block_size
+        self.hit_tokens += hit_tokens
 
     def register_computed_blocks(self, seq: Sequence, upto: int | None = None, scheduled: int = 0) -> None:
         """Publish the full blocks of the tokens computed, plus ``scheduled`` more that this step

@@ -490,13 +490,14 @@ class Scheduler:
                 self.num_held += 1  # it waits for those blocks, then hits them (no blocks held)
                 j += 1
                 continue
-            remaining = seq.num_tokens - len(cached) * self.kv.block_size
+            hit = self.kv.hit_length(cached)
+            remaining = seq.num_tokens - hit
             if not self.config.enable_chunked_prefill:
                 if remaining > budget:
                     break
                 num_new = remaining
             else:
-                num_new = self._fit(out, len(cached) * self.kv.block_size, min(remaining, budget))
+                num_new = self._fit(out, hit, min(remaining, budget))
                 if num_new == 0:  # the step's work budget is spent
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
@@ -515,7 +516,7 @@ class Scheduler:
                 adapters = self.running_adapters() if self.max_loras else None
                 continue  # the pool changed: this sequence again
             if cached:
-                seq.num_computed_tokens = len(cached) * self.kv.block_size
+                seq.num_computed_tokens = hit
             if lora is not None:
                 adapters.add(lora)
             self.waiting.discard(seq)
@@ -523,9 +524,9 @@ class Scheduler:
             if publish:  # its prompt's blocks, to the requests admitted after it in this very step
                 self.kv.register_computed_blocks(seq, scheduled=num_new)
                 out.published_early.add(seq)
-            self.kv.note_admission(seq, len(cached))
+            self.kv.note_admission(seq, hit)
             if not seq.admitted_before:
-                seq.num_cached_tokens = len(cached) * self.kv.block_size
+                seq.num_cached_tokens = hit
                 seq.admitted_before = True
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

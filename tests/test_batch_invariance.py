@@ -281,6 +281,8 @@ def run_mix(model_dir, specs: list[Spec], config: dict, coverage: Coverage) -> d
     assert_pool_whole(engine)
     stats = engine.stats()
     coverage.counts["prefix-hit tokens"] += stats.prefix_hit_tokens
+    # hits that went on inside a block: a copy of a cached block's first tokens
+    coverage.counts["partial-block hits"] += engine.kv.num_partial_hits
     # admissions put off while another request computed the prefix blocks they would compute
     coverage.counts["shared-prefix waits"] += engine.scheduler.num_held
     return results
@@ -380,6 +382,7 @@ ALL_CASES = (
     "chunked prefills",
     "preemptions",
     "prefix-hit tokens",
+    "partial-block hits",
     "forks",
     "decode-only steps",
     "general steps",
@@ -412,6 +415,9 @@ def twin_mix() -> tuple[list[Spec], dict]:
         Spec(prompt, greedy(max_tokens=4), 0, 0, None, None),
         Spec(prompt + [5, 6, 7], greedy(max_tokens=3), 0, 0, None, None),
         Spec(prompt[:40] + [9] * 20, greedy(max_tokens=2, logprobs=2), 0, 1, None, None),
+        # Arriving once the first has computed its prompt: it shares 44 tokens, 5 blocks and half
+        # of the sixth (a partial-block hit: a copy of that block's first 4 tokens).
+        Spec(prompt[:44] + [11] * 10, greedy(max_tokens=3), 0, 12, None, None),
     ]
     config = dict(
         block_size=8,
