@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
 from tokenizer_svc.chat_messages import validate_messages, validate_tools
+from tokenizer_svc.piece_cache import PieceCache, piecewise_exact
 from tokenizer_svc.tokenizer_files import find_tokenizer_dir
 
 __all__ = ["Tokenizer", "load_tokenizer", "validate_messages"]
@@ -36,6 +37,8 @@ class Tokenizer:
         special.update(i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
         self._special_ids = frozenset(special)
         self._specials = SpecialTokens(hf_tokenizer.convert_ids_to_tokens(sorted(special)))
+        # A chat prompt's long pieces between markers, kept across requests (piece_cache.py).
+        self._pieces = PieceCache() if piecewise_exact(hf_tokenizer) else None
 
     @property
     def backend(self):
@@ -152,10 +155,33 @@ class Tokenizer:
                 msgs, add_generation_prompt, chat_template, tls, enable_thinking
             ),
             self._specials,
-            lambda text, parse: self.encode(text, add_special_tokens=False, parse_special_tokens=parse),
+            self._encode_rendered,
             self._backend.token_to_id,
             tools,
         )
+
+    def _encode_rendered(self, text: str, parse_special_tokens: bool) -> list[int]:
+        """A rendered prompt's ids (no BOS added: the template writes it). With its special tokens
+        parsed and a tokenizer that allows it, piece by piece between the special tokens' strings,
+        a long piece's ids from the piece cache: the same ids as the whole text's encode."""
+        pieces, pattern = self._pieces, self._specials.pattern
+        if not parse_special_tokens or pieces is None or len(text) < pieces.min_chars:
+            return self.encode(text, add_special_tokens=False, parse_special_tokens=parse_special_tokens)
+        backend = self._backend
+
+        def plain(piece: str) -> list[int]:  # no special token's string in it: parsing finds none
+            return backend.encode(piece, add_special_tokens=False).ids
+
+        ids: list[int] = []
+        pos = 0
+        for marker in pattern.finditer(text) if pattern is not None else ():
+            if marker.start() > pos:
+                ids += pieces.ids(text[pos : marker.start()], plain)
+            ids.append(backend.token_to_id(marker.group(0)))
+            pos = marker.end()
+        if pos < len(text):
+            ids += pieces.ids(text[pos:], plain)
+        return ids
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
         if isinstance(ids, int):
