@@ -9,6 +9,7 @@ request text to the engine: it is a constraint, as a stop token id is.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -47,9 +48,9 @@ class StructuredOutputsParams:
         return given[0]
 
     def to_grammar(self) -> str:
-        """The llguidance grammar of this constraint; ``ValueError`` naming the field if it is bad."""
-        import llguidance
-
+        """The llguidance grammar of this constraint; ``ValueError`` naming the field if it is bad.
+        The same spec again (a session's tools on every turn) is built and checked once: the last
+        ``GRAMMARS_KEPT`` good ones are kept by their text."""
         kind = self.kind()
         field = f"structured_outputs.{kind}"
         try:
@@ -60,13 +61,10 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object")
-                _check_size(json.dumps(schema), field)
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+                text = json.dumps(schema)
+                _check_size(text, field)
             elif kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({}, defaults=JSON_DEFAULTS)
-            elif kind == "regex":
-                _check_str(self.regex, field)
-                grammar = llguidance.LLMatcher.grammar_from_regex(self.regex)
+                text = ""
             elif kind == "choice":
                 choices = list(self.choice)
                 if not choices or len(choices) > MAX_CHOICES:
@@ -74,18 +72,38 @@ class StructuredOutputsParams:
                 for c in choices:
                     _check_str(c, field)
                 _check_size("".join(choices), field)
-                grammar = llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
-                )
+                text = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
             else:
-                _check_str(self.grammar, field)
-                grammar = llguidance.LLMatcher.grammar_from_lark(self.grammar)
+                text = self.regex if kind == "regex" else self.grammar
+                _check_str(text, field)
+            return _kept_grammar(kind, text) if len(text) <= KEPT_BYTES else _grammar(kind, text)
         except ValueError as e:
             raise ValueError(f"{field}: {_first_lines(str(e))}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"{field}: {_first_lines(error)}")
-        return grammar
+
+
+GRAMMARS_KEPT, KEPT_BYTES = 64, 128 << 10  # at most 64 specs of up to 128 KiB kept, with their grammars
+
+
+def _grammar(kind: str, text: str) -> str:
+    """The grammar of a spec's text (a JSON schema's JSON, a regex, Lark), syntax-checked; a bad one
+    raises ``ValueError`` (not kept)."""
+    import llguidance
+
+    if kind == "json":
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_DEFAULTS)
+    elif kind == "json_object":
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({}, defaults=JSON_DEFAULTS)
+    elif kind == "regex":
+        grammar = llguidance.LLMatcher.grammar_from_regex(text)
+    else:  # "choice" (written as Lark above) and "grammar"
+        grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
+_kept_grammar = functools.lru_cache(maxsize=GRAMMARS_KEPT)(_grammar)
 
 
 def _check_str(value, field: str) -> None:

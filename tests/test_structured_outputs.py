@@ -208,6 +208,27 @@ def test_bad_specs_are_refused_naming_the_field(tiny_llama, spec, field):
     assert not engine.requests and not engine.scheduler.waiting
 
 
+def test_a_spec_sent_again_is_built_once_and_a_bad_one_refused_every_time():
+    """A session's tools arrive as one grammar on every turn: built and checked once, the same
+    grammar each time; a bad spec is never kept (its error every time, naming the field)."""
+    from engine_svc import structured_outputs as so
+
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"turn": {"type": "integer"}}})
+    same = StructuredOutputsParams(json=json.dumps(spec.json))  # the same schema as its JSON text
+    before = so._kept_grammar.cache_info()
+    first = spec.to_grammar()
+    assert spec.to_grammar() == first == same.to_grammar()
+    after = so._kept_grammar.cache_info()
+    assert after.hits - before.hits == 2 and after.misses - before.misses == 1
+    bad = StructuredOutputsParams(regex="(a|b")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape("structured_outputs.regex")):
+            bad.to_grammar()
+    assert so._kept_grammar.cache_info().currsize == after.currsize
+    huge = StructuredOutputsParams(regex="a" * (so.KEPT_BYTES + 1))  # checked, not kept
+    assert huge.to_grammar() and so._kept_grammar.cache_info().currsize == after.currsize
+
+
 @pytest.mark.parametrize(
     "params, field",
     [

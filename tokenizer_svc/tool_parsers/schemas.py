@@ -3,18 +3,30 @@ requests and ``LLM.chat``) make before a tool grammar is built from it."""
 
 from __future__ import annotations
 
+import functools
+import json
+
 
 def schema_error(schema) -> str | None:
     """What is wrong with ``schema`` as a tool's parameters (llguidance, which the grammar is built
-    with, is the judge), or None."""
-    import llguidance
-
+    with, is the judge), or None. A session sends its tools on every turn: the verdicts on the last
+    ``VERDICTS_KEPT`` schemas are kept by their JSON text."""
     if not isinstance(schema, dict):
         return "must be a JSON Schema object"
     if schema.get("type", "object") != "object":
         return 'must be a schema of an object ("type": "object")'
+    text = json.dumps(schema)
+    return _kept_verdict(text) if len(text) <= KEPT_BYTES else _verdict(text)
+
+
+VERDICTS_KEPT, KEPT_BYTES = 512, 16 << 10  # at most 8 MiB of schemas held
+
+
+def _verdict(text: str) -> str | None:
+    import llguidance
+
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text))
     except ValueError as e:
         return f"is not a usable JSON Schema: {str(e).strip()[:300]}"
     error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -45,3 +57,6 @@ def _any_string(names) -> bool:
         return False
     rest = {k: v for k, v in names.items() if k not in ("description", "title", "$comment")}
     return rest == {"type": "string"}
+
+
+_kept_verdict = functools.lru_cache(maxsize=VERDICTS_KEPT)(_verdict)
