@@ -370,3 +370,32 @@ def test_the_grammar_vocabulary_is_built_by_the_first_structured_request(tiny_ll
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.grammars._tokenizer is not None and engine.grammars.num_compiled == 1
+
+
+@pytest.mark.parametrize("vocab", [151936, 1000, 1024])
+def test_the_cpu_mask_fill_equals_the_device_expansion(vocab):
+    """``apply_grammar_bitmask`` on CPU (numpy unpacks the refused bits, rows filled in place) against
+    the device path (the words expanded by shifts), on CPU tensors: random masks, some rows of a
+    batch, a vocabulary that ends inside a word."""
+    import numpy as np
+    import torch
+
+    from engine_svc.logits_processors.grammar import _apply_on_device, apply_grammar_bitmask
+
+    rng = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    mask = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    mask[1] = -1  # every token allowed
+    mask[2, : words // 2] = 0  # the first half refused
+    logits = torch.randn(6, vocab)
+    rows = [0, 2, 5]
+    got, want = logits.clone(), logits.clone()
+    apply_grammar_bitmask(got, rows, mask)
+    _apply_on_device(want, rows, mask)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3, 4]], logits[[1, 3, 4]])  # the other rows untouched
+    assert torch.equal(got[2], logits[2])  # mask[1] allows everything
+    refused = torch.isinf(got[5])
+    assert refused[: 32 * (words // 2)].all() and not refused[32 * (words // 2) :].all()
+    token = int(rng.integers(vocab))  # one token against its bit, read independently
+    assert bool(torch.isinf(got[0, token])) != bool((int(mask[0, token // 32]) >> (token % 32)) & 1)

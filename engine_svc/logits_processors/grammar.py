@@ -67,7 +67,23 @@ def fill_grammar_bitmask(
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], mask: np.ndarray) -> None:
-    """Rows ``rows`` of ``logits`` keep only the tokens their masks allow."""
+    """Rows ``rows`` of ``logits`` keep only the tokens their masks allow. On CPU the refused tokens'
+    bits are unpacked by numpy (one pass over a byte a token) and each row is filled in place: at a
+    151,936-token vocabulary 0.2 ms a row, where the shifts on 32 copies of each word took ~1.7 ms
+    (and ~4 ms a decode step in the served engine, with two threads); elsewhere the words go to the
+    device and are expanded there."""
+    if logits.device.type == "cpu":
+        refused = np.unpackbits(
+            np.invert(np.asarray(mask, dtype="<i4")).view(np.uint8), axis=-1, bitorder="little"
+        )
+        refused = torch.from_numpy(refused[:, : logits.shape[1]]).view(torch.bool)
+        for i, r in enumerate(rows):
+            logits[r].masked_fill_(refused[i], float("-inf"))
+        return
+    _apply_on_device(logits, rows, mask)
+
+
+def _apply_on_device(logits: torch.Tensor, rows: list[int], mask: np.ndarray) -> None:
     words = torch.from_numpy(mask).to(logits.device)
     bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1  # [rows, words, 32]
     allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
