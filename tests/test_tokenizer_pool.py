@@ -169,3 +169,52 @@ def test_worker_that_cannot_start_is_reported(tmp_path):
 
     asyncio.run(main())
     assert worker_children() == []
+
+
+def test_a_sessions_turns_go_to_the_worker_that_holds_its_system_prompt(trained_tokenizer_dir):
+    """With several workers, the chats of one long system prompt go back to the worker that encoded
+    it last (its piece cache holds the prompt's ids), unless that worker is the busier; other
+    requests still spread over the least loaded; the ids are the in-process tokenizer's."""
+    local = load_tokenizer(trained_tokenizer_dir)
+    system = {"role": "system", "content": long_prompt(6000, seed=3)}
+    other = {"role": "system", "content": long_prompt(6000, seed=4)}
+
+    async def main():
+        async with TokenizerPool(trained_tokenizer_dir, num_workers=3) as pool:
+            served: list[tuple[str, int]] = []
+            for w in pool._workers:
+                call = w.call
+
+                async def record(request, _w=w, _call=call):
+                    served.append((request.WhichOneof("kind"), _w.index))
+                    return await _call(request)
+
+                w.call = record
+            turns = [[system, {"role": "user", "content": f"turn {k}"}] for k in range(4)]
+            for msgs in turns:
+                assert await pool.apply_chat_template(msgs) == local.apply_chat_template(msgs)
+            sticky = {i for kind, i in served if kind == "chat"}
+            assert len(sticky) == 1, f"one session's turns went to workers {served}"
+            served.clear()
+            await pool.apply_chat_template([other, {"role": "user", "content": "hi"}])
+            await asyncio.gather(*(pool.encode(f"text {k}") for k in range(6)))
+            assert len({i for _, i in served}) > 1, f"everything went to one worker: {served}"
+            # The session's worker busy with another request: the next turn goes to a free one.
+            (home,) = sticky
+            busy = asyncio.ensure_future(pool._workers[home].call(_encode_request(long_prompt(200000, 9))))
+            while not pool._workers[home].pending:  # the busy request is written to the worker
+                await asyncio.sleep(0)
+            served.clear()
+            turn = asyncio.ensure_future(pool.apply_chat_template(turns[0]))
+            await asyncio.sleep(0)  # picked now: the home worker still has the long encode
+            assert served[-1] == ("chat", served[-1][1]) and served[-1][1] != home, served
+            assert await turn == local.apply_chat_template(turns[0])
+            await busy
+
+    asyncio.run(main())
+
+
+def _encode_request(text: str):
+    from llmserve_proto.tokenizer.v1 import tokenizer_pb2 as pb
+
+    return pb.WorkerRequest(encode=pb.EncodeRequest(text=text, add_special_tokens=False))

@@ -10,11 +10,13 @@ baseline the benchmark compares against).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 from llmserve_proto.tokenizer.v1 import tokenizer_pb2 as pb
 from tokenizer_svc.chat_messages import to_proto, validate_tools
+from tokenizer_svc.piece_cache import MIN_CHARS
 from tokenizer_svc.tokenizer import Tokenizer, load_tokenizer, validate_messages
 from tokenizer_svc.worker_process import TokenizerWorkerDied, TokenizerWorkerError, WorkerProcess
 
@@ -23,6 +25,14 @@ __all__ = ["TokenizerPool", "TokenizerWorkerDied", "TokenizerWorkerError"]
 # A worker that dies again this many times in a row without answering anything is not restarted.
 _MAX_RESTARTS_IN_A_ROW = 3
 _MAX_TOKEN_ID = 2**32 - 1
+_AFFINITY_KEYS = 4096  # system messages remembered, least recently used out first
+
+
+def _session_key(messages: list[dict]) -> int | None:
+    """A chat's first message if it is long enough to be kept by a worker's piece cache, hashed:
+    requests of one session (and sessions of one system prompt) share it."""
+    first = messages[0].get("content") if messages and isinstance(messages[0], dict) else None
+    return hash(first) if isinstance(first, str) and len(first) >= MIN_CHARS else None
 
 
 class TokenizerPool:
@@ -39,6 +49,10 @@ class TokenizerPool:
         self._restarts: dict[int, asyncio.Task] = {}
         self._failed_restarts = [0] * num_workers
         self._next = 0  # round-robin start among equally loaded workers
+        # A chat's system message -> the worker that last encoded it: a session's turns go back to
+        # the worker whose piece cache holds its long system prompt (piece_cache.py), unless that
+        # worker is busier than another.
+        self._affinity: OrderedDict[int, int] = OrderedDict()
         self._closed = False
 
     @property
@@ -101,7 +115,7 @@ class TokenizerPool:
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
         )
-        return list((await self._call(pb.WorkerRequest(chat=chat))).token_ids.ids)
+        return list((await self._call(pb.WorkerRequest(chat=chat), _session_key(messages))).token_ids.ids)
 
     async def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._local is not None:
@@ -128,8 +142,8 @@ class TokenizerPool:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, request: pb.WorkerRequest) -> pb.WorkerResponse:
-        worker = await self._pick()
+    async def _call(self, request: pb.WorkerRequest, key: int | None = None) -> pb.WorkerResponse:
+        worker = await self._pick(key)
         response = await worker.call(request)
         self._failed_restarts[worker.index] = 0
         if response.WhichOneof("result") == "error":
@@ -138,7 +152,7 @@ class TokenizerPool:
             raise TokenizerWorkerError(f"tokenizer worker {worker.index}: {response.error.message}")
         return response
 
-    async def _pick(self) -> WorkerProcess:
+    async def _pick(self, key: int | None = None) -> WorkerProcess:
         if self._closed:
             raise RuntimeError("the tokenizer pool is closed")
         if not self._workers:
@@ -149,7 +163,17 @@ class TokenizerPool:
             live = [w for w in live if w.alive]
             if live:
                 self._next = (self._next + 1) % n
-                return min(live, key=lambda w: len(w.pending))  # min keeps the first of equals
+                least = min(live, key=lambda w: len(w.pending))  # min keeps the first of equals
+                if key is None:
+                    return least
+                index = self._affinity.pop(key, None)
+                worker = next((w for w in live if w.index == index), None)
+                if worker is None or len(worker.pending) > len(least.pending):
+                    worker = least
+                self._affinity[key] = worker.index
+                if len(self._affinity) > _AFFINITY_KEYS:
+                    self._affinity.popitem(last=False)
+                return worker
             if not self._restarts:
                 raise TokenizerWorkerDied("every tokenizer worker has died and none could be restarted")
             await asyncio.wait(list(self._restarts.values()), return_when=asyncio.FIRST_COMPLETED)
