@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
                 res = run_ours(gguf, workloads, 0, work, dtype="auto", tag="-gguf")
             runs[who].append(res)
             tok_s = ", ".join(f"{k} {v['output_tok_s']:.1f}" for k, v in res.items() if k != "_meta")
-            print(f"  {who}: {tok_s} tok/s ({time.perf_counter() - t:.0f} s)", flush=True)
+            cores = f", its threads on cores {res['_meta'].get('omp_cores')}" if who == "vllm" else ""
+            print(f"  {who}: {tok_s} tok/s ({time.perf_counter() - t:.0f} s{cores})", flush=True)
     figures, targets = {}, []
     for name in workloads:
         best = {w: max(r[name]["output_tok_s"] for r in rs) for w, rs in runs.items() if rs}

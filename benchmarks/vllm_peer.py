@@ -45,11 +45,21 @@ def find_vllm_python() -> tuple[str | None, str]:
 
 
 def vllm_env(threads_bind: str | None = None) -> dict:
+    """vLLM's environment: its compute threads on every CPU this process may use (``threads_bind``:
+    another list, vLLM's syntax). Left to itself (``auto``) vLLM-CPU keeps one core on x86 for its
+    scheduler process and binds its worker's threads to the rest: on a 2-core machine that is one
+    thread, where ours runs two (the peer figures before this default had vLLM on one core)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    if threads_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env.pop("OMP_NUM_THREADS", None)
     return env
+
+
+def omp_cores(log: str) -> list[int] | None:
+    """The cores vLLM bound its worker's OpenMP threads to, from its log ("core ids=[0, 1]")."""
+    m = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
+    return [int(x) for x in m[-1].split(",") if x.strip()] if m else None
 
 
 def run_vllm(
@@ -96,6 +106,7 @@ def run_vllm_workloads(
         raise RuntimeError(f"vLLM run failed (rc {proc.returncode}); log in {work_dir / 'vllm_stderr.log'}")
     result = json.loads(out.read_text())
     result["_meta"]["engine_torch_threads"] = engine_threads(proc.stderr)
+    result["_meta"]["omp_cores"] = omp_cores(proc.stdout + proc.stderr)
     return result
 
 

