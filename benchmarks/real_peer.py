@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.peer import run_ours
-from benchmarks.vllm_peer import find_vllm_python, run_vllm_workloads
+from benchmarks.vllm_peer import all_cpus, find_vllm_python, run_vllm_workloads
 
 SYSTEMS = ("vllm", "ours-bf16", "ours-gguf")
 TARGET = 1.5
@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
             if who == "vllm":
                 if not python:
                     continue
-                res = run_vllm_workloads(python, hf, workloads, work, dtype=peer_dtype, timeout_s=7200)
+                # Both engines on every core: vLLM's own default keeps one for its scheduler (on a
+                # 2-core machine its worker then computes on one thread against our two).
+                res = run_vllm_workloads(
+                    python, hf, workloads, work, threads_bind=all_cpus(), dtype=peer_dtype, timeout_s=7200
+                )
             elif who == "ours-bf16":
                 res = run_ours(hf, workloads, 0, work, dtype=args.ours_dtype, tag="-bf16")
             else:

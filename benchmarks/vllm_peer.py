@@ -45,15 +45,21 @@ def find_vllm_python() -> tuple[str | None, str]:
 
 
 def vllm_env(threads_bind: str | None = None) -> dict:
-    """vLLM's environment: its compute threads on every CPU this process may use (``threads_bind``:
-    another list, vLLM's syntax). Left to itself (``auto``) vLLM-CPU keeps one core on x86 for its
-    scheduler process and binds its worker's threads to the rest: on a 2-core machine that is one
-    thread, where ours runs two (the peer figures before this default had vLLM on one core)."""
+    """vLLM's environment. ``threads_bind`` None: its own default (``auto``), which on x86 keeps one
+    core for its scheduler process and binds its worker's threads to the rest -- on a 2-core machine
+    one thread (``peer`` compares against that default, and at matched threads); else the CPUs its
+    worker's threads are bound to (vLLM's syntax, e.g. ``all_cpus()``), none kept back."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind or ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env.pop("OMP_NUM_THREADS", None)
     return env
+
+
+def all_cpus() -> str:
+    """Every CPU this process may use, as vLLM's thread binding names them ("0,1")."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
 def omp_cores(log: str) -> list[int] | None:

