@@ -152,6 +152,11 @@ class KVCacheManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.num_partial_hits = 0  # hits that took a copy of a cached block's first tokens
+        # Blocks published while the step that computes them is planned (a prompt's blocks, for the
+        # requests admitted after it in that step): a whole-block hit shares them, but a copy of
+        # one would be taken before the forward writes it, so no partial hit is taken from them
+        # until the step's changes are handed out.
+        self._computing: set[int] = set()
         self.num_window_released = 0  # blocks released because every window had passed them
 
     @property
@@ -273,6 +278,8 @@ class KVCacheManager:
         want = seq.token_ids[n * bs : n * bs + limit]
         best, most = None, 0
         for block_id in kids:
+            if block_id in self._computing:
+                continue
             have = self.pool.blocks[block_id].token_ids
             m = 0
             while m < limit and have[m] == want[m]:
@@ -585,6 +592,8 @@ class KVCacheManager:
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if tables[0][i] != null:
                 self.pool.register(tables[0][i], hashes[i], block_tokens, parent, salt_h)
+                if (i + 1) * bs > seq.num_computed_tokens:  # computed by the step being planned
+                    self._computing.add(tables[0][i])
             for g in range(1, len(tables)):
                 block_id = tables[g][i]
                 if block_id != null:
@@ -664,4 +673,5 @@ class KVCacheManager:
             copies = _NO_COPIES
         tier_ops, self._tier_ops = self._tier_ops or None, []
         forks, self._forks = self._forks or None, []
+        self._computing.clear()  # written by this step's forward, before the next step's copies
         return StepChanges(updates, released, copies, tier_ops, forks)

@@ -99,3 +99,37 @@ def test_a_partial_hit_on_a_full_pool_takes_nothing_until_it_fits(tiny_llama):
     got, cached = run(engine, "b", p, params)
     assert cached == 40 and engine.kv.num_partial_hits == 1
     assert_same_as_solo("b", got, solo(fresh, p, params), params)
+
+
+def test_a_block_computed_by_the_same_step_is_shared_whole_never_copied(tiny_llama):
+    """Two requests added together: the first's prompt blocks are published as its step is planned
+    (so that the second, admitted after it in that step, shares them whole). A copy of one of them
+    would be taken before the forward writes it: the second hits the whole blocks only, then
+    computes the rest of its tokens itself. (Copying it gave the real model's chats garbage.)"""
+    engine = make_engine(tiny_llama, **OPTS)
+    fresh = partial(make_engine, tiny_llama, **OPTS)
+    (prompt,) = random_prompts([50], 1024, seed=25)  # blocks 0-2 full, published as planned
+    second = prompt[:40] + [7] * 5  # blocks 0-1 whole, then 8 tokens of block 2
+    params = greedy(6)
+    engine.add_request("first", prompt, params)
+    engine.add_request("second", second, params)
+    cached = {}
+    schedule = engine.scheduler.schedule
+
+    def observed():
+        out = schedule()
+        for s in out.seqs:
+            cached.setdefault(s.request.request_id, s.num_cached_tokens)
+        return out
+
+    engine.scheduler.schedule = observed
+    results: dict[str, Result] = {}
+    drive(engine, results)
+    assert_pool_whole(engine)
+    assert cached == {"first": 0, "second": 32} and engine.kv.num_partial_hits == 0
+    for rid, p in (("first", prompt), ("second", second)):
+        assert_same_as_solo(rid, results[rid], solo(fresh, p, params), params)
+    # Once computed, the same block is copied: a third request, after the step, hits 40 tokens.
+    third, cached3 = run(engine, "third", prompt[:40] + [9] * 5, params)
+    assert cached3 == 40 and engine.kv.num_partial_hits == 1
+    assert_same_as_solo("third", third, solo(fresh, prompt[:40] + [9] * 5, params), params)
