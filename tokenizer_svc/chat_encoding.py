@@ -99,17 +99,26 @@ def encode_chat(
 
     rendered = render(_map_strings(messages, hide), _map_strings(tools, hide))
     back = re.compile(f"{re.escape(mark)}(\\d+){re.escape(mark)}")
+    return encode_pieces(
+        rendered,
+        specials,
+        lambda piece: encode(back.sub(lambda m: swapped[int(m.group(1))], piece), False),
+        token_id,
+    )
+
+
+def encode_pieces(
+    text: str, specials: SpecialTokens, encode_piece: Callable[[str], Sequence[int]], token_id
+) -> list[int]:
+    """``text`` cut at its special tokens' strings, as the tokenizer cuts a text before
+    pre-tokenizing: each non-empty piece between them through ``encode_piece``, each marker its id."""
     ids: list[int] = []
     pos = 0
-    for marker in specials.pattern.finditer(rendered):
-        ids += _plain(rendered[pos : marker.start()], back, swapped, encode)
+    for marker in specials.pattern.finditer(text) if specials.pattern is not None else ():
+        if marker.start() > pos:
+            ids += encode_piece(text[pos : marker.start()])
         ids.append(token_id(marker.group(0)))
         pos = marker.end()
-    ids += _plain(rendered[pos:], back, swapped, encode)
+    if pos < len(text):
+        ids += encode_piece(text[pos:])
     return ids
-
-
-def _plain(piece: str, back: re.Pattern, swapped: list[str], encode) -> list[int]:
-    if not piece:
-        return []
-    return encode(back.sub(lambda m: swapped[int(m.group(1))], piece), False)

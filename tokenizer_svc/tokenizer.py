@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat
+from tokenizer_svc.chat_encoding import SpecialTokens, encode_chat, encode_pieces
 from tokenizer_svc.chat_messages import validate_messages, validate_tools
 from tokenizer_svc.piece_cache import PieceCache, piecewise_exact
 from tokenizer_svc.tokenizer_files import find_tokenizer_dir
@@ -164,7 +164,7 @@ class Tokenizer:
         """A rendered prompt's ids (no BOS added: the template writes it). With its special tokens
         parsed and a tokenizer that allows it, piece by piece between the special tokens' strings,
         a long piece's ids from the piece cache: the same ids as the whole text's encode."""
-        pieces, pattern = self._pieces, self._specials.pattern
+        pieces = self._pieces
         if not parse_special_tokens or pieces is None or len(text) < pieces.min_chars:
             return self.encode(text, add_special_tokens=False, parse_special_tokens=parse_special_tokens)
         backend = self._backend
@@ -172,16 +172,10 @@ class Tokenizer:
         def plain(piece: str) -> list[int]:  # no special token's string in it: parsing finds none
             return backend.encode(piece, add_special_tokens=False).ids
 
-        ids: list[int] = []
-        pos = 0
-        for marker in pattern.finditer(text) if pattern is not None else ():
-            if marker.start() > pos:
-                ids += pieces.ids(text[pos : marker.start()], plain)
-            ids.append(backend.token_to_id(marker.group(0)))
-            pos = marker.end()
-        if pos < len(text):
-            ids += pieces.ids(text[pos:], plain)
-        return ids
+        def kept(piece: str):
+            return pieces.ids(piece, plain)
+
+        return encode_pieces(text, self._specials, kept, backend.token_to_id)
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
         if isinstance(ids, int):
