@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
                 peak = roofs[t]["int8_gops" if int8 else "fp32_gflops"]
                 for m in rows:
                     x = torch.randn(m, k)
-                    s = timed(into_kept_output(lin, x, n), args.reps)
+                    s = timed(into_kept_output(lin, x, n)[0], args.reps)
                     gf = 2 * m * n * k / s / 1e9
                     figures.append(
                         dict(
@@ -234,25 +234,26 @@ def main(argv: list[str] | None = None) -> dict:
     return doc
 
 
-def into_kept_output(lin, x: torch.Tensor, n: int):
+def into_kept_output(lin, x: torch.Tensor, n: int):  # -> (the call, its kept output or None)
     """The call to time: the packed GEMMs write into one output kept across calls, as the engine's
     layer loop writes into its kept scratch. ``lin(x)`` makes a fresh output each call, and one over
     glibc's 32 MiB mmap ceiling (1,024 rows of the 0.5B's gate_up, 64 of its head) is a new mapping
     whose pages fault in on every call: that halved the measured rate at those sizes."""
     if not hasattr(lin, "_gemm"):
-        return lambda: lin(x)
+        return (lambda: lin(x)), None
     y = torch.empty(x.shape[0], n)
     bias = getattr(lin, "_bias_ptr", None)
+    code = lin.native_entry().code  # None: the float GEMMs (small_gemm.c) take no format code
 
     def call():
         rc = lin._gemm(
-            lin.code, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), lin._packed_ptr, n,
-            bias, y.data_ptr(), n, torch.get_num_threads(),
+            *(() if code is None else (code,)), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+            lin._packed_ptr, n, bias, y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
-        if rc != 0:
+        if code is not None and rc != 0:
             raise RuntimeError(f"the GEMM refused ({rc})")
 
-    return call
+    return call, y
 
 
 def lin_shape(lin) -> tuple[int, int]:
