@@ -37,7 +37,11 @@ def isa(request):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 64, 300])
-@pytest.mark.parametrize("k,n,bias", [(512, 768, False), (64, 47, True), (33, 200, True), (8, 1, True)])
+# K = 2,816: a panel over small_gemm.c's NEXT_PANEL_MAX as fp32 on AVX-512 (48 columns), so its
+# many rows stay widened in registers; below it, 24 rows or more read a panel widened once.
+@pytest.mark.parametrize(
+    "k,n,bias", [(512, 768, False), (64, 47, True), (33, 200, True), (8, 1, True), (2816, 70, True)]
+)
 def test_half_weights_equal_the_fp32_gemm_on_their_values(isa, dtype, m, k, n, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g) * k**-0.5
@@ -73,6 +77,8 @@ def test_fp16_weights_widen_exactly_at_the_edges_of_the_format(isa):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_weights_give_a_row_the_same_bits_in_any_batch_and_thread_count(isa, dtype):
+    """A row alone (widened in registers), in a few rows, and among 24 or more (the panel widened
+    once into a buffer): the same bits."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(200, 576, generator=g).to(dtype)
     lin = native_gemm.NativeLinear(w, torch.randn(200, generator=g), isa=isa)
@@ -82,7 +88,7 @@ def test_half_weights_give_a_row_the_same_bits_in_any_batch_and_thread_count(isa
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for rows in (2, 9, 70):
+            for rows in (2, 9, 23, 24, 70):
                 assert torch.equal(lin(x[:rows]), alone[:rows])
     finally:
         torch.set_num_threads(threads)

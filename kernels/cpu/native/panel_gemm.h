@@ -11,6 +11,10 @@
  * begin (fp32: 1; a quantized block: 32), UNROLL steps come from one weights call (a byte of two
  * nibbles gives two). The decoder is inlined, so each weight format compiles to its own loop.
  *
+ * DEFINE_PANEL_ITEM(NAME, GROUP, UNROLL, MIN_ROWS, MAX_BYTES) makes NAME_item(), the work item: from
+ * MIN_ROWS rows on (and a panel of at most MAX_BYTES as fp32), the panel is decoded once into a
+ * thread's buffer that the fp32 kernel then reads for every row block, instead of once per block.
+ *
  * The arithmetic is the same for every format: MR rows x NB columns of sums in registers, each
  * output y[i][j] one chain of multiply-adds over k = 0..K-1 in order from zero, then + bias[j],
  * whatever the other rows, their number, the thread or the panel split. So a row's result is
@@ -21,6 +25,7 @@
 #define LLMSERVE_PANEL_GEMM_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "parallel.h"
@@ -89,16 +94,55 @@ INLINE const float *panel_bias(const float *bias, int cols, float pad[NB]) {
     return pad;
 }
 
+/* The next panel, asked for into L2 while this one runs (issue 44): with more than one row block, the
+ * first block's pass streamed its panel from L3 or memory at the rate of the L1's few outstanding
+ * misses (the later blocks read it from L2), and the cores sat on it. Now each block asks for its
+ * share of the next panel's lines (the next work item's: panels are consecutive), a few per k group,
+ * so that the stream runs under the arithmetic. One row block (a decode's GEMV) has no reuse to hide
+ * it under: nothing is asked. Prefetches only: the arithmetic, and so the bits, are unchanged.
+ * Only for panels of at most NEXT_PANEL_MAX bytes, so that two fit the L2 (1.25-2 MiB a core) beside
+ * the rows' activations: the 0.5B's down projection (K = 4,864: 934 KB fp32) read 0.9x with it. */
+#ifndef NEXT_PANEL_MAX
+#define NEXT_PANEL_MAX (512 * 1024)
+#endif
+typedef struct {
+    const char *next;
+    int64_t steps, lines_per_block;
+    int per;
+} next_share;
+
+INLINE next_share next_shares(int64_t m, int64_t groups, const uint8_t *next, int64_t next_bytes) {
+    next_share ns = {(const char *)next, 0, 0, 0};
+    const int64_t blocks = (m + MR - 1) / MR, lines = (next_bytes + 63) / 64;
+    if (!next || blocks < 2 || groups < 1 || next_bytes > NEXT_PANEL_MAX) return ns;
+    ns.lines_per_block = (lines + blocks - 1) / blocks;
+    int64_t per = (ns.lines_per_block + groups - 1) / groups;
+    ns.per = (int)(per > 4 ? 4 : per);
+    ns.steps = (ns.lines_per_block + ns.per - 1) / ns.per;
+    if (ns.steps > groups) ns.steps = groups;
+    return ns;
+}
+
+INLINE const char *share_at(const next_share *ns, int64_t block) { return ns->next + block * ns->lines_per_block * 64; }
+
+INLINE void prefetch_lines(const char *p, int n) {
+    __builtin_prefetch(p, 0, 2);
+    if (n > 1) __builtin_prefetch(p + 64, 0, 2);
+    if (n > 2) __builtin_prefetch(p + 128, 0, 2);
+    if (n > 3) __builtin_prefetch(p + 192, 0, 2);
+}
+
 /* NAME_rows: rows [0, m) of x (m <= MR, a constant at each call site) against one panel.
  * NAME_all_rows: every row of x, MR at a time, then the rest (a switch: each count its own loop). */
 #define DEFINE_PANEL_KERNEL(NAME, GROUP, UNROLL)                                                         \
     INLINE void NAME##_rows(const float *restrict x, int64_t ldx, const uint8_t *restrict panel, int64_t k,   \
                             const int m, const float *restrict bias, float *restrict out, int64_t ldo,      \
-                            int cols) {                                                                  \
+                            int cols, const char *pf, int64_t pf_steps, int pf_per) {                    \
         vf acc[MR][V];                                                                                   \
         for (int i = 0; i < m; ++i)                                                                      \
             for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};                                             \
         for (int64_t g = 0; g < k / (GROUP); ++g) {                                                      \
+            if (g < pf_steps) prefetch_lines(pf + g * pf_per * 64, pf_per);                              \
             const NAME##_group s = NAME##_begin(panel, k, g);                                            \
             for (int t = 0; t < (GROUP) / (UNROLL); ++t) {                                               \
                 vf w[UNROLL][V];                                                                         \
@@ -115,27 +159,33 @@ INLINE const float *panel_bias(const float *bias, int cols, float pad[NB]) {
         panel_finish(acc, m, bias, out, ldo, cols);                                                      \
     }                                                                                                    \
     static void NAME##_all_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,     \
-                                const float *bias, float *y, int64_t ldy, int cols) {                    \
+                                const float *bias, float *y, int64_t ldy, int cols, const uint8_t *next,  \
+                                int64_t next_bytes) {                                                    \
         float pad[NB];                                                                                   \
         bias = panel_bias(bias, cols, pad);                                                              \
+        const next_share ns = next_shares(m, k / (GROUP), next, next_bytes);                             \
         int64_t i = 0;                                                                                   \
-        for (; i + MR <= m; i += MR) NAME##_rows(x + i * ldx, ldx, panel, k, MR, bias, y + i * ldy, ldy, cols); \
+        for (; i + MR <= m; i += MR)                                                                     \
+            NAME##_rows(x + i * ldx, ldx, panel, k, MR, bias, y + i * ldy, ldy, cols, share_at(&ns, i / MR), \
+                        ns.steps, ns.per);                                                               \
         const float *xr = x + i * ldx;                                                                   \
         float *yr = y + i * ldy;                                                                         \
+        const char *pr = share_at(&ns, i / MR);                                                          \
         switch (m - i) {                                                                                 \
-            case 1: NAME##_rows(xr, ldx, panel, k, 1, bias, yr, ldy, cols); break;                       \
-            case 2: NAME##_rows(xr, ldx, panel, k, 2, bias, yr, ldy, cols); break;                       \
-            case 3: NAME##_rows(xr, ldx, panel, k, 3, bias, yr, ldy, cols); break;                       \
-            case 4: NAME##_rows(xr, ldx, panel, k, 4 % MR, bias, yr, ldy, cols); break;                  \
-            case 5: NAME##_rows(xr, ldx, panel, k, 5 % MR, bias, yr, ldy, cols); break;                  \
-            case 6: NAME##_rows(xr, ldx, panel, k, 6 % MR, bias, yr, ldy, cols); break;                  \
-            case 7: NAME##_rows(xr, ldx, panel, k, 7 % MR, bias, yr, ldy, cols); break;                  \
+            case 1: NAME##_rows(xr, ldx, panel, k, 1, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 2: NAME##_rows(xr, ldx, panel, k, 2, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 3: NAME##_rows(xr, ldx, panel, k, 3, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 4: NAME##_rows(xr, ldx, panel, k, 4 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 5: NAME##_rows(xr, ldx, panel, k, 5 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 6: NAME##_rows(xr, ldx, panel, k, 6 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
+            case 7: NAME##_rows(xr, ldx, panel, k, 7 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
             default: break;                                                                              \
         }                                                                                                \
     }
 
 typedef void (*panel_all_rows_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,
-                                  const float *bias, float *y, int64_t ldy, int cols);
+                                  const float *bias, float *y, int64_t ldy, int cols, const uint8_t *next,
+                                  int64_t next_bytes);
 
 typedef struct {
     panel_all_rows_fn all_rows;
@@ -153,7 +203,8 @@ static void panel_items(void *ctx, int64_t begin, int64_t end) {
         const int64_t rows = j->m - r0 < MC ? j->m - r0 : MC;
         const int cols = (int)(j->n - p * NB < NB ? j->n - p * NB : NB);
         j->all_rows(j->x + r0 * j->ldx, rows, j->k, j->ldx, j->packed + p * j->panel_bytes,
-                    j->bias ? j->bias + p * NB : NULL, j->y + r0 * j->ldy + p * NB, j->ldy, cols);
+                    j->bias ? j->bias + p * NB : NULL, j->y + r0 * j->ldy + p * NB, j->ldy, cols,
+                    p + 1 < j->panels ? j->packed + (p + 1) * j->panel_bytes : NULL, j->panel_bytes);
     }
 }
 
@@ -190,5 +241,47 @@ INLINE void f32_weights(const f32_group *s, int t, vf w[1][V]) {
     for (int v = 0; v < V; ++v) w[0][v] = loadv(*s + v * W);
 }
 DEFINE_PANEL_KERNEL(f32, 1, 1)
+
+/* A thread's buffer for a decoded panel, kept and grown, never freed: a fresh allocation per item
+ * (over glibc's mmap threshold for K >= 683) cost page faults on every panel. NULL when out of
+ * memory (the caller then decodes in registers: the same bits). */
+static float *panel_buffer(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, sizeof(float) * floats);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+/* A format's work item: with MIN_ROWS rows or more and a panel of at most MAX_BYTES as fp32, the
+ * panel is decoded once (with the very decoder the kernel uses) into a thread's buffer that the fp32
+ * kernel then reads, instead of once per row block; else the format's own kernel decodes as it
+ * reads. Same values, same chains, so the same bits. */
+#define DEFINE_PANEL_ITEM(NAME, GROUP, UNROLL, MIN_ROWS, MAX_BYTES)                                      \
+    static void NAME##_item(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,    \
+                            const float *bias, float *y, int64_t ldy, int cols, const uint8_t *next,     \
+                            int64_t next_bytes) {                                                        \
+        const int once = m >= (MIN_ROWS) && k * NB * (int64_t)sizeof(float) <= (MAX_BYTES);             \
+        float *wbuf = once ? panel_buffer((size_t)(k * NB)) : NULL;                                      \
+        if (!wbuf) {                                                                                     \
+            NAME##_all_rows(x, m, k, ldx, panel, bias, y, ldy, cols, next, next_bytes);                  \
+            return;                                                                                      \
+        }                                                                                                \
+        for (int64_t g = 0; g < k / (GROUP); ++g) {                                                      \
+            const NAME##_group s = NAME##_begin(panel, k, g);                                            \
+            for (int t = 0; t < (GROUP) / (UNROLL); ++t) {                                               \
+                vf w[UNROLL][V];                                                                         \
+                NAME##_weights(&s, t, w);                                                                \
+                for (int u = 0; u < (UNROLL); ++u)                                                       \
+                    for (int v = 0; v < V; ++v)                                                          \
+                        storev(wbuf + (g * (GROUP) + t * (UNROLL) + u) * NB + v * W, w[u][v]);           \
+            }                                                                                            \
+        }                                                                                                \
+        f32_all_rows(x, m, k, ldx, (const uint8_t *)wbuf, bias, y, ldy, cols, next, next_bytes);         \
+    }
 
 #endif

@@ -178,45 +178,11 @@ INLINE void q4_1_weights(const qblock *s, int t, vf w[2][V]) {
     }
 }
 
-/* A thread's dequantized-panel buffer, kept and grown, never freed: a fresh allocation per item
- * (over glibc's mmap threshold for K >= 683) cost page faults on every panel. NULL when out of
- * memory (the caller then dequantizes in registers: the same bits). */
-static float *panel_buffer(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        float *grown = realloc(buf, sizeof(float) * floats);
-        if (!grown) return NULL;
-        buf = grown;
-        cap = floats;
-    }
-    return buf;
-}
-
 /* A format's kernel, and its work item: for more than one row block the panel is dequantized once
- * (with the very decoder the kernel uses) into a buffer in cache that the fp32 kernel then reads,
- * instead of once per row block. Same values, same chains, so the same bits. */
+ * into a buffer that the fp32 kernel reads (panel_gemm.h's DEFINE_PANEL_ITEM). */
 #define DEFINE_QUANT_FORMAT(NAME, GROUP, UNROLL)                                                         \
     DEFINE_PANEL_KERNEL(NAME, GROUP, UNROLL)                                                             \
-    static void NAME##_item(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,    \
-                            const float *bias, float *y, int64_t ldy, int cols) {                        \
-        float *wbuf = m > MR ? panel_buffer((size_t)(k * NB)) : NULL;                                     \
-        if (!wbuf) {                                                                                     \
-            NAME##_all_rows(x, m, k, ldx, panel, bias, y, ldy, cols);                                    \
-            return;                                                                                      \
-        }                                                                                                \
-        for (int64_t g = 0; g < k / (GROUP); ++g) {                                                      \
-            const NAME##_group s = NAME##_begin(panel, k, g);                                            \
-            for (int t = 0; t < (GROUP) / (UNROLL); ++t) {                                               \
-                vf w[UNROLL][V];                                                                         \
-                NAME##_weights(&s, t, w);                                                                \
-                for (int u = 0; u < (UNROLL); ++u)                                                       \
-                    for (int v = 0; v < V; ++v)                                                          \
-                        storev(wbuf + (g * (GROUP) + t * (UNROLL) + u) * NB + v * W, w[u][v]);           \
-            }                                                                                            \
-        }                                                                                                \
-        f32_all_rows(x, m, k, ldx, (const uint8_t *)wbuf, bias, y, ldy, cols);                           \
-    }
+    DEFINE_PANEL_ITEM(NAME, GROUP, UNROLL, MR + 1, INT64_MAX)
 
 DEFINE_QUANT_FORMAT(q8_0, 32, 1)
 DEFINE_QUANT_FORMAT(q4_0, 32, 2)

@@ -58,6 +58,15 @@ void llmserve_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *
         }
 }
 
+/* From this many rows a bf16 or fp16 panel is widened once into an fp32 buffer for all its row blocks
+ * (DEFINE_PANEL_ITEM) rather than in registers by each: the widening's two vector operations per
+ * load competed with the multiply-adds (2 threads, the 0.5B's shapes, 64-256 rows: 1.05-1.2x).
+ * Panels over NEXT_PANEL_MAX as fp32 stay widened in registers (the buffer would push the panel
+ * out of the L2). */
+#ifndef WIDEN_ONCE_ROWS
+#define WIDEN_ONCE_ROWS 24
+#endif
+
 /* W bf16 values as fp32: the 16 bits shifted into the top of each lane. */
 #if defined(__AVX512F__)
 INLINE vf widen_bf16(const uint16_t *p) {
@@ -95,11 +104,12 @@ INLINE void bf16_weights(const bf16_group *s, int t, vf w[1][V]) {
     for (int v = 0; v < V; ++v) w[0][v] = widen_bf16(*s + v * W);
 }
 DEFINE_PANEL_KERNEL(bf16, 1, 1)
+DEFINE_PANEL_ITEM(bf16, 1, 1, WIDEN_ONCE_ROWS, NEXT_PANEL_MAX)
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed bf16. */
 void llmserve_gemm_bf16w(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    panel_gemm(bf16_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
+    panel_gemm(bf16_item, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
 
 /* W fp16 values as fp32, exactly. */
@@ -143,11 +153,12 @@ INLINE void f16_weights(const bf16_group *s, int t, vf w[1][V]) {
 #define f16_group bf16_group
 #define f16_begin bf16_begin
 DEFINE_PANEL_KERNEL(f16, 1, 1)
+DEFINE_PANEL_ITEM(f16, 1, 1, WIDEN_ONCE_ROWS, NEXT_PANEL_MAX)
 
 /* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), W packed fp16. */
 void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                         const float *bias, float *y, int64_t ldy, int32_t num_threads) {
-    panel_gemm(f16_all_rows, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
+    panel_gemm(f16_item, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
 
 /* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
