@@ -123,7 +123,9 @@ INLINE next_share next_shares(int64_t m, int64_t groups, const uint8_t *next, in
     return ns;
 }
 
-INLINE const char *share_at(const next_share *ns, int64_t block) { return ns->next + block * ns->lines_per_block * 64; }
+INLINE const char *share_at(const next_share *ns, int64_t block) {
+    return ns->steps ? ns->next + block * ns->lines_per_block * 64 : NULL;
+}
 
 INLINE void prefetch_lines(const char *p, int n) {
     __builtin_prefetch(p, 0, 2);
