@@ -777,6 +777,7 @@ INLINE vfl cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm512_setzero_si512(); }
 INLINE vi seti(const int32_t *p) { return _mm512_set1_epi32(*p); }
+INLINE vi set1i(int32_t c) { return _mm512_set1_epi32(c); }
 INLINE vfl zerof(void) { return _mm512_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm512_storeu_ps(p, v); }
 #define VW 16
@@ -838,6 +839,7 @@ INLINE vfl cvt(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm256_setzero_si256(); }
 INLINE vi seti(const int32_t *p) { return _mm256_set1_epi32(*p); }
+INLINE vi set1i(int32_t c) { return _mm256_set1_epi32(c); }
 INLINE vfl zerof(void) { return _mm256_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 #define VW 8
@@ -917,6 +919,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     const int signed_dot = !vnni && form(fmt) == FMT_Q8_0;
     const int off = signed_dot ? 0 : offset(fmt);
     const int nc = off && !two_scales(fmt) && !q2k(fmt); /* the sums start from -off * sx */
+    const int two_off = off && two_scales(fmt) && !q2k(fmt); /* I8_16's: from -off * sh, per half */
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[RMAX];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
@@ -945,10 +948,15 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
         }
         vi isum[RMAX][V], isum1[RMAX][V]; /* isum1: I8_16's second sub-block (k steps 16..31) */
         for (int i = 0; i < m; ++i) {
-            const vi z = nc ? seti(x->ncorr + (r0 + i) * x->nb + b) : zeroi();
+            vi z = nc ? seti(x->ncorr + (r0 + i) * x->nb + b) : zeroi(), z1 = zeroi();
+            if (two_off) { /* the halves' offsets, -off * sh, taken out up front (the same integers) */
+                const int64_t at = (r0 + i) * x->nb + b;
+                z = set1i(-off * x->sh[2 * at]);
+                z1 = set1i(-off * x->sh[2 * at + 1]);
+            }
             for (int v = v0; v < v0 + nv; ++v) {
                 isum[i][v] = z;
-                isum1[i][v] = zeroi();
+                isum1[i][v] = z1;
             }
         }
         if (!U && q2k(fmt)) { /* crumbs 0..3: maddubs pairs at most 2 * 3 * 127, folded at once */
@@ -1136,11 +1144,10 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
                 }
                 continue;
             }
-            if (two_scales(fmt)) {
-                const int32_t c0 = off * x->sh[2 * at], c1 = off * x->sh[2 * at + 1];
+            if (two_scales(fmt)) { /* (the offsets are in the sums already: two_off) */
                 for (int v = v0; v < v0 + nv; ++v) {
-                    vfl t = keepv(keepv(dw[v] * dx) * cvt(subi(isum[i][v], c0)));
-                    const vfl u = keepv(keepv(mw[v] * dx) * cvt(subi(isum1[i][v], c1)));
+                    vfl t = keepv(keepv(dw[v] * dx) * cvt(isum[i][v]));
+                    const vfl u = keepv(keepv(mw[v] * dx) * cvt(isum1[i][v]));
                     t = keepv(t + u);
                     acc[i][v] = acc[i][v] + t;
                 }
