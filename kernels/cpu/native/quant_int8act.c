@@ -777,7 +777,6 @@ INLINE vfl cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm512_setzero_si512(); }
 INLINE vi seti(const int32_t *p) { return _mm512_set1_epi32(*p); }
-INLINE vi set1i(int32_t c) { return _mm512_set1_epi32(c); }
 INLINE vfl zerof(void) { return _mm512_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm512_storeu_ps(p, v); }
 #define VW 16
@@ -839,7 +838,6 @@ INLINE vfl cvt(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vi subi(vi a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
 INLINE vi zeroi(void) { return _mm256_setzero_si256(); }
 INLINE vi seti(const int32_t *p) { return _mm256_set1_epi32(*p); }
-INLINE vi set1i(int32_t c) { return _mm256_set1_epi32(c); }
 INLINE vfl zerof(void) { return _mm256_setzero_ps(); }
 INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 #define VW 8
@@ -919,7 +917,7 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
     const int signed_dot = !vnni && form(fmt) == FMT_Q8_0;
     const int off = signed_dot ? 0 : offset(fmt);
     const int nc = off && !two_scales(fmt) && !q2k(fmt); /* the sums start from -off * sx */
-    const int two_off = off && two_scales(fmt) && !q2k(fmt); /* I8_16's: from -off * sh, per half */
+    const int two_off = off && two_scales(fmt); /* I8_16's: from -off * sh, per half (Q2_K: off 0) */
     const int64_t stride = block_stride(fmt), sb = scale_bytes(fmt);
     const int8_t *xr[RMAX];
     for (int i = 0; i < m; ++i) xr[i] = x->q + (r0 + i) * x->k;
@@ -951,8 +949,9 @@ INLINE void rows_simd_cols(const int fmt, const int vnni, const qrows *x, int64_
             vi z = nc ? seti(x->ncorr + (r0 + i) * x->nb + b) : zeroi(), z1 = zeroi();
             if (two_off) { /* the halves' offsets, -off * sh, taken out up front (the same integers) */
                 const int64_t at = (r0 + i) * x->nb + b;
-                z = set1i(-off * x->sh[2 * at]);
-                z1 = set1i(-off * x->sh[2 * at + 1]);
+                const int32_t c0 = -off * x->sh[2 * at], c1 = -off * x->sh[2 * at + 1];
+                z = seti(&c0);
+                z1 = seti(&c1);
             }
             for (int v = v0; v < v0 + nv; ++v) {
                 isum[i][v] = z;
