@@ -48,16 +48,46 @@ _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 # cache is widened as it is read (exact), so its results are the fp32 build's on the widened values.
 BUILDS = {torch.float32: "paged_attention", torch.bfloat16: "paged_attention:kv_bf16"}
 
+# Attention's products (``attention_dtype``): "float32", exact on the cache's values (the builds
+# above), or "bfloat16" on a bf16 cache: each query and each softmax weight rounded to bf16 and the
+# products summed in pairs as VDPBF16PS sums them (``paged_attention.c``, "bf16 products"). The
+# instruction's build where the CPU has it, else the same bits from two fused multiply-adds a pair.
+PRODUCTS = ("float32", "bfloat16")
+BF16_PRODUCTS_BUILD = "paged_attention:kv_bf16_dot"
+BF16_PRODUCTS_NATIVE = "paged_attention:kv_bf16_dot_native"
 
-def library(isa: str | None = None, cache_dtype: torch.dtype = torch.float32):
-    """The loaded kernel's entry point for ``isa`` (default: the chosen set, asked on each call)
-    and caches of ``cache_dtype`` (``BUILDS``), or None."""
-    return _library(isa or isa_choice.chosen(), cache_dtype)
+
+def build_name(
+    cache_dtype: torch.dtype, products: str = "float32", isa: str | None = None, emulated: bool = False
+) -> str | None:
+    """The build that runs ``products`` on caches of ``cache_dtype`` for ``isa`` (None: none does;
+    ``emulated``: the multiply-add build even where the CPU has VDPBF16PS)."""
+    if products == "float32":
+        return BUILDS.get(cache_dtype)
+    if products != "bfloat16" or cache_dtype is not torch.bfloat16:
+        return None
+    isa = isa or isa_choice.chosen()
+    if not emulated and native_build.variant_runs_here(BF16_PRODUCTS_NATIVE, isa):
+        return BF16_PRODUCTS_NATIVE
+    return BF16_PRODUCTS_BUILD
+
+
+def library(
+    isa: str | None = None,
+    cache_dtype: torch.dtype = torch.float32,
+    products: str = "float32",
+    emulated: bool = False,
+):
+    """The loaded kernel's entry point for ``isa`` (default: the chosen set, asked on each call),
+    caches of ``cache_dtype`` and ``products`` (``build_name``), or None."""
+    isa = isa or isa_choice.chosen()
+    name = build_name(cache_dtype, products, isa, emulated)
+    return None if name is None else _library(isa, name)
 
 
 @functools.cache
-def _library(isa: str, cache_dtype: torch.dtype):
-    lib = native_build.load_or_none(BUILDS[cache_dtype], isa)
+def _library(isa: str, name: str):
+    lib = native_build.load_or_none(name, isa)
     if lib is None:
         return None
     fn = lib.llmserve_paged_attention_f32
@@ -225,12 +255,16 @@ def paged_attention(
     softcap: float | None = None,
     *,
     isa: str | None = None,
+    products: str = "float32",
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention`` (``window``: a
-    sliding-window layer's width; ``softcap``: its scores' tanh soft-cap)."""
+    sliding-window layer's width; ``softcap``: its scores' tanh soft-cap). ``products`` "bfloat16":
+    bf16 products on a bf16 cache (``PRODUCTS``), native only: a ValueError where it cannot run."""
     check_window(window)
     check_softcap(softcap)
-    fn = library(isa, k_cache.dtype) if enabled(isa) and takes(q, k_cache, v_cache) else None
+    fn = library(isa, k_cache.dtype, products) if enabled(isa) and takes(q, k_cache, v_cache) else None
+    if fn is None and products != "float32":
+        raise ValueError(bf16_products_unavailable(q, k_cache, products, isa))
     if fn is None:
         return torch_path.paged_attention(
             q,
@@ -268,6 +302,45 @@ def paged_attention(
     if rc != 0:
         raise RuntimeError(f"native paged attention failed (code {rc}) at q {tuple(q.shape)}")
     return out
+
+
+def paged_attention_bf16_products(*args, **kwargs) -> torch.Tensor:
+    """``paged_attention`` with bf16 products (``products="bfloat16"``): the CPU kernels' bundle for
+    ``attention_dtype="bfloat16"`` (kernels/backend.py)."""
+    return paged_attention(*args, products="bfloat16", **kwargs)
+
+
+def bf16_products_unavailable(q, k_cache, products: str = "bfloat16", isa: str | None = None) -> str:
+    """Why bf16 products cannot run on these tensors here (the error's text)."""
+    if products not in PRODUCTS:
+        return f"attention_dtype must be one of {PRODUCTS}, got {products!r}"
+    if k_cache.dtype is not torch.bfloat16:
+        return (
+            "attention_dtype='bfloat16' reads a bf16 KV cache (kv_cache_dtype='bfloat16'); "
+            f"this one is {k_cache.dtype}"
+        )
+    if not enabled(isa):
+        return (
+            "attention_dtype='bfloat16' runs on the native CPU attention kernel, switched off here "
+            "(LLMSERVE_NATIVE_ATTENTION)"
+        )
+    if not takes(q, k_cache, k_cache):
+        return (
+            f"attention_dtype='bfloat16': the native kernel does not take queries {tuple(q.shape)} "
+            f"{q.dtype} (fp32 on the CPU, head size a multiple of 16)"
+        )
+    return (
+        "attention_dtype='bfloat16' needs the native CPU attention kernel, which could not be built "
+        "here (a C compiler)"
+    )
+
+
+def check_bf16_products(isa: str | None = None) -> None:
+    """Raise ValueError (the reason) where bf16 products cannot run on this machine: the engine asks
+    at start, not at its first step."""
+    q, k = torch.zeros(1, 1, 16), torch.zeros(1, 16, 1, 16, dtype=torch.bfloat16)
+    if not (enabled(isa) and library(isa, torch.bfloat16, "bfloat16") is not None):
+        raise ValueError(bf16_products_unavailable(q, k, "bfloat16", isa))
 
 
 # The tile path (AMX-BF16; ``kernels/cpu/native/paged_attention.c``, "On AMX-BF16 tiles"): where

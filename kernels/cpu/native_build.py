@@ -100,8 +100,24 @@ def compiler() -> str | None:
 
 
 # Second builds of one source with a switch defined: ``"<source>:<variant>"`` names one
-# (``load("paged_attention:kv_bf16", isa)``: the attention kernel reading a bf16 KV cache).
-VARIANTS = {"paged_attention": {"kv_bf16": ["-DKV_BF16"]}}
+# (``load("paged_attention:kv_bf16", isa)``: the attention kernel reading a bf16 KV cache;
+# ``kv_bf16_dot``: the same with bf16 products, VDPBF16PS's order emulated by fused multiply-adds;
+# ``kv_bf16_dot_native``: the same bits from the instruction itself, AVX-512 CPUs with AVX512-BF16).
+VARIANTS = {
+    "paged_attention": {
+        "kv_bf16": ["-DKV_BF16"],
+        "kv_bf16_dot": ["-DKV_BF16", "-DBF16_DOT"],
+        "kv_bf16_dot_native": ["-DKV_BF16", "-DBF16_DOT", "-mavx512bf16"],
+    }
+}
+# A variant built only for these instruction sets and where the CPU lists this flag.
+VARIANT_NEEDS = {"paged_attention:kv_bf16_dot_native": ("avx512", "avx512_bf16")}
+
+
+def variant_runs_here(name: str, isa: str) -> bool:
+    """Whether the build ``name`` (``"<source>:<variant>"``) is made for ``isa`` on this CPU."""
+    need = VARIANT_NEEDS.get(name)
+    return need is None or (isa == need[0] and need[1] in cpu_flags())
 
 
 def build(name: str, isa: str) -> Path:
@@ -111,6 +127,10 @@ def build(name: str, isa: str) -> Path:
     stem, _, variant = name.partition(":")
     if variant and variant not in VARIANTS.get(stem, {}):
         raise ValueError(f"no native build variant {variant!r} of {stem} (known: {VARIANTS.get(stem, {})})")
+    if not variant_runs_here(name, isa):
+        raise RuntimeError(
+            f"{name} is built for {VARIANT_NEEDS[name][0]} CPUs with {VARIANT_NEEDS[name][1]} only"
+        )
     defines = VARIANTS[stem][variant] if variant else []
     source = SOURCE_DIR / f"{stem}.c"
     # The headers it may include are part of what is built: a change to one is a new build.
@@ -238,6 +258,7 @@ if __name__ == "__main__":  # make install: build for every instruction set this
             for _src in sorted(SOURCE_DIR.glob("*.c")):
                 for _variant in ["", *VARIANTS.get(_src.stem, {})]:
                     _name = f"{_src.stem}:{_variant}" if _variant else _src.stem
-                    print(f"native kernels ({_isa}): {build(_name, _isa)}")
+                    if variant_runs_here(_name, _isa):
+                        print(f"native kernels ({_isa}): {build(_name, _isa)}")
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as _e:  # the torch path still runs
             print(f"native kernels ({_isa}) not built, the torch path will run: {_e}")

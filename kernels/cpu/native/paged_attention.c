@@ -65,7 +65,20 @@
  * zero weights add exact zeros), so the bitwise properties above hold on this path too, within it:
  * a machine runs one path or the other for every call. kernels/cpu/native_attention.py states the
  * two products' order in numpy (amx_scores_reference, amx_weighted_v_reference); the tests hold the
- * kernel bit-equal to it. */
+ * kernel bit-equal to it.
+ *
+ * bf16 products (BF16_DOT, with KV_BF16: the `paged_attention:kv_bf16_dot` builds, an engine's
+ * attention_dtype "bfloat16"): each query and each softmax numerator is rounded to bf16 (nearest
+ * even; the numerators' sums add the rounded values), and q . k and the pass over V sum their
+ * products in pairs in VDPBF16PS's order: from 0, each pair's odd product (dims 2i + 1, or position
+ * 2i + 1 of the pass's positions counted from an even one), then its even one, each added with one
+ * rounding (a product of two bf16 is exact in fp32). A chunk's tiles run the instruction itself
+ * where the CPU has AVX512-BF16 (the `_native` build: 32 products an instruction against an FMA's
+ * 16), elsewhere two fused multiply-adds a pair (dp_v): the same bits, as every call runs with
+ * denormals flushed as the instruction flushes them (FLUSH_DENORMALS). A decode forms the same sums
+ * with multiply-adds in that order, so a chunk's row is still its decode's bits, and the partitions,
+ * the softmax and the merges are as above. No tile path. tests/test_attention_bf16_products.py holds
+ * the kernel to a numpy statement of the order. */
 
 #define _DEFAULT_SOURCE /* syscall (amx.h) under -std=c11 */
 #include <float.h>
@@ -77,6 +90,21 @@
 
 #include "amx.h"
 #include "parallel.h"
+
+#if defined(BF16_DOT) && !defined(KV_BF16)
+#error "BF16_DOT reads a bf16 cache: build it with KV_BF16"
+#endif
+/* With BF16_DOT every call runs with denormal operands read as 0 and denormal results flushed to 0
+ * (MXCSR's DAZ and FTZ, on x86), as VDPBF16PS always does: its emulation (two fused multiply-adds)
+ * and every other operation of the call then give the same bits on every x86 build. */
+#if defined(BF16_DOT) && defined(__x86_64__)
+#include <xmmintrin.h>
+#define FLUSH_DENORMALS_BEGIN const unsigned csr_saved_ = _mm_getcsr(); _mm_setcsr(csr_saved_ | 0x8040u);
+#define FLUSH_DENORMALS_END _mm_setcsr(csr_saved_);
+#else
+#define FLUSH_DENORMALS_BEGIN
+#define FLUSH_DENORMALS_END
+#endif
 
 #if defined(__AVX512F__)
 #define W 16
@@ -212,6 +240,39 @@ INLINE vf madd_v(vf x, vf y, vf acc) {
     return acc + x * y;
 #endif
 }
+
+#ifdef BF16_DOT
+/* acc + hi(a) hi(b), then + lo(a) lo(b): VDPBF16PS's order (each 32-bit lane two bf16, the odd one
+ * in the high half); emulated by two fused multiply-adds where the CPU lacks it (the products of
+ * two bf16 are exact in fp32, so each step is the instruction's one rounding) */
+INLINE vf dp_v(vf acc, vi a, vi b) {
+#if defined(__AVX512BF16__) && W == 16
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+    const vi m = (vi){0} + (int32_t)0xffff0000;
+    acc = fma_v((vf)(a & m), (vf)(b & m), acc);
+    return fma_v((vf)(a << 16), (vf)(b << 16), acc);
+#endif
+}
+INLINE vi splat_i(uint32_t x) {
+#if W == 16
+    return (vi)_mm512_set1_epi32((int)x);
+#else
+    vi r;
+    for (int l = 0; l < W; ++l) r[l] = (int32_t)x;
+    return r;
+#endif
+}
+/* round to nearest even to bf16, kept as the fp32 bit pattern with its low half 0 */
+INLINE vi round_bf16_bits(vf x) {
+    const vi b = (vi)x;
+    return (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
+}
+static inline uint16_t bf16_of(float x) {
+    uint32_t b; memcpy(&b, &x, 4);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+#endif
 
 /* e^x for x <= 0, W lanes: the softmax numerators and the partition merges' factors of decodes and
  * chunks alike (a lane's value depends only on its x: the scalar exp_np below is the same bits).
@@ -354,6 +415,16 @@ INLINE void transpose_rows(vf *restrict kt, const kv_t *restrict k, int64_t ps, 
 INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *restrict kt, float *restrict rows,
                                 int64_t rs, int m, float scale, const int G, const int NG, const int D) {
     vf acc[G][NG];
+#ifdef BF16_DOT /* VDPBF16PS's order (dp_v): from 0, each pair's odd product, then its even one */
+    for (int j = 0; j < G; ++j)
+        for (int g = 0; g < NG; ++g) acc[j][g] = (vf){0};
+    for (int d = 0; d < D; d += 2)
+        for (int j = 0; j < G; ++j) {
+            const float b1 = q[j * qs + d + 1], b0 = q[j * qs + d];
+            for (int g = 0; g < NG; ++g) acc[j][g] = madd_v(splat_v(b1), kt[g * D + d + 1], acc[j][g]);
+            for (int g = 0; g < NG; ++g) acc[j][g] = madd_v(splat_v(b0), kt[g * D + d], acc[j][g]);
+        }
+#else
     for (int j = 0; j < G; ++j)
         for (int g = 0; g < NG; ++g) acc[j][g] = q[j * qs] * kt[g * D];
     for (int d = 1; d < D; ++d)
@@ -361,6 +432,7 @@ INLINE void decode_heads_scores(const float *restrict q, int64_t qs, const vf *r
             const float b = q[j * qs + d];
             for (int g = 0; g < NG; ++g) acc[j][g] = madd_v(splat_v(b), kt[g * D + d], acc[j][g]);
         }
+#endif
     for (int j = 0; j < G; ++j)
         for (int g = 0; g < NG; ++g) {
             const vf x = acc[j][g] * scale;
@@ -390,12 +462,18 @@ INLINE float softmax_numerators(float *restrict s, int n, int lo, float *max_out
     for (int l = 0; l < W; ++l) lane[l] = l;
     p = 0;
     for (; p + W <= n; p += W) {
-        const vf e = select_v(lane + p < lo, (vf){0}, exp_np_v(loadv(s + p) - m));
+        vf e = select_v(lane + p < lo, (vf){0}, exp_np_v(loadv(s + p) - m));
+#ifdef BF16_DOT
+        e = (vf)round_bf16_bits(e);
+#endif
         storev(s + p, e);
         acc += e;
     }
     for (int l = 0; p + l < n; ++l) {
         float e = p + l < lo ? 0.0f : exp_np(s[p + l] - m);
+#ifdef BF16_DOT
+        e = ((vf)round_bf16_bits(splat_v(e)))[0];
+#endif
         s[p + l] = e;
         acc[l] += e;
     }
@@ -479,6 +557,15 @@ INLINE int largest_divisor_at_most(int n, int most) {
  * have too few items for its threads. Which tiles share an item changes no bits. */
 #define TG 16
 #define TG_MIN 4
+/* A tile's transposed queries: D vectors per lane group, and with BF16_DOT their D / 2 bf16 pairs
+ * after them (QT_VECS in all; BF16_PAIRS: the scratch's extra room, in D * TILE floats a tile) */
+#ifdef BF16_DOT
+#define QT_VECS (D + D / 2)
+#define BF16_PAIRS 1
+#else
+#define QT_VECS D
+#define BF16_PAIRS 0
+#endif
 
 /* One query's running result (o: D elements, `os` apart; its maximum score m and sum l so far)
  * merged with a partition's (acc: its weighted V sum, `as` apart; its maximum mi and sum li). One
@@ -557,6 +644,26 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
                 acc[j][c] = first ? (vf){0} : loadv(acc_out + (int64_t)j * D + (c0 + c) * W);
         FOR_RUNS(a, s0, s1, {
             const kv_t *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps + c0 * W;
+#ifdef BF16_DOT /* positions in pairs (p, p + 1) from an even p: p + 1's product, then p's (dp_v's order) */
+            int i = 0;
+            for (; i + 1 < n; i += 2) {
+                const kv_t *vp = vb + i * ps;
+                for (int j = 0; j < G; ++j) {
+                    const float w0 = w[(int64_t)j * PART + p - P0 + i];
+                    const float w1 = w[(int64_t)j * PART + p - P0 + i + 1];
+                    for (int c = 0; c < SLICE; ++c) {
+                        acc[j][c] = madd_v(splat_v(w1), load_kv(vp + ps + c * W), acc[j][c]);
+                        acc[j][c] = madd_v(splat_v(w0), load_kv(vp + c * W), acc[j][c]);
+                    }
+                }
+            }
+            if (i < n) /* a lone last position */
+                for (int j = 0; j < G; ++j) {
+                    const float w0 = w[(int64_t)j * PART + p - P0 + i];
+                    for (int c = 0; c < SLICE; ++c)
+                        acc[j][c] = madd_v(splat_v(w0), load_kv(vb + i * ps + c * W), acc[j][c]);
+                }
+#else
             for (int i = 0; i < n; ++i) {
                 const kv_t *vp = vb + i * ps;
                 for (int j = 0; j < G; ++j) {
@@ -564,6 +671,7 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
                     for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v(splat_v(wj), load_kv(vp + c * W), acc[j][c]);
                 }
             }
+#endif
         });
         for (int j = 0; j < G; ++j)
             for (int c = 0; c < SLICE; ++c) storev(acc_out + (int64_t)j * D + (c0 + c) * W, acc[j][c]);
@@ -638,8 +746,13 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
     for (int h = 0; h < H; ++h)
         for (int i = i0; i < i1; ++i)
             for (int v = 0; v < rep; ++v)
-                memcpy(qs + (int64_t)(h * nv + (i - i0) * rep + v) * D,
-                       query_at(a, &sq, sq.q_len - R + i, h * rep + v), sizeof(float) * D);
+            {
+                float *qd = qs + (int64_t)(h * nv + (i - i0) * rep + v) * D;
+                memcpy(qd, query_at(a, &sq, sq.q_len - R + i, h * rep + v), sizeof(float) * D);
+#ifdef BF16_DOT /* the queries' bf16 values (the chunk's pairs hold the same) */
+                for (int d = 0; d < D; d += W) storev(qd + d, (vf)round_bf16_bits(loadv(qd + d)));
+#endif
+            }
     /* the first position read (row i0's: blocks wholly before its window are never read) and the
      * last row's end */
     const int ctx0 = sq.ctx - R + 1 + i0, ctxl = sq.ctx - R + i1;
@@ -884,6 +997,84 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
     merge_tile(o, m_run, l_run, accp, m, part[0], D);
 }
 
+#ifdef BF16_DOT
+/* tile_partition with bf16 products: qt2[dp][t] the tile's queries' pairs (d = 2dp, 2dp + 1), kb16
+ * the partition's K rows as bf16 (D apart), vb2[(p - P0) / 2][e] V's elements e of positions p, p + 1
+ * as one pair; the numerators rounded to bf16 (their sums too) */
+INLINE void tile_partition_dp(const Args *a, const vi (*restrict qt2)[T], const vi *limit, const vi *low,
+                              float *restrict o, float *restrict m_run, float *restrict l_run, vf *restrict st,
+                              float *restrict accp, const uint16_t *restrict kb16, const uint32_t *restrict vb2,
+                              int P0, int P1, int r0, const int CAP, const int INSIDE, const int D) {
+    const vf neg_inf = (vf){0} - INFINITY;
+    vf m[T];
+    for (int t = 0; t < T; ++t) m[t] = neg_inf;
+    for (int q0 = r0; q0 < P1; q0 += QP) {
+        vf acc[QP][T];
+        for (int i = 0; i < QP; ++i)
+            for (int t = 0; t < T; ++t) acc[i][t] = (vf){0};
+        const uint32_t *kw = (const uint32_t *)(kb16 + (int64_t)(q0 - P0) * D);
+        for (int dp = 0; dp < D / 2; ++dp)
+            for (int t = 0; t < T; ++t) {
+                const vi q = qt2[dp][t];
+                for (int i = 0; i < QP; ++i) acc[i][t] = dp_v(acc[i][t], q, splat_i(kw[i * (D / 2) + dp]));
+            }
+        const int qn = P1 - q0 < QP ? P1 - q0 : QP;
+        for (int j = 0; j < qn; ++j)
+            for (int t = 0; t < T; ++t) {
+                const int q = q0 + j;
+                const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
+                st[(q - P0) * T + t] = x;
+                m[t] = max_v(x, m[t]);
+            }
+    }
+    vf part[W][T];
+    for (int l = 0; l < W; ++l) {
+        vf sum[T];
+        for (int t = 0; t < T; ++t) sum[t] = (vf){0};
+        for (int q = r0 - r0 % W + l; q < P1; q += W) {
+            if (q < r0) continue;
+            for (int t = 0; t < T; ++t) {
+                const vf x = select_v(seen(q, limit, low, t, INSIDE), exp_np_v(st[(q - P0) * T + t] - m[t]), (vf){0});
+                const vf xr = (vf)round_bf16_bits(x);
+                st[(q - P0) * T + t] = xr;
+                sum[t] += xr;
+            }
+        }
+        for (int t = 0; t < T; ++t) part[l][t] = sum[t];
+    }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    /* the numerators as pairs of positions (an odd end's partner 0) */
+    if ((P1 - r0) & 1)
+        for (int t = 0; t < T; ++t) st[(P1 - P0) * T + t] = (vf){0};
+    for (int q = r0; q < P1; q += 2)
+        for (int t = 0; t < T; ++t) {
+            const vi e = (vi)st[(q - P0) * T + t], od = (vi)st[(q + 1 - P0) * T + t];
+            st[(q - P0) * T + t] = (vf)((vi)((uint32_t __attribute__((vector_size(4 * W))))e >> 16) | od);
+        }
+    for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
+    for (int s0 = r0; s0 < P1; s0 += CSUB) {
+        const int s1 = s0 + CSUB < P1 ? s0 + CSUB : P1;
+        for (int dc = 0; dc < D; dc += PV_ELEMS) {
+            vf acc[PV_ELEMS][T];
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
+            for (int q = s0; q < s1; q += 2) {
+                const uint32_t *vp = vb2 + (int64_t)(q - P0) / 2 * D + dc;
+                for (int t = 0; t < T; ++t) {
+                    const vi w = (vi)st[(q - P0) * T + t];
+                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = dp_v(acc[e][t], w, splat_i(vp[e]));
+                }
+            }
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
+        }
+    }
+    merge_tile(o, m_run, l_run, accp, m, part[0], D);
+}
+#endif
+
 /* A tile of a chunk's query vectors (rows times heads, in order, from vector v0): TILE of them,
  * the lanes of T vectors, so q . k for all of them at one position is D multiply-adds of the
  * transposed queries by that K row's broadcast values (no horizontal sums), and each output
@@ -901,7 +1092,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
     vf *restrict st = scratch;
     float *restrict accp = (float *)(scratch + PART * T);
     vf *restrict qts = (vf *)(accp + D * TILE); /* the tiles' transposed queries, D * T vectors each */
-    float *restrict os = (float *)(qts + TG * D * T); /* their running outputs, D * TILE floats each */
+    float *restrict os = (float *)(qts + TG * QT_VECS * T); /* their running outputs, D * TILE floats each */
     float *restrict kbuf = os + TG * D * TILE; /* the partition's K rows, D apart (PART + QP of them) */
     float *restrict vbuf = kbuf + (PART + QP) * D; /* and its V rows */
     vi limits[TG][T], lows[TG][T]; /* a lane sees positions [low, limit): its window, or from 0 */
@@ -910,7 +1101,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
     for (int g = 0; g < ntiles; ++g) {
         const int u0 = v0 + g * TILE;
         const int nvec = nvecs[g] = sq.q_len * rep - u0 < TILE ? sq.q_len * rep - u0 : TILE;
-        vf (*qt)[T] = (vf (*)[T])(qts + (int64_t)g * D * T);
+        vf (*qt)[T] = (vf (*)[T])(qts + (int64_t)g * QT_VECS * T);
         vi *limit = limits[g], *low = lows[g];
         for (int t = 0; t < T; ++t) limit[t] = low[t] = (vi){0};
         for (int v = 0; v < TILE; ++v) {
@@ -918,11 +1109,19 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
             if (v < nvec) {
                 const float *qv = query_at(a, &sq, row, h * rep + (u0 + v) % rep);
                 for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = qv[d];
+#ifdef BF16_DOT
+                for (int d = 0; d < D; d += 2)
+                    ((vi (*)[T])qt)[D + d / 2][v / W][v % W] = (int32_t)((uint32_t)bf16_of(qv[d]) | (uint32_t)bf16_of(qv[d + 1]) << 16);
+#endif
                 limit[v / W][v % W] = sq.ctx - sq.q_len + row + 1;
                 if (a->window > 0 && limit[v / W][v % W] > a->window)
                     low[v / W][v % W] = limit[v / W][v % W] - a->window;
-            } else
+            } else {
                 for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = 0.0f;
+#ifdef BF16_DOT
+                for (int d = 0; d < D; d += 2) ((vi (*)[T])qt)[D + d / 2][v / W][v % W] = 0;
+#endif
+            }
         }
         longests[g] = limit[(nvec - 1) / W][(nvec - 1) % W];
         /* The tile's first query sees the earliest position (rows rise, and their windows with
@@ -944,8 +1143,22 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
     FOR_RUNS(a, c0, c1, {
         const kv_t *kb = block_at(a, a->k_cache, &sq, blk, h, D) + off * ps;
         const kv_t *vb = block_at(a, a->v_cache, &sq, blk, h, D) + off * ps;
+#if defined(BF16_DOT) /* K's bf16 rows as they are; V's rows of positions p, p + 1 (p even: runs start
+                       * at a block or at c0, both even) interleaved element by element, the pairs
+                       * the pass over V broadcasts (a lone last row's partner is 0) */
+        for (int i = 0; i < n; ++i)
+            memcpy((uint16_t *)kbuf + (int64_t)(p + i - P0) * D, kb + i * ps, sizeof(uint16_t) * D);
+        for (int i = 0; i < n; i += 2) {
+            uint32_t *vp = (uint32_t *)vbuf + (int64_t)(p + i - P0) / 2 * D;
+            for (int d = 0; d < D; d += W) {
+                const vi even = (vi)load_kv(vb + i * ps + d);
+                const vi odd = i + 1 < n ? (vi)load_kv(vb + (i + 1) * ps + d) : (vi){0};
+                *(vi *)(vp + d) = (vi)((uint32_t __attribute__((vector_size(4 * W))))even >> 16) | odd;
+            }
+        }
+#else
         for (int i = 0; i < n; ++i) {
-#ifdef KV_BF16 /* widened as they are copied: the passes read fp32 rows either way */
+#if defined(KV_BF16) /* widened as they are copied: the passes read fp32 rows either way */
             for (int d = 0; d < D; d += W) {
                 storev(kbuf + (int64_t)(p + i - P0) * D + d, load_kv(kb + i * ps + d));
                 storev(vbuf + (int64_t)(p + i - P0) * D + d, load_kv(vb + i * ps + d));
@@ -955,12 +1168,17 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
             memcpy(vbuf + (int64_t)(p + i - P0) * D, vb + i * ps, sizeof(float) * D);
 #endif
         }
+#endif
     });
+#ifdef BF16_DOT
+    memset((uint16_t *)kbuf + (int64_t)(c1 - P0) * D, 0, sizeof(uint16_t) * QP * D);
+#else
     memset(kbuf + (int64_t)(c1 - P0) * D, 0, sizeof(float) * QP * D);
+#endif
     for (int g = 0; g < ntiles; ++g) {
         const int longest = longests[g], first_pos = first_poss[g];
         if (P0 >= longest || P0 + PART <= first_pos) continue;
-        const vf (*restrict qt)[T] = (const vf (*)[T])(qts + (int64_t)g * D * T);
+        const vf (*restrict qt)[T] = (const vf (*)[T])(qts + (int64_t)g * QT_VECS * T);
         const vi *limit = limits[g], *low = lows[g];
         float *restrict o = os + (int64_t)g * D * TILE, *m_run = m_runs[g], *l_run = l_runs[g];
         const int P1 = P0 + PART < longest ? P0 + PART : longest;
@@ -968,10 +1186,18 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
         /* a partition wholly inside every real lane's range (rows rise, and their windows with
          * them: the first lane's limit is the least, the last real lane's low the greatest) */
         const int last = nvecs[g] - 1;
+#ifdef BF16_DOT
+        const vi (*qt2)[T] = (const vi (*)[T])(qt + D);
+        if (SPECIALIZED && r0 >= low[last / W][last % W] && P1 <= limit[0][0])
+            tile_partition_dp(a, qt2, limit, low, o, m_run, l_run, st, accp, (const uint16_t *)kbuf, (const uint32_t *)vbuf, P0, P1, r0, CAP, 1, D);
+        else
+            tile_partition_dp(a, qt2, limit, low, o, m_run, l_run, st, accp, (const uint16_t *)kbuf, (const uint32_t *)vbuf, P0, P1, r0, CAP, 0, D);
+#else
         if (SPECIALIZED && r0 >= low[last / W][last % W] && P1 <= limit[0][0])
             tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 1, D);
         else
             tile_partition(a, qt, limit, low, o, m_run, l_run, st, accp, kbuf, vbuf, P0, P1, r0, CAP, 0, D);
+#endif
     }
     }
     for (int g = 0; g < ntiles; ++g) {
@@ -999,6 +1225,9 @@ static int attn_amx_use = -1;
 static int attn_amx_listed = -1; /* CPUID's AMX-BF16 bit, read once */
 
 static int attn_amx_on(void) {
+#ifdef BF16_DOT /* the tiles' order is not dp_v's: this build never runs them */
+    return 0;
+#endif
     if (attn_amx_use < 0) {
         const char *env = getenv("LLMSERVE_AMX_ATTENTION");
 #ifdef KV_BF16
@@ -1774,8 +2003,15 @@ typedef struct {
     _Atomic int failed;
 } attention_job;
 
+static void attention_items_run(attention_job *j, int64_t begin, int64_t end);
+
 static void attention_items(void *ctx, int64_t begin, int64_t end) {
-    attention_job *j = ctx;
+    FLUSH_DENORMALS_BEGIN
+    attention_items_run(ctx, begin, end);
+    FLUSH_DENORMALS_END
+}
+
+static void attention_items_run(attention_job *j, int64_t begin, int64_t end) {
     float *scratch = thread_scores(j->scratch);
     if (!scratch) {
         atomic_store(&j->failed, 1);
@@ -1841,12 +2077,14 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
 }
 
 static void merge_items(void *ctx, int64_t begin, int64_t end) {
+    FLUSH_DENORMALS_BEGIN
     attention_job *j = ctx;
     const int64_t per = (int64_t)(j->a->num_heads / j->a->num_kv_heads) * (j->head_dim + 2);
     for (int64_t i = begin; i < end; ++i) {
         const int32_t *mg = j->merges + 4 * i;
         merge_decode(j->a, mg[0], mg[1], mg[3], j->partials + mg[2] * per, j->head_dim);
     }
+    FLUSH_DENORMALS_END
 }
 
 /* Attention for every sequence of the batch (one with no queries this step has no work).
@@ -1861,6 +2099,9 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
                                  int32_t num_threads, int32_t window, float softcap) {
     if (head_dim % W || num_kv_heads < 1 || num_heads % num_kv_heads || window < 0 || !(softcap >= 0))
         return -1;
+#ifdef BF16_DOT
+    if (block_size % 2 || head_dim % 2) return -1; /* positions and dims go in pairs */
+#endif
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
                     block_size, scale, window, softcap, out};
@@ -1873,7 +2114,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
     const size_t rows = w->split_rows > 1 ? (size_t)w->split_rows : 1;
     const size_t decode_floats = rows * num_heads * PART + 2 * (size_t)head_dim * W + rows * num_heads * head_dim;
-    const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
+    const size_t chunk_floats = (size_t)TILE * PART + (1 + (2 + BF16_PAIRS) * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
     int amx = 0;
