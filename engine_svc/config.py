@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # kv_cache_dtype's values (None: "auto"); the short names are aliases.
 KV_CACHE_DTYPES = (None, "auto", "float32", "fp32", "bfloat16", "bf16")
+# attention_dtype's values (None: "auto", fp32 products).
+ATTENTION_DTYPES = (None, "auto", "float32", "bfloat16")
 MAX_LORAS = 256
 MAX_LORA_RANK = 512
 
@@ -49,6 +51,11 @@ class EngineConfig:
     # half the bytes a token (each K/V value rounded to nearest even as it is stored, widened
     # exactly as attention reads it: docs/serving.md#kv-cache-dtype). On CUDA only the activations'.
     kv_cache_dtype: str | None = None
+    # What attention's products are formed in, on CPU: None/"auto"/"float32" exactly from the cache's
+    # values; "bfloat16" each query and softmax weight rounded to bf16 and the products summed in
+    # pairs (VDPBF16PS where the CPU has AVX512-BF16): a bf16 KV cache (kv_cache_dtype unset or
+    # "bfloat16"), faster attention at depth, other bits (docs/serving.md#attention-dtype).
+    attention_dtype: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     seed: int = 0
@@ -128,6 +135,20 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES[1:]}, got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(
+                f"attention_dtype must be one of {ATTENTION_DTYPES[1:]}, got {self.attention_dtype!r}"
+            )
+        if self.attention_dtype == "bfloat16" and self.kv_cache_dtype not in (
+            None,
+            "auto",
+            "bfloat16",
+            "bf16",
+        ):
+            raise ValueError(
+                "attention_dtype='bfloat16' reads a bf16 KV cache: kv_cache_dtype must be unset, 'auto' or "
+                f"'bfloat16', got {self.kv_cache_dtype!r}"
             )
         if self.quantized_activations not in (None, "auto", "int8", "none"):
             raise ValueError(

@@ -115,7 +115,11 @@ class RankRuntime:
         self.model, self.load = load_model(
             config, self.spec, self.dtype, self.device, self.max_model_len, self.shard
         )
-        self.kernels = kernels if kernels is not None else select_kernels(self.device, config.kernel_backend)
+        self.kernels = (
+            kernels
+            if kernels is not None
+            else select_kernels(self.device, config.kernel_backend, config.attention_dtype)
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.lora_step: LoRAStep | None = None
 
@@ -127,7 +131,10 @@ class RankRuntime:
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         """What the KV cache holds (``config.kv_cache_dtype``; ``model_setup.resolve_kv_cache_dtype``)."""
-        return resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.activation_dtype, self.device)
+        name = self.config.kv_cache_dtype
+        if self.config.attention_dtype == "bfloat16" and name in (None, "auto"):
+            name = "bfloat16"  # bf16 products read a bf16 cache
+        return resolve_kv_cache_dtype(name, self.activation_dtype, self.device)
 
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """This rank's KV cache of ``num_blocks`` blocks (``model_setup.allocate_kv_caches``)."""

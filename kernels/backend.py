@@ -6,6 +6,7 @@ The engine calls only ``Kernels`` methods; which implementation runs is decided 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -47,20 +48,45 @@ TORCH_KERNELS = Kernels(
 )
 
 
+# The same with attention's products in bf16 on a bf16 KV cache (``attention_dtype="bfloat16"``:
+# native_attention.PRODUCTS): queries and softmax weights rounded to bf16.
+TORCH_KERNELS_BF16_PRODUCTS = dataclasses.replace(
+    TORCH_KERNELS,
+    name="torch, bf16 attention products",
+    paged_attention=cpu_paged_attention.paged_attention_bf16_products,
+)
+
+
 def triton_kernels() -> Kernels:
     from kernels.triton import registry  # imported lazily: triton is heavy and CUDA-oriented
 
     return registry.TRITON_KERNELS
 
 
-def select_kernels(device: torch.device | str, backend: str | None = None) -> Kernels:
+def select_kernels(
+    device: torch.device | str, backend: str | None = None, attention_dtype: str | None = None
+) -> Kernels:
     """Triton on CUDA, torch elsewhere; ``backend`` ("torch", "triton", or "reference": the twins
-    as written, for comparisons) overrides the choice."""
+    as written, for comparisons) overrides the choice. ``attention_dtype`` "bfloat16": the torch
+    bundle with bf16 attention products (the CPU's native kernel; a ValueError naming why where it
+    cannot run)."""
     device = torch.device(device)
     if backend is None or backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+    if attention_dtype == "bfloat16":
+        if device.type != "cpu" or backend != "torch":
+            raise ValueError(
+                "attention_dtype='bfloat16' runs on the CPU's native attention kernel: device 'cpu' and "
+                f"kernel_backend 'torch' or 'auto', got device {device.type!r}, kernel_backend {backend!r}"
+            )
+        cpu_paged_attention.check_bf16_products()
+        log.info(
+            "kernels: torch on cpu, paged attention native with bf16 products (%s)",
+            cpu_paged_attention.build_name(torch.bfloat16, "bfloat16"),
+        )
+        return TORCH_KERNELS_BF16_PRODUCTS
     if backend == "triton":
         kernels = triton_kernels()
     else:

@@ -50,6 +50,13 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
         "bfloat16 on CPU (half the bytes a token: twice the context in the same memory, faster decodes "
         "at depth; each K/V value rounded to nearest even as it is stored)",
     ),
+    (
+        "--attention-dtype",
+        str,
+        "attention's products on CPU: auto (default: float32, exact on the cache's values) or bfloat16 "
+        "(queries and softmax weights rounded to bf16, VDPBF16PS where the CPU has AVX512-BF16: faster "
+        "at depth, other bits than float32's; a bf16 KV cache)",
+    ),
     ("--device", str, "cpu or cuda"),
     (
         "--quantization",

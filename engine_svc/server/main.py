@@ -98,6 +98,7 @@ def engine_config_kwargs(args) -> dict:
         "max_model_len",
         "dtype",
         "kv_cache_dtype",
+        "attention_dtype",
         "device",
         "seed",
         "scheduling_policy",

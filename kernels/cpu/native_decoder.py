@@ -405,19 +405,20 @@ def build(
     return NativeDecoderLoop(shape, layers, descs, final_norm, cos_sin, progress)
 
 
-def _kernel_pointers(cache_dtype: torch.dtype = torch.float32) -> tuple | None:
+def _kernel_pointers(cache_dtype: torch.dtype = torch.float32, products: str = "float32") -> tuple | None:
     """The kernels the Python loop would run natively right now on caches of ``cache_dtype`` (the
-    store and the attention for that dtype: ``native_attention.BUILDS``); None where one of them
-    would not be native: switched off, no build, a cache dtype without a kernel, or measured slower
-    here."""
+    store and the attention for that dtype and ``products``: ``native_attention.build_name``); None
+    where one of them would not be native: switched off, no build, a cache dtype without a kernel,
+    or measured slower here."""
     if not native_elementwise.enabled() or not chosen_isa_in(native_elementwise.NATIVE_SILU):
         return None
-    if not native_attention.enabled() or cache_dtype not in native_attention.BUILDS:
+    if not native_attention.enabled() or native_attention.build_name(cache_dtype, products) is None:
         return None
-    elementwise, attention = native_elementwise.library(), native_attention.library(None, cache_dtype)
+    elementwise = native_elementwise.library()
+    attention = native_attention.library(None, cache_dtype, products)
     if elementwise is None or attention is None:
         return None
-    seen = _pointers_seen.get(cache_dtype)
+    seen = _pointers_seen.get((cache_dtype, products))
     if seen is None or seen[0] is not elementwise or seen[1] is not attention:
         names = (
             "llmserve_rms_norm_f32",
@@ -427,11 +428,18 @@ def _kernel_pointers(cache_dtype: torch.dtype = torch.float32) -> tuple | None:
         )
         norm, store, silu, gelu = (fn_address(getattr(elementwise, n)) for n in names)
         pointers = (norm, store, fn_address(attention), silu, gelu)
-        seen = _pointers_seen[cache_dtype] = (elementwise, attention, pointers)
+        seen = _pointers_seen[(cache_dtype, products)] = (elementwise, attention, pointers)
     return seen[2]
 
 
-_pointers_seen: dict = {}  # per cache dtype: the libraries last asked, and their entry points
+_pointers_seen: dict = {}  # per cache dtype and products: the libraries last asked, and their entry points
+
+
+# The bundles' attention entries this loop runs natively, and the products each forms.
+_NATIVE_ATTENTION = {
+    native_attention.paged_attention: "float32",
+    native_attention.paged_attention_bf16_products: "bfloat16",
+}
 
 
 def _runs_native_kernels(k, gelu: bool = False) -> bool:
@@ -440,7 +448,7 @@ def _runs_native_kernels(k, gelu: bool = False) -> bool:
     return (
         k.rms_norm is native_elementwise.rms_norm
         and k.rotary_store_kv is native_elementwise.rotary_store_kv
-        and k.paged_attention is native_attention.paged_attention
+        and k.paged_attention in _NATIVE_ATTENTION
         and k.silu_and_mul is native_elementwise.silu_and_mul
         and (not gelu or k.gelu_tanh_and_mul is native_elementwise.gelu_tanh_and_mul)
     )
@@ -541,7 +549,9 @@ class NativeDecoderLoop:
         loop does not take this forward (then nothing was written)."""
         if not (_runs_native_kernels(k, self.shape.gelu) and enabled()):
             return None
-        kernels = _kernel_pointers(kv_caches[0].dtype if kv_caches else torch.float32)
+        kernels = _kernel_pointers(
+            kv_caches[0].dtype if kv_caches else torch.float32, _NATIVE_ATTENTION[k.paged_attention]
+        )
         t = x.shape[0]
         grouped = attn.group_slots is not None
         slots = attn.group_slots if grouped else attn.slot_mapping
