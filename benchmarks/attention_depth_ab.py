@@ -24,6 +24,10 @@ build), the baseline an fp32 cache of the same values widened (max|diff| 0: the 
 ``--baseline`` defaults to this tree's fp32 build; ``--new PATH`` puts another build on this side
 (two variants of a change against each other, both on an fp32 cache).
 
+``--products bfloat16`` (implies ``--kv-dtype bfloat16``): this side forms attention's products in bf16
+(``attention_dtype="bfloat16"``: the ``kv_bf16_dot`` builds), the baseline is the fp32-product build on
+the same bf16 cache (max|diff| is then the rounding of queries and weights, not 0).
+
 ``--shape 1.5b``: Qwen2.5-Coder-1.5B's 12 query / 2 KV heads of 128. ``--amx``: this build's AMX-BF16
 tile path (``LLMSERVE_AMX_ATTENTION=1``; where the tiles are granted) against the baseline.
 
@@ -83,6 +87,7 @@ def compare(
     layers: int = 1,
     in_order: bool = False,
     kv_dtype: torch.dtype = torch.float32,
+    same_cache: bool = False,
 ) -> dict:
     ctx = depth + q_len
     nb = (ctx + BS - 1) // BS
@@ -93,7 +98,7 @@ def compare(
     caches = [(torch.randn(nb + 4, BS, HK, D), torch.randn(nb + 4, BS, HK, D)) for _ in range(layers)]
     if kv_dtype != torch.float32:  # this side's cache in kv_dtype, the baseline's its values widened
         mine = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
-        caches = [(k.float(), v.float()) for k, v in mine]
+        caches = mine if same_cache else [(k.float(), v.float()) for k, v in mine]
     else:
         mine = caches
     calls = {"old": [(q, k, v, *meta) for k, v in caches], "new": [(q, k, v, *meta) for k, v in mine]}
@@ -122,6 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", help="the other build's .so (default: this tree's fp32 build)")
     ap.add_argument("--new", help="this side's .so instead of this tree's build (fp32 cache)")
     ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32", help="this side's")
+    ap.add_argument(
+        "--products",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="this side's (bfloat16: a bf16 cache)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--depths", default="4096,16384")
     ap.add_argument("--layers", type=int, default=8, help="distinct caches the calls cycle through")
@@ -134,12 +145,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     global HQ, HK, D
     HQ, HK, D = SHAPES[args.shape]
-    kv_dtype = getattr(torch, args.kv_dtype)
+    kv_dtype = torch.bfloat16 if args.products == "bfloat16" else getattr(torch, args.kv_dtype)
     if args.amx and not native_attention.amx_tiles(True, None, (kv_dtype,)):
         raise SystemExit("the AMX-BF16 tile path does not run here (no tiles granted, or no AVX-512 build)")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    new = native_attention.library(None, kv_dtype)
+    new = native_attention.library(None, kv_dtype, args.products)
+    if new is None:
+        raise SystemExit(f"no native attention build for {args.products} products on a {kv_dtype} cache here")
     if args.new:
         tree = new
         new = ctypes.CDLL(args.new).llmserve_paged_attention_f32
@@ -147,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         old = ctypes.CDLL(args.baseline).llmserve_paged_attention_f32
         old.restype, old.argtypes = new.restype, new.argtypes
+    elif args.products == "bfloat16":
+        old = native_attention.library(None, kv_dtype)
     else:
         old = native_attention.library()
     for depth in (int(d) for d in args.depths.split(",")):
@@ -154,7 +169,18 @@ def main(argv: list[str] | None = None) -> None:
         shapes += [(args.chunk, 2, max(2, args.rounds - 1))] if args.chunk else []
         decode = None
         for q_len, reps, rounds in shapes:
-            r = compare(old, new, depth, q_len, reps, rounds, args.layers, args.in_order, kv_dtype)
+            r = compare(
+                old,
+                new,
+                depth,
+                q_len,
+                reps,
+                rounds,
+                args.layers,
+                args.in_order,
+                kv_dtype,
+                args.products == "bfloat16",
+            )
             decode = r if q_len == 1 else decode
             vs = (
                 f"  x decode: baseline {r['old_ms'] / decode['old_ms']:.2f}"

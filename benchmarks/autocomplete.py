@@ -270,6 +270,11 @@ def main() -> None:
         default="auto",
         help="ours: what the KV cache holds (auto: fp32; bfloat16: llama-server's default is an f16 cache)",
     )
+    ap.add_argument(
+        "--attention-dtype",
+        default="auto",
+        help="ours: attention's products (bfloat16: rounded queries and weights on a bf16 cache)",
+    )
     ap.add_argument("--merge", nargs="+", type=Path, help="result files of a split session: one result")
     args = ap.parse_args()
     s = session(args.keystrokes, args.prefix_chars)
@@ -296,6 +301,7 @@ def main() -> None:
         "fim_order": {"ours": args.fim_order, "llama_server": "spm" if args.llama_spm else "psm"},
         "keystroke_range": [first, last],
         "kv_cache_dtype": {"ours": args.kv_cache_dtype, "llama_server": "f16 (its default)"},
+        "attention_dtype": {"ours": args.attention_dtype},
     }
     if args.speculation:
         speculation(gguf, args, s, ours_bodies, result)
@@ -303,7 +309,7 @@ def main() -> None:
     if args.orders:
         orders(gguf, args, s, bodies, result)
         return
-    kv = ("--kv-cache-dtype", args.kv_cache_dtype)
+    kv = ("--kv-cache-dtype", args.kv_cache_dtype, "--attention-dtype", args.attention_dtype)
     sides = [] if args.skip_ours else [("ours", lambda: Ours(gguf, args.threads, args.ctx, kv))]
     if not args.skip_llama_server:
         sides.append(

@@ -14,7 +14,8 @@ measured path, and at every scored position the full next-token distributions co
   int8 or fp32 activations, int8 but the LM head on fp32, or blocks made at load);
   ``--fp32-kinds`` puts more linear kinds back on fp32 activations, to find where the KL comes
   from; ``--kv-cache-dtype bfloat16`` runs the measured paths on a bf16 KV cache (``gguf-fp32``
-  then measures the cache's rounding alone).
+  then measures the cache's rounding alone); ``--attention-dtype bfloat16`` adds attention's bf16
+  products on that cache.
 - Per text and path: mean KL(reference || measured) with its standard error, the 99.9th percentile
   and max of the per-position KL, top-1 agreement, perplexity (and the reference's), and the number
   of scored positions.
@@ -208,6 +209,7 @@ def engine(
     threads: int | None,
     fp32_kinds=(),
     kv_cache_dtype: str = "auto",
+    attention_dtype: str = "auto",
 ) -> LLM:
     """An engine for one path. ``fp32_kinds``: linear kinds (``qkv``, ``o``, ``gate_up``, ``down``,
     ``lm_head``) put back on fp32 activations after an int8 load, for the ablations that find where
@@ -222,6 +224,7 @@ def engine(
         max_num_seqs=1,
         max_model_len=1024,
         kv_cache_dtype=kv_cache_dtype,
+        attention_dtype=None if attention_dtype == "auto" else attention_dtype,
     )
     if fp32_kinds:
         from engine_svc.models.model_path import resolve_model_path
@@ -404,6 +407,11 @@ def main(argv=None) -> dict:
         default="auto",
         help="the measured paths' KV cache (bfloat16: what its rounding adds; the reference keeps fp32)",
     )
+    ap.add_argument(
+        "--attention-dtype",
+        default="auto",
+        help="the measured paths' attention products (bfloat16: on a bf16 cache; the reference keeps fp32)",
+    )
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the same windows")
     ap.add_argument(
         "--llama-perplexity",
@@ -448,11 +456,21 @@ def main(argv=None) -> dict:
             kinds = tuple(dict.fromkeys(kinds + extra_fp32)) if activations == "int8" else ()
             if quant != "gguf" and model != models[0]:
                 continue  # blocks made at load come from the same float weights whatever the file
-            llm = engine(model, quant, activations, vocab, args.threads, kinds, args.kv_cache_dtype)
+            llm = engine(
+                model,
+                quant,
+                activations,
+                vocab,
+                args.threads,
+                kinds,
+                args.kv_cache_dtype,
+                args.attention_dtype,
+            )
             label = f"ours {gguf_file(model).name} {name}" + (
                 f" (fp32: {','.join(kinds)})" if extra_fp32 else ""
             )
             label += f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+            label += f", attention {args.attention_dtype}" if args.attention_dtype != "auto" else ""
             for t, w in windows.items():
                 add(t, ref_name, label, compare(ref[t], our_logprobs(llm, w, vocab), w))
             llm.shutdown()
