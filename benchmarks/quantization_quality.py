@@ -210,6 +210,7 @@ def engine(
     fp32_kinds=(),
     kv_cache_dtype: str = "auto",
     attention_dtype: str = "auto",
+    max_model_len: int = 1024,
 ) -> LLM:
     """An engine for one path. ``fp32_kinds``: linear kinds (``qkv``, ``o``, ``gate_up``, ``down``,
     ``lm_head``) put back on fp32 activations after an int8 load, for the ablations that find where
@@ -222,7 +223,7 @@ def engine(
         quantized_activations=activations,
         max_logprobs=vocab,
         max_num_seqs=1,
-        max_model_len=1024,
+        max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
         attention_dtype=None if attention_dtype == "auto" else attention_dtype,
     )
@@ -438,7 +439,8 @@ def main(argv=None) -> dict:
     models = args.model or default_models(args.reference)
     vocab = model_vocab(args.reference)
 
-    llm = engine(args.reference, "none", "none", vocab, args.threads)
+    context = max(1024, args.n_ctx + 1)  # a prompt needs room for one generated token
+    llm = engine(args.reference, "none", "none", vocab, args.threads, max_model_len=context)
     tokenizer = llm.get_tokenizer()
     windows = {t: text_windows(tokenizer, t, args.n_ctx, args.windows) for t in texts}
     ref = {t: our_logprobs(llm, w, vocab) for t, w in windows.items()}
@@ -465,6 +467,7 @@ def main(argv=None) -> dict:
                 kinds,
                 args.kv_cache_dtype,
                 args.attention_dtype,
+                context,
             )
             label = f"ours {gguf_file(model).name} {name}" + (
                 f" (fp32: {','.join(kinds)})" if extra_fp32 else ""

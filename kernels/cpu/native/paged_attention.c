@@ -930,6 +930,49 @@ INLINE vi seen(int q, const vi *limit, const vi *low, int t, const int INSIDE) {
     return INSIDE ? (vi){0} - 1 : (q < limit[t]) & (q >= low[t]);
 }
 
+/* A block of QP positions' scores (acc, from position q0; qn of them real) scaled, capped and
+ * masked into st[(q - P0) * T + t], their maxima into m. */
+INLINE void tile_keep_scores(const Args *a, vf acc[QP][T], int q0, int qn, int P0, const vi *limit, const vi *low,
+                             vf *restrict st, vf *m, const int CAP, const int INSIDE) {
+    const vf neg_inf = (vf){0} - INFINITY;
+    for (int j = 0; j < qn; ++j)
+        for (int t = 0; t < T; ++t) {
+            const int q = q0 + j;
+            const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
+            st[(q - P0) * T + t] = x;
+            m[t] = max_v(x, m[t]);
+        }
+}
+
+/* softmax numerators of positions [r0, P1) in st, lane by lane, in place; a masked position's is
+ * exactly 0 (ROUND: each rounded to bf16, the bf16-products build). Their sums in
+ * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a multiple of
+ * W), then halved; the total into sum_out. */
+INLINE void tile_numerators(vf *restrict st, const vf *m, const vi *limit, const vi *low, int P0, int P1, int r0,
+                            vf *sum_out, const int INSIDE, const int ROUND) {
+    vf part[W][T];
+    for (int l = 0; l < W; ++l) { /* the positions that go to partial sum l, in order: in registers */
+        vf sum[T];
+        for (int t = 0; t < T; ++t) sum[t] = (vf){0};
+        for (int q = r0 - r0 % W + l; q < P1; q += W) {
+            if (q < r0) continue;
+            for (int t = 0; t < T; ++t) {
+                vf x = select_v(seen(q, limit, low, t, INSIDE), exp_np_v(st[(q - P0) * T + t] - m[t]), (vf){0});
+#ifdef BF16_DOT
+                if (ROUND) x = (vf)round_bf16_bits(x);
+#endif
+                st[(q - P0) * T + t] = x;
+                sum[t] += x;
+            }
+        }
+        for (int t = 0; t < T; ++t) part[l][t] = sum[t];
+    }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    for (int t = 0; t < T; ++t) sum_out[t] = part[0][t];
+}
+
 /* One tile's pass over one partition's positions [r0, P1) (K and V rows copied out to kbuf and
  * vbuf, from position P0): its scores, their maxima, the softmax numerators and their sums, the
  * weighted V sums, merged into the tile's running outputs o, maxima m_run and sums l_run. INSIDE:
@@ -946,35 +989,10 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
     for (int q0 = r0; q0 < P1; q0 += QP) {
         vf acc[QP][T];
         tile_scores_block(qt, kbuf + (int64_t)(q0 - P0) * D, acc, D);
-        const int qn = P1 - q0 < QP ? P1 - q0 : QP;
-        for (int j = 0; j < qn; ++j)
-            for (int t = 0; t < T; ++t) {
-                const int q = q0 + j;
-                const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
-                st[(q - P0) * T + t] = x;
-                m[t] = max_v(x, m[t]);
-            }
+        tile_keep_scores(a, acc, q0, P1 - q0 < QP ? P1 - q0 : QP, P0, limit, low, st, m, CAP, INSIDE);
     }
-    /* softmax numerators, lane by lane; a masked position's is exactly 0. Their sums in
-     * softmax_numerators' order: W partial sums, position p into the (p % W)-th (P0 is a
-     * multiple of W), then halved. */
-    vf part[W][T];
-    for (int l = 0; l < W; ++l) { /* the positions that go to partial sum l, in order: in registers */
-        vf sum[T];
-        for (int t = 0; t < T; ++t) sum[t] = (vf){0};
-        for (int q = r0 - r0 % W + l; q < P1; q += W) {
-            if (q < r0) continue;
-            for (int t = 0; t < T; ++t) {
-                const vf x = select_v(seen(q, limit, low, t, INSIDE), exp_np_v(st[(q - P0) * T + t] - m[t]), (vf){0});
-                st[(q - P0) * T + t] = x;
-                sum[t] += x;
-            }
-        }
-        for (int t = 0; t < T; ++t) part[l][t] = sum[t];
-    }
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l)
-            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    vf l_sum[T];
+    tile_numerators(st, m, limit, low, P0, P1, r0, l_sum, INSIDE, 0);
     /* the partition's weighted V sums into accp[d * TILE + lane], PV_ELEMS elements of every
      * vector at a time (accumulators in half the registers), SUB positions at a time: each pass
      * over a V row reads PV_ELEMS of its elements, and SUB rows stay in L1 for all D / PV_ELEMS
@@ -998,7 +1016,7 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
                 for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
         }
     }
-    merge_tile(o, m_run, l_run, accp, m, part[0], D);
+    merge_tile(o, m_run, l_run, accp, m, l_sum, D);
 }
 
 #ifdef BF16_DOT
@@ -1025,33 +1043,10 @@ INLINE void tile_partition_dp(const Args *a, const vi (*restrict qt2)[T], const 
                 for (int t = 0; t < T; ++t) acc[i][t] = dp_v(acc[i][t], q[t], kp);
             }
         }
-        const int qn = P1 - q0 < QP ? P1 - q0 : QP;
-        for (int j = 0; j < qn; ++j)
-            for (int t = 0; t < T; ++t) {
-                const int q = q0 + j;
-                const vf x = select_v(seen(q, limit, low, t, INSIDE), capped_v(a, acc[j][t] * a->scale, CAP), neg_inf);
-                st[(q - P0) * T + t] = x;
-                m[t] = max_v(x, m[t]);
-            }
+        tile_keep_scores(a, acc, q0, P1 - q0 < QP ? P1 - q0 : QP, P0, limit, low, st, m, CAP, INSIDE);
     }
-    vf part[W][T];
-    for (int l = 0; l < W; ++l) {
-        vf sum[T];
-        for (int t = 0; t < T; ++t) sum[t] = (vf){0};
-        for (int q = r0 - r0 % W + l; q < P1; q += W) {
-            if (q < r0) continue;
-            for (int t = 0; t < T; ++t) {
-                const vf x = select_v(seen(q, limit, low, t, INSIDE), exp_np_v(st[(q - P0) * T + t] - m[t]), (vf){0});
-                const vf xr = (vf)round_bf16_bits(x);
-                st[(q - P0) * T + t] = xr;
-                sum[t] += xr;
-            }
-        }
-        for (int t = 0; t < T; ++t) part[l][t] = sum[t];
-    }
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l)
-            for (int t = 0; t < T; ++t) part[l][t] += part[l + w][t];
+    vf l_sum[T];
+    tile_numerators(st, m, limit, low, P0, P1, r0, l_sum, INSIDE, 1);
     /* the numerators as pairs of positions (an odd end's partner 0) */
     if ((P1 - r0) & 1)
         for (int t = 0; t < T; ++t) st[(P1 - P0) * T + t] = (vf){0};
@@ -1078,7 +1073,7 @@ INLINE void tile_partition_dp(const Args *a, const vi (*restrict qt2)[T], const 
                 for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
         }
     }
-    merge_tile(o, m_run, l_run, accp, m, part[0], D);
+    merge_tile(o, m_run, l_run, accp, m, l_sum, D);
 }
 #endif
 
