@@ -196,33 +196,10 @@ def test_the_instructions_build_is_the_emulating_builds_bits():
     native = native_attention.library("avx512", torch.bfloat16, "bfloat16")
     emulated = native_attention.library("avx512", torch.bfloat16, "bfloat16", emulated=True)
     assert native is not emulated
-    outs = []
-    for fn in (native, emulated):
-        q, k, v, tables, lens, qsl, scale = batch.args()
-        out = torch.empty_like(q)
-        rc = fn(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k.data_ptr(),
-            v.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            lens.data_ptr(),
-            qsl.data_ptr(),
-            lens.shape[0],
-            q.shape[1],
-            k.shape[2],
-            q.shape[2],
-            k.shape[1],
-            scale,
-            out.data_ptr(),
-            2,
-            0,
-            0.0,
-        )
-        assert rc == 0
-        outs.append(out)
+    outs = [
+        native_attention.paged_attention(*batch.args(), isa="avx512", products="bfloat16", emulated=e)
+        for e in (False, True)
+    ]
     assert torch.equal(*outs)
 
 
@@ -320,16 +297,6 @@ def test_without_the_native_kernel_bf16_products_are_refused_at_start(tiny_llama
     monkeypatch.setenv("LLMSERVE_NATIVE_ATTENTION", "0")
     with pytest.raises(ValueError, match="runs on the native CPU attention kernel, switched off here"):
         make_engine(tiny_llama, attention_dtype="bfloat16")
-
-
-def test_the_server_flag_reaches_the_engine_config():
-    from engine_svc.rpc.engine_options import engine_options_argv
-    from engine_svc.server.main import build_parser, engine_config_kwargs
-
-    args = build_parser().parse_args(["--model", "m", "--attention-dtype", "bfloat16"])
-    assert engine_config_kwargs(args)["attention_dtype"] == "bfloat16"
-    argv = engine_options_argv(args)  # what llmserve serve passes on to the engine it starts
-    assert argv[argv.index("--attention-dtype") + 1] == "bfloat16"
 
 
 def test_the_prefix_tiers_fingerprint_names_the_products(tiny_llama):

@@ -225,14 +225,16 @@ def test_kv_cache_dtype_is_checked_and_named_in_its_errors(tiny_llama):
         resolve_kv_cache_dtype("bfloat16", torch.float16, cuda)
 
 
-def test_the_server_flag_reaches_the_engine_config():
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype", "--attention-dtype"])
+def test_the_server_flag_reaches_the_engine_config(flag):
+    """The cache's dtype and attention's products (tests/test_attention_bf16_products.py)."""
     from engine_svc.rpc.engine_options import engine_options_argv
     from engine_svc.server.main import build_parser, engine_config_kwargs
 
-    args = build_parser().parse_args(["--model", "m", "--kv-cache-dtype", "bfloat16"])
-    assert engine_config_kwargs(args)["kv_cache_dtype"] == "bfloat16"
+    args = build_parser().parse_args(["--model", "m", flag, "bfloat16"])
+    assert engine_config_kwargs(args)[flag[2:].replace("-", "_")] == "bfloat16"
     argv = engine_options_argv(args)  # what llmserve serve passes on to the engine it starts
-    assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16"
+    assert argv[argv.index(flag) + 1] == "bfloat16"
 
 
 def test_the_prefix_tiers_fingerprint_names_the_cache_dtype(tiny_llama):

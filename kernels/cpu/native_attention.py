@@ -256,13 +256,16 @@ def paged_attention(
     *,
     isa: str | None = None,
     products: str = "float32",
+    emulated: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention.paged_attention`` (``window``: a
     sliding-window layer's width; ``softcap``: its scores' tanh soft-cap). ``products`` "bfloat16":
-    bf16 products on a bf16 cache (``PRODUCTS``), native only: a ValueError where it cannot run."""
+    bf16 products on a bf16 cache (``PRODUCTS``), native only: a ValueError where it cannot run
+    (``emulated``: the multiply-add build even where the CPU has VDPBF16PS, for the tests)."""
     check_window(window)
     check_softcap(softcap)
-    fn = library(isa, k_cache.dtype, products) if enabled(isa) and takes(q, k_cache, v_cache) else None
+    usable = enabled(isa) and takes(q, k_cache, v_cache)
+    fn = library(isa, k_cache.dtype, products, emulated) if usable else None
     if fn is None and products != "float32":
         raise ValueError(bf16_products_unavailable(q, k_cache, products, isa))
     if fn is None:

@@ -973,6 +973,46 @@ INLINE void tile_numerators(vf *restrict st, const vf *m, const vi *limit, const
     for (int t = 0; t < T; ++t) sum_out[t] = part[0][t];
 }
 
+/* The partition's weighted V sums into accp[d * TILE + lane], PV_ELEMS elements of every vector at
+ * a time (accumulators in half the registers), CSUB positions at a time: each pass over a V row
+ * reads PV_ELEMS of its elements, and CSUB rows stay in L1 for all D / PV_ELEMS passes (a whole
+ * partition's did not: 1.6x on the chunk). A lane's sums still run over positions in order, the
+ * accumulators kept in accp between sub-blocks. vrows: V's rows as fp32 (D apart, from P0), or
+ * with PAIRS (the bf16-products build) as pairs of positions (p, p + 1) from an even p, element by
+ * element (D pairs apart), taken with the numerators packed alike in st. */
+INLINE void tile_weighted_v(const vf *restrict st, const void *restrict vrows, float *restrict accp, int P0, int P1,
+                            int r0, const int D, const int PAIRS) {
+    for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
+    for (int s0 = r0; s0 < P1; s0 += CSUB) {
+        const int s1 = s0 + CSUB < P1 ? s0 + CSUB : P1;
+        for (int dc = 0; dc < D; dc += PV_ELEMS) {
+            vf acc[PV_ELEMS][T];
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
+#ifdef BF16_DOT
+            if (PAIRS)
+                for (int q = s0; q < s1; q += 2) {
+                    const uint32_t *vp = (const uint32_t *)vrows + (int64_t)(q - P0) / 2 * D + dc;
+                    for (int t = 0; t < T; ++t) {
+                        const vi w = (vi)st[(q - P0) * T + t];
+                        for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = dp_v(acc[e][t], w, splat_i(vp[e]));
+                    }
+                }
+            else
+#endif
+                for (int q = s0; q < s1; ++q) {
+                    const float *vp = (const float *)vrows + (int64_t)(q - P0) * D + dc;
+                    for (int t = 0; t < T; ++t) {
+                        const vf w = st[(q - P0) * T + t];
+                        for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = madd_v(w, splat_v(vp[e]), acc[e][t]);
+                    }
+                }
+            for (int e = 0; e < PV_ELEMS; ++e)
+                for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
+        }
+    }
+}
+
 /* One tile's pass over one partition's positions [r0, P1) (K and V rows copied out to kbuf and
  * vbuf, from position P0): its scores, their maxima, the softmax numerators and their sums, the
  * weighted V sums, merged into the tile's running outputs o, maxima m_run and sums l_run. INSIDE:
@@ -993,29 +1033,7 @@ INLINE void tile_partition(const Args *a, const vf (*restrict qt)[T], const vi *
     }
     vf l_sum[T];
     tile_numerators(st, m, limit, low, P0, P1, r0, l_sum, INSIDE, 0);
-    /* the partition's weighted V sums into accp[d * TILE + lane], PV_ELEMS elements of every
-     * vector at a time (accumulators in half the registers), SUB positions at a time: each pass
-     * over a V row reads PV_ELEMS of its elements, and SUB rows stay in L1 for all D / PV_ELEMS
-     * passes (a whole partition's did not: 1.6x on the chunk). A lane's sums still run over
-     * positions in order, the accumulators kept in accp between sub-blocks. */
-    for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
-    for (int s0 = r0; s0 < P1; s0 += CSUB) {
-        const int s1 = s0 + CSUB < P1 ? s0 + CSUB : P1;
-        for (int dc = 0; dc < D; dc += PV_ELEMS) {
-            vf acc[PV_ELEMS][T];
-            for (int e = 0; e < PV_ELEMS; ++e)
-                for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
-            for (int q = s0; q < s1; ++q) {
-                const float *vp = vbuf + (int64_t)(q - P0) * D + dc;
-                for (int t = 0; t < T; ++t) {
-                    const vf w = st[(q - P0) * T + t];
-                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = madd_v(w, splat_v(vp[e]), acc[e][t]);
-                }
-            }
-            for (int e = 0; e < PV_ELEMS; ++e)
-                for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
-        }
-    }
+    tile_weighted_v(st, vbuf, accp, P0, P1, r0, D, 0);
     merge_tile(o, m_run, l_run, accp, m, l_sum, D);
 }
 
@@ -1055,24 +1073,7 @@ INLINE void tile_partition_dp(const Args *a, const vi (*restrict qt2)[T], const 
             const vi e = (vi)st[(q - P0) * T + t], od = (vi)st[(q + 1 - P0) * T + t];
             st[(q - P0) * T + t] = (vf)((vi)((uint32_t __attribute__((vector_size(4 * W))))e >> 16) | od);
         }
-    for (int i = 0; i < D * TILE; ++i) accp[i] = 0.0f;
-    for (int s0 = r0; s0 < P1; s0 += CSUB) {
-        const int s1 = s0 + CSUB < P1 ? s0 + CSUB : P1;
-        for (int dc = 0; dc < D; dc += PV_ELEMS) {
-            vf acc[PV_ELEMS][T];
-            for (int e = 0; e < PV_ELEMS; ++e)
-                for (int t = 0; t < T; ++t) acc[e][t] = loadv(accp + (dc + e) * TILE + t * W);
-            for (int q = s0; q < s1; q += 2) {
-                const uint32_t *vp = vb2 + (int64_t)(q - P0) / 2 * D + dc;
-                for (int t = 0; t < T; ++t) {
-                    const vi w = (vi)st[(q - P0) * T + t];
-                    for (int e = 0; e < PV_ELEMS; ++e) acc[e][t] = dp_v(acc[e][t], w, splat_i(vp[e]));
-                }
-            }
-            for (int e = 0; e < PV_ELEMS; ++e)
-                for (int t = 0; t < T; ++t) storev(accp + (dc + e) * TILE + t * W, acc[e][t]);
-        }
-    }
+    tile_weighted_v(st, vb2, accp, P0, P1, r0, D, 1);
     merge_tile(o, m_run, l_run, accp, m, l_sum, D);
 }
 #endif
