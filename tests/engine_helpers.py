@@ -72,6 +72,23 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     assert not engine.requests
 
 
+def count_native_loop_runs(monkeypatch) -> list[bool]:
+    """A list that records, per forward offered to the native layer loop (kernels/cpu/native_decoder.py),
+    whether the loop took it (its ``run`` returned a result) or declined it to the Python loop."""
+    from kernels.cpu import native_decoder
+
+    ran: list[bool] = []
+    run = native_decoder.NativeDecoderLoop.run
+
+    def counted(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_decoder.NativeDecoderLoop, "run", counted)
+    return ran
+
+
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

@@ -241,17 +241,9 @@ def test_the_engine_runs_bf16_products_on_a_bf16_cache_in_the_native_layer_loop(
     from engine_svc import SamplingParams
     from kernels.backend import TORCH_KERNELS_BF16_PRODUCTS
     from kernels.cpu import native_decoder
-    from tests.engine_helpers import make_engine, random_prompts
+    from tests.engine_helpers import count_native_loop_runs, make_engine, random_prompts
 
-    ran = []
-    run = native_decoder.NativeDecoderLoop.run
-
-    def counted(self, *args, **kwargs):
-        out = run(self, *args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(native_decoder.NativeDecoderLoop, "run", counted)
+    ran = count_native_loop_runs(monkeypatch)
     engine = make_engine(tiny_llama, attention_dtype="bfloat16")
     assert engine.runtime.kernels is TORCH_KERNELS_BF16_PRODUCTS
     assert engine.runtime.kv_cache_dtype is torch.bfloat16

@@ -256,17 +256,9 @@ def test_the_native_layer_loop_runs_on_a_bf16_cache(tiny_llama, monkeypatch):
     attention entries, rather than falling back to the Python loop (the same tokens, slower)."""
     from engine_svc import SamplingParams
     from kernels.cpu import native_decoder
-    from tests.engine_helpers import make_engine, random_prompts, run_to_completion
+    from tests.engine_helpers import count_native_loop_runs, make_engine, random_prompts, run_to_completion
 
-    ran = []
-    run = native_decoder.NativeDecoderLoop.run
-
-    def counted(self, *args, **kwargs):
-        out = run(self, *args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(native_decoder.NativeDecoderLoop, "run", counted)
+    ran = count_native_loop_runs(monkeypatch)
     engine = make_engine(tiny_llama, kv_cache_dtype="bfloat16")
     prompt = random_prompts([30], 1024, seed=4)[0]
     run_to_completion(engine, {"a": (prompt, SamplingParams(max_tokens=4, temperature=0))})
