@@ -272,10 +272,7 @@ INLINE vi round_bf16_bits(vf x) {
     const vi b = (vi)x;
     return (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
 }
-static inline uint16_t bf16_of(float x) {
-    uint32_t b; memcpy(&b, &x, 4);
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
+INLINE uint16_t bf16_of(float x) { return (uint16_t)((uint32_t)round_bf16_bits(splat_v(x))[0] >> 16); }
 #endif
 
 /* e^x for x <= 0, W lanes: the softmax numerators and the partition merges' factors of decodes and
@@ -561,14 +558,11 @@ INLINE int largest_divisor_at_most(int n, int most) {
  * have too few items for its threads. Which tiles share an item changes no bits. */
 #define TG 16
 #define TG_MIN 4
-/* A tile's transposed queries: D vectors per lane group, and with BF16_DOT their D / 2 bf16 pairs
- * after them (QT_VECS in all; BF16_PAIRS: the scratch's extra room, in D * TILE floats a tile) */
+/* A tile's transposed queries: D vectors per lane group, or with BF16_DOT their D / 2 bf16 pairs */
 #ifdef BF16_DOT
-#define QT_VECS (D + D / 2)
-#define BF16_PAIRS 1
+#define QT_VECS (D / 2)
 #else
 #define QT_VECS D
-#define BF16_PAIRS 0
 #endif
 
 /* One query's running result (o: D elements, `os` apart; its maximum score m and sum l so far)
@@ -1111,19 +1105,17 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
             const int row = (u0 + v) / rep;
             if (v < nvec) {
                 const float *qv = query_at(a, &sq, row, h * rep + (u0 + v) % rep);
-                for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = qv[d];
 #ifdef BF16_DOT
                 for (int d = 0; d < D; d += 2)
-                    ((vi (*)[T])qt)[D + d / 2][v / W][v % W] = (int32_t)((uint32_t)bf16_of(qv[d]) | (uint32_t)bf16_of(qv[d + 1]) << 16);
+                    ((vi (*)[T])qt)[d / 2][v / W][v % W] = (int32_t)((uint32_t)bf16_of(qv[d]) | (uint32_t)bf16_of(qv[d + 1]) << 16);
+#else
+                for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = qv[d];
 #endif
                 limit[v / W][v % W] = sq.ctx - sq.q_len + row + 1;
                 if (a->window > 0 && limit[v / W][v % W] > a->window)
                     low[v / W][v % W] = limit[v / W][v % W] - a->window;
             } else {
-                for (int d = 0; d < D; ++d) qt[d][v / W][v % W] = 0.0f;
-#ifdef BF16_DOT
-                for (int d = 0; d < D; d += 2) ((vi (*)[T])qt)[D + d / 2][v / W][v % W] = 0;
-#endif
+                for (int d = 0; d < QT_VECS; ++d) qt[d][v / W][v % W] = 0.0f;
             }
         }
         longests[g] = limit[(nvec - 1) / W][(nvec - 1) % W];
@@ -1190,7 +1182,7 @@ INLINE void attend_tile(const Args *a, int b, int h, int v0, int tg, vf *restric
          * them: the first lane's limit is the least, the last real lane's low the greatest) */
         const int last = nvecs[g] - 1;
 #ifdef BF16_DOT
-        const vi (*qt2)[T] = (const vi (*)[T])(qt + D);
+        const vi (*qt2)[T] = (const vi (*)[T])qt;
         if (SPECIALIZED && r0 >= low[last / W][last % W] && P1 <= limit[0][0])
             tile_partition_dp(a, qt2, limit, low, o, m_run, l_run, st, accp, (const uint16_t *)kbuf, (const uint32_t *)vbuf, P0, P1, r0, CAP, 1, D);
         else
@@ -2117,7 +2109,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
     /* a decode's scores and transposed K rows; a chunk's scores, sums, queries, outputs and K rows */
     const size_t rows = w->split_rows > 1 ? (size_t)w->split_rows : 1;
     const size_t decode_floats = rows * num_heads * PART + 2 * (size_t)head_dim * W + rows * num_heads * head_dim;
-    const size_t chunk_floats = (size_t)TILE * PART + (1 + (2 + BF16_PAIRS) * (size_t)TG) * (size_t)head_dim * TILE +
+    const size_t chunk_floats = (size_t)TILE * PART + (1 + 2 * (size_t)TG) * (size_t)head_dim * TILE +
                                 (size_t)(2 * PART + QP) * (size_t)head_dim;
     size_t bytes = sizeof(float) * (decode_floats > chunk_floats ? decode_floats : chunk_floats);
     int amx = 0;
