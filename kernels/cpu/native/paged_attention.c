@@ -495,6 +495,7 @@ typedef struct {
     int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
     float softcap;  /* > 0: every scaled score s becomes tanh(s / softcap) * softcap (Gemma 2) */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
+    int32_t threads; /* the loop's threads (>= 1) */
 } Args;
 
 /* A scaled score soft-capped (a layer with `softcap` > 0). One out-of-line scalar function for the
@@ -707,6 +708,41 @@ INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, co
     });
 }
 
+/* One cache's (K's or V's) rows of `count` positions from `from` (not past `end`): a slice of a
+ * later partition's. Not inlined: the passes that call it keep their code as it was (inlined, a
+ * call of 256 decodes of 400 positions, which ask for nothing ahead, ran 0.93-0.98x: the code
+ * around the loops moved, not the requests). */
+static __attribute__((noinline)) void prefetch_rows(const Args *a, const Seq *s, const kv_t *cache, int from,
+                                                    int count, int end, int D) {
+    const int64_t ps = (int64_t)a->num_kv_heads * D;
+    const int to = from + count < end ? from + count : end;
+    FOR_RUNS(a, from, to, {
+        (void)p;
+        const kv_t *kb = block_at(a, cache, s, blk, 0, D) + off * ps;
+        for (int64_t e = 0; e < n * ps; e += 64 / (int)sizeof(kv_t)) __builtin_prefetch(kb + e, 0, 2);
+    });
+}
+
+/* A split-K item asks, while it computes, for the rows of a partition that its thread will likely
+ * take later: the pool hands items out one at a time in order, so a thread's c-th claim from now
+ * is about c * threads partitions on. It asks for that partition's K rows a slice per step of its
+ * pass over its own K, and the V rows a slice per step of its pass over V, so that the memory
+ * runs under the arithmetic (the partition's own rows are still asked for all at once as the item
+ * starts: from cache where an earlier item asked). c is the claims that hold about AHEAD_BYTES of
+ * K/V rows, at least 1 (tried: 1 to 4 claims, and the whole partition asked for at the item's
+ * start instead of in slices: no gain). A decode at 18k of context, 24 layers' caches, two
+ * threads, on a 2-core Zen 4: Qwen2.5-Coder-0.5B's shape 1.25-1.33x on a bf16 cache (c = 2),
+ * 1.10x on an fp32 one (c = 1); the 1.5B's 1.20x (bf16, c = 1); a few rows at depth (a verify)
+ * 1.04-1.08x (docs/performance.md, "A decode's later partitions"). Only where rows come from:
+ * the same bits. */
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES (256 << 10)
+#endif
+INLINE int ahead_claims(const Args *a, const int D) {
+    const int64_t part_bytes = (int64_t)PART * a->num_kv_heads * D * (int64_t)sizeof(kv_t) * 2;
+    return part_bytes >= AHEAD_BYTES ? 1 : (int)(AHEAD_BYTES / part_bytes);
+}
+
 /* A split-K item's partition `part`: the last R query rows of sequence b (a decode: its one row; a
  * sequence with a few rows at depth, FEW_ROWS: all of them), each row's query heads of every KV
  * head, each row with its own context (its position + 1) and window. Row i's result for KV head h
@@ -760,6 +796,9 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
 #ifndef NO_PREFETCH
     prefetch_partition(a, &sq, r0, P1, D);
 #endif
+    /* [N0, N1): the partition asked for ahead (empty past the sequence's end) */
+    const int N0 = (part + ahead_claims(a, D) * a->threads) * PART;
+    const int N1 = N0 + PART < sq.ctx ? N0 + PART : sq.ctx;
     /* scores[(h * nv + u) * PART + p - P0] = q_u . k_p * scale, for KV head h's every vector u at
      * [r0, P1) */
     const int64_t ps = (int64_t)H * D;
@@ -769,6 +808,9 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
          * so that each query value broadcast feeds two groups and its heads' chains are twice as
          * many; each lane's chain over d is the same, so are the bits */
         for (int p0 = r0; p0 < P1; p0 += 2 * W) {
+#ifndef NO_PREFETCH
+            if (N0 + (p0 - r0) < N1) prefetch_rows(a, &sq, a->k_cache, N0 + (p0 - r0), 2 * W, N1, D);
+#endif
             const kv_t *k1 = block_at(a, a->k_cache, &sq, p0 / bs, 0, D) + (int64_t)(p0 % bs) * ps;
             float *row0 = scores + p0 - P0;
             if (p0 + W < P1) {
@@ -820,6 +862,9 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
      * rows stay in L1 for every pass; row i's over its own positions [r0_i, P1_i), from 0 at r0_i */
     for (int s0 = r0; s0 < P1; s0 += SUB) {
         const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
+#ifndef NO_PREFETCH
+        if (N0 + (s0 - r0) < N1) prefetch_rows(a, &sq, a->v_cache, N0 + (s0 - r0), SUB, N1, D);
+#endif
         for (int h = 0; h < H; ++h)
             for (int i = i0; i < i1; ++i) {
                 const int ctx_i = sq.ctx - R + 1 + i,
@@ -2099,7 +2144,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
 #endif
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, window, softcap, out};
+                    block_size, scale, window, softcap, out, num_threads > 1 ? num_threads : 1};
     const int rep = num_heads / num_kv_heads;
     const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, num_threads);
     if (!w) return -2;
