@@ -709,18 +709,27 @@ INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, co
 }
 
 /* One cache's (K's or V's) rows of `count` positions from `from` (not past `end`): a slice of a
- * later partition's. Not inlined: the passes that call it keep their code as it was (inlined, a
- * call of 256 decodes of 400 positions, which ask for nothing ahead, ran 0.93-0.98x: the code
- * around the loops moved, not the requests). */
-static __attribute__((noinline)) void prefetch_rows(const Args *a, const Seq *s, const kv_t *cache, int from,
-                                                    int count, int end, int D) {
-    const int64_t ps = (int64_t)a->num_kv_heads * D;
+ * later partition's. Out of line, and (GCC) keeping every register of its caller: the passes that
+ * call it keep their code and their vectors in registers as they were (inlined, a call of 256
+ * decodes of 400 positions, which ask for nothing ahead, ran 0.93-0.98x: the code around the
+ * loops moved, not the requests; a plain call 0.96-1.0x). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* every register callee-saved, and only general registers used: a caller keeps its vectors in
+ * registers across the call */
+#define KEEPS_REGISTERS __attribute__((no_caller_saved_registers, target("general-regs-only")))
+#else
+#define KEEPS_REGISTERS
+#endif
+static __attribute__((noinline)) KEEPS_REGISTERS void prefetch_rows(const Args *a, const Seq *s, const kv_t *cache,
+                                                                    int from, int count, int end, int D) {
+    const int64_t ps = (int64_t)a->num_kv_heads * D, bs = a->block_size;
     const int to = from + count < end ? from + count : end;
-    FOR_RUNS(a, from, to, {
-        (void)p;
-        const kv_t *kb = block_at(a, cache, s, blk, 0, D) + off * ps;
-        for (int64_t e = 0; e < n * ps; e += 64 / (int)sizeof(kv_t)) __builtin_prefetch(kb + e, 0, 2);
-    });
+    for (int p = from; p < to;) { /* FOR_RUNS, spelt out: block_at's inlining needs the same target */
+        const int blk = p / (int)bs, off = p % (int)bs, n = bs - off < to - p ? (int)bs - off : to - p;
+        const char *kb = (const char *)(cache + ((int64_t)s->table[blk] * bs + off) * ps);
+        for (int64_t e = 0; e < n * ps * (int64_t)sizeof(kv_t); e += 64) __builtin_prefetch(kb + e, 0, 2);
+        p += n;
+    }
 }
 
 /* A split-K item asks, while it computes, for the rows of a partition that its thread will likely
@@ -731,10 +740,10 @@ static __attribute__((noinline)) void prefetch_rows(const Args *a, const Seq *s,
  * starts: from cache where an earlier item asked). c is the claims that hold about AHEAD_BYTES of
  * K/V rows, at least 1 (tried: 1 to 4 claims, and the whole partition asked for at the item's
  * start instead of in slices: no gain). A decode at 18k of context, 24 layers' caches, two
- * threads, on a 2-core Zen 4: Qwen2.5-Coder-0.5B's shape 1.25-1.33x on a bf16 cache (c = 2),
- * 1.10x on an fp32 one (c = 1); the 1.5B's 1.20x (bf16, c = 1); a few rows at depth (a verify)
- * 1.04-1.08x (docs/performance.md, "A decode's later partitions"). Only where rows come from:
- * the same bits. */
+ * threads, on a 2-core Zen 4: Qwen2.5-Coder-0.5B's shape 1.19-1.33x on a bf16 cache (c = 2),
+ * 1.04-1.12x on an fp32 one (c = 1); the 1.5B's 1.18-1.20x (bf16, c = 1); a few rows at depth
+ * (a verify) 0.96-1.08x (docs/performance.md, "A decode's later partitions asked for ahead").
+ * Only where rows come from: the same bits. */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES (256 << 10)
 #endif
