@@ -495,7 +495,7 @@ typedef struct {
     int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
     float softcap;  /* > 0: every scaled score s becomes tanh(s / softcap) * softcap (Gemma 2) */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
-    int32_t threads; /* the loop's threads (>= 1) */
+    int32_t ahead; /* partitions on from its own that a split-K item asks for (ahead_partitions) */
 } Args;
 
 /* A scaled score soft-capped (a layer with `softcap` > 0). One out-of-line scalar function for the
@@ -747,9 +747,10 @@ static __attribute__((noinline)) KEEPS_REGISTERS void prefetch_rows(const Args *
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES (256 << 10)
 #endif
-INLINE int ahead_claims(const Args *a, const int D) {
-    const int64_t part_bytes = (int64_t)PART * a->num_kv_heads * D * (int64_t)sizeof(kv_t) * 2;
-    return part_bytes >= AHEAD_BYTES ? 1 : (int)(AHEAD_BYTES / part_bytes);
+static int ahead_partitions(int num_kv_heads, int head_dim, int threads) {
+    const int64_t part_bytes = (int64_t)PART * num_kv_heads * head_dim * (int64_t)sizeof(kv_t) * 2;
+    const int claims = part_bytes >= AHEAD_BYTES ? 1 : (int)(AHEAD_BYTES / part_bytes);
+    return claims * (threads > 1 ? threads : 1);
 }
 
 /* A split-K item's partition `part`: the last R query rows of sequence b (a decode: its one row; a
@@ -806,7 +807,7 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
     prefetch_partition(a, &sq, r0, P1, D);
 #endif
     /* [N0, N1): the partition asked for ahead (empty past the sequence's end) */
-    const int N0 = (part + ahead_claims(a, D) * a->threads) * PART;
+    const int N0 = (part + a->ahead) * PART;
     const int N1 = N0 + PART < sq.ctx ? N0 + PART : sq.ctx;
     /* scores[(h * nv + u) * PART + p - P0] = q_u . k_p * scale, for KV head h's every vector u at
      * [r0, P1) */
@@ -2153,7 +2154,8 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
 #endif
     const Args a = {q, q_stride_token, q_stride_head, k_cache, v_cache, block_tables,
                     block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                    block_size, scale, window, softcap, out, num_threads > 1 ? num_threads : 1};
+                    block_size, scale, window, softcap, out,
+                    ahead_partitions(num_kv_heads, head_dim, num_threads)};
     const int rep = num_heads / num_kv_heads;
     const WorkList *w = work_list_for(seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, num_threads);
     if (!w) return -2;
