@@ -2,6 +2,7 @@
 
     python -m benchmarks.autocomplete [--model models/qwen2.5-coder-0.5b] [--threads 2] [--keystrokes 20]
     python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
+    python -m benchmarks.autocomplete --ours-ngram    # ours with n-gram drafts against llama-server
     python -m benchmarks.autocomplete --fim-order spm --llama-spm   # suffix first on both sides
     # a session too long for one quiet slot (the 1.5B's llama-server side), in ranges, then merged:
     python -m benchmarks.autocomplete --model models/qwen2.5-coder-1.5b --skip-ours \
@@ -24,6 +25,9 @@ The layout: ours sends ``fim_order`` (``--fim-order``, default psm, the server's
 prefix, suffix, middle; ``spm`` puts the suffix first, so a keystroke recomputes only the changed tail,
 but Qwen2.5-Coder does not complete from it); llama-server runs its default, or with ``--spm-infill``
 (``--llama-spm``). benchmarks/fim_order.py compares how well each completes.
+
+``--ours-ngram``: our server with n-gram prompt lookup (``--speculative-config``, ``--ngram-k``
+drafts a step, default 8; the governor deciding), against llama-server as it runs by default.
 
 ``--speculation``: instead of llama-server, our server with n-gram prompt lookup
 (``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
@@ -193,7 +197,12 @@ def summary(latencies: list[float], computed: list[int], hits: int) -> dict:
     }
 
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+def ngram_config(k: int) -> str:
+    """n-gram prompt lookup with ``k`` drafts a step (the governor deciding whether to draft)."""
+    import json
+
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return json.dumps(config)
 
 
 class Ours:
@@ -258,6 +267,12 @@ def main() -> None:
     ap.add_argument("--llama-spm", action="store_true", help="llama-server with --spm-infill")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--speculation", action="store_true", help="ours with n-gram drafts against ours without")
+    ap.add_argument(
+        "--ours-ngram",
+        action="store_true",
+        help="against llama-server: ours with n-gram drafts (--speculative-config, the governor deciding)",
+    )
+    ap.add_argument("--ngram-k", type=int, default=8, help="drafts a step with n-gram speculation")
     ap.add_argument("--orders", action="store_true", help="ours in SPM against ours in PSM (one server)")
     ap.add_argument(
         "--keystroke-range",
@@ -310,6 +325,9 @@ def main() -> None:
         orders(gguf, args, s, bodies, result)
         return
     kv = ("--kv-cache-dtype", args.kv_cache_dtype, "--attention-dtype", args.attention_dtype)
+    if args.ours_ngram:
+        kv += ("--speculative-config", ngram_config(args.ngram_k))
+    result["speculative_config"] = {"ours": ngram_config(args.ngram_k) if args.ours_ngram else None}
     sides = [] if args.skip_ours else [("ours", lambda: Ours(gguf, args.threads, args.ctx, kv))]
     if not args.skip_llama_server:
         sides.append(
@@ -384,7 +402,8 @@ def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> 
     keys = {"ngram": "ngram-side-key-0123456789", "plain": "plain-side-key-0123456789"}
     with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
         f.write("".join(f"{name} {key}\n" for name, key in keys.items()))
-    extra = ("--speculative-config", NGRAM, "--api-key-file", f.name)
+    extra = ("--speculative-config", ngram_config(args.ngram_k), "--api-key-file", f.name)
+    extra += ("--kv-cache-dtype", args.kv_cache_dtype, "--attention-dtype", args.attention_dtype)
     server = Ours(gguf, args.threads, args.ctx, extra)
     try:
         sessions = {name: Session(server.url, s, ours=True, key=key) for name, key in keys.items()}

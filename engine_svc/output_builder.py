@@ -14,6 +14,7 @@ grammar's state, which nothing changes between planning and sampling.
 
 from __future__ import annotations
 
+from engine_svc.block_hash import salt_hash
 from engine_svc.kv_cache_manager import KVCacheManager, StepChanges
 from engine_svc.logits_processors.grammar import fill_grammar_bitmask
 from engine_svc.scheduled_step import ScheduledStep
@@ -171,6 +172,7 @@ class OutputBuilder:
             params=request.params,
             block_ids=[list(kv.block_table(seq, g)) for g in range(len(kv.group_tables))],
             lora=request.lora.version if request.lora is not None else 0,
+            salt=salt_hash(request.cache_salt) >> 1,  # (63 bits: the wire's integers are signed)
         )
 
     def _grammar(self, out: SchedulerOutput, layout, matchers: list) -> None:

@@ -23,6 +23,7 @@ class RequestState:
     length_limit: int
     params: SamplingParams
     lora: int  # LoRA adapter version (0: none)
+    salt: int = 0  # its tenant (NewRequestData.salt)
 
     @classmethod
     def of(cls, new: NewRequestData) -> RequestState:
@@ -36,6 +37,7 @@ class RequestState:
             new.length_limit,
             new.params,
             new.lora,
+            new.salt,
         )
 
     @property

@@ -201,6 +201,13 @@ class Scheduler:
         # the next verifies).
         verify = self.spec is not None and len(running) <= self.spec.max_batch
         propose = verify and (self.governor is None or self.governor.allow(len(running)))
+        # A sequence on a streak (every draft of its last verification accepted, or none verified
+        # yet) drafts again whatever the governor's average says, where a step whose drafts are all
+        # accepted is measured cheaper per token than a plain one.
+        streak = verify and (
+            self.governor is None
+            or self.governor.full_drafts_pay(len(running), self.spec.num_speculative_tokens + 1)
+        )
         self.num_steps += 1
         out_this_step, seated_waiting = self._seats()
         switch = self.kv.rope_switch is not None  # long-rope: a sequence past it is computed anew
@@ -232,7 +239,7 @@ class Scheduler:
                     continue
             plan = None
             if verify and num_new == remaining and self._drafting(seq):
-                plan = self._speculate(seq, num_new, budget if decoding else None, propose)
+                plan = self._speculate(seq, num_new, budget if decoding else None, propose, streak)
             # One allocation of the plan (less its speculation on a dry pool), else preemptions.
             if plan is None:
                 speculating = take_slots(seq, num_new, num_new, 0)
@@ -271,7 +278,7 @@ class Scheduler:
                     self._work -= cost(seq.num_computed_tokens, num_new)
                 i += 1
         if not out.preempted:  # under pressure, admit nobody new this step
-            budget, others = self._admit(out, budget, propose, seated_waiting, others)
+            budget, others = self._admit(out, budget, propose, seated_waiting, others, streak)
         # The flags, from what was committed: every sequence decodes (admissions never do) with
         # no drafts to verify; and besides, nothing preempted and no running one left out.
         decodes = not others
@@ -409,7 +416,7 @@ class Scheduler:
         return (request.forked or request.params.n == 1) and self._drafting(seq)
 
     def _speculate(
-        self, seq: Sequence, num_new: int, budget: int | None, propose: bool
+        self, seq: Sequence, num_new: int, budget: int | None, propose: bool, streak: bool = False
     ) -> Speculation | None:
         """The speculation in the plan of a running sequence that samples this step with its
         ``num_new`` tokens: the drafts it holds that it verifies (a decode, with ``budget`` tokens
@@ -420,7 +427,8 @@ class Scheduler:
             # Never past max_tokens: the last draft's successor is the bonus token.
             k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
             draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
-        after = self.spec.num_speculative_tokens if propose and self._may_draft_after(seq) else 0
+        drafting = propose or (streak and seq.draft_streak)
+        after = self.spec.num_speculative_tokens if drafting and self._may_draft_after(seq) else 0
         if not draft and not after:
             return None
         tokens = 1 + len(draft) if draft else num_new
@@ -453,6 +461,7 @@ class Scheduler:
         propose: bool,
         seated: list[Sequence] | None,
         others: int,
+        streak: bool = False,
     ) -> tuple[int, int]:
         """Admit waiting sequences while the token and work budgets, ``max_num_seqs`` and the pool
         allow: ``seated`` (those given seats this step, in order), or with None the queue's ready
@@ -501,7 +510,8 @@ class Scheduler:
                 if num_new == 0:  # the step's work budget is spent
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
-            drafts_after = propose and num_new == remaining and self._may_draft_after(seq)
+            drafting = propose or (streak and seq.draft_streak)
+            drafts_after = drafting and num_new == remaining and self._may_draft_after(seq)
             ahead = self.num_lookahead if drafts_after else 0
             speculating = self._take_slots(seq, num_new, num_new, ahead, cached)
             if speculating is None:
@@ -859,6 +869,7 @@ class Scheduler:
         """The accepted drafts and the bonus token (spec_decode/acceptance.py: greedy and seeded
         requests get the very tokens they would get without speculation)."""
         accepted = num_accepted(draft, sampled)
+        seq.draft_streak = accepted == len(draft)
         seq.num_drafted += len(draft)
         seq.num_accepted += accepted
         self.num_drafted += len(draft)

@@ -41,6 +41,9 @@ class NewRequestData:
     params: SamplingParams
     block_ids: list[list[int]]  # its whole block table, per KV cache group
     lora: int = 0  # the version of the LoRA adapter it runs under (``LoRAAdapter.version``); 0: none
+    # its tenant (a hash of its cache salt, 0: none): a proposer drafts from the outputs of earlier
+    # sequences only within one tenant, as the prefix cache shares blocks only within one
+    salt: int = 0
 
 
 class CachedRequestData:
@@ -163,6 +166,7 @@ class SchedulerOutput:
             for ids in r.block_ids:
                 w.ints(ids)
             w.int(r.lora)
+            w.int(r.salt)
         c = self.cached
         w.ints(c.seq_ids)
         w.ints(c.num_computed_tokens)
@@ -221,6 +225,7 @@ class SchedulerOutput:
                     params=r.params(),
                     block_ids=[r.ints() for _ in range(r.int())],
                     lora=r.int(),
+                    salt=r.int(),
                 )
             )
         ids, computed, counts, flat = r.ints(), r.ints(), r.ints(), r.ints()

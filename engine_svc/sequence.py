@@ -136,6 +136,10 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
+    # Its last verification accepted every draft (true until it has one): it may draft again after
+    # its next step whatever the governor's average says (a run of copied text, an editor's last
+    # completion typed again), where such a step pays (``SpeculationGovernor.full_drafts_pay``)
+    draft_streak: bool = True
     # A proposer's own state (an n-gram index, how far a draft model's cache holds the sequence)
     # is not here: the runner's proposer keeps it by seq_id (spec_decode/proposer.py).
 

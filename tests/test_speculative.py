@@ -529,3 +529,138 @@ def test_the_scheduler_stops_drafting_where_the_governor_measured_it_slower():
     assert any(drafted[:5]), drafted  # it tried
     later = drafted[5:]
     assert sum(later) <= len(later) // 16 + 1, drafted  # only the governor's exploring steps draft
+
+
+def test_a_corpus_is_looked_up_first_at_each_length_and_read_forwards():
+    """An earlier output (the corpus) proposes what followed the suffix there before the sequence's
+    own latest match of the same length; a longer own match still wins; within the corpus the
+    occurrence at or after the last one drafted from is taken; without a corpus nothing changes."""
+    corpus = [1, 2, 3, 4, 1, 2, 7, 8, 9]
+    tokens = [5, 1, 2, 6, 6, 9, 1, 2]  # "1 2": own latest match is followed by 6; the corpus's by 3
+    assert NgramIndex(2, 3, corpus).propose(tokens, 3) == [3, 4, 1]
+    assert NgramIndex(2, 3).propose(tokens, 3) == [6, 6, 9]
+    # "9 1 2" occurred in the sequence (3 tokens), the corpus has only "1 2": the longer match wins
+    own = [9, 1, 2, 5, 5, 9, 1, 2]
+    assert NgramIndex(2, 3, corpus).propose(own, 2) == [5, 5]
+    # read forwards: after drafting from the corpus's first "1 2" (at 2), the next "1 2" lookup takes
+    # the occurrence at or after it: the first again; a later cursor takes the later one
+    index = NgramIndex(2, 2, corpus)
+    assert index.propose([0, 3, 4, 1, 2], 2) == [3, 4]  # "1 2" -> corpus position 2 (its first)
+    assert index.propose([0, 3, 4, 1, 2, 3, 4], 3) == [1, 2, 7]  # "3 4" -> position 4 (at/after 2)
+    assert index.propose([0, 3, 4, 1, 2, 3, 4, 1, 2], 3) == [7, 8, 9]  # "1 2" at/after 4: position 6
+    # an n-gram at the corpus's very end proposes nothing from it (the sequence's own lookup then)
+    assert NgramIndex(2, 2, [4, 8, 9]).propose([8, 9, 3, 8, 9], 2) == [3, 8]
+
+
+def test_shared_prefix_agrees_with_a_scan():
+    from engine_svc.spec_decode.ngram import shared_prefix
+
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 10))]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert shared_prefix(a, b) == n == shared_prefix(b, a)
+
+
+def test_recent_outputs_serve_a_prompt_that_begins_as_theirs_within_one_tenant():
+    """The corpus is the output (after the last ``tail`` prompt tokens) of the entry whose prompt
+    shares the most with the new one, at least half of it, in the same (tenant, adapter) group;
+    the latest wins a tie; the memory holds ``capacity`` entries and never an empty output."""
+    from engine_svc.spec_decode.ngram import RecentOutputs
+
+    recent = RecentOutputs(capacity=3, tail=2)
+    prompt = list(range(100, 120))
+    recent.add((0, 0), 20, prompt + [1, 2, 3])
+    recent.add((0, 0), 20, prompt + [])  # nothing generated: not kept
+    assert len(recent.entries) == 1
+    assert recent.corpus((0, 0), prompt + [1]) == [118, 119, 1, 2, 3]
+    assert recent.corpus((5, 0), prompt + [1]) == []  # another tenant
+    assert recent.corpus((0, 1), prompt + [1]) == []  # another adapter
+    assert recent.corpus((0, 0), prompt[:9] + [0] * 12) == []  # 9 of 21 shared: under half
+    assert recent.corpus((0, 0), prompt[:11] + [0] * 10) == [118, 119, 1, 2, 3]  # 11 of 21
+    recent.add((0, 0), 20, prompt + [4, 5])  # the same prompt again: the latest wins the tie
+    assert recent.corpus((0, 0), prompt) == [118, 119, 4, 5]
+    longer = prompt + [7, 7]
+    recent.add((0, 0), 22, longer + [6])  # shares more with a prompt that has the 7s
+    assert recent.corpus((0, 0), longer + [8]) == [7, 7, 6]
+    for n in (1, 2, 3):  # three more: the first three are gone
+        recent.add((0, 0), 20, prompt + [9] * n)
+    assert len(recent.entries) == 3 and recent.corpus((0, 0), longer + [8]) == [118, 119, 9, 9, 9]
+
+
+def test_a_later_request_drafts_from_an_earlier_output_of_its_tenant(cycling_model):
+    """B's prompt is A's with A's first three tokens after it (an editor's next keystroke, in
+    tokens): B's greedy output is A's from its fourth token, so with A's output as its corpus B's
+    drafts are accepted from its first verification on. Drafted from a fresh engine, or after A
+    of another tenant, B drafts only from its own tokens. Its tokens are the plain engine's in all
+    three; the counts are the engine's own (RequestDelta)."""
+    spec = dict(NGRAM, prompt_lookup_min=2, prompt_lookup_max=3)
+    prompt_a = random_prompts([48], 1024, seed=11)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain, _ = run(cycling_model, {"a": (prompt_a, greedy)})
+    out_a = plain["a"].outputs[0].tokens
+    prompt_b = prompt_a + out_a[:3]
+    b_params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def b_after(first_salt: str | None, b_salt: str | None):
+        engine = make_engine(cycling_model, speculative_config=spec)
+        counts = []
+        results: dict[str, Result] = {}
+        if first_salt != "none":
+            engine.add_request("a", prompt_a, greedy, cache_salt=first_salt)
+            drive(engine, results)
+        engine.add_request("b", prompt_b, b_params, cache_salt=b_salt)
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                results.setdefault(d.request_id, Result()).add(d)
+                counts.append((d.num_draft_tokens, d.num_accepted_draft_tokens))
+        assert_pool_whole(engine)
+        assert results["b"].outputs[0].tokens == out_a[3:33]
+        return counts[-1]
+
+    fresh = b_after("none", None)
+    shared = b_after(None, None)
+    other_tenant = b_after("tenant-a", "tenant-b")
+    assert other_tenant == fresh  # nothing crossed between tenants
+    drafted, accepted = shared
+    assert accepted >= 20 and accepted > fresh[1], (shared, fresh)
+    assert drafted - accepted <= 4, shared  # only the drafts past A's output miss
+
+
+def test_a_sequence_on_a_streak_drafts_where_the_governor_average_would_not():
+    """The governor's average cost per token over drafted steps says no (20 ms a token against
+    10 ms plain), but a drafted step that emits all k + 1 tokens costs 5 ms a token: a sequence
+    whose drafts were all accepted drafts again after every step, until one is rejected; then only
+    the governor's exploring steps draft. Where a full step would not pay either, no streak
+    drafts (the governor test above: 40 ms for 4 tokens against 5 ms plain)."""
+    config = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=True
+    )
+    sched = make_sched(config)
+    sched.governor.record(1, True, seconds=0.020, tokens=1)  # 20 ms a token, 20 ms a step
+    sched.governor.record(1, False, seconds=0.010, tokens=1)
+    assert sched.governor.full_drafts_pay(1, 4) and not sched.governor.full_drafts_pay(1, 2)
+    request = add(sched, "r", [5, 6, 5, 6, 5, 6], max_tokens=400)
+    drafted, reject_from = [], 15
+    for step in range(70):
+        out = sched.schedule()
+        drafted.append(bool(out.drafts))
+        result = fake_result(out)
+        draft = next(iter(out.drafts.values()), [])
+        if draft and step < reject_from:  # the target agrees with every draft: a copy
+            tokens = (draft + [5 if draft[-1] == 6 else 6])[: out.layout.num_sample_rows]
+        elif draft:  # it disagrees at once
+            tokens = ([11 - draft[0]] + [5] * 8)[: out.layout.num_sample_rows]
+        else:
+            tokens = [5 if request.sequences[0].token_ids[-1] == 6 else 6] * out.layout.num_sample_rows
+        result.token_ids, result.logprobs = tokens, [None] * len(tokens)
+        sched.update_from_output(out, with_drafts(result, out, NgramProposer(config)))
+        if request.finished:
+            break
+    # the prompt's first sampled token: a new sequence is on a streak; then every step drafts
+    assert all(drafted[1:reject_from]), drafted
+    later = drafted[reject_from + 2 :]
+    assert later and sum(later) <= len(later) // 16 + 1, drafted  # the governor's exploring steps

@@ -448,7 +448,7 @@ def test_the_step_in_docs_engine_step_md():
         [[11, 12]],
     )
     wire = plain.to_wire()
-    assert len(wire) == 77  # int64 words; SchedulerOutput.from_wire reads it back
+    assert len(wire) == 78  # int64 words; SchedulerOutput.from_wire reads it back
     runner.update_states(SchedulerOutput.from_wire(wire))
     state_a, state_b = runner.requests[a.seq_id], runner.requests[b.seq_id]
     assert (state_a.token_ids, state_a.num_computed_tokens) == ([11, 12, 13, 11, 12, 13], 5)

@@ -7,7 +7,12 @@ positions cost about what they save, or more. Which regime a batch size is in de
 model, the device and the machine's load, so the engine measures it: per number of running
 sequences, a moving average of seconds per emitted token over decode steps with drafts and over
 decode steps without; drafting goes on where it is cheaper. The other choice is taken again every
-``explore_every`` steps at that size, so a change (acceptance, load) is noticed."""
+``explore_every`` steps at that size, so a change (acceptance, load) is noticed.
+
+The average over drafted steps mixes sequences (and stretches of one) whose drafts are all accepted
+with those whose drafts all fail; ``full_drafts_pay`` asks about the former alone, for the
+scheduler's per-sequence rule: a sequence whose last drafts were all accepted drafts on where a
+step of fully accepted drafts is cheaper per token than a plain one."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ class SpeculationGovernor:
         self.alpha = alpha
         # (running sequences, drafted) -> moving average of seconds per emitted token
         self.cost: dict[tuple[int, bool], float] = {}
+        # (running sequences, drafted) -> moving average of seconds per step
+        self.step_cost: dict[tuple[int, bool], float] = {}
         self._steps: dict[int, int] = {}
 
     def allow(self, batch: int) -> bool:
@@ -39,3 +46,14 @@ class SpeculationGovernor:
         key = (batch, drafted)
         old = self.cost.get(key)
         self.cost[key] = per_token if old is None else old + self.alpha * (per_token - old)
+        old = self.step_cost.get(key)
+        self.step_cost[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def full_drafts_pay(self, batch: int, tokens: int) -> bool:
+        """Whether a step with drafts, at ``batch`` sequences, costs less per token than a plain
+        step when one sequence emits ``tokens`` in it (all its drafts accepted): the average cost
+        per token over all drafted steps mixes runs of copied text with novel text, this asks about
+        the former. Exact at one sequence; above, it counts one sequence's tokens against the whole
+        step, so it errs on the side of not drafting. True until both are measured."""
+        on, off = self.step_cost.get((batch, True)), self.cost.get((batch, False))
+        return on is None or off is None or on / tokens < off

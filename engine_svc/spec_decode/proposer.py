@@ -28,7 +28,7 @@ from engine_svc.sampler import DEAD_END_TOKEN
 from engine_svc.scheduler_output import SchedulerOutput
 from engine_svc.spec_decode.acceptance import new_tokens
 from engine_svc.spec_decode.config import SpeculativeConfig
-from engine_svc.spec_decode.ngram import NgramIndex
+from engine_svc.spec_decode.ngram import NgramIndex, RecentOutputs
 
 
 class Proposer(Protocol):
@@ -57,21 +57,30 @@ def room(state, num_tokens: int, k: int) -> int:
 
 
 class NgramProposer:
-    """Prompt lookup (spec_decode/ngram.py) over each sequence's tokens as they stand after the step."""
+    """Prompt lookup (spec_decode/ngram.py) over each sequence's tokens as they stand after the step,
+    and over the output of a recent sequence of the same tenant whose prompt began as its own
+    (``RecentOutputs``: an editor's previous keystroke, an answer asked for again)."""
 
     def __init__(self, spec: SpeculativeConfig):
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-        # seq_id -> its index, once it drafts (a pure function of its tokens: a fork or a
-        # re-admission builds its own again, with the same proposals).
+        # seq_id -> its index, once it drafts (a function of its tokens and of the recent outputs
+        # when it first drafted: a fork or a re-admission builds its own again).
         self.indexes: dict[int, NgramIndex] = {}
+        # seq_id -> (tenant, prompt length, its tokens as it last drafted from them): what goes
+        # into ``recent`` when it is released
+        self.last: dict[int, tuple[tuple[int, int], int, list[int]]] = {}
+        self.recent = RecentOutputs()
 
     def follow(self, forks: list[tuple[int, int]], released: list[int]) -> None:
         indexes = self.indexes
         for seq_id in released:
             indexes.pop(seq_id, None)
+            last = self.last.pop(seq_id, None)
+            if last is not None:
+                self.recent.add(*last)
 
     def held_ids(self) -> set[int]:
-        return set(self.indexes)
+        return set(self.indexes) | set(self.last)
 
     def propose(
         self, out: SchedulerOutput, token_ids: list[int], states: RequestStates, batch: InputBatch | None
@@ -86,12 +95,15 @@ class NgramProposer:
                 continue
             state = states[seq_id]
             tokens = state.token_ids + new
+            group = (state.salt, state.lora)
+            self.last[seq_id] = (group, state.num_prompt_tokens, tokens)
             k = room(state, len(tokens), k)
             if k <= 0:
                 continue
             index = self.indexes.get(seq_id)
             if index is None:
-                index = self.indexes[seq_id] = NgramIndex(self.lo, self.hi)
+                corpus = self.recent.corpus(group, state.prompt_token_ids)
+                index = self.indexes[seq_id] = NgramIndex(self.lo, self.hi, corpus)
             draft = index.propose(tokens, k)
             if draft:
                 drafts[seq_id] = draft
