@@ -429,7 +429,8 @@ def speculation(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> 
         f"same completions: {same}; ngram / plain: p50 {result['ratios']['p50']:.2f}x, "
         f"p95 {result['ratios']['p95']:.2f}x"
     )
-    print(write_result("autocomplete-speculation", result, args.results_dir))
+    name = "autocomplete-speculation" if args.results_name == "autocomplete" else args.results_name
+    print(write_result(name, result, args.results_dir))
 
 
 def orders(gguf: Path, args, s: dict, bodies: list[dict], result: dict) -> None:
