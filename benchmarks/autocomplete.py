@@ -27,7 +27,7 @@ but Qwen2.5-Coder does not complete from it); llama-server runs its default, or 
 (``--llama-spm``). benchmarks/fim_order.py compares how well each completes.
 
 ``--ours-ngram``: our server with n-gram prompt lookup (``--speculative-config``, ``--ngram-k``
-drafts a step, default 8; the governor deciding), against llama-server as it runs by default.
+drafts a step, default 4; the governor deciding), against llama-server as it runs by default.
 
 ``--speculation``: instead of llama-server, our server with n-gram prompt lookup
 (``--speculative-config``, the governor deciding) on one side and ``speculative: false`` on the
@@ -272,7 +272,7 @@ def main() -> None:
         action="store_true",
         help="against llama-server: ours with n-gram drafts (--speculative-config, the governor deciding)",
     )
-    ap.add_argument("--ngram-k", type=int, default=8, help="drafts a step with n-gram speculation")
+    ap.add_argument("--ngram-k", type=int, default=4, help="drafts a step with n-gram speculation")
     ap.add_argument("--orders", action="store_true", help="ours in SPM against ours in PSM (one server)")
     ap.add_argument(
         "--keystroke-range",
