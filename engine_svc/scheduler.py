@@ -415,6 +415,12 @@ class Scheduler:
         request = seq.request
         return (request.forked or request.params.n == 1) and self._drafting(seq)
 
+    def _drafts_after(self, seq: Sequence, propose: bool, streak: bool) -> bool:
+        """Whether the proposer drafts for ``seq`` after this step: the governor lets the step's
+        sequences draft (``propose``) or ``seq`` is on a streak where streaks pay (``streak``), and
+        it may draft at all."""
+        return (propose or (streak and seq.draft_streak)) and self._may_draft_after(seq)
+
     def _speculate(
         self, seq: Sequence, num_new: int, budget: int | None, propose: bool, streak: bool = False
     ) -> Speculation | None:
@@ -427,8 +433,7 @@ class Scheduler:
             # Never past max_tokens: the last draft's successor is the bonus token.
             k = min(budget - 1, seq.request.length_limit - len(seq.token_ids) - 1)
             draft = seq.spec_token_ids[:k] if seq.spec_token_ids and k > 0 else None
-        drafting = propose or (streak and seq.draft_streak)
-        after = self.spec.num_speculative_tokens if drafting and self._may_draft_after(seq) else 0
+        after = self.spec.num_speculative_tokens if self._drafts_after(seq, propose, streak) else 0
         if not draft and not after:
             return None
         tokens = 1 + len(draft) if draft else num_new
@@ -510,8 +515,7 @@ class Scheduler:
                 if num_new == 0:  # the step's work budget is spent
                     break
             # A prompt this step completes may draft after it (the first decode verifies them).
-            drafting = propose or (streak and seq.draft_streak)
-            drafts_after = drafting and num_new == remaining and self._may_draft_after(seq)
+            drafts_after = num_new == remaining and self._drafts_after(seq, propose, streak)
             ahead = self.num_lookahead if drafts_after else 0
             speculating = self._take_slots(seq, num_new, num_new, ahead, cached)
             if speculating is None:

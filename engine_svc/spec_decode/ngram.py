@@ -57,10 +57,10 @@ class NgramIndex:
         return []
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (slices compared in halves: a few C-level
-    comparisons, not a Python loop over the tokens)."""
-    lo, hi = 0, min(len(a), len(b))
+def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit`` (slices compared in halves:
+    a few C-level comparisons, not a Python loop over the tokens)."""
+    lo, hi = 0, min(len(a), len(b), len(a) if limit is None else limit)
     while lo < hi:  # a[:lo] == b[:lo]; the answer is at most hi
         mid = (lo + hi + 1) // 2
         if a[lo:mid] == b[lo:mid]:
@@ -91,7 +91,7 @@ class RecentOutputs:
         for entry in reversed(self.entries):  # the latest first: it wins a tie
             if entry[0] != group:
                 continue
-            shared = shared_prefix(entry[2][: entry[1]], prompt)
+            shared = shared_prefix(entry[2], prompt, entry[1])  # (its prompt: the first entry[1])
             if shared > best_shared:
                 best, best_shared = entry, shared
         if best is None or 2 * best_shared < len(prompt):
