@@ -13,7 +13,9 @@ Then each linear of the model's first layer and its LM head, as the engine built
 (the GGUF's blocks on the int8-activation or float kernels; the bf16 directory's weights on the
 native GEMM as the engine's ``auto`` keeps them, and the same weights in fp32), is timed on M rows
 of random activations: achieved GFLOP/s (2 M N K / t) and its fraction of the roof for the
-arithmetic that kernel runs (fp32 FMA for the float kernels, int8 dots for the int8 ones).
+arithmetic that kernel runs (fp32 FMA for the float kernels, int8 dots for the int8 ones, and
+``VDPBF16PS`` chains for the bf16 directory's linears again with ``linear_dtype="bfloat16"``, where
+the CPU has AVX512-BF16).
 Medians of ``--reps`` calls after a warm-up; the weights of one layer fit the L3 here, which is the
 compute-bound regime this measures (prefill and batched decode); batch-1 streaming is
 ``benchmarks/kquant_gemv.py``'s.
@@ -111,8 +113,30 @@ int64_t roof_int8(int64_t iters) {
     vi t = ADD32(ADD32(ADD32(a0, a1), ADD32(a2, a3)), ADD32(a4, a5));
     return FIRSTI(t);
 }
+/* bf16 products: 12 independent chains of VDPBF16PS (two bf16 products a 32-bit lane), where the
+ * build's -march has AVX512-BF16; -1 elsewhere. */
+#if defined(__AVX512BF16__)
+#define B(a) __asm__("vdpbf16ps %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
+double roof_bf16dot(int64_t iters) {
+    vi s = SET16(0x3f80), u = SET16(0x3f80);
+    vf a0 = ZEROF(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+       a10 = a0, a11 = a0;
+    for (int64_t it = 0; it < iters; ++it) {
+        __asm__ volatile("" : "+v"(u), "+v"(s));
+        B(a0); B(a1); B(a2); B(a3); B(a4); B(a5); B(a6); B(a7); B(a8); B(a9); B(a10); B(a11);
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
+        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+    }
+    vf t = ADDF(ADDF(ADDF(a0, a1), ADDF(a2, a3)), ADDF(ADDF(a4, a5), ADDF(a6, a7)));
+    t = ADDF(t, ADDF(ADDF(a8, a9), ADDF(a10, a11)));
+    return (double)FIRSTF(t);
+}
+#else
+double roof_bf16dot(int64_t iters) { (void)iters; return -1.0; }
+#endif
 """
 FMA_FLOPS_PER_ITER = 12 * 2  # times the lanes
+BF16_FLOPS_PER_ITER = 12 * 2 * 2  # times the lanes (two products a lane an instruction)
 INT8_OPS_PER_ITER = 6 * 4 * 2  # times the lanes (4 byte products a 32-bit lane)
 
 
@@ -131,6 +155,7 @@ def build_roof():
     lib.roof_fma.argtypes, lib.roof_fma.restype = [ctypes.c_int64], ctypes.c_double
     lib.roof_int8.argtypes, lib.roof_int8.restype = [ctypes.c_int64], ctypes.c_int64
     lib.roof_lanes.argtypes, lib.roof_lanes.restype = [], ctypes.c_int32
+    lib.roof_bf16dot.argtypes, lib.roof_bf16dot.restype = [ctypes.c_int64], ctypes.c_double
     return lib, isa
 
 
@@ -149,26 +174,30 @@ def roof(fn, per_iter: int, threads: int, iters: int = 20_000_000) -> float:
     return best
 
 
-def model_linears(path: str, dtype: str | None) -> tuple[str, dict]:
+def model_linears(path: str, dtype: str | None, linear_dtype: str | None = None) -> tuple[str, dict]:
     from engine_svc import EngineConfig
     from engine_svc.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=path, dtype=dtype, num_kv_blocks=16, device="cpu"))
+    config = EngineConfig(model=path, dtype=dtype, num_kv_blocks=16, device="cpu", linear_dtype=linear_dtype)
+    engine = LLMEngine(config)
     model, layer = engine.model, engine.model.layers[0]
     lins = {n: getattr(layer, n) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     lins["lm_head"] = model.lm_head_proj
-    return f"{Path(path).name} ({engine.dtype})".replace("torch.", ""), lins
+    products = ", bf16 products" if linear_dtype == "bfloat16" else ""
+    return f"{Path(path).name} ({engine.dtype}{products})".replace("torch.", ""), lins
 
 
-def kernel_name(lin) -> tuple[str, bool]:
-    """(what runs, whether its arithmetic is int8 dots)."""
+def kernel_name(lin) -> tuple[str, str]:
+    """(what runs, the roof its arithmetic is held to: "int8", "bf16dot" or "fp32")."""
     kind = getattr(lin, "kind", "dense")
     if kind == "quantized_int8act":
-        return f"int8act {getattr(lin, 'fmt', getattr(getattr(lin, 'blocks', None), 'fmt', '?'))}", True
+        return f"int8act {getattr(lin, 'fmt', getattr(getattr(lin, 'blocks', None), 'fmt', '?'))}", "int8"
     if kind == "native":
+        if getattr(lin, "products", "float32") == "bfloat16":
+            return "native bf16 products", "bf16dot"
         amx = " AMX" if getattr(lin, "amx", False) else ""  # bf16 on the tiles: 3 bf16 parts a value
-        return f"native {str(getattr(lin, 'weight_dtype', '')).removeprefix('torch.')}{amx}", False
-    return kind, False
+        return f"native {str(getattr(lin, 'weight_dtype', '')).removeprefix('torch.')}{amx}", "fp32"
+    return kind, "fp32"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -189,23 +218,34 @@ def main(argv: list[str] | None = None) -> dict:
             fp32_gflops=roof(lib.roof_fma, FMA_FLOPS_PER_ITER * lib.roof_lanes(), t) / 1e9,
             int8_gops=roof(lib.roof_int8, INT8_OPS_PER_ITER * lib.roof_lanes(), t) / 1e9,
         )
+        if lib.roof_bf16dot(1) >= 0:  # the CPU has VDPBF16PS
+            roofs[t]["bf16dot_gflops"] = (
+                roof(lib.roof_bf16dot, BF16_FLOPS_PER_ITER * lib.roof_lanes(), t) / 1e9
+            )
         print(
             f"roof ({isa}, {t} thread(s)): fp32 FMA {roofs[t]['fp32_gflops']:.0f} GFLOP/s, "
-            f"int8 dots {roofs[t]['int8_gops']:.0f} GOP/s",
+            f"int8 dots {roofs[t]['int8_gops']:.0f} GOP/s"
+            + (
+                f", bf16 dots {roofs[t]['bf16dot_gflops']:.0f} GFLOP/s"
+                if "bf16dot_gflops" in roofs[t]
+                else ""
+            ),
             flush=True,
         )
-    models = [(args.model, None)]
+    models = [(args.model, None, None)]
     if args.hf:
-        models += [(args.hf, None), (args.hf, "float32")]
+        models += [(args.hf, None, None), (args.hf, "float32", None)]
+        if "bf16dot_gflops" in roofs[threads[0]]:
+            models.append((args.hf, None, "bfloat16"))
     figures = []
-    for path, dtype in models:
-        label, lins = model_linears(path, dtype)
+    for path, dtype, linear_dtype in models:
+        label, lins = model_linears(path, dtype, linear_dtype)
         for name, lin in lins.items():
             n, k = lin_shape(lin)
-            kname, int8 = kernel_name(lin)
+            kname, arith = kernel_name(lin)
             for t in threads:
                 torch.set_num_threads(t)
-                peak = roofs[t]["int8_gops" if int8 else "fp32_gflops"]
+                peak = roofs[t][{"int8": "int8_gops", "bf16dot": "bf16dot_gflops"}.get(arith, "fp32_gflops")]
                 for m in rows:
                     x = torch.randn(m, k)
                     s = timed(into_kept_output(lin, x, n)[0], args.reps)
@@ -225,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                     )
                     print(
                         f"  {label:>40} {name:>12} {kname:>16} N={n:<6} K={k:<5} M={m:<4} t={t}: "
-                        f"{gf:6.1f} GFLOP/s = {gf / peak:5.2f} of the {'int8' if int8 else 'fp32'} roof",
+                        f"{gf:6.1f} GFLOP/s = {gf / peak:5.2f} of the {arith} roof",
                         flush=True,
                     )
     doc = dict(isa=isa, roofs=roofs, figures=figures)

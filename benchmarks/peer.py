@@ -133,7 +133,8 @@ def ours_child(spec_path: str, out_path: str, threads: int) -> int:
     # The random benchmark model runs in fp32 on both sides; a real checkpoint at whatever the spec
     # names ("auto": the engine's default for it).
     dtype = spec.get("dtype", "float32")
-    llm = LLM(spec["model"], dtype=None if dtype == "auto" else dtype, device="cpu", seed=0)
+    extra = {"linear_dtype": spec["linear_dtype"]} if spec.get("linear_dtype") else {}
+    llm = LLM(spec["model"], dtype=None if dtype == "auto" else dtype, device="cpu", seed=0, **extra)
     startup = time.perf_counter() - t0
 
     def run(prompts, output_lens) -> dict:
@@ -152,12 +153,20 @@ def ours_child(spec_path: str, out_path: str, threads: int) -> int:
 
 
 def run_ours(
-    model: Path, workloads: dict, threads: int, work_dir: Path, dtype: str = "float32", tag: str = ""
+    model: Path,
+    workloads: dict,
+    threads: int,
+    work_dir: Path,
+    dtype: str = "float32",
+    tag: str = "",
+    linear_dtype: str | None = None,
 ) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     spec, out = work_dir / "ours_workload.json", work_dir / f"ours_result{tag}_{threads}.json"
     out.unlink(missing_ok=True)
-    spec.write_text(json.dumps(dict(model=str(model), workloads=workloads, dtype=dtype)))
+    spec.write_text(
+        json.dumps(dict(model=str(model), workloads=workloads, dtype=dtype, linear_dtype=linear_dtype))
+    )
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     cmd = [sys.executable, "-m", "benchmarks.peer", "--ours-child", str(spec), str(out), str(threads)]

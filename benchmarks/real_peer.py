@@ -11,6 +11,8 @@ alternating order per repeat:
              tok/s; float32 gave 6.0)
   ours-bf16  llmserve on the same directory at its defaults
   ours-gguf  llmserve on the Q4_K_M file at its defaults
+  ours-bf16-products  llmserve on the bf16 directory with ``linear_dtype="bfloat16"`` (the opt-in: the
+             activations rounded to bf16 in the GEMMs, as vLLM computes; docs/serving.md#linear-dtype)
 
 Workload: N requests (64 and 256 by default), prompts of 32-512 random token ids, outputs of 16-256,
 greedy, ``ignore_eos``, offline ``generate`` on each side (a warm-up first). Figures: output tok/s
@@ -32,7 +34,8 @@ from benchmarks import common
 from benchmarks.peer import run_ours
 from benchmarks.vllm_peer import all_cpus, find_vllm_python, run_vllm_workloads
 
-SYSTEMS = ("vllm", "ours-bf16", "ours-gguf")
+SYSTEMS = ("vllm", "ours-bf16", "ours-gguf", "ours-bf16-products")
+DEFAULT_SYSTEMS = SYSTEMS[:3]
 TARGET = 1.5
 
 
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="a catalogue name with a GGUF in models/")
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
     ap.add_argument(
         "--vllm-dtype", default=None, help="default: bfloat16 with AVX-512 BF16 / AMX, else float32"
     )
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             elif who == "ours-bf16":
                 res = run_ours(hf, workloads, 0, work, dtype=args.ours_dtype, tag="-bf16")
+            elif who == "ours-bf16-products":
+                res = run_ours(
+                    hf, workloads, 0, work, dtype=args.ours_dtype, tag="-bf16p", linear_dtype="bfloat16"
+                )
             else:
                 res = run_ours(gguf, workloads, 0, work, dtype="auto", tag="-gguf")
             runs[who].append(res)
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in workloads:
         best = {w: max(r[name]["output_tok_s"] for r in rs) for w, rs in runs.items() if rs}
         figures[name] = best
-        for who in ("ours-bf16", "ours-gguf"):
+        for who in ("ours-bf16", "ours-gguf", "ours-bf16-products"):
             if who in best and "vllm" in best:
                 ratio = best[who] / best["vllm"]
                 targets.append(common.target(f"{args.model} {name} {who} / vllm", ratio, ">=", TARGET, "x"))

@@ -9,6 +9,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = (None, "auto", "float32", "fp32", "bfloat16", "bf16")
 # attention_dtype's values (None: "auto", fp32 products).
 ATTENTION_DTYPES = (None, "auto", "float32", "bfloat16")
+LINEAR_DTYPES = (None, "auto", "float32", "bfloat16")
 MAX_LORAS = 256
 MAX_LORA_RANK = 512
 
@@ -56,6 +57,12 @@ class EngineConfig:
     # pairs (VDPBF16PS where the CPU has AVX512-BF16): a bf16 KV cache (kv_cache_dtype unset or
     # "bfloat16"), faster attention at depth, other bits (docs/serving.md#attention-dtype).
     attention_dtype: str | None = None
+    # What the linears' products are formed in, on CPU: None/"auto"/"float32" fp32 activations on the
+    # weights as loaded (a bf16 checkpoint's: HF's fp32 forward on them, exactly); "bfloat16" each
+    # activation rounded to bf16 and the products summed in pairs (VDPBF16PS where the CPU has
+    # AVX512-BF16), on a bf16 checkpoint's weights: vLLM's arithmetic, ~2x the batched GEMMs, other
+    # bits (docs/serving.md#linear-dtype).
+    linear_dtype: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     seed: int = 0
@@ -150,6 +157,8 @@ class EngineConfig:
                 "attention_dtype='bfloat16' reads a bf16 KV cache: kv_cache_dtype must be unset, 'auto' or "
                 f"'bfloat16', got {self.kv_cache_dtype!r}"
             )
+        if self.linear_dtype not in LINEAR_DTYPES:
+            raise ValueError(f"linear_dtype must be one of {LINEAR_DTYPES[1:]}, got {self.linear_dtype!r}")
         if self.quantized_activations not in (None, "auto", "int8", "none"):
             raise ValueError(
                 f"quantized_activations must be 'auto', 'int8' or 'none', got {self.quantized_activations!r}"

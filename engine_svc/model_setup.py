@@ -33,8 +33,15 @@ from engine_svc.models.spec import ModelSpec
 from engine_svc.parallel.shard import Shard
 from kernels.cpu import native_build
 from kernels.cpu.features import cpu_features, native_bf16
-from kernels.cpu.linear import NATIVE_BF16, NATIVE_F16, NATIVE_HALF, resolve_linear_backend
-from kernels.cpu.native_gemm import bf16_path
+from kernels.cpu.linear import (
+    NATIVE_BF16,
+    NATIVE_BF16_DOT,
+    NATIVE_F16,
+    NATIVE_FP32_BETWEEN,
+    linear_products_backend,
+    resolve_linear_backend,
+)
+from kernels.cpu.native_gemm import bf16_dot_path, bf16_path
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,9 @@ def load_model(
     # A GGUF file's blocks are read first: the float tensors of the linears they serve packed are
     # then never dequantized (the load's peak memory would otherwise hold the model in fp32).
     found = gguf_blocks(model, where.gguf) if quant == "gguf" else None
+    backend = linear_products_backend(
+        config.linear_dtype, backend, dtype, blocks=bool(found) or quant in ("int8", "int4")
+    )
     unread = served_by_blocks(model, found[0]) if found and backend != "dense" else frozenset()
     if where is None:
         init_dummy_weights(model, config.seed)
@@ -102,7 +112,7 @@ def load_model(
     # (its lookup widens the rows it reads to the model's activation dtype, exactly: no fp32 copy
     # of the vocabulary).
     activation_dtype = dtype
-    if backend in NATIVE_HALF.values():
+    if backend in NATIVE_FP32_BETWEEN:
         _widen_all_but_the_embedding(model)
         activation_dtype = torch.float32
     model.activation_dtype = activation_dtype  # declared by the model: its lookup reads it
@@ -117,6 +127,7 @@ def load_model(
             "native": f"native GEMM, packed ({isa})",
             NATIVE_BF16: f"native GEMM, bf16 weights packed, fp32 activations ({isa}: {bf16_path(isa)})",
             NATIVE_F16: f"native GEMM, fp16 weights packed, fp32 activations ({isa})",
+            NATIVE_BF16_DOT: f"native GEMM, bf16 weights packed, bf16 products ({isa}: {bf16_dot_path(isa)})",
             "onednn": "oneDNN, prepacked",
         }.get(backend, "F.linear"),
         dtype,
@@ -159,7 +170,7 @@ def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> No
         return
     f = cpu_features()
     isa = f"{f['capability']}, avx512_bf16={f['avx512_bf16']}, amx={f['amx']}"
-    if backend in NATIVE_HALF.values():
+    if backend in NATIVE_FP32_BETWEEN:
         name = str(dtype).removeprefix("torch.")
         short = {"bfloat16": "bf16", "float16": "fp16"}[name]
         log.info("dtype %s on CPU: %s weights, fp32 activations on the native GEMM (%s)", name, short, isa)

@@ -21,6 +21,9 @@ def linears():
         f"native {dt}": native_gemm.NativeLinear(w, torch.randn(100, generator=g), weight_dtype=dt)
         for dt in (torch.float32, torch.bfloat16, torch.float16)
     }
+    out["native bf16 products"] = native_gemm.NativeLinear(
+        w, torch.randn(100, generator=g), weight_dtype=torch.bfloat16, products="bfloat16"
+    )
     out["int8act Q8_0"] = quant_int8act.Int8ActLinear(weight("Q8_0", 100, 64, seed=1))
     out["float-activation Q4_1"] = quant_gemm.QuantLinear(weight("Q4_1", 100, 64, seed=2))
     return out

@@ -91,6 +91,8 @@ def kv_fingerprint(
         repr([tuple(s) for s in cache_shapes]),
         repr(tuple(windows)),
         repr((config.quantization, config.quantized_activations, config.linear_backend)),
+        # bf16 products in the linears: other bits (named only when asked for: the defaults' folders stay)
+        *(["linear_dtype=bfloat16"] if config.linear_dtype == "bfloat16" else []),
         kernels,
         isa,
         device.type,

@@ -57,6 +57,13 @@ ENGINE_OPTIONS = [  # (flag, type, help); None type: a switch; "list": one or mo
         "(queries and softmax weights rounded to bf16, VDPBF16PS where the CPU has AVX512-BF16: faster "
         "at depth, other bits than float32's; a bf16 KV cache)",
     ),
+    (
+        "--linear-dtype",
+        str,
+        "the linears' products on CPU: auto (default: float32, exact on the weights as loaded) or "
+        "bfloat16 (a bf16 checkpoint's activations rounded to bf16 in its GEMMs, VDPBF16PS where the "
+        "CPU has AVX512-BF16: ~2x the batched GEMMs, other bits than float32's, as vLLM computes)",
+    ),
     ("--device", str, "cpu or cuda"),
     (
         "--quantization",

@@ -99,6 +99,7 @@ def engine_config_kwargs(args) -> dict:
         "dtype",
         "kv_cache_dtype",
         "attention_dtype",
+        "linear_dtype",
         "device",
         "seed",
         "scheduling_policy",

@@ -49,6 +49,9 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "dense")
 NATIVE_BF16 = "native_bf16"  # what "native" resolves to for bf16 weights (fp32 activations)
 NATIVE_F16 = "native_f16"  # ... and for fp16 weights
 NATIVE_HALF = {torch.bfloat16: NATIVE_BF16, torch.float16: NATIVE_F16}
+# linear_dtype="bfloat16": bf16 weights, the activations rounded to bf16 in the GEMM (bf16 products)
+NATIVE_BF16_DOT = "native_bf16_dot"
+NATIVE_FP32_BETWEEN = (*NATIVE_HALF.values(), NATIVE_BF16_DOT)  # fp32 activations between the ops
 
 
 class DenseLinear:
@@ -134,11 +137,39 @@ def _native_f16(weight: torch.Tensor, bias: torch.Tensor | None = None):
     return native_gemm.NativeLinear(weight, bias, weight_dtype=torch.float16)
 
 
+def _native_bf16_dot(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return native_gemm.NativeLinear(weight, bias, weight_dtype=torch.bfloat16, products="bfloat16")
+
+
+def linear_products_backend(
+    linear_dtype: str | None, backend: str, dtype: torch.dtype, *, blocks: bool
+) -> str:
+    """The backend once ``linear_dtype`` is applied: "bfloat16" turns the native GEMM on bf16 weights
+    (``native_bf16``) into bf16 products (``native_bf16_dot``); it takes nothing else, and says why."""
+    if linear_dtype in (None, "auto", "float32"):
+        return backend
+    if blocks:
+        raise ValueError(
+            "linear_dtype='bfloat16' forms bf16 products from bf16 weights; this model's linears are "
+            "quantized blocks (a GGUF file or quantization=...), which have their own activations "
+            "(quantized_activations)"
+        )
+    if backend != NATIVE_BF16:
+        raise ValueError(
+            "linear_dtype='bfloat16' forms bf16 products from bf16 weights on the CPU's native GEMM; "
+            f"this load's weights are {str(dtype).removeprefix('torch.')} on the {backend!r} linears "
+            "(it needs a bf16 checkpoint at dtype 'auto' or 'bfloat16', device 'cpu' and "
+            "linear_backend 'auto' or 'native')"
+        )
+    return NATIVE_BF16_DOT
+
+
 _PACKED = {
     "native": native_gemm.NativeLinear,
     "onednn": OneDNNLinear,
     NATIVE_BF16: _native_bf16,
     NATIVE_F16: _native_f16,
+    NATIVE_BF16_DOT: _native_bf16_dot,
 }
 
 

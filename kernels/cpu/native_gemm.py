@@ -30,7 +30,13 @@ _SIGNATURES = {
     "llmserve_gemm_bf16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_f16w": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "llmserve_gemm_panel_width": ([], _I32),
+    # bf16 products (linear_dtype="bfloat16"): the weight as pairs, the activations rounded to bf16
+    "llmserve_gemm_bf16_pairs_size": ([_I64, _I64], _I64),
+    "llmserve_gemm_pack_bf16_pairs": ([_P, _I64, _I64, _P], None),
+    "llmserve_gemm_bf16_dot": ([_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], _I32),
+    "llmserve_gemm_bf16_dot_native": ([_I32], _I32),
 }
+PRODUCTS = ("float32", "bfloat16")
 # The AMX-BF16 path (AVX-512 builds on Linux only: absent from the others).
 _AMX_SIGNATURES = {
     "llmserve_gemm_bf16_amx": ([_I32], _I32),
@@ -78,6 +84,44 @@ def bf16_path(isa: str | None = None) -> str:
     return {"avx512": "AVX-512 FMA", "avx2": "AVX2 FMA"}.get(isa, f"{isa} FMA")
 
 
+def bf16_dot_native(isa: str | None = None, on: bool | None = None) -> bool:
+    """Whether bf16-product GEMMs (``products="bfloat16"``) run on the CPU's VDPBF16PS (AVX512-BF16,
+    the avx512 build), rather than its order in fused multiply-adds: the same bits either way.
+    ``on``: False the FMA order (tests), True back to the instruction where the CPU has it."""
+    lib = library(isa)
+    return lib is not None and bool(lib.llmserve_gemm_bf16_dot_native(-1 if on is None else int(on)))
+
+
+def bf16_dot_path(isa: str | None = None) -> str:
+    """Which kernel bf16 products run on here, in words (the load log's)."""
+    return "VDPBF16PS" if bf16_dot_native(isa) else "VDPBF16PS's order in fused multiply-adds"
+
+
+def bf16_products_reference(x: np.ndarray, w: torch.Tensor, bias: torch.Tensor | None = None) -> np.ndarray:
+    """small_gemm.c's bf16 products stated in numpy: x [m, k] fp32 rounded to bf16 (nearest, ties to
+    even), w [n, k] bf16; per pair p in order, acc += x[2p+1] w[2p+1] then acc += x[2p] w[2p], each an
+    fp32 addition of an exact product, denormal operands and results flushed to zero; then + bias."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    xb = torch.from_numpy(x).to(torch.bfloat16).float().numpy()  # torch rounds to nearest even
+    wf = w.float().numpy()
+    tiny = np.float32(np.finfo(np.float32).tiny)
+
+    def flush(a: np.ndarray) -> np.ndarray:
+        return np.where(np.abs(a) < tiny, np.float32(0), a).astype(np.float32)
+
+    xb, wf = flush(xb), flush(wf)
+    acc = np.zeros((m, wf.shape[0]), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for p in range((k + 1) // 2):
+            for j in (2 * p + 1, 2 * p):
+                if j < k:
+                    acc = flush(acc + xb[:, j : j + 1] * wf[None, :, j])
+        if bias is not None:
+            acc = acc + bias.float().numpy()[None, :]
+    return acc
+
+
 def unusable_reason(dtype: torch.dtype, *, forced: bool = False) -> str | None:
     """Why the native GEMM would not serve ``dtype`` here (None: it would). ``forced``: asked for by
     name, so a build slower than oneDNN still serves."""
@@ -107,11 +151,17 @@ class NativeLinear:
         *,
         isa: str | None = None,
         weight_dtype: torch.dtype | None = None,
+        products: str = "float32",
     ):
         lib = library(isa)
         if lib is None:
             raise RuntimeError("the native GEMM has no build here")
         self.weight_dtype = weight_dtype or weight.dtype
+        if products not in PRODUCTS:
+            raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
+        if products == "bfloat16" and self.weight_dtype != torch.bfloat16:
+            raise ValueError(f"bf16 products take a bf16 weight, got {self.weight_dtype}")
+        self.products = products
         if self.weight_dtype not in WEIGHT_DTYPES or weight.dim() != 2:
             raise ValueError(
                 "the native GEMM takes a 2-D fp32, bf16 or fp16 weight, "
@@ -121,8 +171,15 @@ class NativeLinear:
         self.out_features, self.in_features = w.shape
         fp32 = self.weight_dtype == torch.float32
         # bf16 on AMX-BF16 where granted: the tiles' packing only (no FMA panels held beside it)
-        self.amx = self.weight_dtype == torch.bfloat16 and bf16_amx(isa)
-        if self.amx:
+        self.amx = self.weight_dtype == torch.bfloat16 and products == "float32" and bf16_amx(isa)
+        self._coded = products == "bfloat16"  # the entry takes a code first and returns nonzero to refuse
+        if self._coded:
+            nb = lib.llmserve_gemm_panel_width()
+            size = lib.llmserve_gemm_bf16_pairs_size(self.out_features, self.in_features)
+            pack, self._gemm = lib.llmserve_gemm_pack_bf16_pairs, lib.llmserve_gemm_bf16_dot
+            self.panel = int(nb)
+            self.panel_elems = lib.llmserve_gemm_bf16_pairs_size(nb, self.in_features)
+        elif self.amx:
             size = lib.llmserve_gemm_bf16_amx_size(self.out_features, self.in_features)
             pack, self._gemm = lib.llmserve_gemm_pack_bf16_amx, lib.llmserve_gemm_bf16w_amx
             self.panel = int(lib.llmserve_gemm_bf16_amx_panel_width())
@@ -139,10 +196,19 @@ class NativeLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
+    def _run(self, x_ptr: int, m: int, ldx: int, packed: int, n: int, bias, y_ptr: int, ldy: int) -> None:
+        args = (x_ptr, m, self.in_features, ldx, packed, n, bias, y_ptr, ldy, torch.get_num_threads())
+        if not self._coded:
+            self._gemm(*args)
+            return
+        rc = self._gemm(0, *args)
+        if rc:
+            raise MemoryError(f"the bf16-product GEMM could not allocate its activations' buffer (rc {rc})")
+
     def native_entry(self) -> NativeEntry:
         return NativeEntry(
             fn_address(self._gemm),
-            None,
+            0 if self._coded else None,
             self._packed_ptr,
             self._bias_ptr,
             self.out_features,
@@ -162,27 +228,18 @@ class NativeLinear:
             raise ValueError("columns writes fp32 rows of width into y")
         offset = c0 // self.panel * self.panel_elems * self.packed.element_size()
         bias = None if self.bias is None else self.bias[c0 : c0 + width].data_ptr()
-        self._gemm(
-            x.data_ptr(), x.shape[0], self.in_features, x.stride(0), self._packed_ptr + offset, width, bias,
-            y.data_ptr(), width, torch.get_num_threads(),
-        )  # fmt: skip
+        self._run(
+            x.data_ptr(), x.shape[0], x.stride(0), self._packed_ptr + offset, width, bias, y.data_ptr(), width
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2, y = rows_in_and_out(x, self.in_features, self.out_features)
         m = x2.shape[0]
         if m:
-            self._gemm(
-                x2.data_ptr(),
-                m,
-                self.in_features,
-                x2.stride(0),
-                self._packed_ptr,
-                self.out_features,
-                self._bias_ptr,
-                y.data_ptr(),
-                self.out_features,
-                torch.get_num_threads(),
-            )
+            self._run(
+                x2.data_ptr(), m, x2.stride(0), self._packed_ptr, self.out_features, self._bias_ptr,
+                y.data_ptr(), self.out_features,
+            )  # fmt: skip
         return y.view(*lead, self.out_features)
 
 

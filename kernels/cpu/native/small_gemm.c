@@ -161,6 +161,219 @@ void llmserve_gemm_f16w(const float *x, int64_t m, int64_t k, int64_t ldx, const
     panel_gemm(f16_item, x, m, k, ldx, (const uint8_t *)packed, k * NB * 2, n, bias, y, ldy, num_threads);
 }
 
+/* bf16 products (linear_dtype="bfloat16", opt-in): a bf16 weight's GEMM with the activations rounded
+ * to bf16 too, as vLLM and oneDNN compute a bf16 model, on the AVX512-BF16 instruction VDPBF16PS
+ * (32 products an instruction, twice the FMA's 16) where the CPU has it, else its order in fused
+ * multiply-adds. What it computes, on every instruction set alike:
+ *
+ *   xb = each x rounded to bf16 (to nearest, ties to even; a NaN stays a NaN)
+ *   acc = 0.0f; for each pair p = 0 .. ceil(K / 2) - 1 in order:
+ *       acc += xb[2p + 1] * w[2p + 1]    (the odd product first: exact in fp32, one rounding to nearest)
+ *       acc += xb[2p] * w[2p]            (then the even one; a lone last k of an odd K pairs with 0)
+ *   y = acc + bias
+ *
+ * with denormal operands read as zero and denormal results flushed to zero (MXCSR's DAZ and FTZ,
+ * set while the call runs on each of its threads: the instruction's own rule), so that the FMA
+ * emulation (AVX-512 without AVX512-BF16, AVX2, the generic build's fmaf) gives the instruction's
+ * bits. A row's result is the same alone, in any batch, at any thread count and on every instruction
+ * set, as the fp32 panels' is (panel_gemm.h's items and finish). Not the fp32 result: the rounding
+ * of x changes the bits (docs/serving.md#linear-dtype).
+ *
+ * Layout: panels of NB columns; per pair p, NB 32-bit lanes w[c][2p] | w[c][2p + 1] << 16 (the
+ * instruction's pair, the odd element in the high half); columns past n and k past K are zeros. The
+ * activations are rounded into pairs once per call (a thread's buffer, the caller's). */
+#include <math.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
+typedef int32_t vi_at __attribute__((vector_size(4 * W), aligned(4), may_alias));
+
+int64_t llmserve_gemm_bf16_pairs_size(int64_t n, int64_t k) { return (n + NB - 1) / NB * NB * ((k + 1) / 2) * 2; }
+
+void llmserve_gemm_pack_bf16_pairs(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t panels = (n + NB - 1) / NB, kp = (k + 1) / 2;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t j = 0; j < kp; ++j) {
+            uint16_t *dst = packed + ((p * kp + j) * NB) * 2;
+            for (int c = 0; c < NB; ++c) {
+                const int64_t col = p * NB + c;
+                dst[2 * c] = col < n ? w[col * k + 2 * j] : 0;
+                dst[2 * c + 1] = col < n && 2 * j + 1 < k ? w[col * k + 2 * j + 1] : 0;
+            }
+        }
+}
+
+/* x rounded to bf16: to nearest, ties to even; a NaN stays a (quiet) NaN. */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* Rows [r0, r1) of x (k floats, ldx apart) as bf16 pairs, kp a row. */
+static void round_pairs(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t r0, int64_t r1, uint32_t *out) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *xr = x + r * ldx;
+        uint32_t *o = out + r * kp;
+        for (int64_t j = 0; j < k / 2; ++j)
+            o[j] = (uint32_t)bf16_rne(xr[2 * j]) | (uint32_t)bf16_rne(xr[2 * j + 1]) << 16;
+        if (k & 1) o[kp - 1] = bf16_rne(xr[k - 1]);
+    }
+}
+
+static uint32_t *pairs_buffer(size_t words) {
+    static __thread uint32_t *buf;
+    static __thread size_t cap;
+    if (words > cap) {
+        uint32_t *grown = realloc(buf, sizeof(uint32_t) * words);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = words;
+    }
+    return buf;
+}
+
+/* acc + odd products, then + even ones, per lane: fused multiply-adds on the pairs' halves (a bf16
+ * pair's product is exact in fp32, so each step has the instruction's one rounding). */
+INLINE vf dot_pair_fma(vf acc, vi w, vi x) {
+    const vi hi = (vi){0} + (int32_t)0xffff0000;
+    vf wo, xo, we, xe;
+    const vi a = w & hi, b = x & hi, c = w << 16, d = x << 16;
+    memcpy(&wo, &a, sizeof wo);
+    memcpy(&xo, &b, sizeof xo);
+    memcpy(&we, &c, sizeof we);
+    memcpy(&xe, &d, sizeof xe);
+#if defined(__AVX512F__)
+    acc = (vf)_mm512_fmadd_ps((__m512)wo, (__m512)xo, (__m512)acc);
+    return (vf)_mm512_fmadd_ps((__m512)we, (__m512)xe, (__m512)acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    acc = (vf)_mm256_fmadd_ps((__m256)wo, (__m256)xo, (__m256)acc);
+    return (vf)_mm256_fmadd_ps((__m256)we, (__m256)xe, (__m256)acc);
+#else
+    for (int l = 0; l < W; ++l) acc[l] = fmaf(wo[l], xo[l], acc[l]);
+    for (int l = 0; l < W; ++l) acc[l] = fmaf(we[l], xe[l], acc[l]);
+    return acc;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__x86_64__)
+#include <cpuid.h>
+/* The instruction (assembled directly: the avx512 build's -march does not include AVX512-BF16; the
+ * caller checks the CPU), accumulating in place. */
+INLINE vf dot_pair_native(vf acc, vi w, vi x) {
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+    return acc;
+}
+static int cpu_bf16_dot(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+}
+#define HAVE_NATIVE_DOT 1
+#else
+INLINE vf dot_pair_native(vf acc, vi w, vi x) { return dot_pair_fma(acc, w, x); }
+static int cpu_bf16_dot(void) { return 0; }
+#define HAVE_NATIVE_DOT 0
+#endif
+
+static int bf16_dot_use = -1;
+/* on: 1 the instruction where the CPU has it, 0 its FMA order (tests), -1 leave. Returns whether the
+ * instruction runs now. */
+int32_t llmserve_gemm_bf16_dot_native(int32_t on) {
+    if (bf16_dot_use < 0 || on >= 0) bf16_dot_use = on != 0 && cpu_bf16_dot();
+    return bf16_dot_use;
+}
+
+/* Rows [0, m) (m <= MR, a constant at each call site) of the pairs xp (kp a row, ldx apart) against
+ * one panel; NATIVE a constant. */
+INLINE void dot_rows(const uint32_t *restrict xp, int64_t ldx, const uint32_t *restrict panel, int64_t kp,
+                     const int m, const float *restrict bias, float *restrict out, int64_t ldo, int cols,
+                     const int NATIVE) {
+    vf acc[MR][V];
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = (vf){0};
+    for (int64_t j = 0; j < kp; ++j) {
+        const uint32_t *wp = panel + j * NB;
+        for (int c = 0; c < NB; c += 16) __builtin_prefetch(wp + PREFETCH_K * NB + c, 0, 2);
+        vi w[V];
+        for (int v = 0; v < V; ++v) w[v] = *(const vi_at *)(wp + v * W);
+        for (int i = 0; i < m; ++i) {
+            const vi xb = (vi){0} + (int32_t)xp[i * ldx + j];
+            for (int v = 0; v < V; ++v)
+                acc[i][v] = NATIVE ? dot_pair_native(acc[i][v], w[v], xb) : dot_pair_fma(acc[i][v], w[v], xb);
+        }
+    }
+    panel_finish(acc, m, bias, out, ldo, cols);
+}
+
+#define DOT_ALL_ROWS(NAME, NATIVE)                                                                        \
+    static void NAME(const float *x, int64_t m, int64_t kp, int64_t ldx, const uint8_t *panel, const float *bias, \
+                     float *y, int64_t ldy, int cols, const uint8_t *next, int64_t next_bytes) {         \
+        (void)next;                                                                                      \
+        (void)next_bytes;                                                                                \
+        const uint32_t *xp = (const uint32_t *)(const void *)x, *pn = (const uint32_t *)(const void *)panel; \
+        float pad[NB];                                                                                   \
+        bias = panel_bias(bias, cols, pad);                                                              \
+        int64_t i = 0;                                                                                   \
+        for (; i + MR <= m; i += MR) dot_rows(xp + i * ldx, ldx, pn, kp, MR, bias, y + i * ldy, ldy, cols, NATIVE); \
+        const uint32_t *xr = xp + i * ldx;                                                               \
+        float *yr = y + i * ldy;                                                                         \
+        switch (m - i) {                                                                                 \
+            case 1: dot_rows(xr, ldx, pn, kp, 1, bias, yr, ldy, cols, NATIVE); break;                   \
+            case 2: dot_rows(xr, ldx, pn, kp, 2, bias, yr, ldy, cols, NATIVE); break;                   \
+            case 3: dot_rows(xr, ldx, pn, kp, 3, bias, yr, ldy, cols, NATIVE); break;                   \
+            case 4: dot_rows(xr, ldx, pn, kp, 4 % MR, bias, yr, ldy, cols, NATIVE); break;              \
+            case 5: dot_rows(xr, ldx, pn, kp, 5 % MR, bias, yr, ldy, cols, NATIVE); break;              \
+            case 6: dot_rows(xr, ldx, pn, kp, 6 % MR, bias, yr, ldy, cols, NATIVE); break;              \
+            case 7: dot_rows(xr, ldx, pn, kp, 7 % MR, bias, yr, ldy, cols, NATIVE); break;              \
+            default: break;                                                                              \
+        }                                                                                                \
+    }
+DOT_ALL_ROWS(dot_all_rows_fma, 0)
+#if HAVE_NATIVE_DOT
+DOT_ALL_ROWS(dot_all_rows_native, 1)
+#else
+#define dot_all_rows_native dot_all_rows_fma
+#endif
+_Static_assert(MR <= 8, "dot_all_rows' remainder switch covers MR <= 8");
+
+/* panel_items with denormals flushed on the running thread (restored after). */
+static void dot_items(void *ctx, int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);
+#endif
+    panel_items(ctx, begin, end);
+#if defined(__x86_64__)
+    _mm_setcsr(csr);
+#endif
+}
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL) in bf16 products, W
+ * packed by llmserve_gemm_pack_bf16_pairs. A coded entry, as quant_gemm.c's (the native layer loop
+ * reports a refusal): code must be 0; returns 0, or nonzero with nothing written (-1: the
+ * activations' buffer could not be had, -2: another code). */
+int32_t llmserve_gemm_bf16_dot(int32_t code, const float *x, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *y, int64_t ldy,
+                               int32_t num_threads) {
+    const int64_t kp = (k + 1) / 2;
+    if (code != 0) return -2;
+    if (m <= 0) return 0;
+    uint32_t *xp = pairs_buffer((size_t)(m * kp));
+    if (!xp) return -1;
+    round_pairs(x, ldx, k, kp, 0, m, xp);
+    const int native = llmserve_gemm_bf16_dot_native(-1);
+    const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
+    panel_job j = {native ? dot_all_rows_native : dot_all_rows_fma, (const float *)(const void *)xp, bias,
+                   (const uint8_t *)packed, y, m, kp, kp, ldy, n, kp * NB * 4, panels};
+    if (chunks == 1)
+        parallel_for_guided(num_threads, m * n * k > 262144, panels, 1, dot_items, &j);
+    else
+        parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, dot_items, &j);
+    return 0;
+}
+
 /* bf16 weights on AMX-BF16 tiles (TDPBF16PS), exactly split activations: where the OS grants the
  * tiles (amx.h's probe), a bf16 weight is packed for them instead of the panels above (one copy
  * either way), and every row count M, 1 .. any, runs on the tiles (a row's 3 parts are 3 tile rows,
