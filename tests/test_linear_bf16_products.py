@@ -54,8 +54,9 @@ def bits(t) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-# m = 300: two row chunks (MC = 256); k odd: a lone last k; n = 1 and 47: a narrow last panel
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 300])
+# m = 300: two row chunks (MC = 256); 1,100: two blocks of rounded rows (DOT_ROWS = 1,024); k odd: a
+# lone last k; n = 1 and 47: a narrow last panel
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 300, 1100])
 @pytest.mark.parametrize("k,n,bias", [(64, 47, True), (33, 200, False), (896, 96, True), (7, 1, True)])
 def test_the_kernel_is_the_statement_bit_for_bit(path, m, k, n, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)

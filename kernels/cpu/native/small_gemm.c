@@ -223,6 +223,9 @@ static void round_pairs(const float *x, int64_t ldx, int64_t k, int64_t kp, int6
     }
 }
 
+#ifndef DOT_ROWS
+#define DOT_ROWS (4 * MC)
+#endif
 static uint32_t *pairs_buffer(size_t words) {
     static __thread uint32_t *buf;
     static __thread size_t cap;
@@ -360,17 +363,23 @@ int32_t llmserve_gemm_bf16_dot(int32_t code, const float *x, int64_t m, int64_t 
     const int64_t kp = (k + 1) / 2;
     if (code != 0) return -2;
     if (m <= 0) return 0;
-    uint32_t *xp = pairs_buffer((size_t)(m * kp));
+    /* DOT_ROWS rows at a time (each its own parallel loop), so that the rounded rows' buffer stays
+     * bounded (1,024 rows of the 1.5B's down projection: 18 MB) whatever the call's rows */
+    const int64_t block = m < DOT_ROWS ? m : DOT_ROWS;
+    uint32_t *xp = pairs_buffer((size_t)(block * kp));
     if (!xp) return -1;
-    round_pairs(x, ldx, k, kp, 0, m, xp);
     const int native = llmserve_gemm_bf16_dot_native(-1);
-    const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
-    panel_job j = {native ? dot_all_rows_native : dot_all_rows_fma, (const float *)(const void *)xp, bias,
-                   (const uint8_t *)packed, y, m, kp, kp, ldy, n, kp * NB * 4, panels};
-    if (chunks == 1)
-        parallel_for_guided(num_threads, m * n * k > 262144, panels, 1, dot_items, &j);
-    else
-        parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, dot_items, &j);
+    const int64_t panels = (n + NB - 1) / NB;
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+        const int64_t rows = m - r0 < block ? m - r0 : block, chunks = (rows + MC - 1) / MC;
+        round_pairs(x + r0 * ldx, ldx, k, kp, 0, rows, xp);
+        panel_job j = {native ? dot_all_rows_native : dot_all_rows_fma, (const float *)(const void *)xp, bias,
+                       (const uint8_t *)packed, y + r0 * ldy, rows, kp, kp, ldy, n, kp * NB * 4, panels};
+        if (chunks == 1)
+            parallel_for_guided(num_threads, rows * n * k > 262144, panels, 1, dot_items, &j);
+        else
+            parallel_for(num_threads, rows * n * k > 262144, chunks * panels, 1, dot_items, &j);
+    }
     return 0;
 }
 
