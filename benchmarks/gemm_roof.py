@@ -74,23 +74,27 @@ typedef __m256i vi;
 #define FIRSTI(t) _mm256_extract_epi32(t, 0)
 #endif
 int32_t roof_lanes(void) { return LANES; }
-/* fp32: 12 independent chains of FMAs (two FMA pipes x their latency in flight), each in its own
- * register (an array would go through memory). */
-#define F(a) a = FMA(a, x, y)
-double roof_fma(int64_t iters) {
-    vf x = SETF(1.0001f), y = SETF(0.9999f);
-    vf a0 = ZEROF(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
-       a10 = a0, a11 = a0;
-    for (int64_t it = 0; it < iters; ++it) {
-        __asm__ volatile("" : "+v"(x), "+v"(y));
-        F(a0); F(a1); F(a2); F(a3); F(a4); F(a5); F(a6); F(a7); F(a8); F(a9); F(a10); F(a11);
-        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
-        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+/* 12 independent chains of one float step STEP(a) on x, y (two pipes x their latency in flight),
+ * each in its own register (an array would go through memory): NAME(iters) returns their sum. */
+#define FLOAT_CHAINS(NAME, X, Y, STEP)                                                              \
+    double NAME(int64_t iters) {                                                                    \
+        __typeof__(X) x = X, y = Y;                                                                 \
+        vf a0 = ZEROF(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,   \
+           a9 = a0, a10 = a0, a11 = a0;                                                             \
+        for (int64_t it = 0; it < iters; ++it) {                                                    \
+            __asm__ volatile("" : "+v"(x), "+v"(y));                                                \
+            STEP(a0); STEP(a1); STEP(a2); STEP(a3); STEP(a4); STEP(a5);                             \
+            STEP(a6); STEP(a7); STEP(a8); STEP(a9); STEP(a10); STEP(a11);                           \
+            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));      \
+            __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));    \
+        }                                                                                           \
+        vf s = ADDF(ADDF(ADDF(a0, a1), ADDF(a2, a3)), ADDF(ADDF(a4, a5), ADDF(a6, a7)));            \
+        s = ADDF(s, ADDF(ADDF(a8, a9), ADDF(a10, a11)));                                            \
+        return (double)FIRSTF(s);                                                                   \
     }
-    vf s = ADDF(ADDF(ADDF(a0, a1), ADDF(a2, a3)), ADDF(ADDF(a4, a5), ADDF(a6, a7)));
-    s = ADDF(s, ADDF(ADDF(a8, a9), ADDF(a10, a11)));
-    return (double)FIRSTF(s);
-}
+/* fp32: FMAs */
+#define F(a) a = FMA(a, x, y)
+FLOAT_CHAINS(roof_fma, SETF(1.0001f), SETF(0.9999f), F)
 /* int8: 6 independent chains of the kernels' dot step (u8 x s8 pairs summed to s16, pairs of those
  * to s32, added), or one vpdpbusd with VNNI (as the kernels, assembled directly); each chain its own
  * operand register, opaque to the compiler, so that no step is shared or folded. */
@@ -113,24 +117,11 @@ int64_t roof_int8(int64_t iters) {
     vi t = ADD32(ADD32(ADD32(a0, a1), ADD32(a2, a3)), ADD32(a4, a5));
     return FIRSTI(t);
 }
-/* bf16 products: 12 independent chains of VDPBF16PS (two bf16 products a 32-bit lane), where the
- * build's -march has AVX512-BF16; -1 elsewhere. */
+/* bf16 products: VDPBF16PS (two bf16 products a 32-bit lane), where the build's -march has
+ * AVX512-BF16; -1 elsewhere. */
 #if defined(__AVX512BF16__)
-#define B(a) __asm__("vdpbf16ps %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
-double roof_bf16dot(int64_t iters) {
-    vi s = SET16(0x3f80), u = SET16(0x3f80);
-    vf a0 = ZEROF(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
-       a10 = a0, a11 = a0;
-    for (int64_t it = 0; it < iters; ++it) {
-        __asm__ volatile("" : "+v"(u), "+v"(s));
-        B(a0); B(a1); B(a2); B(a3); B(a4); B(a5); B(a6); B(a7); B(a8); B(a9); B(a10); B(a11);
-        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
-        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-    }
-    vf t = ADDF(ADDF(ADDF(a0, a1), ADDF(a2, a3)), ADDF(ADDF(a4, a5), ADDF(a6, a7)));
-    t = ADDF(t, ADDF(ADDF(a8, a9), ADDF(a10, a11)));
-    return (double)FIRSTF(t);
-}
+#define B(a) __asm__("vdpbf16ps %2, %1, %0" : "+v"(a) : "v"(x), "v"(y))
+FLOAT_CHAINS(roof_bf16dot, SET16(0x3f80), SET16(0x3f80), B)
 #else
 double roof_bf16dot(int64_t iters) { (void)iters; return -1.0; }
 #endif

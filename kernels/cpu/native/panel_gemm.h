@@ -244,20 +244,22 @@ INLINE void f32_weights(const f32_group *s, int t, vf w[1][V]) {
 }
 DEFINE_PANEL_KERNEL(f32, 1, 1)
 
-/* A thread's buffer for a decoded panel, kept and grown, never freed: a fresh allocation per item
- * (over glibc's mmap threshold for K >= 683) cost page faults on every panel. NULL when out of
- * memory (the caller then decodes in registers: the same bits). */
-static float *panel_buffer(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        float *grown = realloc(buf, sizeof(float) * floats);
+/* A thread's buffer number `slot` (0 or 1) of at least `bytes`, kept and grown, never freed: a fresh
+ * allocation per item (over glibc's mmap threshold for K >= 683) cost page faults on every panel.
+ * Its contents are not kept when it grows. NULL when out of memory. */
+static void *thread_buffer(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        void *grown = realloc(buf[slot], bytes);
         if (!grown) return NULL;
-        buf = grown;
-        cap = floats;
+        buf[slot] = grown;
+        cap[slot] = bytes;
     }
-    return buf;
+    return buf[slot];
 }
+/* A decoded panel's (slot 0; NULL: the caller then decodes in registers, the same bits). */
+static float *panel_buffer(size_t floats) { return thread_buffer(0, sizeof(float) * floats); }
 
 /* A format's work item: with MIN_ROWS rows or more and a panel of at most MAX_BYTES as fp32, the
  * panel is decoded once (with the very decoder the kernel uses) into a thread's buffer that the fp32

@@ -226,17 +226,8 @@ static void round_pairs(const float *x, int64_t ldx, int64_t k, int64_t kp, int6
 #ifndef DOT_ROWS
 #define DOT_ROWS (4 * MC)
 #endif
-static uint32_t *pairs_buffer(size_t words) {
-    static __thread uint32_t *buf;
-    static __thread size_t cap;
-    if (words > cap) {
-        uint32_t *grown = realloc(buf, sizeof(uint32_t) * words);
-        if (!grown) return NULL;
-        buf = grown;
-        cap = words;
-    }
-    return buf;
-}
+/* The caller's rounded rows (slot 1: the items it runs itself use slot 0 only) */
+static uint32_t *pairs_buffer(size_t words) { return thread_buffer(1, sizeof(uint32_t) * words); }
 
 /* acc + odd products, then + even ones, per lane: fused multiply-adds on the pairs' halves (a bf16
  * pair's product is exact in fp32, so each step has the instruction's one rounding). */
