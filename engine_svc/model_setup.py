@@ -173,7 +173,14 @@ def _log_cpu_dtype(dtype: torch.dtype, device: torch.device, backend: str) -> No
     if backend in NATIVE_FP32_BETWEEN:
         name = str(dtype).removeprefix("torch.")
         short = {"bfloat16": "bf16", "float16": "fp16"}[name]
-        log.info("dtype %s on CPU: %s weights, fp32 activations on the native GEMM (%s)", name, short, isa)
+        products = ", bf16 products in its GEMMs" if backend == NATIVE_BF16_DOT else ""
+        log.info(
+            "dtype %s on CPU: %s weights, fp32 activations on the native GEMM%s (%s)",
+            name,
+            short,
+            products,
+            isa,
+        )
     elif dtype == torch.bfloat16:
         if native_bf16():
             log.info("dtype bfloat16 on CPU: native bf16 matmuls (%s)", isa)
