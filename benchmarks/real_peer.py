@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in workloads:
         best = {w: max(r[name]["output_tok_s"] for r in rs) for w, rs in runs.items() if rs}
         figures[name] = best
-        for who in ("ours-bf16", "ours-gguf", "ours-bf16-products"):
+        for who in SYSTEMS[1:]:  # ours, each against vLLM
             if who in best and "vllm" in best:
                 ratio = best[who] / best["vllm"]
                 targets.append(common.target(f"{args.model} {name} {who} / vllm", ratio, ">=", TARGET, "x"))

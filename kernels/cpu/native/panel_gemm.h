@@ -134,6 +134,25 @@ INLINE void prefetch_lines(const char *p, int n) {
     if (n > 3) __builtin_prefetch(p + 192, 0, 2);
 }
 
+/* CALL(NAME, i, c) for the row blocks of M rows: c = MR rows from row i, then the rest (a switch, so
+ * that each count is a constant: its own loop). */
+#define ROW_BLOCKS(M, CALL, NAME)                                                                        \
+    do {                                                                                                 \
+        int64_t i_ = 0;                                                                                  \
+        for (; i_ + MR <= (M); i_ += MR) CALL(NAME, i_, MR);                                             \
+        switch ((M) - i_) {                                                                              \
+            case 1: CALL(NAME, i_, 1); break;                                                            \
+            case 2: CALL(NAME, i_, 2); break;                                                            \
+            case 3: CALL(NAME, i_, 3); break;                                                            \
+            case 4: CALL(NAME, i_, 4 % MR); break;                                                       \
+            case 5: CALL(NAME, i_, 5 % MR); break;                                                       \
+            case 6: CALL(NAME, i_, 6 % MR); break;                                                       \
+            case 7: CALL(NAME, i_, 7 % MR); break;                                                       \
+            default: break;                                                                              \
+        }                                                                                                \
+    } while (0)
+_Static_assert(MR >= 4 && MR <= 8, "ROW_BLOCKS' remainder switch covers 4 <= MR <= 8");
+
 /* NAME_rows: rows [0, m) of x (m <= MR, a constant at each call site) against one panel.
  * NAME_all_rows: every row of x, MR at a time, then the rest (a switch: each count its own loop). */
 #define DEFINE_PANEL_KERNEL(NAME, GROUP, UNROLL)                                                         \
@@ -166,24 +185,11 @@ INLINE void prefetch_lines(const char *p, int n) {
         float pad[NB];                                                                                   \
         bias = panel_bias(bias, cols, pad);                                                              \
         const next_share ns = next_shares(m, k / (GROUP), next, next_bytes);                             \
-        int64_t i = 0;                                                                                   \
-        for (; i + MR <= m; i += MR)                                                                     \
-            NAME##_rows(x + i * ldx, ldx, panel, k, MR, bias, y + i * ldy, ldy, cols, share_at(&ns, i / MR), \
-                        ns.steps, ns.per);                                                               \
-        const float *xr = x + i * ldx;                                                                   \
-        float *yr = y + i * ldy;                                                                         \
-        const char *pr = share_at(&ns, i / MR);                                                          \
-        switch (m - i) {                                                                                 \
-            case 1: NAME##_rows(xr, ldx, panel, k, 1, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 2: NAME##_rows(xr, ldx, panel, k, 2, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 3: NAME##_rows(xr, ldx, panel, k, 3, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 4: NAME##_rows(xr, ldx, panel, k, 4 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 5: NAME##_rows(xr, ldx, panel, k, 5 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 6: NAME##_rows(xr, ldx, panel, k, 6 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            case 7: NAME##_rows(xr, ldx, panel, k, 7 % MR, bias, yr, ldy, cols, pr, ns.steps, ns.per); break; \
-            default: break;                                                                              \
-        }                                                                                                \
+        ROW_BLOCKS(m, PANEL_ROWS_CALL, NAME);                                                            \
     }
+#define PANEL_ROWS_CALL(NAME, i, c)                                                                      \
+    NAME##_rows(x + (i) * ldx, ldx, panel, k, c, bias, y + (i) * ldy, ldy, cols, share_at(&ns, (i) / MR), \
+                ns.steps, ns.per)
 
 typedef void (*panel_all_rows_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *panel,
                                   const float *bias, float *y, int64_t ldy, int cols, const uint8_t *next,
@@ -210,19 +216,27 @@ static void panel_items(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), with the weight's
- * panels panel_bytes apart: the work items (rows, panel) shared among the threads (parallel.h). */
-static void panel_gemm(panel_all_rows_fn all_rows, const float *x, int64_t m, int64_t k, int64_t ldx,
-                       const uint8_t *packed, int64_t panel_bytes, int64_t n, const float *bias, float *y,
-                       int64_t ldy, int32_t num_threads) {
+/* panel_gemm (below) with `items` running each thread's share of the items (panel_items, or a
+ * wrapper of it: small_gemm.c's bf16 products set the thread's denormal flags around it). */
+static void panel_gemm_items(range_fn items, panel_all_rows_fn all_rows, const float *x, int64_t m, int64_t k,
+                             int64_t ldx, const uint8_t *packed, int64_t panel_bytes, int64_t n, const float *bias,
+                             float *y, int64_t ldy, int32_t num_threads) {
     const int64_t panels = (n + NB - 1) / NB, chunks = (m + MC - 1) / MC;
     panel_job j = {all_rows, x, bias, packed, y, m, k, ldx, ldy, n, panel_bytes, panels};
     /* One chunk of rows (a decode's GEMV): the panels in shrinking contiguous ranges, so each thread
      * streams long runs of the weight (parallel.h; quant_int8act.c does the same). */
     if (chunks == 1)
-        parallel_for_guided(num_threads, m * n * k > 262144, panels, 1, panel_items, &j);
+        parallel_for_guided(num_threads, m * n * k > 262144, panels, 1, items, &j);
     else
-        parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, panel_items, &j);
+        parallel_for(num_threads, m * n * k > 262144, chunks * panels, 1, items, &j);
+}
+
+/* y[m, n] (rows ldy apart) = x[m, k] (rows ldx apart) . W^T + bias (may be NULL), with the weight's
+ * panels panel_bytes apart: the work items (rows, panel) shared among the threads (parallel.h). */
+static void panel_gemm(panel_all_rows_fn all_rows, const float *x, int64_t m, int64_t k, int64_t ldx,
+                       const uint8_t *packed, int64_t panel_bytes, int64_t n, const float *bias, float *y,
+                       int64_t ldy, int32_t num_threads) {
+    panel_gemm_items(panel_items, all_rows, x, m, k, ldx, packed, panel_bytes, n, bias, y, ldy, num_threads);
 }
 
 /* The fp32 decoder: a panel of k rows of NB floats, prefetched this many k steps ahead (12 KB on

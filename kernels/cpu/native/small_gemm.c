@@ -212,9 +212,9 @@ static inline uint16_t bf16_rne(float f) {
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-/* Rows [r0, r1) of x (k floats, ldx apart) as bf16 pairs, kp a row. */
-static void round_pairs(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t r0, int64_t r1, uint32_t *out) {
-    for (int64_t r = r0; r < r1; ++r) {
+/* The first `rows` rows of x (k floats, ldx apart) as bf16 pairs, kp a row. */
+static void round_pairs(const float *x, int64_t ldx, int64_t k, int64_t kp, int64_t rows, uint32_t *out) {
+    for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * ldx;
         uint32_t *o = out + r * kp;
         for (int64_t j = 0; j < k / 2; ++j)
@@ -309,28 +309,15 @@ INLINE void dot_rows(const uint32_t *restrict xp, int64_t ldx, const uint32_t *r
         const uint32_t *xp = (const uint32_t *)(const void *)x, *pn = (const uint32_t *)(const void *)panel; \
         float pad[NB];                                                                                   \
         bias = panel_bias(bias, cols, pad);                                                              \
-        int64_t i = 0;                                                                                   \
-        for (; i + MR <= m; i += MR) dot_rows(xp + i * ldx, ldx, pn, kp, MR, bias, y + i * ldy, ldy, cols, NATIVE); \
-        const uint32_t *xr = xp + i * ldx;                                                               \
-        float *yr = y + i * ldy;                                                                         \
-        switch (m - i) {                                                                                 \
-            case 1: dot_rows(xr, ldx, pn, kp, 1, bias, yr, ldy, cols, NATIVE); break;                   \
-            case 2: dot_rows(xr, ldx, pn, kp, 2, bias, yr, ldy, cols, NATIVE); break;                   \
-            case 3: dot_rows(xr, ldx, pn, kp, 3, bias, yr, ldy, cols, NATIVE); break;                   \
-            case 4: dot_rows(xr, ldx, pn, kp, 4 % MR, bias, yr, ldy, cols, NATIVE); break;              \
-            case 5: dot_rows(xr, ldx, pn, kp, 5 % MR, bias, yr, ldy, cols, NATIVE); break;              \
-            case 6: dot_rows(xr, ldx, pn, kp, 6 % MR, bias, yr, ldy, cols, NATIVE); break;              \
-            case 7: dot_rows(xr, ldx, pn, kp, 7 % MR, bias, yr, ldy, cols, NATIVE); break;              \
-            default: break;                                                                              \
-        }                                                                                                \
+        ROW_BLOCKS(m, DOT_ROWS_CALL, NATIVE);                                                            \
     }
+#define DOT_ROWS_CALL(NATIVE, i, c) dot_rows(xp + (i) * ldx, ldx, pn, kp, c, bias, y + (i) * ldy, ldy, cols, NATIVE)
 DOT_ALL_ROWS(dot_all_rows_fma, 0)
 #if HAVE_NATIVE_DOT
 DOT_ALL_ROWS(dot_all_rows_native, 1)
 #else
 #define dot_all_rows_native dot_all_rows_fma
 #endif
-_Static_assert(MR <= 8, "dot_all_rows' remainder switch covers MR <= 8");
 
 /* panel_items with denormals flushed on the running thread (restored after). */
 static void dot_items(void *ctx, int64_t begin, int64_t end) {
@@ -359,17 +346,13 @@ int32_t llmserve_gemm_bf16_dot(int32_t code, const float *x, int64_t m, int64_t 
     const int64_t block = m < DOT_ROWS ? m : DOT_ROWS;
     uint32_t *xp = pairs_buffer((size_t)(block * kp));
     if (!xp) return -1;
-    const int native = llmserve_gemm_bf16_dot_native(-1);
-    const int64_t panels = (n + NB - 1) / NB;
+    const panel_all_rows_fn all_rows = llmserve_gemm_bf16_dot_native(-1) ? dot_all_rows_native : dot_all_rows_fma;
     for (int64_t r0 = 0; r0 < m; r0 += block) {
-        const int64_t rows = m - r0 < block ? m - r0 : block, chunks = (rows + MC - 1) / MC;
-        round_pairs(x + r0 * ldx, ldx, k, kp, 0, rows, xp);
-        panel_job j = {native ? dot_all_rows_native : dot_all_rows_fma, (const float *)(const void *)xp, bias,
-                       (const uint8_t *)packed, y + r0 * ldy, rows, kp, kp, ldy, n, kp * NB * 4, panels};
-        if (chunks == 1)
-            parallel_for_guided(num_threads, rows * n * k > 262144, panels, 1, dot_items, &j);
-        else
-            parallel_for(num_threads, rows * n * k > 262144, chunks * panels, 1, dot_items, &j);
+        const int64_t rows = m - r0 < block ? m - r0 : block;
+        round_pairs(x + r0 * ldx, ldx, k, kp, rows, xp);
+        /* the pairs pass as the rows (kp 32-bit words a row, the panel's k steps: pairs) */
+        panel_gemm_items(dot_items, all_rows, (const float *)(const void *)xp, rows, kp, kp, (const uint8_t *)packed,
+                         kp * NB * 4, n, bias, y + r0 * ldy, ldy, num_threads);
     }
     return 0;
 }
