@@ -475,17 +475,24 @@ def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
     file_bytes, ours = K_BYTES[fmt]
     assert lin.code == quant_int8act.K_FORMATS[fmt]
     assert lin.packed.numel() == n * (k // 256) * ours and ours <= file_bytes * 1.33
-    # 6 rows: a pass unpacks its own quants (Q6_K's unpack the panel once from 6 rows); 40: every
-    # nibble form's item unpacks the panel once and runs its passes over the bytes
-    for m in (6, 40):
-        x = activations(m, k, seed=8)
-        got = lin(x)
-        np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw))
-        if fmt not in quant_int8act.K_ONLY:  # the expanded form: the same bits, more bytes
-            expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
-            assert expanded.code != lin.code
-            assert expanded.packed.numel() > 1.25 * lin.packed.numel()
-            assert torch.equal(got, expanded(x))
+    # 6 and 40 rows: each pass of rows unpacks its own quants (a single row, rows_k's or rows_simd's
+    # passes; from 16 rows rows_wide's), or the item unpacks the panel once and runs its passes over
+    # the bytes (AVX-512 VNNI): the thresholds as shipped, then every item on each path
+    shipped = quant_int8act.unpack_from(isa=isa)
+    try:
+        for thresholds in (shipped, [1] * len(shipped), [1 << 20] * len(shipped)):
+            quant_int8act.unpack_from(thresholds, isa=isa)
+            for m in (6, 40):
+                x = activations(m, k, seed=8)
+                got = lin(x)
+                np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw))
+                if fmt not in quant_int8act.K_ONLY:  # the expanded form: the same bits, more bytes
+                    expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
+                    assert expanded.code != lin.code
+                    assert expanded.packed.numel() > 1.25 * lin.packed.numel()
+                    assert torch.equal(got, expanded(x))
+    finally:
+        quant_int8act.unpack_from(shipped, isa=isa)
     bad = quant_gemm.QuantizedWeight(fmt, qw.q, qw.d * 2, qw.m, sup=qw.sup)
     with pytest.raises(ValueError, match="super-block scales do not make"):
         quant_int8act.Int8ActLinear(bad, isa=isa)

@@ -87,6 +87,7 @@ _SIGNATURES = {
     "llmserve_qi8_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], None),
     "llmserve_qi8_vnni": ([_I32], _I32),
     "llmserve_qi8_amx": ([_I32], _I32),
+    "llmserve_qi8_unpack_from": ([_I32, _I32], _I32),
     "llmserve_qi8_panel_width": ([], _I32),
 }
 
@@ -120,6 +121,20 @@ def variant(isa: str | None = None) -> str:
     if lib is None or not lib.llmserve_qi8_vnni(-1):
         return isa
     return f"{isa} VNNI + AMX" if lib.llmserve_qi8_amx(-1) else f"{isa} VNNI"
+
+
+UNPACK_CLASSES = ("Q4_0/Q4_1/Q3_K", "fifth bit", "Q4_K", "Q6_K, K <= 4096", "Q6_K, longer K")
+
+
+def unpack_from(rows: list[int] | None = None, isa: str | None = None) -> list[int]:
+    """From how many rows a work item unpacks its weight panel once, per ``UNPACK_CLASSES`` (the
+    AVX-512 VNNI build; below it each pass of rows unpacks its own): the values before the call,
+    and with ``rows`` (one value a class) those set. The bits are the same on either path; tests
+    and benchmarks move them to reach both."""
+    lib = library(isa)
+    if lib is None:
+        raise RuntimeError("no native build of quant_int8act")
+    return [lib.llmserve_qi8_unpack_from(i, rows[i] if rows else -1) for i in range(len(UNPACK_CLASSES))]
 
 
 class Int8ActLinear:
