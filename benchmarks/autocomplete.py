@@ -4,6 +4,7 @@
     python -m benchmarks.autocomplete --speculation   # ours with n-gram drafts against ours without
     python -m benchmarks.autocomplete --ours-ngram    # ours with n-gram drafts against llama-server
     python -m benchmarks.autocomplete --fim-order spm --llama-spm   # suffix first on both sides
+    python -m benchmarks.autocomplete --module calendar --context string,shlex   # another file typed into
     # a session too long for one quiet slot (the 1.5B's llama-server side), in ranges, then merged:
     python -m benchmarks.autocomplete --model models/qwen2.5-coder-1.5b --skip-ours \
         --keystroke-range 1-10 --results-name a     # then --keystroke-range 10-20 --results-name b
@@ -259,6 +260,12 @@ def main() -> None:
     ap.add_argument("--n-predict", type=int, default=32)
     ap.add_argument("--prefix-chars", type=int, default=6000, help="about 1.5k tokens before the cursor")
     ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--module", default="textwrap", help="the standard-library module typed into")
+    ap.add_argument(
+        "--context",
+        default="string,shlex",
+        help="standard-library modules sent as input_extra (comma-separated)",
+    )
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--skip-ours", action="store_true", help="llama-server alone (a run split in two)")
@@ -292,7 +299,7 @@ def main() -> None:
     )
     ap.add_argument("--merge", nargs="+", type=Path, help="result files of a split session: one result")
     args = ap.parse_args()
-    s = session(args.keystrokes, args.prefix_chars)
+    s = session(args.keystrokes, args.prefix_chars, args.module, tuple(args.context.split(",")))
     if args.merge:
         result = merge(args.merge, s)
         report(result)
@@ -311,6 +318,7 @@ def main() -> None:
         "model": gguf.name,
         "threads": args.threads,
         "file": s["file"],
+        "context_files": [f for f, _ in s["extra"]],
         "line": s["typed"].strip(),
         "n_predict": args.n_predict,
         "fim_order": {"ours": args.fim_order, "llama_server": "spm" if args.llama_spm else "psm"},
