@@ -9,6 +9,8 @@ alone, in any batch, at any thread count and on every ISA."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -450,6 +452,20 @@ K_BYTES = {
     "Q6_K": (210, 210),
     "IQ4_XS": (136, 138),
 }
+
+
+def test_the_unpacking_thresholds_follow_the_cpu_vendor():
+    """Where a work item unpacks its panel once (quant_int8act.UNPACK_CLASSES): on an AMD CPU Q4_K
+    from 128 rows and a short-K Q6_K from 32 (measured on a Zen 4), elsewhere the Xeon's 32 and 6;
+    the vendor read here from /proc/cpuinfo, the kernel's from cpuid."""
+    vendor = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            vendor = line.split(":", 1)[1].strip()
+            break
+    want = [32, 16, 128, 32, 6] if vendor == "AuthenticAMD" else [32, 16, 32, 6, 6]
+    for name in native_build.supported_isas():
+        assert quant_int8act.unpack_from(isa=name) == want, name
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)

@@ -846,9 +846,20 @@ INLINE void storef(float *p, vfl v) { _mm256_storeu_ps(p, v); }
 /* From how many rows an item of a nibble form unpacks its panel (the AVX-512 build, VNNI; below,
  * every pass of rows unpacks its own, or rows_wide's passes run): [0] Q4_0 / Q4_1 / Q3_K, [1] the
  * forms with a fifth bit, [2] Q4_K, [3] Q6_K at K <= 4096 (the attention's V, an LM head), [4] Q6_K
- * at longer K (a down projection). The bits are the same either way; llmserve_qi8_unpack_from moves
- * them (tests, benchmarks). Measured: below. */
-static int unpack_from[5] = {32, 16, 128, 32, 6};
+ * at longer K (a down projection). As measured on the AVX-512 Xeons; on an AMD CPU (measured on a
+ * Zen 4, whose 512-bit operations take two passes through 256-bit units) Q4_K from 128 rows and a
+ * short-K Q6_K from 32. The bits are the same either way; llmserve_qi8_unpack_from moves them (tests,
+ * benchmarks). Measured: below. */
+static int unpack_from[5] = {32, 16, 32, 6, 6};
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((constructor)) static void unpack_from_this_cpu(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) {
+        unpack_from[2] = 128;
+        unpack_from[3] = 32;
+    }
+}
+#endif
 int32_t llmserve_qi8_unpack_from(int32_t which, int32_t rows) {
     if (which < 0 || which > 4) return -1;
     const int32_t old = unpack_from[which];
@@ -892,7 +903,7 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
  * 12, 1.05-1.11x at 16; Q4_1 / Q4_K 0.90-1.00x at 16, 1.04-1.25x at 64). Passes over one vector of
  * the panel at a time (rows_wide's 8 or 6 rows) measured 0.58-0.81x of these. Only in the AVX-512
  * build, where it was measured: the AVX2 build's AVX-VNNI rows keep unpacking per pass. On a Zen 4
- * (two threads, whole decode steps of Qwen2.5-Coder-1.5B / 0.5B Q4_K_M, the weights from memory) Q4_K
+ * (unpack_from's AMD values; two threads, whole decode steps of Qwen2.5-Coder-1.5B / 0.5B Q4_K_M, the weights from memory) Q4_K
  * ran faster on rows_wide's passes below 128 rows (steps of 32 rows 1.09x / 1.11x, 64 rows 1.05x /
  * 1.03x), and a Q6_K LM head on rows_k's below 32 (the 1.5B's steps of 8-16 rows 1.05x; the head
  * alone 1.28x at 8 rows, 1.07-1.10x at 16-24); a Q6_K down projection (K 8,960) still unpacks from 6. */
