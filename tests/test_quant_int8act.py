@@ -494,6 +494,11 @@ def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
     # 6 and 40 rows: each pass of rows unpacks its own quants (a single row, rows_k's or rows_simd's
     # passes; from 16 rows rows_wide's), or the item unpacks the panel once and runs its passes over
     # the bytes (AVX-512 VNNI): the thresholds as shipped, then every item on each path
+    expanded = None
+    if fmt not in quant_int8act.K_ONLY:  # the expanded form: the same bits, more bytes
+        expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
+        assert expanded.code != lin.code
+        assert expanded.packed.numel() > 1.25 * lin.packed.numel()
     shipped = quant_int8act.unpack_from(isa=isa)
     try:
         for thresholds in (shipped, [1] * len(shipped), [1 << 20] * len(shipped)):
@@ -502,10 +507,7 @@ def test_k_quants_are_served_from_their_super_blocks(isa, fmt):
                 x = activations(m, k, seed=8)
                 got = lin(x)
                 np.testing.assert_array_equal(got.numpy(), quant_int8act.reference(x, qw))
-                if fmt not in quant_int8act.K_ONLY:  # the expanded form: the same bits, more bytes
-                    expanded = quant_int8act.Int8ActLinear(qw, isa=isa, super_blocks=False)
-                    assert expanded.code != lin.code
-                    assert expanded.packed.numel() > 1.25 * lin.packed.numel()
+                if expanded is not None:
                     assert torch.equal(got, expanded(x))
     finally:
         quant_int8act.unpack_from(shipped, isa=isa)

@@ -903,13 +903,13 @@ INLINE void nibble_group(const int fmt, const uint8_t *qs, int v, int g, vi h5, 
  * 12, 1.05-1.11x at 16; Q4_1 / Q4_K 0.90-1.00x at 16, 1.04-1.25x at 64). Passes over one vector of
  * the panel at a time (rows_wide's 8 or 6 rows) measured 0.58-0.81x of these. Only in the AVX-512
  * build, where it was measured: the AVX2 build's AVX-VNNI rows keep unpacking per pass. On a Zen 4
- * (unpack_from's AMD values; two threads, whole decode steps of Qwen2.5-Coder-1.5B / 0.5B Q4_K_M, the weights from memory) Q4_K
- * ran faster on rows_wide's passes below 128 rows (steps of 32 rows 1.09x / 1.11x, 64 rows 1.05x /
+ * (unpack_from's AMD values; two threads, whole decode steps of Qwen2.5-Coder-1.5B / 0.5B Q4_K_M,
+ * the weights from memory) Q4_K ran faster on rows_wide's passes below 128 rows (steps of 32 rows 1.09x / 1.11x, 64 rows 1.05x /
  * 1.03x), and a Q6_K LM head on rows_k's below 32 (the 1.5B's steps of 8-16 rows 1.05x; the head
  * alone 1.28x at 8 rows, 1.07-1.10x at 16-24); a Q6_K down projection (K 8,960) still unpacks from 6. */
 INLINE int unpack_rows(int fmt, int64_t k) {
-    const int which = high_pairs(fmt) ? (k <= 4096 ? 3 : 4) : fifth_bits(fmt) ? 1 : is_k(fmt) && !q3k(fmt) ? 2 : 0;
-    return unpack_from[which];
+    if (high_pairs(fmt)) return unpack_from[k <= 4096 ? 3 : 4];
+    return unpack_from[fifth_bits(fmt) ? 1 : is_k(fmt) && !q3k(fmt) ? 2 : 0];
 }
 static uint8_t *unpacked_buffer(size_t bytes) { return scratch_in(3, bytes); }
 /* Block b of a nibble form's panel (not IQ4_XS) as the byte forms hold theirs, [group g 0..7]
@@ -1408,7 +1408,7 @@ typedef void (*item_fn)(const qrows *x, int64_t r0, int64_t rows, const uint8_t 
 /* VNNI, a nibble form and unpack_rows or more: the panel unpacked once (its quants and its blocks'
  * scales), then MR rows a pass. */
 #define UNPACKED(FMT, VNNI)                                                                              \
-    if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT, x->k)) {                                        \
+    if ((VNNI) && UNPACKS(FMT) && rows >= unpack_rows(FMT, x->k)) {                                  \
         uint8_t *u = unpacked_buffer((size_t)x->nb * (QK * NC + 2 * NC * sizeof(float)));                \
         if (u) {                                                                                         \
             float *us = (float *)(u + x->nb * (int64_t)(QK * NC));                                       \
