@@ -385,10 +385,15 @@ INLINE void transpose_w(vf *r) {
 #endif
 
 /* kt[d] = the d-th values of m <= W K rows from k (ps apart), in lanes 0 .. m - 1 (lanes from m
- * on repeat row m - 1: their scores are never stored). */
-INLINE void transpose_rows(vf *restrict kt, const kv_t *restrict k, int64_t ps, int m, const int D) {
+ * on repeat row m - 1: their scores are never stored). Where `ahead` is given, the same part of its
+ * first `am` rows (ps apart) is asked for from memory as these are read, a line for a line: a later
+ * work item's K rows (attend_rows_part). */
+INLINE void transpose_rows_asking(vf *restrict kt, const kv_t *restrict k, int64_t ps, int m, const int D,
+                                  const kv_t *ahead, int am) {
     for (int c = 0; c < D / W; ++c) {
         vf r[W];
+        if (c * W * (int)sizeof(kv_t) % 64 == 0) /* a line each (a bf16 row's part is half a line) */
+            for (int i = 0; i < am; ++i) __builtin_prefetch(ahead + i * ps + c * W, 0, 2);
 #if W == 8 && !defined(KV_BF16)
         /* the first stage (halves of rows i and i + 4 swapped) done by the loads: each vector
          * built from two 4-float halves (an insert from memory, no shuffle-port work) */
@@ -406,6 +411,9 @@ INLINE void transpose_rows(vf *restrict kt, const kv_t *restrict k, int64_t ps, 
 #endif
         for (int i = 0; i < W; ++i) kt[c * W + i] = r[i];
     }
+}
+INLINE void transpose_rows(vf *restrict kt, const kv_t *restrict k, int64_t ps, int m, const int D) {
+    transpose_rows_asking(kt, k, ps, m, D, NULL, 0);
 }
 
 /* The scores of G query vectors (q: their first, qs apart) at the m positions transposed in kt
@@ -495,7 +503,7 @@ typedef struct {
     int32_t window; /* > 0: a query sees only the last `window` positions up to its own */
     float softcap;  /* > 0: every scaled score s becomes tanh(s / softcap) * softcap (Gemma 2) */
     float *out; /* [num_tokens, num_heads, head_dim], contiguous */
-    int32_t ahead; /* partitions on from its own that a split-K item asks for (ahead_partitions) */
+    int32_t ahead; /* work items on from its own whose rows a split-K item asks for (ahead_partitions) */
 } Args;
 
 /* A scaled score soft-capped (a layer with `softcap` > 0). One out-of-line scalar function for the
@@ -630,9 +638,12 @@ INLINE void decode_all_heads(const float *q, int64_t qs, const vf *kt, float *ro
 /* The weighted V sums of G queries (from `head` on; their numerators in rows PART apart, from
  * position P0) over positions [s0, s1), added to acc_out (D floats per query; `first`: it holds
  * nothing yet, the sums start from 0), SLICE vectors at a time: a query's sums run over positions
- * in order, whichever queries share its group and wherever the positions are cut into calls. */
+ * in order, whichever queries share its group and wherever the positions are cut into calls.
+ * Where `sn` is given, the head's V row of its position p + shift (below `end`) is asked for from
+ * memory as row p is read: a later work item's (attend_rows_part). */
 INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const float *w, int P0, int s0, int s1,
-                               float *acc_out, int first, const int G, const int D) {
+                               float *acc_out, int first, const int G, const int D, const Seq *sn, int shift,
+                               int end) {
     const int h = head / (a->num_heads / a->num_kv_heads);
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     const int nv = D / W, SLICE = largest_divisor_at_most(nv, REGS / 2 / G);
@@ -643,10 +654,22 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
                 acc[j][c] = first ? (vf){0} : loadv(acc_out + (int64_t)j * D + (c0 + c) * W);
         FOR_RUNS(a, s0, s1, {
             const kv_t *vb = block_at(a, a->v_cache, sq, blk, h, D) + off * ps + c0 * W;
+            /* the rows asked for: [nv, nv + na * ps), in one block of sn's (its positions lie in blocks
+             * as p's do: shift is a multiple of the block size) */
+            const kv_t *nv = NULL;
+            int na = 0;
+            if (sn && c0 == 0 && p + shift < end) {
+                const int q = p + shift;
+                nv = block_at(a, a->v_cache, sn, q / a->block_size, h, D) + (int64_t)(q % a->block_size) * ps;
+                na = end - q < n ? end - q : n;
+                na = a->block_size - q % a->block_size < na ? a->block_size - q % a->block_size : na;
+            }
 #ifdef BF16_DOT /* positions in pairs (p, p + 1) from an even p: p + 1's product, then p's (dp_v's order) */
             int i = 0;
             for (; i + 1 < n; i += 2) {
                 const kv_t *vp = vb + i * ps;
+                for (int r = i; r < i + 2 && r < na; ++r)
+                    for (int c = 0; c < D; c += 64 / (int)sizeof(kv_t)) __builtin_prefetch(nv + r * ps + c, 0, 2);
                 for (int j = 0; j < G; ++j) {
                     const float w0 = w[(int64_t)j * PART + p - P0 + i];
                     const float w1 = w[(int64_t)j * PART + p - P0 + i + 1];
@@ -665,6 +688,8 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
 #else
             for (int i = 0; i < n; ++i) {
                 const kv_t *vp = vb + i * ps;
+                if (i < na)
+                    for (int c = 0; c < D; c += 64 / (int)sizeof(kv_t)) __builtin_prefetch(nv + i * ps + c, 0, 2);
                 for (int j = 0; j < G; ++j) {
                     const float wj = w[(int64_t)j * PART + p - P0 + i];
                     for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v(splat_v(wj), load_kv(vp + c * W), acc[j][c]);
@@ -694,7 +719,9 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
  * bound by the fill buffers, about 7 GB/s a core); the same in bursts of 32-128 lines:
  * 0.85-1.07x; every other line (for the adjacent-line prefetcher): 0.77-0.9x; into L1
  * (prefetcht0): 0.99-1.18x (1.0x at 16k); non-temporal (prefetchnta): 0.4x; no request:
- * 0.77-0.89x. */
+ * 0.77-0.89x. On the Zen 4 an item now also asks for the next one's rows a line per line it reads
+ * (below), which does overlap them with its arithmetic there; this request of its own rows stays
+ * (skipped where an earlier item had asked ahead: no faster). */
 INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, const int D) {
     const int64_t ps = (int64_t)a->num_kv_heads * D;
     FOR_RUNS(a, from, to, {
@@ -708,42 +735,17 @@ INLINE void prefetch_partition(const Args *a, const Seq *s, int from, int to, co
     });
 }
 
-/* One cache's (K's or V's) rows of `count` positions from `from` (not past `end`): a slice of a
- * later partition's. Out of line, and (GCC) keeping every register of its caller: the passes that
- * call it keep their code and their vectors in registers as they were (inlined, a call of 256
- * decodes of 400 positions, which ask for nothing ahead, ran 0.93-0.98x: the code around the
- * loops moved, not the requests; a plain call 0.96-1.0x). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-/* every register callee-saved, and only general registers used: a caller keeps its vectors in
- * registers across the call */
-#define KEEPS_REGISTERS __attribute__((no_caller_saved_registers, target("general-regs-only")))
-#else
-#define KEEPS_REGISTERS
-#endif
-static __attribute__((noinline)) KEEPS_REGISTERS void prefetch_rows(const Args *a, const Seq *s, const kv_t *cache,
-                                                                    int from, int count, int end, int D) {
-    const int64_t ps = (int64_t)a->num_kv_heads * D, bs = a->block_size;
-    const int to = from + count < end ? from + count : end;
-    for (int p = from; p < to;) { /* FOR_RUNS, spelt out: block_at's inlining needs the same target */
-        const int blk = p / (int)bs, off = p % (int)bs, n = bs - off < to - p ? (int)bs - off : to - p;
-        const char *kb = (const char *)(cache + ((int64_t)s->table[blk] * bs + off) * ps);
-        for (int64_t e = 0; e < n * ps * (int64_t)sizeof(kv_t); e += 64) __builtin_prefetch(kb + e, 0, 2);
-        p += n;
-    }
-}
-
-/* A split-K item asks, while it computes, for the rows of a partition that its thread will likely
- * take later: the pool hands items out one at a time in order, so a thread's c-th claim from now
- * is about c * threads partitions on. It asks for that partition's K rows a slice per step of its
- * pass over its own K, and the V rows a slice per step of its pass over V, so that the memory
- * runs under the arithmetic (the partition's own rows are still asked for all at once as the item
- * starts: from cache where an earlier item asked). c is the claims that hold about AHEAD_BYTES of
- * K/V rows, at least 1 (tried: 1 to 4 claims, and the whole partition asked for at the item's
- * start instead of in slices: no gain). A decode at 18k of context, 24 layers' caches, two
- * threads, on a 2-core Zen 4: Qwen2.5-Coder-0.5B's shape 1.19-1.33x on a bf16 cache (c = 2),
- * 1.04-1.12x on an fp32 one (c = 1); the 1.5B's 1.18-1.20x (bf16, c = 1); a few rows at depth
- * (a verify) 0.96-1.08x (docs/performance.md, "A decode's later partitions asked for ahead").
- * Only where rows come from: the same bits. */
+/* A split-K item asks, while it computes, for the rows of the work item its thread will likely
+ * take later: the pool hands items out one at a time in order, so a thread's c-th claim from now is
+ * about c * threads items on, the same sequence's later partition or, past its end, the next
+ * sequences' first ones (a decode of a few hundred positions is one to three items). It asks a line
+ * for a line it reads: as its pass over its own K reads a K row's part, the same part of that
+ * item's row at the same place in its partition; as its pass over V reads a V row, that item's.
+ * Requests given all together, or a slice of them at a time, leave the core waiting on its fill
+ * buffers with the arithmetic stopped; one beside each line read keep about as many in flight and
+ * the arithmetic running (docs/performance.md, "A decode's later items asked for ahead"). c is the
+ * claims that hold about AHEAD_BYTES of K/V rows, at least 1. Only where rows come from: the same
+ * bits. */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES (256 << 10)
 #endif
@@ -755,7 +757,8 @@ static int ahead_partitions(int num_kv_heads, int head_dim, int threads) {
 
 /* A split-K item's partition `part`: the last R query rows of sequence b (a decode: its one row; a
  * sequence with a few rows at depth, FEW_ROWS: all of them), each row's query heads of every KV
- * head, each row with its own context (its position + 1) and window. Row i's result for KV head h
+ * head, each row with its own context (its position + 1) and window; it asks for partition next_part
+ * of sequence next_b's rows as it goes (none where next_b < 0: above). Row i's result for KV head h
  * (rep rows of D weighted V sums, then rep maxima, rep sums) goes to partial + h * hstride + i *
  * pstride; a row whose context ends before the partition, or whose window starts after it, writes
  * nothing (its merge skips it). Every row's values are its decode's, operation for operation: the
@@ -767,7 +770,7 @@ static int ahead_partitions(int num_kv_heads, int head_dim, int threads) {
  * positions: 14 KiB). D is a compile-time constant where the caller can make it one (64, 128), so
  * that queries and accumulators stay in registers. */
 INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *scores, float *partial, int64_t hstride,
-                             int64_t pstride, const int D) {
+                             int64_t pstride, int next_b, int next_part, const int D) {
     const int H = a->num_kv_heads, rep = a->num_heads / H;
     const int bs = a->block_size;
     const Seq sq = seq_of(a, b);
@@ -806,9 +809,11 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
 #ifndef NO_PREFETCH
     prefetch_partition(a, &sq, r0, P1, D);
 #endif
-    /* [N0, N1): the partition asked for ahead (empty past the sequence's end) */
-    const int N0 = (part + a->ahead) * PART;
-    const int N1 = N0 + PART < sq.ctx ? N0 + PART : sq.ctx;
+    /* [N0, N1) of sequence next_b (sn): the partition asked for ahead; position p's rows are asked for
+     * with those of N0 + p - r0 (a shift by whole blocks) */
+    const Seq sn = next_b >= 0 ? seq_of(a, next_b) : sq;
+    const int N0 = next_b >= 0 ? next_part * PART : 0;
+    const int N1 = next_b < 0 ? 0 : N0 + PART < sn.ctx ? N0 + PART : sn.ctx;
     /* scores[(h * nv + u) * PART + p - P0] = q_u . k_p * scale, for KV head h's every vector u at
      * [r0, P1) */
     const int64_t ps = (int64_t)H * D;
@@ -818,8 +823,19 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
          * so that each query value broadcast feeds two groups and its heads' chains are twice as
          * many; each lane's chain over d is the same, so are the bits */
         for (int p0 = r0; p0 < P1; p0 += 2 * W) {
+            /* the K rows asked for beside these two groups' (each group of W lies in one block) */
+            const kv_t *n1 = NULL, *n2 = NULL;
+            int a1 = 0, a2 = 0;
 #ifndef NO_PREFETCH
-            if (N0 + (p0 - r0) < N1) prefetch_rows(a, &sq, a->k_cache, N0 + (p0 - r0), 2 * W, N1, D);
+            const int f1 = N0 + (p0 - r0), f2 = f1 + W;
+            if (f1 < N1) {
+                a1 = N1 - f1 < W ? N1 - f1 : W;
+                n1 = block_at(a, a->k_cache, &sn, f1 / bs, 0, D) + (int64_t)(f1 % bs) * ps;
+            }
+            if (f2 < N1) {
+                a2 = N1 - f2 < W ? N1 - f2 : W;
+                n2 = block_at(a, a->k_cache, &sn, f2 / bs, 0, D) + (int64_t)(f2 % bs) * ps;
+            }
 #endif
             const kv_t *k1 = block_at(a, a->k_cache, &sq, p0 / bs, 0, D) + (int64_t)(p0 % bs) * ps;
             float *row0 = scores + p0 - P0;
@@ -827,14 +843,14 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
                 const int p1 = p0 + W, m = P1 - p1 < W ? P1 - p1 : W;
                 const kv_t *k2 = block_at(a, a->k_cache, &sq, p1 / bs, 0, D) + (int64_t)(p1 % bs) * ps;
                 for (int h = 0; h < H; ++h) {
-                    transpose_rows(kt, k1 + h * D, ps, W, D);
-                    transpose_rows(kt + D, k2 + h * D, ps, m, D);
+                    transpose_rows_asking(kt, k1 + h * D, ps, W, D, n1 ? n1 + h * D : NULL, a1);
+                    transpose_rows_asking(kt + D, k2 + h * D, ps, m, D, n2 ? n2 + h * D : NULL, a2);
                     decode_all_heads(qs + (int64_t)h * nv * D, D, kt, row0 + (int64_t)h * nv * PART, m, a->scale, nv, 2,
                                      D);
                 }
             } else
                 for (int h = 0; h < H; ++h) {
-                    transpose_rows(kt, k1 + h * D, ps, P1 - p0, D);
+                    transpose_rows_asking(kt, k1 + h * D, ps, P1 - p0, D, n1 ? n1 + h * D : NULL, a1);
                     decode_all_heads(qs + (int64_t)h * nv * D, D, kt, row0 + (int64_t)h * nv * PART, P1 - p0, a->scale,
                                      nv, 1, D);
                 }
@@ -872,9 +888,6 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
      * rows stay in L1 for every pass; row i's over its own positions [r0_i, P1_i), from 0 at r0_i */
     for (int s0 = r0; s0 < P1; s0 += SUB) {
         const int s1 = s0 + SUB < P1 ? s0 + SUB : P1;
-#ifndef NO_PREFETCH
-        if (N0 + (s0 - r0) < N1) prefetch_rows(a, &sq, a->v_cache, N0 + (s0 - r0), SUB, N1, D);
-#endif
         for (int h = 0; h < H; ++h)
             for (int i = i0; i < i1; ++i) {
                 const int ctx_i = sq.ctx - R + 1 + i,
@@ -885,10 +898,17 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
                 if (t0 >= t1) continue;
                 const float *sc = scores + (int64_t)(h * nv + (i - i0) * rep) * PART;
                 float *pr = partial + h * hstride + i * pstride;
+                /* the first group of the first row asks for the V rows ahead (once a head) */
+#ifndef NO_PREFETCH
+                const Seq *ask = i == i0 && N1 > 0 ? &sn : NULL;
+#else
+                const Seq *ask = NULL;
+#endif
                 int v = 0;
                 for (; v + DECODE_PV_GROUP <= rep; v += DECODE_PV_GROUP)
                     decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1,
-                                       pr + (int64_t)v * D, t0 == r0_i, DECODE_PV_GROUP, D);
+                                       pr + (int64_t)v * D, t0 == r0_i, DECODE_PV_GROUP, D, v ? NULL : ask,
+                                       N0 - r0, N1);
                 /* the rest as one group: a single query's 4 chains of multiply-adds (head size 64)
                  * wait on their latency, a group's 12 do not */
                 switch (rep - v) {
@@ -896,7 +916,7 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
     case g:                                                                                                    \
         if (g < DECODE_PV_GROUP) {                                                                             \
             decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1, pr + (int64_t)v * D,   \
-                               t0 == r0_i, g, D);                                                              \
+                               t0 == r0_i, g, D, v ? NULL : ask, N0 - r0, N1);                                 \
             v += g;                                                                                            \
         }                                                                                                      \
         break;
@@ -906,7 +926,7 @@ INLINE void attend_rows_part(const Args *a, int b, int part, int R, float *score
                 }
                 for (; v < rep; ++v)
                     decode_part_output(a, &sq, h * rep + v, sc + (int64_t)v * PART, P0, t0, t1,
-                                       pr + (int64_t)v * D, t0 == r0_i, 1, D);
+                                       pr + (int64_t)v * D, t0 == r0_i, 1, D, v ? NULL : ask, N0 - r0, N1);
             }
     }
 }
@@ -2046,6 +2066,7 @@ static float *decode_partials(size_t bytes) {
 typedef struct {
     const Args *a;
     const int32_t *items, *merges, *query_start_loc;
+    int64_t num_items;
     float *partials;
     int32_t head_dim;
     size_t scratch;
@@ -2107,10 +2128,13 @@ static void attention_items_run(attention_job *j, int64_t begin, int64_t end) {
             const int R = a->query_start_loc[b + 1] - a->query_start_loc[b];
             const int64_t pstride = (int64_t)a->num_kv_heads * parts * per; /* row r's slots follow row 0's */
             float *partial = j->partials + (it[3] + v0) * per; /* KV head k's slots follow head 0's */
+            /* the item `ahead` claims on, where it is split-K too (a chunk's tiles ask for nothing) */
+            const int32_t *nx = i + a->ahead < j->num_items ? j->items + 4 * (i + a->ahead) : NULL;
+            const int nb = nx && nx[3] >= 0 ? nx[0] : -1, np = nb >= 0 ? nx[2] : 0;
             switch (SPECIALIZED ? j->head_dim : 0) {
-            case 64: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, 64); break;
-            case 128: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, 128); break;
-            default: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, j->head_dim);
+            case 64: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, nb, np, 64); break;
+            case 128: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, nb, np, 128); break;
+            default: attend_rows_part(a, b, v0, R, scratch, partial, parts * per, pstride, nb, np, j->head_dim);
             }
         } else { /* a chunk: tiles of TILE vectors in the lanes */
             vf *st = (vf *)scratch;
@@ -2175,7 +2199,7 @@ int llmserve_paged_attention_f32(const float *q, int64_t q_stride_token, int64_t
         bytes = amx_carve(&(AmxBufs){0}, NULL, head_dim, TG * TILE);
     }
 #endif
-    attention_job j = {&a, w->items, w->merges, query_start_loc, partials, head_dim, bytes, amx, 0};
+    attention_job j = {&a, w->items, w->merges, query_start_loc, w->num_items, partials, head_dim, bytes, amx, 0};
     parallel_for(num_threads, 1, w->num_items, 1, attention_items, &j);
     if (atomic_load(&j.failed)) return -2;
     parallel_for(num_threads, 1, w->num_merges, 1, merge_items, &j);
