@@ -641,6 +641,11 @@ INLINE void decode_all_heads(const float *q, int64_t qs, const vf *kt, float *ro
  * in order, whichever queries share its group and wherever the positions are cut into calls.
  * Where `sn` is given, the head's V row of its position p + shift (below `end`) is asked for from
  * memory as row p is read: a later work item's (attend_rows_part). */
+/* Asks for a cache row's D values from memory, a request a line. */
+INLINE void ask_row(const kv_t *row, const int D) {
+    for (int c = 0; c < D; c += 64 / (int)sizeof(kv_t)) __builtin_prefetch(row + c, 0, 2);
+}
+
 INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const float *w, int P0, int s0, int s1,
                                float *acc_out, int first, const int G, const int D, const Seq *sn, int shift,
                                int end) {
@@ -668,8 +673,7 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
             int i = 0;
             for (; i + 1 < n; i += 2) {
                 const kv_t *vp = vb + i * ps;
-                for (int r = i; r < i + 2 && r < na; ++r)
-                    for (int c = 0; c < D; c += 64 / (int)sizeof(kv_t)) __builtin_prefetch(nv + r * ps + c, 0, 2);
+                for (int r = i; r < i + 2 && r < na; ++r) ask_row(nv + r * ps, D);
                 for (int j = 0; j < G; ++j) {
                     const float w0 = w[(int64_t)j * PART + p - P0 + i];
                     const float w1 = w[(int64_t)j * PART + p - P0 + i + 1];
@@ -688,8 +692,7 @@ INLINE void decode_part_output(const Args *a, const Seq *sq, int head, const flo
 #else
             for (int i = 0; i < n; ++i) {
                 const kv_t *vp = vb + i * ps;
-                if (i < na)
-                    for (int c = 0; c < D; c += 64 / (int)sizeof(kv_t)) __builtin_prefetch(nv + i * ps + c, 0, 2);
+                if (i < na) ask_row(nv + i * ps, D);
                 for (int j = 0; j < G; ++j) {
                     const float wj = w[(int64_t)j * PART + p - P0 + i];
                     for (int c = 0; c < SLICE; ++c) acc[j][c] = madd_v(splat_v(wj), load_kv(vp + c * W), acc[j][c]);
